@@ -1,0 +1,264 @@
+"""Paged KV cache bookkeeping: BlockPool (free LRU queue, hash -> block map, ref counts) + BlockManager.
+
+A block holds the KV of ``block_size`` consecutive tokens; a sequence's ``block_table`` lists its blocks in
+token order, so token i lives at slot ``block_table[i // block_size] * block_size + i % block_size``.
+
+Prefix caching: every full block of tokens has a chained hash
+
+    hash(block i) = H(hash(block i-1), token ids of block i, extra keys)      (block -1's hash = root)
+
+with the root derived from the model id and a secret seed, and ``("salt", cache_salt)`` as block 0's extra
+key. A block enters the hash map once its KV is written; a freed block keeps its hash in the free queue
+(LRU, O(1) removal on a hit) until it is reused for other tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+from engine.sequence import Sequence
+
+
+class BlockHasher:
+    """Chained block hashes: sha256 (default: a collision would leak one tenant's text) or xxh128."""
+
+    def __init__(self, algo: str, model_id: str, seed: str) -> None:
+        self._new = {"sha256": hashlib.sha256, "xxh128": xxhash.xxh3_128}[algo]
+        h = self._new()
+        for part in ("pagedchat-block-root-v1", model_id, seed):  # length-prefixed: no ambiguous joins
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+        self.root = h.digest()
+
+    def __call__(self, parent: bytes, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+        h = self._new(parent)
+        h.update(array("q", token_ids).tobytes())
+        if extra_keys:  # tagged tuples such as ("salt", "tenant-a"); repr is canonical for str/int/tuple
+            h.update(repr(extra_keys).encode())
+        return h.digest()
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set while this block is the hash map's entry for its tokens
+
+
+class BlockPool:
+    """All blocks, the free queue and the hash map.
+
+    The free queue is ordered by eviction priority: blocks without a hash at the front (nothing to lose),
+    then hashed blocks from least to most recently freed. ``take`` pops the front.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take(self) -> Block:
+        """A free block for new tokens; evicts its old hash if it had one."""
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block
+
+    def acquire(self, block: Block) -> None:
+        """One more reference to a block found by hash (it may be sitting in the free queue)."""
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = block
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block.block_id, last=False)
+
+    def register(self, block: Block, block_hash: bytes) -> None:
+        """Make a written full block hittable; the first block written with a hash keeps the entry."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_cache(self) -> int:
+        """Forget the hashes of free blocks (a cold cache); returns how many were dropped."""
+        dropped = [b for b in self.free_queue.values() if b.block_hash is not None]
+        for block in dropped:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.free_queue.move_to_end(block.block_id, last=False)
+        return len(dropped)
+
+
+@dataclass(slots=True)
+class BlockStats:
+    num_blocks: int
+    num_free_blocks: int  # ref count 0 (some still hold a hash and can be hit)
+    num_cached_blocks: int  # in the hash map
+    usage: float  # share of blocks referenced by a sequence
+    prefix_queries: int  # tokens looked up at admission
+    prefix_hits: int  # of those, tokens found in the cache
+    evictions: int
+    allocated_slots: int  # slots of referenced blocks
+    used_slots: int  # of those, slots holding a token's KV
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = hasher
+        self.pool = BlockPool(num_blocks)
+        self.holders: dict[int, Sequence] = {}  # seq_id -> sequence with a non-empty block table
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), drained by the scheduler
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` to every full block of its tokens (hashes are of tokens only)."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else self.hasher.root
+            extra = (("salt", seq.cache_salt),) if i == 0 and seq.cache_salt is not None else ()
+            seq.block_hashes.append(self.hasher(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
+
+    def match_prefix(self, seq: Sequence) -> list[Block]:
+        """Longest run of cached blocks at the head of ``seq``, capped so one token is left to compute
+        (its logits are needed). No side effects."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(seq)
+        hits = []
+        for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block] = ()) -> bool:
+        """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
+        tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
+        num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
+        num_table = len(seq.block_table) + len(prefix_hits)
+        num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - num_table)
+        num_revived = sum(1 for b in prefix_hits if b.ref_count == 0)  # hits sitting in the free queue
+        write_block = num_computed // self.block_size
+        needs_copy = write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
+        if num_fresh + num_revived + needs_copy > self.pool.num_free:
+            return False
+        if not seq.block_table:  # admission: count the lookup
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(prefix_hits) * self.block_size
+        for block in prefix_hits:
+            self.pool.acquire(block)
+            seq.block_table.append(block.block_id)
+        seq.num_computed_tokens = num_computed
+        seq.num_registered_blocks = max(seq.num_registered_blocks, len(prefix_hits))
+        if needs_copy:
+            self._copy_on_write(seq, write_block)
+        seq.block_table.extend(self.pool.take().block_id for _ in range(num_fresh))
+        if seq.block_table:
+            self.holders[seq.seq_id] = seq
+        return True
+
+    def _block_of(self, seq: Sequence, prefix_hits: list[Block], index: int) -> Block:
+        if index < len(seq.block_table):
+            return self.pool.blocks[seq.block_table[index]]
+        return prefix_hits[index - len(seq.block_table)]
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        """The block about to be written is shared (after a fork): give ``seq`` its own copy."""
+        shared = self.pool.blocks[seq.block_table[index]]
+        own = self.pool.take()
+        self.pending_copies.append((shared.block_id, own.block_id))
+        self.pool.release(shared)
+        seq.block_table[index] = own.block_id
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step wrote KV: register every newly full, written block under its hash."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        self.update_block_hashes(seq)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.register(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
+        seq.num_registered_blocks = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent``; the first write into a shared block copies it."""
+        for block_id in parent.block_table:
+            self.pool.acquire(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
+        if child.block_table:
+            self.holders[child.seq_id] = child
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks, tail first, so its tail is evicted before its head."""
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        self.holders.pop(seq.seq_id, None)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    def stats(self) -> BlockStats:
+        used_blocks = self.num_blocks - self.pool.num_free
+        return BlockStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_cached_blocks=len(self.pool.cached),
+            usage=used_blocks / self.num_blocks,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            evictions=self.pool.num_evictions,
+            allocated_slots=used_blocks * self.block_size,
+            used_slots=self._used_slots(),
+        )
+
+    def _used_slots(self) -> int:
+        """Slots holding a token's KV; a shared block counts once, as full as its fullest holder."""
+        filled: dict[int, int] = {}
+        for seq in self.holders.values():
+            for i, block_id in enumerate(seq.block_table):
+                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                filled[block_id] = max(filled.get(block_id, 0), n)
+        return sum(filled.values())

@@ -1,0 +1,94 @@
+"""EngineConfig: every engine option in one flat dataclass.
+
+User-facing fields come first; the fields after ``# derived`` are filled by the engine at start
+(model config, dtype, device, KV pool size) so that every part reads one resolved value.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PREFIX_HASHES = ("sha256", "xxh128")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory; None = the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # auto (safetensors / GGUF) | dummy (random weights, seeded)
+    model_config: str | None = None  # named architecture for load_format=dummy (llama-3.2-1b, ...)
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto = cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixes the KV pool size, overriding the memory budget
+    kv_cache_memory_gib: float = 1.0  # KV budget on the CPU
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may hold (weights + KV)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step (decode + prefill chunks)
+    max_model_len: int | None = None  # default: the model's max position embeddings
+    enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"  # sha256 | xxh128
+    prefix_cache_seed: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", ""))
+    cache_dir: str = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat"))
+    )
+    num_threads: int | None = None  # torch CPU threads; None keeps torch's choice
+
+    # derived
+    hf_config: Any = field(default=None, repr=False)
+    model_path: str | None = None
+    model_id: str = ""
+    torch_dtype: torch.dtype = torch.float32
+    torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
+        _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {tuple(DTYPES)}")
+        _check(self.prefix_hash in PREFIX_HASHES, "prefix_hash", f"must be one of {PREFIX_HASHES}")
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+               "block_size", "must be a positive power of two")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        _check(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
+               "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        self.torch_device = resolve_device(self.device)
+        if self.dtype == "auto":
+            self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        else:
+            self.torch_dtype = DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        assert self.max_model_len is not None
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve_device(device: str) -> torch.device:
+    """The one place that decides where the engine runs."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {device!r} is not a torch device") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but no CUDA device is available")
+    _check(resolved.type in ("cpu", "cuda"), "device", "must be cpu or cuda")
+    return resolved
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")

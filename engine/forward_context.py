@@ -1,0 +1,41 @@
+"""The forward context: attention metadata set by the model runner before each pass and read by the
+attention layers, so model code keeps the plain ``forward(input_ids, positions)`` signature."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per pass. Tokens are laid out sequence by sequence; the first ``num_decodes`` sequences contribute
+    one token each (decode-shaped), the rest a chunk of prompt (prefill, possibly after a cached prefix)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: slot = block_id * block_size + offset; -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, rows padded with 0
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens with KV after this pass (prefix + chunk)
+    num_decodes: int  # decode tokens are rows 0 .. num_decodes - 1
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, from row num_decodes: prefill b owns
+    #                                     rows num_decodes + cu[b] .. num_decodes + cu[b + 1] - 1
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention layer called outside a forward_context")
+    return _current

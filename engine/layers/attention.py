@@ -1,0 +1,32 @@
+"""Attention over the paged KV cache: store this pass's K/V into their slots, then attend over each
+sequence's block table. Decode-shaped rows and prefill chunks go to their own kernels."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from engine.forward_context import get_attention_metadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # [num_blocks, block_size, num_kv_heads, head_dim] views of the engine's KV tensors, bound at start
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[T, heads, head_dim]``, ``k``/``v`` ``[T, kv_heads, head_dim]`` -> ``[T, heads * head_dim]``."""
+        meta = get_attention_metadata()
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            kernels.paged_attention(out[:nd], q[:nd], self.k_cache, self.v_cache,
+                                    meta.block_tables[:nd], meta.context_lens[:nd], self.scale)
+        if nd < q.shape[0]:
+            kernels.prefill_attention(out[nd:], q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
+                                      meta.prefill_cu_seqlens_q, meta.context_lens[nd:], self.scale)
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,266 @@
+"""LLMEngine: requests in, one ``step()`` at a time, deltas out. LLM: the offline API on top of it."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence as SequenceOf
+
+import torch
+
+from engine.block_manager import BlockHasher, BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.layers.sampler import TokenLogprobs
+from engine.loader import load_model
+from engine.metrics import EngineCounters, EngineStats
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: the new part (``*_delta``) and everything so far."""
+
+    request_id: str
+    text: str
+    text_delta: str
+    token_ids: list[int]
+    token_ids_delta: list[int]
+    logprobs: list[TokenLogprobs] | None  # every output token's, when asked for
+    logprobs_delta: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None  # stop | length | abort
+    stop_reason: int | str | None  # the stop token id or stop string, when one ended the request
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    group: SequenceGroup
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""  # handed out so far
+    num_emitted: int = 0  # output tokens handed out so far
+    logprobs: list[TokenLogprobs] | None = field(default=None)
+
+    @property
+    def seq(self) -> Sequence:
+        return self.group.seqs[0]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = config = config or EngineConfig(**options)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer = load_model(config)
+        self.runner = ModelRunner(config, self.model)
+        num_blocks = self._size_kv_cache()
+        hasher = BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.counters = EngineCounters()
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+
+    def _size_kv_cache(self) -> int:
+        config, runner = self.config, self.runner
+        num_blocks = runner.num_blocks_for_budget()
+        if num_blocks < 2:
+            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {runner.bytes_per_block} bytes; "
+                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
+        if config.max_model_len > num_blocks * config.block_size:
+            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
+                           num_blocks * config.block_size)
+            config.max_model_len = num_blocks * config.block_size
+        runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
+                    config.block_size, num_blocks * runner.bytes_per_block / 2**30,
+                    num_blocks * config.block_size, config.max_model_len)
+        return num_blocks
+
+    # requests -----------------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        """ValueError naming the field when the request can never run (callable from any thread)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model.args.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.config.max_model_len}")
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        self.validate_request(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt_token_ids),
+                       params=params, cache_salt=cache_salt)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params) if self.tokenizer else None
+        self._requests[request_id] = _Request(SequenceGroup(request_id, [seq], params), detok,
+                                              logprobs=[] if params.logprobs is not None else None)
+        self.counters.prompt_tokens += seq.num_prompt_tokens
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; returns its final output (finish_reason ``abort``), None if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
+        return self._emit(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, detokenize, check stops; one output per request that
+        received a token this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.execute(batch)
+        sampling_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples()) if samples]
+        self.scheduler.advance(batch)
+        self.counters.steps += 1
+        outputs = []
+        for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
+            request = self._requests[seq.request_id]
+            seq.append_token(token_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            status = self._stop_status(seq, token_id, request.detokenizer)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            outputs.append(self._emit(request))
+        self.counters.generation_tokens += len(sampling_seqs)
+        return outputs
+
+    def _stop_status(self, seq: Sequence, token_id: int, detok: IncrementalDetokenizer | None
+                     ) -> SequenceStatus | None:
+        params = seq.params
+        if token_id in self.config.eos_token_ids and not params.ignore_eos:
+            return SequenceStatus.FINISHED_STOPPED  # (the sampler masks EOS until min_tokens)
+        if token_id in params.stop_token_ids:
+            seq.stop_reason = token_id
+            if detok is not None and params.include_stop_str_in_output:
+                detok.update([token_id])
+            return SequenceStatus.FINISHED_STOPPED
+        if detok is not None and (matched := detok.update([token_id])) is not None:
+            seq.stop_reason = matched
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, request: _Request) -> RequestOutput:
+        seq = request.seq
+        finished = seq.is_finished
+        output_ids = seq.output_token_ids
+        text_delta = request.detokenizer.take_delta(finished) if request.detokenizer else ""
+        request.text += text_delta
+        delta_ids = output_ids[request.num_emitted :]
+        logprobs_delta = request.logprobs[request.num_emitted :] if request.logprobs is not None else None
+        request.num_emitted = len(output_ids)
+        if finished:
+            del self._requests[seq.request_id]
+            self.counters.finished[seq.status.finish_reason] += 1
+        return RequestOutput(
+            request_id=seq.request_id, text=request.text, text_delta=text_delta, token_ids=output_ids,
+            token_ids_delta=delta_ids, logprobs=request.logprobs, logprobs_delta=logprobs_delta,
+            finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
+        )
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=blocks.num_cached_blocks, prefix_queries=blocks.prefix_queries,
+            prefix_hits=blocks.prefix_hits, evictions=blocks.evictions,
+            preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
+            kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens, steps=self.counters.steps,
+            finished=dict(self.counters.finished),
+        )
+
+
+class LLM:
+    """Offline API: ``LLM().generate(["Hello"], SamplingParams(max_tokens=32))``."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Prompts as strings (tokenized here) or token-id lists; outputs in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        ids = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        request_ids = [f"offline-{next(_OFFLINE_IDS)}" for _ in ids]
+        for request_id, prompt_ids, p in zip(request_ids, ids, params):
+            self.engine.add_request(request_id, prompt_ids, p or SamplingParams(), cache_salt=cache_salt)
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finals[output.request_id] = output
+        return [finals[r] for r in request_ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.chat_prompt_ids(c) for c in conversations], sampling_params)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self._require_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._require_tokenizer().encode(text)
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("prompts: this model has no tokenizer (dummy weights); pass token ids")
+        return self.tokenizer
+
+
+_OFFLINE_IDS = itertools.count()

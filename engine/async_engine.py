@@ -1,0 +1,175 @@
+"""AsyncEngine: the LLMEngine on a background thread, bridged to asyncio.
+
+The event loop never runs engine work: ``generate`` validates, puts the request on a thread-safe inbox and
+awaits a per-request asyncio.Queue. The engine thread drains the inbox between steps, steps, and hands
+each step's outputs back with ``loop.call_soon_threadsafe``. A consumer that stops iterating (disconnect,
+cancellation) aborts its request, so its blocks are free at the next step. An exception in the engine
+thread reaches every waiting consumer, and ``healthy`` turns False.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Sequence as SequenceOf
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.metrics import EngineStats
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATS_PERIOD_S = 0.05  # stats snapshots are refreshed at most this often while busy (and when idle)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (an error, or stop()); no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = config or EngineConfig(**options)
+        self.engine: LLMEngine | None = None
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stats: EngineStats | None = None
+        self._stats_time = 0.0
+
+    async def start(self) -> None:
+        """Load the model and size the KV cache (off the event loop), then start the engine thread."""
+        self._loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="pagedchat-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineDeadError("engine stopped"))
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer if self.engine else None
+
+    def stats(self) -> EngineStats:
+        if self._stats is None:
+            raise EngineDeadError("engine not started")
+        return self._stats
+
+    async def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
+                       request_id: str | None = None, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (deltas) until one has ``finished``; ValueError on bad input."""
+        self._check_alive()
+        self.engine.validate_request(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """End a request; its stream receives a final output with finish_reason ``abort``."""
+        self._inbox.put(("abort", request_id))
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}") from self._error
+        if not self.healthy:
+            raise EngineDeadError("engine is not running")
+
+    # engine thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while self._handle_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    self._publish(engine.step())
+                self._refresh_stats(force=not engine.has_unfinished_requests())
+        except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it
+            logger.exception("engine thread failed")
+            self._error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False once asked to stop."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "stop":
+                return False
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                aborted = self.engine.abort_request(command[1])
+                if aborted is not None:
+                    self._publish([aborted])
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
+        except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
+            self._loop.call_soon_threadsafe(self._deliver_error, request_id, exc)
+
+    def _refresh_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= _STATS_PERIOD_S:
+            self._stats, self._stats_time = self.engine.stats(), now
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    # event loop -------------------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = exc
+        if not isinstance(exc, EngineDeadError):
+            error = EngineDeadError(f"engine failed: {exc!r}")
+            error.__cause__ = exc
+        for stream in self._streams.values():
+            stream.put_nowait(error)

@@ -1,0 +1,53 @@
+"""Shared fixtures: the default model (converted once into the cache dir) and its transformers twin."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import ensure_default_model
+
+# Small KV pools keep engine start-up cheap in tests; each test states the sizes it depends on.
+SMALL_KV_GIB = 0.1
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return ensure_default_model(Path(EngineConfig().cache_dir))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: Path):
+    """transformers' own implementation of the same weights: the oracle for greedy outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Exactly ``max_new_tokens`` greedy tokens from transformers' model with its own KV cache: argmax at
+    every step, EOS neither stopping nor masked (generate's min_new_tokens would mask it)."""
+    tokens, past, step_input = [], None, torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step_input = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_threads() -> None:
+    torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "2")))

@@ -1,0 +1,559 @@
+"""Block manager specification: the documented hash chain, prefix hits, eviction order, all-or-nothing
+allocation, copy-on-write, stats — and a state machine that drives the manager as the engine does while a
+model of the KV cache checks that no sequence ever reads another's tokens.
+
+Expected hashes come from tests/block_invariants.py (hashlib/xxhash by hand, following the documented
+chain); expected block ids and counts are worked out by hand from the pool's rules.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from block_invariants import (ReferenceHashes, check_contents, check_pool, reference_block_hash,
+                              reference_chain, reference_root, snapshot, with_copies)
+from engine.block_manager import BlockHasher, BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+MODEL = "test/model"
+SEED = "s3cret"
+
+
+# ---------------------------------------------------------------- helpers
+
+def make_bm(num_blocks: int, algo: str = "sha256", caching: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BS, caching, BlockHasher(algo, MODEL, SEED))
+
+
+def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(tokens), params=SamplingParams(),
+                    cache_salt=salt)
+
+
+def admit(bm: BlockManager, seq: Sequence, num_new: int | None = None) -> list[int]:
+    """Admission as the scheduler does it; returns the hit block ids."""
+    hits = bm.match_prefix(seq)
+    if num_new is None:
+        num_new = seq.num_tokens - len(hits) * BS
+    assert bm.allocate(seq, num_new, hits)
+    return [b.block_id for b in hits]
+
+
+def compute(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """The forward pass wrote KV for ``n`` more tokens."""
+    seq.num_computed_tokens += n
+    bm.commit(seq)
+
+
+def run_prompt(bm: BlockManager, seq: Sequence) -> list[int]:
+    """Admit and prefill the whole prompt in one step; returns the hit block ids."""
+    hits = admit(bm, seq)
+    compute(bm, seq, seq.num_uncomputed_tokens)
+    return hits
+
+
+def hit_count(bm: BlockManager, tokens: list[int], salt: str | None = None, seq_id: int = 999) -> int:
+    return len(bm.match_prefix(make_seq(seq_id, tokens, salt)))
+
+
+# ---------------------------------------------------------------- hashing
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh128"])
+def test_hash_chain_matches_documented_formula(algo: str) -> None:
+    hasher = BlockHasher(algo, MODEL, SEED)
+    by_hand = {"sha256": hashlib.sha256, "xxh128": xxhash.xxh3_128}[algo]
+    root = by_hand(b"\x17\0\0\0\0\0\0\0pagedchat-block-root-v1" b"\x0a\0\0\0\0\0\0\0test/model"
+                   b"\x06\0\0\0\0\0\0\0s3cret").digest()
+    assert hasher.root == root
+
+    tokens = [7, 300, 2**40, 0, 5, 6, 7, 8, 9]  # two full blocks; token 8 is in no full block
+    block0 = by_hand(root + b"".join(t.to_bytes(8, "little") for t in tokens[:4])
+                     + b"(('salt', 'tenant-a'),)").digest()
+    block1 = by_hand(block0 + b"".join(t.to_bytes(8, "little") for t in tokens[4:8])).digest()
+    bm = BlockManager(16, BS, True, hasher)
+    seq = make_seq(0, tokens, salt="tenant-a")
+    bm.update_block_hashes(seq)
+    assert seq.block_hashes == [block0, block1]
+    assert len(block0) == {"sha256": 32, "xxh128": 16}[algo]
+    assert seq.block_hashes == reference_chain(algo, root, tokens, "tenant-a", BS)
+
+    unsalted = make_seq(1, tokens)
+    bm.update_block_hashes(unsalted)
+    assert unsalted.block_hashes[0] == reference_block_hash(algo, root, tokens[:4])
+    # the salt is block 0's extra key only; block 1 is chained to block 0 with no extra key
+    assert unsalted.block_hashes[1] == reference_block_hash(algo, unsalted.block_hashes[0], tokens[4:8])
+    # tagged: a salt never hashes like the same text given as an untagged key
+    assert block0 != by_hand(root + b"".join(t.to_bytes(8, "little") for t in tokens[:4]) + b"tenant-a").digest()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh128"])
+@pytest.mark.parametrize("other", [("other/model", SEED), (MODEL, "another-seed")])
+def test_different_model_or_seed_changes_every_hash(algo: str, other: tuple[str, str]) -> None:
+    tokens = list(range(12))
+    mine = reference_chain(algo, reference_root(algo, MODEL, SEED), tokens, None, BS)
+    seq = make_seq(0, tokens)
+    BlockManager(4, BS, True, BlockHasher(algo, *other)).update_block_hashes(seq)
+    assert seq.block_hashes == reference_chain(algo, reference_root(algo, *other), tokens, None, BS)
+    assert len(seq.block_hashes) == 3 and not set(seq.block_hashes) & set(mine)
+
+
+def test_same_model_and_seed_give_the_same_hashes_across_instances() -> None:
+    a, b = make_seq(0, list(range(8))), make_seq(1, list(range(8)))
+    make_bm(4).update_block_hashes(a)
+    make_bm(4).update_block_hashes(b)
+    assert a.block_hashes == b.block_hashes
+
+
+# ---------------------------------------------------------------- prefix hits
+
+def test_hit_is_capped_to_leave_one_token() -> None:
+    bm = make_bm(8)
+    first = make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8])
+    run_prompt(bm, first)
+    # 8 tokens = 2 full blocks: the second would leave nothing to compute, so only block 0 hits
+    again = make_seq(1, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert admit(bm, again) == [first.block_table[0]]
+    assert again.num_computed_tokens == 4 and again.num_uncomputed_tokens == 4
+    # one more token: both blocks hit, one token is left
+    assert hit_count(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 2
+    assert hit_count(bm, [1, 2, 3, 4]) == 0
+
+
+def test_prefix_hit_stops_at_first_miss() -> None:
+    bm = make_bm(8)
+    run_prompt(bm, make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert hit_count(bm, [1, 2, 3, 4, 0, 6, 7, 8, 9]) == 1
+    assert hit_count(bm, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # block 1 alone never hits: it is chained
+
+
+def test_cache_salt_isolates_prefixes() -> None:
+    bm = make_bm(16)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    run_prompt(bm, make_seq(0, tokens, salt="tenant-a"))
+    assert hit_count(bm, tokens, salt="tenant-b") == 0
+    assert hit_count(bm, tokens, salt=None) == 0
+    assert hit_count(bm, tokens, salt="tenant-a") == 2
+    run_prompt(bm, make_seq(1, tokens))
+    assert hit_count(bm, tokens, salt=None) == 2
+    assert hit_count(bm, tokens, salt="") == 0  # the empty salt is a salt, not "no salt"
+
+
+def test_generated_tokens_become_hittable_after_commit() -> None:
+    bm = make_bm(8)
+    seq = make_seq(0, [1, 2, 3])
+    run_prompt(bm, seq)
+    seq.append_token(4)  # sampled: its KV is not written yet
+    assert hit_count(bm, [1, 2, 3, 4, 5]) == 0
+    assert bm.allocate(seq, 1)
+    assert hit_count(bm, [1, 2, 3, 4, 5]) == 0  # allocated, still not written
+    compute(bm, seq, 1)
+    assert [b.block_id for b in bm.match_prefix(make_seq(1, [1, 2, 3, 4, 5]))] == [seq.block_table[0]]
+    root = reference_root("sha256", MODEL, SEED)
+    assert bm.pool.blocks[seq.block_table[0]].block_hash == reference_block_hash("sha256", root, [1, 2, 3, 4])
+
+
+def test_freed_blocks_stay_hittable_until_reused() -> None:
+    bm = make_bm(4)
+    first = make_seq(0, list(range(12)))
+    run_prompt(bm, first)
+    blocks = list(first.block_table)
+    bm.free(first)
+    assert bm.num_free_blocks == 4
+    again = make_seq(1, list(range(12)) + [99])
+    assert admit(bm, again) == blocks
+    bm.free(again)
+    other = make_seq(2, list(range(100, 116)))  # needs all 4 blocks: every cached one is reused
+    run_prompt(bm, other)
+    assert hit_count(bm, list(range(12)) + [99]) == 0
+
+
+def test_tail_blocks_evicted_before_head_blocks() -> None:
+    bm = make_bm(3)
+    first = make_seq(0, list(range(12)))  # 3 full blocks, all cached
+    run_prompt(bm, first)
+    head, middle, tail = first.block_table
+    bm.free(first)
+    fresh = make_seq(1, [50])
+    admit(bm, fresh)
+    assert fresh.block_table == [tail]
+    assert bm.stats().evictions == 1
+    assert [b.block_id for b in bm.match_prefix(make_seq(2, list(range(12)) + [99]))] == [head, middle]
+    bm.free(fresh)  # the now unhashed block goes first, then the least recently freed cached one
+    two = make_seq(3, list(range(60, 65)))
+    admit(bm, two)
+    assert two.block_table == [tail, middle] and bm.stats().evictions == 2
+    assert hit_count(bm, list(range(12)) + [99]) == 1
+
+
+def test_unhashed_blocks_are_reused_before_cached_ones() -> None:
+    bm = make_bm(2)
+    first = make_seq(0, [1, 2, 3, 4, 5, 6])  # block 0 full (cached), block 1 partial (no hash)
+    run_prompt(bm, first)
+    full, partial = first.block_table
+    bm.free(first)
+    fresh = make_seq(1, [9])
+    admit(bm, fresh)
+    assert fresh.block_table == [partial]
+    assert hit_count(bm, [1, 2, 3, 4, 5]) == 1 and bm.stats().evictions == 0
+
+    bm = make_bm(4)  # two never-used blocks and one unhashed block go before the cached one
+    first = make_seq(0, [1, 2, 3, 4, 5, 6])
+    run_prompt(bm, first)
+    full, partial = first.block_table
+    bm.free(first)
+    big = make_seq(1, list(range(20, 32)))
+    admit(bm, big)
+    assert full not in big.block_table and partial in big.block_table
+    assert hit_count(bm, [1, 2, 3, 4, 5]) == 1 and bm.stats().evictions == 0
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only() -> None:
+    bm = make_bm(8)
+    kept = make_seq(0, list(range(9)))
+    run_prompt(bm, kept)
+    gone = make_seq(1, list(range(50, 59)))
+    run_prompt(bm, gone)
+    bm.free(gone)
+    assert bm.reset_prefix_cache() == 2
+    assert hit_count(bm, list(range(50, 59))) == 0
+    assert hit_count(bm, list(range(9))) == 2
+    assert bm.stats().num_cached_blocks == 2 and bm.stats().evictions == 0
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    bm = make_bm(8, caching=False)
+    run_prompt(bm, make_seq(0, list(range(9))))
+    assert hit_count(bm, list(range(9))) == 0 and bm.stats().num_cached_blocks == 0
+
+
+# ---------------------------------------------------------------- allocation
+
+def test_allocate_is_all_or_nothing() -> None:
+    bm = make_bm(3)
+    holder = make_seq(0, [1, 2, 3, 4, 5])  # 2 blocks
+    admit(bm, holder)
+    big = make_seq(1, list(range(20, 28)))  # 2 blocks, 1 free
+    before = snapshot(bm, [holder, big])
+    assert not bm.allocate(big, 8, bm.match_prefix(big))
+    assert snapshot(bm, [holder, big]) == before and big.block_table == [] and big.num_computed_tokens == 0
+
+    bm = make_bm(3)  # a hit sitting in the free queue counts against the free blocks too
+    run_prompt(bm, make_seq(0, [1, 2, 3, 4, 5]))
+    bm.free(bm.holders[0])
+    holder = make_seq(1, [9])
+    admit(bm, holder)
+    reader = make_seq(2, [1, 2, 3, 4] + list(range(30, 38)))  # 1 hit (revived) + 2 fresh > 2 free
+    hits = bm.match_prefix(reader)
+    assert len(hits) == 1 and hits[0].ref_count == 0
+    before = snapshot(bm, [holder, reader])
+    assert not bm.allocate(reader, 8, hits)
+    assert snapshot(bm, [holder, reader]) == before
+    assert bm.allocate(reader, 4, hits)  # 1 revived + 1 fresh fit
+    assert reader.num_computed_tokens == 4 and len(reader.block_table) == 2
+
+    bm = make_bm(2)  # a copy-on-write copy needs a free block as well
+    parent = make_seq(0, [1, 2])
+    run_prompt(bm, parent)
+    parent.append_token(3)
+    child = make_seq(1, parent.token_ids)
+    bm.fork(parent, child)
+    parent.append_token(4)
+    parent.append_token(5)
+    before = snapshot(bm, [parent, child])
+    assert not bm.allocate(parent, 3)  # writes block 0 (shared: copy) and block 1: 2 blocks, 1 free
+    assert snapshot(bm, [parent, child]) == before
+    assert bm.allocate(parent, 2)
+
+
+def test_allocation_grows_table_to_exactly_the_needed_blocks() -> None:
+    bm = make_bm(8)
+    seq = make_seq(0, list(range(11)))
+    assert bm.allocate(seq, 5, bm.match_prefix(seq))
+    assert len(seq.block_table) == 2  # ceil(5 / 4)
+    compute(bm, seq, 5)
+    assert bm.allocate(seq, 3)
+    assert len(seq.block_table) == 2  # tokens 5..7 fit in block 1
+    compute(bm, seq, 3)
+    assert bm.allocate(seq, 3)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+
+
+def test_copy_on_write_on_first_write_into_shared_block() -> None:
+    bm = make_bm(8)
+    parent = make_seq(0, [1, 2, 3, 4, 5, 6])
+    run_prompt(bm, parent)
+    parent.append_token(7)
+    full, partial = parent.block_table
+    child = make_seq(1, parent.token_ids)
+    bm.fork(parent, child)
+    assert child.block_table == [full, partial] and child.num_computed_tokens == 6
+    assert bm.pool.blocks[full].ref_count == bm.pool.blocks[partial].ref_count == 2
+    assert bm.take_pending_copies() == []
+
+    assert bm.allocate(parent, 1)  # token 6 goes into the shared partial block: parent gets its own copy
+    (copy,) = bm.take_pending_copies()
+    own = parent.block_table[1]
+    assert copy == (partial, own) and own not in (full, partial)
+    assert parent.block_table[0] == full and child.block_table == [full, partial]
+    assert bm.pool.blocks[partial].ref_count == 1 and bm.pool.blocks[own].ref_count == 1
+    assert bm.pool.blocks[full].ref_count == 2  # a full block is never written again: stays shared
+
+    assert bm.allocate(child, 1)  # the child is now the only holder: writes in place
+    assert bm.take_pending_copies() == [] and child.block_table == [full, partial]
+    compute(bm, parent, 1)
+    compute(bm, child, 1)
+    parent.append_token(8)
+    assert bm.allocate(parent, 1)
+    assert bm.take_pending_copies() == []  # the second write into its own block copies nothing
+
+
+def test_free_releases_every_block_of_a_forked_pair_once() -> None:
+    bm = make_bm(4)
+    parent = make_seq(0, [1, 2, 3, 4, 5])
+    run_prompt(bm, parent)
+    child = make_seq(1, parent.token_ids)
+    bm.fork(parent, child)
+    bm.free(parent)
+    assert bm.num_free_blocks == 2 and child.block_table and bm.holders == {1: child}
+    bm.free(child)
+    assert bm.num_free_blocks == 4 and bm.holders == {}
+
+
+# ---------------------------------------------------------------- stats
+
+def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
+    bm = make_bm(8)
+    a = make_seq(0, list(range(10)))
+    run_prompt(bm, a)  # 10 tokens: blocks 4+4+2, two cached
+    s = bm.stats()
+    assert (s.prefix_queries, s.prefix_hits, s.num_cached_blocks) == (10, 0, 2)
+    assert (s.num_free_blocks, s.usage, s.allocated_slots, s.used_slots) == (5, 3 / 8, 12, 10)
+
+    b = make_seq(1, list(range(8)) + [50, 51])
+    assert len(admit(bm, b, num_new=1)) == 2  # hits 8 tokens, allocates a block for token 8
+    s = bm.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (20, 8)
+    assert (s.allocated_slots, s.used_slots) == (16, 10)  # shared blocks count once; b's new block is empty
+    compute(bm, b, 1)
+    assert bm.stats().used_slots == 11
+
+    bm.free(a)
+    bm.free(b)
+    s = bm.stats()
+    assert (s.num_free_blocks, s.usage, s.allocated_slots, s.used_slots, s.evictions) == (8, 0.0, 0, 0, 0)
+    everything = make_seq(2, list(range(100, 132)))  # needs all 8 blocks: both cached ones are evicted
+    assert not bm.match_prefix(everything)
+    admit(bm, everything)
+    s = bm.stats()
+    assert (s.evictions, s.num_cached_blocks, s.prefix_queries, s.prefix_hits) == (2, 0, 52, 8)
+
+    failed = make_seq(3, [1])
+    assert not bm.allocate(failed, 1, bm.match_prefix(failed))
+    assert bm.stats().prefix_queries == 52  # a failed admission is not counted
+
+
+# ---------------------------------------------------------------- the engine's use, at random
+
+TOKENS = st.integers(0, 2)  # a small alphabet: prompts share prefixes, so hits happen
+PREFIXES = [(), (1, 2, 0, 1), (1, 2, 0, 1, 2, 2, 0, 0), (1, 2, 0, 1, 0, 0, 1, 1), (2, 2, 2, 2)]
+PROMPTS = st.tuples(st.sampled_from(PREFIXES), st.lists(TOKENS, max_size=8)).map(lambda p: list(p[0]) + p[1] or [0])
+SALTS = st.sampled_from([None, None, "a", "b"])
+MAX_SEQS = 8
+MAX_TOKENS = 20
+PICK = st.integers(0, 2**16)
+CHOICES = st.lists(st.tuples(PICK, PICK), max_size=3)  # (which sequence, how many tokens) per entry
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives the manager as the engine does: each ``engine_step`` schedules (running sequences first, then
+    admissions), may preempt a scheduled sequence, then runs the forward pass; between steps sequences
+    arrive, fork, finish or are preempted, and the prefix cache may be reset.
+
+    ``kv`` models the cache contents: block id -> token id held by each slot. The forward pass applies the
+    step's copy-on-write copies, then writes each scheduled token's id into its slot.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: dict[int, Sequence] = {}  # live: waiting (empty table) or running
+        self.pending: dict[int, int] = {}  # seq id -> tokens allocated for the coming forward pass
+        self.copies: list[tuple[int, int]] = []  # copy-on-write copies taken for the coming pass
+        self.next_id = 0
+        self.queries = self.hits = self.evictions = 0
+
+    @initialize(algo=st.sampled_from(["sha256", "xxh128"]), num_blocks=st.integers(6, 24),
+                prompts=st.lists(st.tuples(PROMPTS, SALTS), min_size=1, max_size=4))
+    def setup(self, algo: str, num_blocks: int, prompts: list[tuple[list[int], str | None]]) -> None:
+        self.bm = make_bm(num_blocks, algo)
+        self.ref = ReferenceHashes(algo, MODEL, SEED, BS)
+        self.kv = {i: [None] * BS for i in range(num_blocks)}
+        for tokens, salt in prompts:
+            self.new_seq(tokens, salt)
+
+    # -------- helpers
+    def waiting(self) -> list[Sequence]:
+        return [s for s in self.seqs.values() if not s.block_table]
+
+    def steppable(self) -> list[Sequence]:
+        return [s for s in self.seqs.values()
+                if s.block_table and s.seq_id not in self.pending and s.num_uncomputed_tokens > 0]
+
+    def new_seq(self, tokens: list[int], salt: str | None, prompt_len: int | None = None) -> Sequence:
+        seq = Sequence(seq_id=self.next_id, request_id=f"r{self.next_id}", token_ids=tokens,
+                       params=SamplingParams(), cache_salt=salt, num_prompt_tokens=prompt_len or len(tokens))
+        self.seqs[seq.seq_id] = seq
+        self.next_id += 1
+        return seq
+
+    def expected_hits(self, seq: Sequence) -> list[int]:
+        """Longest run of cached blocks of the reference chain, leaving at least one token to compute."""
+        hits = []
+        for block_hash in self.ref.chain(seq.token_ids, seq.cache_salt)[: (seq.num_tokens - 1) // BS]:
+            if block_hash not in self.bm.pool.cached:
+                break
+            hits.append(self.bm.pool.cached[block_hash].block_id)
+        return hits
+
+    def admit(self, seq: Sequence, size: int) -> None:
+        hits = self.bm.match_prefix(seq)
+        assert [b.block_id for b in hits] == self.expected_hits(seq)
+        self.try_allocate(seq, 1 + size % (seq.num_tokens - len(hits) * BS), hits)
+
+    def try_allocate(self, seq: Sequence, n: int, hits: list | None = None) -> None:
+        """allocate, checked against a hand count of the free blocks it needs; all or nothing."""
+        bm, pool = self.bm, self.bm.pool
+        admission = hits is not None
+        hits = hits or []
+        computed = seq.num_computed_tokens + len(hits) * BS
+        table = seq.block_table + [b.block_id for b in hits]
+        first, last = computed // BS, (computed + n - 1) // BS  # blocks the pass will write
+        copies = sum(1 for i in range(first, min(last + 1, len(table))) if pool.blocks[table[i]].ref_count > 1)
+        need = max(0, last + 1 - len(table)) + sum(1 for b in hits if b.ref_count == 0) + copies
+        before, cached_before = snapshot(bm, list(self.seqs.values())), set(pool.cached)
+        free_before = bm.num_free_blocks
+
+        ok = bm.allocate(seq, n, hits) if admission else bm.allocate(seq, n)
+        assert ok == (need <= free_before), f"needs {need} blocks, {free_before} free, allocate said {ok}"
+        if not ok:
+            event("allocation refused")
+            assert snapshot(bm, list(self.seqs.values())) == before, "a failed allocation changed state"
+            return
+        assert seq.num_computed_tokens == computed
+        kept = [b for i, b in enumerate(seq.block_table[: len(table)]) if not (copies and i == first)]
+        assert kept == [b for i, b in enumerate(table) if not (copies and i == first)]
+        assert len(seq.block_table) == last + 1, "table is not exactly the blocks needed"
+        for i in range(first, last + 1):  # a pass writes only into blocks its sequence holds alone
+            block = pool.blocks[seq.block_table[i]]
+            assert block.ref_count == 1 and block.block_hash is None
+        new_copies = bm.take_pending_copies()
+        assert len(new_copies) == copies
+        for src, dst in new_copies:
+            assert table[first] == src and seq.block_table[first] == dst
+        self.copies += new_copies
+        self.evictions += len(cached_before - set(pool.cached))
+        if admission:
+            self.queries += seq.num_tokens
+            self.hits += len(hits) * BS
+        self.pending[seq.seq_id] = n
+        for name, happened in [("copy-on-write", copies), ("prefix hit", hits),
+                               ("eviction", cached_before - set(pool.cached))]:
+            if happened:
+                event(name)
+
+    def forward_pass(self, sampled: list[int]) -> None:
+        """Copies first, then each scheduled token's KV into its slot; commit; sample a token at the end
+        (or finish, at MAX_TOKENS)."""
+        self.kv = with_copies(self.kv, self.copies)
+        self.copies = []
+        batch = [(self.seqs[seq_id], n) for seq_id, n in self.pending.items()]
+        for seq, n in batch:
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block_id = seq.block_table[pos // BS]
+                assert self.bm.pool.blocks[block_id].ref_count == 1, "writing into a shared block"
+                self.kv[block_id][pos % BS] = seq.token_ids[pos]
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            assert seq.num_registered_blocks == seq.num_computed_tokens // BS
+        for (seq, _), token in zip(batch, sampled):
+            if seq.num_uncomputed_tokens == 0 and seq.num_tokens < MAX_TOKENS:
+                seq.append_token(token)
+            elif seq.num_uncomputed_tokens == 0:  # finished by length: its blocks stay cached until reused
+                self.bm.free(seq)
+                del self.seqs[seq.seq_id]
+        self.pending = {}
+
+    # -------- rules
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(tokens=PROMPTS, salt=SALTS)
+    def add_sequence(self, tokens: list[int], salt: str | None) -> None:
+        self.new_seq(tokens, salt)
+
+    @rule(running=CHOICES, waiting=CHOICES, preempt=st.none() | PICK,
+          sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
+    def engine_step(self, running: list[tuple[int, int]], waiting: list[tuple[int, int]], preempt: int | None,
+                    sampled: list[int]) -> None:
+        for pick, size in running:
+            if candidates := self.steppable():
+                seq = candidates[pick % len(candidates)]
+                self.try_allocate(seq, 1 + size % seq.num_uncomputed_tokens)
+        for pick, size in waiting:
+            if candidates := self.waiting():
+                self.admit(candidates[pick % len(candidates)], size)
+        if preempt is not None and self.pending:  # a victim preempted after its allocation in this step
+            victim = self.seqs[list(self.pending)[preempt % len(self.pending)]]
+            self.bm.free(victim)
+            del self.pending[victim.seq_id]
+            event("preempted within a step")
+        self.forward_pass(sampled)
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS and any(s.block_table for s in self.seqs.values()))
+    @rule(pick=PICK)
+    def fork(self, pick: int) -> None:
+        running = [s for s in self.seqs.values() if s.block_table]
+        parent = running[pick % len(running)]
+        child = self.new_seq(list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens)
+        self.bm.fork(parent, child)
+        assert child.block_table == parent.block_table
+        assert child.num_computed_tokens == parent.num_computed_tokens
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=PICK, finish=st.booleans())
+    def free(self, pick: int, finish: bool) -> None:
+        """Finish or abort (the sequence goes away), or preempt (back to waiting, recomputed later)."""
+        seqs = list(self.seqs.values())
+        seq = seqs[pick % len(seqs)]
+        self.bm.free(seq)
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        if finish:
+            del self.seqs[seq.seq_id]
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        free_hashed = sum(1 for b in self.bm.pool.free_queue.values() if b.block_hash is not None)
+        assert self.bm.reset_prefix_cache() == free_hashed
+        assert all(b.block_hash is None for b in self.bm.pool.free_queue.values())
+
+    # -------- invariants
+    @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        check_pool(self.bm, list(self.seqs.values()))
+        assert not self.pending and not self.bm.pending_copies
+        s = self.bm.stats()
+        assert (s.prefix_queries, s.prefix_hits, s.evictions) == (self.queries, self.hits, self.evictions)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self) -> None:
+        check_contents(self.bm, list(self.seqs.values()), self.kv, self.ref)
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into their slots; slot -1 (padding) is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,12 +50,17 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        # every layer rotates by the same positions in a pass: look cos/sin up once per positions tensor
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]``, rotated by their positions."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self._cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

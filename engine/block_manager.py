@@ -14,6 +14,7 @@ key. A block enters the hash map once its KV is written; a freed block keeps its
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,7 +37,10 @@ class BlockHasher:
 
     def __call__(self, parent: bytes, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
         h = self._new(parent)
-        h.update(array("q", token_ids).tobytes())
+        tokens = array("q", token_ids)
+        if sys.byteorder == "big":  # little-endian int64 everywhere: hashes agree across replicas
+            tokens.byteswap()
+        h.update(tokens.tobytes())
         if extra_keys:  # tagged tuples such as ("salt", "tenant-a"); repr is canonical for str/int/tuple
             h.update(repr(extra_keys).encode())
         return h.digest()
@@ -150,7 +154,7 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[Block]:
         """Longest run of cached blocks at the head of ``seq``, capped so one token is left to compute
-        (its logits are needed). No side effects."""
+        (its logits are needed). Touches no block (it only extends ``seq.block_hashes``)."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(seq)
@@ -214,7 +218,8 @@ class BlockManager:
         seq.num_registered_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent``; the first write into a shared block copies it."""
+        """``child`` (whose tokens equal ``parent``'s) shares every block of ``parent``; the first write into
+        a shared block copies it."""
         for block_id in parent.block_table:
             self.pool.acquire(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
@@ -225,7 +230,11 @@ class BlockManager:
             self.holders[child.seq_id] = child
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s blocks, tail first, so its tail is evicted before its head."""
+        """Drop ``seq``'s blocks, tail first, so its tail is evicted before its head. A copy-on-write still
+        pending into one of its blocks is dropped too (the block may be taken again in the same step)."""
+        if self.pending_copies:
+            own = set(seq.block_table)
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []

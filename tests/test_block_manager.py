@@ -8,14 +8,15 @@ chain); expected block ids and counts are worked out by hand from the pool's rul
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import pytest
 import xxhash
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from block_invariants import (ReferenceHashes, check_contents, check_pool, reference_block_hash,
+from block_invariants import (ReferenceHashes, check_contents, check_pool, kv_tokens, reference_block_hash,
                               reference_chain, reference_root, snapshot, with_copies)
 from engine.block_manager import BlockHasher, BlockManager
 from engine.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ def test_hash_chain_matches_documented_formula(algo: str) -> None:
                    b"\x06\0\0\0\0\0\0\0s3cret").digest()
     assert hasher.root == root
 
-    tokens = [7, 300, 2**40, 0, 5, 6, 7, 8, 9]  # two full blocks; token 8 is in no full block
+    tokens = [7, 300, 2**40, 0, 5, 6, 7, 8, 9]  # two full blocks; the 9th token is in none
     block0 = by_hand(root + b"".join(t.to_bytes(8, "little") for t in tokens[:4])
                      + b"(('salt', 'tenant-a'),)").digest()
     block1 = by_hand(block0 + b"".join(t.to_bytes(8, "little") for t in tokens[4:8])).digest()
@@ -314,6 +315,27 @@ def test_copy_on_write_on_first_write_into_shared_block() -> None:
     assert bm.take_pending_copies() == []  # the second write into its own block copies nothing
 
 
+def test_copies_of_a_sequence_freed_before_the_pass_are_dropped() -> None:
+    """The scheduler may preempt a victim after its allocation in the same step. Its copy into a block it
+    no longer holds must not reach the pass: that block may be the destination of another copy of the same
+    batch, and copy_blocks (one indexed assignment) leaves the winner of duplicate destinations undefined."""
+    bm = make_bm(6)
+    pairs = []
+    for seq_id, prompt in [(0, [1, 2]), (2, [7, 8])]:
+        parent = make_seq(seq_id, prompt)
+        run_prompt(bm, parent)
+        parent.append_token(3)
+        child = make_seq(seq_id + 1, parent.token_ids)
+        bm.fork(parent, child)
+        pairs.append((parent, child))
+    (p, _), (q, _) = pairs
+    shared_p, shared_q = p.block_table[0], q.block_table[0]
+    assert bm.allocate(p, 1)  # copy-on-write: shared_p -> a fresh block
+    bm.free(p)  # preempted as the victim; its fresh block returns to the free queue
+    assert bm.allocate(q, 1)  # copy-on-write: shared_q -> the first free block, p's former copy
+    assert bm.take_pending_copies() == [(shared_q, q.block_table[0])]
+
+
 def test_free_releases_every_block_of_a_forked_pair_once() -> None:
     bm = make_bm(4)
     parent = make_seq(0, [1, 2, 3, 4, 5])
@@ -371,6 +393,21 @@ PICK = st.integers(0, 2**16)
 CHOICES = st.lists(st.tuples(PICK, PICK), max_size=3)  # (which sequence, how many tokens) per entry
 
 
+@dataclass(frozen=True)
+class Step:
+    """One engine step: running sequences scheduled, then waiting ones admitted; maybe a victim preempted
+    after its allocation; then the forward pass (``sampled``: next token of each sequence that completes)."""
+    running: list[tuple[int, int]]
+    waiting: list[tuple[int, int]]
+    preempt: int | None
+    sampled: list[int]
+
+
+STEPS = st.builds(Step, running=CHOICES, waiting=CHOICES,
+                  preempt=st.one_of(st.none(), st.none(), st.none(), PICK),  # a victim in about 1 step of 4
+                  sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager as the engine does: each ``engine_step`` schedules (running sequences first, then
     admissions), may preempt a scheduled sequence, then runs the forward pass; between steps sequences
@@ -388,7 +425,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.queries = self.hits = self.evictions = 0
 
-    @initialize(algo=st.sampled_from(["sha256", "xxh128"]), num_blocks=st.integers(6, 24),
+    @initialize(algo=st.sampled_from(["sha256", "xxh128"]), num_blocks=st.integers(6, 10) | st.integers(6, 24),
                 prompts=st.lists(st.tuples(PROMPTS, SALTS), min_size=1, max_size=4))
     def setup(self, algo: str, num_blocks: int, prompts: list[tuple[list[int], str | None]]) -> None:
         self.bm = make_bm(num_blocks, algo)
@@ -457,6 +494,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in new_copies:
             assert table[first] == src and seq.block_table[first] == dst
         self.copies += new_copies
+        view = with_copies(self.kv, self.copies)  # what the coming pass attends to: hits included
+        assert kv_tokens(view, seq, BS) == seq.token_ids[: seq.num_computed_tokens], "a hit served wrong KV"
         self.evictions += len(cached_before - set(pool.cached))
         if admission:
             self.queries += seq.num_tokens
@@ -490,68 +529,76 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 del self.seqs[seq.seq_id]
         self.pending = {}
 
-    # -------- rules
-    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
-    @rule(tokens=PROMPTS, salt=SALTS)
-    def add_sequence(self, tokens: list[int], salt: str | None) -> None:
-        self.new_seq(tokens, salt)
-
-    @rule(running=CHOICES, waiting=CHOICES, preempt=st.none() | PICK,
-          sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
-    def engine_step(self, running: list[tuple[int, int]], waiting: list[tuple[int, int]], preempt: int | None,
-                    sampled: list[int]) -> None:
-        for pick, size in running:
+    def engine_step(self, step: Step) -> None:
+        for pick, size in step.running:
             if candidates := self.steppable():
                 seq = candidates[pick % len(candidates)]
                 self.try_allocate(seq, 1 + size % seq.num_uncomputed_tokens)
-        for pick, size in waiting:
+        for pick, size in step.waiting:
             if candidates := self.waiting():
                 self.admit(candidates[pick % len(candidates)], size)
-        if preempt is not None and self.pending:  # a victim preempted after its allocation in this step
-            victim = self.seqs[list(self.pending)[preempt % len(self.pending)]]
+        if step.preempt is not None and self.pending:  # a victim preempted after its allocation in this step
+            victim = self.seqs[list(self.pending)[step.preempt % len(self.pending)]]
             self.bm.free(victim)
             del self.pending[victim.seq_id]
             event("preempted within a step")
-        self.forward_pass(sampled)
+        self.forward_pass(step.sampled)
 
-    @precondition(lambda self: len(self.seqs) < MAX_SEQS and any(s.block_table for s in self.seqs.values()))
-    @rule(pick=PICK)
-    def fork(self, pick: int) -> None:
+    # -------- rules: an event between steps, then an engine step (every rule drives the engine, also
+    # when hypothesis's swarm testing switches some rules off for a test case)
+    @rule(step=STEPS)
+    def step_only(self, step: Step) -> None:
+        self.engine_step(step)
+
+    @rule(tokens=PROMPTS, salt=SALTS, step=STEPS)
+    def add_sequence(self, tokens: list[int], salt: str | None, step: Step) -> None:
+        if len(self.seqs) < MAX_SEQS:
+            self.new_seq(tokens, salt)
+        self.engine_step(step)
+
+    @rule(pick=PICK, step=STEPS)
+    def fork(self, pick: int, step: Step) -> None:
+        """A running sequence forks (n > 1, beams): the child shares its blocks and copies its tokens."""
         running = [s for s in self.seqs.values() if s.block_table]
-        parent = running[pick % len(running)]
-        child = self.new_seq(list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens)
-        self.bm.fork(parent, child)
-        assert child.block_table == parent.block_table
-        assert child.num_computed_tokens == parent.num_computed_tokens
+        if running and len(self.seqs) < MAX_SEQS:
+            parent = running[pick % len(running)]
+            child = self.new_seq(list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens)
+            self.bm.fork(parent, child)
+            assert child.block_table == parent.block_table
+            assert child.num_computed_tokens == parent.num_computed_tokens
+            self.check()
+        self.engine_step(step)
 
-    @precondition(lambda self: self.seqs)
-    @rule(pick=PICK, finish=st.booleans())
-    def free(self, pick: int, finish: bool) -> None:
+    @rule(pick=PICK, finish=st.booleans(), step=STEPS)
+    def free(self, pick: int, finish: bool, step: Step) -> None:
         """Finish or abort (the sequence goes away), or preempt (back to waiting, recomputed later)."""
-        seqs = list(self.seqs.values())
-        seq = seqs[pick % len(seqs)]
-        self.bm.free(seq)
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
-        if finish:
-            del self.seqs[seq.seq_id]
+        if seqs := list(self.seqs.values()):
+            seq = seqs[pick % len(seqs)]
+            self.bm.free(seq)
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            if finish:
+                del self.seqs[seq.seq_id]
+            self.check()
+        self.engine_step(step)
 
-    @rule()
-    def reset_prefix_cache(self) -> None:
+    @rule(step=STEPS)
+    def reset_prefix_cache(self, step: Step) -> None:
         free_hashed = sum(1 for b in self.bm.pool.free_queue.values() if b.block_hash is not None)
         assert self.bm.reset_prefix_cache() == free_hashed
         assert all(b.block_hash is None for b in self.bm.pool.free_queue.values())
+        self.check()
+        self.engine_step(step)
 
     # -------- invariants
     @invariant()
-    def bookkeeping_is_consistent(self) -> None:
-        check_pool(self.bm, list(self.seqs.values()))
+    def check(self) -> None:
+        """Bookkeeping is consistent, every sequence reads its own tokens, cached blocks hold their tokens."""
+        seqs = list(self.seqs.values())
+        check_pool(self.bm, seqs)
         assert not self.pending and not self.bm.pending_copies
         s = self.bm.stats()
         assert (s.prefix_queries, s.prefix_hits, s.evictions) == (self.queries, self.hits, self.evictions)
-
-    @invariant()
-    def every_sequence_reads_its_own_tokens(self) -> None:
-        check_contents(self.bm, list(self.seqs.values()), self.kv, self.ref)
+        check_contents(self.bm, seqs, self.kv, self.ref)
 
 
 BlockManagerMachine.TestCase.settings = settings(

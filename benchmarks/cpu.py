@@ -1,13 +1,14 @@
-"""Workload ``cpu`` (docs/WORKLOADS.md): the embedded default model on a small CPU budget.
+"""Workload ``cpu`` (shared WORKLOADS.md): the embedded default model on a small CPU budget.
 
 SmolLM2-135M-Instruct, float32, ``--threads`` torch threads; one stream and ``--streams`` concurrent streams
 of ``--new-tokens`` greedy tokens each (EOS ignored, so every stream produces exactly that many).
 Peer in the same run: transformers ``generate`` on the engine's converted HF directory of the same model
 (single prompt; a left-padded batch). Output tokens/s = streams x new tokens / wall seconds from submit
 to all finished. Each of ours' runs gets a fresh ``cache_salt`` so no run reuses the previous run's
-prefix-cache blocks (transformers caches nothing between calls).
+prefix-cache blocks (transformers caches nothing between calls). With ``--repeats`` the two sides alternate
+and the table shows each side's best run. A greedy check compares ours' and transformers' tokens on one prompt.
 
-    python -m benchmarks.cpu [--threads 2] [--new-tokens 128] [--streams 8] [--repeats 1] [--json PATH]
+    python -m benchmarks.cpu [--threads 2] [--new-tokens 128] [--streams 8] [--repeats 1] [--json PATH] [--profile]
 """
 from __future__ import annotations
 
@@ -120,6 +121,12 @@ def measure_latency(llm: LLM, prompts: list[list[int]], new_tokens: int) -> Late
     return Latency(len(prompts), ttft, tpot)
 
 
+def best_latency(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int) -> Latency:
+    """The repeat that finished soonest (first token + the rest), like the throughput table's best."""
+    runs = [measure_latency(llm, prompts, new_tokens) for _ in range(repeats)]
+    return min(runs, key=lambda lat: lat.ttft_s + (new_tokens - 1) * lat.tpot_s)
+
+
 # transformers --------------------------------------------------------------------------------------------
 
 def load_peer(model_path: str) -> Any:
@@ -156,16 +163,18 @@ def check_lengths(name: str, outputs: list[list[int]], new_tokens: int) -> None:
         raise RuntimeError(f"{name}: produced {lengths} tokens per stream, expected {new_tokens}")
 
 
-def compare_greedy(ours: list[int], peer: list[int], eos_ids: tuple[int, ...]) -> str:
-    """Where the two greedy sequences part. Ours (ignore_eos) may pick EOS where transformers'
-    min_new_tokens masks it, so a split at an EOS is expected and named as such."""
-    same = next((i for i, (a, b) in enumerate(zip(ours, peer)) if a != b), min(len(ours), len(peer)))
-    if same == len(ours) == len(peer):
-        return f"identical: all {same} greedy tokens match transformers"
-    at_eos = same < len(ours) and ours[same] in eos_ids
-    reason = " (ours picked EOS there; transformers masks it under min_new_tokens)" if at_eos else ""
-    return f"DIFFERENT: first {same} of {len(ours)} greedy tokens match, then ours {ours[same:same + 3]} " \
-           f"vs transformers {peer[same:same + 3]}{reason}"
+def greedy_check(llm: LLM, prompt: list[int], peer_tokens: list[int], new_tokens: int) -> str:
+    """Ours against transformers on one prompt. transformers' min_new_tokens masks EOS, while ours' ignore_eos
+    lets greedy pick it; so the check run masks EOS on ours too: min_tokens without ignore_eos (vLLM semantics:
+    min_tokens masks EOS only when EOS would end the request)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    ours = llm.generate([prompt], params, cache_salt=f"bench-{next(_SALTS)}")[0].token_ids
+    same = next((i for i, (a, b) in enumerate(zip(ours, peer_tokens)) if a != b), None)
+    if same is None and len(ours) == len(peer_tokens):
+        return f"identical: all {len(ours)} greedy tokens match transformers"
+    same = min(len(ours), len(peer_tokens)) if same is None else same
+    return (f"DIFFERENT: the first {same} of {len(ours)} greedy tokens match, then ours "
+            f"{ours[same:same + 3]} vs transformers {peer_tokens[same:same + 3]}")
 
 
 def table(results: dict[str, dict[str, Side]], latency: list[Latency]) -> str:
@@ -180,10 +189,13 @@ def table(results: dict[str, dict[str, Side]], latency: list[Latency]) -> str:
     return "\n".join(rows)
 
 
-def environment(threads: int) -> dict[str, Any]:
+def environment(threads: int, load_before: float) -> dict[str, Any]:
+    """Where and how the numbers were taken; the 1-minute load averages show whether other work shared the
+    cores (2 threads on a 2-core machine slow down sharply when anything else runs)."""
     import transformers
 
-    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    return {"load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": threads,
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.cpu", *sys.argv[1:]])}
@@ -214,13 +226,13 @@ def warm_up(llm: LLM, peer: Any, prompts: list[list[int]], pad_id: int) -> None:
 
 
 def benchmark(llm: LLM, peer: Any, prompts: list[list[int]], args: argparse.Namespace
-              ) -> tuple[dict[str, dict[str, Side]], list[int], list[int]]:
+              ) -> tuple[dict[str, dict[str, Side]], list[int]]:
     """Ours and transformers alternate within each repeat, so drift in the machine hits both alike."""
     pad_id = llm.engine.config.eos_token_ids[0]
     scenarios = {"1 stream": prompts[:1], f"{args.streams} streams": prompts}
     results = {name: {side: Side(len(batch), args.new_tokens) for side in ("ours", "transformers")}
                for name, batch in scenarios.items()}
-    singles: dict[str, list[int]] = {}
+    peer_single: list[int] = []
     for _ in range(args.repeats):
         for name, batch in scenarios.items():
             for side, run in (("ours", lambda b: run_ours(llm, b, args.new_tokens)),
@@ -228,10 +240,10 @@ def benchmark(llm: LLM, peer: Any, prompts: list[list[int]], args: argparse.Name
                 seconds, outputs = run(batch)
                 check_lengths(f"{side}, {name}", outputs, args.new_tokens)
                 results[name][side].seconds.append(seconds)
-                if len(batch) == 1:
-                    singles[side] = outputs[0]
+                if side == "transformers" and len(batch) == 1:
+                    peer_single = outputs[0]
                 logger.info("%s, %s: %.2f s", side, name, seconds)
-    return results, singles["ours"], singles["transformers"]
+    return results, peer_single
 
 
 def profile_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, top: int = 15) -> None:
@@ -241,32 +253,38 @@ def profile_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, top: int =
     pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    llm = LLM(num_threads=args.threads, dtype="float32")
-    peer = load_peer(llm.engine.config.model_path)
-    prompts = chat_prompts(llm, args.streams)
-    logger.info("prompt lengths: %s", [len(p) for p in prompts])
-    warm_up(llm, peer, prompts, llm.engine.config.eos_token_ids[0])
-    results, ours_single, peer_single = benchmark(llm, peer, prompts, args)
-    latency = [measure_latency(llm, batch, args.new_tokens) for batch in (prompts[:1], prompts)]
-    check = compare_greedy(ours_single, peer_single, llm.engine.config.eos_token_ids)
-    env = environment(args.threads)
+def report(results: dict[str, dict[str, Side]], latency: list[Latency], check: str, env: dict[str, Any],
+           args: argparse.Namespace) -> None:
     print(f"\n## cpu workload: SmolLM2-135M-Instruct, float32, {args.new_tokens} new tokens per stream, "
           f"best of {args.repeats}\n")
     print(table(results, latency))
     print(f"\ngreedy check (single prompt): {check}")
     print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, {env['threads']} threads, "
-          f"{env['processor']} ({env['cpu_count']} CPUs); command: {env['command']}")
+          f"{env['processor']} ({env['cpu_count']} CPUs), load average {env['load_average_before']:.2f} before / "
+          f"{env['load_average_after']:.2f} after; command: {env['command']}")
     if args.json:
-        dump = {"environment": env, "greedy_check": check, "latency": [asdict(lat) for lat in latency],
-                "throughput": {name: {side: {"seconds": s.seconds, "best_tok_s": s.best_tok_s,
-                                             "median_tok_s": s.median_tok_s} for side, s in sides.items()}
-                               for name, sides in results.items()}}
+        throughput = {name: {side: {"seconds": s.seconds, "best_tok_s": s.best_tok_s, "median_tok_s": s.median_tok_s}
+                             for side, s in sides.items()} for name, sides in results.items()}
+        dump = {"environment": env, "greedy_check": check, "throughput": throughput,
+                "latency": [asdict(lat) for lat in latency]}
         with open(args.json, "w") as f:
             json.dump(dump, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    llm = LLM(num_threads=args.threads, dtype="float32")
+    peer = load_peer(llm.engine.config.model_path)
+    prompts = chat_prompts(llm, args.streams)
+    logger.info("prompt lengths: %s", [len(p) for p in prompts])
+    warm_up(llm, peer, prompts, llm.engine.config.eos_token_ids[0])
+    results, peer_single = benchmark(llm, peer, prompts, args)
+    latency = [best_latency(llm, batch, args.new_tokens, args.repeats) for batch in (prompts[:1], prompts)]
+    check = greedy_check(llm, prompts[0], peer_single, args.new_tokens)
+    report(results, latency, check, environment(args.threads, load_before), args)
     if args.profile:
         profile_ours(llm, prompts, args.new_tokens)
 

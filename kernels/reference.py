@@ -28,15 +28,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     tables = block_tables[:, : -(-max_len // block_size)].long()
-    keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)  # [B, L, kvh, d]
-    values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)
-    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys.float()) * scale
-    pad = torch.arange(keys.shape[1], device=query.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    result = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
-    out.copy_(result.reshape(batch, num_heads, head_dim))
+    keys = k_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+    values = v_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(keys.shape[2], device=query.device)[None, :] < context_lens[:, None]
+    result = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out.copy_(result.squeeze(2))
 
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

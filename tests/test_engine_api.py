@@ -43,7 +43,7 @@ def test_stop_string_truncates_output_and_never_leaks(llm: LLM):
     stop = " ".join(words[len(words) // 2 : len(words) // 2 + 2])  # two words from the middle
     expected = full.text[: full.text.index(stop)]
     request_id = "stop-test"
-    llm.engine.add_request(request_id, llm.tokenizer.encode(PROMPT), greedy(max_tokens=48, stop=[stop]))
+    llm.engine.add_request(request_id, llm.tokenizer.encode(PROMPT), greedy(max_tokens=48, ignore_eos=True, stop=[stop]))
     deltas, last = [], None
     while llm.engine.has_unfinished_requests():
         for out in llm.engine.step():
@@ -57,7 +57,7 @@ def test_stop_string_truncates_output_and_never_leaks(llm: LLM):
 def test_include_stop_str_in_output_keeps_it(llm: LLM):
     (full,) = llm.generate(PROMPT, greedy(max_tokens=48, ignore_eos=True))
     stop = full.text.split()[3]
-    (out,) = llm.generate(PROMPT, greedy(max_tokens=48, stop=stop, include_stop_str_in_output=True))
+    (out,) = llm.generate(PROMPT, greedy(max_tokens=48, ignore_eos=True, stop=stop, include_stop_str_in_output=True))
     assert out.text == full.text[: full.text.index(stop) + len(stop)]
 
 

@@ -10,7 +10,9 @@ from tests.conftest import SMALL_KV_GIB
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, opening hours, "
-          "allergens and prices. Keep answers short, friendly and precise. Never invent prices.")
+          "allergens and prices. Keep answers short, friendly and precise. Never invent prices. The bakery "
+          "opens at seven every morning except Monday, sells sourdough, rye, spelt and white loaves, "
+          "croissants and seasonal cakes, and can tell customers which products contain nuts or gluten.")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_shared_system_prompt_is_computed_once(llm: LLM):
     assert out1.num_cached_tokens == 0
     written = first + out1.token_ids[:-1]  # the last sampled token never had its KV computed
     (warm,) = llm.generate([second], GREEDY)
-    assert warm.num_cached_tokens == expected_hit(written, second) > 2 * BLOCK
+    assert warm.num_cached_tokens == expected_hit(written, second) >= 4 * BLOCK
     llm.engine.block_manager.reset_prefix_cache()
     (cold,) = llm.generate([second], GREEDY)
     assert cold.num_cached_tokens == 0

@@ -166,9 +166,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block] | None = None) -> bool:
         """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
         tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
+        prefix_hits = prefix_hits or []
         num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
         num_table = len(seq.block_table) + len(prefix_hits)
         num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - num_table)

@@ -147,6 +147,8 @@ class LLMEngine:
         received a token this step."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:  # would wait forever: fail loudly
+                raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none runnable")
             return []
         sampled = self.runner.execute(batch)
         sampling_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples()) if samples]

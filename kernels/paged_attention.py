@@ -10,14 +10,17 @@ Design, and why:
 - Keys are visited in tiles of ``tile_n`` positions, independent of the block size: each tile gathers the
   block id of each of its positions, so a tile can span several small blocks (block 16 reads as well as 128).
 - Online softmax in base 2 (``exp2`` with the scale folded in ``log2(e)``): one pass over K and V.
-- Split-K: for few programs per SM and long contexts, each program covers one partition of ``partition``
-  positions and writes (max, sum, unnormalized output); a second kernel merges the partitions. The
-  partition count comes from ``block_tables.shape[1]`` (host-known), so nothing waits on the device.
+- Split-K: when (sequences x KV heads) programs cannot fill the GPU, each program covers one partition of
+  the context and writes (max, sum, unnormalized output) for its heads; the last partition of a (sequence,
+  KV head) to finish (an atomic counter) merges them in the same launch, so split-K costs no second kernel.
+  The counters reset themselves after use (one launch at a time per device: the engine's single stream).
+  The partition count comes from ``block_tables.shape[1]`` (host-known), so nothing waits on the device.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,9 +33,10 @@ LOG2E = 1.4426950408889634
 class DecodeConfig:
     """Launch parameters (tuned on an H200 by benchmarks/decode_kernel.py --sweep; see docs/KERNELS_NOTES.md)."""
 
-    tile_n: int = 64  # key positions per loop step
-    partition: int = 512  # key positions per split-K program (a multiple of tile_n)
-    split_programs_per_sm: int = 4  # split when (sequences x kv heads) < this x SMs
+    tile_n: int = 64  # key positions per loop step, one-pass kernel
+    split_tile_n: int = 128  # key positions per loop step, split-K kernel
+    programs_per_sm: int = 4  # split until (sequences x kv heads x partitions) reaches this x SMs ...
+    min_partition: int = 512  # ... with partitions of at least this many positions
     num_warps: int = 4
     num_stages: int = 3
 
@@ -52,29 +56,57 @@ def kv_tile_offsets(table_row_ptr, pos, kv_head, dims, stride_block, stride_toke
 
 @triton.jit
 def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-                   scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_token, stride_head,
-                   stride_table, num_heads, num_parts,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   counter_ptr, scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_token,
+                   stride_head, stride_table, num_kv_heads, num_parts, partition,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
-        start = part * PARTITION
-        end = tl.minimum(start + PARTITION, ctx)
+        start = part * partition
+        end = tl.minimum(start + partition, ctx)
     else:
         start = 0
         end = ctx
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_DIM
-    q_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
+    q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    row_max, row_sum, acc = _attend_range(q, k_ptr, v_ptr, table_ptr + seq.to(tl.int64) * stride_table, start, end,
+                                          kv_head, dims, scale_log2, stride_block, stride_token, stride_head,
+                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+    if SPLIT:
+        used = tl.cdiv(ctx, partition)
+        if part < used:  # partitions past the context hold no keys: they neither count nor write
+            num_heads = num_kv_heads * GROUP
+            slot = (seq * num_heads + heads) * num_parts + part  # partials [seq, head, part(, dim)]
+            tl.store(part_max_ptr + slot, row_max, mask=rows < GROUP)
+            tl.store(part_sum_ptr + slot, row_sum, mask=rows < GROUP)
+            tl.store(part_acc_ptr + slot[:, None] * HEAD_PAD + dims[None, :], acc, mask=(rows < GROUP)[:, None])
+            tl.debug_barrier()  # every thread's partials are written before the release below
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            finished = tl.atomic_add(counter, 1, sem="acq_rel")
+            if finished == used - 1:  # the last partition merges all of them, then re-arms the counter
+                tl.store(counter, 0)
+                _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used,
+                                  num_heads, num_parts, stride_ob, stride_oh, GROUP, GROUP_POW2, HEAD_DIM,
+                                  HEAD_PAD, MERGE_CHUNK)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_log2, stride_block, stride_token,
+                  stride_head, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query rows ``q`` over key positions ``start .. end - 1``: returns (row max, row
+    sum, unnormalized output), all in base 2."""
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    table_row = table_ptr + seq.to(tl.int64) * stride_table
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < end
@@ -83,7 +115,7 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
         if HEAD_DIM == HEAD_PAD:
             kv_mask = valid[:, None]  # row-only mask keeps the loads 16 bytes wide
         else:
-            kv_mask = valid[:, None] & dim_ok[None, :]
+            kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -94,45 +126,40 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
-    if SPLIT:  # partials [seq, head, part(, dim)]; empty partitions are never read by the merge
-        slot = (seq * num_heads + heads) * num_parts + part
-        tl.store(part_max_ptr + slot, row_max, mask=rows < GROUP)
-        tl.store(part_sum_ptr + slot, row_sum, mask=rows < GROUP)
-        tl.store(part_acc_ptr + slot[:, None] * HEAD_PAD + dims[None, :], acc, mask=(rows < GROUP)[:, None])
-    else:
-        out = acc / row_sum[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    return row_max, row_sum, acc
 
 
 @triton.jit
-def _merge_partitions_kernel(out_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, stride_ob, stride_oh,
-                             num_heads, num_parts, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                             PARTITION: tl.constexpr, CHUNK: tl.constexpr):
-    """out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p over the partitions that hold keys
-    (M = max_p m_p), merged CHUNK partitions at a time with the same online rescaling as the main loop."""
-    head, seq = tl.program_id(0), tl.program_id(1)
-    used = tl.cdiv(tl.load(ctx_ptr + seq), PARTITION)
-    base = (seq * num_heads + head) * num_parts
+def _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used, num_heads, num_parts,
+                      stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p over the ``used`` partitions (M = max_p m_p),
+    CHUNK partitions at a time with the same online rescaling as the main loop. Loads bypass L1 (``.cg``):
+    the partials were written by other programs."""
+    rows = tl.arange(0, GROUP_POW2)
+    heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
-    total_max = tl.full([1], float("-inf"), tl.float32)
-    total_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_PAD], tl.float32)
+    base = (seq * num_heads + heads) * num_parts
+    total_max = tl.full([GROUP_POW2], float("-inf"), tl.float32)
+    total_sum = tl.zeros([GROUP_POW2], tl.float32)
+    acc = tl.zeros([GROUP_POW2, HEAD_PAD], tl.float32)
     for first in range(0, used, CHUNK):
         parts = first + tl.arange(0, CHUNK)
-        ok = parts < used
-        maxes = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
-        sums = tl.load(part_sum_ptr + base + parts, mask=ok, other=0.0)
-        accs = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_PAD + dims[None, :], mask=ok[:, None],
-                       other=0.0)
-        new_max = tl.maximum(total_max, tl.max(maxes, axis=0))
+        ok = (rows < GROUP)[:, None] & (parts < used)[None, :]
+        idx = base[:, None] + parts[None, :]
+        maxes = tl.load(part_max_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(part_sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        accs = tl.load(part_acc_ptr + idx[:, :, None] * HEAD_PAD + dims[None, None, :], mask=ok[:, :, None],
+                       other=0.0, cache_modifier=".cg")
+        new_max = tl.maximum(total_max, tl.max(maxes, axis=1))
         alpha = tl.exp2(total_max - new_max)
-        weights = tl.exp2(maxes - new_max)  # masked partitions: 2^-inf = 0
-        total_sum = total_sum * alpha + tl.sum(weights * sums, axis=0)
-        acc = acc * alpha + tl.sum(weights[:, None] * accs, axis=0)
+        weights = tl.exp2(maxes - new_max[:, None])  # missing partitions: 2^-inf = 0
+        total_sum = total_sum * alpha + tl.sum(weights * sums, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * accs, axis=1)
         total_max = new_max
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, (acc / total_sum).to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             (acc / total_sum[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,14 +173,29 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def choose_partitions(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
-                      config: DecodeConfig, split: bool | None) -> int:
-    """Number of split-K partitions (1 = no split). ``max_tokens`` bounds every context from the block
-    table's width, so the choice needs no device sync; partitions past a sequence's end exit at once."""
-    parts = triton.cdiv(max_tokens, config.partition)
-    if split is None:
-        split = batch * num_kv_heads < config.split_programs_per_sm * num_sms(device)
-    return parts if split and parts > 1 else 1
+def choose_partition(programs: int, max_tokens: int, device: torch.device, config: DecodeConfig,
+                     split: bool | None) -> int:
+    """Positions per split-K partition, or 0 for the one-pass kernel. ``max_tokens`` bounds every context
+    (block-table width x block size), so the choice needs no device sync. Partitions: enough for
+    ``programs_per_sm`` programs per SM, none shorter than ``min_partition``, a multiple of the tile."""
+    wanted = math.ceil(config.programs_per_sm * num_sms(device) / programs)
+    parts = min(wanted, math.ceil(max_tokens / config.min_partition))
+    if split is False or (split is None and parts < 2):
+        return 0
+    parts = max(parts, 2) if split else parts
+    return math.ceil(math.ceil(max_tokens / parts) / config.split_tile_n) * config.split_tile_n
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), that the split kernel leaves zeroed again. Grown
+    on demand; outgrown buffers are kept alive because captured CUDA graphs may still point at them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -162,29 +204,27 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     """Same contract as ``reference.paged_attention``; ``split`` forces split-K on/off (None: automatic)."""
     config = config or CONFIG
     batch, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if batch == 0:
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
-    parts = choose_partitions(batch, num_kv_heads, block_tables.shape[1] * block_size, query.device, config, split)
-    if parts > 1:  # the split path needs tile-aligned partitions
-        config = replace(config, partition=triton.cdiv(config.partition, config.tile_n) * config.tile_n)
-    part_max = part_sum = part_acc = out  # placeholders: never touched when not split
-    if parts > 1:
+    max_tokens = block_tables.shape[1] * block_size
+    partition = choose_partition(batch * num_kv_heads, max_tokens, query.device, config, split)
+    parts = triton.cdiv(max_tokens, partition) if partition else 1
+    part_max = part_sum = part_acc = counters = out  # placeholders: never touched by the one-pass kernel
+    if partition:
         part_max = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(batch, num_heads, parts, head_pad, dtype=torch.float32, device=query.device)
+        counters = split_counters(query.device, batch * num_kv_heads)
     _decode_kernel[(num_kv_heads, batch, parts)](
-        out, query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc,
+        out, query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc, counters,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads, parts,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_N=config.tile_n, PARTITION=config.partition, SPLIT=parts > 1,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_kv_heads, parts,
+        partition, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        TILE_N=config.split_tile_n if partition else config.tile_n, SPLIT=partition > 0, MERGE_CHUNK=8,
         DOT_PRECISION=dot_precision(query.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
-    if parts > 1:
-        _merge_partitions_kernel[(num_heads, batch)](
-            out, context_lens, part_max, part_sum, part_acc, out.stride(0), out.stride(1), num_heads, parts,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, PARTITION=config.partition, CHUNK=16, num_warps=4)

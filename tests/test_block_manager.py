@@ -329,7 +329,7 @@ def test_copies_of_a_sequence_freed_before_the_pass_are_dropped() -> None:
         bm.fork(parent, child)
         pairs.append((parent, child))
     (p, _), (q, _) = pairs
-    shared_p, shared_q = p.block_table[0], q.block_table[0]
+    shared_q = q.block_table[0]
     assert bm.allocate(p, 1)  # copy-on-write: shared_p -> a fresh block
     bm.free(p)  # preempted as the victim; its fresh block returns to the free queue
     assert bm.allocate(q, 1)  # copy-on-write: shared_q -> the first free block, p's former copy

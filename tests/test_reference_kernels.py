@@ -100,6 +100,7 @@ def test_store_kv_skips_padding_slots():
     assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_k[40], key[2]) and torch.equal(flat_v[40], value[2])
     untouched = [s for s in range(64) if s not in (5, 40)]
     assert torch.equal(flat_k[untouched], before_k.view(-1, 2, HEAD_DIM)[untouched])
+    assert torch.equal(flat_v[untouched], before_v.view(-1, 2, HEAD_DIM)[untouched])
 
 
 def test_copy_blocks_copies_every_layer():

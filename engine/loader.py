@@ -15,6 +15,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -62,7 +63,9 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     config.hf_config, config.model_path = hf_config, str(path) if path else None
     config.eos_token_ids = _eos_token_ids(hf_config, path)
     max_position = hf_config.max_position_embeddings
-    config.max_model_len = min(config.max_model_len or max_position, max_position)
+    if config.max_model_len is not None and config.max_model_len > max_position:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_position} positions")
+    config.max_model_len = config.max_model_len or max_position
     with _default_dtype(config.torch_dtype), config.torch_device:
         model = model_class(hf_config)(hf_config)
     model.to(config.torch_dtype)
@@ -78,8 +81,6 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
 
 
 def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
-    from transformers import AutoConfig, AutoTokenizer
-
     if config.load_format == "dummy" and config.model is None:
         config.model_id = f"dummy:{config.model_config}"
         return dummy_hf_config(config.model_config), None, None
@@ -87,12 +88,22 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
     config.model_id = config.model or DEFAULT_MODEL_ID
-    tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
-    return AutoConfig.from_pretrained(path), path, tokenizer
+    hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
+    return hf_config, path, load_tokenizer(path)
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+def load_tokenizer(path: Path) -> Any | None:
+    """The directory's tokenizer. With a tokenizer.json the fast class loads it directly: AutoTokenizer
+    would first import transformers' whole tokenizer registry (seconds) to pick the same class."""
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    if (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return None
 
 
 def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:

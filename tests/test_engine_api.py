@@ -172,3 +172,8 @@ def test_duplicate_request_id_is_rejected(llm: LLM):
     with pytest.raises(ValueError, match="request_id"):
         llm.engine.add_request("dup", [1, 2, 3], greedy(max_tokens=2))
     llm.engine.abort_request("dup")
+
+
+def test_max_model_len_beyond_the_model_is_rejected():
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=10**6)

@@ -11,6 +11,7 @@ from torch import nn
 import kernels
 from engine.config import EngineConfig
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.layers.linear import Linear
 from engine.layers.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -28,6 +29,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.k_caches = torch.empty(0)
         self.v_caches = torch.empty(0)
+        if self.device.type == "cpu":
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.store_weight_column_major()
 
     @property
     def bytes_per_block(self) -> int:

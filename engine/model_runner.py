@@ -11,7 +11,6 @@ from torch import nn
 import kernels
 from engine.config import EngineConfig
 from engine.forward_context import AttentionMetadata, forward_context
-from engine.layers.linear import Linear
 from engine.layers.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -30,9 +29,7 @@ class ModelRunner:
         self.k_caches = torch.empty(0)
         self.v_caches = torch.empty(0)
         if self.device.type == "cpu":
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.store_weight_column_major()
+            model.store_weights_column_major()
 
     @property
     def bytes_per_block(self) -> int:

@@ -27,9 +27,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
-    tables = block_tables[:, : -(-max_len // block_size)].long()
-    keys = k_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
-    values = v_cache[tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    blocks = block_tables[:, : -(-max_len // block_size)].reshape(-1)
+    keys = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+    values = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=query.device)[None, :] < context_lens[:, None]
     result = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
                                             scale=scale, enable_gqa=num_heads != num_kv_heads)

@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(self.args)
         if not self.args.tie_word_embeddings:
             self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self.logits_weight: torch.Tensor | None = None  # a CPU-friendly layout of the output layer, if set
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -143,8 +144,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_weight is not None:
+            return hidden @ self.logits_weight.t()
         weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         return hidden @ weight.t()
+
+    def store_weights_column_major(self) -> None:
+        """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied
+        embedding keeps its row-major table for lookups and gets a column-major copy for the logits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.store_weight_column_major()
+        if self.args.tie_word_embeddings:
+            self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises ValueError naming any parameter left unset or tensor unknown."""

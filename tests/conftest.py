@@ -38,13 +38,14 @@ def hf_model(default_model_dir: Path):
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Exactly ``max_new_tokens`` greedy tokens from transformers' model with its own KV cache: argmax at
     every step, EOS neither stopping nor masked (generate's min_new_tokens would mask it)."""
-    tokens, past, step_input = [], None, torch.tensor([prompt_ids])
+    device = hf_model.device
+    tokens, past, step_input = [], None, torch.tensor([prompt_ids], device=device)
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             out = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
             past = out.past_key_values
             tokens.append(int(out.logits[0, -1].argmax()))
-            step_input = torch.tensor([[tokens[-1]]])
+            step_input = torch.tensor([[tokens[-1]]], device=device)
     return tokens
 
 

@@ -154,6 +154,8 @@ def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
 
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the embedding itself; a second tensor would overwrite it
     for name, shape in shapes.items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         tensor = torch.empty(shape, dtype=torch.float32, device=device)

@@ -51,21 +51,25 @@ def test_greedy_equals_transformers_for_each_family(family: str, tmp_path: Path)
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
 
 
-def test_dummy_weights_are_seeded_and_load_into_both_implementations():
+@pytest.mark.parametrize("family", ["qwen3", "llama-bias-tied"])
+def test_dummy_weights_are_seeded_and_give_both_implementations_the_same_model(family: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**TINY, **FAMILIES["qwen3"]}
+    spec = {**TINY, **FAMILIES[family]}
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     first = dict(dummy_weights(config, seed=3))
     again = dict(dummy_weights(config, seed=3))
     other = dict(dummy_weights(config, seed=4))
     assert all(torch.equal(first[k], again[k]) for k in first)
-    assert not any(torch.equal(first[k], other[k]) for k in first if "norm" not in k)
+    assert not any(torch.equal(first[k], other[k]) for k in first)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    result = hf.load_state_dict(first, strict=False)
+    tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert result.missing_keys == tied_head and not result.unexpected_keys
     ours = model_class(config)(config)
     ours.load_weights(first.items())
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict(first, strict=False)
     assert torch.equal(ours.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(hf.get_output_embeddings().weight, first.get("lm_head.weight", first["model.embed_tokens.weight"]))
 
 
 @pytest.mark.parametrize("name", sorted(DUMMY_ARCHITECTURES))

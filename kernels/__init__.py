@@ -1,22 +1,58 @@
 """Attention and cache kernels behind one dispatch.
 
 Every kernel has a torch reference with the same signature (kernels/reference.py), which is the CPU path;
-Triton kernels join here and are chosen on CUDA. ``PAGEDCHAT_KERNELS=reference`` forces the reference.
+the Triton kernels (paged_attention.py, prefill_attention.py, cache_ops.py) run when a tensor argument is on
+CUDA. ``PAGEDCHAT_KERNELS``: ``auto`` (default), ``reference`` (always the reference) or ``triton`` (always
+Triton; with CPU tensors on a machine without CUDA that is Triton's interpreter: slow, for tests). Triton is
+imported on first use, so a CPU-only install runs without it and ``TRITON_INTERPRET`` is set before it loads.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+from typing import Callable
+
+import torch
 
 from kernels import reference
 
 _CHOICE = os.environ.get("PAGEDCHAT_KERNELS", "auto")
-if _CHOICE not in ("auto", "reference"):
-    raise ValueError(f"PAGEDCHAT_KERNELS: must be auto or reference, not {_CHOICE!r}")
+if _CHOICE not in ("auto", "reference", "triton"):
+    raise ValueError(f"PAGEDCHAT_KERNELS: must be auto, reference or triton, not {_CHOICE!r}")
 
-store_kv = reference.store_kv
-paged_attention = reference.paged_attention
-prefill_attention = reference.prefill_attention
-copy_blocks = reference.copy_blocks
-swap_blocks = reference.swap_blocks
+_TRITON_MODULE = {"store_kv": "cache_ops", "copy_blocks": "cache_ops", "swap_blocks": "cache_ops",
+                  "paged_attention": "paged_attention", "prefill_attention": "prefill_attention"}
+
+
+@functools.cache
+def _triton_kernel(name: str) -> Callable:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's first import
+    module = importlib.import_module(f"kernels.{_TRITON_MODULE[name]}")
+    # importing the submodule kernels.paged_attention rebinds that package attribute to the module, over
+    # the dispatcher of the same name: put the dispatchers back
+    globals().update(_DISPATCHERS)
+    return getattr(module, name)
+
+
+def _dispatch(name: str) -> Callable:
+    ref = getattr(reference, name)
+    if _CHOICE == "reference":
+        return ref
+
+    @functools.wraps(ref)
+    def kernel(*args: object) -> None:
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        return (_triton_kernel(name) if _CHOICE == "triton" or on_cuda else ref)(*args)
+    return kernel
+
+
+store_kv = _dispatch("store_kv")
+paged_attention = _dispatch("paged_attention")
+prefill_attention = _dispatch("prefill_attention")
+copy_blocks = _dispatch("copy_blocks")
+swap_blocks = _dispatch("swap_blocks")
+_DISPATCHERS = {name: globals()[name] for name in _TRITON_MODULE}
 
 __all__ = ["store_kv", "paged_attention", "prefill_attention", "copy_blocks", "swap_blocks"]

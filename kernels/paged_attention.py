@@ -1,0 +1,252 @@
+"""Decode attention over a paged KV cache (Triton): one query token per sequence, keys/values gathered
+through the sequence's block table.
+
+Layout (see kernels/reference.py): K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+token ``p`` of a sequence lives in block ``block_tables[b, p // block_size]`` at offset ``p % block_size``.
+
+Design, and why:
+- One program per (KV head, sequence[, partition]) handles all ``group = heads // kv_heads`` query heads of
+  that KV head as the rows of one small matrix, so every K/V byte is read from memory once (GQA/MQA).
+- Keys are visited in tiles of ``tile_n`` positions, independent of the block size: each tile gathers the
+  block id of each of its positions, so a tile can span several small blocks (block 16 reads as well as 128).
+- Online softmax in base 2 (``exp2`` with the scale folded in ``log2(e)``): one pass over K and V.
+- Split-K: when (sequences x KV heads) programs leave SMs idle, each program covers one partition of
+  the context and writes (max, sum, unnormalized output) for its heads; the last partition of a (sequence,
+  KV head) to finish (an atomic counter) merges them in the same launch, so split-K costs no second kernel.
+  The counters reset themselves after use (one launch at a time per device: the engine's single stream).
+  The partition count comes from ``block_tables.shape[1]`` (host-known), so nothing waits on the device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters (tuned on an H200 by benchmarks/decode_kernel.py --sweep; see docs/KERNELS_NOTES.md)."""
+
+    tile_n: int = 128  # key positions per loop step, one-pass kernel
+    split_tile_n: int = 64  # key positions per loop step, split-K kernel
+    split_below_programs_per_sm: float = 1.0  # split-K only when (sequences x kv heads) < this x SMs
+    programs_per_sm: int = 2  # then aim for this many programs per SM ...
+    min_partition: int = 512  # ... with partitions of at least this many positions
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+CONFIG = DecodeConfig()
+
+
+@triton.jit
+def kv_tile_offsets(table_row_ptr, pos, kv_head, dims, stride_block, stride_token, stride_head,
+                    BLOCK_SIZE: tl.constexpr, mask):
+    """Element offsets ``[len(pos), len(dims)]`` of positions ``pos`` of one sequence for one KV head:
+    ``block_id * stride_block + (pos % block_size) * stride_token + kv_head * stride_head + dim``."""
+    block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    rows = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_token + kv_head * stride_head
+    return rows[:, None] + dims[None, :]
+
+
+@triton.jit
+def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                   counter_ptr, scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_token,
+                   stride_head, stride_table, num_kv_heads, num_parts, partition,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    if SPLIT:
+        start = part * partition
+        end = tl.minimum(start + partition, ctx)
+    else:
+        start = 0
+        end = ctx
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_PAD)
+    q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    row_max, row_sum, acc = _attend_range(q, k_ptr, v_ptr, table_ptr + seq.to(tl.int64) * stride_table, start, end,
+                                          kv_head, dims, scale_log2, stride_block, stride_token, stride_head,
+                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+    if SPLIT:
+        used = tl.cdiv(ctx, partition)
+        if part < used:  # partitions past the context hold no keys: they neither count nor write
+            num_heads = num_kv_heads * GROUP
+            slot = (seq * num_heads + heads) * num_parts + part  # partials [seq, head, part(, dim)]
+            tl.store(part_max_ptr + slot, row_max, mask=rows < GROUP)
+            tl.store(part_sum_ptr + slot, row_sum, mask=rows < GROUP)
+            tl.store(part_acc_ptr + slot[:, None] * HEAD_PAD + dims[None, :], acc, mask=(rows < GROUP)[:, None])
+            tl.debug_barrier()  # every thread's partials are written before the release below
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            finished = tl.atomic_add(counter, 1, sem="acq_rel")
+            if finished == used - 1:  # the last partition merges all of them, then re-arms the counter
+                tl.store(counter, 0)
+                _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used,
+                                  num_heads, num_parts, stride_ob, stride_oh, GROUP, GROUP_POW2, HEAD_DIM,
+                                  HEAD_PAD, MERGE_CHUNK)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_log2, stride_block, stride_token,
+                  stride_head, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query rows ``q`` over key positions ``start .. end - 1``: returns (row max, row
+    sum, unnormalized output), all in base 2."""
+    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        pos = tile_start + tl.arange(0, TILE_N)
+        valid = pos < end
+        offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head,
+                               BLOCK_SIZE, valid)
+        if HEAD_DIM == HEAD_PAD:
+            kv_mask = valid[:, None]  # row-only mask keeps the loads 16 bytes wide
+        else:
+            kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        alpha = tl.exp2(row_max - new_max)  # row_max = -inf on the first tile: alpha = 0
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used, num_heads, num_parts,
+                      stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p over the ``used`` partitions (M = max_p m_p),
+    CHUNK partitions at a time with the same online rescaling as the main loop. Loads bypass L1 (``.cg``):
+    the partials were written by other programs."""
+    rows = tl.arange(0, GROUP_POW2)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_PAD)
+    # padding rows (group not a power of two) merge a copy of the last real head and are never stored
+    base = (seq * num_heads + kv_head * GROUP + tl.minimum(rows, GROUP - 1)) * num_parts
+    total_max = tl.full([GROUP_POW2], float("-inf"), tl.float32)
+    total_sum = tl.zeros([GROUP_POW2], tl.float32)
+    acc = tl.zeros([GROUP_POW2, HEAD_PAD], tl.float32)
+    for first in range(0, used, CHUNK):
+        parts = first + tl.arange(0, CHUNK)
+        ok = (rows >= 0)[:, None] & (parts < used)[None, :]
+        idx = base[:, None] + parts[None, :]
+        maxes = tl.load(part_max_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(part_sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        accs = tl.load(part_acc_ptr + idx[:, :, None] * HEAD_PAD + dims[None, None, :], mask=ok[:, :, None],
+                       other=0.0, cache_modifier=".cg")
+        new_max = tl.maximum(total_max, tl.max(maxes, axis=1))
+        alpha = tl.exp2(total_max - new_max)
+        weights = tl.exp2(maxes - new_max[:, None])  # missing partitions: 2^-inf = 0
+        total_sum = total_sum * alpha + tl.sum(weights * sums, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * accs, axis=1)
+        total_max = new_max
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             (acc / total_sum[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (host-side property; the interpreter gets a Hopper-like 132)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots in full precision (tf32 would cost ~3e-4 relative error); half types run on tensor cores anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def choose_partition(programs: int, max_tokens: int, device: torch.device, config: DecodeConfig,
+                     split: bool | None) -> int:
+    """Positions per split-K partition, or 0 for the one-pass kernel. ``max_tokens`` bounds every context
+    (block-table width x block size), so the choice needs no device sync. Split only when the one-pass grid
+    leaves SMs idle (measured on an H200: at 256 programs one-pass already matches SDPA); then enough
+    partitions for ``programs_per_sm`` programs per SM, none shorter than ``min_partition``, each a multiple
+    of the tile."""
+    if split is False or (split is None and programs >= config.split_below_programs_per_sm * num_sms(device)):
+        return 0
+    wanted = math.ceil(config.programs_per_sm * num_sms(device) / programs)
+    parts = min(wanted, math.ceil(max_tokens / config.min_partition))
+    if split is None and parts < 2:
+        return 0
+    parts = max(parts, 2) if split else parts
+    return math.ceil(math.ceil(max_tokens / parts) / config.split_tile_n) * config.split_tile_n
+
+
+SHARED_MEMORY_BYTES = 227 * 1024  # per program on Hopper (H100/H200)
+
+
+def fit_shared_memory(tile: int, stages: int, fixed_rows: int, head_pad: int, itemsize: int) -> tuple[int, int]:
+    """Shrink (key tile, pipeline stages) until ``stages`` K+V tiles plus ``fixed_rows`` query rows fit in
+    shared memory: the tuned tiles are for half types and head 128; fp32 or head 256 need smaller ones."""
+    while (2 * stages * tile + fixed_rows) * head_pad * itemsize > SHARED_MEMORY_BYTES and tile > 16:
+        if stages > 2:
+            stages -= 1
+        else:
+            tile //= 2
+    return tile, stages
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), that the split kernel leaves zeroed again. Grown
+    on demand; outgrown buffers are kept alive because captured CUDA graphs may still point at them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                    split: bool | None = None, config: DecodeConfig | None = None) -> None:
+    """Same contract as ``reference.paged_attention``; ``split`` forces split-K on/off (None: automatic)."""
+    config = config or CONFIG
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if batch == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
+    assert query.stride(-1) == 1 and out.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    head_pad = triton.next_power_of_2(head_dim)
+    max_tokens = block_tables.shape[1] * block_size
+    partition = choose_partition(batch * num_kv_heads, max_tokens, query.device, config, split)
+    parts = triton.cdiv(max_tokens, partition) if partition else 1
+    group_pad = max(16, triton.next_power_of_2(group))
+    tile, stages = fit_shared_memory(config.split_tile_n if partition else config.tile_n, config.num_stages,
+                                     group_pad, head_pad, query.element_size())
+    part_max = part_sum = part_acc = counters = out  # placeholders: never touched by the one-pass kernel
+    if partition:  # one allocation for all partials: host time matters at small batch sizes
+        partials = torch.empty(batch * num_heads * parts * (head_pad + 2), dtype=torch.float32, device=query.device)
+        part_acc, part_max, part_sum = partials.split([partials.numel() - 2 * parts * batch * num_heads,
+                                                       parts * batch * num_heads, parts * batch * num_heads])
+        counters = split_counters(query.device, batch * num_kv_heads)
+    _decode_kernel[(num_kv_heads, batch, parts)](
+        out, query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc, counters,
+        scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_kv_heads, parts,
+        partition, GROUP=group, GROUP_PAD=group_pad, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=partition > 0, MERGE_CHUNK=8,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=config.num_warps, num_stages=stages)

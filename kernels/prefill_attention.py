@@ -1,0 +1,155 @@
+"""Prefill attention over a paged KV cache (Triton): causal attention for a batch of variable-length query
+chunks whose keys are the sequence's cached tokens (a prefix-cache hit, earlier chunks) followed by the chunk
+itself, all read from the block table (the chunk's K/V were stored by ``store_kv`` just before).
+
+Causality is aligned bottom-right: in a sequence with ``ctx`` tokens after this pass and a chunk of ``q``
+queries, query ``i`` (0-based within the chunk) sits at position ``ctx - q + i`` and sees keys
+``0 .. ctx - q + i``. Plain prefill (``q == ctx``), prefix hits and chunked prefill are the same kernel.
+
+Grid: (query head, query tile). Sequence ``b``'s tiles are numbered from ``cu[b] // BLOCK_M + b``, which bounds
+the tile count by ``num_tokens // BLOCK_M + num_seqs`` without reading the device; each program finds its
+sequence by binary search over ``cu_seqlens_q`` and exits if its tile is past the chunk's end. Tiles with the
+most keys are launched first (reverse order) so the causal tail does not run alone at the end.
+
+Per tile, keys before ``prefix + first row`` are visible to every row and run unmasked; only the last
+``BLOCK_M + BLOCK_N`` keys (the diagonal) pay for the causal mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Launch parameters (tuned by benchmarks/prefill_kernel.py --sweep; see docs/KERNELS_NOTES.md)."""
+
+    block_m: int = 128  # query rows per program
+    block_n: int = 128  # key positions per loop step
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+CONFIG = PrefillConfig()
+
+
+@triton.jit
+def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """Largest b with ``cu[b] // BLOCK_M + b <= tile`` (binary search; the left side grows with b)."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.zeros([], tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = tl.load(cu_ptr + mid) // BLOCK_M + mid <= tile
+        lo = tl.where(fits, mid, lo)
+        hi = tl.where(fits, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
+                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
+    ``<= prefix + r`` and no key at or past ``ctx`` is loaded."""
+    in_context = pos < ctx
+    offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head, BLOCK_SIZE,
+                           in_context)
+    if MASKED:
+        kv_mask = in_context[:, None]
+        if HEAD_DIM != HEAD_PAD:
+            kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM != HEAD_PAD:
+        k = tl.load(k_ptr + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(v_ptr + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:  # every key of the tile is visible to every row: plain wide loads
+        k = tl.load(k_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = (pos[None, :] <= prefix + rows[:, None]) & in_context[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    alpha = tl.exp2(row_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_token, stride_head,
+                    stride_table, num_seqs, num_tiles,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    head = tl.program_id(0)
+    tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
+    seq = _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M)
+    seq_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - seq_start
+    first_row = (tile - seq_start // BLOCK_M - seq) * BLOCK_M
+    if first_row < q_len:
+        ctx = tl.load(ctx_ptr + seq)
+        prefix = ctx - q_len
+        kv_head = head // GROUP
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        dims = tl.arange(0, HEAD_PAD)
+        io_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
+                    mask=io_mask, other=0.0)
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        table_row = table_ptr + seq.to(tl.int64) * stride_table
+        unmasked_end = (prefix + first_row) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+        for start in range(0, unmasked_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
+                stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, False, HEAD_DIM, HEAD_PAD,
+                DOT_PRECISION)
+        diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
+        for start in range(unmasked_end, diagonal_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
+                stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, True, HEAD_DIM, HEAD_PAD,
+                DOT_PRECISION)
+        out = acc / row_sum[:, None]
+        tl.store(out_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float, *, config: PrefillConfig | None = None) -> None:
+    """Same contract as ``reference.prefill_attention``. No device sync: the grid is sized from the number
+    of query tokens and sequences, both known on the host."""
+    config = config or CONFIG
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
+    assert query.stride(-1) == 1 and out.stride(-1) == 1
+    num_tiles = num_tokens // config.block_m + num_seqs
+    head_pad = triton.next_power_of_2(head_dim)
+    block_n, stages = fit_shared_memory(config.block_n, config.num_stages, config.block_m, head_pad,
+                                        query.element_size())
+    _prefill_kernel[(num_heads, num_tiles)](
+        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_seqs, num_tiles,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=config.num_warps, num_stages=stages)

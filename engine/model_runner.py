@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import nn
 
-import kernels
+from kernels import ops as kernel_ops
 from engine.config import EngineConfig
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.sampler import Sampler, SamplerOutput
@@ -80,7 +80,7 @@ class ModelRunner:
         """Forward pass over ``batch``; samples one token for each entry whose chunk ends its tokens."""
         if batch.block_copies:
             mapping = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
-            kernels.copy_blocks(self.k_caches, self.v_caches, mapping)
+            kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
         input_ids, positions, metadata, sample_rows = self._prepare(batch)
         with forward_context(metadata):
             hidden = self.model(input_ids, positions)

@@ -5,12 +5,16 @@ the Triton kernels (paged_attention.py, prefill_attention.py, cache_ops.py) run 
 CUDA. ``PAGEDCHAT_KERNELS``: ``auto`` (default), ``reference`` (always the reference) or ``triton`` (always
 Triton; with CPU tensors on a machine without CUDA that is Triton's interpreter: slow, for tests). Triton is
 imported on first use, so a CPU-only install runs without it and ``TRITON_INTERPRET`` is set before it loads.
+
+The dispatchers live in ``kernels.ops`` (``kernels.ops.paged_attention(...)``), not as package attributes:
+importing the submodule ``kernels.paged_attention`` rebinds the package attribute of that name to the module.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -29,11 +33,7 @@ _TRITON_MODULE = {"store_kv": "cache_ops", "copy_blocks": "cache_ops", "swap_blo
 def _triton_kernel(name: str) -> Callable:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's first import
-    module = importlib.import_module(f"kernels.{_TRITON_MODULE[name]}")
-    # importing the submodule kernels.paged_attention rebinds that package attribute to the module, over
-    # the dispatcher of the same name: put the dispatchers back
-    globals().update(_DISPATCHERS)
-    return getattr(module, name)
+    return getattr(importlib.import_module(f"kernels.{_TRITON_MODULE[name]}"), name)
 
 
 def _dispatch(name: str) -> Callable:
@@ -48,11 +48,6 @@ def _dispatch(name: str) -> Callable:
     return kernel
 
 
-store_kv = _dispatch("store_kv")
-paged_attention = _dispatch("paged_attention")
-prefill_attention = _dispatch("prefill_attention")
-copy_blocks = _dispatch("copy_blocks")
-swap_blocks = _dispatch("swap_blocks")
-_DISPATCHERS = {name: globals()[name] for name in _TRITON_MODULE}
+ops = SimpleNamespace(**{name: _dispatch(name) for name in _TRITON_MODULE})
 
-__all__ = ["store_kv", "paged_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
+__all__ = ["ops"]

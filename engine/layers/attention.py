@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+from kernels import ops as kernel_ops
 from engine.forward_context import get_attention_metadata
 
 
@@ -20,13 +20,13 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, head_dim]``, ``k``/``v`` ``[T, kv_heads, head_dim]`` -> ``[T, heads * head_dim]``."""
         meta = get_attention_metadata()
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kernel_ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            kernels.paged_attention(out[:nd], q[:nd], self.k_cache, self.v_cache,
+            kernel_ops.paged_attention(out[:nd], q[:nd], self.k_cache, self.v_cache,
                                     meta.block_tables[:nd], meta.context_lens[:nd], self.scale)
         if nd < q.shape[0]:
-            kernels.prefill_attention(out[nd:], q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
+            kernel_ops.prefill_attention(out[nd:], q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
                                       meta.prefill_cu_seqlens_q, meta.context_lens[nd:], self.scale)
         return out.view(q.shape[0], -1)

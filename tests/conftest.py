@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # any Triton kernel imported in a CPU test session runs in the interpreter (must precede triton's import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.config import EngineConfig
 from engine.loader import ensure_default_model
 

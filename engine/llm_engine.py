@@ -151,11 +151,10 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none runnable")
             return []
         sampled = self.runner.execute(batch)
-        sampling_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples()) if samples]
         self.scheduler.advance(batch)
         self.counters.steps += 1
         outputs = []
-        for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
+        for seq, token_id, logprobs in zip(batch.sampling_seqs, sampled.token_ids, sampled.logprobs):
             request = self._requests[seq.request_id]
             seq.append_token(token_id)
             if logprobs is not None:
@@ -164,7 +163,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
             outputs.append(self._emit(request))
-        self.counters.generation_tokens += len(sampling_seqs)
+        self.counters.generation_tokens += len(batch.sampling_seqs)
         return outputs
 
     def _stop_status(self, seq: Sequence, token_id: int, detok: IncrementalDetokenizer | None

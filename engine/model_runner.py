@@ -88,8 +88,7 @@ class ModelRunner:
             return SamplerOutput(token_ids=[], logprobs=[])
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows]).float()
-        sampled = [seq for seq, samples in zip(batch.seqs, batch.samples()) if samples]
-        return self.sampler(logits, sampled, self.config.eos_token_ids)
+        return self.sampler(logits, batch.sampling_seqs, self.config.eos_token_ids)
 
     def _prepare(self, batch: ScheduledBatch
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

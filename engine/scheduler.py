@@ -26,6 +26,13 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
     preempted: list[Sequence] = field(default_factory=list)
+    # entries whose chunk reaches their last token, so the pass samples a new token for them (in order);
+    # fixed at scheduling, before the pass advances num_computed_tokens
+    sampling_seqs: list[Sequence] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_seqs = [seq for seq, n in zip(self.seqs, self.num_new_tokens)
+                              if seq.num_computed_tokens + n == seq.num_tokens]
 
     @property
     def num_decodes(self) -> int:
@@ -36,13 +43,6 @@ class ScheduledBatch:
             count += 1
         return count
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def samples(self) -> list[bool]:
-        """Whether each entry's chunk reaches its last token (so a new token is sampled)."""
-        return [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens)]
 
 
 class Scheduler:

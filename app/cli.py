@@ -1,7 +1,8 @@
-"""Command line: ``pagedchat chat`` (also ``python -m app chat``), a streaming terminal chat on the engine.
+"""Command line: ``pagedchat serve`` (the HTTP server) and ``pagedchat chat`` (a streaming terminal chat on
+the engine); also ``python -m app ...``.
 
-Every EngineConfig option is a flag (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``), generated
-from the dataclass so nothing the engine offers is out of reach.
+Every EngineConfig and ServerSettings option is a flag (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``),
+generated from the dataclasses so nothing the engine or server offers is out of reach.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from app.settings import ServerSettings
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
@@ -20,10 +22,12 @@ _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device"
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    defaults = EngineConfig.__dataclass_fields__
-    for field in dataclasses.fields(EngineConfig):
-        if field.name in _DERIVED:
+    _add_dataclass_options(parser.add_argument_group("engine"), EngineConfig, _DERIVED)
+
+
+def _add_dataclass_options(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> None:
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -31,7 +35,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             group.add_argument(flag, type=_value_type(str(field.type)), default=default,
-                               metavar=field.name.upper(), help=f"default: {_shown(default, defaults[field.name])}")
+                               metavar=field.name.upper(), help=f"default: {_shown(default, field)}")
 
 
 def _value_type(annotation: str) -> type:
@@ -43,14 +47,24 @@ def _shown(default: Any, field: dataclasses.Field) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-               if f.name not in _DERIVED and getattr(args, f.name) is not None}
-    return EngineConfig(**options)
+    return EngineConfig(**_given(args, EngineConfig, _DERIVED))
+
+
+def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(engine=engine_config_from_args(args), **_given(args, ServerSettings, {"engine"}))
+
+
+def _given(args: argparse.Namespace, cls: type, skip: set[str]) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if f.name not in skip and getattr(args, f.name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedchat", description="Self-hosted LLM chat on a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible API, sessions, chat UI")
+    _add_dataclass_options(serve.add_argument_group("server"), ServerSettings, {"engine"})
+    add_engine_options(serve)
     chat = sub.add_parser("chat", help="stream a chat with the model in this terminal")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=256)
@@ -93,6 +107,23 @@ async def _stream_reply(engine: Any, prompt_ids: list[int], params: SamplingPara
     return out.text
 
 
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server import create_app
+
+    try:
+        settings = server_settings_from_args(args)
+    except ValueError as exc:
+        print(f"pagedchat: {exc}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, log_config=None)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1  # a failed start-up (model, Redis) exits non-zero
+
+
 def _read_line() -> str | None:
     if sys.stdin.isatty():
         print("> ", end="", flush=True, file=sys.stderr)
@@ -103,6 +134,8 @@ def _read_line() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
     try:
         config = engine_config_from_args(args)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any, Sequence as SequenceOf
 
 from engine.config import EngineConfig
@@ -42,6 +41,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
+        self._queued: set[str] = set()
 
     async def start(self) -> None:
         """Load the model and size the KV cache (off the event loop), then start the engine thread."""
@@ -71,35 +71,36 @@ class AsyncEngine:
             raise EngineDeadError("engine not started")
         return self._stats
 
-    async def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                       request_id: str | None = None, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (deltas) until one has ``finished``; ValueError on bad input."""
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted that have not produced their first output yet (waiting or in prefill)."""
+        return len(self._queued)
+
+    def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
+                 request_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
+        """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
+        outputs (deltas) until one has ``finished``. Closing the stream early aborts the request."""
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
+        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue_
+        self._queued.add(request_id)
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
+        return RequestStream(self, request_id, queue_)
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream receives a final output with finish_reason ``abort``."""
         self._inbox.put(("abort", request_id))
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """A stream is done with (read to the end, closed or dropped): forget it, abort if unfinished."""
+        self._streams.pop(request_id, None)
+        self._queued.discard(request_id)
+        if not finished:
+            self._inbox.put(("abort", request_id))
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -157,6 +158,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            self._queued.discard(output.request_id)
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put_nowait(output)
@@ -173,3 +175,44 @@ class AsyncEngine:
             error.__cause__ = exc
         for stream in self._streams.values():
             stream.put_nowait(error)
+
+
+class RequestStream:
+    """One request's outputs as an async iterator. The request is already submitted; reading to the final
+    output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 queue_: asyncio.Queue[RequestOutput | BaseException]) -> None:
+        self.request_id = request_id
+        self._engine: AsyncEngine | None = engine
+        self._queue = queue_
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._engine is None:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the request must not outlive its consumer
+            self._close(finished=False)
+            raise
+        if isinstance(item, BaseException):
+            self._close(finished=True)
+            raise item
+        if item.finished:
+            self._close(finished=True)
+        return item
+
+    async def aclose(self) -> None:
+        self._close(finished=False)
+
+    def _close(self, finished: bool) -> None:
+        if self._engine is not None:
+            self._engine._release(self.request_id, finished)
+            self._engine = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_engine", None) is not None:
+            self._engine._release(self.request_id, finished=False)  # the inbox is thread-safe

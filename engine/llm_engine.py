@@ -49,6 +49,7 @@ class RequestOutput:
     stop_reason: int | str | None  # the stop token id or stop string, when one ended the request
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
 
     @property
     def usage(self) -> Usage:
@@ -202,6 +203,7 @@ class LLMEngine:
             token_ids_delta=delta_ids, logprobs=request.logprobs, logprobs_delta=logprobs_delta,
             finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
         )
 
     def stats(self) -> EngineStats:

@@ -9,6 +9,7 @@ hit the prefix cache.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,6 +105,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = num_new

@@ -47,6 +47,7 @@ class Sequence:
     params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when first admitted to the running batch (queue time ends)
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

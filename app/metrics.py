@@ -1,0 +1,106 @@
+"""Prometheus exposition (``/metrics``) with vLLM's metric semantics under ``pagedchat:`` names, and ``/health``.
+
+Engine-wide numbers (running/waiting, KV usage, prefix-cache queries and hits, token counts, finished
+requests, preemptions) are read from the engine's stats snapshot at scrape time, so they can never drift
+from the engine; per-request latencies are histograms the serving path observes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.metrics import EngineStats
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram("pagedchat:time_to_first_token_seconds", "Time to first token (server arrival to "
+                              "first token sent).", labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pagedchat:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagedchat:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("pagedchat:request_queue_time_seconds", "Time a request waited before it "
+                                    "was first scheduled.", labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    def observe_first_token(self, seconds: float, queue_time: float | None) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+        if queue_time is not None:
+            self.queue_time.labels(self.model_name).observe(queue_time)
+
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived ``seconds`` after the previous ones: one interval per token."""
+        for _ in range(num_tokens):
+            self.itl.labels(self.model_name).observe(seconds / num_tokens)
+
+    def observe_finished(self, seconds: float) -> None:
+        self.e2e.labels(self.model_name).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # collected at scrape time only (the engine may not be started yet)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        label = [self._model_name]
+        yield _gauge("num_requests_running", "Requests in the running batch.", stats.num_running, label)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting, label)
+        yield _gauge("kv_cache_usage_perc", "Share of KV blocks referenced by a request (1 = full).",
+                     stats.kv_usage, label)
+        yield _gauge("kv_cache_blocks", "KV blocks in the pool.", stats.num_blocks, label)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_queries, label)
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits, label)
+        yield _counter("prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens, label)
+        yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens, label)
+        yield _counter("num_preemptions", "Requests preempted (recomputed later).", stats.preemptions, label)
+        success = CounterMetricFamily("pagedchat:request_success", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, count in sorted(stats.finished.items()):
+            success.add_metric([self._model_name, reason], count)
+        yield success
+
+
+def _gauge(name: str, doc: str, value: float, label: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"pagedchat:{name}", doc, labels=["model_name"])
+    family.add_metric(label, value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float, label: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"pagedchat:{name}", doc, labels=["model_name"])
+    family.add_metric(label, value)
+    return family
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(request.app.state.server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def health_endpoint(request: Request) -> JSONResponse:
+    """200 while the engine thread is alive; 503 once it failed or stopped (load balancers drain us)."""
+    healthy = request.app.state.server.engine.healthy
+    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)

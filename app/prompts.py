@@ -1,0 +1,48 @@
+"""Prompt rendering and tokenization, off the event loop: the one chat-template path of the server.
+
+The renderer owns a private copy of the tokenizer used from one worker thread only, so a long prompt never
+blocks the event loop and the engine thread's detokenizer never shares a (not thread-safe) Rust tokenizer.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedchat-tokenizer")
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ending with the assistant's
+        generation prompt."""
+        return await self._run(self._render_chat, messages)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self._tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(self._tokenizer.decode, token_ids, skip_special_tokens=False)
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return await self._run(self.tokens_as_text, token_ids)
+
+    def tokens_as_text(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (byte-level BPE pieces decoded one by one), as OpenAI's logprobs show it."""
+        return [self._tokenizer.decode([token_id]) for token_id in token_ids]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))

@@ -1,0 +1,68 @@
+"""Reading a request: the body under a size cap, parsed into a pydantic model (413 / 400 otherwise), and
+running a handler's work only as long as its client is still connected."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from app.errors import APIError
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; its request was aborted."""
+
+
+async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
+    body = await read_body(request, max_bytes)
+    if not body.strip():
+        raise APIError.bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise APIError.from_validation_error(exc) from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a lying or absent Content-Length is caught while reading
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"request body: larger than the server's limit of {max_bytes} bytes",
+                    code="request_too_large")
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts its engine request)
+    and raise ClientDisconnected. For non-streaming answers, whose handler would otherwise run to the end."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,118 @@
+"""The serving path shared by every endpoint that generates: admission (503 when the engine is down, 429 when
+the queue is full, 400 for requests the engine refuses), and per-request latency metrics."""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from app.errors import APIError, EngineUnavailable
+from app.metrics import ServerMetrics
+from app.prompts import PromptRenderer
+from app.settings import ServerSettings
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_RETRY_AFTER_S = "1"
+
+
+@dataclass(slots=True, eq=False)
+class Serving:
+    """What a request handler needs, kept on ``app.state.server``."""
+
+    settings: ServerSettings
+    engine: AsyncEngine
+    prompts: PromptRenderer
+    metrics: ServerMetrics
+    model_name: str
+    started: int = 0  # unix time the server came up (the model card's "created")
+    sessions: Any = None  # the session store (app/sessions.py) with its API's helpers
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"model: {requested!r} is not served here (this server serves "
+                                f"{self.model_name!r})", param="model", code="model_not_found")
+
+    def cache_salt(self, request: Request, requested: str | None) -> str | None:
+        """The salt that keys a request's prefix blocks: with ``tenant_salt_from_api_key`` each API key is
+        its own tenant, whose blocks no other key's requests can hit (a per-request salt narrows further)."""
+        if not self.settings.tenant_salt_from_api_key:
+            return requested
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return f"{tenant}/{requested}" if requested is not None else tenant
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+               arrival: float) -> TimedStream:
+        """Hand the request to the engine now, or raise the APIError that says why not."""
+        if not self.engine.healthy:
+            raise EngineUnavailable()
+        if self.engine.num_queued >= self.settings.max_queue:
+            raise APIError(429, f"the server is busy: {self.engine.num_queued} requests are waiting; retry "
+                                "shortly", code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})
+        try:
+            stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt)
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the engine is not running: {exc}") from None
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+        return TimedStream(stream, self.metrics, arrival)
+
+
+class TimedStream:
+    """A RequestStream that records time to first token, inter-token latency, end-to-end latency and queue
+    time into the server's histograms."""
+
+    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float) -> None:
+        self.stream = stream
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self.stream:
+                self._observe(output)
+                yield output
+        finally:
+            await self.stream.aclose()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    def _observe(self, output: RequestOutput) -> None:
+        now, count = time.monotonic(), len(output.token_ids_delta)
+        if count and self.first_token_time is None:
+            self.first_token_time = self._last = now
+            self._metrics.observe_first_token(now - self._arrival, output.queue_time)
+            count -= 1
+        if count:
+            self._metrics.observe_tokens(now - self._last, count)
+            self._last = now
+        if output.finished:
+            self._metrics.observe_finished(now - self._arrival)
+
+    async def collect(self) -> RequestOutput:
+        """Read to the end; the final output carries the whole text and token ids."""
+        final = None
+        async for output in self:
+            final = output
+        assert final is not None and final.finished
+        return final

@@ -1,0 +1,45 @@
+"""The one SSE writer: JSON chunks as ``data:`` events, then ``data: [DONE]``.
+
+An error after the stream has started cannot change the HTTP status any more, so it is sent as an error
+event in the OpenAI error shape, followed by ``[DONE]``. A client that disconnects cancels the producer,
+which aborts its engine request (its KV blocks are free at the next engine step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+
+from app.errors import APIError, EngineUnavailable
+from engine.async_engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_PING_S = 15  # keeps proxies from closing a stream that is waiting in the queue
+
+
+def sse_response(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None
+                 ) -> EventSourceResponse:
+    return EventSourceResponse(_events(chunks), ping=_PING_S, sep="\n",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+
+async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    try:
+        async for chunk in chunks:
+            yield {"data": dumps(chunk)}
+    except APIError as exc:
+        yield {"data": dumps(exc.body())}
+    except EngineDeadError as exc:
+        yield {"data": dumps(EngineUnavailable(f"the engine stopped: {exc}").body())}
+    except Exception as exc:  # noqa: BLE001 - the client must hear of it; the log keeps the trace
+        logger.exception("stream failed")
+        yield {"data": dumps(APIError(500, f"internal error: {exc!r}").body())}
+    yield {"data": "[DONE]"}
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -12,7 +12,8 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import openai_api, sessions_api
@@ -27,6 +28,8 @@ from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedchat")
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 OPERATIONS = [
     Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
@@ -47,6 +50,8 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
+    if WEB_DIR.is_dir():  # the browser UI: static files, no build step
+        routes.append(Mount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
         APIError: api_error_handler, HTTPException: http_error_handler})

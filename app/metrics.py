@@ -6,6 +6,7 @@ from the engine; per-request latencies are histograms the serving path observes.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -101,6 +102,19 @@ async def metrics_endpoint(request: Request) -> Response:
 
 
 async def health_endpoint(request: Request) -> JSONResponse:
-    """200 while the engine thread is alive; 503 once it failed or stopped (load balancers drain us)."""
-    healthy = request.app.state.server.engine.healthy
-    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+    """200 while the engine thread is alive; 503 once it failed or stopped (load balancers drain us). The
+    session store's state is reported but does not fail the check: stateless routes still serve without it."""
+    server = request.app.state.server
+    healthy = server.engine.healthy
+    return JSONResponse({"status": "ok" if healthy else "unhealthy", "sessions": await _store_state(server.sessions)},
+                        status_code=200 if healthy else 503)
+
+
+async def _store_state(store) -> str:
+    if store is None:
+        return "starting"
+    try:
+        await asyncio.wait_for(store.ping(), timeout=1.0)
+    except Exception:  # noqa: BLE001 - any failure means unavailable here
+        return "unavailable"
+    return "redis" if store.durable else "memory"

@@ -36,6 +36,10 @@ class PromptRenderer:
         """Each token's own text (byte-level BPE pieces decoded one by one), as OpenAI's logprobs show it."""
         return [self._tokenizer.decode([token_id]) for token_id in token_ids]
 
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(tokenizer, *args)`` on the tokenizer thread (for multi-step work such as app/conversation.py)."""
+        return await self._run(fn, self._tokenizer, *args)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -170,3 +170,40 @@ def _as_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+# sessions -----------------------------------------------------------------------------------------------
+
+
+class CreateSessionRequest(_Model):
+    system: str | None = Field(default=None, description="system prompt (or use a preset)")
+    preset: str | None = Field(default=None, description="name of a preset whose system prompt to use")
+    title: str | None = Field(default=None, max_length=200)
+    cache_salt: str | None = Field(default=None, description="this session's prefix blocks are shared only with "
+                                   "requests carrying the same salt")
+
+    @model_validator(mode="after")
+    def _one_system(self) -> CreateSessionRequest:
+        if self.system is not None and self.preset is not None:
+            raise ValueError("preset: give a system prompt or a preset, not both")
+        return self
+
+
+class UpdateSessionRequest(_Model):
+    title: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class SessionMessageRequest(SamplingFields):
+    content: str | None = Field(default=None, description="the user's message")
+    regenerate: bool = Field(default=False, description="drop the last reply and answer the last message again")
+
+    @model_validator(mode="after")
+    def _content_or_regenerate(self) -> SessionMessageRequest:
+        if self.regenerate == (self.content is not None):
+            raise ValueError("content: give the message's content, or regenerate=true without content")
+        return self
+
+
+class CreatePresetRequest(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    system: Annotated[str, Field(min_length=1)]

@@ -2,6 +2,7 @@
 sizing, a warm-up request) and the session store, and stops them on shutdown."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -23,6 +24,7 @@ from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import PromptRenderer
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.serving import Serving
+from app.sessions import SessionStoreUnavailable
 from app.settings import ServerSettings
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
@@ -54,7 +56,8 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
         routes.append(Mount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
-        APIError: api_error_handler, HTTPException: http_error_handler})
+        APIError: api_error_handler, HTTPException: http_error_handler,
+        SessionStoreUnavailable: sessions_api.store_unavailable_handler})
     app.state.settings = settings
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
     return app
@@ -72,11 +75,13 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     app.state.server = server
     try:
         await _warm_up(engine)
-        server.sessions = await sessions_api.open_sessions(server)
+        await sessions_api.open_sessions(server)
         base = f"http://{_display_host(settings.host)}:{settings.port}"
         logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
         yield
     finally:
+        if server.background:  # turns being stored
+            await asyncio.wait(server.background, timeout=10)
         if server.sessions is not None:
             await server.sessions.close()
         await engine.stop()

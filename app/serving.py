@@ -2,10 +2,11 @@
 the queue is full, 400 for requests the engine refuses), and per-request latency metrics."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -31,7 +32,9 @@ class Serving:
     metrics: ServerMetrics
     model_name: str
     started: int = 0  # unix time the server came up (the model card's "created")
-    sessions: Any = None  # the session store (app/sessions.py) with its API's helpers
+    sessions: Any = None  # the SessionStore (app/sessions.py)
+    preset_pins: dict[str, tuple[int, int]] = field(default_factory=dict)  # preset -> (tokens, pinned blocks)
+    background: set[asyncio.Task] = field(default_factory=set)  # e.g. turns being stored after their stream
 
     @property
     def max_model_len(self) -> int:
@@ -75,9 +78,13 @@ class TimedStream:
     def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float) -> None:
         self.stream = stream
         self._metrics = metrics
-        self._arrival = arrival
-        self._last: float | None = None
+        self.arrival = arrival
+        self.last_token_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_output: RequestOutput | None = None
+        # called once when the stream ends for any reason (finished, error, cancelled, closed unread): must
+        # not block (it may run inside a cancelled task); sessions store the turn from it
+        self.on_end: Callable[[TimedStream], None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -90,24 +97,32 @@ class TimedStream:
         try:
             async for output in self.stream:
                 self._observe(output)
+                self.last_output = output
                 yield output
         finally:
             await self.stream.aclose()
+            self._ended()
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+        self._ended()
+
+    def _ended(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(self)
 
     def _observe(self, output: RequestOutput) -> None:
         now, count = time.monotonic(), len(output.token_ids_delta)
         if count and self.first_token_time is None:
-            self.first_token_time = self._last = now
-            self._metrics.observe_first_token(now - self._arrival, output.queue_time)
+            self.first_token_time = self.last_token_time = now
+            self._metrics.observe_first_token(now - self.arrival, output.queue_time)
             count -= 1
         if count:
-            self._metrics.observe_tokens(now - self._last, count)
-            self._last = now
+            self._metrics.observe_tokens(now - self.last_token_time, count)
+            self.last_token_time = now
         if output.finished:
-            self._metrics.observe_finished(now - self._arrival)
+            self._metrics.observe_finished(now - self.arrival)
 
     async def collect(self) -> RequestOutput:
         """Read to the end; the final output carries the whole text and token ids."""

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Sequence as SequenceOf
+from typing import Any, Callable, Sequence as SequenceOf, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -22,6 +22,7 @@ from engine.metrics import EngineStats
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _STATS_PERIOD_S = 0.05  # stats snapshots are refreshed at most this often while busy (and when idle)
 
@@ -42,6 +43,7 @@ class AsyncEngine:
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
         self._queued: set[str] = set()
+        self._calls: set[asyncio.Future] = set()  # call()s not answered yet (failed if the engine dies)
 
     async def start(self) -> None:
         """Load the model and size the KV cache (off the event loop), then start the engine thread."""
@@ -91,6 +93,28 @@ class AsyncEngine:
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
         return RequestStream(self, request_id, queue_)
 
+    async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
+                         max_pinned_blocks: int = 0) -> int:
+        """Compute ``token_ids`` once (a one-token request) and pin their full blocks against eviction, so
+        every later request starting with them hits the cache; returns the number of blocks pinned."""
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        async for _ in self.generate(token_ids, params, request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
+                                     cache_salt=cache_salt):
+            pass
+        return await self.call(lambda engine: engine.pin_prefix(pin_id, token_ids, cache_salt, max_pinned_blocks))
+
+    async def unpin_prefix(self, pin_id: str) -> None:
+        await self.call(lambda engine: engine.unpin_prefix(pin_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps (the only thread that may touch it)."""
+        self._check_alive()
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
+        self._inbox.put(("call", fn, future))
+        return await future
+
     async def abort(self, request_id: str) -> None:
         """End a request; its stream receives a final output with finish_reason ``abort``."""
         self._inbox.put(("abort", request_id))
@@ -134,6 +158,8 @@ class AsyncEngine:
                 return False
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 aborted = self.engine.abort_request(command[1])
                 if aborted is not None:
@@ -144,6 +170,15 @@ class AsyncEngine:
             self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
             self._loop.call_soon_threadsafe(self._deliver_error, request_id, exc)
+
+    def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - the caller's problem, raised in the caller
+            self._loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            self._loop.call_soon_threadsafe(_settle, future, result, None)
+        self._refresh_stats(force=True)
 
     def _refresh_stats(self, force: bool) -> None:
         now = time.monotonic()
@@ -175,6 +210,17 @@ class AsyncEngine:
             error.__cause__ = exc
         for stream in self._streams.values():
             stream.put_nowait(error)
+        for future in list(self._calls):
+            _settle(future, None, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class RequestStream:

@@ -114,7 +114,8 @@ class BlockStats:
     num_blocks: int
     num_free_blocks: int  # ref count 0 (some still hold a hash and can be hit)
     num_cached_blocks: int  # in the hash map
-    usage: float  # share of blocks referenced by a sequence
+    num_pinned_blocks: int  # held by pins (shared system prompts), not evictable
+    usage: float  # share of blocks referenced by a sequence (pins alone do not count)
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of those, tokens found in the cache
     evictions: int
@@ -130,6 +131,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.holders: dict[int, Sequence] = {}  # seq_id -> sequence with a non-empty block table
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), drained by the scheduler
+        self.pins: dict[str, list[int]] = {}  # pin id -> cached blocks it holds one reference to each
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -243,6 +245,32 @@ class BlockManager:
         seq.num_registered_blocks = 0
         self.holders.pop(seq.seq_id, None)
 
+    def pin(self, pin_id: str, block_hashes: list[bytes], max_pinned_blocks: int) -> int:
+        """Hold the cached head run of ``block_hashes`` against eviction (a shared system prompt): each block
+        gets one more reference, so it never enters the free queue while pinned. Pins never exceed
+        ``max_pinned_blocks`` in all; returns the number of blocks pinned (0 when over the cap)."""
+        self.unpin(pin_id)
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.pool.cached.get(block_hash) if self.enable_prefix_caching else None
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks or self.num_pinned_blocks + len(blocks) > max_pinned_blocks:
+            return 0
+        for block in blocks:
+            self.pool.acquire(block)
+        self.pins[pin_id] = [block.block_id for block in blocks]
+        return len(blocks)
+
+    def unpin(self, pin_id: str) -> None:
+        for block_id in reversed(self.pins.pop(pin_id, [])):  # tail first, as sequences free theirs
+            self.pool.release(self.pool.blocks[block_id])
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(ids) for ids in self.pins.values())
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -252,17 +280,27 @@ class BlockManager:
 
     def stats(self) -> BlockStats:
         used_blocks = self.num_blocks - self.pool.num_free
+        pinned_only = self._pinned_only_blocks()
         return BlockStats(
             num_blocks=self.num_blocks,
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=len(self.pool.cached),
-            usage=used_blocks / self.num_blocks,
+            num_pinned_blocks=self.num_pinned_blocks,
+            usage=(used_blocks - pinned_only) / self.num_blocks,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             evictions=self.pool.num_evictions,
-            allocated_slots=used_blocks * self.block_size,
+            allocated_slots=(used_blocks - pinned_only) * self.block_size,
             used_slots=self._used_slots(),
         )
+
+    def _pinned_only_blocks(self) -> int:
+        """Pinned blocks no sequence references (their ref count is their pin count)."""
+        pin_refs: dict[int, int] = {}
+        for block_ids in self.pins.values():
+            for block_id in block_ids:
+                pin_refs[block_id] = pin_refs.get(block_id, 0) + 1
+        return sum(1 for block_id, n in pin_refs.items() if self.pool.blocks[block_id].ref_count == n)
 
     def _used_slots(self) -> int:
         """Slots holding a token's KV; a shared block counts once, as full as its fullest holder."""

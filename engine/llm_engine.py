@@ -50,6 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
+    block_hashes: list[str] | None = None  # on the final output: hex hashes of the full blocks of prompt + output
 
     @property
     def usage(self) -> Usage:
@@ -204,14 +205,34 @@ class LLMEngine:
             finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
             queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
+            block_hashes=self._block_hashes(seq) if finished else None,
         )
+
+    def _block_hashes(self, seq: Sequence) -> list[str]:
+        self.block_manager.update_block_hashes(seq)
+        return [h.hex() for h in seq.block_hashes]
+
+    # pinned prefixes --------------------------------------------------------------------------------
+
+    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None,
+                   max_pinned_blocks: int) -> int:
+        """Pin the cached full blocks of ``token_ids`` (computed by an earlier request) against eviction;
+        returns how many were pinned (0 when caching is off, they were evicted, or over the cap)."""
+        probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
+                         cache_salt=cache_salt)
+        self.block_manager.update_block_hashes(probe)
+        return self.block_manager.pin(pin_id, probe.block_hashes, max_pinned_blocks)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        self.block_manager.unpin(pin_id)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
-            num_cached_blocks=blocks.num_cached_blocks, prefix_queries=blocks.prefix_queries,
+            num_cached_blocks=blocks.num_cached_blocks, num_pinned_blocks=blocks.num_pinned_blocks,
+            prefix_queries=blocks.prefix_queries,
             prefix_hits=blocks.prefix_hits, evictions=blocks.evictions,
             preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
             kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,

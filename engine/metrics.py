@@ -23,6 +23,7 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
+    num_pinned_blocks: int  # held for shared system prompts (not evictable)
     prefix_queries: int  # tokens looked up in the prefix cache
     prefix_hits: int  # tokens found
     evictions: int  # cached blocks reused for other tokens

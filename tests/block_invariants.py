@@ -118,6 +118,9 @@ def check_pool(bm: BlockManager, seqs: list[Sequence]) -> None:
         for block_id in seq.block_table:
             refs[block_id] += 1
         assert len(seq.block_table) * bs >= seq.num_computed_tokens
+    for block_ids in bm.pins.values():  # a pin holds one reference to each of its blocks
+        for block_id in block_ids:
+            refs[block_id] += 1
     assert [b.ref_count for b in pool.blocks] == refs, "ref counts differ from the block tables"
     for block_id, block in pool.free_queue.items():
         assert block is pool.blocks[block_id]

@@ -234,6 +234,45 @@ def test_prefix_caching_off_never_hits() -> None:
     assert hit_count(bm, list(range(9))) == 0 and bm.stats().num_cached_blocks == 0
 
 
+def test_pinned_blocks_survive_eviction_pressure_until_unpinned() -> None:
+    bm = make_bm(4)
+    preset = make_seq(0, list(range(9)))  # two full blocks (cached) and one partial
+    run_prompt(bm, preset)
+    head, second, _ = preset.block_table
+    bm.free(preset)
+    chain = reference_chain("sha256", reference_root("sha256", MODEL, SEED), list(range(9)), None, BS)
+    assert bm.pin("preset:a", chain, max_pinned_blocks=2) == 2
+    check_pool(bm, [])
+    assert bm.num_free_blocks == 2 and bm.stats().num_pinned_blocks == 2
+    assert bm.stats().usage == 0.0  # pins alone are not requests' usage
+    other = make_seq(1, list(range(100, 108)))  # takes both free blocks; the pinned ones are untouchable
+    run_prompt(bm, other)
+    assert set(other.block_table).isdisjoint({head, second})
+    assert not bm.allocate(make_seq(2, [7]), 1)  # nothing left to evict
+    assert hit_count(bm, list(range(9))) == 2
+    session = make_seq(3, list(range(8)) + [42])  # a hit shares the pinned blocks
+    bm.free(other)
+    assert admit(bm, session) == [head, second]
+    check_pool(bm, [session])
+    bm.free(session)
+    bm.unpin("preset:a")
+    check_pool(bm, [])
+    assert bm.num_free_blocks == 4 and hit_count(bm, list(range(9))) == 2  # unpinned: cached, evictable
+
+
+def test_pins_are_capped_and_stop_at_the_first_uncached_block() -> None:
+    bm = make_bm(8)
+    running = make_seq(0, list(range(12)))
+    run_prompt(bm, running)
+    chain = reference_chain("sha256", reference_root("sha256", MODEL, SEED), list(range(16)), None, BS)
+    assert bm.pin("a", chain, max_pinned_blocks=2) == 0  # 3 cached blocks would exceed the cap of 2
+    assert bm.pin("a", chain, max_pinned_blocks=3) == 3  # the 4th block was never computed
+    assert bm.pin("b", chain[:1], max_pinned_blocks=3) == 0  # the cap counts every pin
+    assert bm.pin("a", chain[:1], max_pinned_blocks=3) == 1  # re-pinning replaces a pin
+    check_pool(bm, [running])
+    assert bm.pool.blocks[running.block_table[0]].ref_count == 2  # the sequence's reference and the pin's
+
+
 # ---------------------------------------------------------------- allocation
 
 def test_allocate_is_all_or_nothing() -> None:

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/pagedchat chat $(ARGS)
+	$(BIN)/pagedchat serve $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

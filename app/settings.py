@@ -17,7 +17,7 @@ class ServerSettings:
     max_request_bytes: int = 4 * 2**20  # request bodies above it get 413
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     session_ttl_s: int = 30 * 24 * 3600  # a session unused this long is forgotten (refreshed on use)
-    session_lock_s: float = 600.0  # a turn holds its session this long at most (a crashed turn frees it)
+    session_lock_s: float = 30.0  # a turn holds its session this long without a sign of life (refreshed meanwhile)
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
     log_level: str = "info"

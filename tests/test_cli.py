@@ -1,17 +1,50 @@
-"""`pagedchat chat` (what `make serve` runs today): every engine option is a flag, and a piped
-conversation streams a reply."""
+"""The command line: every engine and server option is a flag of `pagedchat serve`, every option the README
+shows exists, and `pagedchat chat` streams a piped conversation."""
 from __future__ import annotations
 
 import dataclasses
 import subprocess
 import sys
 
-from app.cli import _DERIVED, build_parser, engine_config_from_args
+import re
+from pathlib import Path
+
+from app.cli import _DERIVED, build_parser, engine_config_from_args, server_settings_from_args
+from app.settings import ServerSettings
 from engine.config import EngineConfig
 
+README = Path(__file__).resolve().parent.parent / "README.md"
 
-def test_every_engine_option_is_a_flag():
-    help_text = build_parser()._subparsers._group_actions[0].choices["chat"].format_help()
+
+def _help(command: str) -> str:
+    return build_parser()._subparsers._group_actions[0].choices[command].format_help()
+
+
+def test_every_engine_and_server_option_is_a_serve_flag():
+    help_text = _help("serve")
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _DERIVED]
+    names += [f.name for f in dataclasses.fields(ServerSettings) if f.name != "engine"]
+    for name in names:
+        assert "--" + name.replace("_", "-") in help_text
+
+
+def test_every_option_the_readme_shows_exists():
+    shown = set(re.findall(r"`(--[a-z][a-z0-9-]*)", README.read_text()))
+    assert {"--host", "--port", "--redis-url", "--api-key", "--max-queue", "--model"} <= shown
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", _help("serve") + _help("chat")))
+    assert shown <= flags, shown - flags
+
+
+def test_serve_flags_reach_the_server_settings():
+    args = build_parser().parse_args(["serve", "--port", "9001", "--api-key", "k", "--max-queue", "3",
+                                      "--redis-url", "redis://x:1/0", "--max-num-seqs", "7"])
+    settings = server_settings_from_args(args)
+    assert (settings.port, settings.api_key, settings.max_queue, settings.redis_url, settings.engine.max_num_seqs) \
+        == (9001, "k", 3, "redis://x:1/0", 7)
+
+
+def test_every_engine_option_is_a_chat_flag():
+    help_text = _help("chat")
     for field in dataclasses.fields(EngineConfig):
         if field.name not in _DERIVED:
             assert "--" + field.name.replace("_", "-") in help_text

@@ -120,7 +120,10 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, log_config=None)
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0 if server.started else 1  # a failed start-up (model, Redis) exits non-zero
 
 

@@ -13,6 +13,7 @@ from starlette.routing import Route
 from app.errors import APIError
 from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
                                completion_choice, completion_logprobs, logprob_token_ids, sum_usage)
+from app.prompts import NoTokenizer
 from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from app.request_body import ClientDisconnected, cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
@@ -61,12 +62,19 @@ async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStre
     final = None
     async for out in stream:
         logprobs = await _chat_logprobs(server, out, whole=False)
-        if out.text_delta or logprobs or out.finished:
+        if _worth_a_chunk(server, out, logprobs):
             delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
             yield header.wrap([chat_choice_delta(delta, out.finish_reason, logprobs, out.stop_reason)])
         final = out
+    await stream.settled()
     if include_usage and final is not None:
         yield header.wrap([], final.usage)
+
+
+def _worth_a_chunk(server: Serving, out: RequestOutput, logprobs: dict[str, Any] | None) -> bool:
+    """Text, logprobs or the end; without a tokenizer (dummy weights) every token, so clients still see
+    each one arrive."""
+    return bool(out.text_delta or logprobs or out.finished or (out.token_ids_delta and not server.prompts.has_tokenizer))
 
 
 async def _chat_logprobs(server: Serving, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
@@ -84,6 +92,8 @@ async def _token_texts(server: Serving, entries: list) -> dict[int, str]:
 async def render_chat(server: Serving, messages: list[ChatMessage]) -> list[int]:
     try:
         return await server.prompts.chat([m.as_template_message() for m in messages])
+    except NoTokenizer as exc:
+        raise APIError.bad_request(f"messages: {exc}".replace("prompt: ", ""), "messages") from None
     except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
         raise APIError.bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
 
@@ -143,7 +153,7 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
     async for i, out in _merge(streams):
         logprobs = await _completion_logprobs(server, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
-        if out.text_delta or logprobs or out.finished:
+        if _worth_a_chunk(server, out, logprobs):
             yield header.wrap([completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)])
         if out.finished:
             finals[i] = out

@@ -13,32 +13,51 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
+class NoTokenizer(ValueError):
+    """Text in or out was asked of a model loaded without a tokenizer."""
+
+
 class PromptRenderer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any | None) -> None:
         self._tokenizer = copy.deepcopy(tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedchat-tokenizer")
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """False for dummy weights: prompts must be token ids, and outputs have no text."""
+        return self._tokenizer is not None
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ending with the assistant's
         generation prompt."""
+        self._require()
         return await self._run(self._render_chat, messages)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(self._tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self._run(self._require().encode, text, add_special_tokens=add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._run(self._tokenizer.decode, token_ids, skip_special_tokens=False)
+        return await self._run(self._require().decode, token_ids, skip_special_tokens=False)
 
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return await self._run(self.tokens_as_text, token_ids)
 
     def tokens_as_text(self, token_ids: list[int]) -> list[str]:
-        """Each token's own text (byte-level BPE pieces decoded one by one), as OpenAI's logprobs show it."""
+        """Each token's own text (byte-level BPE pieces decoded one by one), as OpenAI's logprobs show it;
+        ``token_id:N`` without a tokenizer."""
+        if self._tokenizer is None:
+            return [f"token_id:{token_id}" for token_id in token_ids]
         return [self._tokenizer.decode([token_id]) for token_id in token_ids]
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(tokenizer, *args)`` on the tokenizer thread (for multi-step work such as app/conversation.py)."""
-        return await self._run(fn, self._tokenizer, *args)
+        return await self._run(fn, self._require(), *args)
+
+    def _require(self) -> Any:
+        if self._tokenizer is None:
+            raise NoTokenizer("prompt: this model has no tokenizer (dummy weights); send token ids to "
+                              "/v1/completions")
+        return self._tokenizer
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

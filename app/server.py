@@ -13,6 +13,8 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -21,7 +23,7 @@ from app import openai_api, sessions_api
 from app.errors import APIError, api_error_handler, http_error_handler
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
-from app.prompts import PromptRenderer
+from app.prompts import NoTokenizer, PromptRenderer
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.serving import Serving
 from app.sessions import SessionStoreUnavailable
@@ -57,7 +59,7 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
         APIError: api_error_handler, HTTPException: http_error_handler,
-        SessionStoreUnavailable: sessions_api.store_unavailable_handler})
+        SessionStoreUnavailable: sessions_api.store_unavailable_handler, NoTokenizer: _no_tokenizer_handler})
     app.state.settings = settings
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
     return app
@@ -86,6 +88,10 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             await server.sessions.close()
         await engine.stop()
         server.prompts.close()
+
+
+async def _no_tokenizer_handler(request: Request, exc: Exception) -> Response:
+    return APIError.from_value_error(exc).response()
 
 
 def _default_model_name(settings: ServerSettings) -> str:

@@ -83,8 +83,10 @@ class TimedStream:
         self.first_token_time: float | None = None
         self.last_output: RequestOutput | None = None
         # called once when the stream ends for any reason (finished, error, cancelled, closed unread): must
-        # not block (it may run inside a cancelled task); sessions store the turn from it
-        self.on_end: Callable[[TimedStream], None] | None = None
+        # not block (it may run inside a cancelled task), may return a task the answer waits for before its
+        # last event (sessions store the turn so, and the client's next message finds it stored)
+        self.on_end: Callable[[TimedStream], asyncio.Task | None] | None = None
+        self._end_task: asyncio.Task | None = None
 
     @property
     def request_id(self) -> str:
@@ -110,7 +112,12 @@ class TimedStream:
     def _ended(self) -> None:
         on_end, self.on_end = self.on_end, None
         if on_end is not None:
-            on_end(self)
+            self._end_task = on_end(self)
+
+    async def settled(self) -> None:
+        """Wait for the work ``on_end`` started (after the last output)."""
+        if self._end_task is not None:
+            await asyncio.shield(self._end_task)
 
     def _observe(self, output: RequestOutput) -> None:
         now, count = time.monotonic(), len(output.token_ids_delta)
@@ -130,4 +137,5 @@ class TimedStream:
         async for output in self:
             final = output
         assert final is not None and final.finished
+        await self.settled()
         return final

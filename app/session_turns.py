@@ -73,10 +73,10 @@ class TurnRecorder:
         stream.on_end = self._ended
         self._refresher = self._spawn(self._keep_lock(weakref.ref(stream)))
 
-    def _ended(self, stream: TimedStream) -> None:
+    def _ended(self, stream: TimedStream) -> asyncio.Task:
         if self._refresher is not None:
             self._refresher.cancel()
-        self._spawn(self._store(stream))
+        return self._spawn(self._store(stream))
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error",
           409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable_error"}
 
@@ -50,7 +51,7 @@ class APIError(Exception):
         """The first problem, named by its path (``messages.0.role``); our own validators' messages start
         with the field they are about."""
         first = exc.errors(include_url=False)[0]
-        path = [str(part) for part in first["loc"]]
+        path = _field_path(first["loc"])
         msg = first["msg"].removeprefix("Value error, ")
         field, sep, rest = msg.partition(": ")
         if first["type"] == "value_error" and sep and field.isidentifier():
@@ -60,6 +61,21 @@ class APIError(Exception):
         if len(exc.errors()) > 1:
             message += f" (and {len(exc.errors()) - 1} more problems)"
         return cls.bad_request(message, param)
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The location up to the first union-member tag pydantic inserts (``str``, ``list[int]``, ``TextPart``):
+    clients know fields and indices, not our type annotations."""
+    path = []
+    for part in loc:
+        if isinstance(part, str) and not _is_field_name(part):
+            break
+        path.append(str(part))
+    return path
+
+
+def _is_field_name(part: str) -> bool:
+    return part.isidentifier() and part.islower() and part not in {"str", "int", "float", "bool", "list", "dict"}
 
 
 class EngineUnavailable(APIError):

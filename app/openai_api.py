@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.errors import APIError
+from app.errors import APIError, EngineUnavailable
 from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
                                completion_choice, completion_logprobs, logprob_token_ids, sum_usage)
 from app.prompts import NoTokenizer
@@ -18,6 +18,7 @@ from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, 
 from app.request_body import ClientDisconnected, cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
 from app.sse import sse_response
+from engine.async_engine import EngineDeadError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ async def answer_chat(request: Request, server: Serving, body: SamplingFields, s
         final = await cancel_on_disconnect(request, stream.collect())
     except ClientDisconnected:
         return Response(status_code=499)
+    except EngineDeadError as exc:
+        raise EngineUnavailable(f"the engine stopped: {exc}") from None
     logprobs = await _chat_logprobs(server, final, whole=True)
     choice = chat_choice_message(final.text, final.finish_reason, logprobs, final.stop_reason)
     return JSONResponse(header.wrap([choice], final.usage), headers=headers)
@@ -133,6 +136,8 @@ async def completions(request: Request) -> Response:
         finals = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
     except ClientDisconnected:
         return Response(status_code=499)
+    except EngineDeadError as exc:
+        raise EngineUnavailable(f"the engine stopped: {exc}") from None
     choices = [completion_choice(i, echoes[i] + out.text, out.finish_reason,
                                  await _completion_logprobs(server, out.logprobs, len(echoes[i])), out.stop_reason)
                for i, out in enumerate(finals)]

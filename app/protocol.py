@@ -79,6 +79,10 @@ class SamplingFields(_Model):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompt_field(self) -> str:
+        """The field that carries the prompt (named in errors about its length)."""
+        return "messages"
+
     def requested_logprobs(self) -> int | None:
         return None
 
@@ -92,7 +96,7 @@ class SamplingFields(_Model):
         max_tokens = self.requested_max_tokens()
         if room < 1 or (max_tokens is not None and max_tokens > room):
             wanted = f", {max_tokens} in the completion" if max_tokens is not None else ""
-            raise ValueError(f"{'max_tokens' if room >= 1 else 'messages'}: this model's maximum context length "
+            raise ValueError(f"{'max_tokens' if room >= 1 else self.prompt_field()}: this model's maximum context length "
                              f"is {max_model_len} tokens; the request has {num_prompt_tokens} in the prompt{wanted}")
         values = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING if getattr(self, name) is not None}
         return SamplingParams(
@@ -165,6 +169,9 @@ class CompletionRequest(SamplingFields):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def prompt_field(self) -> str:
+        return "prompt"
+
 
 def _as_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
@@ -196,6 +203,9 @@ class UpdateSessionRequest(_Model):
 class SessionMessageRequest(SamplingFields):
     content: str | None = Field(default=None, description="the user's message")
     regenerate: bool = Field(default=False, description="drop the last reply and answer the last message again")
+
+    def prompt_field(self) -> str:
+        return "content"
 
     @model_validator(mode="after")
     def _content_or_regenerate(self) -> SessionMessageRequest:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Mount, Route
+from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -55,7 +55,7 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
-        routes.append(Mount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
+        routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
         APIError: api_error_handler, HTTPException: http_error_handler,
@@ -116,6 +116,16 @@ async def _warm_up(engine: AsyncEngine) -> None:
 
 def _display_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class WebMount(Mount):
+    """The UI's static files answer GET and HEAD outside /v1/ only, so an unknown API route is a 404 and a
+    wrong method on an API route a 405, as for any other route (not the static app's answers)."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["method"] not in ("GET", "HEAD")):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
 class ApiKeyMiddleware:

@@ -1,0 +1,258 @@
+"""Every failure in OpenAI's error shape with the right status: bad requests (a table), the API key, the body
+size cap, unknown routes, and an engine that dies (in-process, where the test can break the model runner):
+503 before a stream starts, an error event then ``[DONE]`` after."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from app.server import create_app
+from app.settings import ServerSettings
+from engine.config import EngineConfig
+from tests.server_harness import (SMALL_KV_GIB, RunningServer, one_torch_thread, server_fixture, sse_chunks,
+                                  sse_data)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 128
+MAX_REQUEST_BYTES = 2048
+KEYS = ("first-key", "second-key")
+
+# small limits, and two API keys (a comma-separated list)
+guarded_server = server_fixture("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes",
+                                str(MAX_REQUEST_BYTES), "--api-key", ",".join(KEYS))
+
+HI = [{"role": "user", "content": "Hi"}]
+# ~150 tokens of text: over MAX_MODEL_LEN on its own, yet well under MAX_REQUEST_BYTES
+LONG_TEXT = " hello" * 150
+
+
+@pytest.fixture(scope="module")
+def api(guarded_server: RunningServer) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    with httpx.Client(base_url=guarded_server.base_url, headers=headers, timeout=60) as client:
+        yield client
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"messages": HI, "max_tokens": 4, **fields}).encode()
+
+
+def raw(**fields: Any) -> bytes:
+    return json.dumps(fields).encode()
+
+
+# (route, body, status, error.type, error.param, words the message must contain)
+BAD_REQUESTS = {
+    "malformed_json": ("/v1/chat/completions", b'{"messages": [', 400, "invalid_request_error", None, ["JSON"]),
+    "empty_body": ("/v1/chat/completions", b"", 400, "invalid_request_error", None, ["JSON object"]),
+    "body_is_a_list": ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request_error", None, ["object"]),
+    "body_is_a_string": ("/v1/completions", b'"hello"', 400, "invalid_request_error", None, ["object"]),
+    "temperature_a_word": ("/v1/chat/completions", chat(temperature="hot"), 400, "invalid_request_error",
+                           "temperature", ["number"]),
+    "max_tokens_a_string": ("/v1/chat/completions", chat(max_tokens="5"), 400, "invalid_request_error",
+                            "max_tokens", ["integer"]),
+    "stream_a_string": ("/v1/chat/completions", chat(stream="yes"), 400, "invalid_request_error", "stream",
+                        ["bool"]),
+    "unknown_role": ("/v1/chat/completions", raw(messages=[{"role": "robot", "content": "x"}]), 400,
+                     "invalid_request_error", "messages.0.role", ["user"]),
+    "user_without_content": ("/v1/chat/completions", raw(messages=[{"role": "user"}]), 400,
+                             "invalid_request_error", "messages.0.content", ["required"]),
+    "missing_messages": ("/v1/chat/completions", raw(model=MODEL), 400, "invalid_request_error", "messages",
+                         ["required"]),
+    "empty_messages": ("/v1/chat/completions", raw(messages=[]), 400, "invalid_request_error", "messages",
+                       ["at least 1"]),
+    "n_2": ("/v1/chat/completions", chat(n=2), 400, "invalid_request_error", "n", ["n=1"]),
+    "top_logprobs_without_logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400, "invalid_request_error",
+                                      "top_logprobs", ["logprobs"]),
+    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+              "invalid_request_error", "tools", ["not supported"]),
+    "logit_bias": ("/v1/chat/completions", chat(logit_bias={"42": 5.0}), 400, "invalid_request_error",
+                   "logit_bias", ["not supported"]),
+    "unknown_model": ("/v1/chat/completions", chat(model="gpt-4"), 404, "not_found_error", "model", ["gpt-4"]),
+    "prompt_plus_max_tokens_over_context": ("/v1/chat/completions", chat(max_tokens=MAX_MODEL_LEN), 400,
+                                            "invalid_request_error", "max_tokens", [str(MAX_MODEL_LEN)]),
+    "prompt_alone_over_context": ("/v1/chat/completions", raw(messages=[{"role": "user", "content": LONG_TEXT}]),
+                                  400, "invalid_request_error", "messages", [str(MAX_MODEL_LEN)]),
+    "negative_temperature": ("/v1/chat/completions", chat(temperature=-0.5), 400, "invalid_request_error",
+                             "temperature", [">= 0"]),
+    "top_p_zero": ("/v1/chat/completions", chat(top_p=0), 400, "invalid_request_error", "top_p", ["(0, 1]"]),
+    "negative_stop_token_id": ("/v1/chat/completions", chat(stop_token_ids=[-1]), 400, "invalid_request_error",
+                               "stop_token_ids", ["non-negative"]),
+    "max_tokens_zero": ("/v1/chat/completions", chat(max_tokens=0), 400, "invalid_request_error", "max_tokens",
+                        [">= 1"]),
+    "completion_without_prompt": ("/v1/completions", raw(max_tokens=3), 400, "invalid_request_error", "prompt",
+                                  ["required"]),
+    "completion_prompt_over_context": ("/v1/completions", raw(prompt=LONG_TEXT), 400, "invalid_request_error",
+                                       "prompt", [str(MAX_MODEL_LEN)]),
+    "completion_empty_prompt_list": ("/v1/completions", raw(prompt=[]), 400, "invalid_request_error", "prompt",
+                                     []),
+    "completion_token_id_out_of_vocabulary": ("/v1/completions", raw(prompt=[10**9]), 400,
+                                              "invalid_request_error", "prompt", ["token ids"]),
+    "completion_echo_with_logprobs": ("/v1/completions", raw(prompt="Hi", echo=True, logprobs=1), 400,
+                                      "invalid_request_error", "echo", ["logprobs"]),
+    "body_over_the_size_cap": ("/v1/chat/completions", raw(messages=[{"role": "user", "content": "x" * 3000}]),
+                               413, "invalid_request_error", None, [str(MAX_REQUEST_BYTES)]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_an_openai_error(api: httpx.Client, case: str):
+    route, body, status, error_type, param, words = BAD_REQUESTS[case]
+    response = api.post(route, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type
+    assert error["param"] == param
+    assert error["message"]
+    if param is not None:
+        assert error["message"].startswith(param), "the message names the field first"
+    for word in words:
+        assert word in error["message"]
+
+
+def test_chunked_body_over_the_size_cap_is_refused_while_reading(api: httpx.Client):
+    """No Content-Length to trust: the cap is enforced on the bytes as they arrive."""
+    def body() -> Iterator[bytes]:
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(MAX_REQUEST_BYTES // 256 + 1):
+            yield b"x" * 256
+        yield b'"}]}'
+
+    response = api.post("/v1/chat/completions", content=body(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/no-such-route"), ("POST", "/v1/no-such-route"),
+                                          ("POST", "/v1/chat/completion")])
+def test_unknown_route_is_a_json_404(api: httpx.Client, method: str, path: str):
+    response = api.request(method, path, json={"messages": HI})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["type"] == "not_found_error" and path in error["message"]
+
+
+def test_server_still_answers_after_the_bad_requests(api: httpx.Client):
+    response = api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+# API key -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {KEYS[0]}", "Bearer",
+                                           f"Bearer {KEYS[0]}x"])
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions")])
+def test_v1_routes_need_the_api_key(guarded_server: RunningServer, authorization: str | None, method: str,
+                                    path: str):
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    response = httpx.request(method, guarded_server.url(path), headers=headers, json={"messages": HI}, timeout=30)
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    error = response.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert "API key" in error["message"]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_configured_key_works_with_the_openai_client(guarded_server: RunningServer, key: str):
+    client = openai.OpenAI(base_url=guarded_server.openai_base_url, api_key=key, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_openai_client_with_a_wrong_key_gets_authentication_error(guarded_server: RunningServer):
+    client = openai.OpenAI(base_url=guarded_server.openai_base_url, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/openapi.json"])
+def test_health_metrics_and_schema_stay_open_without_a_key(guarded_server: RunningServer, path: str):
+    assert httpx.get(guarded_server.url(path), timeout=30).status_code == 200
+
+
+# engine failures (in-process) ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_process() -> Iterator[TestClient]:
+    """The app in this process (TestClient runs its lifespan: model load, warm-up), so a test can reach the
+    engine's model runner and make it fail."""
+    settings = ServerSettings(engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB)))
+    with one_torch_thread(), TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        yield client
+
+
+def fail_model_after(client: TestClient, num_calls: int) -> None:
+    """The model runner works ``num_calls`` more times, then raises (as a CUDA error or OOM would)."""
+    runner = client.app.state.server.engine.engine.runner
+    original, calls = runner.execute, []
+
+    def execute(batch):
+        calls.append(1)
+        if len(calls) > num_calls:
+            raise RuntimeError("injected model failure")
+        return original(batch)
+
+    runner.execute = execute
+
+
+def assert_engine_unavailable(response: httpx.Response) -> None:
+    assert response.status_code == 503, response.text
+    assert int(response.headers["retry-after"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "engine_unavailable"
+
+
+def test_failure_mid_stream_is_an_error_event_then_done(in_process: TestClient):
+    healthy = in_process.get("/health")
+    assert healthy.status_code == 200 and healthy.json()["status"] == "ok"
+    fail_model_after(in_process, 3)  # the prefill and two decode steps succeed
+    body = {"messages": HI, "temperature": 0, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with in_process.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = sse_chunks(sse_data(response.iter_lines()))
+    *ordinary, error_event = chunks
+    assert ordinary[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert 2 <= len(ordinary) <= 4  # role chunk, then one content chunk per successful step
+    assert all(c["choices"][0]["finish_reason"] is None for c in ordinary)
+    assert set(error_event) == {"error"}
+    error = error_event["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "engine_unavailable"
+    assert "injected model failure" in error["message"]
+    assert in_process.get("/health").status_code == 503
+
+
+def test_dead_engine_answers_503_and_health_turns_503(in_process: TestClient):
+    fail_model_after(in_process, 0)
+    with in_process.stream("POST", "/v1/chat/completions", json={"messages": HI, "stream": True}) as response:
+        assert "engine_unavailable" in response.read().decode()  # the request the engine died under
+    health = in_process.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+    assert_engine_unavailable(in_process.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 8}))
+    assert_engine_unavailable(in_process.post("/v1/chat/completions",
+                                              json={"messages": HI, "max_tokens": 8, "stream": True}))
+    assert_engine_unavailable(in_process.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8}))
+    assert in_process.get("/v1/models").status_code == 200  # what does not need the engine still answers
+
+
+def test_non_streaming_request_in_flight_when_the_engine_dies_gets_503(in_process: TestClient):
+    fail_model_after(in_process, 2)
+    response = in_process.post("/v1/chat/completions",
+                               json={"messages": HI, "max_tokens": 20, "ignore_eos": True})
+    assert_engine_unavailable(response)
+    assert "injected model failure" in response.json()["error"]["message"]

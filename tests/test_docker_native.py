@@ -108,7 +108,7 @@ class RedisServer:
 def start_redis(workdir: Path, *args: str) -> RedisServer:
     """A throw-away redis-server on a free loopback port (no RDB snapshots; AOF as ``args`` say)."""
     if not Path(REDIS_SERVER).is_file():
-        pytest.skip(f"{REDIS_SERVER} is not installed (Debian package redis-server)")
+        pytest.fail(f"{REDIS_SERVER} is not installed (Debian package redis-server; .ci/run installs it)")
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [REDIS_SERVER, *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir)]
@@ -291,7 +291,7 @@ def test_compose_interpolation_uses_defaults_and_given_values() -> None:
 def test_redis_from_compose_runs_natively_with_its_aof_and_healthcheck(tmp_path: Path) -> None:
     """compose.yml's redis command under the local redis-server: AOF on, and its healthcheck passes."""
     if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed (Debian package redis-tools)")
+        pytest.fail("redis-cli is not installed (Debian package redis-tools, with redis-server)")
     service = load_compose()["services"]["redis"]
     command = service["command"]
     assert command[0] == "redis-server"

@@ -1,7 +1,7 @@
 """Debian's Chromium driven by Playwright (from PyPI; its own browser downloads are never used), for the browser
 UI's tests and scripts/screenshot.py.
 
-CI installs ``apt-get install -y chromium`` and ``pip install playwright``; without either, the UI tests skip
+CI installs ``apt-get install -y chromium`` and ``pip install playwright``; without either, the UI tests fail
 with the reason. The flags keep headless Chromium from reaching out (without the background-networking ones its
 connections get refused in a sandbox without network).
 """

@@ -63,6 +63,14 @@ def stored(server: RunningServer, session_id: str, num_messages: int, timeout: f
         time.sleep(0.05)
 
 
+def stateless_second_turn(server: RunningServer, question: str, answer: dict, follow_up: str) -> dict:
+    """The same second turn through /v1/chat/completions with the whole history (the stateless way)."""
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
+               {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+               {"role": "user", "content": follow_up}]
+    return post(server, "/v1/chat/completions", {"messages": history, **GREEDY}).json()
+
+
 def test_second_turn_reuses_every_full_block_of_the_first_turn(server: RunningServer):
     session_id = new_session(server, system=SYSTEM)
     first = say(server, session_id, "What is the capital of France?")
@@ -72,11 +80,8 @@ def test_second_turn_reuses_every_full_block_of_the_first_turn(server: RunningSe
     assert second["usage"]["prompt_tokens"] > turn_one
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == turn_one // BLOCK * BLOCK
 
-    history = [{"role": "system", "content": SYSTEM},
-               {"role": "user", "content": "What is the capital of France?"},
-               {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-               {"role": "user", "content": "And what is the capital of Italy?"}]
-    stateless = post(server, "/v1/chat/completions", {"messages": history, **GREEDY}).json()
+    stateless = stateless_second_turn(server, "What is the capital of France?", first,
+                                      "And what is the capital of Italy?")
     assert stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
     assert stateless["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"]
 
@@ -282,11 +287,7 @@ def test_history_survives_a_server_restart_with_the_same_redis(redis_server: Red
                                                             first["choices"][0]["message"]["content"]]
         second = say(second_server, session_id, "And the smallest?")
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a cold cache after the restart
-        history = [{"role": "system", "content": SYSTEM},
-                   {"role": "user", "content": "What is the largest planet?"},
-                   {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                   {"role": "user", "content": "And the smallest?"}]
-        stateless = post(second_server, "/v1/chat/completions", {"messages": history, **GREEDY}).json()
+        stateless = stateless_second_turn(second_server, "What is the largest planet?", first, "And the smallest?")
         assert stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
 
 

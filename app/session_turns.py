@@ -100,8 +100,9 @@ class TurnRecorder:
         try:
             for attempt in range(_SAVE_ATTEMPTS):
                 try:
-                    if not await self.store.save_turn(session):
-                        logger.info("session %s was deleted during its turn; the turn is dropped", session.id)
+                    if not await self.store.save_turn(session, self.lock_token):
+                        logger.warning("session %s was deleted, or its turn outlived its lock; the turn is dropped",
+                                       session.id)
                     return
                 except SessionStoreUnavailable as exc:
                     logger.warning("session %s: storing the turn failed (%s); retrying", session.id, exc)

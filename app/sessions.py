@@ -11,7 +11,9 @@ default (lost on restart). Redis layout, all keys under ``pagedchat:``:
     preset:{name}         hash  name system created_at;   presets   set of names
 
 A completed turn is one Lua script: it rewrites messages, token ids, block hashes, stats and updated_at together
-(never half a turn), and only if the session still exists (a turn finishing after a delete stores nothing).
+(never half a turn), and only if the session still exists (a turn finishing after a delete stores nothing) and
+the turn still holds the session's lock (a turn whose lock expired, e.g. while Redis was away, cannot overwrite
+a later turn).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class SessionStore(Protocol):
     async def list(self, owner: str, limit: int) -> list[Session]: ...
     async def set_title(self, session_id: str, owner: str, title: str) -> bool: ...
     async def delete(self, session_id: str, owner: str) -> bool: ...
-    async def save_turn(self, session: Session) -> bool: ...
+    async def save_turn(self, session: Session, lock_token: str) -> bool: ...
     async def lock(self, session_id: str, ttl_s: float) -> str | None: ...
     async def refresh_lock(self, session_id: str, token: str, ttl_s: float) -> bool: ...
     async def unlock(self, session_id: str, token: str) -> None: ...
@@ -144,9 +146,10 @@ class InMemorySessionStore:
         del self._sessions[session_id]
         return True
 
-    async def save_turn(self, session: Session) -> bool:
+    async def save_turn(self, session: Session, lock_token: str) -> bool:
         stored = self._sessions.get(session.id)
-        if stored is None:
+        held = self._locks.get(session.id)
+        if stored is None or held is None or held[0] != lock_token or held[1] < time.monotonic():
             return False
         title = stored[0].title  # a rename during the turn wins over the turn's stale copy
         self._sessions[session.id] = (_copy(session), time.monotonic() + self._ttl_s)
@@ -289,11 +292,11 @@ class RedisSessionStore:
             await _unavailable_on_error(pipe.execute())
         return True
 
-    async def save_turn(self, session: Session) -> bool:
+    async def save_turn(self, session: Session, lock_token: str) -> bool:
         fields = session_to_fields(session)
-        keys = [self._key(session.id), self._index(session.owner)]
+        keys = [self._key(session.id), self._index(session.owner), f"{self._key(session.id)}:lock"]
         args = [self._ttl_ms, session.id, session.updated_at, fields["num_messages"],
-                *(fields[k] for k in ("updated_at", *_JSON_FIELDS))]
+                *(fields[k] for k in ("updated_at", *_JSON_FIELDS)), lock_token]
         return bool(await _unavailable_on_error(self._save_turn(keys=keys, args=args)))
 
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
@@ -335,10 +338,11 @@ class RedisSessionStore:
 
 _SUMMARY_FIELDS = ["owner", "title", "preset", "created_at", "updated_at", "num_messages"]
 
-# KEYS: session hash, owner index. ARGV: ttl ms, id, score, num_messages, updated_at, messages, token_ids,
-# block_hashes, stats. Writes the turn only if the session still exists.
+# KEYS: session hash, owner index, lock. ARGV: ttl ms, id, score, num_messages, updated_at, messages, token_ids,
+# block_hashes, stats, lock token. Writes the turn only if the session exists and the turn holds its lock.
 _SAVE_TURN = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('GET', KEYS[3]) ~= ARGV[10] then return 0 end
 redis.call('HSET', KEYS[1], 'num_messages', ARGV[4], 'updated_at', ARGV[5], 'messages', ARGV[6],
            'token_ids', ARGV[7], 'block_hashes', ARGV[8], 'stats', ARGV[9])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])

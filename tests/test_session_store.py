@@ -57,7 +57,8 @@ async def test_turn_is_written_whole_and_keeps_a_concurrent_rename(store):
     turn.messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     turn.token_ids, turn.block_hashes, turn.stats = [5, 6, 7], ["ab" * 32], {"num_turns": 1}
     turn.updated_at = session.created_at + 5
-    assert await store.save_turn(turn)
+    token = await store.lock(session.id, ttl_s=30)
+    assert await store.save_turn(turn, token)
     stored = await store.get(session.id, "")
     assert (stored.messages, stored.token_ids, stored.block_hashes, stored.stats) == (
         turn.messages, [5, 6, 7], ["ab" * 32], {"num_turns": 1})
@@ -68,10 +69,26 @@ async def test_turn_is_written_whole_and_keeps_a_concurrent_rename(store):
 async def test_a_turn_ending_after_delete_does_not_resurrect_the_session(store):
     session = Session(id=new_session_id())
     await store.create(session)
+    token = await store.lock(session.id, ttl_s=30)
     assert await store.delete(session.id, "")
     session.messages = [{"role": "user", "content": "late"}]
-    assert not await store.save_turn(session)
+    assert not await store.save_turn(session, token)
     assert await store.get(session.id, "") is None and await store.list("", 10) == []
+
+
+async def test_a_turn_whose_lock_expired_cannot_overwrite_a_later_turn(store):
+    session = Session(id=new_session_id())
+    await store.create(session)
+    stale_token = await store.lock(session.id, ttl_s=0.2)
+    await asyncio.sleep(0.3)  # e.g. Redis was away longer than the lock: another turn may have started
+    later_token = await store.lock(session.id, ttl_s=30)
+    later = await store.get(session.id, "")
+    later.messages = [{"role": "user", "content": "later turn"}]
+    assert await store.save_turn(later, later_token)
+    stale = await store.get(session.id, "")
+    stale.messages = [{"role": "user", "content": "stale turn"}]
+    assert not await store.save_turn(stale, stale_token)
+    assert (await store.get(session.id, "")).messages == [{"role": "user", "content": "later turn"}]
 
 
 async def test_locks_exclude_expire_and_only_their_holder_releases_them(store):

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error",
@@ -81,6 +81,16 @@ def _is_field_name(part: str) -> bool:
 class EngineUnavailable(APIError):
     def __init__(self, message: str = "the engine is not running; try again later") -> None:
         super().__init__(503, message, code="engine_unavailable", headers={"Retry-After": "5"})
+
+
+async def engine_dead_handler(request: Request, exc: Exception) -> JSONResponse:
+    """The engine stopped while a request waited for its answer."""
+    return EngineUnavailable(f"the engine stopped: {exc}").response()
+
+
+async def client_gone_handler(request: Request, exc: Exception) -> Response:
+    """Nobody reads this answer (the client disconnected and its request was aborted); 499 for the log."""
+    return Response(status_code=499)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -23,7 +23,7 @@ _E2E_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 2
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -55,17 +55,15 @@ class ServerMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self._model_name = model_name
         self._stats = stats
 
     def describe(self) -> list[Metric]:
-        return []  # collected at scrape time only (the engine may not be started yet)
+        return []  # collected at scrape time only
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        if stats is None:
-            return
         label = [self._model_name]
         yield _gauge("num_requests_running", "Requests in the running batch.", stats.num_running, label)
         yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting, label)

@@ -10,15 +10,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.errors import APIError, EngineUnavailable
+from app.errors import APIError
 from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
                                completion_choice, completion_logprobs, logprob_token_ids, sum_usage)
 from app.prompts import NoTokenizer
 from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from app.request_body import ClientDisconnected, cancel_on_disconnect, read_model
+from app.request_body import cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
 from app.sse import sse_response
-from engine.async_engine import EngineDeadError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -46,12 +45,7 @@ async def answer_chat(request: Request, server: Serving, body: SamplingFields, s
         header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage)
         return sse_response(chat_chunks(server, header, stream, include_usage), headers=headers)
     header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl")
-    try:
-        final = await cancel_on_disconnect(request, stream.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except EngineDeadError as exc:
-        raise EngineUnavailable(f"the engine stopped: {exc}") from None
+    final = await cancel_on_disconnect(request, stream.collect())
     logprobs = await _chat_logprobs(server, final, whole=True)
     choice = chat_choice_message(final.text, final.finish_reason, logprobs, final.stop_reason)
     return JSONResponse(header.wrap([choice], final.usage), headers=headers)
@@ -132,12 +126,7 @@ async def completions(request: Request) -> Response:
     header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream)
     if body.stream:
         return sse_response(_completion_chunks(server, header, streams, echoes, include_usage))
-    try:
-        finals = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except EngineDeadError as exc:
-        raise EngineUnavailable(f"the engine stopped: {exc}") from None
+    finals = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
     choices = [completion_choice(i, echoes[i] + out.text, out.finish_reason,
                                  await _completion_logprobs(server, out.logprobs, len(echoes[i])), out.stop_reason)
                for i, out in enumerate(finals)]

@@ -20,7 +20,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import openai_api, sessions_api
-from app.errors import APIError, api_error_handler, http_error_handler
+from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler,
+                        http_error_handler)
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import NoTokenizer, PromptRenderer
@@ -28,7 +29,8 @@ from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.serving import Serving
 from app.sessions import SessionStoreUnavailable
 from app.settings import ServerSettings
-from engine.async_engine import AsyncEngine
+from app.request_body import ClientDisconnected
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedchat")
@@ -58,7 +60,8 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
         routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
-        APIError: api_error_handler, HTTPException: http_error_handler,
+        APIError: api_error_handler, HTTPException: http_error_handler, EngineDeadError: engine_dead_handler,
+        ClientDisconnected: client_gone_handler,
         SessionStoreUnavailable: sessions_api.store_unavailable_handler, NoTokenizer: _no_tokenizer_handler})
     app.state.settings = settings
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
@@ -72,7 +75,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     await engine.start()
     name = settings.served_model_name or _default_model_name(settings)
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
-                     metrics=ServerMetrics(name, _stats_or_none(engine)), model_name=name,
+                     metrics=ServerMetrics(name, engine.stats), model_name=name,
                      started=int(time.time()))
     app.state.server = server
     try:
@@ -99,10 +102,6 @@ def _default_model_name(settings: ServerSettings) -> str:
     if config.model is None and config.load_format != "dummy":
         return "SmolLM2-135M-Instruct"
     return Path(config.model).name if config.model else f"dummy-{config.model_config}"
-
-
-def _stats_or_none(engine: AsyncEngine):
-    return lambda: engine.stats() if engine.engine is not None else None
 
 
 async def _warm_up(engine: AsyncEngine) -> None:

@@ -45,13 +45,19 @@ class Serving:
             raise APIError(404, f"model: {requested!r} is not served here (this server serves "
                                 f"{self.model_name!r})", param="model", code="model_not_found")
 
+    def tenant(self, request: Request) -> str:
+        """Who sent the request: a hash of its API key, or "" when the server has no keys."""
+        if not self.settings.api_key:
+            return ""
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
+
     def cache_salt(self, request: Request, requested: str | None) -> str | None:
         """The salt that keys a request's prefix blocks: with ``tenant_salt_from_api_key`` each API key is
         its own tenant, whose blocks no other key's requests can hit (a per-request salt narrows further)."""
-        if not self.settings.tenant_salt_from_api_key:
+        tenant = self.tenant(request) if self.settings.tenant_salt_from_api_key else ""
+        if not tenant:
             return requested
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
         return f"{tenant}/{requested}" if requested is not None else tenant
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,

@@ -5,7 +5,6 @@ Session routes answer 503 while the session store is unreachable; the stateless 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from typing import Any
@@ -52,17 +51,9 @@ async def open_sessions(server: Serving) -> SessionStore:
     return store
 
 
-def _owner(request: Request, server: Serving) -> str:
-    """With API keys, each key sees only its own sessions."""
-    if not server.settings.api_key:
-        return ""
-    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
 async def _session(request: Request, server: Serving) -> Session:
     session_id = request.path_params["session_id"]
-    session = await server.sessions.get(session_id, _owner(request, server)) if is_session_id(session_id) else None
+    session = await server.sessions.get(session_id, server.tenant(request)) if is_session_id(session_id) else None
     if session is None:
         raise APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
     return session
@@ -81,7 +72,7 @@ async def create_session(request: Request) -> JSONResponse:
             raise APIError.bad_request(f"preset: no preset named {body.preset!r}", "preset")
         await _pin_preset(server, preset)
         system = preset.system
-    session = Session(id=new_session_id(), owner=_owner(request, server), title=body.title or "", system=system,
+    session = Session(id=new_session_id(), owner=server.tenant(request), title=body.title or "", system=system,
                       preset=body.preset, cache_salt=body.cache_salt)
     await server.sessions.create(session)
     return JSONResponse(session.public(), status_code=201)
@@ -92,7 +83,7 @@ async def list_sessions(request: Request) -> JSONResponse:
     limit = request.query_params.get("limit", "50")
     if not limit.isdigit() or not 1 <= int(limit) <= 1000:
         raise APIError.bad_request("limit: must be an integer in [1, 1000]", "limit")
-    sessions = await server.sessions.list(_owner(request, server), int(limit))
+    sessions = await server.sessions.list(server.tenant(request), int(limit))
     return JSONResponse({"object": "list", "data": [s.summary() for s in sessions]})
 
 
@@ -133,7 +124,7 @@ async def chat_in_session(request: Request, server: Serving, body: ChatCompletio
     if not is_session_id(session_id):
         raise APIError(404, f"session {session_id!r} not found: ids are 22 URL-safe characters",
                        param="session_id", code="session_not_found")
-    owner = _owner(request, server)
+    owner = server.tenant(request)
     new = [m.as_template_message() for m in body.messages]
     session = await server.sessions.get(session_id, owner)
     if session is None:

@@ -16,8 +16,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
 from kernels import reference  # noqa: E402
 from kernels.cache_ops import copy_blocks, store_kv, swap_blocks  # noqa: E402
 from kernels.paged_attention import DecodeConfig, choose_partition, paged_attention  # noqa: E402

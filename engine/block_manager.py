@@ -147,9 +147,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> None:
-        """Extend ``seq.block_hashes`` to every full block of its tokens (hashes are of tokens only)."""
+        """Extend ``seq.block_hashes`` to every full block of its known tokens (hashes are of tokens only; a
+        block holding a token still pending on the device is hashed once that token is resolved)."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+        for i in range(len(seq.block_hashes), seq.num_known_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else self.hasher.root
             extra = (("salt", seq.cache_salt),) if i == 0 and seq.cache_salt is not None else ()
             seq.block_hashes.append(self.hasher(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))

@@ -39,6 +39,11 @@ class EngineConfig:
         default_factory=lambda: os.environ.get("PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat"))
     )
     num_threads: int | None = None  # torch CPU threads; None keeps torch's choice
+    # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
+    # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
+    async_scheduling: bool | None = None
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
+    max_graph_batch_size: int = 256  # CUDA graphs are captured for decode batches up to this size
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -63,7 +68,10 @@ class EngineConfig:
         _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
                "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(self.max_graph_batch_size >= 1, "max_graph_batch_size", "must be >= 1")
         self.torch_device = resolve_device(self.device)
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda"
         if self.dtype == "auto":
             self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as SequenceOf
 
@@ -14,9 +15,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.layers.sampler import TokenLogprobs
 from engine.loader import load_model
 from engine.metrics import EngineCounters, EngineStats
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -79,12 +80,14 @@ class LLMEngine:
         self.model, self.tokenizer = load_model(config)
         self.runner = ModelRunner(config, self.model)
         num_blocks = self._size_kv_cache()
+        self.runner.capture_graphs()
         hasher = BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
+        self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
 
     def _size_kv_cache(self) -> int:
         config, runner = self.config, self.runner
@@ -136,37 +139,92 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish(request.seq, SequenceStatus.FINISHED_ABORTED)
         return self._emit(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._in_flight is not None
 
     # the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, detokenize, check stops; one output per request that
-        received a token this step."""
+        """Schedule, launch one forward pass and its sampling, then read sampled ids, detokenize and check
+        stops; one output per request that received a token.
+
+        With ``async_scheduling`` the ids read are the previous step's: step N+1 is scheduled and launched
+        while the device still runs step N, whose tokens are then read and processed while N+1 runs. Each
+        sequence sampled by step N holds a PENDING_TOKEN in its token ids, and step N+1 takes that token's
+        id from N's sampled ids on the device. A sequence that stops at N (EOS, stop string) still gets
+        one wasted row in N+1; a sequence whose pending token is its last by length is not scheduled again.
+        """
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
+        launch_start = time.perf_counter()
+        self.counters.schedule_seconds += launch_start - start
+        in_flight, self._in_flight = self._in_flight, None
         if not batch.seqs:
+            if in_flight is not None:
+                return self._process(in_flight)
             if self.scheduler.waiting and not self.scheduler.running:  # would wait forever: fail loudly
                 raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none runnable")
             return []
-        sampled = self.runner.execute(batch)
-        self.scheduler.advance(batch)
+        outputs: list[RequestOutput] = []
+        if in_flight is not None and self._needs_known_history(batch):
+            outputs += self._process(in_flight)
+            in_flight = None
+        launched = self.runner.execute(batch, in_flight)
+        self.counters.prepare_seconds += launched.prepare_seconds
+        self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
+        launched.pending_indices = [seq.append_pending() for seq in launched.seqs]
+        for seq in launched.seqs:
+            seq.awaiting_last_token = self._reaches_length_limit(seq, seq.num_tokens)
+        if in_flight is not None:
+            outputs += self._process(in_flight)
+        self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                if not seq.is_finished])
         self.counters.steps += 1
+        if self.config.async_scheduling:
+            self._in_flight = launched
+        else:
+            outputs += self._process(launched)
+        return outputs
+
+    def _needs_known_history(self, batch: ScheduledBatch) -> bool:
+        """Penalties read the values of earlier output tokens: those must be known before sampling."""
+        return any(seq.num_pending_tokens and seq.params.uses_penalties for seq in batch.sampling_seqs)
+
+    def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's sampled ids and hand them to their requests."""
+        start = time.perf_counter()
+        token_ids, logprobs = launched.wait()
+        read = time.perf_counter()
+        self.counters.wait_seconds += read - start
         outputs = []
-        for seq, token_id, logprobs in zip(batch.sampling_seqs, sampled.token_ids, sampled.logprobs):
-            request = self._requests[seq.request_id]
-            seq.append_token(token_id)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
+        for seq, index, token_id, token_logprobs in zip(launched.seqs, launched.pending_indices, token_ids,
+                                                         logprobs):
+            request = self._requests.get(seq.request_id)
+            if seq.is_finished or request is None or request.seq is not seq:
+                continue  # aborted, or stopped by the step before: this token is past its end
+            seq.resolve(index, token_id)
+            if token_logprobs is not None:
+                request.logprobs.append(token_logprobs)
             status = self._stop_status(seq, token_id, request.detokenizer)
             if status is not None:
-                self.scheduler.finish(seq, status)
+                self._finish(seq, status)
             outputs.append(self._emit(request))
-        self.counters.generation_tokens += len(batch.sampling_seqs)
+        self.counters.generation_tokens += len(outputs)
+        self.counters.output_seconds += time.perf_counter() - read
         return outputs
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.drop_pending()
+        self.scheduler.finish(seq, status)
+        self.runner.forget(seq)
+
+    def _reaches_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        num_output = num_tokens - seq.num_prompt_tokens
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= self.config.max_model_len
 
     def _stop_status(self, seq: Sequence, token_id: int, detok: IncrementalDetokenizer | None
                      ) -> SequenceStatus | None:
@@ -181,16 +239,14 @@ class LLMEngine:
         if detok is not None and (matched := detok.update([token_id])) is not None:
             seq.stop_reason = matched
             return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
+        if self._reaches_length_limit(seq, seq.num_known_tokens):
             return SequenceStatus.FINISHED_LENGTH
         return None
 
     def _emit(self, request: _Request) -> RequestOutput:
         seq = request.seq
         finished = seq.is_finished
-        output_ids = seq.output_token_ids
+        output_ids = seq.known_output_token_ids
         text_delta = request.detokenizer.take_delta(finished) if request.detokenizer else ""
         request.text += text_delta
         delta_ids = output_ids[request.num_emitted :]

@@ -13,6 +13,12 @@ class EngineCounters:
     generation_tokens: int = 0
     steps: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> requests
+    # host time of the engine thread per phase, cumulative seconds (benchmarks read the per-step split)
+    schedule_seconds: float = 0.0  # scheduler.schedule()
+    prepare_seconds: float = 0.0  # building and copying the step's input tensors
+    launch_seconds: float = 0.0  # launching the forward pass and sampling (eager kernels or a graph replay)
+    wait_seconds: float = 0.0  # blocked on the device for the sampled tokens
+    output_seconds: float = 0.0  # appending tokens, stop checks, detokenizing, building RequestOutputs
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,22 +1,53 @@
-"""Runs one scheduled batch: builds input tensors (token ids, positions, slot mapping, block tables, context
-lengths), runs the model under the forward context, samples the sequences whose chunk reached their end.
-Also owns the KV cache tensors and sizes them."""
+"""Runs one scheduled batch: packs its inputs (engine/step_inputs.py), runs the model under the forward
+context (eagerly, or by replaying a CUDA graph for a decode-only batch), and samples the sequences whose
+chunk reached their end. Nothing is read back here: ``execute`` returns a ``LaunchedStep`` whose ``wait``
+gives the sampled ids, so the engine can prepare the next step while the device runs this one.
+Also owns the KV cache tensors and sizes them.
+"""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kernels import ops as kernel_ops
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
 from engine.forward_context import AttentionMetadata, forward_context
-from engine.layers.sampler import Sampler, SamplerOutput
+from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_inputs import StepInputs, StepTensors
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose sampled ids are on their way to the host."""
+
+    seqs: list[Sequence]  # the sampled sequences, in row order
+    sampled: SamplerOutput | None  # None when no entry of the step reached its end
+    host_ids: torch.Tensor  # [rows] the sampled ids' host copy (pinned on CUDA), valid after ``event``
+    event: torch.cuda.Event | None
+    prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
+    pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
+
+    def feed_rows(self) -> dict[int, int]:
+        """seq_id -> row of its sampled id, for the next step's inputs."""
+        return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+
+    def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Block until the sampled ids are on the host; the ids and (where asked) their logprobs."""
+        if self.sampled is None:
+            return [], []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_ids.tolist(), self.sampled.logprobs()
 
 
 class ModelRunner:
@@ -28,6 +59,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.k_caches = torch.empty(0)
         self.v_caches = torch.empty(0)
+        self.inputs: StepInputs | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # decode-only batches up to this size are padded to a graph size on CUDA (with --enforce-eager too, so
+        # that eager and graph runs compute the same shapes and give the same tokens)
+        self.graph_sizes = graph_sizes(min(config.max_graph_batch_size, config.max_num_seqs)) \
+            if self.device.type == "cuda" else []
+        num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
+        self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
+        self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                          for _ in range(2)]
+        self._turn = 0
+        self.graph_tables = torch.empty(0, dtype=torch.int32)
+        self.graph_logits = torch.empty(0)
         if self.device.type == "cpu":
             model.store_weights_column_major()
 
@@ -37,9 +82,11 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
         return 2 * args.num_layers * self.block_size * args.num_kv_heads * args.head_dim * elem
 
+    # KV cache sizing ---------------------------------------------------------------------------------
+
     def num_blocks_for_budget(self) -> int:
         """KV blocks that fit: the configured CPU budget, or on CUDA the memory left under
-        ``gpu_memory_utilization`` after the weights and a warm-up pass of the largest batch."""
+        ``gpu_memory_utilization`` after the weights, a warm-up pass of the largest batch and the CUDA graphs."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
@@ -50,78 +97,125 @@ class ModelRunner:
         return max(0, int(budget)) // self.bytes_per_block
 
     def _warm_up_peak_memory(self) -> int:
-        """Activation memory of a forward pass over ``max_num_batched_tokens`` tokens (a scratch KV)."""
+        """Activation memory of a forward pass over ``max_num_batched_tokens`` tokens (a scratch KV), plus
+        what the CUDA graph of the largest decode batch holds (captured once on the scratch KV)."""
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         self.allocate_kv_cache(-(-num_tokens // self.block_size))
         seq = Sequence(seq_id=-1, request_id="warm-up", token_ids=[0] * num_tokens, params=SamplingParams(temperature=0.0))
-        seq.block_table = list(range(len(self.k_caches[0])))
+        seq.block_table = list(range(-(-num_tokens // self.block_size)))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[num_tokens]))
+        self.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[num_tokens]), None).wait()
+        self.inputs.forget(seq)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        graph_bytes = 0
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self._decode_pass, [self.graph_sizes[-1]], self.device, self._idle_inputs)
+            graph_bytes = self.graphs.memory_bytes
+            self.graphs = None
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
-        return peak
+        return peak + graph_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor ``[layers, blocks, block_size, kv_heads, head_dim]``; each attention layer
-        gets its layer's view. Zeroed so that masked-out stale slots never carry NaN into a softmax."""
-        args = self.model.args
+        gets its layer's view. Zeroed so that masked-out stale slots never carry NaN into a softmax. Also the
+        step input buffers, sized by the (now final) ``max_model_len``."""
+        args, config = self.model.args, self.config
         shape = (args.num_layers, num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
-        self.k_caches = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        self.v_caches = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        self.k_caches = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        self.v_caches = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.k_caches[i], self.v_caches[i]
+        max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
+        self.inputs = StepInputs(self.device, self.block_size, max_tokens, config.max_num_seqs + 1,
+                                 config.max_blocks_per_seq)
+        if self.graph_sizes:
+            self.graph_tables = torch.zeros(self.graph_sizes[-1], config.max_blocks_per_seq, dtype=torch.int32,
+                                            device=self.device)
+            self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
+                                            device=self.device)
+
+    def capture_graphs(self) -> None:
+        """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``)."""
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self._decode_pass, self.graph_sizes, self.device, self._idle_inputs)
+
+    # one step ---------------------------------------------------------------------------------------
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left the running batch for good (finished): release its input rows."""
+        self.inputs.forget(seq)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Forward pass over ``batch``; samples one token for each entry whose chunk ends its tokens."""
+    def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:
+        """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
+        pending in ``in_flight`` are fed from its sampled ids on the device."""
+        start = time.perf_counter()
         if batch.block_copies:
             mapping = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
-        input_ids, positions, metadata, sample_rows = self._prepare(batch)
+        pad = None
+        if batch.num_decodes == len(batch.seqs):
+            pad = padded_size(self.graph_sizes, len(batch.seqs))
+        step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
+        prepared = time.perf_counter()
+        num_rows = len(batch.sampling_seqs)
+        if pad is not None:
+            logits = self._padded_decode(step, pad, len(batch.seqs))
+            if num_rows != len(batch.seqs):
+                logits = logits[step.sample_rows]
+        else:
+            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
+        return self._sample(logits, batch.sampling_seqs, prepared - start)
+
+    def _padded_decode(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
+        width = step.metadata.block_tables.shape[1]
+        self.graph_tables[:num_seqs, :width].copy_(step.metadata.block_tables)
+        logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
+        return logits[:num_seqs]
+
+    def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
+        if logits is None:
+            return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
+        sampled = self.sampler(logits, seqs, self.config.eos_token_ids)
+        rows = len(seqs)
+        self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
+        if self.device.type != "cuda":
+            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds)
+        host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
+        self._turn += 1
+        host.copy_(sampled.token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(seqs, sampled, host, event, prepare_seconds)
+
+    def _forward(self, input_ids: torch.Tensor, feed: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        """The model over one step's tokens; pending ids (``feed >= 0``) come from the last sampled ids."""
+        input_ids = torch.where(feed >= 0, self.last_sampled[feed.clamp(min=0)], input_ids)
         with forward_context(metadata):
-            hidden = self.model(input_ids, positions)
-        if not sample_rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]).float()
-        return self.sampler(logits, batch.sampling_seqs, self.config.eos_token_ids)
+            return self.model(input_ids, positions)
 
-    def _prepare(self, batch: ScheduledBatch
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-        num_decodes = batch.num_decodes
-        prefill_cu = [0]
-        for n in batch.num_new_tokens[num_decodes:]:
-            prefill_cu.append(prefill_cu[-1] + n)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            num_decodes=num_decodes,
-            prefill_cu_seqlens_q=self._tensor(prefill_cu, torch.int32),
-        )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), metadata, sample_rows
+    def _static_inputs(self, size: int) -> list[torch.Tensor]:
+        """The graph-size ``size`` views of the device input buffer: ids, feed, positions, slots, contexts."""
+        buffer = self.inputs.device_buffer
+        return [buffer[i * size:(i + 1) * size] for i in range(5)]
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.tensor(data, dtype=dtype)
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+    def _decode_pass(self, size: int) -> torch.Tensor:
+        """One decode pass over the static inputs of graph size ``size`` (what each graph records)."""
+        ids, feed, positions, slots, context_lens = self._static_inputs(size)
+        metadata = AttentionMetadata(slot_mapping=slots, block_tables=self.graph_tables[:size],
+                                     context_lens=context_lens, num_decodes=size,
+                                     prefill_cu_seqlens_q=self.inputs.device_buffer[5 * size:5 * size + 1])
+        hidden = self._forward(ids, feed, positions, metadata)
+        return self.model.compute_logits(hidden, out=self.graph_logits[:size])
+
+    def _idle_inputs(self, size: int) -> None:
+        """Static inputs of a harmless batch (token 0 at position 0, written nowhere) for capture."""
+        ids, feed, positions, slots, context_lens = self._static_inputs(size)
+        ids.zero_(), feed.fill_(-1), positions.zero_(), slots.fill_(-1), context_lens.fill_(1)
+        self.inputs.device_buffer[5 * size].zero_()

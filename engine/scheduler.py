@@ -69,8 +69,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted as a victim earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_last_token:
+                continue  # preempted as a victim earlier in this loop, or done computing
             budget = self._schedule_running(seq, budget, chosen, preempted)
         if not preempted:
             self._admit_waiting(budget, chosen)
@@ -121,9 +121,9 @@ class Scheduler:
         logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
                     seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the batch's tokens now have KV; register newly full blocks."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def advance(self, entries: list[tuple[Sequence, int]]) -> None:
+        """After the forward pass: each entry's ``n`` tokens now have KV; register newly full blocks."""
+        for seq, n in entries:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
 

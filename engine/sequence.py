@@ -9,6 +9,10 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+# Stands in ``token_ids`` for a token sampled by the step still running on the device (the engine reads
+# sampled ids one step late, see llm_engine.py); replaced by the real id when that step's output is read.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -58,6 +62,8 @@ class Sequence:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # trailing PENDING_TOKEN entries of token_ids
+    awaiting_last_token: bool = False  # its pending token is its last (length limit): nothing more to compute
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -89,8 +95,33 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (pending ones excluded)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> int:
+        """A token was sampled on the device: hold its place; returns its index for ``resolve``."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+        return len(self.token_ids) - 1
+
+    def resolve(self, index: int, token_id: int) -> None:
+        self.token_ids[index] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending(self) -> None:
+        """Finished while tokens were still in flight: they are not part of its output."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -93,11 +93,11 @@ async def test_model_error_reaches_every_stream_and_marks_unhealthy(engine: Asyn
     runner = engine.engine.runner
     original, calls = runner.execute, []
 
-    def failing_execute(batch):
+    def failing_execute(batch, in_flight):
         calls.append(len(batch.seqs))
         if len(calls) >= 3:
             raise RuntimeError("injected model failure")
-        return original(batch)
+        return original(batch, in_flight)
 
     runner.execute = failing_execute
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The engine's greedy output equals transformers' token for token (CPU, float32), however the work is
 batched: all prompts together, chunked prefill under a tiny token budget, and preemption under a pool
-too small for all of them."""
+too small for all of them — with sampled ids read at once or one step late (async scheduling)."""
 from __future__ import annotations
 
 import pytest
@@ -41,25 +41,32 @@ def expected(hf_model, prompts) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def test_batched_greedy_equals_transformers(prompts, expected):
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_batched_greedy_equals_transformers(prompts, expected, async_scheduling):
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
 
 
-def test_chunked_prefill_equals_transformers(prompts, expected):
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=7, enable_prefix_caching=False)
+@ASYNC
+def test_chunked_prefill_equals_transformers(prompts, expected, async_scheduling):
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=7, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     longest = max(len(p) for p in prompts)
     assert llm.engine.stats().steps >= longest // 7, "prefills must have been split into chunks"
 
 
-def test_preemption_keeps_output_identical(prompts, expected):
+@ASYNC
+def test_preemption_keeps_output_identical(prompts, expected, async_scheduling):
     longest = max(len(p) for p in prompts) + NEW_TOKENS
     num_blocks = -(-longest // 16) + 2  # room for the longest request alone, far from all of them
-    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64)
+    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats().preemptions > 0
     assert [o.token_ids for o in outputs] == expected

@@ -202,11 +202,11 @@ def fail_model_after(client: TestClient, num_calls: int) -> None:
     runner = client.app.state.server.engine.engine.runner
     original, calls = runner.execute, []
 
-    def execute(batch):
+    def execute(batch, in_flight):
         calls.append(1)
         if len(calls) > num_calls:
             raise RuntimeError("injected model failure")
-        return original(batch)
+        return original(batch, in_flight)
 
     runner.execute = execute
 

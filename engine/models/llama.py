@@ -143,11 +143,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of each row of ``hidden``, into ``out`` when given (a CUDA graph's static output)."""
         if self.logits_weight is not None:
-            return hidden @ self.logits_weight.t()
+            return torch.matmul(hidden, self.logits_weight.t(), out=out)
         weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.t()
+        return torch.matmul(hidden, weight.t(), out=out)
 
     def store_weights_column_major(self) -> None:
         """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied

@@ -1,0 +1,152 @@
+"""One step's input tensors, built with numpy in persistent buffers and sent in one host->device copy.
+
+Per step the engine needs, for T tokens of B sequences: token ids, positions, slot mapping, context lengths,
+block tables and the rows to sample. Building them from Python lists costs milliseconds at B = 256, so:
+- every live sequence owns a row of a persistent host block table, updated incrementally (only the entries
+  its block table gained since the last step, plus its last entry, which copy-on-write may have replaced);
+- the step's vectors are written into a pinned int32 staging buffer, packed back to back, and copied to the
+  device in one asynchronous copy. Two staging buffers alternate: while the device may still be reading
+  step N's, the host fills step N+1's.
+
+Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
+sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the host does not know yet (sampled
+by the step in flight): the device takes it from row ``r`` of the previous step's sampled ids. For a
+decode-only step padded to a CUDA-graph size G (padding rows need no table row: the model runner copies
+the B real rows into the graphs' static block table), the first 5G entries are the graph's static inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.forward_context import AttentionMetadata
+from engine.scheduler import ScheduledBatch
+from engine.sequence import PENDING_TOKEN, Sequence
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """Device views of one step's inputs (valid until the next step's copy overwrites the device buffer)."""
+
+    input_ids: torch.Tensor  # [T]; PENDING_TOKEN where ``feed`` supplies the id on the device
+    feed: torch.Tensor  # [T]: row of the previous step's sampled ids, or -1
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] token rows whose logits are sampled
+    num_tokens: int  # T, padding included
+    num_real_seqs: int  # B before padding
+
+
+class StepInputs:
+    def __init__(self, device: torch.device, block_size: int, max_tokens: int, max_seqs: int,
+                 max_blocks_per_seq: int) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)  # persistent, one row per seq
+        self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
+        pinned = device.type == "cuda"
+        self._staging = [torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        # on CUDA the inputs' device home (its head doubles as the CUDA graphs' static inputs); None on the CPU
+        self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device) if pinned else None
+        self._turn = 0
+
+    # block-table rows ---------------------------------------------------------------------------------
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` finished or was preempted: its table row goes back to the free list."""
+        entry = self._rows.pop(seq.seq_id, None)
+        if entry is not None:
+            self._free_rows.append(entry[0])
+
+    def _sync_row(self, seq: Sequence) -> int:
+        entry = self._rows.get(seq.seq_id)
+        if entry is None:
+            if not self._free_rows:
+                raise RuntimeError(f"step inputs: more than {len(self.table)} live sequences")
+            entry = self._rows[seq.seq_id] = [self._free_rows.pop(), 0]
+        row, synced = entry
+        table = seq.block_table
+        n = len(table)
+        start = max(0, min(synced, n) - 1)  # re-copy the last synced entry: copy-on-write may have replaced it
+        if n - start == 1:
+            self.table[row, start] = table[start]
+        elif n > start:
+            self.table[row, start:n] = table[start:n]
+        entry[1] = n
+        return row
+
+    # packing ------------------------------------------------------------------------------------------
+
+    def build(self, batch: ScheduledBatch, feed_rows: dict[int, int], pad_to: int | None) -> StepTensors:
+        """Pack ``batch``'s inputs; ``feed_rows`` maps seq_id -> row of the in-flight step's sampled ids for
+        sequences whose last token is still pending. ``pad_to``: a decode-only batch padded to a graph size
+        (padding rows: slot -1, context 1, their outputs ignored)."""
+        for seq in batch.preempted:
+            self.forget(seq)
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        num_seqs = len(seqs)
+        rows = np.fromiter((self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
+        lens = np.asarray(counts, dtype=np.int64)
+        ids: list[int] = []
+        for seq, start, n in zip(seqs, starts.tolist(), counts):
+            ids.extend(seq.token_ids[start:start + n])
+        num_tokens = len(ids)
+        total = pad_to or num_tokens
+        total_seqs = pad_to or num_seqs
+        width = max(len(seq.block_table) for seq in seqs)
+
+        cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
+        seq_of_token = np.repeat(np.arange(num_seqs), lens)
+        blocks = self.table[rows[seq_of_token], positions // self.block_size]
+        slots = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        ends = starts + lens
+        sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
+                       if end == seq.num_tokens]
+        num_decodes = batch.num_decodes
+        prefill_cu = np.concatenate(([0], np.cumsum(lens[num_decodes:])))
+
+        sizes = [total, total, total, total, total_seqs, len(prefill_cu), len(sample_rows), num_seqs * width]
+        host = self._staging[self._turn % len(self._staging)]
+        self._turn += 1
+        flat = host.numpy()
+        offsets = np.cumsum([0] + sizes)
+        views = [flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = views
+        ids_v[:num_tokens] = ids
+        feed_v.fill(-1)
+        for i, seq in enumerate(seqs[:num_decodes]):  # a pending token is always a decode row's input
+            if ids[i] == PENDING_TOKEN:
+                feed_v[i] = feed_rows[seq.seq_id]
+        pos_v[:num_tokens] = positions
+        slot_v[:num_tokens] = slots
+        ctx_v[:num_seqs] = ends
+        cu_v[:] = prefill_cu
+        rows_v[:] = sample_rows
+        table_v.reshape(num_seqs, width)[:] = self.table[rows, :width]
+        if total > num_tokens:  # graph padding rows: token 0 at position 0 of a 1-token context, written nowhere
+            ids_v[num_tokens:] = 0
+            pos_v[num_tokens:] = 0
+            slot_v[num_tokens:] = -1
+            ctx_v[num_seqs:] = 1
+        return self._to_device(host, offsets, total_seqs if pad_to else num_decodes, total, num_seqs, width)
+
+    def _to_device(self, host: torch.Tensor, offsets: np.ndarray, num_decodes: int, total: int, num_seqs: int,
+                   width: int) -> StepTensors:
+        used = int(offsets[-1])
+        if self.device_buffer is None:
+            buffer = host
+        else:
+            buffer = self.device_buffer
+            buffer[:used].copy_(host[:used], non_blocking=True)
+        parts = [buffer[int(offsets[i]):int(offsets[i + 1])] for i in range(len(offsets) - 1)]
+        ids, feed, positions, slots, ctx, cu, rows, table = parts
+        metadata = AttentionMetadata(slot_mapping=slots, block_tables=table.view(-1, width), context_lens=ctx,
+                                     num_decodes=num_decodes, prefill_cu_seqlens_q=cu)
+        return StepTensors(ids, feed, positions, metadata, rows, total, num_seqs)

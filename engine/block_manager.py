@@ -172,6 +172,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block] | None = None) -> bool:
         """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
         tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
+        table, start = seq.block_table, seq.num_computed_tokens
+        if num_new_tokens and not prefix_hits and start + num_new_tokens <= len(table) * self.block_size \
+                and self.pool.blocks[table[start // self.block_size]].ref_count == 1:
+            return True  # the common decode step: its slots are in blocks it owns alone
         prefix_hits = prefix_hits or []
         num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
         num_table = len(seq.block_table) + len(prefix_hits)

@@ -40,6 +40,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         pool = torch.cuda.graph_pool_handle()
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
@@ -58,4 +59,5 @@ class DecodeGraphs:
 
     def replay(self, size: int) -> torch.Tensor:
         self._graphs[size].replay()
+        self.num_replays += 1
         return self._outputs[size]

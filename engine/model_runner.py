@@ -115,9 +115,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._decode_pass, [self.graph_sizes[-1]], self.device, self._idle_inputs)
             graph_bytes = self.graphs.memory_bytes
             self.graphs = None
+        # the step buffers are allocated again, at their final size, beside the real KV cache
+        buffers = self.graph_logits.nbytes + self.graph_tables.nbytes + self.inputs.device_buffer.nbytes
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
-        return peak + graph_bytes
+        return peak + graph_bytes + buffers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor ``[layers, blocks, block_size, kv_heads, head_dim]``; each attention layer

@@ -190,8 +190,8 @@ class LLMEngine:
         return outputs
 
     def _needs_known_history(self, batch: ScheduledBatch) -> bool:
-        """Penalties read the values of earlier output tokens: those must be known before sampling."""
-        return any(seq.num_pending_tokens and seq.params.uses_penalties for seq in batch.sampling_seqs)
+        """Penalties and grammars read the values of earlier output tokens: those must be known first."""
+        return any(seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs)
 
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's sampled ids and hand them to their requests."""

@@ -4,7 +4,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; room for chat templates' own stop strings
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+_INT32 = 2**31
 _GREEDY_EPS = 1e-5
+STRUCTURED_KINDS = ("json_object", "json_schema")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """Constrain the output to a grammar: any JSON object, or JSON valid against ``schema`` (JSON text)."""
+
+    kind: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "response_format", f"type must be one of {STRUCTURED_KINDS}")
+        _check((self.schema is not None) == (self.kind == "json_schema"), "response_format",
+               "json_schema needs a schema; json_object takes none")
 
 
 @dataclass(slots=True)
@@ -14,7 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
-    seed: int | None = None  # per-request generator: same seed, same output
+    seed: int | None = None  # same seed, same output (a 64-bit integer)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -26,6 +45,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,23 +56,36 @@ class SamplingParams:
         _check(_is_int(self.n) and self.n == 1, "n", "only n=1 is supported (parallel sampling comes later)")
         _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
+        _check(_is_int(self.top_k) and -1 <= self.top_k < _INT32, "top_k",
+               "must be -1, 0 (off) or a positive integer (at most the vocabulary size)")
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+               "must be a 64-bit integer")
         _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
                "presence_penalty", "must be in [-2, 2]")
         _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty", "must be in [-2, 2]")
         _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", "must be > 0")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < _INT32),
                "max_tokens", "must be >= 1")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                "min_tokens", "must not exceed max_tokens")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
+               and len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check(all(_is_int(t) and 0 <= t < _INT32 for t in self.stop_token_ids)
+               and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS
+                   and all(_is_int(t) and 0 <= t < _INT32 for t in self.logit_bias)
+                   and all(_is_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+                   f"at most {MAX_LOGIT_BIAS} token ids mapped to biases in [-100, 100]")
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "response_format", "must be a StructuredOutput")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
 
@@ -62,6 +96,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_known_history(self) -> bool:
+        """Sampling reads the values of earlier output tokens (not only their count)."""
+        return self.uses_penalties or self.structured_output is not None
 
 
 def _is_int(value: object) -> bool:

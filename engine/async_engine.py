@@ -31,6 +31,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (an error, or stop()); no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request ended with an error of its own (its sampling, grammar, detokenizing); the engine and the
+    other requests run on."""
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config or EngineConfig(**options)
@@ -170,6 +175,10 @@ class AsyncEngine:
             self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
             self._loop.call_soon_threadsafe(self._deliver_error, request_id, exc)
+        except Exception as exc:  # noqa: BLE001 - add_request registers nothing before it can fail
+            logger.exception("request %s could not be added", request_id)
+            error = RequestFailedError(f"{type(exc).__name__}: {exc}")
+            self._loop.call_soon_threadsafe(self._deliver_error, request_id, error)
 
     def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
         try:
@@ -196,7 +205,7 @@ class AsyncEngine:
             self._queued.discard(output.request_id)
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.put_nowait(output)
+                stream.put_nowait(output if output.error is None else RequestFailedError(output.error))
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -272,6 +272,13 @@ class BlockManager:
         for block_id in reversed(self.pins.pop(pin_id, [])):  # tail first, as sequences free theirs
             self.pool.release(self.pool.blocks[block_id])
 
+    def unpin_all(self) -> int:
+        """Drop every pin; returns the number of block references released."""
+        released = self.num_pinned_blocks
+        for pin_id in list(self.pins):
+            self.unpin(pin_id)
+        return released
+
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(ids) for ids in self.pins.values())

@@ -19,6 +19,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured_output import GrammarCompiler, accept as accept_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int
     queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
     block_hashes: list[str] | None = None  # on the final output: hex hashes of the full blocks of prompt + output
+    error: str | None = None  # finish_reason "error": what went wrong with this request (the others run on)
 
     @property
     def usage(self) -> Usage:
@@ -65,6 +67,7 @@ class _Request:
     text: str = ""  # handed out so far
     num_emitted: int = 0  # output tokens handed out so far
     logprobs: list[TokenLogprobs] | None = field(default=None)
+    error: str | None = None
 
     @property
     def seq(self) -> Sequence:
@@ -79,6 +82,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model, self.tokenizer = load_model(config)
         self.runner = ModelRunner(config, self.model)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
         num_blocks = self._size_kv_cache()
         self.runner.capture_graphs()
         hasher = BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed)
@@ -119,6 +123,12 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.config.max_model_len}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k: must be at most the vocabulary size ({vocab}), or -1 / 0 for off")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.structured_output is not None:
+            self.grammars.validate(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
@@ -128,7 +138,10 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt_token_ids),
                        params=params, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.matcher(params.structured_output)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params) if self.tokenizer else None
+        # nothing is registered before this point: a failure above leaves the engine as it was
         self._requests[request_id] = _Request(SequenceGroup(request_id, [seq], params), detok,
                                               logprobs=[] if params.logprobs is not None else None)
         self.counters.prompt_tokens += seq.num_prompt_tokens
@@ -165,7 +178,7 @@ class LLMEngine:
         if not batch.seqs:
             if in_flight is not None:
                 return self._process(in_flight)
-            if self.scheduler.waiting and not self.scheduler.running:  # would wait forever: fail loudly
+            if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:  # for good
                 raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none runnable")
             return []
         outputs: list[RequestOutput] = []
@@ -200,21 +213,42 @@ class LLMEngine:
         read = time.perf_counter()
         self.counters.wait_seconds += read - start
         outputs = []
-        for seq, index, token_id, token_logprobs in zip(launched.seqs, launched.pending_indices, token_ids,
-                                                         logprobs):
+        for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
             request = self._requests.get(seq.request_id)
             if seq.is_finished or request is None or request.seq is not seq:
                 continue  # aborted, or stopped by the step before: this token is past its end
             seq.resolve(index, token_id)
-            if token_logprobs is not None:
-                request.logprobs.append(token_logprobs)
-            status = self._stop_status(seq, token_id, request.detokenizer)
-            if status is not None:
-                self._finish(seq, status)
-            outputs.append(self._emit(request))
+            try:
+                if row in launched.failures:
+                    raise RuntimeError(launched.failures[row])
+                outputs.append(self._accept(request, token_id, logprobs[row]))
+            except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
+                outputs.append(self._fail(request, exc))
         self.counters.generation_tokens += len(outputs)
         self.counters.output_seconds += time.perf_counter() - read
         return outputs
+
+    def _accept(self, request: _Request, token_id: int, token_logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq = request.seq
+        if token_logprobs is not None:
+            request.logprobs.append(token_logprobs)
+        accept_grammar(seq, token_id)
+        status = self._stop_status(seq, token_id, request.detokenizer)
+        if status is not None:
+            self._finish(seq, status)
+        return self._emit(request)
+
+    def _fail(self, request: _Request, exc: Exception) -> RequestOutput:
+        """End one request because of an error of its own; its final output carries the error."""
+        seq = request.seq
+        logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.detokenizer = None  # it may be what failed: no more text
+        if seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_FAILED
+        else:
+            self._finish(seq, SequenceStatus.FINISHED_FAILED)
+        return self._emit(request)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.drop_pending()
@@ -253,7 +287,7 @@ class LLMEngine:
         logprobs_delta = request.logprobs[request.num_emitted :] if request.logprobs is not None else None
         request.num_emitted = len(output_ids)
         if finished:
-            del self._requests[seq.request_id]
+            self._requests.pop(seq.request_id, None)
             self.counters.finished[seq.status.finish_reason] += 1
         return RequestOutput(
             request_id=seq.request_id, text=request.text, text_delta=text_delta, token_ids=output_ids,
@@ -261,7 +295,7 @@ class LLMEngine:
             finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
             queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
-            block_hashes=self._block_hashes(seq) if finished else None,
+            block_hashes=self._block_hashes(seq) if finished else None, error=request.error,
         )
 
     def _block_hashes(self, seq: Sequence) -> list[str]:

@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_inputs import StepInputs, StepTensors
+from engine.structured_output import token_masks
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None
     prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
     pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
+    failures: dict[int, str] = field(default_factory=dict)  # row -> why its request failed (token is void)
 
     def feed_rows(self) -> dict[int, int]:
         """seq_id -> row of its sampled id, for the next step's inputs."""
@@ -183,17 +185,37 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
         if logits is None:
             return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
-        sampled = self.sampler(logits, seqs, self.config.eos_token_ids)
+        sampled, failures = self._sample_rows(logits, seqs)
         rows = len(seqs)
         self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds)
+            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures)
         host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
         self._turn += 1
         host.copy_(sampled.token_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(seqs, sampled, host, event, prepare_seconds)
+        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[int, str]]:
+        """Sample every row; a row whose own parameters or grammar make sampling fail is reported (its request
+        ends with an error) and the batch is sampled again with a plain greedy stand-in for it."""
+        mask, failures = token_masks(seqs, logits.shape[-1])
+        if mask is not None and self.device.type == "cuda":
+            mask = mask.pin_memory().to(self.device, non_blocking=True)  # from pageable memory it would sync
+        eos = self.config.eos_token_ids
+        try:
+            return self.sampler(logits, seqs, eos, mask), failures
+        except Exception:  # noqa: BLE001 - find the row at fault; none found means a fault of the whole step
+            for i, seq in enumerate(seqs):
+                try:
+                    self.sampler(logits[i:i + 1], [seq], eos, None if mask is None else mask[i:i + 1])
+                except Exception as exc:  # noqa: BLE001
+                    failures[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+            if not failures:
+                raise
+        stand_ins = [_greedy_stand_in(seq) if i in failures else seq for i, seq in enumerate(seqs)]
+        return self.sampler(logits, stand_ins, eos, mask), failures
 
     def _forward(self, input_ids: torch.Tensor, feed: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
@@ -221,3 +243,9 @@ class ModelRunner:
         ids, feed, positions, slots, context_lens = self._static_inputs(size)
         ids.zero_(), feed.fill_(-1), positions.zero_(), slots.fill_(-1), context_lens.fill_(1)
         self.inputs.device_buffer[5 * size].zero_()
+
+
+def _greedy_stand_in(seq: Sequence) -> Sequence:
+    """Takes a failed row's place in a batch: sampled greedily, its token is thrown away."""
+    return Sequence(seq_id=seq.seq_id, request_id=f"{seq.request_id} (stand-in)",
+                    token_ids=list(seq.token_ids[-1:]), params=SamplingParams(temperature=0.0))

@@ -101,7 +101,14 @@ class Scheduler:
             hits = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate(seq, num_new, hits):
-                break
+                if self.running or not self.block_manager.pins:
+                    break
+                # nothing runs and pinned presets hold the blocks it needs: they become ordinary cached blocks
+                # (evictable, still hittable) rather than stall the engine for good
+                released = self.block_manager.unpin_all()
+                logger.warning("released %d pinned preset blocks under memory pressure (for %s)",
+                               released, seq.request_id)
+                continue
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
 
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +20,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_FAILED = enum.auto()  # this request's own fault (its sampling, grammar, detokenizing)
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +35,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_FAILED: "error",
 }
 
 
@@ -59,17 +61,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full token blocks
     num_registered_blocks: int = 0  # head blocks already entered in the prefix-cache hash map
-    generator: torch.Generator | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN entries of token_ids
     awaiting_last_token: bool = False  # its pending token is its last (length limit): nothing more to compute
+    grammar: Any | None = None  # structured output: the llguidance matcher its tokens must satisfy
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

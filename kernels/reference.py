@@ -76,3 +76,37 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     src_ids = block_mapping[:, 0].long().to(src.device)
     dst_ids = block_mapping[:, 1].long().to(dst.device)
     dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / sqrt(mean(x², last dim) + eps)``, computed in float32 and rounded back to ``x``'s dtype
+    before the weight multiplies (as transformers does). With ``residual``: ``s = x + residual`` is written
+    into ``residual`` in place and ``(weight * norm(s), s)`` returned (``s`` is ``residual`` itself)."""
+    if residual is not None:
+        x = torch.add(x, residual, out=residual)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> None:
+    """Rotate ``q`` ``[T, heads, head_dim]`` and ``k`` ``[T, kv_heads, head_dim]`` in place by their positions
+    (rotate-half layout): ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` and
+    cos/sin rows ``[max_position, head_dim]`` gathered at ``positions``."""
+    cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
+    q.copy_(q * cos + _rotate_half(q) * sin)
+    k.copy_(k * cos + _rotate_half(k) * sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: ``silu(gate) * up`` for ``gate, up`` the two halves of the last dim of ``[T, 2I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

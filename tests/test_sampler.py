@@ -1,4 +1,5 @@
-"""Sampler specification: greedy, penalties, top-k / top-p / min-p, seeds, min_tokens, logprobs.
+"""Sampler specification: greedy, penalties, top-k / top-p / min-p, seeds, min_tokens, logprobs, logit_bias,
+the structured-output bitmask, and launching without a host sync.
 
 Expected values come from hand-built logits or from the small per-row references below (plain Python
 floats, one row at a time), never from the sampler itself.
@@ -11,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, SamplerOutput
+from engine.layers.sampler import Sampler, SamplerOutput, draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -40,7 +41,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos: tuple[int, ...] = (E
 def draw_many(row: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     """n independent unseeded draws from one row of logits, as one batch of n identical rows."""
     seqs = [make_seq(params, seq_id=i) for i in range(n)]
-    return sample(row.expand(n, -1).contiguous(), seqs).token_ids
+    return sample(row.expand(n, -1).contiguous(), seqs).token_ids.tolist()
 
 
 def softmax(values: list[float]) -> list[float]:
@@ -100,56 +101,56 @@ def test_greedy_equals_argmax() -> None:
     logits = random_logits(6)
     seqs = [make_seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(6)]
     out = sample(logits, seqs)
-    assert out.token_ids == [argmax(row) for row in logits.tolist()]
-    assert out.logprobs == [None] * 6
+    assert out.token_ids.tolist() == [argmax(row) for row in logits.tolist()]
+    assert out.logprobs() == [None] * 6
 
 
 def test_greedy_ties_pick_the_lowest_index() -> None:
     logits = random_logits(1)
     logits[0, 9] = logits[0, 21] = logits.max() + 1.0
-    assert sample(logits, [make_seq(SamplingParams(temperature=0.0))]).token_ids == [9]
+    assert sample(logits, [make_seq(SamplingParams(temperature=0.0))]).token_ids.tolist() == [9]
     with_logprobs = make_seq(SamplingParams(temperature=0.0, logprobs=1))  # the slower path agrees
-    assert sample(logits, [with_logprobs]).token_ids == [9]
+    assert sample(logits, [with_logprobs]).token_ids.tolist() == [9]
 
 
 def test_repetition_penalty_divides_positive_logits_of_seen_tokens() -> None:
     logits = random_logits(1)  # values within about +-3
     logits[0, 10], logits[0, 11] = 10.0, 6.0
     seen_in_prompt = make_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[10, 4])
-    assert sample(logits, [seen_in_prompt]).token_ids == [11]  # 10 / 2 = 5 < 6
+    assert sample(logits, [seen_in_prompt]).token_ids.tolist() == [11]  # 10 / 2 = 5 < 6
     seen_in_output = make_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[10])
-    assert sample(logits, [seen_in_output]).token_ids == [11]
+    assert sample(logits, [seen_in_output]).token_ids.tolist() == [11]
     mild = make_seq(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[10])
-    assert sample(logits, [mild]).token_ids == [10]  # 10 / 1.5 = 6.67 > 6
+    assert sample(logits, [mild]).token_ids.tolist() == [10]  # 10 / 1.5 = 6.67 > 6
 
 
 def test_repetition_penalty_multiplies_negative_logits_of_seen_tokens() -> None:
     logits = -random_logits(1).abs() - 2.0  # every logit <= -2
     logits[0, 10], logits[0, 11] = -0.5, -0.8
     seq = make_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[10])
-    assert sample(logits, [seq]).token_ids == [11]  # -0.5 * 2 = -1.0 < -0.8
+    assert sample(logits, [seq]).token_ids.tolist() == [11]  # -0.5 * 2 = -1.0 < -0.8
 
 
 def test_frequency_penalty_scales_with_output_count_and_ignores_prompt() -> None:
     logits = random_logits(1)
     logits[0, 10], logits[0, 11] = 10.0, 9.5
     twice = make_seq(SamplingParams(temperature=0.0, frequency_penalty=0.3), output=[10, 3, 10])
-    assert sample(logits, [twice]).token_ids == [11]  # 10 - 2 * 0.3 = 9.4 < 9.5
+    assert sample(logits, [twice]).token_ids.tolist() == [11]  # 10 - 2 * 0.3 = 9.4 < 9.5
     once = make_seq(SamplingParams(temperature=0.0, frequency_penalty=0.3), output=[10])
-    assert sample(logits, [once]).token_ids == [10]  # 9.7 > 9.5
+    assert sample(logits, [once]).token_ids.tolist() == [10]  # 9.7 > 9.5
     prompt_only = make_seq(SamplingParams(temperature=0.0, frequency_penalty=2.0), prompt=[10, 10, 10])
-    assert sample(logits, [prompt_only]).token_ids == [10]
+    assert sample(logits, [prompt_only]).token_ids.tolist() == [10]
 
 
 def test_presence_penalty_is_flat_whatever_the_count() -> None:
     logits = random_logits(1)
     logits[0, 10], logits[0, 11] = 10.0, 9.5
     many = make_seq(SamplingParams(temperature=0.0, presence_penalty=0.4), output=[10] * 5)
-    assert sample(logits, [many]).token_ids == [10]  # 10 - 0.4 = 9.6 > 9.5, not 10 - 5 * 0.4
+    assert sample(logits, [many]).token_ids.tolist() == [10]  # 10 - 0.4 = 9.6 > 9.5, not 10 - 5 * 0.4
     once = make_seq(SamplingParams(temperature=0.0, presence_penalty=0.6), output=[10])
-    assert sample(logits, [once]).token_ids == [11]
+    assert sample(logits, [once]).token_ids.tolist() == [11]
     prompt_only = make_seq(SamplingParams(temperature=0.0, presence_penalty=2.0), prompt=[10])
-    assert sample(logits, [prompt_only]).token_ids == [10]
+    assert sample(logits, [prompt_only]).token_ids.tolist() == [10]
 
 
 def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
@@ -166,7 +167,7 @@ def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
                                 presence_penalty=pres)
         seqs.append(make_seq(params, prompt=prompt, output=output, seq_id=i))
         expected.append(argmax(hand_penalised(logits[i].tolist(), prompt, output, rep, freq, pres)))
-    assert sample(logits, seqs).token_ids == expected
+    assert sample(logits, seqs).token_ids.tolist() == expected
     assert expected != [argmax(row) for row in logits.tolist()]  # the penalties did matter
 
 
@@ -175,7 +176,7 @@ def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
 def test_top_k_one_behaves_like_greedy() -> None:
     logits = random_logits(50, seed=2)
     seqs = [make_seq(SamplingParams(temperature=1.5, top_k=1), seq_id=i) for i in range(50)]
-    assert sample(logits, seqs).token_ids == [argmax(row) for row in logits.tolist()]
+    assert sample(logits, seqs).token_ids.tolist() == [argmax(row) for row in logits.tolist()]
 
 
 def test_top_k_never_samples_outside_top_k() -> None:
@@ -244,7 +245,7 @@ def test_rows_with_different_parameters_are_filtered_independently() -> None:
     settings = [dict(temperature=1.0, top_k=3), dict(temperature=0.5, top_p=0.6), dict(temperature=1.3, min_p=0.3)]
     n = 4000
     seqs = [make_seq(SamplingParams(**settings[r % 3]), seq_id=r) for r in range(3 * n)]
-    tokens = sample(logits.repeat(n, 1), seqs).token_ids
+    tokens = sample(logits.repeat(n, 1), seqs).token_ids.tolist()
     for r, kwargs in enumerate(settings):
         expected = reference_probs(logits[r].tolist(), **kwargs)
         assert_matches_distribution(tokens[r::3], expected)
@@ -260,7 +261,7 @@ def step_logits(key: int, step: int, vocab: int = 64) -> torch.Tensor:
 def generate(seqs: list[Sequence], keys: list[int], steps: int) -> list[list[int]]:
     for step in range(steps):
         logits = torch.stack([step_logits(key, step) for key in keys])
-        for seq, token in zip(seqs, sample(logits, seqs).token_ids):
+        for seq, token in zip(seqs, sample(logits, seqs).token_ids.tolist()):
             seq.append_token(token)
     return [seq.output_token_ids for seq in seqs]
 
@@ -285,6 +286,95 @@ def test_different_seeds_give_different_tokens() -> None:
     assert first != second
 
 
+def reference_splitmix64(state: int, count: int) -> list[int]:
+    """Vigna's splitmix64 on Python ints modulo 2^64: state += golden, then the finaliser."""
+    mask, outputs = 2**64 - 1, []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        outputs.append(z ^ (z >> 31))
+    return outputs
+
+
+def test_seeded_noise_generator_is_splitmix64_bit_for_bit() -> None:
+    # The widely quoted first outputs of splitmix64 from state 1234567.
+    quoted = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+              16408922859458223821]
+    assert reference_splitmix64(1234567, 5) == quoted
+    keys = [1234567, -5, 2**62 + 3, -(2**63)]
+    table = splitmix64(torch.tensor(keys), 200).tolist()
+    for key, row in zip(keys, table):
+        assert [value % 2**64 for value in row] == reference_splitmix64(key % 2**64, 200)
+
+
+def test_seeded_noise_is_exponential_with_mean_and_variance_one() -> None:
+    keys = torch.tensor([draw_key(seed, position) for seed in range(250) for position in range(4)])
+    noise = exponential_noise(keys, 100).flatten().double()  # 100,000 values
+    n = noise.numel()
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 1) < 0.02  # the mean's standard error is 0.003
+    assert abs(noise.var().item() - 1) < 0.05
+    # Ten bins of equal Exp(1) probability: edges at -log(1 - j / 10).
+    edges = torch.tensor([-math.log(1 - j / 10) for j in range(1, 10)], dtype=torch.float64)
+    counts = torch.bucketize(noise, edges).bincount(minlength=10).tolist()
+    chi2 = sum((c - n / 10) ** 2 / (n / 10) for c in counts)
+    assert chi2 < 9 + 8 * math.sqrt(18) + 10, f"chi2={chi2:.1f} over 9 degrees of freedom"
+
+
+def test_seeded_draws_follow_the_distribution_across_seeds_and_positions() -> None:
+    probs = [0.1, 0.2, 0.3, 0.4]
+    n = 3000
+    rows = torch.tensor(probs).log().expand(n, -1).contiguous()
+    across_seeds = [make_seq(SamplingParams(temperature=1.0, seed=s), seq_id=s) for s in range(n)]
+    assert_matches_distribution(sample(rows, across_seeds).token_ids.tolist(), probs)
+    one_seed = [make_seq(SamplingParams(temperature=1.0, seed=77), output=[9] * p, seq_id=p) for p in range(n)]
+    assert_matches_distribution(sample(rows, one_seed).token_ids.tolist(), probs)
+
+
+def test_a_seeded_draw_repeats_for_the_same_seed_and_position_only() -> None:
+    row = random_logits(1, vocab=64, seed=20)
+
+    def draw(seed: int, position: int) -> int:
+        seq = make_seq(SamplingParams(temperature=1.0, seed=seed), output=[3] * position)
+        return sample(row, [seq]).token_ids.tolist()[0]
+
+    for seed, position in [(0, 0), (1, 5), (2**64 - 1, 3), (-(2**63), 0)]:
+        torch.manual_seed(seed % 1000)
+        first = draw(seed, position)
+        torch.manual_seed(seed % 1000 + 1)  # the global RNG plays no part
+        assert draw(seed, position) == first
+    assert len({draw(seed, 0) for seed in range(40)}) > 10
+    assert len({draw(7, position) for position in range(40)}) > 10
+    noise = exponential_noise(torch.tensor([draw_key(5, 0), draw_key(5, 0), draw_key(6, 0), draw_key(5, 1)]), 64)
+    assert torch.equal(noise[0], noise[1])
+    assert (noise[0] != noise[2]).all() and (noise[0] != noise[3]).all()
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
+    n, vocab = 30, 64
+    logits = random_logits(n, vocab=vocab, seed=21)
+    targets = [make_seq(SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i),
+                        output=[1] * i, seq_id=i) for i in range(n)]
+    torch.manual_seed(4)
+    alone = [sample(logits[i : i + 1], [seq]).token_ids.tolist()[0] for i, seq in enumerate(targets)]
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0, repetition_penalty=1.4), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=1.2, min_p=0.1, logprobs=2)]
+    batch_logits, batch, target_rows = [], [], []
+    for i, seq in enumerate(targets):  # each target after a different number and mix of other rows
+        for j in range(i % 4):
+            batch.append(make_seq(others[(i + j) % len(others)], seq_id=1000 + len(batch)))
+            batch_logits.append(random_logits(1, vocab=vocab, seed=500 + len(batch))[0])
+        target_rows.append(len(batch))
+        batch.append(seq)
+        batch_logits.append(logits[i])
+    torch.manual_seed(5)
+    batched = sample(torch.stack(batch_logits), batch).token_ids.tolist()
+    assert [batched[r] for r in target_rows] == alone
+    assert len(set(alone)) > 5
+
+
 # ---------------------------------------------------------------- min_tokens
 
 def eos_favoured_logits() -> torch.Tensor:
@@ -298,26 +388,26 @@ def eos_favoured_logits() -> torch.Tensor:
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[20])
     for output in ([], [4]):
-        assert sample(eos_favoured_logits(), [make_seq(params, output=output)]).token_ids == [13]
+        assert sample(eos_favoured_logits(), [make_seq(params, output=output)]).token_ids.tolist() == [13]
 
 
 def test_min_tokens_stops_masking_once_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[20])
-    assert sample(eos_favoured_logits(), [make_seq(params, output=[4, 8])]).token_ids == [EOS]
+    assert sample(eos_favoured_logits(), [make_seq(params, output=[4, 8])]).token_ids.tolist() == [EOS]
 
 
 def test_min_tokens_masks_every_eos_id() -> None:
     logits = eos_favoured_logits()
     logits[0, 30] = logits[0, EOS]  # a second EOS id, tied with the first
     params = SamplingParams(temperature=0.0, min_tokens=1)
-    assert sample(logits, [make_seq(params)], eos=(EOS, 30)).token_ids == [20]
+    assert sample(logits, [make_seq(params)], eos=(EOS, 30)).token_ids.tolist() == [20]
 
 
 def test_min_tokens_with_ignore_eos_leaves_eos_alone_but_masks_stop_token_ids() -> None:
     logits = eos_favoured_logits()
     logits[0, 20] = logits[0, EOS] + 1.0  # now the stop token is the argmax and EOS the runner-up
     params = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[20])
-    assert sample(logits, [make_seq(params)]).token_ids == [EOS]
+    assert sample(logits, [make_seq(params)]).token_ids.tolist() == [EOS]
 
 
 def test_min_tokens_never_lets_sampling_draw_eos() -> None:
@@ -343,7 +433,7 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_k() -> None:
     seqs = [make_seq(SamplingParams(temperature=1.5, logprobs=5), seq_id=i) for i in range(40)]
     out = sample(logits, seqs)
     ranks = set()
-    for row, token, info in zip(logits.tolist(), out.token_ids, out.logprobs):
+    for row, token, info in zip(logits.tolist(), out.token_ids.tolist(), out.logprobs()):
         expected = raw_logprobs(row)
         assert info.token_id == token
         assert info.logprob == pytest.approx(expected[token], abs=1e-5)
@@ -358,7 +448,7 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_k() -> None:
 def test_logprobs_describe_the_distribution_before_penalties_and_min_tokens() -> None:
     logits = eos_favoured_logits()
     params = SamplingParams(temperature=0.0, min_tokens=1, repetition_penalty=1.5, logprobs=2)
-    info = sample(logits, [make_seq(params, prompt=[EOS, 20])]).logprobs[0]
+    info = sample(logits, [make_seq(params, prompt=[EOS, 20])]).logprobs()[0]
     expected = raw_logprobs(logits[0].tolist())
     assert info.token_id == 13
     assert info.rank == 3  # behind EOS and 20 in the raw distribution
@@ -372,23 +462,24 @@ def test_greedy_token_has_rank_one_and_tied_tokens_share_the_worse_rank() -> Non
     logits[1, 4] = logits[1, 17] = logits[1].max() + 1.0
     seqs = [make_seq(SamplingParams(temperature=0.0, logprobs=1), seq_id=i) for i in range(2)]
     out = sample(logits, seqs)
-    assert out.logprobs[0].rank == 1
-    assert out.token_ids[1] == 4 and out.logprobs[1].rank == 2  # 4 and 17 are both at least as likely
+    first, second = out.logprobs()
+    assert first.rank == 1
+    assert out.token_ids.tolist()[1] == 4 and second.rank == 2  # 4 and 17 are both at least as likely
 
 
 def test_logprobs_zero_gives_an_empty_top_list_and_none_gives_none() -> None:
     logits = random_logits(2, seed=14)
     seqs = [make_seq(SamplingParams(temperature=0.0, logprobs=0), seq_id=0),
             make_seq(SamplingParams(temperature=0.0), seq_id=1)]
-    out = sample(logits, seqs)
-    assert out.logprobs[0].top == []
-    assert out.logprobs[0].logprob == pytest.approx(max(raw_logprobs(logits[0].tolist())), abs=1e-5)
-    assert out.logprobs[1] is None
+    zero, none = sample(logits, seqs).logprobs()
+    assert zero.top == []
+    assert zero.logprob == pytest.approx(max(raw_logprobs(logits[0].tolist())), abs=1e-5)
+    assert none is None
 
 
 def test_logprobs_larger_than_the_vocabulary_return_the_whole_vocabulary() -> None:
     logits = random_logits(1, vocab=6, seed=15)
-    info = sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=20), prompt=[1])]).logprobs[0]
+    info = sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=20), prompt=[1])]).logprobs()[0]
     assert sorted(t for t, _ in info.top) == list(range(6))
 
 
@@ -411,17 +502,19 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
     # Row 1 is the only unseeded sampled row, so it sees the same global-RNG draw alone and in the batch.
     torch.manual_seed(3)
     batched = sample(logits, mixed_seqs())
+    batched_ids, batched_logprobs = batched.token_ids.tolist(), batched.logprobs()
     for i, seq in enumerate(mixed_seqs()):
         torch.manual_seed(3)
         alone = sample(logits[i : i + 1], [seq])
-        assert alone.token_ids == [batched.token_ids[i]], f"row {i}"
-        if alone.logprobs[0] is not None:
-            assert batched.logprobs[i].token_id == alone.logprobs[0].token_id
-            assert batched.logprobs[i].rank == alone.logprobs[0].rank
-            assert batched.logprobs[i].logprob == pytest.approx(alone.logprobs[0].logprob)
+        assert alone.token_ids.tolist() == [batched_ids[i]], f"row {i}"
+        [info] = alone.logprobs()
+        if info is not None:
+            assert batched_logprobs[i].token_id == info.token_id
+            assert batched_logprobs[i].rank == info.rank
+            assert batched_logprobs[i].logprob == pytest.approx(info.logprob)
         else:
-            assert batched.logprobs[i] is None
-    assert batched.token_ids[4] != EOS
+            assert batched_logprobs[i] is None
+    assert batched_ids[4] != EOS
 
 
 def test_sampler_leaves_the_callers_logits_unchanged() -> None:
@@ -429,3 +522,127 @@ def test_sampler_leaves_the_callers_logits_unchanged() -> None:
     before = logits.clone()
     sample(logits, mixed_seqs())
     assert torch.equal(logits, before)
+
+
+# ---------------------------------------------------------------- no host sync, dtypes
+
+def forbid(monkeypatch: pytest.MonkeyPatch, owner: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"{_name} called inside the sampler")
+        monkeypatch.setattr(owner, name, refuse)
+
+
+def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way a tensor's values reach the host, and the data-dependent shapes that need them."""
+    forbid(monkeypatch, torch.Tensor, ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__",
+                                       "__index__", "nonzero", "masked_select"))
+    forbid(monkeypatch, torch, ("nonzero", "masked_select", "multinomial"))
+    for name in ("__getitem__", "__setitem__"):
+        original = getattr(torch.Tensor, name)
+
+        def no_boolean_mask(self, index, *args, _original=original):
+            parts = index if isinstance(index, tuple) else (index,)
+            assert not any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts), "boolean mask"
+            return _original(self, index, *args)
+        monkeypatch.setattr(torch.Tensor, name, no_boolean_mask)
+
+
+def sync_test_batch() -> list[Sequence]:
+    return mixed_seqs() + [
+        make_seq(SamplingParams(temperature=0.9, top_p=0.8, seed=11), output=[4, 4], seq_id=5),
+        make_seq(SamplingParams(temperature=1.1, top_k=6, top_p=0.9, min_p=0.02, logprobs=2), seq_id=6),
+        make_seq(SamplingParams(temperature=0.7, presence_penalty=0.5, seed=12, logit_bias={3: 2.0}), seq_id=7),
+        make_seq(SamplingParams(temperature=0.0, logprobs=0, min_tokens=3, stop_token_ids=[20]), seq_id=8),
+    ]
+
+
+def test_sampling_launches_without_reading_anything_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = random_logits(9, seed=18)
+    seqs = sync_test_batch()
+    forbid_host_syncs(monkeypatch)
+    out = sample(logits, seqs)
+    monkeypatch.undo()
+    token_ids, logprobs = out.token_ids.tolist(), out.logprobs()  # reading the results may wait
+    assert [info is None for info in logprobs] == [seq.params.logprobs is None for seq in seqs]
+    assert all(info.token_id == token_ids[i] for i, info in enumerate(logprobs) if info is not None)
+    assert token_ids[0] == argmax(logits[0].tolist())
+
+
+def test_greedy_fast_path_is_one_argmax_on_the_logits_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = random_logits(6, seed=19).to(torch.bfloat16)
+    expected = [argmax(row) for row in logits.float().tolist()]
+    seqs = [make_seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(6)]
+    forbid_host_syncs(monkeypatch)
+    forbid(monkeypatch, torch.Tensor, ("float", "to", "clone", "contiguous", "__truediv__", "softmax"))
+    out = sample(logits, seqs)
+    monkeypatch.undo()
+    assert out.token_ids.dtype == torch.int64 and out.token_ids.tolist() == expected
+    assert out.logprobs() == [None] * 6
+
+
+def test_bfloat16_logits_are_processed_in_float32() -> None:
+    logits = random_logits(9, seed=22).to(torch.bfloat16)
+    torch.manual_seed(6)
+    from_bf16 = sample(logits, sync_test_batch())
+    torch.manual_seed(6)
+    from_f32 = sample(logits.float(), sync_test_batch())  # the same values, exactly
+    assert from_bf16.token_ids.tolist() == from_f32.token_ids.tolist()
+    assert from_bf16.logprobs() == from_f32.logprobs()
+
+
+# ---------------------------------------------------------------- logit_bias, structured output
+
+def test_logit_bias_moves_the_choice_but_not_the_logprobs() -> None:
+    logits = random_logits(1, seed=23)  # values within about +-3
+    logits[0, 10], logits[0, 11] = 5.0, 4.0
+    params = SamplingParams(temperature=0.0, logit_bias={11: 1.5, 10: -0.2}, logprobs=1)
+    out = sample(logits, [make_seq(params)])
+    assert out.token_ids.tolist() == [11]  # 4 + 1.5 > 5 - 0.2
+    [info] = out.logprobs()
+    assert info.rank == 2 and info.top[0][0] == 10
+    assert info.logprob == pytest.approx(raw_logprobs(logits[0].tolist())[11], abs=1e-5)
+
+
+def test_logit_bias_shifts_the_sampled_distribution() -> None:
+    torch.manual_seed(0)
+    row = random_logits(1, vocab=8, seed=24)[0]
+    bias = {argmax(row.tolist()): -100.0, 3: 1.0}
+    biased = row.tolist()
+    for token, value in bias.items():
+        biased[token] += value
+    tokens = draw_many(row, SamplingParams(temperature=0.8, logit_bias=bias), 20000)
+    assert_matches_distribution(tokens, reference_probs(biased, 0.8))
+
+
+def allowed_bitmask(allowed: list[set[int] | None], vocab: int) -> torch.Tensor:
+    """llguidance's layout, built by hand: bit t % 32 of int32 word t // 32 set = token t allowed."""
+    words = -(-vocab // 32)
+    rows = []
+    for tokens in allowed:
+        tokens = set(range(words * 32)) if tokens is None else tokens
+        unsigned = [sum(1 << (t % 32) for t in tokens if t // 32 == w) for w in range(words)]
+        rows.append([u - 2**32 if u >= 2**31 else u for u in unsigned])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_allowed_token_bitmask_limits_each_row_to_its_tokens() -> None:
+    vocab = 40  # two words, the second partly used; token 31 is the sign bit of word 0
+    logits = random_logits(3, vocab=vocab, seed=25)
+    allowed = [{3, 31, 39}, None, {0, 31, 32}]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    seqs = [make_seq(p, seq_id=i) for i, p in enumerate(params)]
+    out = Sampler()(logits, seqs, (EOS,), allowed_bitmask(allowed, vocab))
+    rows = logits.tolist()
+    expected = [max(sorted(tokens or range(vocab)), key=lambda t: rows[i][t]) for i, tokens in enumerate(allowed)]
+    assert out.token_ids.tolist() == expected
+    assert out.logprobs()[2].rank == 1  # logprobs are taken after the grammar's mask
+
+    torch.manual_seed(0)
+    n = 6000
+    sampled = [make_seq(SamplingParams(temperature=1.0), seq_id=i) for i in range(n)]
+    mask = allowed_bitmask([{0, 31, 32, 39}], vocab).expand(n, -1)
+    tokens = Sampler()(logits[2:3].expand(n, -1).contiguous(), sampled, (EOS,), mask).token_ids.tolist()
+    masked = [v if t in {0, 31, 32, 39} else float("-inf") for t, v in enumerate(rows[2])]
+    assert_matches_distribution(tokens, reference_probs(masked, 1.0))

@@ -1,8 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it (kernels.ops.rms_norm)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels import ops as kernel_ops
 
 
 class RMSNorm(nn.Module):
@@ -13,12 +15,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        # computed in float32 whatever the model dtype, as the reference implementation does
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        """``norm(x)`` over the last dim; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
+        written into ``residual`` in place (it is the new residual stream). The norm is computed in float32
+        whatever the model dtype, as the reference implementation does."""
+        if residual is None:
+            return kernel_ops.rms_norm(x, self.weight, self.eps)
+        return kernel_ops.rms_norm(x, self.weight, self.eps, residual)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with the Llama 3 and linear frequency scalings."""
+"""Rotary position embedding (rotate-half layout), with the Llama 3 and linear frequency scalings; the
+rotation itself is kernels.ops.rotary_embedding, in place."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kernels import ops as kernel_ops
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -50,20 +53,10 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
-        # every layer rotates by the same positions in a pass: look cos/sin up once per positions tensor
-        self._positions: torch.Tensor | None = None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]``, rotated by their positions."""
-        if positions is not self._positions:
-            self._positions = positions
-            self._cos_sin = self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
-        cos, sin = self._cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+        """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
+        in place by their positions; returns the same two tensors."""
+        kernel_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+        return q, k

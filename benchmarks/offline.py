@@ -1,0 +1,476 @@
+"""Workload ``nano`` (shared WORKLOADS.md): offline throughput, ours against transformers continuous batching.
+
+256 requests; prompt and output lengths uniform in [100, 1024] (``random.Random(seed)``: per request the prompt
+length, its ids uniform in [0, 10000), then the output length); greedy, EOS ignored; random weights of a named
+architecture (``load_format="dummy"``). Throughput = output tokens / wall seconds from submitting every request
+to the last one finishing. Engine start (weights, KV sizing, CUDA graph capture) is timed apart.
+Peer in the same run, on the same weights and requests: transformers continuous batching
+(``continuous_batching_context_manager`` / ``add_request`` / ``get_result``). Its failure is reported, never
+fatal. ``--split`` then measures ours at a steady decode batch (256 x 640-token prompts): wall ms per step,
+GPU kernel ms per step (torch.profiler) and the engine's host phases per step (``engine.counters``).
+
+    python -m benchmarks.offline --model-config llama-3.2-1b|qwen3-0.6b [--no-peer] [--peer-num-requests N]
+        [--num-requests 256] [--enforce-eager] [--max-model-len N] [--no-split] [--json PATH]
+    smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4 --no-peer --no-split
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("benchmarks.offline")
+
+LENGTHS = (100, 1024)  # prompt and output lengths, inclusive
+VOCAB = 10000  # prompt ids uniform in [0, VOCAB)
+PHASES = ("schedule", "prepare", "launch", "wait", "output")
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Run:
+    """One engine over (a prefix of) the workload."""
+
+    engine: str
+    requests: int
+    requested_tokens: int
+    output_tokens: int = 0
+    seconds: float = 0.0
+    start_seconds: float = 0.0  # build: weights, KV cache, CUDA graph capture (peer: its own warm-up too)
+    warmup_seconds: float = 0.0  # a small generate before the timed run
+    error: str | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+# workload ------------------------------------------------------------------------------------------------
+
+def nano_requests(num: int, seed: int = 0, max_prompt_len: int | None = None,
+                  max_output_len: int | None = None) -> list[Request]:
+    """The nano workload; the caps clip both ends of a range (smoke tests only) and leave the draws alone."""
+    rng = random.Random(seed)
+    low_p, high_p = (min(n, max_prompt_len or n) for n in LENGTHS)
+    low_o, high_o = (min(n, max_output_len or n) for n in LENGTHS)
+    requests = []
+    for _ in range(num):
+        prompt_len = rng.randint(low_p, high_p)
+        prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+        requests.append(Request(prompt, rng.randint(low_o, high_o)))
+    return requests
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ours ----------------------------------------------------------------------------------------------------
+
+def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
+    options = {"load_format": "dummy", "model_config": args.model_config, "device": args.device,
+               "dtype": args.dtype, "seed": args.seed, "enforce_eager": args.enforce_eager,
+               "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    start = time.perf_counter()
+    engine = LLMEngine(EngineConfig(**options))
+    return engine, time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: bool = False) -> int:
+    """Submit every request, step until all finish; returns the output tokens (each request's exact count
+    checked)."""
+    for i, request in enumerate(requests):
+        engine.add_request(f"{prefix}-{i}", request.prompt, greedy(request.max_tokens))
+    produced: dict[str, int] = {}
+    streamed = 0  # the deltas' count: an independent tally of the same tokens
+    with tqdm(total=sum(r.max_tokens for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            step_tokens = sum(len(o.token_ids_delta) for o in outputs)
+            streamed += step_tokens
+            bar.update(step_tokens)
+            produced.update((o.request_id, len(o.token_ids)) for o in outputs if o.finished)
+    wrong = [(i, produced.get(f"{prefix}-{i}"), r.max_tokens) for i, r in enumerate(requests)
+             if produced.get(f"{prefix}-{i}") != r.max_tokens]
+    assert not wrong, f"{prefix}: (request, tokens produced, requested) differ: {wrong[:5]}"
+    assert streamed == sum(produced.values()), (streamed, sum(produced.values()))
+    return streamed
+
+
+def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -> Run:
+    # short, from other draws: one-time costs (kernel compilation, allocator) fall outside the timing
+    warm = nano_requests(min(8, len(requests)), seed=1_000_003,
+                         max_prompt_len=min(256, max(len(r.prompt) for r in requests)),
+                         max_output_len=min(32, max(r.max_tokens for r in requests)))
+    run = Run("pagedchat", len(requests), sum(r.max_tokens for r in requests), start_seconds=start_seconds)
+    device = engine.config.torch_device
+    start = time.perf_counter()
+    drive(engine, warm, "warm-up")
+    synchronize(device)
+    run.warmup_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    run.output_tokens = drive(engine, requests, "ours", progress=True)
+    synchronize(device)
+    run.seconds = time.perf_counter() - start
+    assert run.output_tokens == run.requested_tokens, (run.output_tokens, run.requested_tokens)
+    return run
+
+
+# per-step split at a steady decode batch -----------------------------------------------------------------
+
+def fill_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, seed: int) -> list[str]:
+    """``batch`` requests whose prompts are all computed: each has produced at least one token."""
+    rng = random.Random(seed)
+    rids = [f"split-{i}" for i in range(batch)]
+    room = engine.config.max_model_len - prompt_len
+    for rid in rids:
+        engine.add_request(rid, [rng.randrange(VOCAB) for _ in range(prompt_len)],
+                           SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True))
+    waiting = set(rids)
+    while waiting:
+        waiting -= {o.request_id for o in engine.step() if o.token_ids_delta}
+    return rids
+
+
+def time_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    """Wall time per step (one-step-lagged pipeline: a step's wall includes waiting for the previous one, so
+    the mean over consecutive steps is the steady-state step time) and the host phases from the counters."""
+    counters, device = engine.counters, engine.config.torch_device
+    before = {p: getattr(counters, f"{p}_seconds", 0.0) for p in PHASES}
+    tokens_before = counters.generation_tokens
+    synchronize(device)
+    walls, finished = [], 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        finished += sum(o.finished for o in engine.step())
+        walls.append(time.perf_counter() - t)
+    synchronize(device)
+    total = time.perf_counter() - start
+    phases = {p: (getattr(counters, f"{p}_seconds", 0.0) - before[p]) * 1e3 / steps for p in PHASES}
+    return {"wall_ms_mean": total * 1e3 / steps, "wall_ms_median": statistics.median(walls) * 1e3,
+            "host_ms": phases, "tokens_per_step": (counters.generation_tokens - tokens_before) / steps,
+            "finished_during": finished}
+
+
+def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    """GPU time per step from torch.profiler: all device events, kernels only (no memcpy/memset), and the
+    busy time (union of kernel intervals: overlapping kernels counted once)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(engine.config.torch_device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.config.torch_device)
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+    per_step_ms = 1e-3 / steps
+    return {"gpu_all_ms": sum(e.time_range.elapsed_us() for e in events) * per_step_ms,
+            "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) * per_step_ms,
+            "gpu_busy_ms": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) * per_step_ms,
+            "kernels_per_step": len(kernels) / steps}
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    rids = fill_decode_batch(engine, args.split_batch, args.split_prompt_len, args.seed + 1)
+    for _ in range(args.split_warmup):
+        engine.step()
+    split = {"batch": args.split_batch, "prompt_len": args.split_prompt_len, "steps": args.split_steps,
+             "running": engine.stats().num_running, **time_steps(engine, args.split_steps)}
+    if engine.config.torch_device.type == "cuda":
+        split.update(profile_steps(engine, args.split_steps))
+        split["wall_over_gpu"] = split["wall_ms_mean"] / split["gpu_busy_ms"] if split["gpu_busy_ms"] else None
+    for rid in rids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return split
+
+
+# transformers continuous batching ------------------------------------------------------------------------
+
+def build_peer(name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None) -> Any:
+    """transformers' model of ``name`` holding the engine's dummy weights (the same seeded tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    config = dummy_hf_config(name)
+    extra = {"attn_implementation": attn} if attn else {}
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    state = model.state_dict()
+    with torch.no_grad():
+        for weight_name, tensor in dummy_weights(config, seed=seed, device=device):  # one at a time: low peak
+            state[weight_name].copy_(tensor)
+    return model.eval()
+
+
+def _accepted(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes (transformers 5.x releases differ in these)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params and v is not None}
+
+
+def _cb_config(attn: str | None) -> Any:
+    if not attn:
+        return None
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    return ContinuousBatchingConfig(auto_switch_to_flash=False)  # keep the attention asked for
+
+
+@contextlib.contextmanager
+def peer_manager(model: Any, gen_config: Any, requests: list[Request], attn: str | None) -> Iterator[Any]:
+    """A started ContinuousBatchingManager (context manager API, or init + start + stop on older 5.x)."""
+    hints = None
+    with contextlib.suppress(ImportError):
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+        hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
+                              max_generated_length=max(r.max_tokens for r in requests), num_requests=len(requests))
+    if hasattr(model, "continuous_batching_context_manager"):
+        cm = model.continuous_batching_context_manager
+        with cm(**_accepted(cm, generation_config=gen_config, block=True, timeout=30, workload_hints=hints,
+                            continuous_batching_config=_cb_config(attn))) as manager:
+            yield manager
+        return
+    init = model.init_continuous_batching
+    manager = init(**_accepted(init, generation_config=gen_config, workload_hints=hints,
+                               continuous_batching_config=_cb_config(attn)))
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
+def peer_generate(manager: Any, requests: list[Request], prefix: str, deadline: float, progress: bool = False
+                  ) -> dict[str, int]:
+    """Submit all, collect every finished result; request id -> generated tokens."""
+    eos = {"eos_token_id": -1} if "eos_token_id" in inspect.signature(manager.add_request).parameters else {}
+    for i, request in enumerate(requests):
+        manager.add_request(request.prompt, request_id=f"{prefix}-{i}", max_new_tokens=request.max_tokens, **eos)
+    produced: dict[str, int] = {}
+    with tqdm(total=sum(r.max_tokens for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
+        while len(produced) < len(requests):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{prefix}: {len(produced)} of {len(requests)} requests finished in time")
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"{prefix}: the generation thread stopped")
+                continue
+            if getattr(result, "error", None):
+                raise RuntimeError(f"{prefix}: request {result.request_id} failed: {result.error}")
+            if result.is_finished():
+                produced[result.request_id] = len(result.generated_tokens)
+                bar.update(len(result.generated_tokens))
+    return produced
+
+
+def run_peer(args: argparse.Namespace, requests: list[Request], device: torch.device, dtype: torch.dtype) -> Run:
+    from transformers import GenerationConfig
+
+    run = Run("transformers CB", len(requests), sum(r.max_tokens for r in requests))
+    try:
+        start = time.perf_counter()
+        model = build_peer(args.model_config, device, dtype, args.seed, args.peer_attn)
+        gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
+                                      eos_token_id=None, pad_token_id=0)
+        model.generation_config = gen_config
+        deadline = time.perf_counter() + args.peer_timeout
+        with peer_manager(model, gen_config, requests, args.peer_attn) as manager:
+            run.start_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            peer_generate(manager, nano_requests(2, seed=1_000_003, max_prompt_len=64, max_output_len=16),
+                          "peer-warm-up", deadline)
+            synchronize(device)
+            run.warmup_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            produced = peer_generate(manager, requests, "peer", deadline, progress=True)
+            synchronize(device)
+            run.seconds = time.perf_counter() - start
+        run.output_tokens = sum(produced.values())
+        if run.output_tokens != run.requested_tokens:
+            run.error = f"produced {run.output_tokens} tokens, {run.requested_tokens} requested"
+    except Exception as exc:  # the peer's failure is a result to report, not a reason to lose ours
+        logger.exception("transformers continuous batching failed")
+        run.error = f"{type(exc).__name__}: {exc}"[:500]
+    return run
+
+
+# report --------------------------------------------------------------------------------------------------
+
+def environment(device: torch.device) -> dict[str, Any]:
+    versions = {"torch": torch.__version__}
+    for name in ("triton", "transformers"):
+        with contextlib.suppress(ImportError):
+            versions[name] = __import__(name).__version__
+    return dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else
+                platform.processor() or platform.machine(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(["python -m benchmarks.offline", *sys.argv[1:]]), **versions)
+
+
+def throughput_table(model: str, runs: list[Run]) -> str:
+    ours, peer = runs[0], runs[1] if len(runs) > 1 else None
+    rows = ["| engine | model | requests | output tokens | seconds | out tok/s | ratio vs peer |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        ratio = f"{ours.tok_s / peer.tok_s:.2f}x" if run is ours and peer and peer.tok_s else "-"
+        if run.error and not run.seconds:
+            rows.append(f"| {run.engine} | {model} | {run.requests} | - | - | failed: {run.error[:80]} | - |")
+            continue
+        rows.append(f"| {run.engine} | {model} | {run.requests} | {run.output_tokens} | {run.seconds:.2f} | "
+                    f"{run.tok_s:.0f} | {ratio} |")
+    return "\n".join(rows)
+
+
+def split_table(split: dict[str, Any]) -> str:
+    def ms(key: str) -> str:
+        return f"{split[key]:.3f}" if split.get(key) is not None else "-"
+
+    ratio = f"{split['wall_over_gpu']:.2f}" if split.get("wall_over_gpu") else "-"
+    title = f"ours, decode batch {split['batch']} (prompt {split['prompt_len']}), {split['steps']} steps"
+    rows = [f"| {title} | ms/step |", "|---|---:|",
+            f"| wall, mean (median) | {ms('wall_ms_mean')} ({ms('wall_ms_median')}) |",
+            f"| GPU kernels (all device events) | {ms('gpu_kernel_ms')} ({ms('gpu_all_ms')}) |",
+            f"| GPU busy (kernel union) | {ms('gpu_busy_ms')} |", f"| wall / GPU busy | {ratio} |"]
+    rows += [f"| host: {phase} | {split['host_ms'][phase]:.3f} |" for phase in PHASES]
+    other = split["wall_ms_mean"] - sum(split["host_ms"].values())
+    rows.append(f"| host: other (wall - phases) | {other:.3f} |")
+    rows.append(f"| tokens/step, running, kernels/step | {split['tokens_per_step']:.0f}, {split['running']}, "
+                f"{split.get('kernels_per_step', 0):.0f} |")
+    return "\n".join(rows)
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+def print_report(args: argparse.Namespace, result: dict[str, Any], runs: list[Run]) -> None:
+    env = result["environment"]
+    print(f"\n## nano: {args.model_config}, dummy weights, {result['dtype']}, {env['device']}, {env['date']}",
+          flush=True)
+    print(f"torch {env['torch']}, triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; "
+          f"command: {env['command']}")
+    for run in runs:
+        print(f"{run.engine}: start {run.start_seconds:.1f} s (weights, KV cache, CUDA graphs), warm-up "
+              f"{run.warmup_seconds:.1f} s" + (f"; error: {run.error}" if run.error else ""))
+    if len(runs) > 1 and runs[1].requests < runs[0].requests:
+        print(f"NOTE: the peer ran a SUBSET: the first {runs[1].requests} of {runs[0].requests} requests")
+    print("\n" + throughput_table(args.model_config, runs), flush=True)
+    if result.get("split"):
+        print("\n" + split_table(result["split"]), flush=True)
+
+
+# main ----------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peer-num-requests", type=int, help="run the peer on the first N requests (default all)")
+    parser.add_argument("--peer-attn", help="transformers attn_implementation (default: transformers' choice)")
+    parser.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds before the peer is given up")
+    parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--split-batch", type=int, default=256)
+    parser.add_argument("--split-prompt-len", type=int, default=640)
+    parser.add_argument("--split-steps", type=int, default=50)
+    parser.add_argument("--split-warmup", type=int, default=10)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths")
+    parser.add_argument("--max-output-len", type=int, help="smoke tests only: clip the output lengths")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len) < 1:
+        parser.error("--num-requests and --split-* must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    requests = nano_requests(args.num_requests, args.seed, args.max_prompt_len, args.max_output_len)
+    logger.info("%d requests: %d prompt tokens, %d output tokens", len(requests),
+                sum(len(r.prompt) for r in requests), sum(r.max_tokens for r in requests))
+    engine, start_seconds = build_engine(args)
+    device, dtype = engine.config.torch_device, engine.config.torch_dtype
+    config = {f.name: str(getattr(engine.config, f.name)) for f in fields(engine.config) if f.name != "hf_config"}
+    result: dict[str, Any] = {"environment": environment(device), "model": args.model_config, "dtype": str(dtype),
+                              "engine_config": config}
+    runs = [run_ours(engine, requests, start_seconds)]
+    result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
+    write_json(args.json, result)
+    if args.split:
+        result["split"] = measure_split(engine, args)
+        write_json(args.json, result)
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        logger.info("ours freed: %.2f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30)
+    if args.peer:
+        runs.append(run_peer(args, requests[:args.peer_num_requests or None], device, dtype))
+        result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
+        if runs[1].tok_s:
+            result["ratio_vs_peer"] = runs[0].tok_s / runs[1].tok_s
+        write_json(args.json, result)
+    print_report(args, result, runs)
+
+
+if __name__ == "__main__":
+    main()

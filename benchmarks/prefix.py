@@ -1,0 +1,245 @@
+"""Workload ``shared-prefix`` (shared WORKLOADS.md): TTFT and throughput with prefix caching on vs off.
+
+``--groups`` groups of ``--per-group`` requests; each group shares a ``--prefix-len``-token system prompt
+(token ids uniform in [0, 10000), drawn per group), followed by a ``--question-len``-token question drawn
+per request; ``--output-len`` greedy tokens each (EOS ignored). Ids come from ``random.Random(--seed)``.
+Both modes run in the same command on the same prompts, each on its own engine (dummy weights of
+``--model-config``), caching on first; the first engine is freed before the second is built.
+
+Offline submission: all requests are added at once, in group order, then ``step()`` runs until all finish.
+TTFT of a request = from just before the first ``add_request`` to the return of the ``step()`` whose outputs
+first carry a token of that request (with async scheduling that is one step after the token's pass).
+Output tok/s = output tokens / wall seconds from the same start to the last finish. Prefix hit rate =
+prompt tokens found in the cache / prompt tokens looked up at admission (``engine.stats()``, timed run only).
+One warm-up round per engine (its own cache salt, so the timed run cannot hit its blocks) precedes timing.
+
+    python -m benchmarks.prefix [--groups 64] [--per-group 16] [--prefix-len 2048] [--question-len 128]
+        [--output-len 256] [--model-config llama-3.2-1b] [--device auto] [--dtype auto] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from random import Random
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("benchmarks.prefix")
+
+VOCAB_DRAWN = 10_000  # prompt ids are drawn uniformly from [0, VOCAB_DRAWN)
+WARM_UP_REQUESTS = 2
+WARM_UP_TOKENS = 8
+
+
+@dataclass(slots=True)
+class ModeResult:
+    """One engine over the whole workload."""
+
+    prefix_caching: bool
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_mean_ms: float
+    wall_s: float
+    output_tokens: int
+    output_tok_s: float
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_rate: float
+    preemptions: int
+
+
+# workload -------------------------------------------------------------------------------------------------
+
+def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int = 0
+                          ) -> dict[str, list[int]]:
+    """Request id -> prompt ids, in group order: one drawn prefix per group, one drawn question per request."""
+    rng = Random(seed)
+    prompts: dict[str, list[int]] = {}
+    for g in range(groups):
+        prefix = [rng.randrange(VOCAB_DRAWN) for _ in range(prefix_len)]
+        for r in range(per_group):
+            prompts[f"g{g}-r{r}"] = prefix + [rng.randrange(VOCAB_DRAWN) for _ in range(question_len)]
+    return prompts
+
+
+def greedy(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+
+# engines, shared with benchmarks.waste ----------------------------------------------------------------------
+
+def add_engine_options(parser: argparse.ArgumentParser, model_config: str = "llama-3.2-1b") -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model-config", default=model_config, help="dummy architecture (llama-3.2-1b, qwen3-0.6b)")
+    group.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    group.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+
+
+def build_engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
+    """A dummy-weights engine from the shared engine options plus ``options`` (EngineConfig fields)."""
+    limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
+              if getattr(args, name) is not None}
+    config = EngineConfig(load_format="dummy", model_config=args.model_config, device=args.device,
+                          dtype=args.dtype, **limits, **options)
+    return LLMEngine(config)
+
+
+def release_memory(device: torch.device) -> None:
+    """After the caller's ``del engine``: collect it and hand its cached device memory back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def environment(device: torch.device, load_before: float, script: str) -> dict[str, Any]:
+    """Where and when; the device named as torch reports it."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([f"python -m {script}", *sys.argv[1:]]), "device": name,
+            "torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0]}
+
+
+def warm_up(engine: LLMEngine, prompt_len: int) -> None:
+    """A few short requests, so one-time costs (kernel compiles, allocator growth) fall outside timing."""
+    rng = Random(-1)
+    for i in range(WARM_UP_REQUESTS):
+        ids = [rng.randrange(VOCAB_DRAWN) for _ in range(prompt_len)]
+        engine.add_request(f"warm-up-{i}", ids, greedy(WARM_UP_TOKENS), cache_salt="warm-up")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+# the run --------------------------------------------------------------------------------------------------
+
+def run_mode(engine: LLMEngine, prompts: dict[str, list[int]], output_len: int) -> ModeResult:
+    before = engine.stats()
+    first: dict[str, float] = {}
+    produced = dict.fromkeys(prompts, 0)
+    bar = tqdm(total=len(prompts) * output_len, unit="tok",
+               desc=f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
+    start = time.perf_counter()
+    for request_id, ids in prompts.items():
+        engine.add_request(request_id, ids, greedy(output_len))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.token_ids_delta:
+                first.setdefault(output.request_id, now)
+                produced[output.request_id] += len(output.token_ids_delta)
+                bar.update(len(output.token_ids_delta))
+    wall = time.perf_counter() - start
+    bar.close()
+    check_lengths(produced, output_len)
+    after = engine.stats()
+    ttft_ms = np.array([first[r] - start for r in prompts]) * 1e3
+    queries, hits = after.prefix_queries - before.prefix_queries, after.prefix_hits - before.prefix_hits
+    total = sum(produced.values())
+    return ModeResult(prefix_caching=engine.config.enable_prefix_caching,
+                      ttft_p50_ms=float(np.percentile(ttft_ms, 50)), ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
+                      ttft_mean_ms=float(ttft_ms.mean()), wall_s=wall, output_tokens=total,
+                      output_tok_s=total / wall, prefix_queries=queries, prefix_hits=hits,
+                      prefix_hit_rate=hits / queries if queries else 0.0,
+                      preemptions=after.preemptions - before.preemptions)
+
+
+def check_lengths(produced: dict[str, int], output_len: int) -> None:
+    wrong = {r: n for r, n in produced.items() if n != output_len}
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} requests produced other than {output_len} tokens, e.g. "
+                           f"{dict(list(wrong.items())[:3])}")
+
+
+def run_both(args: argparse.Namespace, prompts: dict[str, list[int]]) -> tuple[list[ModeResult], dict[str, Any]]:
+    results, engine_info = [], {}
+    for caching in (True, False):
+        engine = build_engine(args, enable_prefix_caching=caching, num_kv_blocks=args.num_kv_blocks)
+        engine_info = {"num_kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
+                       "max_num_seqs": engine.config.max_num_seqs,
+                       "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                       "async_scheduling": engine.config.async_scheduling, "dtype": str(engine.config.torch_dtype)}
+        warm_up(engine, args.prefix_len + args.question_len)
+        results.append(run_mode(engine, prompts, args.output_len))
+        logger.info("prefix caching %s: %s", "on" if caching else "off", results[-1])
+        device = engine.config.torch_device
+        del engine
+        release_memory(device)
+    engine_info["torch_device"] = str(device)
+    return results, engine_info
+
+
+# report ---------------------------------------------------------------------------------------------------
+
+def table(results: list[ModeResult]) -> str:
+    on = next(r for r in results if r.prefix_caching)
+    rows = [("| prefix caching | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | wall (s) | prefix hit rate "
+             "| TTFT p50 / caching on |"),
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {'on' if r.prefix_caching else 'off'} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
+                    f"{r.output_tok_s:.1f} | {r.wall_s:.2f} | {r.prefix_hit_rate:.1%} | "
+                    f"{r.ttft_p50_ms / on.ttft_p50_ms:.2f}x |")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--per-group", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--question-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool (default: memory budget)")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    add_engine_options(parser)
+    args = parser.parse_args(argv)
+    if min(args.groups, args.per_group, args.prefix_len + args.question_len, args.output_len) < 1:
+        parser.error("--groups, --per-group, --output-len and the prompt length must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    load_before = os.getloadavg()[0]
+    prompts = shared_prefix_prompts(args.groups, args.per_group, args.prefix_len, args.question_len, args.seed)
+    results, engine_info = run_both(args, prompts)
+    env = environment(torch.device(engine_info["torch_device"]), load_before, "benchmarks.prefix")
+    on, off = results
+    ratio = off.ttft_p50_ms / on.ttft_p50_ms
+    if args.json:
+        workload = {k: getattr(args, k) for k in ("groups", "per_group", "prefix_len", "question_len",
+                                                  "output_len", "seed", "model_config")}
+        with open(args.json, "w") as f:
+            json.dump({"workload": workload, "engine": engine_info, "environment": env,
+                       "modes": [asdict(r) for r in results], "ttft_p50_ratio_off_on": ratio}, f, indent=2)
+    print(f"\n## shared-prefix: {args.groups} groups x {args.per_group} requests, prefix {args.prefix_len} + "
+          f"question {args.question_len} tokens, {args.output_len} output tokens; {args.model_config} dummy, "
+          f"{engine_info['dtype']}, {env['device']}, {engine_info['num_kv_blocks']} KV blocks x "
+          f"{engine_info['block_size']}")
+    print(f"{env['date']}, torch {env['torch']}; command: {env['command']}")
+    print(f"p50 TTFT off / on: {ratio:.2f}x\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""benchmarks.offline's pure helpers: the nano workload as WORKLOADS.md defines it, and the report."""
+from __future__ import annotations
+
+import random
+
+from benchmarks.offline import Run, busy_us, nano_requests, parse_args, throughput_table
+
+
+def test_nano_workload_follows_the_spec_draw_order():
+    # WORKLOADS.md: Random(0); per request the prompt length, its ids in [0, 10000), then the output length
+    rng = random.Random(0)
+    expected = []
+    for _ in range(5):
+        prompt_len = rng.randint(100, 1024)
+        prompt = [rng.randint(0, 9999) for _ in range(prompt_len)]
+        expected.append((prompt, rng.randint(100, 1024)))
+    assert [(r.prompt, r.max_tokens) for r in nano_requests(5)] == expected
+
+
+def test_nano_workload_is_deterministic_and_within_the_ranges():
+    requests = nano_requests(256)
+    assert requests == nano_requests(256)
+    assert all(100 <= len(r.prompt) <= 1024 and 100 <= r.max_tokens <= 1024 for r in requests)
+    assert all(0 <= t < 10000 for r in requests for t in r.prompt)
+    assert nano_requests(3) == requests[:3]  # a peer subset is the workload's first requests
+
+
+def test_smoke_caps_clip_the_lengths():
+    requests = nano_requests(4, max_prompt_len=8, max_output_len=4)
+    assert [len(r.prompt) for r in requests] == [8] * 4
+    assert [r.max_tokens for r in requests] == [4] * 4
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 15 + 5
+    assert busy_us([]) == 0
+
+
+def test_table_reports_the_ratio_and_a_failed_peer():
+    ours = Run("pagedchat", 256, 1000, output_tokens=1000, seconds=2.0)
+    peer = Run("transformers CB", 256, 1000, output_tokens=1000, seconds=8.0)
+    assert "| 500 | 4.00x |" in throughput_table("llama-3.2-1b", [ours, peer])
+    failed = Run("transformers CB", 256, 1000, error="ImportError: no flash attention")
+    assert "failed: ImportError" in throughput_table("llama-3.2-1b", [ours, failed])
+
+
+def test_defaults_are_the_workload():
+    args = parse_args(["--model-config", "llama-3.2-1b"])
+    assert (args.num_requests, args.seed, args.peer, args.split, args.split_batch) == (256, 0, True, True, 256)
+    assert args.max_prompt_len is None and args.max_output_len is None

@@ -43,7 +43,9 @@ class EngineConfig:
     # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
     async_scheduling: bool | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
-    max_graph_batch_size: int = 256  # CUDA graphs are captured for decode batches up to this size
+    # decode-only batches up to this size are padded to a ladder of sizes and, on CUDA, replayed as CUDA graphs
+    # (padding is what lets eager and graph runs compute the same shapes); None = 256 on CUDA, 0 (off) on CPU
+    max_graph_batch_size: int | None = None
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -68,8 +70,11 @@ class EngineConfig:
         _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
                "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
-        _check(self.max_graph_batch_size >= 1, "max_graph_batch_size", "must be >= 1")
+        _check(self.max_graph_batch_size is None or self.max_graph_batch_size >= 0, "max_graph_batch_size",
+               "must be >= 0")
         self.torch_device = resolve_device(self.device)
+        if self.max_graph_batch_size is None:
+            self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda"
         if self.dtype == "auto":

@@ -63,11 +63,11 @@ class ModelRunner:
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         self.graphs: DecodeGraphs | None = None
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        # decode-only batches up to this size are padded to a graph size on CUDA (with --enforce-eager too, so
-        # that eager and graph runs compute the same shapes and give the same tokens)
-        self.graph_sizes = graph_sizes(min(config.max_graph_batch_size, config.max_num_seqs)) \
-            if self.device.type == "cuda" else []
+        # decode-only batches up to max_graph_batch_size are padded to a graph size, also with --enforce-eager,
+        # so that eager and graph runs compute the same shapes and give the same tokens
+        max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
+        self.graph_sizes = graph_sizes(max_padded) if max_padded else []
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and bool(self.graph_sizes)
         num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
         self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
         self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")

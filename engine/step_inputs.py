@@ -51,8 +51,8 @@ class StepInputs:
         capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
         pinned = device.type == "cuda"
         self._staging = [torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
-        # on CUDA the inputs' device home (its head doubles as the CUDA graphs' static inputs); None on the CPU
-        self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device) if pinned else None
+        # the inputs' home on the device (its head doubles as the CUDA graphs' static inputs)
+        self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
         self._turn = 0
 
     # block-table rows ---------------------------------------------------------------------------------
@@ -140,11 +140,8 @@ class StepInputs:
     def _to_device(self, host: torch.Tensor, offsets: np.ndarray, num_decodes: int, total: int, num_seqs: int,
                    width: int) -> StepTensors:
         used = int(offsets[-1])
-        if self.device_buffer is None:
-            buffer = host
-        else:
-            buffer = self.device_buffer
-            buffer[:used].copy_(host[:used], non_blocking=True)
+        buffer = self.device_buffer
+        buffer[:used].copy_(host[:used], non_blocking=True)
         parts = [buffer[int(offsets[i]):int(offsets[i + 1])] for i in range(len(offsets) - 1)]
         ids, feed, positions, slots, ctx, cu, rows, table = parts
         metadata = AttentionMetadata(slot_mapping=slots, block_tables=table.view(-1, width), context_lens=ctx,

@@ -74,6 +74,28 @@ def test_preemption_keeps_output_identical(prompts, expected, async_scheduling):
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@ASYNC
+def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expected, async_scheduling):
+    """The CUDA-graph input layout, run eagerly on the CPU: decode batches padded to the next graph size
+    (rows that write nowhere), block tables in the graphs' static table, pending tokens fed on the device."""
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_graph_batch_size=16, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    runner = llm.engine.runner
+    padded_sizes = []
+    decode_pass = runner._decode_pass
+
+    def counting_pass(size):
+        padded_sizes.append(size)
+        return decode_pass(size)
+
+    runner._decode_pass = counting_pass
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert 16 in padded_sizes  # 9 decoding sequences ran as a batch of 16
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 def test_text_is_the_decoded_tokens(prompts, tokenizer):
     llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
     (output,) = llm.generate([prompts[1]], GREEDY)

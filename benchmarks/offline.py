@@ -17,113 +17,63 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import gc
-import inspect
 import json
 import logging
-import platform
 import random
 import statistics
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from engine.config import EngineConfig
+from benchmarks.common import (
+    Run,
+    build_engine,
+    command_line,
+    device_name,
+    greedy,
+    release_memory,
+    synchronize,
+    utc_now,
+)
+from benchmarks.transformers_peer import run_peer
+from benchmarks.workloads import VOCAB, Request, capped, nano_workload
 from engine.llm_engine import LLMEngine
-from engine.loader import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
-from engine.sampling_params import SamplingParams
+from engine.loader import DUMMY_ARCHITECTURES
 
 logger = logging.getLogger("benchmarks.offline")
 
-LENGTHS = (100, 1024)  # prompt and output lengths, inclusive
-VOCAB = 10000  # prompt ids uniform in [0, VOCAB)
 PHASES = ("schedule", "prepare", "launch", "wait", "output")
-
-
-@dataclass(slots=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass(slots=True)
-class Run:
-    """One engine over (a prefix of) the workload."""
-
-    engine: str
-    requests: int
-    requested_tokens: int
-    output_tokens: int = 0
-    seconds: float = 0.0
-    start_seconds: float = 0.0  # build: weights, KV cache, CUDA graph capture (peer: its own warm-up too)
-    warmup_seconds: float = 0.0  # a small generate before the timed run
-    error: str | None = None
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds else 0.0
-
-
-# workload ------------------------------------------------------------------------------------------------
-
-def nano_requests(num: int, seed: int = 0, max_prompt_len: int | None = None,
-                  max_output_len: int | None = None) -> list[Request]:
-    """The nano workload; the caps clip both ends of a range (smoke tests only) and leave the draws alone."""
-    rng = random.Random(seed)
-    low_p, high_p = (min(n, max_prompt_len or n) for n in LENGTHS)
-    low_o, high_o = (min(n, max_output_len or n) for n in LENGTHS)
-    requests = []
-    for _ in range(num):
-        prompt_len = rng.randint(low_p, high_p)
-        prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
-        requests.append(Request(prompt, rng.randint(low_o, high_o)))
-    return requests
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 # ours ----------------------------------------------------------------------------------------------------
 
-def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
-    options = {"load_format": "dummy", "model_config": args.model_config, "device": args.device,
-               "dtype": args.dtype, "seed": args.seed, "enforce_eager": args.enforce_eager,
-               "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
-    if args.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+def start_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
+    """The engine and the seconds its start took."""
     start = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**options))
+    engine = build_engine(args, seed=args.seed, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     return engine, time.perf_counter() - start
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: bool = False) -> int:
     """Submit every request, step until all finish; returns the output tokens (each request's exact count
     checked)."""
     for i, request in enumerate(requests):
-        engine.add_request(f"{prefix}-{i}", request.prompt, greedy(request.max_tokens))
+        engine.add_request(f"{prefix}-{i}", request.prompt, greedy(request.output_len))
     produced: dict[str, int] = {}
     streamed = 0  # the deltas' count: an independent tally of the same tokens
-    with tqdm(total=sum(r.max_tokens for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
+    with tqdm(total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
         while engine.has_unfinished_requests():
             outputs = engine.step()
             step_tokens = sum(len(o.token_ids_delta) for o in outputs)
             streamed += step_tokens
             bar.update(step_tokens)
             produced.update((o.request_id, len(o.token_ids)) for o in outputs if o.finished)
-    wrong = [(i, produced.get(f"{prefix}-{i}"), r.max_tokens) for i, r in enumerate(requests)
-             if produced.get(f"{prefix}-{i}") != r.max_tokens]
+    wrong = [(i, produced.get(f"{prefix}-{i}"), r.output_len) for i, r in enumerate(requests)
+             if produced.get(f"{prefix}-{i}") != r.output_len]
     assert not wrong, f"{prefix}: (request, tokens produced, requested) differ: {wrong[:5]}"
     assert streamed == sum(produced.values()), (streamed, sum(produced.values()))
     return streamed
@@ -131,10 +81,9 @@ def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: boo
 
 def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -> Run:
     # short, from other draws: one-time costs (kernel compilation, allocator) fall outside the timing
-    warm = nano_requests(min(8, len(requests)), seed=1_000_003,
-                         max_prompt_len=min(256, max(len(r.prompt) for r in requests)),
-                         max_output_len=min(32, max(r.max_tokens for r in requests)))
-    run = Run("pagedchat", len(requests), sum(r.max_tokens for r in requests), start_seconds=start_seconds)
+    warm = nano_workload(min(8, len(requests)), 1_000_003, capped(min(256, max(len(r.prompt) for r in requests))),
+                         capped(min(32, max(r.output_len for r in requests))))
+    run = Run("pagedchat", len(requests), sum(r.output_len for r in requests), start_seconds=start_seconds)
     device = engine.config.torch_device
     start = time.perf_counter()
     drive(engine, warm, "warm-up")
@@ -156,8 +105,7 @@ def fill_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, seed: int)
     rids = [f"split-{i}" for i in range(batch)]
     room = engine.config.max_model_len - prompt_len
     for rid in rids:
-        engine.add_request(rid, [rng.randrange(VOCAB) for _ in range(prompt_len)],
-                           SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True))
+        engine.add_request(rid, [rng.randrange(VOCAB) for _ in range(prompt_len)], greedy(room))
     waiting = set(rids)
     while waiting:
         waiting -= {o.request_id for o in engine.step() if o.token_ids_delta}
@@ -231,118 +179,6 @@ def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]
     return split
 
 
-# transformers continuous batching ------------------------------------------------------------------------
-
-def build_peer(name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None) -> Any:
-    """transformers' model of ``name`` holding the engine's dummy weights (the same seeded tensors)."""
-    from transformers import AutoModelForCausalLM
-
-    config = dummy_hf_config(name)
-    extra = {"attn_implementation": attn} if attn else {}
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
-    state = model.state_dict()
-    with torch.no_grad():
-        for weight_name, tensor in dummy_weights(config, seed=seed, device=device):  # one at a time: low peak
-            state[weight_name].copy_(tensor)
-    return model.eval()
-
-
-def _accepted(fn: Any, **kwargs: Any) -> dict[str, Any]:
-    """The keyword arguments ``fn`` takes (transformers 5.x releases differ in these)."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kwargs.items() if k in params and v is not None}
-
-
-def _cb_config(attn: str | None) -> Any:
-    if not attn:
-        return None
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:
-        return None
-    return ContinuousBatchingConfig(auto_switch_to_flash=False)  # keep the attention asked for
-
-
-@contextlib.contextmanager
-def peer_manager(model: Any, gen_config: Any, requests: list[Request], attn: str | None) -> Iterator[Any]:
-    """A started ContinuousBatchingManager (context manager API, or init + start + stop on older 5.x)."""
-    hints = None
-    with contextlib.suppress(ImportError):
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-        hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
-                              max_generated_length=max(r.max_tokens for r in requests), num_requests=len(requests))
-    if hasattr(model, "continuous_batching_context_manager"):
-        cm = model.continuous_batching_context_manager
-        with cm(**_accepted(cm, generation_config=gen_config, block=True, timeout=30, workload_hints=hints,
-                            continuous_batching_config=_cb_config(attn))) as manager:
-            yield manager
-        return
-    init = model.init_continuous_batching
-    manager = init(**_accepted(init, generation_config=gen_config, workload_hints=hints,
-                               continuous_batching_config=_cb_config(attn)))
-    manager.start()
-    try:
-        yield manager
-    finally:
-        manager.stop(block=True, timeout=30)
-
-
-def peer_generate(manager: Any, requests: list[Request], prefix: str, deadline: float, progress: bool = False
-                  ) -> dict[str, int]:
-    """Submit all, collect every finished result; request id -> generated tokens."""
-    eos = {"eos_token_id": -1} if "eos_token_id" in inspect.signature(manager.add_request).parameters else {}
-    for i, request in enumerate(requests):
-        manager.add_request(request.prompt, request_id=f"{prefix}-{i}", max_new_tokens=request.max_tokens, **eos)
-    produced: dict[str, int] = {}
-    with tqdm(total=sum(r.max_tokens for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
-        while len(produced) < len(requests):
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"{prefix}: {len(produced)} of {len(requests)} requests finished in time")
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError(f"{prefix}: the generation thread stopped")
-                continue
-            if getattr(result, "error", None):
-                raise RuntimeError(f"{prefix}: request {result.request_id} failed: {result.error}")
-            if result.is_finished():
-                produced[result.request_id] = len(result.generated_tokens)
-                bar.update(len(result.generated_tokens))
-    return produced
-
-
-def run_peer(args: argparse.Namespace, requests: list[Request], device: torch.device, dtype: torch.dtype) -> Run:
-    from transformers import GenerationConfig
-
-    run = Run("transformers CB", len(requests), sum(r.max_tokens for r in requests))
-    try:
-        start = time.perf_counter()
-        model = build_peer(args.model_config, device, dtype, args.seed, args.peer_attn)
-        gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
-                                      eos_token_id=None, pad_token_id=0)
-        model.generation_config = gen_config
-        deadline = time.perf_counter() + args.peer_timeout
-        with peer_manager(model, gen_config, requests, args.peer_attn) as manager:
-            run.start_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            peer_generate(manager, nano_requests(2, seed=1_000_003, max_prompt_len=64, max_output_len=16),
-                          "peer-warm-up", deadline)
-            synchronize(device)
-            run.warmup_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            produced = peer_generate(manager, requests, "peer", deadline, progress=True)
-            synchronize(device)
-            run.seconds = time.perf_counter() - start
-        run.output_tokens = sum(produced.values())
-        if run.output_tokens != run.requested_tokens:
-            run.error = f"produced {run.output_tokens} tokens, {run.requested_tokens} requested"
-    except Exception as exc:  # the peer's failure is a result to report, not a reason to lose ours
-        logger.exception("transformers continuous batching failed")
-        run.error = f"{type(exc).__name__}: {exc}"[:500]
-    return run
-
-
 # report --------------------------------------------------------------------------------------------------
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -350,10 +186,8 @@ def environment(device: torch.device) -> dict[str, Any]:
     for name in ("triton", "transformers"):
         with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-    return dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else
-                platform.processor() or platform.machine(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(["python -m benchmarks.offline", *sys.argv[1:]]), **versions)
+    return {"device": device_name(device), "date": utc_now(), "command": command_line("benchmarks.offline"),
+            **versions}
 
 
 def throughput_table(model: str, runs: list[Run]) -> str:
@@ -444,10 +278,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    requests = nano_requests(args.num_requests, args.seed, args.max_prompt_len, args.max_output_len)
+    requests = nano_workload(args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len))
     logger.info("%d requests: %d prompt tokens, %d output tokens", len(requests),
-                sum(len(r.prompt) for r in requests), sum(r.max_tokens for r in requests))
-    engine, start_seconds = build_engine(args)
+                sum(len(r.prompt) for r in requests), sum(r.output_len for r in requests))
+    engine, start_seconds = start_engine(args)
     device, dtype = engine.config.torch_device, engine.config.torch_dtype
     config = {f.name: str(getattr(engine.config, f.name)) for f in fields(engine.config) if f.name != "hf_config"}
     result: dict[str, Any] = {"environment": environment(device), "model": args.model_config, "dtype": str(dtype),
@@ -459,9 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         result["split"] = measure_split(engine, args)
         write_json(args.json, result)
     del engine
-    gc.collect()
+    release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         logger.info("ours freed: %.2f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30)
     if args.peer:
         runs.append(run_peer(args, requests[:args.peer_num_requests or None], device, dtype))

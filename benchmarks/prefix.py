@@ -19,31 +19,29 @@ One warm-up round per engine (its own cache salt, so the timed run cannot hit it
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
 import logging
 import os
-import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
-from random import Random
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.config import EngineConfig
+from benchmarks.common import (
+    add_engine_options,
+    build_engine,
+    environment,
+    greedy,
+    release_memory,
+    warm_up,
+)
+from benchmarks.workloads import shared_prefix_prompts
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("benchmarks.prefix")
-
-VOCAB_DRAWN = 10_000  # prompt ids are drawn uniformly from [0, VOCAB_DRAWN)
-WARM_UP_REQUESTS = 2
-WARM_UP_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -61,70 +59,6 @@ class ModeResult:
     prefix_hits: int
     prefix_hit_rate: float
     preemptions: int
-
-
-# workload -------------------------------------------------------------------------------------------------
-
-def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int = 0
-                          ) -> dict[str, list[int]]:
-    """Request id -> prompt ids, in group order: one drawn prefix per group, one drawn question per request."""
-    rng = Random(seed)
-    prompts: dict[str, list[int]] = {}
-    for g in range(groups):
-        prefix = [rng.randrange(VOCAB_DRAWN) for _ in range(prefix_len)]
-        for r in range(per_group):
-            prompts[f"g{g}-r{r}"] = prefix + [rng.randrange(VOCAB_DRAWN) for _ in range(question_len)]
-    return prompts
-
-
-def greedy(output_len: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-
-
-# engines, shared with benchmarks.waste ----------------------------------------------------------------------
-
-def add_engine_options(parser: argparse.ArgumentParser, model_config: str = "llama-3.2-1b") -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model-config", default=model_config, help="dummy architecture (llama-3.2-1b, qwen3-0.6b)")
-    group.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    group.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
-    group.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
-
-
-def build_engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
-    """A dummy-weights engine from the shared engine options plus ``options`` (EngineConfig fields)."""
-    limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
-              if getattr(args, name) is not None}
-    config = EngineConfig(load_format="dummy", model_config=args.model_config, device=args.device,
-                          dtype=args.dtype, **limits, **options)
-    return LLMEngine(config)
-
-
-def release_memory(device: torch.device) -> None:
-    """After the caller's ``del engine``: collect it and hand its cached device memory back."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def environment(device: torch.device, load_before: float, script: str) -> dict[str, Any]:
-    """Where and when; the device named as torch reports it."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([f"python -m {script}", *sys.argv[1:]]), "device": name,
-            "torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0]}
-
-
-def warm_up(engine: LLMEngine, prompt_len: int) -> None:
-    """A few short requests, so one-time costs (kernel compiles, allocator growth) fall outside timing."""
-    rng = Random(-1)
-    for i in range(WARM_UP_REQUESTS):
-        ids = [rng.randrange(VOCAB_DRAWN) for _ in range(prompt_len)]
-        engine.add_request(f"warm-up-{i}", ids, greedy(WARM_UP_TOKENS), cache_salt="warm-up")
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 # the run --------------------------------------------------------------------------------------------------

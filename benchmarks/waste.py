@@ -35,18 +35,17 @@ import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from random import Random
 
 from tqdm import tqdm
 
-from benchmarks.prefix import (
-    VOCAB_DRAWN,
+from benchmarks.common import (
     add_engine_options,
     build_engine,
     environment,
     greedy,
     warm_up,
 )
+from benchmarks.workloads import NANO_LENGTHS, Request, nano_workload
 from engine.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
@@ -55,23 +54,6 @@ from engine.sequence import Sequence
 logger = logging.getLogger("benchmarks.waste")
 
 MODES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
-
-
-@dataclass(slots=True, frozen=True)
-class Request:
-    prompt: list[int]
-    output_len: int
-
-
-def nano_workload(num_requests: int, seed: int = 0, prompt_len: tuple[int, int] = (100, 1024),
-                  output_len: tuple[int, int] = (100, 1024)) -> list[Request]:
-    """Per request, in this order: the prompt length, its ids, the output length (bounds inclusive)."""
-    rng = Random(seed)
-    requests = []
-    for _ in range(num_requests):
-        ids = [rng.randrange(VOCAB_DRAWN) for _ in range(rng.randint(*prompt_len))]
-        requests.append(Request(ids, rng.randint(*output_len)))
-    return requests
 
 
 # reservations ---------------------------------------------------------------------------------------------
@@ -273,8 +255,8 @@ def int_range(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int_range, default=(100, 1024), metavar="LOW-HIGH")
-    parser.add_argument("--output-len", type=int_range, default=(100, 1024), metavar="LOW-HIGH")
+    parser.add_argument("--prompt-len", type=int_range, default=NANO_LENGTHS, metavar="LOW-HIGH")
+    parser.add_argument("--output-len", type=int_range, default=NANO_LENGTHS, metavar="LOW-HIGH")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--num-kv-blocks", type=int, default=8192, help="the KV pool of every mode, in blocks of 16")

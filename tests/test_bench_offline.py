@@ -1,9 +1,12 @@
-"""benchmarks.offline's pure helpers: the nano workload as WORKLOADS.md defines it, and the report."""
+"""benchmarks.offline's pure helpers: the nano workload as WORKLOADS.md defines it (benchmarks.workloads), and
+the report."""
 from __future__ import annotations
 
 import random
 
-from benchmarks.offline import Run, busy_us, nano_requests, parse_args, throughput_table
+from benchmarks.common import Run
+from benchmarks.offline import busy_us, parse_args, throughput_table
+from benchmarks.workloads import capped, nano_workload
 
 
 def test_nano_workload_follows_the_spec_draw_order():
@@ -14,21 +17,21 @@ def test_nano_workload_follows_the_spec_draw_order():
         prompt_len = rng.randint(100, 1024)
         prompt = [rng.randint(0, 9999) for _ in range(prompt_len)]
         expected.append((prompt, rng.randint(100, 1024)))
-    assert [(r.prompt, r.max_tokens) for r in nano_requests(5)] == expected
+    assert [(r.prompt, r.output_len) for r in nano_workload(5)] == expected
 
 
 def test_nano_workload_is_deterministic_and_within_the_ranges():
-    requests = nano_requests(256)
-    assert requests == nano_requests(256)
-    assert all(100 <= len(r.prompt) <= 1024 and 100 <= r.max_tokens <= 1024 for r in requests)
+    requests = nano_workload(256)
+    assert requests == nano_workload(256)
+    assert all(100 <= len(r.prompt) <= 1024 and 100 <= r.output_len <= 1024 for r in requests)
     assert all(0 <= t < 10000 for r in requests for t in r.prompt)
-    assert nano_requests(3) == requests[:3]  # a peer subset is the workload's first requests
+    assert nano_workload(3) == requests[:3]  # a peer subset is the workload's first requests
 
 
 def test_smoke_caps_clip_the_lengths():
-    requests = nano_requests(4, max_prompt_len=8, max_output_len=4)
+    requests = nano_workload(4, prompt_len=capped(8), output_len=capped(4))
     assert [len(r.prompt) for r in requests] == [8] * 4
-    assert [r.max_tokens for r in requests] == [4] * 4
+    assert [r.output_len for r in requests] == [4] * 4
 
 
 def test_busy_time_counts_overlapping_kernels_once():

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.waste import (
-    ReservingScheduler,
-    nano_workload,
-    next_pow2,
-    reservation_slots,
-)
+from benchmarks.waste import ReservingScheduler, next_pow2, reservation_slots
+from benchmarks.workloads import nano_workload
 from engine.block_manager import BlockHasher, BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -74,12 +74,11 @@ def test_preemption_keeps_output_identical(prompts, expected, async_scheduling):
     assert stats.num_free_blocks == stats.num_blocks
 
 
-@ASYNC
-def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expected, async_scheduling):
+def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expected):
     """The CUDA-graph input layout, run eagerly on the CPU: decode batches padded to the next graph size
     (rows that write nowhere), block tables in the graphs' static table, pending tokens fed on the device."""
     llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_graph_batch_size=16, max_num_batched_tokens=64,
-              async_scheduling=async_scheduling)
+              async_scheduling=True)
     runner = llm.engine.runner
     padded_sizes = []
     decode_pass = runner._decode_pass

@@ -11,10 +11,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error",
-          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
           503: "service_unavailable_error"}
+# pydantic's wording for a broken bound, in the engine's ("must be >= 0"), with the bound from the error's context
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 class APIError(Exception):
@@ -50,28 +52,44 @@ class APIError(Exception):
     def from_validation_error(cls, exc: ValidationError) -> APIError:
         """The first problem, named by its path (``messages.0.role``); our own validators' messages start
         with the field they are about."""
-        first = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        first = min(errors, key=_specificity)
         path = _field_path(first["loc"])
-        msg = first["msg"].removeprefix("Value error, ")
+        msg = _message(first)
         field, sep, rest = msg.partition(": ")
-        if first["type"] == "value_error" and sep and field.isidentifier():
+        if sep and field.isidentifier():  # our own messages name the field they are about
             path, msg = path + [field], rest
         param = ".".join(path) or None
         message = f"{param}: {msg}" if param else msg
-        if len(exc.errors()) > 1:
-            message += f" (and {len(exc.errors()) - 1} more problems)"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problems)"
         return cls.bad_request(message, param)
 
 
+def _specificity(error: dict[str, Any]) -> tuple[bool, int]:
+    """A union reports each member's complaint: a broken constraint before "not a string", then the deepest one
+    (``stop: at most 16 items`` rather than ``stop: a valid string`` for a list of 17)."""
+    return error["type"].endswith("_type"), -len(error["loc"])
+
+
+def _message(error: dict[str, Any]) -> str:
+    bound = _BOUNDS.get(error["type"])
+    if bound is not None:
+        limit = next(iter(error.get("ctx", {}).values()), None)
+        if isinstance(limit, float) and limit.is_integer():
+            limit = int(limit)
+        return f"must be {bound} {limit}"
+    if error["type"] == "finite_number":
+        return "must be a finite number"
+    return error["msg"].removeprefix("Value error, ")
+
+
 def _field_path(loc: tuple) -> list[str]:
-    """The location up to the first union-member tag pydantic inserts (``str``, ``list[int]``, ``TextPart``):
-    clients know fields and indices, not our type annotations."""
-    path = []
-    for part in loc:
-        if isinstance(part, str) and not _is_field_name(part):
-            break
-        path.append(str(part))
-    return path
+    """The location without the union-member tags pydantic inserts (``str``, ``list[int]``, ``TextFormat``):
+    clients know fields and indices, not our type annotations. A bad key of a map is the map's fault."""
+    if "[key]" in loc:
+        loc = loc[: loc.index("[key]") - 1]
+    return [str(part) for part in loc if not isinstance(part, str) or _is_field_name(part)]
 
 
 def _is_field_name(part: str) -> bool:
@@ -88,6 +106,11 @@ async def engine_dead_handler(request: Request, exc: Exception) -> JSONResponse:
     return EngineUnavailable(f"the engine stopped: {exc}").response()
 
 
+async def request_failed_handler(request: Request, exc: Exception) -> JSONResponse:
+    """The engine ended this one request with an error of its own (the others, and the engine, run on)."""
+    return APIError(500, f"the request failed: {exc}", code="request_failed").response()
+
+
 async def client_gone_handler(request: Request, exc: Exception) -> Response:
     """Nobody reads this answer (the client disconnected and its request was aborted); 499 for the log."""
     return Response(status_code=499)
@@ -99,7 +122,8 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    """Starlette's own 404/405 in the same shape."""
+    """Starlette's own 404/405 in the same shape (a 405 keeps its ``Allow`` header)."""
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", None) or "error"
-    return APIError(status, f"{request.method} {request.url.path}: {detail}").response()
+    headers = dict(getattr(exc, "headers", None) or {})
+    return APIError(status, f"{request.method} {request.url.path}: {detail}", headers=headers).response()

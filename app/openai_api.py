@@ -10,16 +10,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.answers import answer_chat, render_chat, sampling_params, token_texts, worth_a_chunk
 from app.errors import APIError
-from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
-                               completion_choice, completion_logprobs, logprob_token_ids, sum_usage)
-from app.prompts import NoTokenizer
-from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from app.openai_format import ResponseHeader, completion_choice, completion_logprobs, sum_usage
+from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
+from app.sessions.api import chat_in_session
 from app.sse import sse_response
 from engine.llm_engine import RequestOutput
-from engine.sampling_params import SamplingParams
 
 
 async def chat_completions(request: Request) -> Response:
@@ -28,78 +27,11 @@ async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionRequest, server.settings.max_request_bytes)
     server.check_model(body.model)
     if server.sessions is not None and (session_id := body.session_id or request.headers.get("x-session-id")):
-        from app.sessions_api import chat_in_session  # sessions build on this module, not the other way round
-
         return await chat_in_session(request, server, body, session_id, arrival)
     prompt_ids = await render_chat(server, body.messages)
-    stream = server.submit(prompt_ids, sampling_params(body, len(prompt_ids), server.max_model_len),
+    stream = server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
                            server.cache_salt(request, body.cache_salt), arrival)
     return await answer_chat(request, server, body, stream)
-
-
-async def answer_chat(request: Request, server: Serving, body: SamplingFields, stream: TimedStream,
-                      headers: dict[str, str] | None = None) -> Response:
-    """Stream or return one chat reply (also the sessions API's writer)."""
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage)
-        return sse_response(chat_chunks(server, header, stream, include_usage), headers=headers)
-    header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl")
-    final = await cancel_on_disconnect(request, stream.collect())
-    logprobs = await _chat_logprobs(server, final, whole=True)
-    choice = chat_choice_message(final.text, final.finish_reason, logprobs, final.stop_reason)
-    return JSONResponse(header.wrap([choice], final.usage), headers=headers)
-
-
-async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStream, include_usage: bool,
-                      ) -> AsyncIterator[dict[str, Any]]:
-    """``delta.role`` first, then one chunk per text delta, ``finish_reason`` on the last content chunk, and
-    with include_usage a final chunk with no choices and the usage."""
-    yield header.wrap([chat_choice_delta({"role": "assistant", "content": ""})])
-    final = None
-    async for out in stream:
-        logprobs = await _chat_logprobs(server, out, whole=False)
-        if _worth_a_chunk(server, out, logprobs):
-            delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
-            yield header.wrap([chat_choice_delta(delta, out.finish_reason, logprobs, out.stop_reason)])
-        final = out
-    await stream.settled()
-    if include_usage and final is not None:
-        yield header.wrap([], final.usage)
-
-
-def _worth_a_chunk(server: Serving, out: RequestOutput, logprobs: dict[str, Any] | None) -> bool:
-    """Text, logprobs or the end; without a tokenizer (dummy weights) every token, so clients still see
-    each one arrive."""
-    return bool(out.text_delta or logprobs or out.finished or (out.token_ids_delta and not server.prompts.has_tokenizer))
-
-
-async def _chat_logprobs(server: Serving, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
-    entries = out.logprobs if whole else out.logprobs_delta
-    if not entries:
-        return None
-    return chat_logprobs(entries, await _token_texts(server, entries))
-
-
-async def _token_texts(server: Serving, entries: list) -> dict[int, str]:
-    ids = list(dict.fromkeys(logprob_token_ids(entries)))
-    return dict(zip(ids, await server.prompts.convert_ids_to_tokens(ids)))
-
-
-async def render_chat(server: Serving, messages: list[ChatMessage]) -> list[int]:
-    try:
-        return await server.prompts.chat([m.as_template_message() for m in messages])
-    except NoTokenizer as exc:
-        raise APIError.bad_request(f"messages: {exc}".replace("prompt: ", ""), "messages") from None
-    except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
-        raise APIError.bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
-
-
-def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    try:
-        return body.sampling_params(num_prompt_tokens, max_model_len)
-    except ValueError as exc:
-        raise APIError.from_value_error(exc) from None
 
 
 # completions ------------------------------------------------------------------------------------------
@@ -111,7 +43,7 @@ async def completions(request: Request) -> Response:
     body = await read_model(request, CompletionRequest, server.settings.max_request_bytes)
     server.check_model(body.model)
     prompts = [await _prompt_ids(server, prompt) for prompt in body.prompts()]
-    params = [sampling_params(body, len(ids), server.max_model_len) for ids in prompts]
+    params = [sampling_params(server, body, len(ids)) for ids in prompts]
     salt = server.cache_salt(request, body.cache_salt)
     streams: list[TimedStream] = []
     try:
@@ -147,7 +79,7 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
     async for i, out in _merge(streams):
         logprobs = await _completion_logprobs(server, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
-        if _worth_a_chunk(server, out, logprobs):
+        if worth_a_chunk(server, out, logprobs):
             yield header.wrap([completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)])
         if out.finished:
             finals[i] = out
@@ -158,7 +90,7 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
 async def _completion_logprobs(server: Serving, entries: list | None, offset: int) -> dict[str, Any] | None:
     if not entries:
         return None
-    return completion_logprobs(entries, await _token_texts(server, entries), offset)
+    return completion_logprobs(entries, await token_texts(server, entries), offset)
 
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,7 +1,9 @@
-"""``GET /openapi.json``: the OpenAPI document, with request bodies generated from the pydantic models."""
+"""``GET /openapi.json``: the OpenAPI document, with request bodies generated from the pydantic models, and the
+path and query parameters each operation takes."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -13,6 +15,17 @@ _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$
 _ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}, "required": ["message", "type", "param", "code"]}}}
+_PATH_PARAM = re.compile(r"{([a-z_]+)}")
+# what each path parameter looks like (anything else is a 404)
+PATH_PARAMS = {"session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
+               "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"}}
+
+
+@dataclass(frozen=True, slots=True)
+class QueryParam:
+    name: str
+    schema: dict[str, Any]
+    description: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +35,10 @@ class Operation:
     summary: str
     body: type[BaseModel] | None = None
     streams: bool = False  # answers text/event-stream when the body asks for it
+    status: int = 200  # the status of success
+    content_type: str = "application/json"  # of a successful answer
+    path_params: dict[str, str] = field(default_factory=dict)  # name -> description
+    query: list[QueryParam] = field(default_factory=list)
 
 
 def openapi_document(operations: list[Operation], title: str, version: str) -> dict[str, Any]:
@@ -30,7 +47,11 @@ def openapi_document(operations: list[Operation], title: str, version: str) -> d
                                       ref_template="#/components/schemas/{model}")
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
-        entry: dict[str, Any] = {"summary": op.summary, "responses": {"200": _ok(op.streams), "default": _ERROR}}
+        entry: dict[str, Any] = {"summary": op.summary,
+                                 "responses": {str(op.status): _ok(op), "default": _ERROR}}
+        parameters = _parameters(op)
+        if parameters:
+            entry["parameters"] = parameters
         if op.body is not None:
             entry["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": refs[(op.body, "validation")]}}}
@@ -40,9 +61,17 @@ def openapi_document(operations: list[Operation], title: str, version: str) -> d
             "components": {"schemas": components}}
 
 
-def _ok(streams: bool) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {}}
-    if streams:
+def _parameters(op: Operation) -> list[dict[str, Any]]:
+    params = [{"name": name, "in": "path", "required": True, "description": op.path_params.get(name, ""),
+               "schema": PATH_PARAMS.get(name, {"type": "string"})} for name in _PATH_PARAM.findall(op.path)]
+    return params + [{"name": q.name, "in": "query", "required": False, "description": q.description,
+                      "schema": q.schema} for q in op.query]
+
+
+def _ok(op: Operation) -> dict[str, Any]:
+    content: dict[str, Any] = {op.content_type: {"schema": {"type": "string"}} if op.content_type.startswith(
+        "text/") else {}}
+    if op.streams:
         content["text/event-stream"] = {}
     return {"description": "success", "content": content}
 

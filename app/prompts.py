@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

@@ -6,17 +6,44 @@ and fields that would change the answer but are not supported get a 400 naming t
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
 
-Role = Literal["system", "developer", "user", "assistant"]
+_INT32 = 2**31
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema says); 5.5 stays a float and is refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# The engine's ranges (engine/sampling_params.py), stated here too so a bad value is refused before anything is
+# looked up or locked, and /openapi.json shows them; what depends on the model (top_k and token ids below the
+# vocabulary size) the engine checks when the request is submitted. (Bounds go before the validator, or they do
+# not reach the JSON schema.)
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, lt=_INT32), BeforeValidator(_integral)]
+Count = Annotated[int, Field(ge=1, lt=_INT32), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1, lt=_INT32), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=-2**63, lt=2**64), BeforeValidator(_integral)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Salt = Annotated[str, Field(max_length=256)]
+Text = Annotated[str, Field(min_length=1)]
+# OpenAI's shape: token ids as decimal strings -> a bias added to the logit
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                           Annotated[float, Field(ge=-100, le=100)]],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(_Model):
@@ -24,16 +51,9 @@ class TextPart(_Model):
     text: str
 
 
-class ChatMessage(_Model):
-    role: Role
+class _Message(_Model):
     content: str | list[TextPart] | None = None
     name: str | None = None
-
-    @model_validator(mode="after")
-    def _content_required(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content: required for role {self.role!r}")
-        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -46,35 +66,102 @@ class ChatMessage(_Model):
         return {"role": role, "content": self.text()}
 
 
+class InputMessage(_Message):
+    role: Literal["system", "developer", "user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _message_tag(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    if role not in _ROLES:
+        return None
+    return "AssistantMessage" if role == "assistant" else "InputMessage"
+
+
+ChatMessage = Annotated[
+    Annotated[InputMessage, Tag("InputMessage")] | Annotated[AssistantMessage, Tag("AssistantMessage")],
+    Discriminator(_message_tag, custom_error_type="invalid_role",
+                  custom_error_message=f"role: must be one of {', '.join(_ROLES)}")]
+
+
 class StreamOptions(_Model):
     include_usage: bool = False
+
+
+class TextFormat(_Model):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Model):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON Schema the reply must be valid against")
+    strict: bool | None = Field(default=None, description="always enforced: the reply is generated under the "
+                                "schema's grammar")
+
+
+class JsonSchemaFormat(_Model):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+_FORMATS = {"text": "TextFormat", "json_object": "JsonObjectFormat", "json_schema": "JsonSchemaFormat"}
+
+
+def _format_tag(value: Any) -> str | None:
+    """The member a response_format is (class names as tags, so an error's path names fields only)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMATS.get(kind) if isinstance(kind, str) else None
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("TextFormat")] | Annotated[JsonObjectFormat, Tag("JsonObjectFormat")]
+    | Annotated[JsonSchemaFormat, Tag("JsonSchemaFormat")],
+    Discriminator(_format_tag, custom_error_type="invalid_format",
+                  custom_error_message=f"type: must be one of {', '.join(_FORMATS)}")]
 
 
 class SamplingFields(_Model):
     """Sampling and stopping, shared by chat, completions and session messages."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, description="0 = greedy; default 1")
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = Field(default=None, description="default: up to the model's context length")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float | None = Field(default=None, ge=0, description="0 = greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: TopK | None = Field(default=None, description="-1 or 0: off; at most the vocabulary size")
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: Count | None = Field(default=None, description="default: --default-max-tokens or the room left "
+                                     "in the context, whichever is smaller")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # > 0 for the engine; a penalty near 0 divides logits into inf/NaN, so the edge keeps it to a useful range
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: TokenId = 0  # a count, in the token ids' range
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: Int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(default=None, description="requests share prefix blocks only with the same salt")
+    cache_salt: Salt | None = Field(default=None, description="requests share prefix blocks only with the same salt")
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = Field(default=None, description="json_object or json_schema: the "
+                                                   "reply is constrained to it")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -86,43 +173,51 @@ class SamplingFields(_Model):
     def requested_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
         """ValueError naming the field for values the engine refuses or a prompt that leaves no room."""
         if self.n != 1:
             raise ValueError("n: only n=1 is supported (parallel sampling comes later)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
         room = max_model_len - num_prompt_tokens
         max_tokens = self.requested_max_tokens()
         if room < 1 or (max_tokens is not None and max_tokens > room):
             wanted = f", {max_tokens} in the completion" if max_tokens is not None else ""
             raise ValueError(f"{'max_tokens' if room >= 1 else self.prompt_field()}: this model's maximum context length "
                              f"is {max_model_len} tokens; the request has {num_prompt_tokens} in the prompt{wanted}")
+        if max_tokens is None:  # a bare request must not hold a slot for the whole context
+            max_tokens = min(max(default_max_tokens, self.min_tokens), room)
         values = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING if getattr(self, name) is not None}
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else room, stop=_as_list(self.stop),
+            max_tokens=max_tokens, stop=_as_list(self.stop),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=self.requested_logprobs(), **values,
+            skip_special_tokens=self.skip_special_tokens, logprobs=self.requested_logprobs(),
+            logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
+            structured_output=self.structured_output(), **values,
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutput("json_object")
+        return StructuredOutput("json_schema", schema=json.dumps(fmt.json_schema.schema_))
 
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 
 
-class ResponseFormat(_Model):
-    type: Literal["text"] = Field(description="only plain text is supported")
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    session_id: str | None = Field(default=None, description="continue a server-kept session (or X-Session-ID)")
+    top_logprobs: NumLogprobs | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, json_schema_extra={"maxItems": 0},
+                                               description="not supported: a request with tools gets 400")
+    session_id: str | None = Field(default=None, json_schema_extra={"pattern": "^[A-Za-z0-9_-]{22}$"},
+                                   description="continue a server-kept session (or X-Session-ID); an unknown "
+                                   "well-formed id starts one")
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
@@ -140,12 +235,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
-        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
+    best_of: Int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
@@ -186,8 +281,8 @@ class CreateSessionRequest(_Model):
     system: str | None = Field(default=None, description="system prompt (or use a preset)")
     preset: str | None = Field(default=None, description="name of a preset whose system prompt to use")
     title: str | None = Field(default=None, max_length=200)
-    cache_salt: str | None = Field(default=None, description="this session's prefix blocks are shared only with "
-                                   "requests carrying the same salt")
+    cache_salt: Salt | None = Field(default=None, description="this session's prefix blocks are shared only with "
+                                    "requests carrying the same salt")
 
     @model_validator(mode="after")
     def _one_system(self) -> CreateSessionRequest:
@@ -201,6 +296,11 @@ class UpdateSessionRequest(_Model):
 
 
 class SessionMessageRequest(SamplingFields):
+    # the schema says what the validator below checks: content, or regenerate=true without content
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["content"], "properties": {"content": {"type": "string"}, "regenerate": {"const": False}}},
+        {"required": ["regenerate"], "properties": {"regenerate": {"const": True}, "content": {"type": "null"}}}]})
+
     content: str | None = Field(default=None, description="the user's message")
     regenerate: bool = Field(default=False, description="drop the last reply and answer the last message again")
 
@@ -217,3 +317,5 @@ class SessionMessageRequest(SamplingFields):
 class CreatePresetRequest(_Model):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
     system: Annotated[str, Field(min_length=1)]
+    shared: bool = Field(default=False, description="every tenant sees it (admin key only); otherwise it is the "
+                         "creating key's own")

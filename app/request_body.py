@@ -1,15 +1,19 @@
-"""Reading a request: the body under a size cap, parsed into a pydantic model (413 / 400 otherwise), and
-running a handler's work only as long as its client is still connected."""
+"""Reading a request: a JSON body (415 for any other media type: a browser page on another site can send
+``text/plain`` or a form without asking, but not ``application/json``), under a size cap, parsed into a pydantic
+model (413 / 400 otherwise); and running a handler's work only as long as its client is still connected."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from app.errors import APIError
+
+logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -20,6 +24,7 @@ class ClientDisconnected(Exception):
 
 
 async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
+    require_json(request)
     body = await read_body(request, max_bytes)
     if not body.strip():
         raise APIError.bad_request("the request body must be a JSON object")
@@ -29,16 +34,29 @@ async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
         raise APIError.from_validation_error(exc) from None
 
 
+def require_json(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        raise APIError(415, f"Content-Type: the body must be application/json (got {shown})",
+                       param="Content-Type", code="unsupported_media_type")
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():  # a lying or absent Content-Length is caught while reading
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # a lying or absent Content-Length is caught while reading
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        logger.info("client went away while sending the body of %s %s (%d bytes read)", request.method,
+                    request.url.path, size)
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,58 +11,70 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Scope
 
-from app import openai_api, sessions_api
-from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler,
-                        http_error_handler)
+from app import openai_api
+from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler, http_error_handler,
+                        request_failed_handler)
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import NoTokenizer, PromptRenderer
 from app.protocol import ChatCompletionRequest, CompletionRequest
-from app.serving import Serving
-from app.sessions import SessionStoreUnavailable
-from app.settings import ServerSettings
 from app.request_body import ClientDisconnected
-from engine.async_engine import AsyncEngine, EngineDeadError
+from app.security import security_middleware
+from app.serving import Serving
+from app.sessions import api as sessions_api
+from app.sessions import presets
+from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
+from app.settings import ServerSettings
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedchat")
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+_WATCH_S = 0.5  # how often the engine's health is looked at
 
 OPERATIONS = [
     Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
     Operation("/v1/completions", "POST", "Text completion (OpenAI)", CompletionRequest, streams=True),
     Operation("/v1/models", "GET", "The served model"),
     Operation("/health", "GET", "200 while the engine runs, 503 once it failed"),
-    Operation("/metrics", "GET", "Prometheus metrics"),
+    Operation("/metrics", "GET", "Prometheus metrics (text exposition format)", content_type="text/plain"),
     *sessions_api.OPERATIONS,
+    *presets.OPERATIONS,
 ]
 
 
 def create_app(settings: ServerSettings | None = None) -> Starlette:
+    """The application; its lifespan starts the engine and the session store. Whoever runs it may set
+    ``app.state.request_shutdown`` (a callable): it is called when the engine dies and ``exit_on_engine_death``
+    is on, and ``app.state.engine_died`` is True from then on (``pagedchat serve`` then exits non-zero)."""
     settings = settings or ServerSettings()
     routes = [
         *openai_api.routes,
         *sessions_api.routes,
+        *presets.routes,
         Route("/health", health_endpoint, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
         routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
-    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
-    app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan, exception_handlers={
-        APIError: api_error_handler, HTTPException: http_error_handler, EngineDeadError: engine_dead_handler,
-        ClientDisconnected: client_gone_handler,
-        SessionStoreUnavailable: sessions_api.store_unavailable_handler, NoTokenizer: _no_tokenizer_handler})
+    app = Starlette(routes=routes, middleware=security_middleware(settings), lifespan=_lifespan,
+                    exception_handlers={
+                        APIError: api_error_handler, HTTPException: http_error_handler,
+                        EngineDeadError: engine_dead_handler, RequestFailedError: request_failed_handler,
+                        ClientDisconnected: client_gone_handler, NoTokenizer: _no_tokenizer_handler,
+                        SessionStoreUnavailable: sessions_api.store_unavailable_handler,
+                        SessionQuotaExceeded: sessions_api.quota_handler})
     app.state.settings = settings
+    app.state.engine_died = False
+    app.state.request_shutdown = None
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
     return app
 
@@ -78,19 +89,50 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                      metrics=ServerMetrics(name, engine.stats), model_name=name,
                      started=int(time.time()))
     app.state.server = server
+    watcher = None
     try:
         await _warm_up(engine)
         await sessions_api.open_sessions(server)
+        await presets.pin_stored_presets(server)
+        watcher = asyncio.create_task(_watch_engine(app, server))
         base = f"http://{_display_host(settings.host)}:{settings.port}"
         logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
         yield
     finally:
-        if server.background:  # turns being stored
-            await asyncio.wait(server.background, timeout=10)
-        if server.sessions is not None:
-            await server.sessions.close()
+        if watcher is not None:
+            watcher.cancel()
+        await _drain(server)
         await engine.stop()
         server.prompts.close()
+
+
+async def _watch_engine(app: Starlette, server: Serving) -> None:
+    """Once the engine has failed, nothing can be served until the process restarts: shut down (the caller exits
+    non-zero, so compose's ``restart:`` or systemd starts a fresh one), unless ``exit_on_engine_death`` is off."""
+    while server.engine.healthy:
+        await asyncio.sleep(_WATCH_S)
+    app.state.engine_died = True
+    if not server.settings.exit_on_engine_death:
+        logger.critical("the engine failed; every request now gets 503 (--no-exit-on-engine-death: not exiting)")
+        return
+    logger.critical("the engine failed; shutting down so that a supervisor restarts the server")
+    if app.state.request_shutdown is not None:
+        app.state.request_shutdown()
+
+
+async def _drain(server: Serving) -> None:
+    """Let turns being stored finish, and try once more to store turns kept while the session store was away."""
+    if server.outbox is not None:
+        server.outbox.stop()
+    if server.background:
+        await asyncio.wait(server.background, timeout=10)
+    if server.outbox is not None and len(server.outbox):
+        with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
+            await asyncio.wait_for(server.outbox.flush(), 5)
+        if len(server.outbox):
+            logger.error("%d turns were never stored: the session store stayed unreachable", len(server.outbox))
+    if server.sessions is not None:
+        await server.sessions.close()
 
 
 async def _no_tokenizer_handler(request: Request, exc: Exception) -> Response:
@@ -125,25 +167,3 @@ class WebMount(Mount):
         if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["method"] not in ("GET", "HEAD")):
             return Match.NONE, {}
         return super().matches(scope)
-
-
-class ApiKeyMiddleware:
-    """``--api-key``: every /v1/ route needs ``Authorization: Bearer <key>`` (health, metrics and the UI's
-    static files stay open, as load balancers and browsers need them)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._keys = [k.strip().encode() for k in api_key.split(",") if k.strip()]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
-            error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), k) for k in self._keys)

@@ -3,7 +3,6 @@ the queue is full, 400 for requests the engine refuses), and per-request latency
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -32,8 +31,9 @@ class Serving:
     metrics: ServerMetrics
     model_name: str
     started: int = 0  # unix time the server came up (the model card's "created")
-    sessions: Any = None  # the SessionStore (app/sessions.py)
-    preset_pins: dict[str, tuple[int, int]] = field(default_factory=dict)  # preset -> (tokens, pinned blocks)
+    sessions: Any = None  # the SessionStore (app/sessions/store.py)
+    outbox: Any = None  # turns waiting for the session store to come back (app/sessions/outbox.py)
+    preset_pins: dict[str, tuple[int, int]] = field(default_factory=dict)  # Preset.key -> (tokens, pinned blocks)
     background: set[asyncio.Task] = field(default_factory=set)  # e.g. turns being stored after their stream
 
     @property
@@ -45,12 +45,15 @@ class Serving:
             raise APIError(404, f"model: {requested!r} is not served here (this server serves "
                                 f"{self.model_name!r})", param="model", code="model_not_found")
 
-    def tenant(self, request: Request) -> str:
-        """Who sent the request: a hash of its API key, or "" when the server has no keys."""
-        if not self.settings.api_key:
-            return ""
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        return hashlib.sha256(key.encode()).hexdigest()[:32]
+    @staticmethod
+    def tenant(request: Request) -> str:
+        """Who sent the request: a hash of its API key, or "" when the server has no keys (app/security.py)."""
+        return request.scope.get("state", {}).get("tenant", "")
+
+    @staticmethod
+    def is_admin(request: Request) -> bool:
+        """The admin key (or a server without keys): may manage shared presets."""
+        return bool(request.scope.get("state", {}).get("admin", False))
 
     def cache_salt(self, request: Request, requested: str | None) -> str | None:
         """The salt that keys a request's prefix blocks: with ``tenant_salt_from_api_key`` each API key is
@@ -76,6 +79,13 @@ class Serving:
             raise APIError.from_value_error(exc) from None
         return TimedStream(stream, self.metrics, arrival)
 
+    def spawn(self, coro: Any) -> asyncio.Task:
+        """A background task the server keeps referenced (and waits for at shutdown)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
 
 class TimedStream:
     """A RequestStream that records time to first token, inter-token latency, end-to-end latency and queue
@@ -88,6 +98,7 @@ class TimedStream:
         self.last_token_time: float | None = None
         self.first_token_time: float | None = None
         self.last_output: RequestOutput | None = None
+        self.failure: Exception | None = None  # what ended the stream early (the request failed, the engine died)
         # called once when the stream ends for any reason (finished, error, cancelled, closed unread): must
         # not block (it may run inside a cancelled task), may return a task the answer waits for before its
         # last event (sessions store the turn so, and the client's next message finds it stored)
@@ -107,6 +118,9 @@ class TimedStream:
                 self._observe(output)
                 self.last_output = output
                 yield output
+        except Exception as exc:
+            self.failure = exc
+            raise
         finally:
             await self.stream.aclose()
             self._ended()

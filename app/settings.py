@@ -13,13 +13,22 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None  # default: the model directory's name
     api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_API_KEY") or None)
+    # a key that may also create (and delete) shared presets; it is a tenant of its own for everything else
+    admin_api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_ADMIN_API_KEY") or None)
+    allowed_origins: str | None = None  # comma-separated origins whose browser pages may call the API; "*" any
     max_queue: int = 256  # requests waiting for their first token; beyond it new requests get 429
     max_request_bytes: int = 4 * 2**20  # request bodies above it get 413
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     session_ttl_s: int = 30 * 24 * 3600  # a session unused this long is forgotten (refreshed on use)
     session_lock_s: float = 30.0  # a turn holds its session this long without a sign of life (refreshed meanwhile)
+    session_write_timeout_s: float = 3.0  # a turn's write retries this long; then the stream reports it unsaved
+    max_sessions_per_key: int = 10_000  # sessions one tenant may keep (0: no cap)
+    max_session_bytes: int = 8 * 2**20  # a session this large takes no more turns (messages + token ids)
+    max_system_prompt_chars: int = 32_768  # system prompts of sessions and presets
+    default_max_tokens: int = 1024  # for requests without max_tokens (capped by the room left in the context)
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
+    exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -30,8 +39,26 @@ class ServerSettings:
         _check(self.session_ttl_s >= 60, "session_ttl_s", "must be >= 60")
         _check(self.session_lock_s > 0, "session_lock_s", "must be > 0")
         _check(0 <= self.preset_pin_share <= 0.9, "preset_pin_share", "must be in [0, 0.9]")
+        _check(0 < self.session_write_timeout_s <= 5, "session_write_timeout_s", "must be in (0, 5]")
+        _check(self.max_sessions_per_key >= 0, "max_sessions_per_key", "must be >= 0")
+        _check(self.max_session_bytes >= 4096, "max_session_bytes", "must be >= 4096")
+        _check(self.max_system_prompt_chars >= 1, "max_system_prompt_chars", "must be >= 1")
+        _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
+        _check(self.admin_api_key is None or bool(self.admin_api_key.strip()) and "," not in self.admin_api_key,
+               "admin_api_key", "must be one non-empty key")
         _check(self.served_model_name is None or bool(self.served_model_name.strip()),
                "served_model_name", "must not be empty")
+
+
+    @property
+    def api_keys(self) -> list[str]:
+        """Every key that may call /v1/ (the admin key included); empty: the API is open."""
+        keys = [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+        return keys + ([self.admin_api_key.strip()] if self.admin_api_key else [])
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from sse_starlette import EventSourceResponse
 
 from app.errors import APIError, EngineUnavailable
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[s
         yield {"data": dumps(exc.body())}
     except EngineDeadError as exc:
         yield {"data": dumps(EngineUnavailable(f"the engine stopped: {exc}").body())}
-    except Exception as exc:  # noqa: BLE001 - the client must hear of it; the log keeps the trace
+    except RequestFailedError as exc:  # this request only: the engine and the other streams run on
+        yield {"data": dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body())}
+    except Exception as exc:
         logger.exception("stream failed")
         yield {"data": dumps(APIError(500, f"internal error: {exc!r}").body())}
     yield {"data": "[DONE]"}

@@ -65,8 +65,8 @@ class SamplingParams:
                "presence_penalty", "must be in [-2, 2]")
         _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty", "must be in [-2, 2]")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", "must be > 0")
+        _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+               "repetition_penalty", "must be in [0.01, 100]")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < _INT32),
                "max_tokens", "must be >= 1")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be >= 0")

@@ -76,6 +76,7 @@ def server_command(port: int, extra_args: Iterable[str] = ()) -> list[str]:
 def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("PAGEDCHAT_API_KEY", None)  # a key in the developer's shell must not change what the tests see
+    env.pop("PAGEDCHAT_ADMIN_API_KEY", None)
     env.pop("REDIS_URL", None)
     env.update(extra_env or {})
     return env

@@ -3,10 +3,9 @@ shows exists, and `pagedchat chat` streams a piped conversation."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
-
-import re
 from pathlib import Path
 
 from app.cli import _DERIVED, build_parser, engine_config_from_args, server_settings_from_args
@@ -61,7 +60,7 @@ def test_flags_reach_the_engine_config():
 
 def test_bad_flag_value_exits_with_a_clear_message():
     result = subprocess.run([sys.executable, "-m", "app", "chat", "--block-size", "12"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2 and "block_size" in result.stderr
 
 
@@ -69,7 +68,7 @@ def test_piped_chat_streams_a_reply_with_stats():
     result = subprocess.run(
         [sys.executable, "-m", "app", "chat", "--temperature", "0", "--max-tokens", "8",
          "--kv-cache-memory-gib", "0.1", "--num-threads", "1", "--log-level", "WARNING"],
-        input="What is 2 + 2?\nAnd 3 + 3?\n", capture_output=True, text=True, timeout=300)
+        input="What is 2 + 2?\nAnd 3 + 3?\n", capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     stats = [line for line in result.stderr.splitlines() if line.startswith("[") and "tokens, TTFT" in line]
     assert len(stats) == 2, result.stderr

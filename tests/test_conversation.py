@@ -1,11 +1,11 @@
-"""The token-exact conversation (app/conversation.py): a session's next prompt extends the stored token ids,
+"""The token-exact conversation (app/sessions/conversation.py): a session's next prompt extends the stored token ids,
 and for a prefix-stable template (SmolLM2's ChatML) it equals the stateless full render whenever the stored ids
 are what a full render would give. The oracle is the tokenizer's own chat template over the whole conversation."""
 from __future__ import annotations
 
 import pytest
 
-from app import conversation
+from app.sessions import conversation
 
 pytestmark = pytest.mark.slow
 

@@ -174,6 +174,49 @@ def expected_max_model_len(model_dir: Path) -> int:
     return min(pool_tokens, config["max_position_embeddings"])
 
 
+# structured output and logit_bias ------------------------------------------------------------------
+
+CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+               "properties": {"city": {"type": "string", "maxLength": 24},
+                              "country": {"type": "string", "maxLength": 24}}}
+
+
+@pytest.mark.parametrize("question", ["Name a large city in Japan.", "Which city is the capital of France?",
+                                      "Tell me about a city you like."])
+def test_json_schema_reply_parses_and_validates(client: openai.OpenAI, question: str):
+    import jsonschema
+
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=60, temperature=0.7, seed=7,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                                "strict": True}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content  # the grammar ended it, not max_tokens
+    jsonschema.validate(json.loads(choice.message.content), CITY_SCHEMA)
+
+
+def test_json_object_reply_is_one_json_object(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}], max_tokens=80,
+        temperature=0, response_format={"type": "json_object"})
+    content = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert content.lstrip().startswith("{")
+
+
+def test_logit_bias_forces_the_biased_token(client: openai.OpenAI):
+    tokenizer = offline_llm().tokenizer
+    forced = tokenizer.encode(" pineapple", add_special_tokens=False)[0]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=3, temperature=0, logit_bias={str(forced): 100})
+    assert reply.choices[0].message.content == tokenizer.decode([forced] * 3)
+    unbiased = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                              max_tokens=3, temperature=0)
+    assert unbiased.choices[0].message.content != reply.choices[0].message.content
+
+
 def test_models_lists_the_served_model(server: RunningServer, client: openai.OpenAI, default_model_dir: Path):
     assert [m.id for m in client.models.list()] == [MODEL]
     body = httpx.get(server.url("/v1/models"), timeout=10).json()

@@ -1,6 +1,8 @@
 """Sessions over HTTP against a real server and a real Redis: every turn's prompt extends the previous turn's
 exact tokens (so it hits every full block of earlier turns), presets hit their pinned blocks on a session's first
-turn, history survives a server restart, Redis outages give 503 on session routes only, concurrent turns get 409.
+turn, history survives a server restart, Redis outages give 503 on session routes only (and a turn ending while
+Redis is away is reported, kept and stored when it returns), a preset that cannot be prefilled is never stored and
+a stored one never stops a start, listings are paged, concurrent turns get 409.
 
 Expected cached-token counts are worked out by hand: the engine caches full blocks of 16 tokens, so after a turn
 of P prompt and C completion tokens the next turn can hit floor((P + C) / 16) * 16 of them."""
@@ -15,7 +17,8 @@ import httpx
 import pytest
 
 from tests.redis_harness import RedisServer, running_redis
-from tests.server_harness import RunningServer, free_port, running_server, server_command, server_env, wait_until_idle
+from tests.server_harness import (RunningServer, free_port, running_server, server_command, server_env, sse_chunks,
+                                  sse_data, wait_until_idle)
 
 pytestmark = pytest.mark.slow
 
@@ -211,6 +214,17 @@ def test_session_listing_rename_and_delete(server: RunningServer):
     older, newer = new_session(server, title="older"), new_session(server, title="newer")
     listed = [s["id"] for s in httpx.get(server.url("/v1/sessions?limit=1000")).json()["data"]]
     assert listed.index(newer) < listed.index(older)
+    paged, after = [], None
+    while True:  # two at a time, each page after the last id of the one before
+        page = httpx.get(server.url("/v1/sessions"), params={"limit": 2, **({"after": after} if after else {})}).json()
+        paged += [s["id"] for s in page["data"]]
+        assert page["last_id"] == paged[-1] and len(page["data"]) <= 2
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert paged == listed
+    bad_cursor = httpx.get(server.url("/v1/sessions"), params={"after": "AAAAAAAAAAAAAAAAAAAAAA"})
+    assert bad_cursor.status_code == 400 and bad_cursor.json()["error"]["param"] == "after"
     renamed = httpx.patch(server.url(f"/v1/sessions/{older}"), json={"title": "renamed"})
     assert renamed.status_code == 200 and renamed.json()["title"] == "renamed"
     assert httpx.delete(server.url(f"/v1/sessions/{older}")).json() == {
@@ -293,7 +307,7 @@ def test_history_survives_a_server_restart_with_the_same_redis(redis_server: Red
 
 def test_unreachable_redis_at_start_is_a_clear_error_and_a_non_zero_exit():
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    result = subprocess.run(server_command(free_port(), ["--redis-url", url]), env=server_env(),
+    result = subprocess.run(server_command(free_port(), ["--redis-url", url]), env=server_env(), check=False,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "Redis is unreachable" in result.stdout + result.stderr
@@ -316,3 +330,67 @@ def test_api_keys_are_tenants_for_sessions_and_prefix_blocks():
         assert cached(one) == 0
         assert cached(two) == 0  # the same text under another key: never a hit
         assert cached(one) > 0
+
+
+def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server: RedisServer):
+    client = redis_server.client()
+    huge = "You are a pirate who explains computers with long, colourful stories. " * 12  # ~170 tokens > 128
+    try:
+        with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
+            refused = post(server, "/v1/presets", {"name": "huge", "system": huge})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "system" and "128" in refused.json()["error"]["message"]
+            assert not client.exists("pagedchat:preset:huge") and "huge" not in client.smembers("pagedchat:presets")
+            assert post(server, "/v1/presets", {"name": "small", "system": "Be brief."}).status_code == 201
+        # a preset that cannot be prefilled, stored behind the server's back (an older version, or a start with a
+        # larger --max-model-len): every replica sharing this Redis must still start
+        client.hset("pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"})
+        client.sadd("pagedchat:presets", "huge")
+        with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
+            assert "preset 'huge' skipped" in server.log()
+            presets = {p["name"]: p for p in httpx.get(server.url("/v1/presets")).json()["data"]}
+            assert set(presets) == {"huge", "small"}
+            assert presets["small"]["num_tokens"] > 0 and presets["huge"]["num_tokens"] is None
+            unusable = post(server, "/v1/sessions", {"preset": "huge"})
+            assert unusable.status_code == 400 and unusable.json()["error"]["param"] == "preset"
+            session_id = new_session(server, preset="small")
+            assert say(server, session_id, "Hi", max_tokens=4)["usage"]["completion_tokens"] == 4
+            assert httpx.get(server.url("/health")).status_code == 200
+    finally:
+        for name in ("huge", "small"):
+            client.delete(f"pagedchat:preset:{name}")
+            client.srem("pagedchat:presets", name)
+
+
+def test_turn_end_with_redis_down_reports_and_keeps_the_turn(redis_server: RedisServer):
+    with running_server("--redis-url", redis_server.url, "--session-write-timeout-s", "1") as server:
+        session_id = new_session(server)
+        payloads, last_token = [], 0.0
+        body = {"content": "Count slowly from one to one hundred.", "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", server.url(f"/v1/sessions/{session_id}/messages"), json=body,
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and '"content":"' in line and redis_server.process is not None:
+                        redis_server.stop()  # Redis goes away while the reply streams
+                    if '"content"' in line:
+                        last_token = time.monotonic()
+                    payloads.append(line)
+            done = time.monotonic()
+        finally:
+            if redis_server.process is None:
+                redis_server.start()
+        chunks = sse_chunks(sse_data(payloads))
+        error = chunks[-1]["error"]
+        assert (error["code"], error["type"]) == ("turn_not_saved", "service_unavailable_error")
+        assert "not saved" in error["message"]
+        assert done - last_token < 4, "the answer ends within the write window, not when Redis returns"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1] if c.get("choices"))
+        assert "kept in memory" in server.log()
+
+        kept = stored(server, session_id, 2)  # Redis is back: the kept turn is written (before it is read)
+        assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]
+        assert kept["messages"][1]["content"] == text and kept["messages"][1]["usage"]["completion_tokens"] == 40
+        follow_up = say(server, session_id, "Thanks.", max_tokens=4)  # the turn's lock was released
+        assert follow_up["usage"]["prompt_tokens"] > kept["messages"][1]["usage"]["prompt_tokens"] + 40

@@ -1,22 +1,28 @@
-"""One turn of a session: its prompt (an exact token extension of the stored conversation, app/conversation.py),
-and storing it once the reply ends — finished, or cut by the client (kept with what was generated, finish_reason
-``abort``). The session is locked for the turn, so two turns never interleave."""
+"""One turn of a session: its prompt (an exact token extension of the stored conversation, conversation.py),
+and storing it once the reply ends — finished, cut by the client (kept with what was generated, finish_reason
+``abort``) or failed (``error``). The session is locked for the turn, so two turns never interleave.
+
+Storing is retried for ``--session-write-timeout-s``; a turn still unsaved then goes to the outbox (written when
+the store is back) and the answer ends with an error saying so, instead of waiting for the store.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from app import conversation
+from app.errors import APIError
 from app.serving import Serving, TimedStream
-from app.sessions import Session, SessionStore, SessionStoreUnavailable
+from app.sessions import conversation
+from app.sessions.store import Session, SessionStoreUnavailable
 
 logger = logging.getLogger(__name__)
 
-_SAVE_ATTEMPTS = 6  # a turn that ends while Redis is down is retried for ~1 minute before it is given up
+_FIRST_RETRY_S = 0.1
 
 
 @dataclass(slots=True)
@@ -57,69 +63,83 @@ def plan_regeneration(session: Session) -> TurnPlan:
     return TurnPlan(session.token_ids[: last["usage"]["prompt_tokens"]], session.messages[:-1])
 
 
+class TurnNotSaved(APIError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(503, f"session {session_id!r}: the session store is unreachable, so this turn is not saved "
+                         "yet; the server keeps it and stores it when the store is back", param="session_id",
+                         code="turn_not_saved")
+
+
 @dataclass(slots=True, eq=False)
 class TurnRecorder:
     """Stores the turn when the stream ends (TimedStream.on_end), and keeps the session's lock alive meanwhile."""
 
-    store: SessionStore
-    session: Session
+    server: Serving
+    session: Session  # as the turn found it (its revision is the one the turn is written over)
     plan: TurnPlan
     lock_token: str
-    lock_ttl_s: float
-    tasks: set[asyncio.Task] = field(default_factory=set)  # the server's background tasks (kept referenced)
     _refresher: asyncio.Task | None = None
+
+    @property
+    def _store(self) -> Any:
+        return self.server.sessions
 
     def start(self, stream: TimedStream) -> None:
         stream.on_end = self._ended
-        self._refresher = self._spawn(self._keep_lock(weakref.ref(stream)))
+        self._refresher = self.server.spawn(self._keep_lock(weakref.ref(stream)))
 
     def _ended(self, stream: TimedStream) -> asyncio.Task:
         if self._refresher is not None:
             self._refresher.cancel()
-        return self._spawn(self._store(stream))
-
-    def _spawn(self, coro: Any) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task = self.server.spawn(self._save(stream))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by the answer, if it still waits
         return task
 
     async def _keep_lock(self, stream: weakref.ref[TimedStream]) -> None:
+        lock_s = self.server.settings.session_lock_s
         while True:
-            await asyncio.sleep(self.lock_ttl_s / 3)
+            await asyncio.sleep(lock_s / 3)
             if stream() is None:  # dropped unread (client gone before the response started): free the session
-                await self.store.unlock(self.session.id, self.lock_token)
+                with contextlib.suppress(SessionStoreUnavailable):
+                    await self._store.unlock(self.session.id, self.lock_token)
                 return
-            try:
-                await self.store.refresh_lock(self.session.id, self.lock_token, self.lock_ttl_s)
-            except SessionStoreUnavailable:
-                pass  # the save retries; the lock expires by itself if Redis stays away
+            with contextlib.suppress(SessionStoreUnavailable):  # the lock expires by itself if Redis stays away
+                await self._store.refresh_lock(self.session.id, self.lock_token, lock_s)
 
-    async def _store(self, stream: TimedStream) -> None:
+    async def _save(self, stream: TimedStream) -> None:
         session = self._finished_session(stream)
-        try:
-            for attempt in range(_SAVE_ATTEMPTS):
-                try:
-                    if not await self.store.save_turn(session, self.lock_token):
-                        logger.warning("session %s was deleted, or its turn outlived its lock; the turn is dropped",
-                                       session.id)
-                    return
-                except SessionStoreUnavailable as exc:
-                    logger.warning("session %s: storing the turn failed (%s); retrying", session.id, exc)
-                    await asyncio.sleep(2 ** attempt)
-            logger.error("session %s: turn lost, the session store stayed unreachable", session.id)
-        finally:
+        saved = await self._save_within(session, self.server.settings.session_write_timeout_s)
+        if saved is None:
+            self.server.outbox.put(session, self.lock_token)
+            logger.error("session %s: the session store is unreachable; the turn is kept in memory until it is back",
+                         session.id)
+            raise TurnNotSaved(session.id)
+        if not saved:
+            logger.warning("session %s was deleted, or changed since this turn began; the turn is dropped",
+                           session.id)
+        with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
+            await asyncio.wait_for(self._store.unlock(session.id, self.lock_token), 1.0)
+
+    async def _save_within(self, session: Session, timeout_s: float) -> bool | None:
+        """save_turn's answer, or None if the store stayed unreachable for ``timeout_s``."""
+        deadline, delay = time.monotonic() + timeout_s, _FIRST_RETRY_S
+        while True:
             try:
-                await self.store.unlock(session.id, self.lock_token)
-            except SessionStoreUnavailable:
-                pass  # expires by itself
+                return await asyncio.wait_for(self._store.save_turn(session), max(deadline - time.monotonic(), 0))
+            except (SessionStoreUnavailable, asyncio.TimeoutError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    return None
+                logger.warning("session %s: storing the turn failed (%s); retrying", session.id, exc or "timeout")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     def _finished_session(self, stream: TimedStream) -> Session:
         out, now = stream.last_output, time.time()
         finished = out is not None and out.finished
         completion = out.token_ids if out is not None else []
+        cut = "error" if stream.failure is not None else "abort"
         reply = {"role": "assistant", "content": out.text if out is not None else "", "created_at": now,
-                 "finish_reason": out.finish_reason if finished else "abort",
+                 "finish_reason": out.finish_reason if finished else cut,
                  "usage": {"prompt_tokens": len(self.plan.prompt_ids), "completion_tokens": len(completion),
                            "cached_tokens": out.num_cached_tokens if out is not None else 0},
                  "timing": _timing(stream, len(completion))}

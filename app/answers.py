@@ -1,0 +1,84 @@
+"""Writing one chat reply from an engine stream, streamed (SSE chunks) or whole (a ``chat.completion``): the one
+writer of /v1/chat/completions and of session turns; and the shared steps before it (rendering the chat, the
+request's SamplingParams)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.errors import APIError
+from app.openai_format import ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs, logprob_token_ids
+from app.prompts import NoTokenizer
+from app.protocol import ChatMessage, SamplingFields
+from app.request_body import cancel_on_disconnect
+from app.serving import Serving, TimedStream
+from app.sse import sse_response
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+async def answer_chat(request: Request, server: Serving, body: SamplingFields, stream: TimedStream,
+                      headers: dict[str, str] | None = None) -> Response:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage)
+        return sse_response(chat_chunks(server, header, stream, include_usage), headers=headers)
+    header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl")
+    final = await cancel_on_disconnect(request, stream.collect())
+    logprobs = await _chat_logprobs(server, final, whole=True)
+    choice = chat_choice_message(final.text, final.finish_reason, logprobs, final.stop_reason)
+    return JSONResponse(header.wrap([choice], final.usage), headers=headers)
+
+
+async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStream, include_usage: bool,
+                      ) -> AsyncIterator[dict[str, Any]]:
+    """``delta.role`` first, then one chunk per text delta, ``finish_reason`` on the last content chunk, and
+    with include_usage a final chunk with no choices and the usage."""
+    yield header.wrap([chat_choice_delta({"role": "assistant", "content": ""})])
+    final = None
+    async for out in stream:
+        logprobs = await _chat_logprobs(server, out, whole=False)
+        if worth_a_chunk(server, out, logprobs):
+            delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+            yield header.wrap([chat_choice_delta(delta, out.finish_reason, logprobs, out.stop_reason)])
+        final = out
+    await stream.settled()
+    if include_usage and final is not None:
+        yield header.wrap([], final.usage)
+
+
+def worth_a_chunk(server: Serving, out: RequestOutput, logprobs: dict[str, Any] | None) -> bool:
+    """Text, logprobs or the end; without a tokenizer (dummy weights) every token, so clients still see
+    each one arrive."""
+    return bool(out.text_delta or logprobs or out.finished or (out.token_ids_delta and not server.prompts.has_tokenizer))
+
+
+async def _chat_logprobs(server: Serving, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
+    entries = out.logprobs if whole else out.logprobs_delta
+    if not entries:
+        return None
+    return chat_logprobs(entries, await token_texts(server, entries))
+
+
+async def token_texts(server: Serving, entries: list) -> dict[int, str]:
+    ids = list(dict.fromkeys(logprob_token_ids(entries)))
+    return dict(zip(ids, await server.prompts.convert_ids_to_tokens(ids)))
+
+
+async def render_chat(server: Serving, messages: list[ChatMessage]) -> list[int]:
+    try:
+        return await server.prompts.chat([m.as_template_message() for m in messages])
+    except NoTokenizer as exc:
+        raise APIError.bad_request(f"messages: {exc}".replace("prompt: ", ""), "messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
+        raise APIError.bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
+
+
+def sampling_params(server: Serving, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+    try:
+        return body.sampling_params(num_prompt_tokens, server.max_model_len, server.settings.default_max_tokens)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None

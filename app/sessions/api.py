@@ -1,0 +1,285 @@
+"""/v1/sessions: server-kept conversations whose every turn extends the previous one's exact token ids (so earlier
+turns hit the prefix cache); also /v1/chat/completions with a session id.
+
+Every path that touches a session checks its owner: another tenant's session is answered exactly as one that does
+not exist (404). Session routes answer 503 while the session store is unreachable; the stateless routes keep
+serving."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.answers import answer_chat, sampling_params
+from app.errors import APIError
+from app.openapi import Operation, QueryParam
+from app.protocol import (ChatCompletionRequest, CreateSessionRequest, SamplingFields, SessionMessageRequest,
+                          UpdateSessionRequest)
+from app.request_body import read_model
+from app.serving import Serving
+from app.sessions.outbox import TurnOutbox
+from app.sessions.presets import check_system, pin_preset, visible_preset
+from app.sessions.redis_store import RedisSessionStore
+from app.sessions.store import (InMemorySessionStore, Session, SessionStore, SessionStoreUnavailable, UnknownCursor,
+                                is_session_id, new_session_id)
+from app.sessions.turns import TurnPlan, TurnRecorder, plan_regeneration, plan_turn
+
+logger = logging.getLogger(__name__)
+
+_TITLE_CHARS = 60
+_LIST_LIMIT = (1, 1000)
+
+
+async def open_sessions(server: Serving) -> SessionStore:
+    """The configured store (a clear error when Redis is configured but unreachable), and its outbox."""
+    settings = server.settings
+    if settings.redis_url:
+        store: SessionStore = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
+        try:
+            await store.ping()
+        except SessionStoreUnavailable as exc:
+            await store.close()
+            logger.error("cannot start: %s (--redis-url %s)", exc, settings.redis_url)
+            raise RuntimeError(f"session store: {exc}") from None
+        logger.info("sessions in Redis at %s", settings.redis_url)
+    else:
+        store = InMemorySessionStore(settings.session_ttl_s)
+        logger.info("sessions in memory: they will not survive a restart (set --redis-url to keep them)")
+    server.sessions = store
+    server.outbox = TurnOutbox(store, server.spawn)
+    return store
+
+
+def not_found(session_id: str) -> APIError:
+    return APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
+
+
+def busy(session_id: str) -> APIError:
+    return APIError(409, f"session {session_id!r} is answering another message; retry when it is done",
+                    param="session_id", code="session_busy")
+
+
+async def own_session(server: Serving, session_id: str, owner: str) -> Session | None:
+    """The session if ``owner`` owns it (a turn kept while the store was away is written first)."""
+    if not is_session_id(session_id):
+        return None
+    await server.outbox.flush_session(session_id)
+    return await server.sessions.get(session_id, owner)
+
+
+async def _session(request: Request, server: Serving) -> Session:
+    session_id = request.path_params["session_id"]
+    session = await own_session(server, session_id, server.tenant(request))
+    if session is None:
+        raise not_found(session_id)
+    return session
+
+
+async def create_session(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    body = await read_model(request, CreateSessionRequest, server.settings.max_request_bytes)
+    tenant, system = server.tenant(request), body.system
+    if body.preset is not None:
+        preset = await visible_preset(server, body.preset, tenant, param="preset")
+        await pin_preset(server, preset, param="preset")
+        system = preset.system
+    elif system is not None:
+        await check_system(server, system, "system")
+    session = Session(id=new_session_id(), owner=tenant, title=body.title or "", system=system,
+                      preset=body.preset, cache_salt=body.cache_salt)
+    if not await server.sessions.create(session, server.settings.max_sessions_per_key):
+        raise APIError(409, "session id collision; retry", code="session_exists")  # 128 random bits: never
+    return JSONResponse(session.public(), status_code=201)
+
+
+async def list_sessions(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    limit, after = request.query_params.get("limit", "50"), request.query_params.get("after")
+    if not limit.isdigit() or not _LIST_LIMIT[0] <= int(limit) <= _LIST_LIMIT[1]:
+        raise APIError.bad_request(f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit")
+    if after is not None and not is_session_id(after):
+        raise APIError.bad_request("after: must be a session id (the last id of the previous page)", "after")
+    try:
+        page = await server.sessions.list(server.tenant(request), int(limit), after)
+    except UnknownCursor as exc:
+        raise APIError.from_value_error(exc) from None
+    data = [s.summary() for s in page.sessions]
+    return JSONResponse({"object": "list", "data": data, "has_more": page.has_more,
+                         "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def sessions_root(request: Request) -> Response:
+    return await (create_session(request) if request.method == "POST" else list_sessions(request))
+
+
+async def get_session(request: Request) -> JSONResponse:
+    return JSONResponse((await _session(request, request.app.state.server)).public())
+
+
+async def update_session(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    body = await read_model(request, UpdateSessionRequest, server.settings.max_request_bytes)
+    session = await _session(request, server)
+    await server.sessions.set_title(session.id, session.owner, body.title)
+    session.title = body.title
+    return JSONResponse(session.public())
+
+
+async def delete_session(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    session = await _session(request, server)
+    await server.sessions.delete(session.id, session.owner)
+    return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True})
+
+
+async def session_item(request: Request) -> Response:
+    handler = {"PATCH": update_session, "DELETE": delete_session}.get(request.method, get_session)
+    return await handler(request)
+
+
+async def post_message(request: Request) -> Response:
+    server: Serving = request.app.state.server
+    arrival = time.monotonic()
+    body = await read_model(request, SessionMessageRequest, server.settings.max_request_bytes)
+    server.check_model(body.model)
+    session = await _session(request, server)
+    token = await _lock(server, session.id)
+    new = None if body.regenerate else [{"role": "user", "content": body.content}]
+    return await run_turn(request, server, session, new, body, arrival, token)
+
+
+async def chat_in_session(request: Request, server: Serving, body: ChatCompletionRequest, session_id: str,
+                          arrival: float) -> Response:
+    """/v1/chat/completions with ``session_id`` (or X-Session-ID): the request's messages are this turn's new
+    messages; the server supplies the history. A well-formed id nobody has starts a new session, atomically: of
+    concurrent first turns one creates it, the others find it busy (409)."""
+    owner = server.tenant(request)
+    new = [m.as_template_message() for m in body.messages]
+    if not is_session_id(session_id):
+        raise APIError(404, f"session {session_id!r} not found: ids are 22 URL-safe characters",
+                       param="session_id", code="session_not_found")
+    session = await own_session(server, session_id, owner)
+    if session is not None:
+        token = await _lock(server, session_id)
+        with _unlocked_on_error(server, session_id, token):
+            _check_turn_messages(new)
+    else:
+        system = new.pop(0)["content"] if new[0]["role"] == "system" else None
+        _check_turn_messages(new)
+        if system is not None:
+            await check_system(server, system, "messages")
+        session = Session(id=session_id, owner=owner, system=system, cache_salt=body.cache_salt)
+        token = await server.sessions.create_locked(session, server.settings.session_lock_s,
+                                                    server.settings.max_sessions_per_key)
+        if token is None:  # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
+            raise busy(session_id) if await server.sessions.get(session_id, owner) else not_found(session_id)
+    return await run_turn(request, server, session, new, body, arrival, token)
+
+
+def _check_turn_messages(new: list[dict[str, Any]]) -> None:
+    if any(m["role"] == "system" for m in new):
+        raise APIError.bad_request("messages: a session's system prompt is set when the session starts", "messages")
+    if not new or new[-1]["role"] != "user":
+        raise APIError.bad_request("messages: must end with the user's new message", "messages")
+
+
+async def _lock(server: Serving, session_id: str) -> str:
+    token = await server.sessions.lock(session_id, server.settings.session_lock_s)
+    if token is None:
+        raise busy(session_id)
+    return token
+
+
+@contextlib.contextmanager
+def _unlocked_on_error(server: Serving, session_id: str, token: str):
+    """Release the turn's lock if the turn does not start (the release runs in the background)."""
+    try:
+        yield
+    except BaseException:
+        server.spawn(_unlock_quietly(server, session_id, token))
+        raise
+
+
+async def _unlock_quietly(server: Serving, session_id: str, token: str) -> None:
+    with contextlib.suppress(SessionStoreUnavailable):
+        await server.sessions.unlock(session_id, token)
+
+
+async def run_turn(request: Request, server: Serving, session: Session, new: list[dict[str, Any]] | None,
+                   body: SamplingFields, arrival: float, token: str) -> Response:
+    """The turn, holding the session's lock (``token``): planned on the session as stored now, submitted, and
+    recorded when its stream ends."""
+    try:
+        await server.outbox.flush_session(session.id)
+        session = await server.sessions.get(session.id, session.owner) or session  # fresh, under the lock
+        if new is not None:
+            _check_size(server, session, new)
+        plan = await _plan(server, session, new)
+        params = sampling_params(server, body, len(plan.prompt_ids))
+        stream = server.submit(plan.prompt_ids, params, server.cache_salt(request, session.cache_salt), arrival)
+    except BaseException:
+        await _unlock_quietly(server, session.id, token)
+        raise
+    if not session.title and new:
+        await server.sessions.set_title(session.id, session.owner, _title(new[-1]["content"]))
+    TurnRecorder(server, session, plan, token).start(stream)
+    return await answer_chat(request, server, body, stream, headers={"X-Session-ID": session.id})
+
+
+def _check_size(server: Serving, session: Session, new: list[dict[str, Any]]) -> None:
+    cap = server.settings.max_session_bytes
+    size = session.stored_bytes() + sum(len(m["content"].encode()) for m in new)
+    if size > cap:
+        raise APIError(400, f"session_id: the session holds {size} bytes, over this server's cap of {cap} "
+                       "(--max-session-bytes); start a new session", param="session_id", code="session_full")
+
+
+async def _plan(server: Serving, session: Session, new: list[dict[str, Any]] | None) -> TurnPlan:
+    if new is not None:
+        return await plan_turn(server, session, new)
+    try:
+        return plan_regeneration(session)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None
+
+
+def _title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _TITLE_CHARS else line[: _TITLE_CHARS - 1] + "…"
+
+
+async def store_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(503, f"sessions are unavailable: {exc}", code="session_store_unavailable",
+                    headers={"Retry-After": "5"}).response()
+
+
+async def quota_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(429, f"session_id: {exc} (--max-sessions-per-key); delete some first", param="session_id",
+                    code="session_quota_exceeded").response()
+
+
+routes = [
+    Route("/v1/sessions", sessions_root, methods=["GET", "POST"]),
+    Route("/v1/sessions/{session_id}", session_item, methods=["GET", "PATCH", "DELETE"]),
+    Route("/v1/sessions/{session_id}/messages", post_message, methods=["POST"]),
+]
+_SESSION_ID = {"session_id": "22 URL-safe characters"}
+OPERATIONS = [
+    Operation("/v1/sessions", "POST", "Start a session", CreateSessionRequest, status=201),
+    Operation("/v1/sessions", "GET", "Sessions, most recently updated first, a page at a time",
+              query=[QueryParam("limit", {"type": "integer", "minimum": _LIST_LIMIT[0], "maximum": _LIST_LIMIT[1],
+                                          "default": 50}),
+                     QueryParam("after", {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
+                                "the last id of the previous page")]),
+    Operation("/v1/sessions/{session_id}", "GET", "A session's messages and stats", path_params=_SESSION_ID),
+    Operation("/v1/sessions/{session_id}", "PATCH", "Rename a session", UpdateSessionRequest,
+              path_params=_SESSION_ID),
+    Operation("/v1/sessions/{session_id}", "DELETE", "Delete a session", path_params=_SESSION_ID),
+    Operation("/v1/sessions/{session_id}/messages", "POST", "Send a message; the reply as chat.completion(.chunk)",
+              SessionMessageRequest, streams=True, path_params=_SESSION_ID),
+]

@@ -1,0 +1,142 @@
+"""/v1/presets: named system prompts, prefilled once on each replica and pinned in the KV cache, so a session
+started with one hits its blocks on the first turn.
+
+A preset belongs to the key that made it; the admin key (``--admin-api-key``) may make shared ones, which every
+tenant sees. A preset is checked (its length against the context, and a real prefill) before it is stored, and a
+stored one that cannot be prefilled any more (a smaller ``--max-model-len`` since) is skipped at start-up with a
+log line: nothing stored can stop the server from starting.
+"""
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.errors import APIError
+from app.openapi import Operation
+from app.protocol import CreatePresetRequest
+from app.request_body import read_model
+from app.serving import Serving
+from app.sessions import conversation
+from app.sessions.store import Preset, is_preset_name
+from engine.async_engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+async def check_system(server: Serving, system: str, param: str) -> list[int] | None:
+    """400 for a system prompt over the size cap or one that leaves no room in the context; its tokens (None for
+    a model without a tokenizer)."""
+    cap = server.settings.max_system_prompt_chars
+    if len(system) > cap:
+        raise APIError.bad_request(f"{param}: the system prompt has {len(system)} characters, over this server's cap "
+                                   f"of {cap} (--max-system-prompt-chars)", param)
+    if not server.prompts.has_tokenizer:
+        return None
+    ids = await server.prompts.in_thread(conversation.system_prefix_ids, system)
+    if len(ids) >= server.max_model_len:
+        raise APIError.bad_request(f"{param}: the system prompt is {len(ids)} tokens; this model's maximum context "
+                                   f"length is {server.max_model_len} tokens, and a turn needs room after it", param)
+    return ids
+
+
+async def visible_preset(server: Serving, name: str, tenant: str, param: str) -> Preset:
+    preset = await server.sessions.get_preset(name, tenant) if is_preset_name(name) else None
+    if preset is None:
+        raise APIError.bad_request(f"{param}: no preset named {name!r}", param)
+    return preset
+
+
+async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> tuple[int, int]:
+    """Prefill the preset's system prompt once on this replica and pin its full blocks (capped at
+    ``preset_pin_share`` of the pool); returns (prompt tokens, pinned blocks). 400 when it cannot be prefilled."""
+    if preset.key in server.preset_pins:
+        return server.preset_pins[preset.key]
+    ids = await check_system(server, preset.system, param)
+    if ids is None:
+        raise APIError.bad_request(f"{param}: presets need a model with a tokenizer", param)
+    cap = int(server.settings.preset_pin_share * server.engine.stats().num_blocks)
+    try:
+        pinned = await server.engine.pin_prefix(_pin_id(preset), ids, None, cap) if len(ids) > 1 else 0
+    except ValueError as exc:
+        raise APIError.bad_request(f"{param}: the engine refused the preset: {exc}", param) from None
+    server.preset_pins[preset.key] = (len(ids), pinned)
+    logger.info("preset %r: %d tokens, %d blocks pinned (cap %d)", preset.key, len(ids), pinned, cap)
+    return len(ids), pinned
+
+
+async def pin_stored_presets(server: Serving) -> None:
+    """At start-up: every stored preset pinned, or skipped with a log line if it cannot be."""
+    for preset in await server.sessions.list_presets(None):
+        try:
+            await pin_preset(server, preset)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a stored object must never stop the server from starting
+            message = exc.message if isinstance(exc, APIError) else repr(exc)
+            logger.warning("preset %r skipped: it cannot be prefilled (%s)", preset.key, message)
+
+
+async def _unpin(server: Serving, preset: Preset) -> None:
+    if server.preset_pins.pop(preset.key, None) is not None:
+        await server.engine.unpin_prefix(_pin_id(preset))
+
+
+def _pin_id(preset: Preset) -> str:
+    return f"preset:{preset.key}"
+
+
+async def create_preset(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    body = await read_model(request, CreatePresetRequest, server.settings.max_request_bytes)
+    if body.shared and not server.is_admin(request):
+        raise APIError(403, "shared: only the admin key (--admin-api-key) creates shared presets", param="shared",
+                       code="permission_denied")
+    preset = Preset(body.name, body.system, owner="" if body.shared else server.tenant(request))
+    existing = await server.sessions.get_preset(preset.name, preset.owner)
+    if existing is not None and existing.key == preset.key:
+        raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")
+    num_tokens, pinned = await pin_preset(server, preset)  # checked (and prefilled) before it is stored
+    if not await server.sessions.save_preset(preset):
+        await _unpin(server, preset)
+        raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")
+    return JSONResponse(preset.public(num_tokens, pinned), status_code=201)
+
+
+async def list_presets(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    presets = await server.sessions.list_presets(server.tenant(request))
+    pins = server.preset_pins
+    return JSONResponse({"object": "list", "data": [p.public(*pins.get(p.key, (None, None))) for p in presets]})
+
+
+async def presets_root(request: Request) -> Response:
+    return await (create_preset(request) if request.method == "POST" else list_presets(request))
+
+
+async def delete_preset(request: Request) -> JSONResponse:
+    server: Serving = request.app.state.server
+    name = request.path_params["name"]
+    preset = await server.sessions.get_preset(name, server.tenant(request)) if is_preset_name(name) else None
+    if preset is None:
+        raise APIError(404, f"preset {name!r} not found", param="name", code="preset_not_found")
+    if preset.shared and not server.is_admin(request):
+        raise APIError(403, f"preset {name!r} is shared: only the admin key deletes it", param="name",
+                       code="permission_denied")
+    await server.sessions.delete_preset(preset)
+    await _unpin(server, preset)
+    return JSONResponse({"name": name, "object": "preset.deleted", "deleted": True})
+
+
+routes = [
+    Route("/v1/presets", presets_root, methods=["GET", "POST"]),
+    Route("/v1/presets/{name}", delete_preset, methods=["DELETE"]),
+]
+OPERATIONS = [
+    Operation("/v1/presets", "POST", "Create a preset (a system prompt, pinned in the KV cache)",
+              CreatePresetRequest, status=201),
+    Operation("/v1/presets", "GET", "Presets: this key's own and the shared ones"),
+    Operation("/v1/presets/{name}", "DELETE", "Delete a preset", path_params={"name": "the preset's name"}),
+]

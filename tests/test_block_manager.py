@@ -628,6 +628,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.check()
         self.engine_step(step)
 
+    @rule(pick=PICK, pin=st.integers(0, 2), cap=st.integers(0, 8), step=STEPS)
+    def pin(self, pick: int, pin: int, cap: int, step: Step) -> None:
+        """A preset pins the cached head blocks of a sequence's tokens, within a cap on all pins."""
+        if seqs := list(self.seqs.values()):
+            seq = seqs[pick % len(seqs)]
+            chain = self.ref.chain(seq.token_ids, seq.cache_salt)
+            head = 0
+            while head < len(chain) and chain[head] in self.bm.pool.cached:
+                head += 1
+            others = sum(len(ids) for pin_id, ids in self.bm.pins.items() if pin_id != f"p{pin}")
+            expected = head if 0 < head and others + head <= cap else 0
+            assert self.bm.pin(f"p{pin}", chain, cap) == expected
+            event("pinned" if expected else "pin refused")
+            self.check()
+        self.engine_step(step)
+
+    @rule(step=STEPS)
+    def release_pins_under_pressure(self, step: Step) -> None:
+        """The scheduler, stalled by pins, drops them all: blocks only pins held become free (still cached)."""
+        pin_refs: dict[int, int] = {}
+        for ids in self.bm.pins.values():
+            for block_id in ids:
+                pin_refs[block_id] = pin_refs.get(block_id, 0) + 1
+        pinned_only = sum(1 for b, n in pin_refs.items() if self.bm.pool.blocks[b].ref_count == n)
+        free_before, cached_before = self.bm.num_free_blocks, set(self.bm.pool.cached)
+        assert self.bm.unpin_all() == sum(pin_refs.values())
+        assert self.bm.num_pinned_blocks == 0
+        assert self.bm.num_free_blocks == free_before + pinned_only
+        assert set(self.bm.pool.cached) == cached_before  # released, not forgotten: still hittable
+        self.check()
+        self.engine_step(step)
+
     # -------- invariants
     @invariant()
     def check(self) -> None:

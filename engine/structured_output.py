@@ -49,8 +49,9 @@ class GrammarCompiler:
             return self._tokenizer
 
     def validate(self, spec: StructuredOutput) -> None:
-        """ValueError naming ``response_format`` when the schema cannot be compiled."""
-        self._grammar(spec)
+        """ValueError naming ``response_format`` when the schema cannot be compiled, or its grammar allows no
+        first token (some schemas compile but leave the parser nowhere to go)."""
+        _check_usable(self._ll_tokenizer(), self._grammar(spec))
 
     def matcher(self, spec: StructuredOutput) -> Any:
         import llguidance
@@ -79,6 +80,19 @@ def _compile(tokenizer: Any, schema: str) -> str:
     return grammar
 
 
+@functools.lru_cache(maxsize=256)
+def _check_usable(tokenizer: Any, grammar: str) -> None:
+    import llguidance
+    import llguidance.torch
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    mask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+    if matcher.is_error() or not bool(mask.any()):
+        reason = (matcher.get_error() or "no token can start the output").splitlines()[0]
+        raise ValueError(f"response_format: the schema cannot be followed: {reason}")
+
+
 def token_masks(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor | None, dict[int, str]]:
     """Packed allowed-token bitmask ``[rows, ceil(vocab / 32)]`` int32 for the rows with a grammar (other
     rows allow everything), or None when no row has one; plus the rows whose grammar failed (row -> error),
@@ -94,7 +108,7 @@ def token_masks(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor | N
         try:
             llguidance.torch.fill_next_token_bitmask(seqs[i].grammar, mask, i)
             if seqs[i].grammar.is_error():
-                raise ValueError(seqs[i].grammar.get_error())
+                raise ValueError(seqs[i].grammar.get_error().splitlines()[0])
         except Exception as exc:  # noqa: BLE001 - one request's grammar fault ends that request only
             failed[i] = f"response_format: grammar failed: {exc}"
             mask[i] = -1
@@ -104,7 +118,8 @@ def token_masks(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor | N
 def accept(seq: Sequence, token_id: int) -> None:
     """Advance ``seq``'s grammar by its sampled token (ValueError if the grammar refuses it)."""
     if seq.grammar is not None and not seq.grammar.consume_token(token_id):
-        raise ValueError(f"response_format: token {token_id} does not fit the grammar: {seq.grammar.get_error()}")
+        reason = (seq.grammar.get_error() or "refused").splitlines()[0]
+        raise ValueError(f"response_format: token {token_id} does not fit the grammar: {reason}")
 
 
 def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

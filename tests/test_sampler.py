@@ -187,10 +187,11 @@ def test_top_k_never_samples_outside_top_k() -> None:
     assert set(tokens) == largest  # only the five largest, and each of them does occur
 
 
-def test_small_top_p_keeps_only_the_top_token() -> None:
+@pytest.mark.parametrize("top_p", [0.01, 5e-324])  # 5e-324 rounds to 0 in float32: the top token still stays
+def test_small_top_p_keeps_only_the_top_token(top_p: float) -> None:
     torch.manual_seed(0)
     row = random_logits(1, seed=4)[0]
-    tokens = draw_many(row, SamplingParams(temperature=1.0, top_p=0.01), 500)
+    tokens = draw_many(row, SamplingParams(temperature=1.0, top_p=top_p), 500)
     assert set(tokens) == {argmax(row.tolist())}
 
 

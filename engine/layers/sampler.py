@@ -305,10 +305,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits.masked_fill_(position >= top_k, _NEG_INF)
 
     probs = sorted_logits.softmax(dim=-1)  # renormalised over the top-k survivors
-    # Keep a token while the mass of the strictly more likely ones is below top_p; the first always stays.
-    # top_p = 1 keeps everything, even where rounding brings the running sum to 1 early.
+    # Keep a token while the mass of the strictly more likely ones is below top_p; the first always stays
+    # (also when a tiny top_p rounds to 0 in float32). top_p = 1 keeps everything, even where rounding brings
+    # the running sum to 1 early.
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1), _NEG_INF)
+    sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1) & (position > 0), _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

@@ -56,3 +56,15 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_threads() -> None:
     torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "2")))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``torch.empty`` during a test is NaN-filled: legal (empty promises nothing), and a kernel that
+    leaves an output element unwritten fails. Kernel tests opt in with ``usefixtures``."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs) -> torch.Tensor:
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", nan_empty)

@@ -30,19 +30,10 @@ from kernels.rotary import rotary_embedding  # noqa: E402
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 7, 33]
+pytestmark = pytest.mark.usefixtures("poisoned_empty")  # tests/conftest.py
+
 EPS = 1e-6
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}  # relative error ‖out − expected‖ / ‖expected‖
-
-
-@pytest.fixture(autouse=True)
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``torch.empty`` during a test is NaN-filled: legal (empty promises nothing) and it exposes gaps."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs) -> torch.Tensor:
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"),
+    pytest.mark.usefixtures("poisoned_empty"),  # tests/conftest.py
+]
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
@@ -23,17 +26,6 @@ DTYPES = [torch.bfloat16, torch.float32]
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 TOKENS, HIDDEN, INTERMEDIATE, EPS, MAX_POSITION = 256, 2048, 5632, 1e-6, 4096
 HEAD_LAYOUTS = [(32, 8, 64), (16, 8, 128)]  # (heads, kv_heads, head_dim): Llama-like, Qwen3-like
-
-
-@pytest.fixture(autouse=True)
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``torch.empty`` is NaN-filled (empty promises nothing), so an element left unwritten fails."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs) -> torch.Tensor:
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

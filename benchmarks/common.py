@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import os
+import pkgutil
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
 import torch
+import triton
 
+import kernels
 from benchmarks.workloads import VOCAB
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -35,6 +39,9 @@ class Run:
     start_seconds: float = 0.0  # build: weights, KV cache, CUDA graph capture (peer: its own warm-up too)
     warmup_seconds: float = 0.0  # a small generate before the timed run
     error: str | None = None
+    steps: int = 0  # engine steps of the timed run (ours)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # host phases over the timed run (ours)
+    compiled: dict[str, int] = field(default_factory=dict)  # Triton variants compiled during the timed run
 
     @property
     def tok_s(self) -> float:
@@ -107,3 +114,18 @@ def environment(device: torch.device, load_before: float, script: str) -> dict[s
     return {"date": utc_now(), "command": command_line(script), "device": device_name(device),
             "torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average_before": load_before,
             "load_average_after": os.getloadavg()[0]}
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled specializations per Triton kernel of the ``kernels`` package (launched ones only): a count
+    that grows during a timed run means a compile (~1 s) inside it."""
+    counts = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction) and value.__module__ == module.__name__:
+                caches = getattr(value, "device_caches", {}) or {}
+                total = sum(len(entry[0]) if isinstance(entry, tuple) else len(entry) for entry in caches.values())
+                if total:
+                    counts[f"{info.name}.{name}"] = total
+    return counts

@@ -32,6 +32,7 @@ from benchmarks.common import (
     Run,
     build_engine,
     command_line,
+    compiled_variants,
     device_name,
     greedy,
     release_memory,
@@ -89,10 +90,17 @@ def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -
     drive(engine, warm, "warm-up")
     synchronize(device)
     run.warmup_seconds = time.perf_counter() - start
+    counters = engine.counters
+    before = {p: getattr(counters, f"{p}_seconds") for p in PHASES}
+    steps_before, compiled_before = counters.steps, compiled_variants()
     start = time.perf_counter()
     run.output_tokens = drive(engine, requests, "ours", progress=True)
     synchronize(device)
     run.seconds = time.perf_counter() - start
+    run.steps = counters.steps - steps_before
+    run.phase_seconds = {p: getattr(counters, f"{p}_seconds") - before[p] for p in PHASES}
+    run.compiled = {k: n - compiled_before.get(k, 0) for k, n in compiled_variants().items()
+                    if n > compiled_before.get(k, 0)}
     assert run.output_tokens == run.requested_tokens, (run.output_tokens, run.requested_tokens)
     return run
 
@@ -240,6 +248,11 @@ def print_report(args: argparse.Namespace, result: dict[str, Any], runs: list[Ru
     if len(runs) > 1 and runs[1].requests < runs[0].requests:
         print(f"NOTE: the peer ran a SUBSET: the first {runs[1].requests} of {runs[0].requests} requests")
     print("\n" + throughput_table(args.model_config, runs), flush=True)
+    ours = runs[0]
+    if ours.steps:
+        phases = ", ".join(f"{p} {1e3 * s / ours.steps:.2f}" for p, s in ours.phase_seconds.items())
+        print(f"\nours over the timed run: {ours.steps} steps, {1e3 * ours.seconds / ours.steps:.2f} ms/step; host "
+              f"ms/step: {phases}; Triton variants compiled inside it: {ours.compiled or 'none'}")
     if result.get("split"):
         print("\n" + split_table(result["split"]), flush=True)
 

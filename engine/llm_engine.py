@@ -37,12 +37,15 @@ class Usage:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request: the new part (``*_delta``) and everything so far."""
+    """What one step produced for one request: the new part (``*_delta``) and everything so far.
+
+    ``token_ids`` (every output token so far) is copied on demand from the sequence's own token list, whose
+    first ``num_output_tokens`` outputs never change once known: copying a long output for every request at
+    every step was a third of the engine's host time at batch 256."""
 
     request_id: str
     text: str
     text_delta: str
-    token_ids: list[int]
     token_ids_delta: list[int]
     logprobs: list[TokenLogprobs] | None  # every output token's, when asked for
     logprobs_delta: list[TokenLogprobs] | None
@@ -54,10 +57,17 @@ class RequestOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
     block_hashes: list[str] | None = None  # on the final output: hex hashes of the full blocks of prompt + output
     error: str | None = None  # finish_reason "error": what went wrong with this request (the others run on)
+    num_output_tokens: int = 0
+    _tokens: list[int] = field(default_factory=list, repr=False)  # the sequence's token ids (prompt first)
+    _first_output: int = 0  # where its outputs start in ``_tokens``
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens[self._first_output : self._first_output + self.num_output_tokens]
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens)
+        return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -92,6 +102,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
+        self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
 
     def _size_kv_cache(self) -> int:
         config, runner = self.config, self.runner
@@ -172,6 +183,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.last_batch = batch
         launch_start = time.perf_counter()
         self.counters.schedule_seconds += launch_start - start
         in_flight, self._in_flight = self._in_flight, None
@@ -280,22 +292,22 @@ class LLMEngine:
     def _emit(self, request: _Request) -> RequestOutput:
         seq = request.seq
         finished = seq.is_finished
-        output_ids = seq.known_output_token_ids
+        first_output, num_output = seq.num_prompt_tokens, seq.num_known_tokens - seq.num_prompt_tokens
         text_delta = request.detokenizer.take_delta(finished) if request.detokenizer else ""
         request.text += text_delta
-        delta_ids = output_ids[request.num_emitted :]
+        delta_ids = seq.token_ids[first_output + request.num_emitted : first_output + num_output]
         logprobs_delta = request.logprobs[request.num_emitted :] if request.logprobs is not None else None
-        request.num_emitted = len(output_ids)
+        request.num_emitted = num_output
         if finished:
             self._requests.pop(seq.request_id, None)
             self.counters.finished[seq.status.finish_reason] += 1
         return RequestOutput(
-            request_id=seq.request_id, text=request.text, text_delta=text_delta, token_ids=output_ids,
-            token_ids_delta=delta_ids, logprobs=request.logprobs, logprobs_delta=logprobs_delta,
+            request_id=seq.request_id, text=request.text, text_delta=text_delta, token_ids_delta=delta_ids, logprobs=request.logprobs, logprobs_delta=logprobs_delta,
             finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
             queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
             block_hashes=self._block_hashes(seq) if finished else None, error=request.error,
+            num_output_tokens=num_output, _tokens=seq.token_ids, _first_output=first_output,
         )
 
     def _block_hashes(self, seq: Sequence) -> list[str]:

@@ -92,8 +92,10 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+    def is_finished(self) -> bool:  # per token per step: identity tests (an enum hash is a Python call);
+        # WAITING and RUNNING are the only unfinished states
+        status = self.status
+        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING
 
     @property
     def num_known_tokens(self) -> int:

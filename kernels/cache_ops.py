@@ -11,9 +11,10 @@ import triton
 import triton.language as tl
 
 from kernels import reference
+from kernels.specialization import per_step
 
 
-@triton.jit
+@triton.jit(**per_step("slot_ptr"))
 def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
                      stride_vh, stride_block, stride_token, stride_head,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,

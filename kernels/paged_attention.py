@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.specialization import per_step
+
 LOG2E = 1.4426950408889634
 
 
@@ -55,7 +57,8 @@ def kv_tile_offsets(table_row_ptr, pos, kv_head, dims, stride_block, stride_toke
     return rows[:, None] + dims[None, :]
 
 
-@triton.jit
+@triton.jit(**per_step("table_ptr", "ctx_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "stride_table",
+                       "num_parts", "partition"))
 def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
                    counter_ptr, scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_token,
                    stride_head, stride_table, num_kv_heads, num_parts, partition,

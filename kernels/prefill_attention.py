@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets
+from kernels.specialization import per_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, p
     return new_max, row_sum, acc
 
 
-@triton.jit
+@triton.jit(**per_step("table_ptr", "cu_ptr", "ctx_ptr", "stride_table", "num_seqs", "num_tiles"))
 def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_token, stride_head,
                     stride_table, num_seqs, num_tiles,

@@ -20,10 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.specialization import per_step
+
 _ELEMENTS_PER_PROGRAM = 2048  # rows per program: enough work per program for short (head_dim) rows
 
 
-@triton.jit
+@triton.jit(**per_step("num_rows"))
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads, stride_xt, stride_xh, stride_rt,
                      stride_rh, eps, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr):

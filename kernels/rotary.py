@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.specialization import per_step
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -33,7 +35,7 @@ def _rotate_heads(base_ptr, stride_h, cos, sin, dims, NUM_HEADS: tl.constexpr, H
     tl.store(first + HALF, out2.to(PRODUCT_DTYPE).to(element), mask=mask)
 
 
-@triton.jit
+@triton.jit(**per_step("positions_ptr"))
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_cos, stride_sin, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,

@@ -42,6 +42,22 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
     assert error < TOLERANCE[dtype], error
 
 
+def assert_rotated(out: torch.Tensor, torch_out: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
+                   other: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    """Rotary in bf16: rounding the products and the sum in a kernel cannot follow torch's CUDA op order bit for
+    bit (measured: ~1 ulp on a third of the elements), so the kernel must be as close to the float64 truth as
+    torch's own bf16 path (``torch_out``), within 10%. In float32: the float64 reference within 1e-6."""
+    if dtype == torch.float32:
+        assert_matches(out, torch_out, dtype)
+        return
+    truth, other_truth = x.double(), other.double()
+    reference.rotary_embedding(positions, truth, other_truth, cos_cache.double(), sin_cache.double())
+    assert not out.isnan().any(), "an element was left unwritten"
+    error = float((out.double() - truth).norm() / truth.norm())
+    torch_error = float((torch_out.double() - truth).norm() / truth.norm())
+    assert error <= 1.1 * torch_error + 1e-6, (error, torch_error)
+
+
 def rope_caches(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
     freqs = torch.outer(torch.arange(MAX_POSITION, device="cuda").float(), inv_freq)
@@ -81,11 +97,12 @@ def test_rotary_rotates_strided_q_and_k_in_place_like_reference(heads: int, kv_h
     cos_cache, sin_cache = rope_caches(head_dim, dtype)
     positions = torch.randperm(MAX_POSITION, device="cuda")[:TOKENS].to(torch.int32)
     _, q, k, v = fused_qkv(heads, kv_heads, head_dim, dtype, seed=head_dim)
-    expected_q, expected_k, v_before = oracle(q, dtype), oracle(k, dtype), v.clone()
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+    expected_q, expected_k = oracle(q, dtype), oracle(k, dtype)
     reference.rotary_embedding(positions, expected_q, expected_k, oracle(cos_cache, dtype), oracle(sin_cache, dtype))
     rotary_embedding(positions, q, k, cos_cache, sin_cache)
-    assert_matches(q, expected_q, dtype)
-    assert_matches(k, expected_k, dtype)
+    assert_rotated(q, expected_q, positions, q_before, k_before, cos_cache, sin_cache, dtype)
+    assert_rotated(k, expected_k, positions, k_before, q_before, cos_cache, sin_cache, dtype)
     assert torch.equal(v, v_before)
 
 
@@ -140,10 +157,13 @@ def test_fused_kernels_replay_in_a_cuda_graph_on_new_inputs():
             static.copy_(randn(*static.shape, dtype=dtype, seed=fresh_seed))
         positions.copy_(torch.randperm(MAX_POSITION, device="cuda")[:TOKENS])
         expected_out, expected_sum = reference.rms_norm(x.clone(), weight, EPS, residual.clone())
+        q_before, k_before = q.clone(), k.clone()
         expected_q, expected_k = q.clone(), k.clone()
         reference.rotary_embedding(positions, expected_q, expected_k, cos_cache, sin_cache)
         expected_activated = reference.silu_and_mul(gate_up)
         graph.replay()
         assert torch.equal(residual, expected_sum)
-        for got, expected in ((out, expected_out), (q, expected_q), (k, expected_k), (activated, expected_activated)):
+        for got, expected in ((out, expected_out), (activated, expected_activated)):
             assert_matches(got, expected, dtype)
+        assert_rotated(q, expected_q, positions, q_before, k_before, cos_cache, sin_cache, dtype)
+        assert_rotated(k, expected_k, positions, k_before, q_before, cos_cache, sin_cache, dtype)

@@ -2,7 +2,7 @@
 
 Order of a step: running sequences that decode (one token each), then running sequences still in prefill
 (chunked), then waiting sequences in arrival order (FCFS: a waiting request that does not fit blocks the
-ones behind it). When blocks run out, the newest running sequence is preempted by recompute: its blocks
+ones behind it; one whose next prefix block another running request is computing waits for that block). When blocks run out, the newest running sequence is preempted by recompute: its blocks
 are freed and it goes back to the head of the waiting queue; on resumption its full blocks usually still
 hit the prefix cache.
 """
@@ -44,6 +44,9 @@ class ScheduledBatch:
             count += 1
         return count
 
+
+
+MAX_DEFERRED_PER_STEP = 256  # waiting requests passed over per step for sharing a prefix in progress
 
 
 class Scheduler:
@@ -96,9 +99,34 @@ class Scheduler:
         return budget - num_new
 
     def _admit_waiting(self, budget: int, chosen: dict[Sequence, int]) -> None:
+        """First come, first served, except that a request whose next uncached block is being computed by a
+        running request (admitted in this step or earlier, its prompt not done yet) waits for it: admitted
+        together, both would compute the shared prefix (the ``shared-prefix`` workload's burst: 16 requests
+        per system prompt). It keeps its place at the head of the queue and is admitted, with the hit, once
+        that block is cached; a preempted or finished owner no longer holds it back."""
+        in_progress = self._blocks_in_progress()
+        deferred: list[Sequence] = []
+        try:
+            self._admit_in_order(budget, chosen, in_progress, deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _blocks_in_progress(self) -> set[bytes]:
+        """Hashes of the full blocks that running sequences still have to compute (prefix caching only)."""
+        size = self.block_manager.block_size
+        return {h for seq in self.running if seq.num_uncomputed_tokens > 1
+                for h in seq.block_hashes[seq.num_computed_tokens // size :]}
+
+    def _admit_in_order(self, budget: int, chosen: dict[Sequence, int], in_progress: set[bytes],
+                        deferred: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
+            if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in in_progress:
+                if len(deferred) >= MAX_DEFERRED_PER_STEP:
+                    break
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate(seq, num_new, hits):
                 if self.running or not self.block_manager.pins:
@@ -117,6 +145,7 @@ class Scheduler:
             self.running.append(seq)
             chosen[seq] = num_new
             budget -= num_new
+            in_progress.update(seq.block_hashes[len(hits):])
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

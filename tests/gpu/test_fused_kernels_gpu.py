@@ -52,6 +52,12 @@ def assert_rotated(out: torch.Tensor, torch_out: torch.Tensor, positions: torch.
         return
     truth, other_truth = x.double(), other.double()
     reference.rotary_embedding(positions, truth, other_truth, cos_cache.double(), sin_cache.double())
+    assert_as_accurate_as_torch(out, torch_out, truth)
+
+
+def assert_as_accurate_as_torch(out: torch.Tensor, torch_out: torch.Tensor, truth: torch.Tensor) -> None:
+    """bf16 chains whose rounding order differs from torch's: the kernel's distance to the float64 truth is at
+    most 1.1x that of torch's own bf16 result."""
     assert not out.isnan().any(), "an element was left unwritten"
     error = float((out.double() - truth).norm() / truth.norm())
     torch_error = float((torch_out.double() - truth).norm() / truth.norm())
@@ -118,8 +124,15 @@ def test_qwen3_qk_norm_then_rotary_on_strided_views_matches_reference(dtype: tor
     reference.rotary_embedding(positions, expected_q, expected_k, oracle(cos_cache, dtype), oracle(sin_cache, dtype))
     normed_q, normed_k = rms_norm(q, q_weight, EPS), rms_norm(k, k_weight, EPS)
     rotary_embedding(positions, normed_q, normed_k, cos_cache, sin_cache)
-    assert_matches(normed_q, expected_q, dtype)
-    assert_matches(normed_k, expected_k, dtype)
+    if dtype == torch.float32:
+        assert_matches(normed_q, expected_q, dtype)
+        assert_matches(normed_k, expected_k, dtype)
+        return
+    truth_q = reference.rms_norm(q.double(), q_weight.double(), EPS)
+    truth_k = reference.rms_norm(k.double(), k_weight.double(), EPS)
+    reference.rotary_embedding(positions, truth_q, truth_k, cos_cache.double(), sin_cache.double())
+    assert_as_accurate_as_torch(normed_q, expected_q, truth_q)
+    assert_as_accurate_as_torch(normed_k, expected_k, truth_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

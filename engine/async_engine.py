@@ -86,7 +86,8 @@ class AsyncEngine:
     def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                  request_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
-        outputs (deltas) until one has ``finished``. Closing the stream early aborts the request."""
+        outputs (deltas; with n > 1 or best_of, every sample's, told apart by ``index``) until each sample's
+        has ``finished``. Closing the stream early aborts the request."""
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
@@ -96,7 +97,7 @@ class AsyncEngine:
         self._streams[request_id] = queue_
         self._queued.add(request_id)
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
-        return RequestStream(self, request_id, queue_)
+        return RequestStream(self, request_id, queue_, params.num_samples)
 
     async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
                          max_pinned_blocks: int = 0) -> int:
@@ -166,9 +167,7 @@ class AsyncEngine:
             elif command[0] == "call":
                 self._call(*command[1:])
             else:
-                aborted = self.engine.abort_request(command[1])
-                if aborted is not None:
-                    self._publish([aborted])
+                self._publish(self.engine.abort_request(command[1]))
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
         try:
@@ -233,14 +232,16 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 class RequestStream:
-    """One request's outputs as an async iterator. The request is already submitted; reading to the final
-    output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it."""
+    """One request's outputs as an async iterator. The request is already submitted; reading every sample's
+    final output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it.
+    An error (one sample's failure, or the engine's) ends the stream and aborts the samples still running."""
 
     def __init__(self, engine: AsyncEngine, request_id: str,
-                 queue_: asyncio.Queue[RequestOutput | BaseException]) -> None:
+                 queue_: asyncio.Queue[RequestOutput | BaseException], num_samples: int = 1) -> None:
         self.request_id = request_id
         self._engine: AsyncEngine | None = engine
         self._queue = queue_
+        self._open = num_samples  # samples whose final output has not been read
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -254,10 +255,12 @@ class RequestStream:
             self._close(finished=False)
             raise
         if isinstance(item, BaseException):
-            self._close(finished=True)
+            self._close(finished=self._open <= 1)  # other samples may still run: abort them
             raise item
         if item.finished:
-            self._close(finished=True)
+            self._open -= 1
+            if not self._open:
+                self._close(finished=True)
         return item
 
     async def aclose(self) -> None:

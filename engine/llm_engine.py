@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one ``step()`` at a time, deltas out. LLM: the offline API on top of it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -57,6 +58,8 @@ class RequestOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
     block_hashes: list[str] | None = None  # on the final output: hex hashes of the full blocks of prompt + output
     error: str | None = None  # finish_reason "error": what went wrong with this request (the others run on)
+    index: int = 0  # which of the request's samples (n > 1 or best_of): OpenAI's choices[i].index
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, where they were computed
     num_output_tokens: int = 0
     _tokens: list[int] = field(default_factory=list, repr=False)  # the sequence's token ids (prompt first)
     _first_output: int = 0  # where its outputs start in ``_tokens``
@@ -71,17 +74,38 @@ class RequestOutput:
 
 
 @dataclass(slots=True, eq=False)
-class _Request:
-    group: SequenceGroup
+class _Choice:
+    """One sample of a request and what has been handed out of it."""
+
+    seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     text: str = ""  # handed out so far
     num_emitted: int = 0  # output tokens handed out so far
     logprobs: list[TokenLogprobs] | None = field(default=None)
+    cumulative_logprob: float = 0.0
     error: str | None = None
 
-    @property
-    def seq(self) -> Sequence:
-        return self.group.seqs[0]
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    group: SequenceGroup
+    choices: list[_Choice]
+    num_open: int  # choices not finished yet
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a seeded request: sample 0 keeps it (n = 1 is unchanged), the others
+    get their own, each a pure function of (seed, index), so every sample is reproducible on its own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+def best_choices(finals: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """``best_of``: the ``n`` final outputs of highest cumulative logprob (ties: lower index first),
+    renumbered 0..n-1 in that order."""
+    ranked = sorted(finals, key=lambda out: (-(out.cumulative_logprob or 0.0), out.index))[:n]
+    return [dataclasses.replace(out, index=i) for i, out in enumerate(ranked)]
 
 
 class LLMEngine:
@@ -100,6 +124,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
+        self._choices: dict[int, _Choice] = {}  # seq_id -> its choice, for every unfinished sample
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
@@ -140,6 +165,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.structured_output is not None:
             self.grammars.validate(params.structured_output)
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.num_samples} samples exceed max_num_seqs={self.config.max_num_seqs}")
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
@@ -147,24 +174,41 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, params)
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt_token_ids),
-                       params=params, cache_salt=cache_salt)
-        if params.structured_output is not None:
-            seq.grammar = self.grammars.matcher(params.structured_output)
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params) if self.tokenizer else None
+        prompt = list(prompt_token_ids)
+        # best_of ranks samples by cumulative logprob: each sample's token logprob is computed (not handed out
+        # unless asked for)
+        seq_params = params if params.best_of is None or params.logprobs is not None else \
+            dataclasses.replace(params, logprobs=0)
+        choices = []
+        for index in range(params.num_samples):
+            own = seq_params if index == 0 or params.seed is None else \
+                dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
+                           cache_salt=cache_salt, index=index)
+            if params.structured_output is not None:
+                seq.grammar = self.grammars.matcher(params.structured_output)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer else None
+            choices.append(_Choice(seq, detok, logprobs=[] if params.logprobs is not None else None))
         # nothing is registered before this point: a failure above leaves the engine as it was
-        self._requests[request_id] = _Request(SequenceGroup(request_id, [seq], params), detok,
-                                              logprobs=[] if params.logprobs is not None else None)
-        self.counters.prompt_tokens += seq.num_prompt_tokens
-        self.scheduler.add(seq)
+        seqs = [choice.seq for choice in choices]
+        seqs[0].unforked = seqs[1:]  # computed once, then forked (sharing the prompt's blocks)
+        self._requests[request_id] = _Request(SequenceGroup(request_id, seqs, params), choices, len(choices))
+        self._choices.update((choice.seq.seq_id, choice) for choice in choices)
+        self.counters.prompt_tokens += len(prompt)
+        self.scheduler.add(seqs[0])
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now; returns its final output (finish_reason ``abort``), None if unknown."""
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """End a request now; returns the final output (finish_reason ``abort``) of each sample not finished
+        yet (none if the request is unknown or done)."""
         request = self._requests.get(request_id)
         if request is None:
-            return None
-        self._finish(request.seq, SequenceStatus.FINISHED_ABORTED)
-        return self._emit(request)
+            return []
+        outputs = []
+        for choice in request.choices:
+            if not choice.seq.is_finished:
+                self._finish(choice.seq, SequenceStatus.FINISHED_ABORTED)
+                outputs.append(self._emit(choice))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
@@ -206,7 +250,7 @@ class LLMEngine:
         if in_flight is not None:
             outputs += self._process(in_flight)
         self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                if not seq.is_finished])
+                                if not seq.is_finished], batch.forks)
         self.counters.steps += 1
         if self.config.async_scheduling:
             self._in_flight = launched
@@ -225,42 +269,45 @@ class LLMEngine:
         read = time.perf_counter()
         self.counters.wait_seconds += read - start
         outputs = []
+        choices = self._choices
         for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
-            request = self._requests.get(seq.request_id)
-            if seq.is_finished or request is None or request.seq is not seq:
+            choice = choices.get(seq.seq_id)
+            if choice is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before: this token is past its end
             seq.resolve(index, token_id)
             try:
                 if row in launched.failures:
                     raise RuntimeError(launched.failures[row])
-                outputs.append(self._accept(request, token_id, logprobs[row]))
+                outputs.append(self._accept(choice, token_id, logprobs[row]))
             except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
-                outputs.append(self._fail(request, exc))
+                outputs.append(self._fail(choice, exc))
         self.counters.generation_tokens += len(outputs)
         self.counters.output_seconds += time.perf_counter() - read
         return outputs
 
-    def _accept(self, request: _Request, token_id: int, token_logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq = request.seq
+    def _accept(self, choice: _Choice, token_id: int, token_logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq = choice.seq
         if token_logprobs is not None:
-            request.logprobs.append(token_logprobs)
+            choice.cumulative_logprob += token_logprobs.logprob
+            if choice.logprobs is not None:
+                choice.logprobs.append(token_logprobs)
         accept_grammar(seq, token_id)
-        status = self._stop_status(seq, token_id, request.detokenizer)
+        status = self._stop_status(seq, token_id, choice.detokenizer)
         if status is not None:
             self._finish(seq, status)
-        return self._emit(request)
+        return self._emit(choice)
 
-    def _fail(self, request: _Request, exc: Exception) -> RequestOutput:
-        """End one request because of an error of its own; its final output carries the error."""
-        seq = request.seq
+    def _fail(self, choice: _Choice, exc: Exception) -> RequestOutput:
+        """End one sample because of an error of its own; its final output carries the error."""
+        seq = choice.seq
         logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
-        request.error = f"{type(exc).__name__}: {exc}"
-        request.detokenizer = None  # it may be what failed: no more text
+        choice.error = f"{type(exc).__name__}: {exc}"
+        choice.detokenizer = None  # it may be what failed: no more text
         if seq.is_finished:
             seq.status = SequenceStatus.FINISHED_FAILED
         else:
             self._finish(seq, SequenceStatus.FINISHED_FAILED)
-        return self._emit(request)
+        return self._emit(choice)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.drop_pending()
@@ -289,24 +336,29 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _emit(self, request: _Request) -> RequestOutput:
-        seq = request.seq
+    def _emit(self, choice: _Choice) -> RequestOutput:
+        seq = choice.seq
         finished = seq.is_finished
         first_output, num_output = seq.num_prompt_tokens, seq.num_known_tokens - seq.num_prompt_tokens
-        text_delta = request.detokenizer.take_delta(finished) if request.detokenizer else ""
-        request.text += text_delta
-        delta_ids = seq.token_ids[first_output + request.num_emitted : first_output + num_output]
-        logprobs_delta = request.logprobs[request.num_emitted :] if request.logprobs is not None else None
-        request.num_emitted = num_output
-        if finished:
-            self._requests.pop(seq.request_id, None)
+        text_delta = choice.detokenizer.take_delta(finished) if choice.detokenizer else ""
+        choice.text += text_delta
+        delta_ids = seq.token_ids[first_output + choice.num_emitted : first_output + num_output]
+        logprobs_delta = choice.logprobs[choice.num_emitted :] if choice.logprobs is not None else None
+        choice.num_emitted = num_output
+        if finished and self._choices.pop(seq.seq_id, None) is not None:
             self.counters.finished[seq.status.finish_reason] += 1
+            request = self._requests[seq.request_id]
+            request.num_open -= 1
+            if not request.num_open:
+                del self._requests[seq.request_id]
         return RequestOutput(
-            request_id=seq.request_id, text=request.text, text_delta=text_delta, token_ids_delta=delta_ids, logprobs=request.logprobs, logprobs_delta=logprobs_delta,
+            request_id=seq.request_id, text=choice.text, text_delta=text_delta, token_ids_delta=delta_ids,
+            logprobs=choice.logprobs, logprobs_delta=logprobs_delta,
             finished=finished, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
             queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
-            block_hashes=self._block_hashes(seq) if finished else None, error=request.error,
+            block_hashes=self._block_hashes(seq) if finished else None, error=choice.error, index=seq.index,
+            cumulative_logprob=choice.cumulative_logprob if seq.params.logprobs is not None else None,
             num_output_tokens=num_output, _tokens=seq.token_ids, _first_output=first_output,
         )
 
@@ -353,7 +405,9 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Prompts as strings (tokenized here) or token-id lists; outputs in the prompts' order."""
+        """Prompts as strings (tokenized here) or token-id lists; the final outputs in the prompts' order, and
+        for a prompt with ``n`` > 1 its ``n`` samples one after another in ``index`` order (with ``best_of``:
+        the ``n`` of highest cumulative logprob, best first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -363,12 +417,17 @@ class LLM:
         request_ids = [f"offline-{next(_OFFLINE_IDS)}" for _ in ids]
         for request_id, prompt_ids, p in zip(request_ids, ids, params):
             self.engine.add_request(request_id, prompt_ids, p or SamplingParams(), cache_salt=cache_salt)
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, list[RequestOutput]] = {r: [] for r in request_ids}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
-                    finals[output.request_id] = output
-        return [finals[r] for r in request_ids]
+                    finals[output.request_id].append(output)
+        results = []
+        for request_id, p in zip(request_ids, params):
+            p = p or SamplingParams()
+            samples = sorted(finals[request_id], key=lambda out: out.index)
+            results += best_choices(samples, p.n) if p.best_of is not None else samples
+        return results
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -169,7 +169,7 @@ class ModelRunner:
         num_rows = len(batch.sampling_seqs)
         if pad is not None:
             logits = self._padded_decode(step, pad, len(batch.seqs))
-            if num_rows != len(batch.seqs):
+            if num_rows != len(batch.seqs) or batch.forks:  # (some rows not sampled, or sampled twice)
                 logits = logits[step.sample_rows]
         else:
             hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)

@@ -8,6 +8,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; room for chat templates' own stop stri
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+MAX_SAMPLES = 128  # n and best_of: OpenAI's limit on n
 _INT32 = 2**31
 _GREEDY_EPS = 1e-5
 STRUCTURED_KINDS = ("json_object", "json_schema")
@@ -28,7 +29,8 @@ class StructuredOutput:
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # samples of one prompt (parallel sampling: the prompt is computed once, its blocks shared)
+    best_of: int | None = None  # sample this many (>= n) and keep the n of highest cumulative logprob
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -53,7 +55,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(_is_int(self.n) and self.n == 1, "n", "only n=1 is supported (parallel sampling comes later)")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]")
+        _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
+               "best_of", f"must be in [n, {MAX_SAMPLES}]")
         _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(_is_int(self.top_k) and -1 <= self.top_k < _INT32, "top_k",
@@ -96,6 +100,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: ``best_of`` when given, else ``n``."""
+        return self.best_of or self.n
 
     @property
     def needs_known_history(self) -> bool:

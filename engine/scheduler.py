@@ -27,13 +27,17 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
     preempted: list[Sequence] = field(default_factory=list)
-    # entries whose chunk reaches their last token, so the pass samples a new token for them (in order);
-    # fixed at scheduling, before the pass advances num_computed_tokens
+    # parallel sampling: (parent, child) for each sample forked from a parent whose prompt this pass completes;
+    # the child is sampled from its parent's logits row and shares its blocks from ``Scheduler.advance`` on
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    # entries whose chunk reaches their last token, so the pass samples a new token for them (in order),
+    # then the forked children; fixed at scheduling, before the pass advances num_computed_tokens
     sampling_seqs: list[Sequence] = field(init=False)
 
     def __post_init__(self) -> None:
         self.sampling_seqs = [seq for seq, n in zip(self.seqs, self.num_new_tokens)
                               if seq.num_computed_tokens + n == seq.num_tokens]
+        self.sampling_seqs += [child for _, child in self.forks]
 
     @property
     def num_decodes(self) -> int:
@@ -57,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
+        self.num_unforked = 0  # samples of running parents, not forked yet: they hold places in the batch
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -83,7 +88,22 @@ class Scheduler:
             num_new_tokens=[n for _, n in entries],
             block_copies=self.block_manager.take_pending_copies(),
             preempted=preempted,
+            forks=self._forks(entries),
         )
+
+    def _forks(self, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sequence]]:
+        """Parents whose prompt this pass completes release their samples into the running batch."""
+        forks = []
+        for seq, n in entries:
+            if seq.unforked and seq.num_computed_tokens + n == seq.num_tokens:
+                for child in seq.unforked:
+                    child.status = SequenceStatus.RUNNING
+                    child.first_scheduled_time = seq.first_scheduled_time
+                    self.running.append(child)
+                    forks.append((seq, child))
+                self.num_unforked -= len(seq.unforked)
+                seq.unforked = []
+        return forks
 
     def _schedule_running(self, seq: Sequence, budget: int, chosen: dict[Sequence, int],
                           preempted: list[Sequence]) -> int:
@@ -119,8 +139,10 @@ class Scheduler:
 
     def _admit_in_order(self, budget: int, chosen: dict[Sequence, int], in_progress: set[bytes],
                         deferred: list[Sequence]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs:
+                break  # (a request with n samples needs n places)
             hits = self.block_manager.match_prefix(seq)
             if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in in_progress:
                 if len(deferred) >= MAX_DEFERRED_PER_STEP:
@@ -143,12 +165,14 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.num_unforked += len(seq.unforked)
             chosen[seq] = num_new
             budget -= num_new
             in_progress.update(seq.block_hashes[len(hits):])
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.num_unforked -= len(seq.unforked)  # they wait with their parent
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -157,17 +181,22 @@ class Scheduler:
         logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
                     seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
 
-    def advance(self, entries: list[tuple[Sequence, int]]) -> None:
-        """After the forward pass: each entry's ``n`` tokens now have KV; register newly full blocks."""
+    def advance(self, entries: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]] = ()) -> None:
+        """After the forward pass: each entry's ``n`` tokens now have KV; register newly full blocks; forked
+        samples share their parent's blocks (the partly filled last one is copied on their first write)."""
         for seq, n in entries:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        for parent, child in forks:
+            if not child.is_finished:
+                self.block_manager.fork(parent, child)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End ``seq`` (stopped, length or aborted) wherever it is, and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+            self.num_unforked -= len(seq.unforked)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (else: a sample never forked)
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status

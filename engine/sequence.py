@@ -66,6 +66,10 @@ class Sequence:
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN entries of token_ids
     awaiting_last_token: bool = False  # its pending token is its last (length limit): nothing more to compute
     grammar: Any | None = None  # structured output: the llguidance matcher its tokens must satisfy
+    index: int = 0  # its choice among the request's samples (OpenAI ``choices[i].index``)
+    # parallel sampling: the request's other samples, waiting for this one's prompt; forked from it (sharing
+    # every block) in the step that computes the prompt's last token, and sampled from the same logits
+    unforked: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -128,7 +132,7 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
-    """The sequences of one request; n > 1 and beams will share the prompt's blocks by fork."""
+    """The sequences of one request: ``n`` (or ``best_of``) samples share the prompt's blocks by fork."""
 
     request_id: str
     seqs: list[Sequence]

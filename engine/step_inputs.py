@@ -109,6 +109,9 @@ class StepInputs:
         ends = starts + lens
         sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
                        if end == seq.num_tokens]
+        if batch.forks:  # each forked sample is drawn from its parent's row
+            row_of = {seq.seq_id: row for seq, row in zip(batch.sampling_seqs, sample_rows)}
+            sample_rows += [row_of[parent.seq_id] for parent, _ in batch.forks]
         num_decodes = batch.num_decodes
         prefill_cu = np.concatenate(([0], np.cumsum(lens[num_decodes:])))
 

@@ -109,7 +109,7 @@ def test_abort_frees_blocks_and_reports_abort(llm: LLM):
     for _ in range(3):
         engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_blocks
-    final = engine.abort_request("to-abort")
+    (final,) = engine.abort_request("to-abort")
     assert final.finished and final.finish_reason == "abort" and 0 < len(final.token_ids) < 100
     assert not engine.has_unfinished_requests()
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
@@ -119,7 +119,7 @@ def test_abort_frees_blocks_and_reports_abort(llm: LLM):
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("n", 2), ("seed", 1.5), ("temperature", float("nan")),
+    ("n", 0), ("n", 129), ("best_of", 0), ("seed", 1.5), ("temperature", float("nan")),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

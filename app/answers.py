@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.errors import APIError
-from app.openai_format import ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs, logprob_token_ids
+from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
+                               logprob_token_ids, samples_usage)
 from app.prompts import NoTokenizer
 from app.protocol import ChatMessage, SamplingFields
 from app.request_body import cancel_on_disconnect
@@ -27,27 +28,30 @@ async def answer_chat(request: Request, server: Serving, body: SamplingFields, s
         header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage)
         return sse_response(chat_chunks(server, header, stream, include_usage), headers=headers)
     header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl")
-    final = await cancel_on_disconnect(request, stream.collect())
-    logprobs = await _chat_logprobs(server, final, whole=True)
-    choice = chat_choice_message(final.text, final.finish_reason, logprobs, final.stop_reason)
-    return JSONResponse(header.wrap([choice], final.usage), headers=headers)
+    finals = await cancel_on_disconnect(request, stream.collect())
+    choices = [chat_choice_message(out.index, out.text, out.finish_reason,
+                                   await _chat_logprobs(server, out, whole=True), out.stop_reason) for out in finals]
+    return JSONResponse(header.wrap(choices, samples_usage([out.usage for out in finals])), headers=headers)
 
 
 async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStream, include_usage: bool,
                       ) -> AsyncIterator[dict[str, Any]]:
-    """``delta.role`` first, then one chunk per text delta, ``finish_reason`` on the last content chunk, and
-    with include_usage a final chunk with no choices and the usage."""
-    yield header.wrap([chat_choice_delta({"role": "assistant", "content": ""})])
-    final = None
+    """For each choice ``delta.role`` first (all up front, as vLLM does), then one chunk per text delta of any
+    choice as they come (each chunk carries one choice, told apart by ``index``), ``finish_reason`` on each
+    choice's last chunk, and with include_usage a final chunk with no choices and the usage."""
+    for index in range(stream.num_samples):
+        yield header.wrap([chat_choice_delta(index, {"role": "assistant", "content": ""})])
+    finals: dict[int, RequestOutput] = {}
     async for out in stream:
         logprobs = await _chat_logprobs(server, out, whole=False)
         if worth_a_chunk(server, out, logprobs):
             delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
-            yield header.wrap([chat_choice_delta(delta, out.finish_reason, logprobs, out.stop_reason)])
-        final = out
+            yield header.wrap([chat_choice_delta(out.index, delta, out.finish_reason, logprobs, out.stop_reason)])
+        if out.finished:
+            finals[out.index] = out
     await stream.settled()
-    if include_usage and final is not None:
-        yield header.wrap([], final.usage)
+    if include_usage and finals:
+        yield header.wrap([], samples_usage([finals[i].usage for i in sorted(finals)]))
 
 
 def worth_a_chunk(server: Serving, out: RequestOutput, logprobs: dict[str, Any] | None) -> bool:

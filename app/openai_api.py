@@ -12,13 +12,13 @@ from starlette.routing import Route
 
 from app.answers import answer_chat, render_chat, sampling_params, token_texts, worth_a_chunk
 from app.errors import APIError
-from app.openai_format import ResponseHeader, completion_choice, completion_logprobs, sum_usage
+from app.openai_format import ResponseHeader, completion_choice, completion_logprobs, samples_usage, sum_usage
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
 from app.sessions.api import chat_in_session
 from app.sse import sse_response
-from engine.llm_engine import RequestOutput
+from engine.llm_engine import RequestOutput, best_choices
 
 
 async def chat_completions(request: Request) -> Response:
@@ -38,6 +38,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
+    """Each prompt's ``n`` choices are numbered ``prompt * n + sample`` (OpenAI's and vLLM's order)."""
     server: Serving = request.app.state.server
     arrival = time.monotonic()
     body = await read_model(request, CompletionRequest, server.settings.max_request_bytes)
@@ -57,12 +58,17 @@ async def completions(request: Request) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream)
     if body.stream:
-        return sse_response(_completion_chunks(server, header, streams, echoes, include_usage))
-    finals = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
-    choices = [completion_choice(i, echoes[i] + out.text, out.finish_reason,
-                                 await _completion_logprobs(server, out.logprobs, len(echoes[i])), out.stop_reason)
-               for i, out in enumerate(finals)]
-    return JSONResponse(header.wrap(choices, sum_usage([out.usage for out in finals])))
+        return sse_response(_completion_chunks(server, header, streams, echoes, body.n, include_usage))
+    results = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
+    choices = []
+    for prompt, finals in enumerate(results):
+        kept = best_choices(finals, body.n) if body.best_of is not None else finals
+        for out in kept:
+            logprobs = await _completion_logprobs(server, out.logprobs, len(echoes[prompt]))
+            choices.append(completion_choice(prompt * body.n + out.index, echoes[prompt] + out.text,
+                                             out.finish_reason, logprobs, out.stop_reason))
+    usage = sum_usage([samples_usage([out.usage for out in finals]) for finals in results])
+    return JSONResponse(header.wrap(choices, usage))
 
 
 async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
@@ -70,13 +76,15 @@ async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
 
 
 async def _completion_chunks(server: Serving, header: ResponseHeader, streams: list[TimedStream],
-                             echoes: list[str], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    offsets = [len(e) for e in echoes]
+                             echoes: list[str], n: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """Choice ``prompt * n + sample`` (a streamed best_of equals n: protocol.py), each one's chunks as they come."""
+    offsets = [len(echoes[i // n]) for i in range(len(streams) * n)]  # per choice
     finals: dict[int, RequestOutput] = {}
-    for i, echo in enumerate(echoes):
-        if echo:
-            yield header.wrap([completion_choice(i, echo, None, None)])
-    async for i, out in _merge(streams):
+    for i in range(len(offsets)):
+        if echoes[i // n]:
+            yield header.wrap([completion_choice(i, echoes[i // n], None, None)])
+    async for prompt, out in _merge(streams):
+        i = prompt * n + out.index
         logprobs = await _completion_logprobs(server, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
         if worth_a_chunk(server, out, logprobs):
@@ -84,7 +92,8 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
         if out.finished:
             finals[i] = out
     if include_usage:
-        yield header.wrap([], sum_usage([finals[i].usage for i in sorted(finals)]))
+        per_prompt = [[finals[i].usage for i in range(p * n, (p + 1) * n)] for p in range(len(streams))]
+        yield header.wrap([], sum_usage([samples_usage(usages) for usages in per_prompt]))
 
 
 async def _completion_logprobs(server: Serving, entries: list | None, offset: int) -> dict[str, Any] | None:
@@ -95,7 +104,7 @@ async def _completion_logprobs(server: Serving, entries: list | None, offset: in
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index; all closed at the end."""
-    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: TimedStream) -> None:
         try:
@@ -103,6 +112,8 @@ async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, Request
                 merged.put_nowait((index, out))
         except Exception as exc:  # noqa: BLE001 - re-raised by the reader
             merged.put_nowait((index, exc))
+        else:
+            merged.put_nowait((index, None))  # every sample of this stream has ended
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(streams)
@@ -111,8 +122,10 @@ async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, Request
             index, item = await merged.get()
             if isinstance(item, BaseException):
                 raise item
-            remaining -= item.finished
-            yield index, item
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
     finally:
         for task in pumps:
             task.cancel()

@@ -40,23 +40,30 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+def samples_usage(usages: list[Usage]) -> Usage:
+    """The usage of one prompt's samples (n, best_of): the prompt counted once, every sample's completion tokens
+    (what was generated: OpenAI's count, best_of's unreturned samples included)."""
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens)
+
+
 def sum_usage(usages: list[Usage]) -> Usage:
+    """The usage of several prompts."""
     return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                  sum(u.cached_tokens for u in usages))
 
 
-def chat_choice_delta(delta: dict[str, Any], finish_reason: str | None = None,
+def chat_choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None,
                       logprobs: dict[str, Any] | None = None, stop_reason: int | str | None = None
                       ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return choice
 
 
-def chat_choice_message(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None,
+def chat_choice_message(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None,
                         stop_reason: int | str | None) -> dict[str, Any]:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

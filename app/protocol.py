@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                    MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
+from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
 
 _INT32 = 2**31
 
@@ -26,12 +26,12 @@ def _integral(value: Any) -> Any:
 # looked up or locked, and /openapi.json shows them; what depends on the model (top_k and token ids below the
 # vocabulary size) the engine checks when the request is submitted. (Bounds go before the validator, or they do
 # not reach the JSON schema.)
-Int = Annotated[int, BeforeValidator(_integral)]
 TokenId = Annotated[int, Field(ge=0, lt=_INT32), BeforeValidator(_integral)]
 Count = Annotated[int, Field(ge=1, lt=_INT32), BeforeValidator(_integral)]
 TopK = Annotated[int, Field(ge=-1, lt=_INT32), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**64), BeforeValidator(_integral)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
+NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(_integral)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Salt = Annotated[str, Field(max_length=256)]
@@ -154,7 +154,7 @@ class SamplingFields(_Model):
     min_tokens: TokenId = 0  # a count, in the token ids' range
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: Int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    n: NumSamples = Field(default=1, description="choices to generate: the prompt is computed once, its KV shared")
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Salt | None = Field(default=None, description="requests share prefix blocks only with the same salt")
@@ -173,10 +173,11 @@ class SamplingFields(_Model):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_best_of(self) -> int | None:
+        return None
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
         """ValueError naming the field for values the engine refuses or a prompt that leaves no room."""
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported (parallel sampling comes later)")
         room = max_model_len - num_prompt_tokens
         max_tokens = self.requested_max_tokens()
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -187,7 +188,7 @@ class SamplingFields(_Model):
             max_tokens = min(max(default_max_tokens, self.min_tokens), room)
         values = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING if getattr(self, name) is not None}
         return SamplingParams(
-            max_tokens=max_tokens, stop=_as_list(self.stop),
+            n=self.n, best_of=self.requested_best_of(), max_tokens=max_tokens, stop=_as_list(self.stop),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=self.requested_logprobs(),
@@ -240,14 +241,17 @@ class CompletionRequest(SamplingFields):
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
-    best_of: Int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    best_of: NumSamples | None = Field(default=None, description="sample this many (>= n) and return the n of "
+                                       "highest cumulative logprob; with stream=true only equal to n")
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix: not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n})")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of: must equal n when stream=true (the best choices are known only at the end)")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo: not supported together with logprobs (prompt logprobs are not computed)")
         return self
@@ -263,6 +267,9 @@ class CompletionRequest(SamplingFields):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_best_of(self) -> int | None:
+        return self.best_of
 
     def prompt_field(self) -> str:
         return "prompt"
@@ -302,6 +309,8 @@ class SessionMessageRequest(SamplingFields):
         {"required": ["regenerate"], "properties": {"regenerate": {"const": True}, "content": {"type": "null"}}}]})
 
     content: str | None = Field(default=None, description="the user's message")
+    n: NumSamples = Field(default=1, json_schema_extra={"maximum": 1}, description="a session turn stores one reply: "
+                          "only 1")
     regenerate: bool = Field(default=False, description="drop the last reply and answer the last message again")
 
     def prompt_field(self) -> str:

@@ -77,7 +77,7 @@ class Serving:
             raise EngineUnavailable(f"the engine is not running: {exc}") from None
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
-        return TimedStream(stream, self.metrics, arrival)
+        return TimedStream(stream, self.metrics, arrival, params.num_samples)
 
     def spawn(self, coro: Any) -> asyncio.Task:
         """A background task the server keeps referenced (and waits for at shutdown)."""
@@ -89,12 +89,16 @@ class Serving:
 
 class TimedStream:
     """A RequestStream that records time to first token, inter-token latency, end-to-end latency and queue
-    time into the server's histograms."""
+    time into the server's histograms. With several samples (n, best_of) the request's first token is its time
+    to first token, intervals are measured within each sample, and the request ends with its last sample."""
 
-    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float) -> None:
+    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float, num_samples: int = 1) -> None:
         self.stream = stream
         self._metrics = metrics
         self.arrival = arrival
+        self.num_samples = num_samples
+        self._num_open = num_samples
+        self._sample_token_times: dict[int, float] = {}  # sample index -> when its latest token arrived
         self.last_token_time: float | None = None
         self.first_token_time: float | None = None
         self.last_output: RequestOutput | None = None
@@ -141,21 +145,25 @@ class TimedStream:
 
     def _observe(self, output: RequestOutput) -> None:
         now, count = time.monotonic(), len(output.token_ids_delta)
-        if count and self.first_token_time is None:
-            self.first_token_time = self.last_token_time = now
-            self._metrics.observe_first_token(now - self.arrival, output.queue_time)
-            count -= 1
         if count:
-            self._metrics.observe_tokens(now - self.last_token_time, count)
-            self.last_token_time = now
+            previous = self._sample_token_times.get(output.index)
+            if previous is None:  # the sample's first token: no interval before it
+                previous = now
+                count -= 1
+                if self.first_token_time is None:
+                    self.first_token_time = now
+                    self._metrics.observe_first_token(now - self.arrival, output.queue_time)
+            if count:
+                self._metrics.observe_tokens(now - previous, count)
+            self._sample_token_times[output.index] = self.last_token_time = now
         if output.finished:
-            self._metrics.observe_finished(now - self.arrival)
+            self._num_open -= 1
+            if not self._num_open:
+                self._metrics.observe_finished(now - self.arrival)
 
-    async def collect(self) -> RequestOutput:
-        """Read to the end; the final output carries the whole text and token ids."""
-        final = None
-        async for output in self:
-            final = output
-        assert final is not None and final.finished
+    async def collect(self) -> list[RequestOutput]:
+        """Read to the end: each sample's final output (the whole text and token ids), in ``index`` order."""
+        finals = [output async for output in self if output.finished]
+        assert len(finals) == self.num_samples
         await self.settled()
-        return final
+        return sorted(finals, key=lambda output: output.index)

@@ -237,6 +237,23 @@ class BlockManager:
         if child.block_table:
             self.holders[child.seq_id] = child
 
+    def reassign(self, seqs: list[Sequence], sources: list[Sequence]) -> None:
+        """Beam search: each ``seqs[i]`` continues ``sources[i]`` (a beam of the same request, maybe itself,
+        maybe the source of several): it drops its own blocks and shares the source's (state as of the call;
+        a shared block is copied on the next write into it). Sources are read before any sequence changes."""
+        snapshots = [(list(src.block_table), list(src.block_hashes), src.num_computed_tokens,
+                      src.num_registered_blocks) for src in sources]
+        for table, *_ in snapshots:  # references first: a block both dropped and kept never reaches the free queue
+            for block_id in table:
+                self.pool.acquire(self.pool.blocks[block_id])
+        for seq in seqs:
+            self.free(seq)
+        for seq, (table, hashes, computed, registered) in zip(seqs, snapshots):
+            seq.block_table, seq.block_hashes = table, hashes
+            seq.num_computed_tokens, seq.num_registered_blocks = computed, registered
+            if table:
+                self.holders[seq.seq_id] = seq
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s blocks, tail first, so its tail is evicted before its head. A copy-on-write still
         pending into one of its blocks is dropped too (the block may be taken again in the same step)."""

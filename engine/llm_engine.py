@@ -10,6 +10,7 @@ from typing import Any, Sequence as SequenceOf
 
 import torch
 
+from engine.beam_search import BeamSearch
 from engine.block_manager import BlockHasher, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -87,10 +88,22 @@ class _Choice:
 
 
 @dataclass(slots=True, eq=False)
+class _BeamGroup:
+    """A beam-search request's beams: ``beams[:num_live]`` run, best first; the logits of each are collected
+    until every live beam has them (a preempted beam computes its own again), then the search takes a step."""
+
+    search: BeamSearch
+    beams: list[Sequence]
+    num_live: int = 1  # the prompt's sequence, until the first step
+    collected: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
+
+
+@dataclass(slots=True, eq=False)
 class _Request:
     group: SequenceGroup
     choices: list[_Choice]
     num_open: int  # choices not finished yet
+    beam: _BeamGroup | None = None
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -125,6 +138,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}  # seq_id -> its choice, for every unfinished sample
+        self._beams: dict[int, _BeamGroup] = {}  # seq_id -> its beam-search request, for every beam
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
@@ -165,8 +179,10 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.structured_output is not None:
             self.grammars.validate(params.structured_output)
-        if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"n: {params.num_samples} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        if params.num_sequences > self.config.max_num_seqs:
+            field_name = "beam_width" if params.use_beam_search else "best_of" if params.best_of else "n"
+            raise ValueError(f"{field_name}: {params.num_sequences} sequences exceed max_num_seqs="
+                             f"{self.config.max_num_seqs}")
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
@@ -175,12 +191,15 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
+        if params.use_beam_search:
+            self._add_beam_search(request_id, prompt, params, cache_salt)
+            return
         # best_of ranks samples by cumulative logprob: each sample's token logprob is computed (not handed out
         # unless asked for)
         seq_params = params if params.best_of is None or params.logprobs is not None else \
             dataclasses.replace(params, logprobs=0)
         choices = []
-        for index in range(params.num_samples):
+        for index in range(params.num_sequences):
             own = seq_params if index == 0 or params.seed is None else \
                 dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
@@ -197,12 +216,29 @@ class LLMEngine:
         self.counters.prompt_tokens += len(prompt)
         self.scheduler.add(seqs[0])
 
+    def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams,
+                         cache_salt: str | None) -> None:
+        beams = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=params,
+                          cache_salt=cache_salt, index=i) for i in range(params.beam_width)]
+        beams[0].unforked = beams[1:]  # their places are held until the prompt's step
+        room = self.config.max_model_len - len(prompt)
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
+        group = _BeamGroup(BeamSearch(params.beam_width, max_new, eos, params.length_penalty, params.early_stopping),
+                           beams)
+        self._requests[request_id] = _Request(SequenceGroup(request_id, beams, params), [], 0, beam=group)
+        self._beams.update((seq.seq_id, group) for seq in beams)
+        self.counters.prompt_tokens += len(prompt)
+        self.scheduler.add(beams[0])
+
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """End a request now; returns the final output (finish_reason ``abort``) of each sample not finished
         yet (none if the request is unknown or done)."""
         request = self._requests.get(request_id)
         if request is None:
             return []
+        if request.beam is not None:
+            return self._finish_beams(request.beam, SequenceStatus.FINISHED_ABORTED)
         outputs = []
         for choice in request.choices:
             if not choice.seq.is_finished:
@@ -244,9 +280,17 @@ class LLMEngine:
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
         self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
-        launched.pending_indices = [seq.append_pending() for seq in launched.seqs]
+        for seq in batch.preempted:
+            if (beam := self._beams.get(seq.seq_id)) is not None:
+                beam.collected.pop(seq.seq_id, None)
+        # a beam's next token comes from its request's beam step, not from its own sampled row
+        launched.pending_indices = [-1 if seq.params.use_beam_search else seq.append_pending()
+                                    for seq in launched.seqs]
         for seq in launched.seqs:
-            seq.awaiting_last_token = self._reaches_length_limit(seq, seq.num_tokens)
+            if seq.params.use_beam_search:
+                seq.awaiting_beam_step = True
+            else:
+                seq.awaiting_last_token = self._reaches_length_limit(seq, seq.num_tokens)
         if in_flight is not None:
             outputs += self._process(in_flight)
         self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
@@ -271,6 +315,13 @@ class LLMEngine:
         outputs = []
         choices = self._choices
         for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
+            if index < 0:  # a beam: its row's log-probs go to its request's next beam step
+                beam = self._beams.get(seq.seq_id)
+                if beam is not None and seq.status is SequenceStatus.RUNNING:
+                    beam.collected[seq.seq_id] = launched.beam_logprobs[row]
+                    if len(beam.collected) == beam.num_live:
+                        outputs += self._beam_step(beam)
+                continue
             choice = choices.get(seq.seq_id)
             if choice is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before: this token is past its end
@@ -283,6 +334,57 @@ class LLMEngine:
                 outputs.append(self._fail(choice, exc))
         self.counters.generation_tokens += len(outputs)
         self.counters.output_seconds += time.perf_counter() - read
+        return outputs
+
+    def _beam_step(self, beam: _BeamGroup) -> list[RequestOutput]:
+        """Every live beam has its next-token log-probs: select the next beams; each continues one of the
+        current beams (sharing its blocks, copy-on-write) with one more token."""
+        live = beam.beams[:beam.num_live]
+        log_probs = torch.stack([beam.collected[seq.seq_id] for seq in live])
+        beam.collected.clear()
+        next_beams = beam.search.step(log_probs, [seq.token_ids[seq.num_prompt_tokens:] for seq in live])
+        self.counters.generation_tokens += len(live)
+        if beam.search.done:
+            return self._finish_beams(beam, None)
+        if beam.num_live == 1:
+            self.scheduler.start_beams(live[0])
+            beam.num_live = len(beam.beams)
+        sources = [live[b.parent] for b in next_beams]
+        token_ids = [src.token_ids + [b.token_id] for src, b in zip(sources, next_beams)]
+        self.block_manager.reassign(beam.beams, sources)
+        for seq, ids in zip(beam.beams, token_ids):
+            seq.token_ids = ids
+            seq.awaiting_beam_step = False
+            self.runner.forget(seq)  # its block table changed as a whole
+        return []
+
+    def _finish_beams(self, beam: _BeamGroup, status: SequenceStatus | None) -> list[RequestOutput]:
+        """End a beam search (``status`` None: it is done; else aborted): the ``n`` best hypotheses, or for
+        an abort the best found so far, else the live beams."""
+        first = beam.beams[0]
+        request = self._requests.pop(first.request_id)
+        for seq in beam.beams:
+            if not seq.is_finished:
+                self._finish(seq, status or SequenceStatus.FINISHED_STOPPED)
+            self._beams.pop(seq.seq_id, None)
+        n = request.group.params.n
+        found = [(h.token_ids, h.sum_logprobs) for h in beam.search.best(n)]
+        found += [(seq.token_ids[seq.num_prompt_tokens:], None) for seq in beam.beams[:beam.num_live]]
+        found += [([], None)] * n  # (never short of n: the stream waits for n final outputs)
+        eos = set(beam.search.eos_token_ids)
+        queued = None if first.first_scheduled_time is None else first.first_scheduled_time - first.arrival_time
+        outputs = []
+        for index, (ids, logprob) in enumerate(found[:n]):
+            reason = "abort" if status is not None else "stop" if ids and ids[-1] in eos else "length"
+            self.counters.finished[reason] += 1
+            skip = request.group.params.skip_special_tokens
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip) if self.tokenizer else ""
+            outputs.append(RequestOutput(
+                request_id=first.request_id, text=text, text_delta=text, token_ids_delta=list(ids), logprobs=None,
+                logprobs_delta=None, finished=True, finish_reason=reason, stop_reason=None,
+                num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=max(first.num_cached_tokens, 0),
+                queue_time=queued, index=index, cumulative_logprob=logprob, num_output_tokens=len(ids), _tokens=list(ids),
+            ))
         return outputs
 
     def _accept(self, choice: _Choice, token_id: int, token_logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -428,6 +530,15 @@ class LLM:
             samples = sorted(finals[request_id], key=lambda out: out.index)
             results += best_choices(samples, p.n) if p.best_of is not None else samples
         return results
+
+    def beam_search(self, prompts: str | list[int] | list[str | list[int]], beam_width: int = 4,
+                    max_tokens: int = 16, length_penalty: float = 1.0, early_stopping: bool | str = False,
+                    n: int = 1, ignore_eos: bool = False) -> list[RequestOutput]:
+        """Beam search (transformers' ``generate(num_beams=beam_width, do_sample=False)`` rules); per prompt
+        the ``n`` best hypotheses, best first."""
+        params = SamplingParams(use_beam_search=True, beam_width=beam_width, max_tokens=max_tokens, n=n,
+                                length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=ignore_eos)
+        return self.generate(prompts, params)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

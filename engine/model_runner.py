@@ -38,6 +38,7 @@ class LaunchedStep:
     prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
     pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
     failures: dict[int, str] = field(default_factory=dict)  # row -> why its request failed (token is void)
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> log_softmax [vocab] (beams)
 
     def feed_rows(self) -> dict[int, int]:
         """seq_id -> row of its sampled id, for the next step's inputs."""
@@ -185,17 +186,24 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
         if logits is None:
             return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
+        beam_rows = [i for i, seq in enumerate(seqs) if seq.params.use_beam_search]
+        beam_logprobs = {}
+        if beam_rows:  # float32 like transformers' beam search; the sampled token of these rows is not used
+            log_probs = torch.log_softmax(logits[beam_rows].float(), dim=-1)
+            beam_logprobs = dict(zip(beam_rows, log_probs))
         sampled, failures = self._sample_rows(logits, seqs)
         rows = len(seqs)
         self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures)
+            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
+                                beam_logprobs=beam_logprobs)
         host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
         self._turn += 1
         host.copy_(sampled.token_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures)
+        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures,
+                            beam_logprobs=beam_logprobs)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[int, str]]:
         """Sample every row; a row whose own parameters or grammar make sampling fail is reported (its request

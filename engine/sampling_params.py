@@ -49,6 +49,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_output: StructuredOutput | None = None
+    # beam search (an extension, as in vLLM): the n best of beam_width beams, deterministic (sampling fields
+    # are ignored); transformers' rules, so generate(num_beams=beam_width, do_sample=False) gives the same tokens
+    use_beam_search: bool = False
+    beam_width: int = 4
+    length_penalty: float = 1.0  # a hypothesis scores sum(logprobs) / length ** length_penalty
+    early_stopping: bool | str = False  # False (transformers' heuristic), True, or "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +98,21 @@ class SamplingParams:
                "response_format", "must be a StructuredOutput")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        _check(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
+        _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_SAMPLES, "beam_width",
+               f"must be in [1, {MAX_SAMPLES}]")
+        _check(_is_num(self.length_penalty) and -10 <= self.length_penalty <= 10, "length_penalty",
+               "must be in [-10, 10]")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+               'must be true, false or "never"')
+        if self.use_beam_search:
+            _check(self.n <= self.beam_width, "n", "must not exceed beam_width with use_beam_search")
+            for name, unsupported in (("best_of", self.best_of is not None), ("logprobs", self.logprobs is not None),
+                                      ("stop", bool(self.stop)), ("stop_token_ids", bool(self.stop_token_ids)),
+                                      ("min_tokens", self.min_tokens > 0), ("logit_bias", bool(self.logit_bias)),
+                                      ("response_format", self.structured_output is not None),
+                                      ("presence_penalty", self.uses_penalties)):
+                _check(not unsupported, name, "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -103,8 +124,13 @@ class SamplingParams:
 
     @property
     def num_samples(self) -> int:
-        """Sequences the request runs: ``best_of`` when given, else ``n``."""
-        return self.best_of or self.n
+        """Outputs the request ends with: ``n`` (sampled from ``best_of`` when given)."""
+        return self.n if self.use_beam_search else self.best_of or self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: its beams or its samples."""
+        return self.beam_width if self.use_beam_search else self.best_of or self.n
 
     @property
     def needs_known_history(self) -> bool:

@@ -77,7 +77,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_last_token:
+            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_last_token or seq.awaiting_beam_step:
                 continue  # preempted as a victim earlier in this loop, or done computing
             budget = self._schedule_running(seq, budget, chosen, preempted)
         if not preempted:
@@ -95,7 +95,7 @@ class Scheduler:
         """Parents whose prompt this pass completes release their samples into the running batch."""
         forks = []
         for seq, n in entries:
-            if seq.unforked and seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.unforked and not seq.params.use_beam_search and seq.num_computed_tokens + n == seq.num_tokens:
                 for child in seq.unforked:
                     child.status = SequenceStatus.RUNNING
                     child.first_scheduled_time = seq.first_scheduled_time
@@ -170,9 +170,19 @@ class Scheduler:
             budget -= num_new
             in_progress.update(seq.block_hashes[len(hits):])
 
+    def start_beams(self, parent: Sequence) -> None:
+        """Beam search: after the prompt's step, the request's other beams (held as ``parent.unforked``) run."""
+        for beam in parent.unforked:
+            beam.status = SequenceStatus.RUNNING
+            beam.first_scheduled_time = parent.first_scheduled_time
+            self.running.append(beam)
+        self.num_unforked -= len(parent.unforked)
+        parent.unforked = []
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.num_unforked -= len(seq.unforked)  # they wait with their parent
+        seq.awaiting_beam_step = False  # (a beam recomputes its logits once admitted again)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

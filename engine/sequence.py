@@ -65,6 +65,7 @@ class Sequence:
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN entries of token_ids
     awaiting_last_token: bool = False  # its pending token is its last (length limit): nothing more to compute
+    awaiting_beam_step: bool = False  # a beam whose next-token logits wait for its request's other beams
     grammar: Any | None = None  # structured output: the llguidance matcher its tokens must satisfy
     index: int = 0  # its choice among the request's samples (OpenAI ``choices[i].index``)
     # parallel sampling: the request's other samples, waiting for this one's prompt; forked from it (sharing

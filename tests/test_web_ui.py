@@ -18,6 +18,7 @@ import pytest
 
 from tests.server_harness import RunningServer, server_fixture, wait_until_idle
 from tests.web_harness import (
+    REPLY_TIMEOUT_MS,
     browser_missing,
     chromium,
     mark_replies_seen,
@@ -82,7 +83,7 @@ def test_ui_is_served_at_root_without_a_build_step() -> None:
     index = client.get("/")
     assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
     assert '<script type="module" src="app.js">' in index.text
-    for path in ["/app.js", "/api.js", "/markdown.js", "/vendor/marked/marked.esm.js",
+    for path in ["/app.js", "/api.js", "/markdown.js", "/alternatives.js", "/vendor/marked/marked.esm.js",
                  "/vendor/dompurify/purify.es.js"]:
         response = client.get(path)
         assert response.status_code == 200, path
@@ -289,6 +290,69 @@ def test_regenerate_replaces_the_last_reply(page: Any, server: RunningServer) ->
     stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()
     assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
     assert page.locator("#messages .message.assistant .content").inner_text() == stored["messages"][1]["content"]
+
+
+@pytest.mark.slow
+def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored_reply(
+        browser: Any, server: RunningServer) -> None:
+    """Three choices of one /v1/chat/completions request (n=3, the session's messages, no session id) fill three
+    columns at once; nothing is saved, so the chat and its stored reply stay as they were."""
+    page = open_page(browser, server.url("/"), {"temperature": 1.0, "maxTokens": 24, "apiKey": ""})
+    requests: list[Any] = []
+    page.on("request", lambda request: requests.append(request))
+    send_message(page, "Name a fruit and say why you like it.")
+    reply = wait_for_reply(page)
+    shown = reply.locator(".content").inner_text()
+    page.evaluate("""() => {
+        window.__columns = [];
+        window.__sampler = setInterval(() => window.__columns.push(
+            [...document.querySelectorAll('.alternative')].map((c) => [c.querySelector('.content').textContent.length,
+                                                                    c.classList.contains('streaming')])), 20);
+    }""")
+    reply.locator(".regenerate-alternatives").click()
+    assert page.locator("#stop").is_visible()
+    page.wait_for_function("() => document.querySelectorAll('.alternative[data-finish-reason]').length === 3"
+                           " && document.querySelector('.alternatives-usage').textContent !== ''",
+                           timeout=REPLY_TIMEOUT_MS)
+    samples = page.evaluate("() => { clearInterval(window.__sampler); return window.__columns; }")
+
+    columns = page.locator(".alternatives .alternative")
+    assert columns.count() == 3
+    texts = [columns.nth(i).get_attribute("data-text") for i in range(3)]
+    assert all(t and t.strip() for t in texts) and len(set(texts)) > 1, texts
+    # streamed together: a moment when every column had text while some were still streaming
+    assert any(all(n > 0 for n, _ in s) and any(busy for _, busy in s) for s in samples if len(s) == 3), samples
+    boxes = [columns.nth(i).bounding_box() for i in range(3)]
+    assert len({round(b["y"]) for b in boxes}) == 1 and boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"]
+    assert int(page.locator(".alternatives-usage").get_attribute("data-cached-tokens")) > 0  # the session's prompt
+
+    ask = [r for r in requests if r.url.endswith("/v1/chat/completions")]
+    assert len(ask) == 1 and "x-session-id" not in ask[0].headers
+    body = ask[0].post_data_json
+    assert body["n"] == 3 and body["stream"] is True
+    assert body["messages"] == [{"role": "user", "content": "Name a fruit and say why you like it."}]
+
+    assert page.locator(".alternatives button", has_text="Keep").count() == 0  # the session API cannot store one
+    stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert reply.locator(".content").inner_text() == shown
+    page.locator(".close-alternatives").click()
+    assert page.locator(".alternatives").count() == 0 and reply.locator(".regenerate-alternatives").is_visible()
+    assert page.errors == []
+    page.context.close()
+
+
+@pytest.mark.slow
+def test_refused_alternatives_show_the_error_and_leave_the_reply(page: Any) -> None:
+    error = {"error": {"message": "simulated refusal", "type": "error", "param": None, "code": None}}
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=429, content_type="application/json", body=json.dumps(error), headers={"Retry-After": "3"}))
+    send_message(page, "Say hello.")
+    reply = wait_for_reply(page)
+    reply.locator(".regenerate-alternatives").click()
+    page.wait_for_selector("#error:not([hidden])")
+    assert "busy" in page.locator("#error-text").inner_text()
+    assert page.locator(".alternatives").count() == 0 and reply.locator(".regenerate-alternatives").is_visible()
 
 
 @pytest.mark.slow

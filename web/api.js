@@ -1,5 +1,6 @@
 // The server's HTTP API (docs/API.md) as the UI uses it: JSON requests, errors in OpenAI's shape, and the
-// SSE stream of POST /v1/sessions/{id}/messages read through fetch (EventSource cannot POST).
+// SSE streams of POST /v1/sessions/{id}/messages and /v1/chat/completions read through fetch (EventSource
+// cannot POST).
 
 const SETTINGS_KEY = "pagedchat.settings";
 const DEFAULT_SETTINGS = { temperature: 0.7, maxTokens: 512, apiKey: "" };
@@ -79,6 +80,8 @@ export const api = {
   // Resolves once the server accepted the turn (headers received); the body is read by readChunks.
   postMessage: (id, body, signal) =>
     send("POST", `${sessionPath(id)}/messages`, { body, sessionId: id, signal }),
+  // Stateless: no X-Session-ID, which would make the request a turn of that session.
+  chatCompletions: (body, signal) => send("POST", "/v1/chat/completions", { body, signal }),
 };
 
 // Yields each `data:` payload of an SSE response parsed as JSON, until `[DONE]`. Events are separated by a

@@ -1,5 +1,6 @@
 // pagedchat's browser UI: a sidebar of server-kept sessions, a conversation streamed token by token, and the
 // settings a chat needs. The URL carries the open session (`/?s=ID`), so reload and back/forward work.
+import { Alternatives } from "./alternatives.js";
 import { api, ApiError, loadSettings, readChunks } from "./api.js";
 import { renderInto } from "./markdown.js";
 import { Sidebar } from "./sidebar.js";
@@ -94,6 +95,7 @@ function messageElement(role, text, stored = null) {
   node.dataset.role = role;
   node.querySelector(".role-label").textContent = role === "user" ? "You said:" : "The model said:";
   node.querySelector(".regenerate").addEventListener("click", regenerate);
+  node.querySelector(".regenerate-alternatives").addEventListener("click", regenerateAlternatives);
   setText(node, text);
   if (stored && role === "assistant") showStoredStats(node, stored);
   return node;
@@ -135,7 +137,9 @@ function updateButtons() {
   el.input.setAttribute("aria-busy", String(streaming));
   const replies = el.messages.querySelectorAll(".message.assistant");
   replies.forEach((node, i) => {
-    node.querySelector(".regenerate").hidden = streaming || i !== replies.length - 1 || !isLastNode(node);
+    const hidden = streaming || i !== replies.length - 1 || !isLastNode(node);
+    node.querySelector(".regenerate").hidden = hidden;
+    node.querySelector(".regenerate-alternatives").hidden = hidden;
   });
 }
 
@@ -153,6 +157,7 @@ async function sendMessage() {
   const text = el.input.value;
   if (!text.trim() || state.streaming) return;
   hideError();
+  closeAlternatives();
   let session = state.session;
   if (!session) {
     session = await createSession();
@@ -190,6 +195,36 @@ function regenerate() {
   hideError();
   last.remove();
   streamTurn(state.session, { regenerate: true }, { removed: last });
+}
+
+// Three alternatives to the last reply, streamed side by side below it (web/alternatives.js): shown, not saved.
+async function regenerateAlternatives() {
+  if (state.streaming || !state.session) return;
+  hideError();
+  const s = loadSettings();
+  const turn = { controller: new AbortController() };
+  const panel = new Alternatives({ temperature: Number(s.temperature), onClose: closeAlternatives,
+    onRender: () => scrollToEnd() });
+  state.streaming = turn;
+  el.messages.append(panel.element);
+  updateButtons();
+  scrollToEnd(true);
+  setStatus("The model is writing three alternatives…");
+  try {
+    await panel.stream(state.session.id, s, turn.controller.signal);
+  } catch (err) {
+    if (err.name !== "AbortError") showError(err instanceof ApiError ? err : new ApiError(0, err.message));
+    if (!panel.answered) panel.element.remove(); // refused (or stopped) before the server answered
+  }
+  panel.finish();
+  if (state.streaming === turn) state.streaming = null;
+  updateButtons();
+  setStatus(turn.controller.signal.aborted ? "Alternatives stopped." : "Alternatives complete.");
+}
+
+function closeAlternatives() {
+  el.messages.querySelectorAll(".alternatives").forEach((panel) => panel.remove());
+  updateButtons();
 }
 
 // Streams one turn into a new reply element; `undo` says what to put back if the server refuses the turn.

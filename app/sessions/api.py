@@ -147,6 +147,7 @@ async def post_message(request: Request) -> Response:
     arrival = time.monotonic()
     body = await read_model(request, SessionMessageRequest, server.settings.max_request_bytes)
     server.check_model(body.model)
+    _check_one_reply(body)
     session = await _session(request, server)
     token = await _lock(server, session.id)
     new = None if body.regenerate else [{"role": "user", "content": body.content}]
@@ -158,6 +159,7 @@ async def chat_in_session(request: Request, server: Serving, body: ChatCompletio
     """/v1/chat/completions with ``session_id`` (or X-Session-ID): the request's messages are this turn's new
     messages; the server supplies the history. A well-formed id nobody has starts a new session, atomically: of
     concurrent first turns one creates it, the others find it busy (409)."""
+    _check_one_reply(body)
     owner = server.tenant(request)
     new = [m.as_template_message() for m in body.messages]
     if not is_session_id(session_id):
@@ -179,6 +181,13 @@ async def chat_in_session(request: Request, server: Serving, body: ChatCompletio
         if token is None:  # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
             raise busy(session_id) if await server.sessions.get(session_id, owner) else not_found(session_id)
     return await run_turn(request, server, session, new, body, arrival, token)
+
+
+def _check_one_reply(body: SamplingFields) -> None:
+    """Checked before the session is looked up, locked or created: a refused turn leaves no trace."""
+    if body.n != 1:
+        raise APIError.bad_request("n: a session turn stores one reply, so n must be 1 (for several choices, ask "
+                                   "/v1/chat/completions without a session)", "n")
 
 
 def _check_turn_messages(new: list[dict[str, Any]]) -> None:

@@ -162,6 +162,13 @@ class SamplingFields(_Model):
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = Field(default=None, description="json_object or json_schema: the "
                                                    "reply is constrained to it")
+    # beam search, an extension (vLLM's names): the n best of beam_width beams, returned when the search ends
+    use_beam_search: bool = Field(default=False, description="deterministic beam search (sampling fields ignored)")
+    beam_width: NumSamples | None = Field(default=None, description="beams kept per step (default 4; >= n)")
+    length_penalty: float | None = Field(default=None, ge=-10, le=10, description="hypothesis score = sum of "
+                                         "logprobs / length ** length_penalty (default 1)")
+    early_stopping: bool | Literal["never"] | None = Field(default=None, description="transformers' meaning; "
+                                                           "default false")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -188,7 +195,7 @@ class SamplingFields(_Model):
             max_tokens = min(max(default_max_tokens, self.min_tokens), room)
         values = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING if getattr(self, name) is not None}
         return SamplingParams(
-            n=self.n, best_of=self.requested_best_of(), max_tokens=max_tokens, stop=_as_list(self.stop),
+            n=self.n, best_of=self.requested_best_of(), use_beam_search=self.use_beam_search, max_tokens=max_tokens, stop=_as_list(self.stop),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=self.requested_logprobs(),
@@ -206,7 +213,7 @@ class SamplingFields(_Model):
 
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+                      "repetition_penalty", "beam_width", "length_penalty", "early_stopping")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -188,3 +188,34 @@ def test_chat_completion_in_a_new_session_with_n_over_1_creates_nothing(server: 
     assert_refused(post(server, "/v1/chat/completions", {"messages": SEA, "n": 2, "max_tokens": 4,
                                                          "session_id": session_id}), "n")
     assert httpx.get(server.url(f"/v1/sessions/{session_id}"), timeout=10).status_code == 404
+
+
+# beam search (extension fields) ---------------------------------------------------------------------
+
+
+def test_completion_beam_search_returns_the_offline_engines_n_best(server: RunningServer):
+    beam = {"use_beam_search": True, "beam_width": 3, "n": 2, "max_tokens": MAX_TOKENS}
+    expected = offline_generate([PROMPTS[1]], **beam)
+    reply = ok(post(server, "/v1/completions", {"prompt": PROMPTS[1], **beam}))
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert [c["text"] for c in reply["choices"]] == [o.text for o in expected]
+    assert reply["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in expected)
+
+
+def test_streamed_chat_beam_search_sends_each_choice_once_finished(server: RunningServer):
+    beam = {"use_beam_search": True, "beam_width": 2, "max_tokens": MAX_TOKENS}
+    expected = offline_chat(SEA, **beam)
+    chunks = stream_chunks(server, "/v1/chat/completions", {"messages": SEA, **beam})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"use_beam_search": True, "beam_width": 2, "n": 3}, "n"),
+    ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+    ({"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
+], ids=["n_over_width", "logprobs", "early_stopping", "length_penalty"])
+def test_bad_beam_search_fields_are_refused_naming_the_field(server: RunningServer, body: dict[str, Any],
+                                                             param: str):
+    assert_refused(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **body}), param)

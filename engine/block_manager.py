@@ -123,8 +123,28 @@ class BlockStats:
     used_slots: int  # of those, slots holding a token's KV
 
 
+class HostBlocks:
+    """The host pool that swapped-out sequences' blocks are copied to: a free list. A block freed by a swap-in
+    is reused only from the next step on, as this step's copies still read it (they run in order on one stream:
+    swap-outs, copy-on-write, swap-ins, then the pass)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.freed_this_step: list[int] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def new_step(self) -> None:
+        self.free += self.freed_this_step
+        self.freed_this_step = []
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
@@ -134,6 +154,9 @@ class BlockManager:
         self.pins: dict[str, list[int]] = {}  # pin id -> cached blocks it holds one reference to each
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.host = HostBlocks(num_host_blocks)
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block), drained by the scheduler
+        self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
 
     @property
     def num_blocks(self) -> int:
@@ -299,6 +322,46 @@ class BlockManager:
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(ids) for ids in self.pins.values())
+
+    # swapping -----------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= self.host.num_free
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy ``seq``'s blocks to the host pool and drop them from the device (its computed tokens stay
+        computed). A copy-on-write still pending into one of its blocks is read from its source instead."""
+        cow_source = {dst: src for src, dst in self.pending_copies}
+        own = set(seq.block_table)
+        self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
+        seq.host_blocks = [self.host.free.pop() for _ in seq.block_table]
+        self.pending_swap_out += [(cow_source.get(b, b), h) for b, h in zip(seq.block_table, seq.host_blocks)]
+        computed = seq.num_computed_tokens
+        self.free(seq)
+        seq.num_computed_tokens = computed
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return len(seq.host_blocks) <= self.pool.num_free
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Back from the host pool into fresh device blocks (full ones registered again on the next commit)."""
+        seq.block_table = [self.pool.take().block_id for _ in seq.host_blocks]
+        self.pending_swap_in += list(zip(seq.host_blocks, seq.block_table))
+        self.host.freed_this_step += seq.host_blocks
+        seq.host_blocks = []
+        seq.num_registered_blocks = 0
+        self.holders[seq.seq_id] = seq
+
+    def drop_host_blocks(self, seq: Sequence) -> None:
+        """A swapped-out sequence ended: its host copies are not needed (no copy reads them any more)."""
+        self.host.free += seq.host_blocks
+        seq.host_blocks = []
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        out, into = self.pending_swap_out, self.pending_swap_in
+        self.pending_swap_out, self.pending_swap_in = [], []
+        self.host.new_step()
+        return out, into
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -15,6 +15,7 @@ import torch
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX_HASHES = ("sha256", "xxh128")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass(slots=True)
@@ -46,6 +47,11 @@ class EngineConfig:
     # decode-only batches up to this size are padded to a ladder of sizes and, on CUDA, replayed as CUDA graphs
     # (padding is what lets eager and graph runs compute the same shapes); None = 256 on CUDA, 0 (off) on CPU
     max_graph_batch_size: int | None = None
+    # how a sequence preempted for want of KV blocks comes back: recompute (its KV is dropped and computed
+    # again), swap (its blocks are copied to a host pool of swap_space_gib and back), or auto: swap a sample
+    # of a request with n > 1 (the paper's rule) and a sequence whose recompute costs more than its copy
+    preemption_mode: str = "auto"
+    swap_space_gib: float = 4.0  # host memory for swapped-out KV blocks (pinned on CUDA)
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -72,6 +78,8 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.max_graph_batch_size is None or self.max_graph_batch_size >= 0, "max_graph_batch_size",
                "must be >= 0")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         self.torch_device = resolve_device(self.device)
         if self.max_graph_batch_size is None:
             self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0

@@ -133,8 +133,14 @@ class LLMEngine:
         num_blocks = self._size_kv_cache()
         self.runner.capture_graphs()
         hasher = BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        num_host_blocks = 0
+        if config.preemption_mode != "recompute":
+            num_host_blocks = int(config.swap_space_gib * 2**30) // self.runner.bytes_per_block
+            self.runner.allocate_host_cache(num_host_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher,
+                                          num_host_blocks)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   prefer_swap=self._prefer_swap)
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}  # seq_id -> its choice, for every unfinished sample
@@ -142,6 +148,21 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
+
+    def _prefer_swap(self, seq: Sequence) -> bool:
+        """``preemption_mode``: swap or recompute this victim. ``auto``: a sample of a request with n > 1 (or
+        best_of) is swapped (the paper's rule: its siblings share its history); otherwise the cheaper of the
+        copy out and back over the host link and the recompute of its tokens, by rough device rates. Beams are
+        always recomputed (a beam step needs every beam on the device)."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or seq.params.use_beam_search:
+            return False
+        if mode == "swap" or seq.params.num_sequences > 1:
+            return True
+        link, flops = (25e9, 4e14) if self.config.torch_device.type == "cuda" else (5e9, 2e11)
+        copy_seconds = 2 * len(seq.block_table) * self.runner.bytes_per_block / link
+        recompute_seconds = 2 * self.runner.num_parameters * seq.num_computed_tokens / flops
+        return copy_seconds < recompute_seconds
 
     def _size_kv_cache(self) -> int:
         config, runner = self.config, self.runner
@@ -270,8 +291,9 @@ class LLMEngine:
         if not batch.seqs:
             if in_flight is not None:
                 return self._process(in_flight)
-            if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:  # for good
-                raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none runnable")
+            stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
+            if stuck and not self.scheduler.running and not batch.preempted:  # for good
+                raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
             return []
         outputs: list[RequestOutput] = []
         if in_flight is not None and self._needs_known_history(batch):

@@ -61,6 +61,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.k_caches = torch.empty(0)
+        self.host_k_caches = self.host_v_caches = torch.empty(0)  # swap space, when preemption may swap
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # (recompute cost estimates)
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         self.graphs: DecodeGraphs | None = None
@@ -143,6 +145,20 @@ class ModelRunner:
             self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
                                             device=self.device)
 
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        """The host pool for swapped-out blocks, the device cache's layout (pinned on CUDA, so copies are DMA
+        transfers); uninitialised: a block is read only after a swap-out wrote it."""
+        shape = (self.k_caches.shape[0], num_blocks, *self.k_caches.shape[2:])
+        pinned = self.device.type == "cuda"
+        self.host_k_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
+        self.host_v_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
+
+    def _swap(self, pairs: list[tuple[int, int]], src: tuple[torch.Tensor, torch.Tensor],
+              dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        kernel_ops.swap_blocks(src[0], dst[0], mapping)
+        kernel_ops.swap_blocks(src[1], dst[1], mapping)
+
     def capture_graphs(self) -> None:
         """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``)."""
         if self.use_graphs:
@@ -159,9 +175,14 @@ class ModelRunner:
         """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
         pending in ``in_flight`` are fed from its sampled ids on the device."""
         start = time.perf_counter()
+        # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
+        if batch.swap_out:
+            self._swap(batch.swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches))
         if batch.block_copies:
             mapping = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+        if batch.swap_in:
+            self._swap(batch.swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches))
         pad = None
         if batch.num_decodes == len(batch.seqs):
             pad = padded_size(self.graph_sizes, len(batch.seqs))

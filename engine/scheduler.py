@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -27,6 +28,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks copied out first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks copied in after CoW
     # parallel sampling: (parent, child) for each sample forked from a parent whose prompt this pass completes;
     # the child is sampled from its parent's logits row and shares its blocks from ``Scheduler.advance`` on
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
@@ -54,10 +57,15 @@ MAX_DEFERRED_PER_STEP = 256  # waiting requests passed over per step for sharing
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefer_swap: Callable[[Sequence], bool] | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # per victim: swap its blocks to the host pool (True) or drop them and recompute (False)
+        self.prefer_swap = prefer_swap or (lambda seq: False)
+        self.swapped: deque[Sequence] = deque()  # swapped out, in order: they come back before new requests
+        self.num_swap_outs = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
@@ -68,7 +76,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -81,15 +89,38 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop, or done computing
             budget = self._schedule_running(seq, budget, chosen, preempted)
         if not preempted:
-            self._admit_waiting(budget, chosen)
+            budget = self._swap_in(budget, chosen, preempted)
+            if not self.swapped and not preempted:
+                self._admit_waiting(budget, chosen)
         entries = sorted(chosen.items(), key=lambda item: item[1] != 1)
+        swap_out, swap_in = self.block_manager.take_pending_swaps()
         return ScheduledBatch(
             seqs=[seq for seq, _ in entries],
             num_new_tokens=[n for _, n in entries],
             block_copies=self.block_manager.take_pending_copies(),
             preempted=preempted,
+            swap_out=swap_out,
+            swap_in=swap_in,
             forks=self._forks(entries),
         )
+
+    def _swap_in(self, budget: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> int:
+        """Swapped-out sequences come back first, in order, once their blocks (and one more) fit."""
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs \
+                    or len(seq.host_blocks) + 1 > self.block_manager.num_free_blocks:
+                break
+            self.swapped.popleft()
+            self.block_manager.swap_in(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.num_unforked += len(seq.unforked)
+            if not (seq.awaiting_last_token or seq.awaiting_beam_step):
+                budget = self._schedule_running(seq, budget, chosen, preempted)
+            if preempted:
+                break
+        return budget
 
     def _forks(self, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sequence]]:
         """Parents whose prompt this pass completes release their samples into the running batch."""
@@ -182,12 +213,20 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.num_unforked -= len(seq.unforked)  # they wait with their parent
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.prefer_swap(seq) and self.block_manager.can_swap_out(seq):
+            self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_outs += 1
+            logger.info("preempted %s (swapped out %d blocks; %d free)", seq.request_id, len(seq.host_blocks),
+                        self.block_manager.num_free_blocks)
+            return
         seq.awaiting_beam_step = False  # (a beam recomputes its logits once admitted again)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
         logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
                     seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
 
@@ -208,5 +247,8 @@ class Scheduler:
             self.num_unforked -= len(seq.unforked)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (else: a sample never forked)
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.drop_host_blocks(seq)
         self.block_manager.free(seq)
         seq.status = status

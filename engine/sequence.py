@@ -21,6 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_FAILED = enum.auto()  # this request's own fault (its sampling, grammar, detokenizing)
+    SWAPPED = enum.auto()  # preempted with its KV blocks copied to the host pool
 
     @property
     def is_finished(self) -> bool:
@@ -71,6 +72,7 @@ class Sequence:
     # parallel sampling: the request's other samples, waiting for this one's prompt; forked from it (sharing
     # every block) in the step that computes the prompt's last token, and sampled from the same logits
     unforked: list[Sequence] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)  # while SWAPPED: its blocks in the host pool, in order
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -98,9 +100,10 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:  # per token per step: identity tests (an enum hash is a Python call);
-        # WAITING and RUNNING are the only unfinished states
+        # WAITING, RUNNING and SWAPPED are the only unfinished states
         status = self.status
-        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING
+        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING \
+            and status is not SequenceStatus.SWAPPED
 
     @property
     def num_known_tokens(self) -> int:

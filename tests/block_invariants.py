@@ -117,7 +117,8 @@ def check_pool(bm: BlockManager, seqs: list[Sequence]) -> None:
         assert len(set(seq.block_table)) == len(seq.block_table), f"block twice in seq {seq.seq_id}'s table"
         for block_id in seq.block_table:
             refs[block_id] += 1
-        assert len(seq.block_table) * bs >= seq.num_computed_tokens
+        # (a swapped-out sequence's computed tokens are in its host blocks)
+        assert (len(seq.block_table) + len(seq.host_blocks)) * bs >= seq.num_computed_tokens
     for block_ids in bm.pins.values():  # a pin holds one reference to each of its blocks
         for block_id in block_ids:
             refs[block_id] += 1

@@ -108,9 +108,19 @@ class Scheduler:
         """Swapped-out sequences come back first, in order, once their blocks (and one more) fit."""
         while self.swapped and budget > 0:
             seq = self.swapped[0]
-            if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs \
-                    or len(seq.host_blocks) + 1 > self.block_manager.num_free_blocks:
+            if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs:
                 break
+            free = self.block_manager.num_free_blocks
+            if len(seq.host_blocks) + 1 > free:  # (one block to spare for its next token)
+                if self.running:
+                    break
+                if self.block_manager.pins:  # nothing else runs: pins give way, as for a waiting request
+                    released = self.block_manager.unpin_all()
+                    logger.warning("released %d pinned preset blocks under memory pressure (for %s)",
+                                   released, seq.request_id)
+                    continue
+                if len(seq.host_blocks) > free:
+                    break
             self.swapped.popleft()
             self.block_manager.swap_in(seq)
             seq.status = SequenceStatus.RUNNING

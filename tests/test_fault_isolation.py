@@ -74,7 +74,7 @@ def test_detokenizer_fault_ends_only_that_request(tokenizer):
         def take_delta(self, finished):
             return ""
 
-    engine._requests["r1"].detokenizer = BrokenDetokenizer()
+    engine._requests["r1"].choices[0].detokenizer = BrokenDetokenizer()
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -165,6 +165,8 @@ class Scheduler:
         together, both would compute the shared prefix (the ``shared-prefix`` workload's burst: 16 requests
         per system prompt). It keeps its place at the head of the queue and is admitted, with the hit, once
         that block is cached; a preempted or finished owner no longer holds it back."""
+        if not self.waiting:
+            return  # (the common decode step: nothing to admit, no scan of the running batch)
         in_progress = self._blocks_in_progress()
         deferred: list[Sequence] = []
         try:

@@ -30,8 +30,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixes the KV pool size, overriding the memory budget
     kv_cache_memory_gib: float = 1.0  # KV budget on the CPU
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may hold (weights + KV)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step (decode + prefill chunks)
+    # sequences per step and token budget of one step (decode + prefill chunks); None = by device, as vLLM
+    # does: 1024 and 8192 on a CUDA device of >= 70 GiB that is not an A100 (H100, H200), else 256 and 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max position embeddings
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # sha256 | xxh128
@@ -70,8 +72,9 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               "must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
                "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
@@ -81,6 +84,11 @@ class EngineConfig:
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         self.torch_device = resolve_device(self.device)
+        large = is_large_gpu(self.torch_device)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 1024 if large else 256
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if large else 2048
         if self.max_graph_batch_size is None:
             self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0
         if self.async_scheduling is None:
@@ -108,6 +116,18 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError("device: cuda was asked for but no CUDA device is available")
     _check(resolved.type in ("cpu", "cuda"), "device", "must be cpu or cuda")
     return resolved
+
+
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def is_large_gpu(device: torch.device) -> bool:
+    """A CUDA device where larger step limits pay (vLLM's rule: >= 70 GiB and not an A100, where a larger
+    token budget measured slower)."""
+    if device.type != "cuda":
+        return False
+    properties = torch.cuda.get_device_properties(device)
+    return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
 
 
 def _check(ok: bool, name: str, message: str) -> None:

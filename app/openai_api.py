@@ -103,7 +103,15 @@ async def _completion_logprobs(server: Serving, entries: list | None, offset: in
 
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index; all closed at the end."""
+    """Outputs of several streams as they come, tagged with the stream's index; all closed at the end. One
+    stream (the common case) is read directly: no task and no second queue per token."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: TimedStream) -> None:

@@ -27,20 +27,26 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] 
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
-async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Encoded events: sse-starlette sends bytes as they are, which spares building an event object per token
+    (a JSON text holds no raw line break, so one ``data:`` line carries it)."""
     try:
         async for chunk in chunks:
-            yield {"data": dumps(chunk)}
+            yield _event(dumps(chunk))
     except APIError as exc:
-        yield {"data": dumps(exc.body())}
+        yield _event(dumps(exc.body()))
     except EngineDeadError as exc:
-        yield {"data": dumps(EngineUnavailable(f"the engine stopped: {exc}").body())}
+        yield _event(dumps(EngineUnavailable(f"the engine stopped: {exc}").body()))
     except RequestFailedError as exc:  # this request only: the engine and the other streams run on
-        yield {"data": dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body())}
+        yield _event(dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body()))
     except Exception as exc:
         logger.exception("stream failed")
-        yield {"data": dumps(APIError(500, f"internal error: {exc!r}").body())}
-    yield {"data": "[DONE]"}
+        yield _event(dumps(APIError(500, f"internal error: {exc!r}").body()))
+    yield _event("[DONE]")
+
+
+def _event(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
 
 
 def dumps(value: Any) -> str:

@@ -150,8 +150,11 @@ def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
     """Seeded random weights under the HF names and shapes of ``hf_config``: N(0, 0.02) matrices and
     embeddings, norms near 1, small biases. The same (config, seed) gives the same tensors, so the
     transformers implementation can be loaded with them for comparison."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+    if not isinstance(hf_config, PretrainedConfig):  # a model directory's config.json, read as a namespace
+        fields = dict(vars(hf_config))
+        hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):

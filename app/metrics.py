@@ -73,6 +73,12 @@ class _EngineCollector(Collector):
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        stats.prefix_queries, label)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits, label)
+        yield _counter("prefix_cache_device_hits", "Prompt tokens found in the prefix cache on the device.",
+                       stats.prefix_device_hits, label)
+        yield _counter("prefix_cache_host_hits", "Prompt tokens copied back from the host tier of the prefix cache.",
+                       stats.prefix_host_hits, label)
+        yield _gauge("host_cache_blocks", "KV blocks held by the host tier of the prefix cache.",
+                     stats.num_host_cached_blocks, label)
         yield _counter("prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens, label)
         yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens, label)
         yield _counter("num_preemptions", "Requests preempted (recomputed later).", stats.preemptions, label)

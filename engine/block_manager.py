@@ -18,9 +18,11 @@ import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import xxhash
 
+from engine.host_prefix_cache import HostPrefixCache
 from engine.sequence import Sequence
 
 
@@ -53,6 +55,14 @@ class Block:
     block_hash: bytes | None = None  # set while this block is the hash map's entry for its tokens
 
 
+@dataclass(slots=True, frozen=True)
+class HostHit:
+    """A prefix block found in the host tier (not on the device): admission copies it back into a fresh block."""
+
+    block_hash: bytes
+    slot: int
+
+
 class BlockPool:
     """All blocks, the free queue and the hash map.
 
@@ -65,6 +75,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self.on_evict: Callable[[Block, bytes], None] | None = None  # told before an evicted block is reused
 
     @property
     def num_free(self) -> int:
@@ -74,6 +85,8 @@ class BlockPool:
         """A free block for new tokens; evicts its old hash if it had one."""
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block, block.block_hash)
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
@@ -117,7 +130,10 @@ class BlockStats:
     num_pinned_blocks: int  # held by pins (shared system prompts), not evictable
     usage: float  # share of blocks referenced by a sequence (pins alone do not count)
     prefix_queries: int  # tokens looked up at admission
-    prefix_hits: int  # of those, tokens found in the cache
+    prefix_hits: int  # of those, tokens found in the cache (on the device or in the host tier)
+    prefix_host_hits: int  # of the hits, tokens copied back from the host tier
+    num_host_cached_blocks: int  # blocks held by the host tier
+    host_cache_stores: int  # evicted blocks copied to the host tier
     evictions: int
     allocated_slots: int  # slots of referenced blocks
     used_slots: int  # of those, slots holding a token's KV
@@ -144,7 +160,9 @@ class HostBlocks:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_host_cache_blocks: int = 0) -> None:
+        """``num_host_blocks`` host slots for swapped-out sequences (slots 0 ..), then ``num_host_cache_blocks``
+        for the host tier of the prefix cache (with prefix caching only)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
@@ -157,6 +175,11 @@ class BlockManager:
         self.host = HostBlocks(num_host_blocks)
         self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block), drained by the scheduler
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        self.prefix_host_hits = 0
+        self.host_cache: HostPrefixCache | None = None
+        if enable_prefix_caching and num_host_cache_blocks > 0:
+            self.host_cache = HostPrefixCache(num_host_blocks, num_host_cache_blocks)
+            self.pool.on_evict = self._store_on_host
 
     @property
     def num_blocks(self) -> int:
@@ -178,21 +201,27 @@ class BlockManager:
             extra = (("salt", seq.cache_salt),) if i == 0 and seq.cache_salt is not None else ()
             seq.block_hashes.append(self.hasher(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
 
-    def match_prefix(self, seq: Sequence) -> list[Block]:
-        """Longest run of cached blocks at the head of ``seq``, capped so one token is left to compute
-        (its logits are needed). Touches no block (it only extends ``seq.block_hashes``)."""
+    def match_prefix(self, seq: Sequence) -> list[Block | HostHit]:
+        """Longest run of cached blocks at the head of ``seq`` (each on the device, or else in the host tier),
+        capped so one token is left to compute (its logits are needed). Touches no block (it only extends
+        ``seq.block_hashes``)."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(seq)
-        hits = []
+        hits: list[Block | HostHit] = []
+        host = self.host_cache
         for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
             block = self.pool.cached.get(block_hash)
             if block is None:
-                break
+                slot = host.get(block_hash) if host is not None else None
+                if slot is None:
+                    break
+                block = HostHit(block_hash, slot)
             hits.append(block)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block | HostHit] | None = None
+                 ) -> bool:
         """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
         tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
         table, start = seq.block_table, seq.num_computed_tokens
@@ -203,7 +232,8 @@ class BlockManager:
         num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
         num_table = len(seq.block_table) + len(prefix_hits)
         num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - num_table)
-        num_revived = sum(1 for b in prefix_hits if b.ref_count == 0)  # hits sitting in the free queue
+        # hits sitting in the free queue, and host hits (each needs a fresh block to be copied into)
+        num_revived = sum(1 for b in prefix_hits if isinstance(b, HostHit) or b.ref_count == 0)
         write_block = num_computed // self.block_size
         needs_copy = write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
         if num_fresh + num_revived + needs_copy > self.pool.num_free:
@@ -211,9 +241,11 @@ class BlockManager:
         if not seq.block_table:  # admission: count the lookup
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(prefix_hits) * self.block_size
-        for block in prefix_hits:
-            self.pool.acquire(block)
-            seq.block_table.append(block.block_id)
+        for block in prefix_hits:  # device hits first: taking blocks for host hits must not evict one of them
+            if isinstance(block, Block):
+                self.pool.acquire(block)
+        for hit in prefix_hits:
+            seq.block_table.append(hit.block_id if isinstance(hit, Block) else self._restore(hit))
         seq.num_computed_tokens = num_computed
         seq.num_registered_blocks = max(seq.num_registered_blocks, len(prefix_hits))
         if needs_copy:
@@ -223,10 +255,26 @@ class BlockManager:
             self.holders[seq.seq_id] = seq
         return True
 
-    def _block_of(self, seq: Sequence, prefix_hits: list[Block], index: int) -> Block:
+    def _block_of(self, seq: Sequence, prefix_hits: list[Block | HostHit], index: int) -> Block | HostHit:
         if index < len(seq.block_table):
             return self.pool.blocks[seq.block_table[index]]
         return prefix_hits[index - len(seq.block_table)]
+
+    def _restore(self, hit: HostHit) -> int:
+        """A fresh device block for a host-tier hit, its copy back queued (swap-in phase: before the pass reads
+        it) and registered under its hash at once (later requests of the same step share it)."""
+        block = self.pool.take()
+        self.pending_swap_in.append((self.host_cache.restore(hit.block_hash), block.block_id))
+        self.pool.register(block, hit.block_hash)
+        self.prefix_host_hits += self.block_size
+        return block.block_id
+
+    def _store_on_host(self, block: Block, block_hash: bytes) -> None:
+        """The pool is about to reuse ``block`` for other tokens: keep its KV in the host tier (the copy runs in
+        the step's first phase, before any write of this step)."""
+        slot = self.host_cache.store(block_hash)
+        if slot is not None:
+            self.pending_swap_out.append((block.block_id, slot))
 
     def _copy_on_write(self, seq: Sequence, index: int) -> None:
         """The block about to be written is shared (after a fork): give ``seq`` its own copy."""
@@ -361,6 +409,8 @@ class BlockManager:
         out, into = self.pending_swap_out, self.pending_swap_in
         self.pending_swap_out, self.pending_swap_in = [], []
         self.host.new_step()
+        if self.host_cache is not None:
+            self.host_cache.new_step()
         return out, into
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -368,7 +418,9 @@ class BlockManager:
         return copies
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_cache()
+        """Forget every cached block that no sequence holds, on the device and in the host tier."""
+        dropped = self.pool.reset_cache()
+        return dropped + (self.host_cache.clear() if self.host_cache is not None else 0)
 
     def stats(self) -> BlockStats:
         used_blocks = self.num_blocks - self.pool.num_free
@@ -381,6 +433,9 @@ class BlockManager:
             usage=(used_blocks - pinned_only) / self.num_blocks,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
+            prefix_host_hits=self.prefix_host_hits,
+            num_host_cached_blocks=len(self.host_cache) if self.host_cache is not None else 0,
+            host_cache_stores=self.host_cache.num_stored if self.host_cache is not None else 0,
             evictions=self.pool.num_evictions,
             allocated_slots=(used_blocks - pinned_only) * self.block_size,
             used_slots=self._used_slots(),

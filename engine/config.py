@@ -54,6 +54,9 @@ class EngineConfig:
     # of a request with n > 1 (the paper's rule) and a sequence whose recompute costs more than its copy
     preemption_mode: str = "auto"
     swap_space_gib: float = 4.0  # host memory for swapped-out KV blocks (pinned on CUDA)
+    # host memory for the host tier of the prefix cache: cached blocks evicted from the device pool are copied
+    # there (LRU) and copied back on a later prefix hit instead of computed again; 0 = off
+    host_cache_gib: float = 0.0
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -83,6 +86,7 @@ class EngineConfig:
                "must be >= 0")
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
+        _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
         self.torch_device = resolve_device(self.device)
         large = is_large_gpu(self.torch_device)
         if self.max_num_seqs is None:

@@ -133,12 +133,18 @@ class LLMEngine:
         num_blocks = self._size_kv_cache()
         self.runner.capture_graphs()
         hasher = BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed)
-        num_host_blocks = 0
+        num_host_blocks = num_host_cache_blocks = 0
         if config.preemption_mode != "recompute":
             num_host_blocks = int(config.swap_space_gib * 2**30) // self.runner.bytes_per_block
-            self.runner.allocate_host_cache(num_host_blocks)
+        if config.enable_prefix_caching:
+            num_host_cache_blocks = int(config.host_cache_gib * 2**30) // self.runner.bytes_per_block
+        if num_host_blocks + num_host_cache_blocks:
+            self.runner.allocate_host_cache(num_host_blocks + num_host_cache_blocks)
+        if num_host_cache_blocks:
+            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_host_cache_blocks,
+                        num_host_cache_blocks * self.runner.bytes_per_block / 2**30)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher,
-                                          num_host_blocks)
+                                          num_host_blocks, num_host_cache_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefer_swap=self._prefer_swap)
         self.counters = EngineCounters()
@@ -511,7 +517,9 @@ class LLMEngine:
             kv_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
             num_cached_blocks=blocks.num_cached_blocks, num_pinned_blocks=blocks.num_pinned_blocks,
             prefix_queries=blocks.prefix_queries,
-            prefix_hits=blocks.prefix_hits, evictions=blocks.evictions,
+            prefix_hits=blocks.prefix_hits, prefix_host_hits=blocks.prefix_host_hits,
+            num_host_cached_blocks=blocks.num_host_cached_blocks, host_cache_stores=blocks.host_cache_stores,
+            evictions=blocks.evictions,
             preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
             kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens, steps=self.counters.steps,

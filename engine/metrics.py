@@ -31,7 +31,10 @@ class EngineStats:
     num_cached_blocks: int
     num_pinned_blocks: int  # held for shared system prompts (not evictable)
     prefix_queries: int  # tokens looked up in the prefix cache
-    prefix_hits: int  # tokens found
+    prefix_hits: int  # tokens found (on the device or in the host tier)
+    prefix_host_hits: int  # of those, tokens copied back from the host tier
+    num_host_cached_blocks: int  # blocks in the host tier of the prefix cache
+    host_cache_stores: int  # evicted cached blocks copied to the host tier
     evictions: int  # cached blocks reused for other tokens
     preemptions: int
     kv_allocated_slots: int
@@ -40,6 +43,10 @@ class EngineStats:
     generation_tokens: int
     steps: int
     finished: dict[str, int]
+
+    @property
+    def prefix_device_hits(self) -> int:
+        return self.prefix_hits - self.prefix_host_hits
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -81,18 +81,60 @@ def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: t
                               BLOCK_NUMEL=block_numel, CHUNK=chunk, num_warps=4)
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, to_host: bool | None = None
+                ) -> None:
     """Same contract as ``reference.swap_blocks``: copies block ``(src_id, dst_id)`` pairs of every layer
     between a device cache and a host cache (``[num_layers, num_blocks, ...]`` each).
 
-    No Triton here: a block of one layer is one contiguous run of bytes on both sides, so each is a single
-    asynchronous ``copy_`` (a DMA transfer when the host side is pinned; a sync copy when it is not). The pair
-    list is read on the host: pass ``block_mapping`` as a CPU tensor (the scheduler's decision lives there);
-    a device tensor costs one sync to read it. The copies are ordered on the current stream like any kernel
-    (so freeing and reusing swapped-out device blocks is safe); synchronize before the CPU itself reads a
-    host cache that was just written.
+    No Triton here (a kernel cannot address the host side): the copies are batched around the host link. Of
+    the pairs, runs where both ids climb by one move as one slice per layer. The rest is gathered on the side
+    that has the device (one index kernel into a contiguous staging tensor ``[num_layers, n, ...]``), and the
+    staging tensor crosses the link as one slice per layer for each run of consecutive host ids (the host
+    pools hand out consecutive slots, so a sequence's blocks form few runs); a copy to the device ends with one
+    scatter kernel. That is ``num_layers x runs`` transfers (DMA when the host side is pinned) and at most one
+    kernel, where one copy per layer and block cost ``num_layers x n`` launches. The pair list is read on the
+    host: pass ``block_mapping`` as a CPU tensor. Everything is ordered on the current stream like any kernel
+    (freeing and reusing swapped-out device blocks is safe, and the staging tensor's memory is reused only by
+    later work of the same stream); synchronize before the CPU itself reads a host cache just written.
+    ``to_host`` names the direction where both caches are on the CPU (tests); by default it is ``dst`` on the
+    CPU and ``src`` not.
     """
     pairs = block_mapping.tolist()
-    for layer in range(src.shape[0]):
-        for src_id, dst_id in pairs:
-            dst[layer, dst_id].copy_(src[layer, src_id], non_blocking=True)
+    if not pairs:
+        return
+    if to_host is None:
+        to_host = dst.device.type == "cpu" and src.device.type != "cpu"
+    device_side = src if to_host else dst
+    host_ids = [d for _, d in pairs] if to_host else [s for s, _ in pairs]
+    if len(_runs(pairs, both=True)) == 1:
+        s0, d0 = pairs[0]
+        dst[:, d0 : d0 + len(pairs)].copy_(src[:, s0 : s0 + len(pairs)], non_blocking=True)
+        return
+    device_ids = torch.tensor([s for s, _ in pairs] if to_host else [d for _, d in pairs],
+                              dtype=torch.int64).to(device_side.device, non_blocking=True)
+    if to_host:
+        staging = src.index_select(1, device_ids)
+        for begin, end in _runs([(h, h) for h in host_ids], both=False):
+            h0 = host_ids[begin]
+            for layer in range(src.shape[0]):
+                dst[layer, h0 : h0 + end - begin].copy_(staging[layer, begin:end], non_blocking=True)
+    else:
+        staging = torch.empty((dst.shape[0], len(pairs), *dst.shape[2:]), dtype=dst.dtype, device=dst.device)
+        for begin, end in _runs([(h, h) for h in host_ids], both=False):
+            h0 = host_ids[begin]
+            for layer in range(dst.shape[0]):
+                staging[layer, begin:end].copy_(src[layer, h0 : h0 + end - begin], non_blocking=True)
+        dst.index_copy_(1, device_ids, staging)
+
+
+def _runs(pairs: list[tuple[int, int]], both: bool) -> list[tuple[int, int]]:
+    """Maximal index ranges ``[begin, end)`` of ``pairs`` whose first ids (and with ``both`` second ids too)
+    climb by one from each pair to the next."""
+    runs, begin = [], 0
+    for i in range(1, len(pairs)):
+        (s0, d0), (s1, d1) = pairs[i - 1], pairs[i]
+        if s1 != s0 + 1 or (both and d1 != d0 + 1):
+            runs.append((begin, i))
+            begin = i
+    runs.append((begin, len(pairs)))
+    return runs

@@ -204,3 +204,25 @@ def test_swap_blocks_moves_blocks_between_caches():
     reference.swap_blocks(host_cache, expected_back, mapping.flip(1))
     swap_blocks(host_cache, back, mapping.flip(1))
     assert torch.equal(back.cpu(), expected_back)
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize("pairs", [
+    [(3, 0), (4, 1), (5, 2)],  # one run on both sides: one slice
+    [(9, 4), (2, 5), (7, 6), (0, 1), (5, 2), (6, 3)],  # scattered device ids, two runs of host ids
+    [(1, 1), (8, 0)],  # descending: every pair a run of its own
+])
+def test_swap_blocks_batched_paths_match_reference(to_host, pairs):
+    """The staged copy (gather, one slice per layer and host run, scatter) equals the reference in both
+    directions; host ids are the second column going out and the first coming back."""
+    gen = torch.Generator().manual_seed(len(pairs))
+    device_cache = torch.randn(3, 10, 4, 2, 8, generator=gen)
+    host_cache = torch.randn(3, 7, 4, 2, 8, generator=gen)
+    mapping = torch.tensor(pairs)
+    src, dst = (device_cache, host_cache) if to_host else (host_cache, device_cache)
+    if not to_host:
+        mapping = mapping.flip(1)
+    expected = dst.clone()
+    reference.swap_blocks(src, expected, mapping)
+    swap_blocks(src, dst, mapping, to_host=to_host)
+    assert torch.equal(dst, expected)

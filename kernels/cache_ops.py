@@ -89,9 +89,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     No Triton here (a kernel cannot address the host side): the copies are batched around the host link. Of
     the pairs, runs where both ids climb by one move as one slice per layer. The rest is gathered on the side
     that has the device (one index kernel into a contiguous staging tensor ``[num_layers, n, ...]``), and the
-    staging tensor crosses the link as one slice per layer for each run of consecutive host ids (the host
-    pools hand out consecutive slots, so a sequence's blocks form few runs); a copy to the device ends with one
-    scatter kernel. That is ``num_layers x runs`` transfers (DMA when the host side is pinned) and at most one
+    staging tensor crosses the link as one slice per layer for each run of consecutive host ids (pairs are
+    taken in host-id order, and the host pools hand out consecutive slots, so a sequence's blocks form few
+    runs); a copy to the device ends with one scatter kernel. That is ``num_layers x runs`` transfers (DMA when the host side is pinned) and at most one
     kernel, where one copy per layer and block cost ``num_layers x n`` launches. The pair list is read on the
     host: pass ``block_mapping`` as a CPU tensor. Everything is ordered on the current stream like any kernel
     (freeing and reusing swapped-out device blocks is safe, and the staging tensor's memory is reused only by
@@ -105,6 +105,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if to_host is None:
         to_host = dst.device.type == "cpu" and src.device.type != "cpu"
     device_side = src if to_host else dst
+    # the pairs are independent (each writes its own block), so they go in host-id order: a sequence's or a
+    # prefix's blocks, stored tail first, then form one ascending run of host slots
+    pairs.sort(key=lambda pair: pair[1] if to_host else pair[0])
     host_ids = [d for _, d in pairs] if to_host else [s for s, _ in pairs]
     if len(_runs(pairs, both=True)) == 1:
         s0, d0 = pairs[0]

@@ -64,9 +64,15 @@ def recomputed(tokenizer) -> list[tuple[list[int], int]]:
     return conversation(LLM(**SMALL).engine, tokenizer)
 
 
-def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tokenizer, recomputed):
+@pytest.fixture(scope="module")
+def tiered(tokenizer) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
+    """An engine with a host tier after the conversation, and the conversation's results."""
     engine = LLM(host_cache_gib=0.05, **SMALL).engine
-    results = conversation(engine, tokenizer)
+    return engine, conversation(engine, tokenizer)
+
+
+def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tokenizer, recomputed, tiered):
+    engine, results = tiered
     assert [tokens for tokens, _ in results] == [tokens for tokens, _ in recomputed]
     roomy = LLM(kv_cache_memory_gib=SMALL_KV_GIB).engine  # nothing evicted at all
     assert [tokens for tokens, _ in conversation(roomy, tokenizer)] == [tokens for tokens, _ in results]
@@ -97,3 +103,19 @@ def test_host_cache_needs_prefix_caching_and_a_real_size():
         EngineConfig(host_cache_gib=-0.5)
     engine = LLM(host_cache_gib=0.05, enable_prefix_caching=False, **SMALL).engine
     assert engine.block_manager.host_cache is None
+
+
+def test_metrics_split_device_and_host_hits(tiered):
+    """/metrics exposes the engine's split: hits on the device and hits restored from the host tier."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.metrics import ServerMetrics
+
+    engine, _ = tiered
+    stats = engine.stats()
+    text = ServerMetrics("m", engine.stats).exposition().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["pagedchat:prefix_cache_host_hits_total"] == stats.prefix_host_hits > 0
+    assert values["pagedchat:prefix_cache_device_hits_total"] == stats.prefix_hits - stats.prefix_host_hits
+    assert values["pagedchat:prefix_cache_hits_total"] == stats.prefix_hits
+    assert values["pagedchat:host_cache_blocks"] == len(engine.block_manager.host_cache.entries)

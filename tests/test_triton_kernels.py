@@ -210,7 +210,8 @@ def test_swap_blocks_moves_blocks_between_caches():
 @pytest.mark.parametrize("pairs", [
     [(3, 0), (4, 1), (5, 2)],  # one run on both sides: one slice
     [(9, 4), (2, 5), (7, 6), (0, 1), (5, 2), (6, 3)],  # scattered device ids, two runs of host ids
-    [(1, 1), (8, 0)],  # descending: every pair a run of its own
+    [(1, 1), (8, 0)],  # descending host ids: sorted into one run
+    [(2, 6), (7, 5), (4, 4), (0, 3)],  # stored tail first (as evictions and swap-outs go): one run once sorted
 ])
 def test_swap_blocks_batched_paths_match_reference(to_host, pairs):
     """The staged copy (gather, one slice per layer and host run, scatter) equals the reference in both

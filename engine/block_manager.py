@@ -140,18 +140,37 @@ class BlockStats:
 
 
 class HostBlocks:
-    """The host pool that swapped-out sequences' blocks are copied to: a free list. A block freed by a swap-in
-    is reused only from the next step on, as this step's copies still read it (they run in order on one stream:
-    swap-outs, copy-on-write, swap-ins, then the pass)."""
+    """The host pool that swapped-out sequences' blocks are copied to: a free list, and a reference count per
+    held slot (the sequences of one request swapped out together share the copies of the blocks they shared on
+    the device). A slot freed by a swap-in is reused only from the next step on, as this step's copies still
+    read it (they run in order on one stream: swap-outs, copy-on-write, swap-ins, then the pass)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.freed_this_step: list[int] = []
+        self.refs: dict[int, int] = {}  # held slot -> sequences holding it
 
     @property
     def num_free(self) -> int:
         return len(self.free)
+
+    def release(self, slots: list[int], reused_next_step: bool) -> None:
+        for slot in slots:
+            self.refs[slot] -= 1
+            if not self.refs[slot]:
+                del self.refs[slot]
+                (self.freed_this_step if reused_next_step else self.free).append(slot)
+
+    @property
+    def refs_released(self) -> set[int]:
+        """Slots whose copy back to the device is queued in this step (freed by a swap-in, held by no one)."""
+        return set(self.freed_this_step)
+
+    def reclaim(self, slot: int) -> int:
+        """A slot freed by this step's swap-in, held again (its contents are still the block's)."""
+        self.freed_this_step.remove(slot)
+        return slot
 
     def new_step(self) -> None:
         self.free += self.freed_this_step
@@ -241,11 +260,17 @@ class BlockManager:
         if not seq.block_table:  # admission: count the lookup
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(prefix_hits) * self.block_size
-        for block in prefix_hits:  # device hits first: taking blocks for host hits must not evict one of them
-            if isinstance(block, Block):
-                self.pool.acquire(block)
+        # device hits first, and host hits' slots claimed: taking blocks for host hits must not evict a device hit
+        # or store an evicted block into the slot of a host hit still to be restored
+        restores = {}
         for hit in prefix_hits:
-            seq.block_table.append(hit.block_id if isinstance(hit, Block) else self._restore(hit))
+            if isinstance(hit, Block):
+                self.pool.acquire(hit)
+            else:
+                restores[hit.block_hash] = self.host_cache.restore(hit.block_hash)
+        for hit in prefix_hits:
+            seq.block_table.append(hit.block_id if isinstance(hit, Block)
+                                   else self._restore(hit.block_hash, restores[hit.block_hash]))
         seq.num_computed_tokens = num_computed
         seq.num_registered_blocks = max(seq.num_registered_blocks, len(prefix_hits))
         if needs_copy:
@@ -260,12 +285,12 @@ class BlockManager:
             return self.pool.blocks[seq.block_table[index]]
         return prefix_hits[index - len(seq.block_table)]
 
-    def _restore(self, hit: HostHit) -> int:
-        """A fresh device block for a host-tier hit, its copy back queued (swap-in phase: before the pass reads
-        it) and registered under its hash at once (later requests of the same step share it)."""
+    def _restore(self, block_hash: bytes, slot: int) -> int:
+        """A fresh device block for a host-tier hit, its copy back from ``slot`` queued (swap-in phase: before
+        the pass reads it) and registered under its hash at once (later requests of the same step share it)."""
         block = self.pool.take()
-        self.pending_swap_in.append((self.host_cache.restore(hit.block_hash), block.block_id))
-        self.pool.register(block, hit.block_hash)
+        self.pending_swap_in.append((slot, block.block_id))
+        self.pool.register(block, block_hash)
         self.prefix_host_hits += self.block_size
         return block.block_id
 
@@ -373,36 +398,74 @@ class BlockManager:
 
     # swapping -----------------------------------------------------------------------------------------
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) <= self.host.num_free
+    def _computed_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks holding ``seq``'s computed tokens (a preempted step's allocation may have added more)."""
+        return seq.block_table[: self.blocks_needed(seq.num_computed_tokens)]
 
-    def swap_out(self, seq: Sequence) -> None:
-        """Copy ``seq``'s blocks to the host pool and drop them from the device (its computed tokens stay
-        computed). A copy-on-write still pending into one of its blocks is read from its source instead."""
+    def can_swap_out(self, *seqs: Sequence) -> bool:
+        """Room in the host pool for the distinct blocks of ``seqs`` (a request's sequences go together); no
+        when one of them is being filled from the host tier in this step (its data is not on the device yet)."""
+        blocks = {b for seq in seqs for b in self._computed_blocks(seq)}
+        filling = {dst for src, dst in self.pending_swap_in if src not in self.host.refs_released}
+        return (all(self._computed_blocks(seq) for seq in seqs) and blocks.isdisjoint(filling)
+                and len(blocks) <= self.host.num_free)
+
+    def swap_out(self, *seqs: Sequence) -> None:
+        """Copy the blocks of ``seqs`` holding computed tokens to the host pool, all or nothing (check
+        ``can_swap_out``), and drop every block of theirs from the device (their computed tokens stay
+        computed). A block the sequences share is copied once and its host copy shared. A copy-on-write still
+        pending into one of their blocks is read from its source; a block being swapped in this very step
+        keeps the host copy it comes from (the copy back is dropped: the step's swap-outs run before it)."""
         cow_source = {dst: src for src, dst in self.pending_copies}
-        own = set(seq.block_table)
+        swap_source = {dst: src for src, dst in self.pending_swap_in if src in self.host.refs_released}
+        own = {b for seq in seqs for b in seq.block_table}
         self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
-        seq.host_blocks = [self.host.free.pop() for _ in seq.block_table]
-        self.pending_swap_out += [(cow_source.get(b, b), h) for b, h in zip(seq.block_table, seq.host_blocks)]
-        computed = seq.num_computed_tokens
-        self.free(seq)
-        seq.num_computed_tokens = computed
+        slots: dict[int, int] = {}  # device block -> its host copy
+        for seq in seqs:
+            computed = self._computed_blocks(seq)
+            for block_id in computed:
+                if block_id not in slots:
+                    if block_id in swap_source:  # still in the host slot it came from
+                        slots[block_id] = self.host.reclaim(swap_source[block_id])
+                        self.pending_swap_in.remove((swap_source[block_id], block_id))
+                    else:
+                        slots[block_id] = self.host.free.pop()
+                        self.pending_swap_out.append((cow_source.get(block_id, block_id), slots[block_id]))
+                slot = slots[block_id]
+                self.host.refs[slot] = self.host.refs.get(slot, 0) + 1
+            seq.host_blocks = [slots[b] for b in computed]
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            self.free(seq)
+            seq.num_computed_tokens = computed
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return len(seq.host_blocks) <= self.pool.num_free
+    def can_swap_in(self, *seqs: Sequence, spare: int = 0) -> bool:
+        """Room on the device for the distinct host copies of ``seqs`` (plus ``spare`` blocks)."""
+        return len({slot for seq in seqs for slot in seq.host_blocks}) + spare <= self.pool.num_free
 
-    def swap_in(self, seq: Sequence) -> None:
-        """Back from the host pool into fresh device blocks (full ones registered again on the next commit)."""
-        seq.block_table = [self.pool.take().block_id for _ in seq.host_blocks]
-        self.pending_swap_in += list(zip(seq.host_blocks, seq.block_table))
-        self.host.freed_this_step += seq.host_blocks
-        seq.host_blocks = []
-        seq.num_registered_blocks = 0
-        self.holders[seq.seq_id] = seq
+    def swap_in(self, *seqs: Sequence) -> None:
+        """Back from the host pool into fresh device blocks, a host copy that several of ``seqs`` share into one
+        shared block again (full blocks are registered again on the next commit)."""
+        blocks: dict[int, Block] = {}  # host slot -> its device block
+        for seq in seqs:
+            table = []
+            for slot in seq.host_blocks:
+                block = blocks.get(slot)
+                if block is None:
+                    block = blocks[slot] = self.pool.take()
+                    self.pending_swap_in.append((slot, block.block_id))
+                else:
+                    self.pool.acquire(block)
+                table.append(block.block_id)
+            seq.block_table = table
+            self.host.release(seq.host_blocks, reused_next_step=True)
+            seq.host_blocks = []
+            seq.num_registered_blocks = 0
+            self.holders[seq.seq_id] = seq
 
     def drop_host_blocks(self, seq: Sequence) -> None:
         """A swapped-out sequence ended: its host copies are not needed (no copy reads them any more)."""
-        self.host.free += seq.host_blocks
+        self.host.release(seq.host_blocks, reused_next_step=False)
         seq.host_blocks = []
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -151,19 +151,21 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}  # seq_id -> its choice, for every unfinished sample
         self._beams: dict[int, _BeamGroup] = {}  # seq_id -> its beam-search request, for every beam
+        self._beams_swapped_at_step: list[_BeamGroup] = []  # beam steps waiting for their beams' swap-in
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
 
     def _prefer_swap(self, seq: Sequence) -> bool:
         """``preemption_mode``: swap or recompute this victim. ``auto``: a sample of a request with n > 1 (or
-        best_of) is swapped (the paper's rule: its siblings share its history); otherwise the cheaper of the
-        copy out and back over the host link and the recompute of its tokens, by rough device rates. Beams are
-        always recomputed (a beam step needs every beam on the device)."""
+        best_of) or a beam is swapped, with all its request's running sequences (the paper's rule: they share
+        their history, and the host keeps one copy of each shared block); otherwise the cheaper of the copy
+        out and back over the host link and the recompute of its tokens, by rough device rates. Where the host
+        pool has no room, a victim is recomputed."""
         mode = self.config.preemption_mode
-        if mode == "recompute" or seq.params.use_beam_search:
+        if mode == "recompute":
             return False
-        if mode == "swap" or seq.params.num_sequences > 1:
+        if mode == "swap" or seq.params.num_sequences > 1 or seq.params.use_beam_search:
             return True
         link, flops = (25e9, 4e14) if self.config.torch_device.type == "cuda" else (5e9, 2e11)
         copy_seconds = 2 * len(seq.block_table) * self.runner.bytes_per_block / link
@@ -288,6 +290,25 @@ class LLMEngine:
         id from N's sampled ids on the device. A sequence that stops at N (EOS, stop string) still gets
         one wasted row in N+1; a sequence whose pending token is its last by length is not scheduled again.
         """
+        outputs = self._deferred_beam_steps() if self._beams_swapped_at_step else []
+        return outputs + self._step()
+
+    def _deferred_beam_steps(self) -> list[RequestOutput]:
+        """Beam steps whose log-probs were complete while the request's beams were swapped out: taken once the
+        beams are back on the device (before the schedule, which then runs the new beams)."""
+        outputs, waiting = [], []
+        for beam in self._beams_swapped_at_step:
+            live = beam.beams[:beam.num_live]
+            if any(seq.is_finished for seq in live):
+                continue  # aborted meanwhile
+            if all(seq.status is SequenceStatus.RUNNING for seq in live):
+                outputs += self._beam_step(beam)
+            else:
+                waiting.append(beam)
+        self._beams_swapped_at_step = waiting
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         self.last_batch = batch
@@ -308,8 +329,8 @@ class LLMEngine:
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
         self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
-        for seq in batch.preempted:
-            if (beam := self._beams.get(seq.seq_id)) is not None:
+        for seq in batch.preempted:  # a recomputed beam computes its log-probs again; a swapped one keeps them
+            if (beam := self._beams.get(seq.seq_id)) is not None and seq.status is not SequenceStatus.SWAPPED:
                 beam.collected.pop(seq.seq_id, None)
         # a beam's next token comes from its request's beam step, not from its own sampled row
         launched.pending_indices = [-1 if seq.params.use_beam_search else seq.append_pending()
@@ -345,10 +366,14 @@ class LLMEngine:
         for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
             if index < 0:  # a beam: its row's log-probs go to its request's next beam step
                 beam = self._beams.get(seq.seq_id)
-                if beam is not None and seq.status is SequenceStatus.RUNNING:
+                # (a beam swapped out after this pass keeps its log-probs: its KV was written before the copy)
+                if beam is not None and seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                     beam.collected[seq.seq_id] = launched.beam_logprobs[row]
                     if len(beam.collected) == beam.num_live:
-                        outputs += self._beam_step(beam)
+                        if all(b.status is SequenceStatus.RUNNING for b in beam.beams[:beam.num_live]):
+                            outputs += self._beam_step(beam)
+                        else:  # swapped out (all together): the step waits for their swap-in
+                            self._beams_swapped_at_step.append(beam)
                 continue
             choice = choices.get(seq.seq_id)
             if choice is None or seq.is_finished:

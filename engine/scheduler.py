@@ -105,29 +105,33 @@ class Scheduler:
         )
 
     def _swap_in(self, budget: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> int:
-        """Swapped-out sequences come back first, in order, once their blocks (and one more) fit."""
+        """Swapped-out requests come back first, in order, each with all its swapped sequences (sharing their
+        blocks again), once their blocks (and one more per sequence) fit."""
+        manager = self.block_manager
         while self.swapped and budget > 0:
-            seq = self.swapped[0]
-            if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs:
+            group = [s for s in self.swapped if s.request_id == self.swapped[0].request_id]
+            unforked = sum(len(seq.unforked) for seq in group)
+            if len(self.running) + self.num_unforked + len(group) + unforked > self.max_num_seqs:
                 break
-            free = self.block_manager.num_free_blocks
-            if len(seq.host_blocks) + 1 > free:  # (one block to spare for its next token)
+            if not manager.can_swap_in(*group, spare=len(group)):  # (a block to spare for each next token)
                 if self.running:
                     break
-                if self.block_manager.pins:  # nothing else runs: pins give way, as for a waiting request
-                    released = self.block_manager.unpin_all()
+                if manager.pins:  # nothing else runs: pins give way, as for a waiting request
+                    released = manager.unpin_all()
                     logger.warning("released %d pinned preset blocks under memory pressure (for %s)",
-                                   released, seq.request_id)
+                                   released, group[0].request_id)
                     continue
-                if len(seq.host_blocks) > free:
+                if not manager.can_swap_in(*group):
                     break
-            self.swapped.popleft()
-            self.block_manager.swap_in(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.num_unforked += len(seq.unforked)
-            if not (seq.awaiting_last_token or seq.awaiting_beam_step):
-                budget = self._schedule_running(seq, budget, chosen, preempted)
+            manager.swap_in(*group)
+            for seq in group:
+                self.swapped.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self.num_unforked += len(seq.unforked)
+            for seq in group:
+                if seq.status is SequenceStatus.RUNNING and not (seq.awaiting_last_token or seq.awaiting_beam_step):
+                    budget = self._schedule_running(seq, budget, chosen, preempted)
             if preempted:
                 break
         return budget
@@ -150,11 +154,10 @@ class Scheduler:
                           preempted: list[Sequence]) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget)
         while not self.block_manager.allocate(seq, num_new):
-            victim = self.running[-1]
-            budget += chosen.pop(victim, 0)
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is seq:
+            for victim in self._preempt(self.running[-1]):
+                budget += chosen.pop(victim, 0)
+                preempted.append(victim)
+            if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or with its request's others)
                 return budget
         chosen[seq] = num_new
         return budget - num_new
@@ -222,25 +225,37 @@ class Scheduler:
         self.num_unforked -= len(parent.unforked)
         parent.unforked = []
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> list[Sequence]:
+        """Preempt ``seq``: swapped out together with its request's other running sequences (samples or beams
+        sharing blocks: the paper's rule, all or nothing), or recomputed later alone. Returns the preempted."""
+        if self.prefer_swap(seq):
+            group = [s for s in self.running if s.request_id == seq.request_id]
+            # (a request holding every running sequence would come back to the same shortage: one recomputes)
+            if len(group) < len(self.running) and self.block_manager.can_swap_out(*group):
+                for victim in group:
+                    self.running.remove(victim)
+                    self.num_unforked -= len(victim.unforked)  # they wait with their parent
+                    victim.num_preemptions += 1
+                    victim.status = SequenceStatus.SWAPPED
+                    self.swapped.append(victim)
+                self.block_manager.swap_out(*group)
+                self.num_preemptions += len(group)
+                self.num_swap_outs += len(group)
+                logger.info("preempted %s (%d sequences swapped out, %d host blocks; %d free)", seq.request_id,
+                            len(group), len({b for v in group for b in v.host_blocks}),
+                            self.block_manager.num_free_blocks)
+                return group
         self.running.remove(seq)
         self.num_unforked -= len(seq.unforked)  # they wait with their parent
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.prefer_swap(seq) and self.block_manager.can_swap_out(seq):
-            self.block_manager.swap_out(seq)
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-            self.num_swap_outs += 1
-            logger.info("preempted %s (swapped out %d blocks; %d free)", seq.request_id, len(seq.host_blocks),
-                        self.block_manager.num_free_blocks)
-            return
         seq.awaiting_beam_step = False  # (a beam recomputes its logits once admitted again)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
                     seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
+        return [seq]
 
     def advance(self, entries: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]] = ()) -> None:
         """After the forward pass: each entry's ``n`` tokens now have KV; register newly full blocks; forked

@@ -47,11 +47,20 @@ def test_beam_search_equals_transformers(llm: LLM, hf_model, prompt_ids, width: 
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
-def test_beam_search_under_preemption_gives_the_same_tokens(hf_model, prompt_ids):
-    tight = LLM(num_kv_blocks=14, max_model_len=96)
+@pytest.fixture(scope="module")
+def expected_width4(hf_model, prompt_ids) -> list[list[int]]:
+    return [hf_beam(hf_model, ids, 4, NEW_TOKENS) for ids in prompt_ids[:4]]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beam_search_under_preemption_gives_the_same_tokens(expected_width4, prompt_ids, mode: str):
+    """swap: a preempted beam's request goes to the host with all its beams (shared blocks copied once) and
+    comes back together; recompute: the beam computes its tokens again."""
+    tight = LLM(num_kv_blocks=14, max_model_len=96, preemption_mode=mode, swap_space_gib=0.05)
     got = tight.beam_search(prompt_ids[:4], beam_width=4, max_tokens=NEW_TOKENS)
     assert tight.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    assert [o.token_ids for o in got] == [hf_beam(hf_model, ids, 4, NEW_TOKENS) for ids in prompt_ids[:4]]
+    assert (tight.engine.scheduler.num_swap_outs > 0) == (mode == "swap")
+    assert [o.token_ids for o in got] == expected_width4
     check_pool(tight.engine.block_manager, [])
 
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from block_invariants import (ReferenceHashes, check_contents, check_pool, kv_tokens, reference_block_hash,
-                              reference_chain, reference_root, snapshot, with_copies)
-from engine.block_manager import BlockHasher, BlockManager
+from block_invariants import (ReferenceHashes, check_contents, check_host, check_pool, kv_tokens,
+                              reference_block_hash, reference_chain, reference_root, snapshot, with_pending)
+from engine.block_manager import Block, BlockHasher, BlockManager, HostHit
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -29,8 +29,10 @@ SEED = "s3cret"
 
 # ---------------------------------------------------------------- helpers
 
-def make_bm(num_blocks: int, algo: str = "sha256", caching: bool = True) -> BlockManager:
-    return BlockManager(num_blocks, BS, caching, BlockHasher(algo, MODEL, SEED))
+def make_bm(num_blocks: int, algo: str = "sha256", caching: bool = True, num_host_blocks: int = 0,
+            num_host_cache_blocks: int = 0) -> BlockManager:
+    return BlockManager(num_blocks, BS, caching, BlockHasher(algo, MODEL, SEED), num_host_blocks,
+                        num_host_cache_blocks)
 
 
 def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
@@ -420,6 +422,50 @@ def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
     assert bm.stats().prefix_queries == 52  # a failed admission is not counted
 
 
+# ---------------------------------------------------------------- host tier and swapping (regressions)
+
+def test_host_hit_survives_the_store_its_own_restore_triggers() -> None:
+    """The fresh block a host hit is copied into may evict a cached block whose store reclaims the least
+    recently used host slot: it must not be the slot of the hit being restored."""
+    bm = make_bm(2, num_host_cache_blocks=1)
+    a = make_seq(0, [1, 2, 3, 4, 5])
+    run_prompt(bm, a)
+    cached = a.block_table[0]
+    bm.free(a)  # [1, 2, 3, 4] cached on the device
+    bm.take_pending_swaps()
+    b = make_seq(1, list(range(10, 18)))
+    run_prompt(bm, b)  # evicts [1, 2, 3, 4]: stored in the host tier's only slot
+    assert bm.take_pending_swaps() == ([(cached, 0)], [])
+    bm.free(b)  # both of b's full blocks cached, free
+    c = make_seq(2, [1, 2, 3, 4, 9])
+    (hit,) = bm.match_prefix(c)
+    assert isinstance(hit, HostHit)
+    assert bm.allocate(c, 1, [hit])  # the restore's fresh block evicts one of b's: its store needs a slot
+    outs, ins = bm.take_pending_swaps()
+    assert ins == [(hit.slot, c.block_table[0])]
+    assert all(slot != hit.slot for _, slot in outs), "the restored slot was overwritten in the same step"
+
+
+def test_swap_out_in_the_step_of_its_swap_in_keeps_the_kv() -> None:
+    """The scheduler swaps a sequence in, fails to allocate its next tokens and preempts it (itself the last
+    running) in the same step: its new host copy must hold its KV, not the blocks' contents before the
+    swap-in (the step's swap-outs run before its swap-ins)."""
+    bm = make_bm(4, num_host_blocks=4)
+    seq = make_seq(0, [1, 2, 3, 4, 5])
+    run_prompt(bm, seq)
+    kv = {0: [1, 2, 3, 4], 1: [5, None, None, None], 2: [None] * BS, 3: [None] * BS}
+    assert seq.block_table == [0, 1]
+    host: dict = {i: [None] * BS for i in range(4)}
+    bm.swap_out(seq)
+    kv, host = with_pending(kv, host, *bm.take_pending_swaps()[:1], [], [])
+    bm.swap_in(seq)  # step 2: back in ...
+    bm.swap_out(seq)  # ... and out again before the pass
+    outs, ins = bm.take_pending_swaps()
+    kv, host = with_pending(kv, host, outs, [], ins)
+    read = [host[seq.host_blocks[i // BS]][i % BS] for i in range(seq.num_computed_tokens)]
+    assert read == [1, 2, 3, 4, 5]
+
+
 # ---------------------------------------------------------------- the engine's use, at random
 
 TOKENS = st.integers(0, 2)  # a small alphabet: prompts share prefixes, so hits happen
@@ -434,52 +480,74 @@ CHOICES = st.lists(st.tuples(PICK, PICK), max_size=3)  # (which sequence, how ma
 
 @dataclass(frozen=True)
 class Step:
-    """One engine step: running sequences scheduled, then waiting ones admitted; maybe a victim preempted
-    after its allocation; then the forward pass (``sampled``: next token of each sequence that completes)."""
+    """One engine step: maybe the longest-swapped sequence back in (``resume``), running sequences scheduled,
+    then waiting ones admitted; maybe a victim preempted after its allocation (swapped out when ``swap`` and the
+    scheduler could, else dropped for a recompute); then the forward pass (``sampled``: next token of each
+    sequence that completes)."""
+    resume: bool
     running: list[tuple[int, int]]
     waiting: list[tuple[int, int]]
     preempt: int | None
+    swap: bool
     sampled: list[int]
 
 
-STEPS = st.builds(Step, running=CHOICES, waiting=CHOICES,
+STEPS = st.builds(Step, resume=st.booleans(), running=CHOICES, waiting=CHOICES,
                   preempt=st.one_of(st.none(), st.none(), st.none(), PICK),  # a victim in about 1 step of 4
+                  swap=st.booleans(),
                   sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
+
+
+def hit_key(hit: Block | HostHit) -> int | tuple[bytes, int]:
+    return hit.block_id if isinstance(hit, Block) else (hit.block_hash, hit.slot)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager as the engine does: each ``engine_step`` schedules (running sequences first, then
-    admissions), may preempt a scheduled sequence, then runs the forward pass; between steps sequences
-    arrive, fork, finish or are preempted, and the prefix cache may be reset.
+    admissions), may preempt a scheduled sequence (dropping or swapping it out), then runs the forward pass;
+    between steps sequences arrive, fork, finish, are preempted, swapped out or back in, and the prefix cache
+    may be reset.
 
-    ``kv`` models the cache contents: block id -> token id held by each slot. The forward pass applies the
-    step's copy-on-write copies, then writes each scheduled token's id into its slot.
+    ``kv`` models the device cache contents (block id -> token id held by each slot), ``host_kv`` the host
+    slots (the swap pool, then the host tier of the prefix cache). The forward pass applies the step's
+    swap-outs, copy-on-write copies and swap-ins, in that order, then writes each scheduled token's id into
+    its slot.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.seqs: dict[int, Sequence] = {}  # live: waiting (empty table) or running
+        self.seqs: dict[int, Sequence] = {}  # live: waiting (empty table), running or swapped out
+        self.swapped: list[int] = []  # ids of swapped-out sequences (empty table, host blocks), in order
         self.pending: dict[int, int] = {}  # seq id -> tokens allocated for the coming forward pass
-        self.copies: list[tuple[int, int]] = []  # copy-on-write copies taken for the coming pass
+        self.admitted: set[int] = set()  # ids admitted in the current step (never a victim: admission is last)
+        self.history: list[tuple[list[int], str | None]] = []  # tokens of sequences gone (finished, aborted)
         self.next_id = 0
-        self.queries = self.hits = self.evictions = 0
+        self.queries = self.hits = self.evictions = self.host_hits = self.host_stores = 0
 
     @initialize(algo=st.sampled_from(["sha256", "xxh128"]), num_blocks=st.integers(6, 10) | st.integers(6, 24),
+                num_host_blocks=st.integers(0, 12), num_host_cache_blocks=st.just(0) | st.integers(0, 6),
                 prompts=st.lists(st.tuples(PROMPTS, SALTS), min_size=1, max_size=4))
-    def setup(self, algo: str, num_blocks: int, prompts: list[tuple[list[int], str | None]]) -> None:
-        self.bm = make_bm(num_blocks, algo)
+    def setup(self, algo: str, num_blocks: int, num_host_blocks: int, num_host_cache_blocks: int,
+              prompts: list[tuple[list[int], str | None]]) -> None:
+        self.bm = make_bm(num_blocks, algo, num_host_blocks=num_host_blocks,
+                          num_host_cache_blocks=num_host_cache_blocks)
+        assert (self.bm.host_cache is None) == (num_host_cache_blocks == 0)
+        event("host tier" if num_host_cache_blocks else "no host tier")
         self.ref = ReferenceHashes(algo, MODEL, SEED, BS)
         self.kv = {i: [None] * BS for i in range(num_blocks)}
+        self.host_kv = {i: [None] * BS for i in range(num_host_blocks + num_host_cache_blocks)}
         for tokens, salt in prompts:
             self.new_seq(tokens, salt)
 
     # -------- helpers
     def waiting(self) -> list[Sequence]:
-        return [s for s in self.seqs.values() if not s.block_table]
+        return [s for s in self.seqs.values() if not s.block_table and s.seq_id not in self.swapped]
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self.seqs.values() if s.block_table]
 
     def steppable(self) -> list[Sequence]:
-        return [s for s in self.seqs.values()
-                if s.block_table and s.seq_id not in self.pending and s.num_uncomputed_tokens > 0]
+        return [s for s in self.running() if s.seq_id not in self.pending and s.num_uncomputed_tokens > 0]
 
     def new_seq(self, tokens: list[int], salt: str | None, prompt_len: int | None = None) -> Sequence:
         seq = Sequence(seq_id=self.next_id, request_id=f"r{self.next_id}", token_ids=tokens,
@@ -488,68 +556,117 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return seq
 
-    def expected_hits(self, seq: Sequence) -> list[int]:
-        """Longest run of cached blocks of the reference chain, leaving at least one token to compute."""
-        hits = []
+    def forget(self, seq: Sequence) -> None:
+        del self.seqs[seq.seq_id]
+        self.history = (self.history + [(list(seq.token_ids), seq.cache_salt)])[-8:]
+
+    def view(self) -> tuple[dict, dict]:
+        """What the coming pass attends to: the contents after this step's pending copies (nothing mutated)."""
+        bm = self.bm
+        return with_pending(self.kv, self.host_kv, bm.pending_swap_out, bm.pending_copies, bm.pending_swap_in)
+
+    def host_slot_of(self, block_hash: bytes) -> int | None:
+        hc = self.bm.host_cache
+        return hc.entries.get(block_hash) if hc is not None else None
+
+    def expected_hits(self, seq: Sequence) -> list[int | tuple[bytes, int]]:
+        """Longest run of cached blocks of the reference chain (on the device: the block id, else in the host
+        tier: (hash, slot)), leaving at least one token to compute."""
+        hits: list[int | tuple[bytes, int]] = []
         for block_hash in self.ref.chain(seq.token_ids, seq.cache_salt)[: (seq.num_tokens - 1) // BS]:
-            if block_hash not in self.bm.pool.cached:
+            if block_hash in self.bm.pool.cached:
+                hits.append(self.bm.pool.cached[block_hash].block_id)
+            elif (slot := self.host_slot_of(block_hash)) is not None:
+                hits.append((block_hash, slot))
+            else:
                 break
-            hits.append(self.bm.pool.cached[block_hash].block_id)
         return hits
 
     def admit(self, seq: Sequence, size: int) -> None:
         hits = self.bm.match_prefix(seq)
-        assert [b.block_id for b in hits] == self.expected_hits(seq)
-        self.try_allocate(seq, 1 + size % (seq.num_tokens - len(hits) * BS), hits)
+        assert [hit_key(b) for b in hits] == self.expected_hits(seq)
+        if self.try_allocate(seq, 1 + size % (seq.num_tokens - len(hits) * BS), hits):
+            self.admitted.add(seq.seq_id)
 
-    def try_allocate(self, seq: Sequence, n: int, hits: list | None = None) -> None:
+    def try_allocate(self, seq: Sequence, n: int, hits: list | None = None) -> bool:
         """allocate, checked against a hand count of the free blocks it needs; all or nothing."""
         bm, pool = self.bm, self.bm.pool
         admission = hits is not None
         hits = hits or []
+        host_hits = [(i, h) for i, h in enumerate(hits) if isinstance(h, HostHit)]
         computed = seq.num_computed_tokens + len(hits) * BS
-        table = seq.block_table + [b.block_id for b in hits]
+        # a host hit's block is taken by the allocation: unknown here (None)
+        table = seq.block_table + [b.block_id if isinstance(b, Block) else None for b in hits]
         first, last = computed // BS, (computed + n - 1) // BS  # blocks the pass will write
+        assert all(table[i] is not None for i in range(first, min(last + 1, len(table))))
         copies = sum(1 for i in range(first, min(last + 1, len(table))) if pool.blocks[table[i]].ref_count > 1)
-        need = max(0, last + 1 - len(table)) + sum(1 for b in hits if b.ref_count == 0) + copies
+        revived = sum(1 for b in hits if isinstance(b, HostHit) or b.ref_count == 0)
+        need = max(0, last + 1 - len(table)) + revived + copies
         before, cached_before = snapshot(bm, list(self.seqs.values())), set(pool.cached)
-        free_before = bm.num_free_blocks
+        free_before, free_ids_before = bm.num_free_blocks, set(pool.free_queue)
+        num_copies, num_outs, num_ins = len(bm.pending_copies), len(bm.pending_swap_out), len(bm.pending_swap_in)
+        host_hits_before = bm.prefix_host_hits
 
         ok = bm.allocate(seq, n, hits) if admission else bm.allocate(seq, n)
         assert ok == (need <= free_before), f"needs {need} blocks, {free_before} free, allocate said {ok}"
         if not ok:
             event("allocation refused")
             assert snapshot(bm, list(self.seqs.values())) == before, "a failed allocation changed state"
-            return
+            return False
+        offset = len(table) - len(hits)  # (hits follow the blocks seq already held: none on admission)
         assert seq.num_computed_tokens == computed
         kept = [b for i, b in enumerate(seq.block_table[: len(table)]) if not (copies and i == first)]
-        assert kept == [b for i, b in enumerate(table) if not (copies and i == first)]
-        assert len(seq.block_table) == last + 1, "table is not exactly the blocks needed"
+        assert [b if table[i] is not None else None for i, b in enumerate(kept)] \
+            == [b for i, b in enumerate(table) if not (copies and i == first)]
+        # (a swapped-in sequence may hold blocks allocated before it was swapped out, for tokens still to come)
+        assert len(seq.block_table) == max(last + 1, len(table)), "table is not exactly the blocks needed"
         for i in range(first, last + 1):  # a pass writes only into blocks its sequence holds alone
             block = pool.blocks[seq.block_table[i]]
             assert block.ref_count == 1 and block.block_hash is None
-        new_copies = bm.take_pending_copies()
+        new_copies = bm.pending_copies[num_copies:]
         assert len(new_copies) == copies
         for src, dst in new_copies:
             assert table[first] == src and seq.block_table[first] == dst
-        self.copies += new_copies
-        view = with_copies(self.kv, self.copies)  # what the coming pass attends to: hits included
-        assert kv_tokens(view, seq, BS) == seq.token_ids[: seq.num_computed_tokens], "a hit served wrong KV"
-        self.evictions += len(cached_before - set(pool.cached))
+        # host hits: a fresh block each, registered under the hash at once, its copy back queued in order
+        restores = bm.pending_swap_in[num_ins:]
+        assert restores == [(h.slot, seq.block_table[offset + i]) for i, h in host_hits], "wrong host restores"
+        for i, h in host_hits:
+            block = pool.blocks[seq.block_table[offset + i]]
+            assert block.block_id in free_ids_before and block.ref_count == 1
+            assert block.block_hash == h.block_hash and pool.cached[h.block_hash] is block, "restore not registered"
+            assert bm.host_cache.entries.get(h.block_hash) == h.slot
+        assert bm.prefix_host_hits - host_hits_before == BS * len(host_hits)
+        self.host_hits += BS * len(host_hits)
+        # evicted blocks this allocation stored on the host tier (copied in the step's first phase)
+        stores = bm.pending_swap_out[num_outs:]
+        evicted = cached_before - set(pool.cached)
+        if bm.host_cache is None:
+            assert not stores
+        for block_id, slot in stores:
+            assert block_id in free_ids_before and slot >= bm.host.num_blocks
+        dev, _ = self.view()
+        assert kv_tokens(dev, seq, BS) == seq.token_ids[: seq.num_computed_tokens], "a hit served wrong KV"
+        self.evictions += len(evicted)
         if admission:
             self.queries += seq.num_tokens
             self.hits += len(hits) * BS
         self.pending[seq.seq_id] = n
-        for name, happened in [("copy-on-write", copies), ("prefix hit", hits),
-                               ("eviction", cached_before - set(pool.cached))]:
+        for name, happened in [("copy-on-write", copies), ("prefix hit", hits), ("host hit", host_hits),
+                               ("eviction", evicted), ("host store", stores)]:
             if happened:
                 event(name)
+        return True
 
     def forward_pass(self, sampled: list[int]) -> None:
-        """Copies first, then each scheduled token's KV into its slot; commit; sample a token at the end
-        (or finish, at MAX_TOKENS)."""
-        self.kv = with_copies(self.kv, self.copies)
-        self.copies = []
+        """The step's copies (swap-outs, copy-on-write, swap-ins), then each scheduled token's KV into its slot;
+        commit; sample a token at the end (or finish, at MAX_TOKENS)."""
+        outs, ins = self.bm.take_pending_swaps()
+        copies = self.bm.take_pending_copies()
+        for pairs in (outs, copies, ins):  # one batched copy each: a duplicate destination has no defined winner
+            assert len({dst for _, dst in pairs}) == len(pairs), f"duplicate copy destination in {pairs}"
+        num_swap = self.bm.host.num_blocks
+        self.host_stores += sum(1 for _, slot in outs if slot >= num_swap)
+        self.kv, self.host_kv = with_pending(self.kv, self.host_kv, outs, copies, ins)
         batch = [(self.seqs[seq_id], n) for seq_id, n in self.pending.items()]
         for seq, n in batch:
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
@@ -565,10 +682,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 seq.append_token(token)
             elif seq.num_uncomputed_tokens == 0:  # finished by length: its blocks stay cached until reused
                 self.bm.free(seq)
-                del self.seqs[seq.seq_id]
+                self.forget(seq)
         self.pending = {}
+        self.admitted = set()
+
+    def swap_out_seq(self, seq: Sequence) -> None:
+        """``bm.swap_out``, checked: one swap slot per block of computed tokens, every block freed, the computed
+        tokens kept."""
+        bm = self.bm
+        computed, num_outs = seq.num_computed_tokens, len(bm.pending_swap_out)
+        # only the blocks holding computed tokens go (a preempted step's allocation may have added more)
+        whole, table = list(seq.block_table), seq.block_table[: -(-computed // BS)]
+        cow = {dst: src for src, dst in bm.pending_copies}
+        swap_ins = set(bm.pending_swap_in)
+        free_slots = set(bm.host.free) | set(bm.host.freed_this_step)
+        bm.swap_out(seq)
+        assert seq.block_table == [] and seq.seq_id not in bm.holders
+        assert seq.num_computed_tokens == computed, "swap-out dropped computed tokens"
+        assert len(seq.host_blocks) == len(table) and set(seq.host_blocks) <= free_slots
+        assert not set(seq.host_blocks) & (set(bm.host.free) | set(bm.host.freed_this_step))
+        # one copy out per block, read from a pending copy-on-write's source (a block whose swap-in from the
+        # same slot is still pending would need none)
+        assert bm.pending_swap_out[num_outs:] == [(cow.get(b, b), h) for b, h in zip(table, seq.host_blocks)
+                                                  if (h, b) not in swap_ins]
+        assert not set(whole) & {dst for _, dst in bm.pending_copies}, "a copy into a swapped-out block remains"
+        if set(table) & set(cow):
+            event("swap out with a pending copy-on-write")
+        self.swapped.append(seq.seq_id)
+        event("swap out")
 
     def engine_step(self, step: Step) -> None:
+        if step.resume and self.swapped:  # swapped sequences come back in order, then run with the others
+            self.swap_in_seq(self.seqs[self.swapped[0]])
         for pick, size in step.running:
             if candidates := self.steppable():
                 seq = candidates[pick % len(candidates)]
@@ -578,9 +723,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.admit(candidates[pick % len(candidates)], size)
         if step.preempt is not None and self.pending:  # a victim preempted after its allocation in this step
             victim = self.seqs[list(self.pending)[step.preempt % len(self.pending)]]
-            self.bm.free(victim)
             del self.pending[victim.seq_id]
-            event("preempted within a step")
+            # the scheduler preempts only while scheduling running (or swapped-in) sequences, before admissions
+            if step.swap and victim.seq_id not in self.admitted and self.bm.can_swap_out(victim):
+                self.swap_out_seq(victim)
+                event("swapped out within a step")
+            else:
+                self.bm.free(victim)
+                event("preempted within a step")
         self.forward_pass(step.sampled)
 
     # -------- rules: an event between steps, then an engine step (every rule drives the engine, also
@@ -595,10 +745,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.new_seq(tokens, salt)
         self.engine_step(step)
 
+    @rule(pick=PICK, extra=st.lists(TOKENS, max_size=4), step=STEPS)
+    def resubmit(self, pick: int, extra: list[int], step: Step) -> None:
+        """A conversation comes back: an earlier sequence's tokens (prompt and output), maybe more after them,
+        long evicted from the device perhaps, but still in the host tier."""
+        hc = self.bm.host_cache
+        offloaded = [self.ref.origin[h] for h in hc.entries] if hc is not None else []  # (salt, token prefix)
+        returning = self.history + [(list(tokens), salt) for salt, tokens in offloaded]
+        if returning and len(self.seqs) < MAX_SEQS:
+            tokens, salt = returning[pick % len(returning)]
+            self.new_seq((tokens + (extra or [0]))[:16], salt)
+        self.engine_step(step)
+
     @rule(pick=PICK, step=STEPS)
     def fork(self, pick: int, step: Step) -> None:
-        """A running sequence forks (n > 1, beams): the child shares its blocks and copies its tokens."""
-        running = [s for s in self.seqs.values() if s.block_table]
+        """A running sequence forks (n > 1, beams): the child shares its blocks and copies its tokens. The engine
+        forks a parent right after the pass that computed its prompt (or beam step), so its table holds just its
+        computed tokens; a swapped-in victim may hold blocks beyond them (allocated before it was swapped out),
+        and allocate copies only the first block a write touches, so such a sequence is not forked here."""
+        running = [s for s in self.running() if len(s.block_table) == self.bm.blocks_needed(s.num_computed_tokens)]
         if running and len(self.seqs) < MAX_SEQS:
             parent = running[pick % len(running)]
             child = self.new_seq(list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens)
@@ -610,21 +775,91 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(pick=PICK, finish=st.booleans(), step=STEPS)
     def free(self, pick: int, finish: bool, step: Step) -> None:
-        """Finish or abort (the sequence goes away), or preempt (back to waiting, recomputed later)."""
+        """Finish or abort (the sequence goes away), or preempt (back to waiting, recomputed later); a swapped
+        sequence's host blocks are dropped too."""
         if seqs := list(self.seqs.values()):
             seq = seqs[pick % len(seqs)]
+            if seq.seq_id in self.swapped:
+                self.drop_host(seq)
             self.bm.free(seq)
             assert seq.block_table == [] and seq.num_computed_tokens == 0
             if finish:
-                del self.seqs[seq.seq_id]
+                self.forget(seq)
+            self.check()
+        self.engine_step(step)
+
+    def drop_host(self, seq: Sequence) -> None:
+        slots, free_before = list(seq.host_blocks), list(self.bm.host.free)
+        self.bm.drop_host_blocks(seq)
+        assert seq.host_blocks == [] and sorted(self.bm.host.free) == sorted(free_before + slots)
+        self.swapped.remove(seq.seq_id)
+
+    @rule(pick=PICK, step=STEPS)
+    def swap_out(self, pick: int, step: Step) -> None:
+        """Preemption by swapping: a running sequence's blocks go to the swap pool (a forked sibling keeps
+        the blocks they share)."""
+        if (running := self.running()) and self.bm.can_swap_out(seq := running[pick % len(running)]):
+            self.swap_out_seq(seq)
+            self.check()
+        elif running:
+            event("swap out refused")
+        self.engine_step(step)
+
+    @rule(pick=PICK, step=STEPS)
+    def swap_in(self, pick: int, step: Step) -> None:
+        """A swapped sequence comes back into fresh blocks; the pass of this step copies its KV in first."""
+        if self.swapped:
+            self.swap_in_seq(self.seqs[self.swapped[pick % len(self.swapped)]])
+        self.engine_step(step)
+
+    def swap_in_seq(self, seq: Sequence) -> bool:
+        """``bm.swap_in`` when it can, checked: fresh blocks, the copies back queued, the computed tokens kept
+        (read back by the coming pass), the host slots held until the step's copies ran."""
+        bm, pool = self.bm, self.bm.pool
+        if not bm.can_swap_in(seq):
+            assert len(seq.host_blocks) > bm.num_free_blocks
+            event("swap in refused")
+            return False
+        slots, computed = list(seq.host_blocks), seq.num_computed_tokens
+        free_ids, cached_before, num_ins = set(pool.free_queue), set(pool.cached), len(bm.pending_swap_in)
+        num_outs = len(bm.pending_swap_out)
+        bm.swap_in(seq)
+        assert len(seq.block_table) == len(slots) and set(seq.block_table) <= free_ids
+        assert all(pool.blocks[b].ref_count == 1 and pool.blocks[b].block_hash is None for b in seq.block_table)
+        assert seq.host_blocks == [] and seq.num_computed_tokens == computed and seq.num_registered_blocks == 0
+        assert bm.holders.get(seq.seq_id) is seq
+        assert bm.pending_swap_in[num_ins:] == list(zip(slots, seq.block_table))
+        assert set(slots) <= set(bm.host.freed_this_step), "swap slots reused while this step still reads them"
+        stores = bm.pending_swap_out[num_outs:]
+        assert all(slot >= bm.host.num_blocks for _, slot in stores)
+        self.evictions += len(cached_before - set(pool.cached))
+        if stores:
+            event("host store")
+        self.swapped.remove(seq.seq_id)
+        dev, _ = self.view()
+        assert kv_tokens(dev, seq, BS) == seq.token_ids[:computed], "a swapped-in sequence reads foreign KV"
+        event("swap in")
+        return True
+
+    @rule(pick=PICK, step=STEPS)
+    def drop_swapped(self, pick: int, step: Step) -> None:
+        """A swapped-out sequence finishes (aborted, or its request ended): its host blocks are freed."""
+        if self.swapped:
+            seq = self.seqs[self.swapped[pick % len(self.swapped)]]
+            self.drop_host(seq)
+            self.bm.free(seq)
+            self.forget(seq)
+            event("swapped sequence dropped")
             self.check()
         self.engine_step(step)
 
     @rule(step=STEPS)
     def reset_prefix_cache(self, step: Step) -> None:
         free_hashed = sum(1 for b in self.bm.pool.free_queue.values() if b.block_hash is not None)
-        assert self.bm.reset_prefix_cache() == free_hashed
+        host_entries = len(self.bm.host_cache.entries) if self.bm.host_cache is not None else 0
+        assert self.bm.reset_prefix_cache() == free_hashed + host_entries
         assert all(b.block_hash is None for b in self.bm.pool.free_queue.values())
+        assert self.bm.host_cache is None or not self.bm.host_cache.entries
         self.check()
         self.engine_step(step)
 
@@ -662,16 +897,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -------- invariants
     @invariant()
+    def between_steps(self) -> None:
+        """After every rule (its engine step ran): nothing is left pending, and everything checks out."""
+        bm = self.bm
+        assert not self.pending and not bm.pending_copies and not bm.pending_swap_out and not bm.pending_swap_in
+        assert not bm.host.freed_this_step and (bm.host_cache is None or not bm.host_cache.busy)
+        self.check()
+
     def check(self) -> None:
-        """Bookkeeping is consistent, every sequence reads its own tokens, cached blocks hold their tokens."""
+        """Bookkeeping is consistent, every sequence reads its own tokens (a swapped one from its host blocks),
+        cached blocks hold their tokens, on the device and in the host tier. Called mid-rule too (between a
+        rule's event and its engine step), where the contents are those the coming pass will see."""
+        bm = self.bm
         seqs = list(self.seqs.values())
-        check_pool(self.bm, seqs)
-        assert not self.pending and not self.bm.pending_copies
-        s = self.bm.stats()
+        swapped = [self.seqs[i] for i in self.swapped]
+        assert set(self.swapped) <= set(self.seqs) and len(set(self.swapped)) == len(self.swapped)
+        check_pool(bm, seqs)
+        s = bm.stats()
         assert (s.prefix_queries, s.prefix_hits, s.evictions) == (self.queries, self.hits, self.evictions)
-        check_contents(self.bm, seqs, self.kv, self.ref)
+        pending_stores = sum(1 for _, slot in bm.pending_swap_out if slot >= bm.host.num_blocks)
+        assert (s.prefix_host_hits, s.host_cache_stores) == (self.host_hits, self.host_stores + pending_stores)
+        hc = bm.host_cache
+        assert s.num_host_cached_blocks == (len(hc.entries) if hc is not None else 0)
+        kv, host_kv = self.view()
+        check_contents(bm, [q for q in seqs if q.seq_id not in self.swapped], kv, self.ref)
+        check_host(bm, seqs, swapped, host_kv, self.ref)
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerMachine = BlockManagerMachine.TestCase

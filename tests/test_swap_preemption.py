@@ -29,8 +29,14 @@ def expected(prompt_ids) -> list[list[int]]:
 
 def check_host_pool(engine: LLMEngine) -> None:
     manager, scheduler = engine.block_manager, engine.scheduler
-    held = [b for seq in scheduler.swapped for b in seq.host_blocks]
-    assert len(set(held)) == len(held), "a host block held twice"
+    held: dict[int, int] = {}  # slot -> sequences holding it (a request's sequences share their shared blocks)
+    for seq in scheduler.swapped:
+        assert len(set(seq.host_blocks)) == len(seq.host_blocks), "a host block twice in one sequence"
+        for slot in seq.host_blocks:
+            held[slot] = held.get(slot, 0) + 1
+    assert held == manager.host.refs, "host reference counts differ from the swapped sequences' slots"
+    for slot in held:  # only sequences of one request share a slot
+        assert len({s.request_id for s in scheduler.swapped if slot in s.host_blocks}) == 1
     assert not set(held) & set(manager.host.free), "a host block both free and held"
     assert len(held) + manager.host.num_free + len(manager.host.freed_this_step) == manager.host.num_blocks
     assert all(seq.status is SequenceStatus.SWAPPED and not seq.block_table for seq in scheduler.swapped)
@@ -87,7 +93,9 @@ def test_aborting_a_swapped_sequence_frees_its_host_blocks(prompt_ids):
         engine.block_manager.host.num_blocks
 
 
-def test_auto_swaps_the_samples_of_a_parallel_request(prompt_ids):
+def test_a_parallel_request_alone_recomputes_a_sample_rather_than_swap_itself_out(prompt_ids):
+    """Swapping out a request that holds every running sequence would bring it back to the same shortage:
+    one sample is recomputed instead, and the tokens still equal a roomy pool's."""
     params = SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True)
     roomy = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
     expected = [o.token_ids for o in roomy.generate(prompt_ids[2], params)]
@@ -97,7 +105,7 @@ def test_auto_swaps_the_samples_of_a_parallel_request(prompt_ids):
     while engine.has_unfinished_requests():
         finals.update((o.index, o.token_ids) for o in engine.step() if o.finished)
     assert [finals[i] for i in range(3)] == expected
-    assert engine.scheduler.num_swap_outs > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_swap_outs == 0
 
 
 def test_bad_preemption_settings_name_the_field():
@@ -105,3 +113,37 @@ def test_bad_preemption_settings_name_the_field():
         EngineConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="swap_space_gib"):
         EngineConfig(swap_space_gib=-1)
+
+
+def test_a_parallel_request_is_swapped_as_a_group_sharing_its_host_copies(prompt_ids):
+    """The samples of an n > 1 request leave together (all or nothing) with one host copy of each block they
+    share, and come back sharing one device block again; their tokens equal a roomy pool's."""
+    params = [SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True), GREEDY, GREEDY]
+    a, b, c = prompt_ids
+    requests = [c + b + a + c + b, b, c]  # the n=3 prompt fills one block: its samples share it
+    roomy = LLM(kv_cache_memory_gib=SMALL_KV_GIB).engine
+    engine = LLM(preemption_mode="auto", swap_space_gib=0.05, num_kv_blocks=8, max_model_len=96).engine
+    results, shared_on_host = [], False
+    for llm_engine in (roomy, engine):
+        for i, (ids, p) in enumerate(zip(requests, params)):
+            llm_engine.add_request(f"r{i}", ids, p)
+        finals = {}
+        while llm_engine.has_unfinished_requests():
+            for out in llm_engine.step():
+                if out.finished:
+                    finals[(out.request_id, out.index)] = out.token_ids
+            scheduler = llm_engine.scheduler
+            check_pool(llm_engine.block_manager,
+                       list(scheduler.running) + list(scheduler.waiting) + list(scheduler.swapped))
+            if llm_engine is engine:
+                check_host_pool(engine)
+                group = [s for s in scheduler.swapped if s.request_id == "r0"]
+                if group:
+                    assert not [s for s in scheduler.running if s.request_id == "r0"], \
+                        "a request's samples are swapped out all together, not one by one"
+                    slots = [slot for s in group for slot in s.host_blocks]
+                    shared_on_host |= len(set(slots)) < len(slots)
+        results.append(finals)
+    assert results[1] == results[0]
+    assert shared_on_host, "the n=3 request was meant to be swapped out with its shared prompt blocks"
+    check_host_pool(engine)

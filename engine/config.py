@@ -51,7 +51,8 @@ class EngineConfig:
     max_graph_batch_size: int | None = None
     # how a sequence preempted for want of KV blocks comes back: recompute (its KV is dropped and computed
     # again), swap (its blocks are copied to a host pool of swap_space_gib and back), or auto: swap a sample
-    # of a request with n > 1 (the paper's rule) and a sequence whose recompute costs more than its copy
+    # or beam of a request with n > 1 or beam search (the paper's rule: with all its request's running sequences)
+    # and a sequence whose recompute costs more than its copy
     preemption_mode: str = "auto"
     swap_space_gib: float = 4.0  # host memory for swapped-out KV blocks (pinned on CUDA)
     # host memory for the host tier of the prefix cache: cached blocks evicted from the device pool are copied

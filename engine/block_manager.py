@@ -162,11 +162,6 @@ class HostBlocks:
                 del self.refs[slot]
                 (self.freed_this_step if reused_next_step else self.free).append(slot)
 
-    @property
-    def refs_released(self) -> set[int]:
-        """Slots whose copy back to the device is queued in this step (freed by a swap-in, held by no one)."""
-        return set(self.freed_this_step)
-
     def reclaim(self, slot: int) -> int:
         """A slot freed by this step's swap-in, held again (its contents are still the block's)."""
         self.freed_this_step.remove(slot)
@@ -406,7 +401,8 @@ class BlockManager:
         """Room in the host pool for the distinct blocks of ``seqs`` (a request's sequences go together); no
         when one of them is being filled from the host tier in this step (its data is not on the device yet)."""
         blocks = {b for seq in seqs for b in self._computed_blocks(seq)}
-        filling = {dst for src, dst in self.pending_swap_in if src not in self.host.refs_released}
+        swapped_in = set(self.host.freed_this_step)  # slots whose copy back runs this step (not host-tier ones)
+        filling = {dst for src, dst in self.pending_swap_in if src not in swapped_in}
         return (all(self._computed_blocks(seq) for seq in seqs) and blocks.isdisjoint(filling)
                 and len(blocks) <= self.host.num_free)
 
@@ -417,7 +413,8 @@ class BlockManager:
         pending into one of their blocks is read from its source; a block being swapped in this very step
         keeps the host copy it comes from (the copy back is dropped: the step's swap-outs run before it)."""
         cow_source = {dst: src for src, dst in self.pending_copies}
-        swap_source = {dst: src for src, dst in self.pending_swap_in if src in self.host.refs_released}
+        swapped_in = set(self.host.freed_this_step)
+        swap_source = {dst: src for src, dst in self.pending_swap_in if src in swapped_in}
         own = {b for seq in seqs for b in seq.block_table}
         self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
         slots: dict[int, int] = {}  # device block -> its host copy

@@ -16,6 +16,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX_HASHES = ("sha256", "xxh128")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+KV_BACKENDS = ("paged", "vattention")
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class EngineConfig:
     # host memory for the host tier of the prefix cache: cached blocks evicted from the device pool are copied
     # there (LRU) and copied back on a later prefix hit instead of computed again; 0 = off
     host_cache_gib: float = 0.0
+    # who owns the KV memory: paged (block tables over a block pool) or vattention (CUDA only: each request's
+    # KV contiguous in virtual memory, physical pages of the driver's granularity mapped on demand; the block
+    # size becomes the tokens of one page, e.g. 2048 for llama-3.2-1b in bf16)
+    kv_backend: str = "paged"
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -88,7 +93,10 @@ class EngineConfig:
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
+        _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
         self.torch_device = resolve_device(self.device)
+        _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
+               "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")
         large = is_large_gpu(self.torch_device)
         if self.max_num_seqs is None:
             self.max_num_seqs = 1024 if large else 256

@@ -20,6 +20,11 @@ class AttentionMetadata:
     num_decodes: int  # decode tokens are rows 0 .. num_decodes - 1
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, from row num_decodes: prefill b owns
     #                                     rows num_decodes + cu[b] .. num_decodes + cu[b + 1] - 1
+    # contiguous KV backend (vAttention): [num_seqs] int32 request slot of each sequence (its KV at
+    # k[slot, position]); then block_tables is the same ids as a [num_seqs, 1] column and slot_mapping is
+    # slot * max_len + position. None for the paged backend.
+    slot_ids: torch.Tensor | None = None
+    max_context_len: int = 0  # host-known bound of context_lens (contiguous decode sizes split-K from it)
 
 
 _current: AttentionMetadata | None = None

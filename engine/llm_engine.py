@@ -317,7 +317,10 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         if not batch.seqs:
             if in_flight is not None:
-                return self._process(in_flight)
+                outputs = self._process(in_flight)
+                if not self._requests:
+                    self.runner.settle()
+                return outputs
             stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
             if stuck and not self.scheduler.running and not batch.preempted:  # for good
                 raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
@@ -349,6 +352,8 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._process(launched)
+            if not self._requests:
+                self.runner.settle()
         return outputs
 
     def _needs_known_history(self, batch: ScheduledBatch) -> bool:

@@ -17,11 +17,12 @@ from kernels import ops as kernel_ops
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.kv_backend import make_kv_backend
 from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.step_inputs import StepInputs, StepTensors
+from engine.step_inputs import ContiguousSlots, StepInputs, StepTensors
 from engine.structured_output import token_masks
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,15 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = config.torch_device
+        # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
+        # wait for the step in flight, hence up to twice the running limit
+        self.num_slots = 2 * config.max_num_seqs + 2
+        self.kv = make_kv_backend(config.kv_backend, model.args, config.torch_dtype, self.device, config.block_size,
+                                  config.max_model_len, self.num_slots)
+        if self.kv.block_size != config.block_size:
+            logger.info("kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
+                        config.kv_backend, self.kv.block_size, self.kv.page_bytes >> 20)
+            config.block_size = self.kv.block_size
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.k_caches = torch.empty(0)
@@ -83,9 +93,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        args = self.model.args
-        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        return 2 * args.num_layers * self.block_size * args.num_kv_heads * args.head_dim * elem
+        return self.kv.bytes_per_block
 
     # KV cache sizing ---------------------------------------------------------------------------------
 
@@ -122,26 +130,28 @@ class ModelRunner:
             self.graphs = None
         # the step buffers are allocated again, at their final size, beside the real KV cache
         buffers = self.graph_logits.nbytes + self.graph_tables.nbytes + self.inputs.device_buffer.nbytes
+        self.kv.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
         return peak + graph_bytes + buffers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One K and one V tensor ``[layers, blocks, block_size, kv_heads, head_dim]``; each attention layer
-        gets its layer's view. Zeroed so that masked-out stale slots never carry NaN into a softmax. Also the
-        step input buffers, sized by the (now final) ``max_model_len``."""
-        args, config = self.model.args, self.config
-        shape = (args.num_layers, num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
-        self.k_caches = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
-        self.v_caches = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        """The KV backend's memory for ``num_blocks`` blocks (block-addressed ``k_caches``/``v_caches``
+        ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap); each attention
+        layer gets its layer's view. Also the step input buffers, sized by the (now final) ``max_model_len``."""
+        args, config, kv = self.model.args, self.config, self.kv
+        kv.allocate(num_blocks)
+        self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
-            attn.k_cache, attn.v_cache = self.k_caches[i], self.v_caches[i]
+            attn.k_cache, attn.v_cache = kv.layer_caches(i)
         max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
-        self.inputs = StepInputs(self.device, self.block_size, max_tokens, config.max_num_seqs + 1,
-                                 config.max_blocks_per_seq)
+        slots = ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row) if kv.contiguous else None
+        self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
+                                 config.max_num_seqs + 1, config.max_blocks_per_seq, slots)
         if self.graph_sizes:
-            self.graph_tables = torch.zeros(self.graph_sizes[-1], config.max_blocks_per_seq, dtype=torch.int32,
-                                            device=self.device)
+            width = 1 if kv.contiguous else config.max_blocks_per_seq  # (contiguous: the slot ids)
+            self.graph_tables = torch.full((self.graph_sizes[-1], width), kv.scratch_slot, dtype=torch.int32,
+                                           device=self.device)
             self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
                                             device=self.device)
 
@@ -170,6 +180,12 @@ class ModelRunner:
         """``seq`` left the running batch for good (finished): release its input rows."""
         self.inputs.forget(seq)
 
+    def settle(self) -> None:
+        """The engine went idle: slots of finished sequences are released now (vattention unmaps their pages)."""
+        if self.kv.contiguous:
+            self.inputs.drain()
+            self.kv.flush()
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
@@ -187,6 +203,9 @@ class ModelRunner:
         if batch.num_decodes == len(batch.seqs):
             pad = padded_size(self.graph_sizes, len(batch.seqs))
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
+        if self.kv.contiguous:
+            inputs = self.inputs
+            self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, self._wait_for_device)
         prepared = time.perf_counter()
         num_rows = len(batch.sampling_seqs)
         if pad is not None:
@@ -196,11 +215,17 @@ class ModelRunner:
         else:
             hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
-        return self._sample(logits, batch.sampling_seqs, prepared - start)
+        launched = self._sample(logits, batch.sampling_seqs, prepared - start)
+        self.inputs.step_launched()
+        return launched
+
+    def _wait_for_device(self) -> None:
+        """(A contiguous backend about to remap a page that the step in flight may read.)"""
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _padded_decode(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
-        width = step.metadata.block_tables.shape[1]
-        self.graph_tables[:num_seqs, :width].copy_(step.metadata.block_tables)
+        rows, width = step.metadata.block_tables.shape
+        self.graph_tables[:rows, :width].copy_(step.metadata.block_tables)
         logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
         return logits[:num_seqs]
 
@@ -261,9 +286,11 @@ class ModelRunner:
     def _decode_pass(self, size: int) -> torch.Tensor:
         """One decode pass over the static inputs of graph size ``size`` (what each graph records)."""
         ids, feed, positions, slots, context_lens = self._static_inputs(size)
-        metadata = AttentionMetadata(slot_mapping=slots, block_tables=self.graph_tables[:size],
-                                     context_lens=context_lens, num_decodes=size,
-                                     prefill_cu_seqlens_q=self.inputs.device_buffer[5 * size:5 * size + 1])
+        tables = self.graph_tables[:size]
+        metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=context_lens,
+                                     num_decodes=size, prefill_cu_seqlens_q=self.inputs.device_buffer[5 * size:5 * size + 1],
+                                     slot_ids=tables[:, 0] if self.kv.contiguous else None,
+                                     max_context_len=self.config.max_model_len)
         hidden = self._forward(ids, feed, positions, metadata)
         return self.model.compute_logits(hidden, out=self.graph_logits[:size])
 

@@ -13,10 +13,17 @@ sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the ho
 by the step in flight): the device takes it from row ``r`` of the previous step's sampled ids. For a
 decode-only step padded to a CUDA-graph size G (padding rows need no table row: the model runner copies
 the B real rows into the graphs' static block table), the first 5G entries are the graph's static inputs.
+
+With a contiguous KV backend (vAttention) a sequence's table row is also its request slot: its KV sits at
+``slot * max_len + position``, the packed table is one slot id per sequence (padding rows: the scratch slot),
+and a finished sequence's slot is reused only after the last step that may still read it has finished on
+the device (then the backend unmaps its pages).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -39,15 +46,30 @@ class StepTensors:
     num_real_seqs: int  # B before padding
 
 
+@dataclass(slots=True)
+class ContiguousSlots:
+    """A contiguous KV layout's terms: slot length, the padding rows' slot, and what to do with a slot that
+    no step in flight reads any more."""
+
+    max_len: int
+    scratch_slot: int
+    release: Callable[[int], None]
+
+
 class StepInputs:
     def __init__(self, device: torch.device, block_size: int, max_tokens: int, max_seqs: int,
-                 max_blocks_per_seq: int) -> None:
+                 max_blocks_per_seq: int, contiguous: ContiguousSlots | None = None) -> None:
         self.device = device
+        self.contiguous = contiguous
+        self._cooling: deque[tuple[int, torch.cuda.Event | None]] = deque()  # (row, last step that may read it)
+        self._launched: torch.cuda.Event | None = None
+        self.rows = np.zeros(0, dtype=np.int64)  # the latest step's table rows, one per sequence
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)  # persistent, one row per seq
         self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
-        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._free_rows = [row for row in range(max_seqs - 1, -1, -1)
+                           if contiguous is None or row != contiguous.scratch_slot]
         capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
         pinned = device.type == "cuda"
         self._staging = [torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
@@ -60,12 +82,42 @@ class StepInputs:
     def forget(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted: its table row goes back to the free list."""
         entry = self._rows.pop(seq.seq_id, None)
-        if entry is not None:
+        if entry is None:
+            return
+        if self.contiguous is None:
             self._free_rows.append(entry[0])
+        else:
+            self._cooling.append((entry[0], self._launched))
+
+    def step_launched(self) -> None:
+        """The runner launched a step (on CUDA): rows forgotten from now on wait for it."""
+        if self.contiguous is not None and self.device.type == "cuda":
+            self._launched = torch.cuda.Event()
+            self._launched.record()
+
+    def drain(self) -> None:
+        """Nothing runs any more (the engine is idle): free every forgotten row now."""
+        while self._cooling:
+            self._release_cooled(wait=True)
+
+    def _release_cooled(self, wait: bool) -> None:
+        """Free the forgotten rows whose last step finished (``wait``: the oldest one at least)."""
+        while self._cooling:
+            row, event = self._cooling[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            wait = False
+            self._cooling.popleft()
+            self.contiguous.release(row)
+            self._free_rows.insert(0, row)  # reused last: its pages are unmapped in the background
 
     def _sync_row(self, seq: Sequence) -> int:
         entry = self._rows.get(seq.seq_id)
         if entry is None:
+            if not self._free_rows and self._cooling:
+                self._release_cooled(wait=True)
             if not self._free_rows:
                 raise RuntimeError(f"step inputs: more than {len(self.table)} live sequences")
             entry = self._rows[seq.seq_id] = [self._free_rows.pop(), 0]
@@ -88,9 +140,11 @@ class StepInputs:
         (padding rows: slot -1, context 1, their outputs ignored)."""
         for seq in batch.preempted:
             self.forget(seq)
+        if self._cooling:
+            self._release_cooled(wait=False)
         seqs, counts = batch.seqs, batch.num_new_tokens
         num_seqs = len(seqs)
-        rows = np.fromiter((self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs)
+        rows = self.rows = np.fromiter((self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
         lens = np.asarray(counts, dtype=np.int64)
         ids: list[int] = []
@@ -99,13 +153,17 @@ class StepInputs:
         num_tokens = len(ids)
         total = pad_to or num_tokens
         total_seqs = pad_to or num_seqs
-        width = max(len(seq.block_table) for seq in seqs)
+        self.widths = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs)
+        width = int(self.widths.max())
 
         cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
         seq_of_token = np.repeat(np.arange(num_seqs), lens)
-        blocks = self.table[rows[seq_of_token], positions // self.block_size]
-        slots = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        if self.contiguous is None:
+            blocks = self.table[rows[seq_of_token], positions // self.block_size]
+            slots = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        else:
+            slots = rows[seq_of_token] * self.contiguous.max_len + positions
         ends = starts + lens
         sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
                        if end == seq.num_tokens]
@@ -115,7 +173,10 @@ class StepInputs:
         num_decodes = batch.num_decodes
         prefill_cu = np.concatenate(([0], np.cumsum(lens[num_decodes:])))
 
-        sizes = [total, total, total, total, total_seqs, len(prefill_cu), len(sample_rows), num_seqs * width]
+        table_rows = num_seqs
+        if self.contiguous is not None:  # the table is each sequence's slot (padding rows: the scratch slot)
+            width, table_rows = 1, total_seqs
+        sizes = [total, total, total, total, total_seqs, len(prefill_cu), len(sample_rows), table_rows * width]
         host = self._staging[self._turn % len(self._staging)]
         self._turn += 1
         flat = host.numpy()
@@ -132,13 +193,19 @@ class StepInputs:
         ctx_v[:num_seqs] = ends
         cu_v[:] = prefill_cu
         rows_v[:] = sample_rows
-        table_v.reshape(num_seqs, width)[:] = self.table[rows, :width]
+        if self.contiguous is None:
+            table_v.reshape(num_seqs, width)[:] = self.table[rows, :width]
+        else:
+            table_v[:num_seqs] = rows
+            table_v[num_seqs:] = self.contiguous.scratch_slot
         if total > num_tokens:  # graph padding rows: token 0 at position 0 of a 1-token context, written nowhere
             ids_v[num_tokens:] = 0
             pos_v[num_tokens:] = 0
             slot_v[num_tokens:] = -1
             ctx_v[num_seqs:] = 1
-        return self._to_device(host, offsets, total_seqs if pad_to else num_decodes, total, num_seqs, width)
+        step = self._to_device(host, offsets, total_seqs if pad_to else num_decodes, total, num_seqs, width)
+        step.metadata.max_context_len = int(ends.max())
+        return step
 
     def _to_device(self, host: torch.Tensor, offsets: np.ndarray, num_decodes: int, total: int, num_seqs: int,
                    width: int) -> StepTensors:
@@ -147,6 +214,8 @@ class StepInputs:
         buffer[:used].copy_(host[:used], non_blocking=True)
         parts = [buffer[int(offsets[i]):int(offsets[i + 1])] for i in range(len(offsets) - 1)]
         ids, feed, positions, slots, ctx, cu, rows, table = parts
-        metadata = AttentionMetadata(slot_mapping=slots, block_tables=table.view(-1, width), context_lens=ctx,
-                                     num_decodes=num_decodes, prefill_cu_seqlens_q=cu)
+        tables = table.view(-1, width)
+        metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
+                                     num_decodes=num_decodes, prefill_cu_seqlens_q=cu,
+                                     slot_ids=None if self.contiguous is None else tables[:, 0])
         return StepTensors(ids, feed, positions, metadata, rows, total, num_seqs)

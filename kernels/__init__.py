@@ -1,11 +1,11 @@
 """Attention, cache and fused layer kernels behind one dispatch.
 
 Every kernel has a torch reference with the same signature (kernels/reference.py), which is the CPU path;
-the Triton kernels (paged_attention.py, prefill_attention.py, cache_ops.py, and the fused layer kernels
-rms_norm.py, rotary.py, activation.py) run when a tensor argument is on CUDA. ``PAGEDCHAT_KERNELS``: ``auto``
-(default), ``reference`` (always the reference) or ``triton`` (always Triton; with CPU tensors on a machine
-without CUDA that is Triton's interpreter: slow, for tests). Triton is imported on first use, so a CPU-only
-install runs without it and ``TRITON_INTERPRET`` is set before it loads.
+the Triton kernels (paged_attention.py, prefill_attention.py, contiguous_attention.py, cache_ops.py, and the
+fused layer kernels rms_norm.py, rotary.py, activation.py) run when a tensor argument is on CUDA.
+``PAGEDCHAT_KERNELS``: ``auto`` (default), ``reference`` (always the reference) or ``triton`` (always Triton;
+with CPU tensors on a machine without CUDA that is Triton's interpreter: slow, for tests). Triton is imported
+on first use, so a CPU-only install runs without it and ``TRITON_INTERPRET`` is set before it loads.
 
 The dispatchers live in ``kernels.ops`` (``kernels.ops.paged_attention(...)``), not as package attributes:
 importing the submodule ``kernels.paged_attention`` rebinds the package attribute of that name to the module.
@@ -28,6 +28,8 @@ if _CHOICE not in ("auto", "reference", "triton"):
 
 _TRITON_MODULE = {"store_kv": "cache_ops", "copy_blocks": "cache_ops", "swap_blocks": "cache_ops",
                   "paged_attention": "paged_attention", "prefill_attention": "prefill_attention",
+                  "contiguous_decode_attention": "contiguous_attention",
+                  "contiguous_prefill_attention": "contiguous_attention",
                   "rms_norm": "rms_norm", "rotary_embedding": "rotary", "silu_and_mul": "activation"}
 
 

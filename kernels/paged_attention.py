@@ -3,6 +3,8 @@ through the sequence's block table.
 
 Layout (see kernels/reference.py): K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``p`` of a sequence lives in block ``block_tables[b, p // block_size]`` at offset ``p % block_size``.
+With ``CONTIGUOUS`` (kernels/contiguous_attention.py, the vAttention layout) the same kernel reads
+``[num_slots, max_len, ...]`` caches at ``slot_ids[b]``, position ``p``: no block table.
 
 Design, and why:
 - One program per (KV head, sequence[, partition]) handles all ``group = heads // kv_heads`` query heads of
@@ -14,7 +16,8 @@ Design, and why:
   the context and writes (max, sum, unnormalized output) for its heads; the last partition of a (sequence,
   KV head) to finish (an atomic counter) merges them in the same launch, so split-K costs no second kernel.
   The counters reset themselves after use (one launch at a time per device: the engine's single stream).
-  The partition count comes from ``block_tables.shape[1]`` (host-known), so nothing waits on the device.
+  The partition count comes from ``block_tables.shape[1]`` (contiguous: the slot length), host-known, so
+  nothing waits on the device.
 """
 from __future__ import annotations
 
@@ -49,12 +52,27 @@ CONFIG = DecodeConfig()
 
 @triton.jit
 def kv_tile_offsets(table_row_ptr, pos, kv_head, dims, stride_block, stride_token, stride_head,
-                    BLOCK_SIZE: tl.constexpr, mask):
-    """Element offsets ``[len(pos), len(dims)]`` of positions ``pos`` of one sequence for one KV head:
-    ``block_id * stride_block + (pos % block_size) * stride_token + kv_head * stride_head + dim``."""
-    block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
-    rows = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_token + kv_head * stride_head
+                    BLOCK_SIZE: tl.constexpr, mask, CONTIGUOUS: tl.constexpr):
+    """Element offsets ``[len(pos), len(dims)]`` of positions ``pos`` of one sequence for one KV head.
+    Paged: ``block_id * stride_block + (pos % block_size) * stride_token + kv_head * stride_head + dim``.
+    CONTIGUOUS: ``pos * stride_token + kv_head * stride_head + dim`` from the sequence's slot base (see
+    ``sequence_kv``): plain strided offsets, as for a dense tensor, so the loads are as wide as the layout allows."""
+    if CONTIGUOUS:
+        rows = pos * stride_token + kv_head * stride_head
+    else:
+        block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+        rows = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_token + kv_head * stride_head
     return rows[:, None] + dims[None, :]
+
+
+@triton.jit
+def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.constexpr):
+    """K and V base pointers of one sequence: its slot's start (``slot * stride_block``, int64: a slot's start
+    can pass 2^31 elements) when CONTIGUOUS (``table_row_ptr`` points at the slot id), else the cache's."""
+    if CONTIGUOUS:
+        base = tl.load(table_row_ptr).to(tl.int64) * stride_block
+        return k_ptr + base, v_ptr + base
+    return k_ptr, v_ptr
 
 
 @triton.jit(**per_step("table_ptr", "ctx_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "stride_table",
@@ -64,7 +82,7 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
                    stride_head, stride_table, num_kv_heads, num_parts, partition,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
-                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr):
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
@@ -78,9 +96,11 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
     dims = tl.arange(0, HEAD_PAD)
     q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
-    row_max, row_sum, acc = _attend_range(q, k_ptr, v_ptr, table_ptr + seq.to(tl.int64) * stride_table, start, end,
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
+    row_max, row_sum, acc = _attend_range(q, k_seq, v_seq, table_row, start, end,
                                           kv_head, dims, scale_log2, stride_block, stride_token, stride_head,
-                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, CONTIGUOUS)
     if SPLIT:
         used = tl.cdiv(ctx, partition)
         if part < used:  # partitions past the context hold no keys: they neither count nor write
@@ -105,7 +125,8 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
 @triton.jit
 def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_log2, stride_block, stride_token,
                   stride_head, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  CONTIGUOUS: tl.constexpr):
     """Online softmax of the query rows ``q`` over key positions ``start .. end - 1``: returns (row max, row
     sum, unnormalized output), all in base 2."""
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -115,7 +136,7 @@ def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_l
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < end
         offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head,
-                               BLOCK_SIZE, valid)
+                               BLOCK_SIZE, valid, CONTIGUOUS)
         if HEAD_DIM == HEAD_PAD:
             kv_mask = valid[:, None]  # row-only mask keeps the loads 16 bytes wide
         else:
@@ -181,10 +202,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 def choose_partition(programs: int, max_tokens: int, device: torch.device, config: DecodeConfig,
                      split: bool | None) -> int:
     """Positions per split-K partition, or 0 for the one-pass kernel. ``max_tokens`` bounds every context
-    (block-table width x block size), so the choice needs no device sync. Split only when the one-pass grid
-    leaves SMs idle (measured on an H200: at 256 programs one-pass already matches SDPA); then enough
-    partitions for ``programs_per_sm`` programs per SM, none shorter than ``min_partition``, each a multiple
-    of the tile."""
+    (block-table width x block size, or a contiguous slot's length), so the choice needs no device sync.
+    Split only when the one-pass grid leaves SMs idle (measured on an H200: at 256 programs one-pass already
+    matches SDPA); then enough partitions for ``programs_per_sm`` programs per SM, none shorter than
+    ``min_partition``, each a multiple of the tile."""
     if split is False or (split is None and programs >= config.split_below_programs_per_sm * num_sms(device)):
         return 0
     wanted = math.ceil(config.programs_per_sm * num_sms(device) / programs)
@@ -225,16 +246,29 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                     split: bool | None = None, config: DecodeConfig | None = None) -> None:
     """Same contract as ``reference.paged_attention``; ``split`` forces split-K on/off (None: automatic)."""
+    launch_decode(out, query, k_cache, v_cache, block_tables, context_lens, scale, contiguous=False, split=split,
+                  config=config)
+
+
+def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  table: torch.Tensor, context_lens: torch.Tensor, scale: float, *, contiguous: bool,
+                  split: bool | None, config: DecodeConfig | None, max_context: int = 0) -> None:
+    """Launch ``_decode_kernel`` over either layout. Paged: ``table`` is the block tables ``[B, width]`` of a
+    ``[num_blocks, block_size, ...]`` cache. Contiguous: ``table`` is the slot ids ``[B]`` of a
+    ``[num_slots, max_len, ...]`` cache, and ``max_context`` the host-known bound on every context, rounded
+    up to 16 positions as a table of 16-token blocks bounds it (so both layouts split a batch alike)."""
     config = config or CONFIG
     batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     if batch == 0:
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
+    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, "a slot's offsets are int32"
     assert query.stride(-1) == 1 and out.stride(-1) == 1
+    block_size = 1 if contiguous else k_cache.shape[1]  # a constexpr the contiguous path never reads
+    max_tokens = min(-(-max_context // 16) * 16, k_cache.shape[1]) if contiguous else table.shape[1] * block_size
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
-    max_tokens = block_tables.shape[1] * block_size
     partition = choose_partition(batch * num_kv_heads, max_tokens, query.device, config, split)
     parts = triton.cdiv(max_tokens, partition) if partition else 1
     group_pad = max(16, triton.next_power_of_2(group))
@@ -247,9 +281,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                                                        parts * batch * num_heads, parts * batch * num_heads])
         counters = split_counters(query.device, batch * num_kv_heads)
     _decode_kernel[(num_kv_heads, batch, parts)](
-        out, query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc, counters,
+        out, query, k_cache, v_cache, table, context_lens, part_max, part_sum, part_acc, counters,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_kv_heads, parts,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_kv_heads, parts,
         partition, GROUP=group, GROUP_PAD=group_pad, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=partition > 0, MERGE_CHUNK=8,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=config.num_warps, num_stages=stages)
+        DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous, num_warps=config.num_warps,
+        num_stages=stages)

@@ -1,6 +1,8 @@
 """Prefill attention over a paged KV cache (Triton): causal attention for a batch of variable-length query
 chunks whose keys are the sequence's cached tokens (a prefix-cache hit, earlier chunks) followed by the chunk
-itself, all read from the block table (the chunk's K/V were stored by ``store_kv`` just before).
+itself, all read from the block table (the chunk's K/V were stored by ``store_kv`` just before). With
+``CONTIGUOUS`` (kernels/contiguous_attention.py, the vAttention layout) keys are read from the sequence's
+slot of a ``[num_slots, max_len, ...]`` cache instead: no block table.
 
 Causality is aligned bottom-right: in a sequence with ``ctx`` tokens after this pass and a chunk of ``q``
 queries, query ``i`` (0-based within the chunk) sits at position ``ctx - q + i`` and sees keys
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets
+from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets, sequence_kv
 from kernels.specialization import per_step
 
 
@@ -55,12 +57,13 @@ def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit
 def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
                  stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE: tl.constexpr,
-                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 CONTIGUOUS: tl.constexpr):
     """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
     ``<= prefix + r`` and no key at or past ``ctx`` is loaded."""
     in_context = pos < ctx
     offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head, BLOCK_SIZE,
-                           in_context)
+                           in_context, CONTIGUOUS)
     if MASKED:
         kv_mask = in_context[:, None]
         if HEAD_DIM != HEAD_PAD:
@@ -90,7 +93,8 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, sc
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_token, stride_head,
                     stride_table, num_seqs, num_tiles,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    CONTIGUOUS: tl.constexpr):
     head = tl.program_id(0)
     tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
     seq = _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M)
@@ -111,20 +115,21 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, sc
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         table_row = table_ptr + seq.to(tl.int64) * stride_table
+        k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
         unmasked_end = (prefix + first_row) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
         for start in range(0, unmasked_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             row_max, row_sum, acc = _attend_tile(
-                q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
+                q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, False, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION)
+                DOT_PRECISION, CONTIGUOUS)
         diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
         for start in range(unmasked_end, diagonal_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             row_max, row_sum, acc = _attend_tile(
-                q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
+                q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, True, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION)
+                DOT_PRECISION, CONTIGUOUS)
         out = acc / row_sum[:, None]
         tl.store(out_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -135,22 +140,33 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
                       scale: float, *, config: PrefillConfig | None = None) -> None:
     """Same contract as ``reference.prefill_attention``. No device sync: the grid is sized from the number
     of query tokens and sequences, both known on the host."""
+    launch_prefill(out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, contiguous=False,
+                   config=config)
+
+
+def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   table: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                   contiguous: bool, config: PrefillConfig | None) -> None:
+    """Launch ``_prefill_kernel`` over either layout: ``table`` is the block tables ``[num_seqs, width]``
+    (paged) or the slot ids ``[num_seqs]`` of a ``[num_slots, max_len, ...]`` cache (contiguous)."""
     config = config or CONFIG
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
+    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, "a slot's offsets are int32"
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     num_tiles = num_tokens // config.block_m + num_seqs
     head_pad = triton.next_power_of_2(head_dim)
     block_n, stages = fit_shared_memory(config.block_n, config.num_stages, config.block_m, head_pad,
                                         query.element_size())
     _prefill_kernel[(num_heads, num_tiles)](
-        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
+        out, query, k_cache, v_cache, table, cu_seqlens_q, context_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_seqs, num_tiles,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_seqs, num_tiles,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=1 if contiguous else k_cache.shape[1],  # a constexpr the contiguous path never reads
+        BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous,
         num_warps=config.num_warps, num_stages=stages)

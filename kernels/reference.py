@@ -3,6 +3,9 @@
 KV cache layout (one tensor each for K and V, per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 ``slot = block_id * block_size + offset``. Query heads are grouped over KV heads (GQA): query head h reads
 KV head ``h // (num_heads // num_kv_heads)``.
+
+Contiguous layout (vAttention: each request's KV contiguous in virtual memory, no block table):
+``[num_slots, max_len, num_kv_heads, head_dim]``; sequence b's position p is ``k_slots[slot_ids[b], p]``.
 """
 from __future__ import annotations
 
@@ -54,6 +57,45 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[lo:hi] = o.squeeze(0).transpose(0, 1)
+
+
+def contiguous_decode_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
+                                v_slots: torch.Tensor, slot_ids: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float, max_context: int) -> None:
+    """``paged_attention`` over the contiguous layout: query ``[B, heads, head_dim]`` attends to the first
+    ``context_lens[b]`` positions of slot ``slot_ids[b]``. ``max_context`` (a host-known bound of
+    ``context_lens``, which the Triton kernel sizes split-K with) is not needed here."""
+    num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]
+    max_len = int(context_lens.max())
+    slots = slot_ids.long()
+    keys = k_slots[slots, :max_len].transpose(1, 2)  # [B, kvh, L, d]
+    values = v_slots[slots, :max_len].transpose(1, 2)
+    visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
+    result = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out.copy_(result.squeeze(2))
+
+
+def contiguous_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
+                                 v_slots: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float) -> None:
+    """``prefill_attention`` over the contiguous layout: sequence b's chunk (query rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sees the first ``context_lens[b]`` positions of slot
+    ``slot_ids[b]``, causal aligned to the bottom-right (query i of a chunk of q sees keys ``0 .. ctx - q + i``)."""
+    num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]
+    starts, lens, slots = cu_seqlens_q.tolist(), context_lens.tolist(), slot_ids.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
+        k = k_slots[slots[b], :ctx].transpose(0, 1).unsqueeze(0)
+        v = v_slots[slots[b], :ctx].transpose(0, 1).unsqueeze(0)
         mask = None
         if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
             rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)

@@ -1,5 +1,6 @@
-"""Attention over the paged KV cache: store this pass's K/V into their slots, then attend over each
-sequence's block table. Decode-shaped rows and prefill chunks go to their own kernels."""
+"""Attention over the KV cache: store this pass's K/V into their slots, then attend over each sequence's
+block table (paged backend) or its contiguous request slot (vattention backend). Decode-shaped rows and
+prefill chunks go to their own kernels."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,8 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # [num_blocks, block_size, num_kv_heads, head_dim] views of the engine's KV tensors, bound at start
+        # this layer's KV, bound at start: [num_blocks, block_size, kv_heads, head_dim] (paged) or
+        # [num_slots, max_len, kv_heads, head_dim] (vattention)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -23,6 +25,16 @@ class PagedAttention(nn.Module):
         kernel_ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
+        if meta.slot_ids is not None:  # contiguous KV (vAttention): each sequence's slot, no block table
+            if nd:
+                kernel_ops.contiguous_decode_attention(out[:nd], q[:nd], self.k_cache, self.v_cache,
+                                                       meta.slot_ids[:nd], meta.context_lens[:nd], self.scale,
+                                                       meta.max_context_len)
+            if nd < q.shape[0]:
+                kernel_ops.contiguous_prefill_attention(out[nd:], q[nd:], self.k_cache, self.v_cache,
+                                                        meta.slot_ids[nd:], meta.prefill_cu_seqlens_q,
+                                                        meta.context_lens[nd:], self.scale)
+            return out.view(q.shape[0], -1)
         if nd:
             kernel_ops.paged_attention(out[:nd], q[:nd], self.k_cache, self.v_cache,
                                     meta.block_tables[:nd], meta.context_lens[:nd], self.scale)

@@ -1,0 +1,189 @@
+"""The vAttention KV backend (arXiv 2405.04437): each request slot keeps its KV contiguous in *virtual*
+memory, and physical pages are mapped under it on demand with the CUDA driver's virtual-memory API, so the
+attention kernels read ``k[slot, position]`` with no block table.
+
+Layout, per K and per V (``S`` slots, ``L`` layers, ``N`` blocks, ``P`` tokens per page, page = the driver's
+minimum granularity, 2 MiB on Hopper, so ``P = 2 MiB / (kv_heads * head_dim * itemsize)``):
+- slot range ``[L, S, max_len, kv_heads, head_dim]``: what attention reads and ``store_kv`` writes
+  (``slot = row * max_len + position``); page ``i`` of slot ``s`` in layer ``l`` is mapped to block
+  ``table[i]``'s page of that layer;
+- home range ``[L, N, P, kv_heads, head_dim]``: every block mapped once at start, by block id, so the block
+  operations (copy-on-write, swap, the host tier) keep addressing blocks as the paged backend does.
+A block is ``2 L`` physical handles of one page each (K and V of every layer; the driver maps a handle only
+from its start, offsets inside a handle are refused on Hopper), created at start; the block manager
+allocates, shares (prefix cache) and frees blocks exactly as for paging, with block size ``P``. A shared
+block is one handle mapped into several slots. The last slot is a scratch slot with a page of its own that
+CUDA-graph padding rows read; it is slot 0, so that every range starts at mapped memory.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.kv_backend.slot_pages import SlotPages
+
+logger = logging.getLogger(__name__)
+
+
+class VAttentionKV:
+    contiguous = True
+
+    def __init__(self, driver: Any, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, num_slots: int) -> None:
+        self.driver, self.dtype, self.device = driver, dtype, device
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_bytes = driver.granularity
+        token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if self.page_bytes % token_bytes:
+            raise ValueError(f"kv_backend: vattention needs a token's KV ({token_bytes} bytes per layer) to "
+                             f"divide the driver's page of {self.page_bytes} bytes")
+        self.block_size = self.page_bytes // token_bytes  # tokens per page
+        self.pages_per_slot = math.ceil(max_model_len / self.block_size)
+        self.max_len = self.pages_per_slot * self.block_size
+        # slot 0 is the scratch slot: its first page stays mapped, so each layer's slot range starts at mapped
+        # memory (Triton checks a tensor's base address before a launch) and graph padding rows read it
+        self.num_slots = num_slots + 1
+        self.scratch_slot = 0
+        self.bytes_per_block = 2 * num_layers * self.page_bytes
+        self.num_blocks = 0
+        self.map_seconds = self.unmap_seconds = 0.0
+        self._ranges: list[tuple[int, int]] = []
+        self._handles: list[Any] = []
+        self.pages: SlotPages | None = None
+        # a finished request's pages are unmapped off the engine thread (it waits on the GPU meanwhile); a
+        # slot is mapped again only after its unmapping finished
+        self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-unmap")
+        self._unmapping: dict[int, Future] = {}
+
+    # memory -------------------------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> None:
+        """Create ``num_blocks`` blocks (+ the scratch page), map each into the home range and reserve the
+        slot ranges (nothing mapped there until a request needs it)."""
+        self.free()
+        start = time.perf_counter()
+        d, L, N, S = self.driver, self.num_layers, num_blocks, self.num_slots
+        page, kv_shape = self.page_bytes, (self.num_kv_heads, self.head_dim)
+        # block b's page (kv, layer) is handle [b][kv * L + layer]; [N] is the scratch block
+        self._handles = [[d.create(page) for _ in range(2 * L)] for _ in range(N + 1)]
+        self.num_blocks = N
+        self.home = [self._reserve(L * N * page) for _ in range(2)]
+        self.slots = [self._reserve(L * S * self.pages_per_slot * page) for _ in range(2)]
+        for kv in range(2):
+            for layer in range(L):
+                for block in range(N):
+                    d.map(self.home[kv] + (layer * N + block) * page, page, self._handles[block][kv * L + layer], 0)
+        self.k_caches, self.v_caches = (d.tensor(self.home[kv], (L, N, self.block_size, *kv_shape), self.dtype)
+                                        for kv in range(2))
+        self.k_slots, self.v_slots = (d.tensor(self.slots[kv], (L, S, self.max_len, *kv_shape), self.dtype)
+                                      for kv in range(2))
+        self.pages = SlotPages(S, self.pages_per_slot, self)
+        self.pages.apply(self.scratch_slot, [N], np.array([0]))
+        self.k_slots[:, self.scratch_slot, :self.block_size].zero_()  # padding rows read one (finite) token
+        self.v_slots[:, self.scratch_slot, :self.block_size].zero_()
+        logger.info("vattention KV: %d blocks of %d tokens (%d pages of %d MiB each), %d slots x %d tokens, "
+                    "set up in %.2f s", N, self.block_size, 2 * L, page >> 20, S - 1, self.max_len,
+                    time.perf_counter() - start)
+
+    def _reserve(self, size: int) -> int:
+        address = self.driver.reserve(size)
+        self._ranges.append((address, size))
+        return address
+
+    def free(self) -> None:
+        """Unmap and release everything (at shutdown, or after the warm-up pass that sized the pool)."""
+        d, L, page = self.driver, self.num_layers, self.page_bytes
+        self.flush()
+        if self.pages is not None:
+            for slot in range(self.num_slots):
+                self.pages.clear(slot)
+            for kv in range(2):
+                for layer in range(L):
+                    for block in range(self.num_blocks):
+                        d.unmap(self.home[kv] + (layer * self.num_blocks + block) * page, page)
+        for handles in self._handles:
+            for handle in handles:
+                d.release(handle)
+        for address, size in self._ranges:
+            d.free_address(address, size)
+        self._handles, self._ranges, self.pages, self.num_blocks = [], [], None, 0
+        self.k_caches = self.v_caches = self.k_slots = self.v_slots = torch.empty(0)
+
+    def __del__(self) -> None:
+        # the driver's memory is not torch's: nothing else gives it back when the engine goes away
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone first
+            pass
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What layer ``layer``'s attention reads and writes: its slot ranges ``[S, max_len, kv_heads, dim]``."""
+        return self.k_slots[layer], self.v_slots[layer]
+
+    # PageMapper --------------------------------------------------------------------------------------
+
+    def _slot_page_address(self, kv: int, layer: int, slot: int, page: int) -> int:
+        return self.slots[kv] + ((layer * self.num_slots + slot) * self.pages_per_slot + page) * self.page_bytes
+
+    def map_block(self, slot: int, page: int, block: int) -> None:
+        start = time.perf_counter()
+        for kv in range(2):
+            for layer in range(self.num_layers):
+                self.driver.map(self._slot_page_address(kv, layer, slot, page), self.page_bytes,
+                                self._handles[block][kv * self.num_layers + layer], 0)
+        self.map_seconds += time.perf_counter() - start
+
+    def unmap_block(self, slot: int, page: int) -> None:
+        start = time.perf_counter()
+        for kv in range(2):
+            for layer in range(self.num_layers):
+                self.driver.unmap(self._slot_page_address(kv, layer, slot, page), self.page_bytes)
+        self.unmap_seconds += time.perf_counter() - start
+
+    # per step -----------------------------------------------------------------------------------------
+
+    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, wait_in_flight: Any) -> None:
+        """Before a step launches: map each row's blocks ``tables[i, :widths[i]]`` into its slot. A page that
+        must change under a live slot (copy-on-write) is remapped only after ``wait_in_flight()``."""
+        plans = []
+        waited = False
+        for row, table, width in zip(rows.tolist(), tables, widths.tolist()):
+            pages, replaces = self.pages.changes(row, table[:width])
+            if len(pages):
+                if replaces and not waited:
+                    wait_in_flight()
+                    waited = True
+                plans.append((row, table[:width], pages))
+        for row, blocks, pages in plans:
+            if (pending := self._unmapping.pop(row, None)) is not None:
+                pending.result()
+            self.pages.apply(row, blocks, pages)
+
+    def release_row(self, row: int) -> None:
+        """A slot no step in flight reads any more: its pages are unmapped in the background (their blocks
+        live on in the pool)."""
+        pages = self.pages.forget(row)
+        if pages:
+            self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, pages)
+
+    def _unmap_pages(self, row: int, pages: list[int]) -> None:
+        for page in pages:
+            self.unmap_block(row, page)
+
+    def flush(self) -> None:
+        """Wait until every released slot is unmapped."""
+        for pending in self._unmapping.values():
+            pending.result()
+        self._unmapping.clear()
+
+    def stats(self) -> dict[str, float]:
+        pages = self.pages
+        return {"mapped_pages": pages.num_mapped_pages if pages else 0, "maps": pages.num_maps if pages else 0,
+                "unmaps": pages.num_unmaps if pages else 0, "map_seconds": self.map_seconds,
+                "unmap_seconds": self.unmap_seconds}

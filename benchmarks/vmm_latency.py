@@ -4,6 +4,7 @@ Times, per 2 MiB page (the driver's minimum granularity): ``cuMemCreate``, ``cuM
 (one call of the backend's ``map``), ``cuMemUnmap``; medians over ``--pages`` pages. Then the question that
 decides whether mapping can overlap compute: does a map or unmap of an unrelated page wait for a kernel that
 is running? A ~``--busy-ms`` kernel (``torch.cuda._sleep``) is launched and the call is timed while it runs.
+Last, all pages mapped and unmapped by 1, 2, 4 and 8 threads: does the driver run them concurrently?
 
     python -m benchmarks.vmm_latency [--pages 512] [--busy-ms 50] [--json PATH]
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +46,20 @@ def calls_while_busy(driver: CudaDriver, base: int, handle: object, page: int, b
     return result
 
 
+def threaded_us_per_page(driver: CudaDriver, base: int, handles: list, page: int, threads: int) -> dict:
+    """Wall µs per page to map, then unmap, every page with ``threads`` threads splitting the pages: whether
+    the driver runs VA operations concurrently (the calls release the GIL if this scales)."""
+    chunks = [list(range(i, len(handles), threads)) for i in range(threads)]
+    result = {}
+    for name, call in (("map", lambda i: driver.map(base + i * page, page, handles[i], 0)),
+                       ("unmap", lambda i: driver.unmap(base + i * page, page))):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda chunk: [call(i) for i in chunk], chunks))
+        result[f"{name}_us_per_page_{threads}_threads"] = (time.perf_counter() - start) * 1e6 / len(handles)
+    return result
+
+
 def measure(pages: int, busy_ms: float) -> dict:
     driver = CudaDriver(torch.device("cuda", 0))
     page = driver.granularity
@@ -53,6 +69,8 @@ def measure(pages: int, busy_ms: float) -> dict:
     maps = timed_us(lambda i: driver.map(base + i * page, page, handles[i], 0), list(range(pages)))
     unmaps = timed_us(lambda i: driver.unmap(base + i * page, page), list(range(pages)))
     busy = calls_while_busy(driver, base + pages * page, handles[0], page, busy_ms)
+    for threads in (1, 2, 4, 8):
+        busy.update(threaded_us_per_page(driver, base, handles, page, threads))
     for handle in handles:
         driver.release(handle)
     driver.free_address(base, (pages + 1) * page)
@@ -73,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {key} | {result[f'{key}_us_median']:.1f} |")
     print(f"| map while a {args.busy_ms:.0f} ms kernel runs | {result['map_us_while_busy']:.1f} |")
     print(f"| unmap while a {args.busy_ms:.0f} ms kernel runs | {result['unmap_us_while_busy']:.1f} |")
+    for threads in (1, 2, 4, 8):
+        print(f"| map / unmap, {threads} threads (wall per page) | {result[f'map_us_per_page_{threads}_threads']:.1f}"
+              f" / {result[f'unmap_us_per_page_{threads}_threads']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

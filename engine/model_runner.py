@@ -184,7 +184,7 @@ class ModelRunner:
         """The engine went idle: slots of finished sequences are released now (vattention unmaps their pages)."""
         if self.kv.contiguous:
             self.inputs.drain()
-            self.kv.flush()
+            self.kv.reclaim()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:

@@ -35,5 +35,11 @@ class PagedKV:
     def release_row(self, row: int) -> None:
         pass
 
+    def reclaim(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
     def stats(self) -> dict[str, float]:
         return {}

@@ -56,8 +56,12 @@ class VAttentionKV:
         self._ranges: list[tuple[int, int]] = []
         self._handles: list[Any] = []
         self.pages: SlotPages | None = None
-        # a finished request's pages are unmapped off the engine thread (it waits on the GPU meanwhile); a
-        # slot is mapped again only after its unmapping finished
+        # deferred reclamation: a finished request's pages stay mapped while free slots are plentiful; the
+        # oldest released slots (the next to be reused: slots are reused oldest first) are unmapped off the
+        # engine thread once more than ``max_deferred`` wait, and all of them when the engine goes idle. A
+        # slot is mapped again only after its unmapping finished.
+        self.max_deferred = num_slots // 2
+        self._deferred: dict[int, list[int]] = {}  # slot -> pages still mapped, oldest release first
         self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-unmap")
         self._unmapping: dict[int, Future] = {}
 
@@ -161,26 +165,48 @@ class VAttentionKV:
                     waited = True
                 plans.append((row, table[:width], pages))
         for row, blocks, pages in plans:
+            if (deferred := self._deferred.pop(row, None)) is not None:
+                self._unmap_pages(row, deferred)
             if (pending := self._unmapping.pop(row, None)) is not None:
                 pending.result()
             self.pages.apply(row, blocks, pages)
 
     def release_row(self, row: int) -> None:
-        """A slot no step in flight reads any more: its pages are unmapped in the background (their blocks
-        live on in the pool)."""
+        """A slot no step in flight reads any more: its pages are unmapped later (their blocks live on in the
+        pool; a stale mapping in a free slot is harmless)."""
         pages = self.pages.forget(row)
         if pages:
-            self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, pages)
+            self._deferred[row] = pages
+        while len(self._deferred) > self.max_deferred:
+            self._unmap_in_background(next(iter(self._deferred)))
+
+    def _unmap_in_background(self, row: int) -> None:
+        self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, self._deferred.pop(row))
 
     def _unmap_pages(self, row: int, pages: list[int]) -> None:
         for page in pages:
             self.unmap_block(row, page)
 
-    def flush(self) -> None:
-        """Wait until every released slot is unmapped."""
+    def reclaim(self) -> None:
+        """The engine is idle: unmap every released slot, in the background."""
+        while self._deferred:
+            self._unmap_in_background(next(iter(self._deferred)))
+
+    def wait_unmapping(self) -> None:
+        """Wait for the background unmapping submitted so far."""
         for pending in self._unmapping.values():
             pending.result()
         self._unmapping.clear()
+
+    def flush(self) -> None:
+        """Unmap every released slot now and wait until all are unmapped."""
+        self.reclaim()
+        self.wait_unmapping()
+
+    @property
+    def released_slots(self) -> set[int]:
+        """Free slots whose pages may still be mapped (deferred or being unmapped)."""
+        return set(self._deferred) | set(self._unmapping)
 
     def stats(self) -> dict[str, float]:
         pages = self.pages

@@ -155,9 +155,13 @@ class VAttentionKV:
     def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, wait_in_flight: Any) -> None:
         """Before a step launches: map each row's blocks ``tables[i, :widths[i]]`` into its slot. A page that
         must change under a live slot (copy-on-write) is remapped only after ``wait_in_flight()``."""
+        have = self.pages.mapped[rows, :tables.shape[1]]
+        wanted = np.arange(tables.shape[1])[None, :] < widths[:, None]
+        changed = np.flatnonzero((wanted & (have != tables)).any(axis=1))  # most steps: none (one numpy pass)
         plans = []
         waited = False
-        for row, table, width in zip(rows.tolist(), tables, widths.tolist()):
+        for i in changed.tolist():
+            row, table, width = int(rows[i]), tables[i], int(widths[i])
             pages, replaces = self.pages.changes(row, table[:width])
             if len(pages):
                 if replaces and not waited:

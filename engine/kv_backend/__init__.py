@@ -6,8 +6,8 @@
 
 Both expose: ``block_size`` (tokens per block the block manager uses), ``bytes_per_block``, ``allocate(n)``,
 ``free()``, ``k_caches``/``v_caches`` (block-addressed ``[layers, blocks, ...]``, for copy-on-write and swap),
-``layer_caches(layer)`` (what attention reads), ``contiguous``, ``scratch_slot``, ``map_rows``,
-``release_row`` and ``stats()``.
+``layer_caches(layer)`` (what attention reads), ``contiguous``, ``scratch_slot``, ``map_rows`` (before a step),
+``release_row`` (a slot no step reads any more), ``reclaim`` (the engine went idle), ``flush`` and ``stats()``.
 """
 from __future__ import annotations
 

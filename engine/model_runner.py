@@ -145,7 +145,8 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = kv.layer_caches(i)
         max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
-        slots = ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row) if kv.contiguous else None
+        slots = (ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row, kv.choose_slot, kv.claim_slot)
+                 if kv.contiguous else None)
         self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
                                  config.max_num_seqs + 1, config.max_blocks_per_seq, slots)
         if self.graph_sizes:
@@ -181,10 +182,10 @@ class ModelRunner:
         self.inputs.forget(seq)
 
     def settle(self) -> None:
-        """The engine went idle: slots of finished sequences are released now (vattention unmaps their pages)."""
+        """The engine went idle: slots of finished sequences are released now (their pages stay mapped for the
+        next requests: vattention's deferred reclamation)."""
         if self.kv.contiguous:
             self.inputs.drain()
-            self.kv.reclaim()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:

@@ -54,6 +54,8 @@ class ContiguousSlots:
     max_len: int
     scratch_slot: int
     release: Callable[[int], None]
+    choose: Callable[[int], int | None]  # first block -> a free slot that already maps it, if any
+    claim: Callable[[int], None]  # a slot gets a new sequence
 
 
 class StepInputs:
@@ -120,7 +122,7 @@ class StepInputs:
                 self._release_cooled(wait=True)
             if not self._free_rows:
                 raise RuntimeError(f"step inputs: more than {len(self.table)} live sequences")
-            entry = self._rows[seq.seq_id] = [self._free_rows.pop(), 0]
+            entry = self._rows[seq.seq_id] = [self._take_row(seq), 0]
         row, synced = entry
         table = seq.block_table
         n = len(table)
@@ -130,6 +132,17 @@ class StepInputs:
         elif n > start:
             self.table[row, start:n] = table[start:n]
         entry[1] = n
+        return row
+
+    def _take_row(self, seq: Sequence) -> int:
+        if self.contiguous is None:
+            return self._free_rows.pop()
+        row = self.contiguous.choose(seq.block_table[0]) if seq.block_table else None
+        if row is not None and row in self._free_rows:
+            self._free_rows.remove(row)
+        else:
+            row = self._free_rows.pop()
+        self.contiguous.claim(row)
         return row
 
     # packing ------------------------------------------------------------------------------------------

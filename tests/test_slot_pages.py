@@ -93,7 +93,7 @@ def test_random_grow_share_cow_finish_keeps_slots_equal_to_tables() -> None:
     free_blocks, refs = list(range(num_blocks)), [0] * num_blocks
     live: dict[int, list[int]] = {}
     free_slots = [slot for slot in range(kv.num_slots) if slot != kv.scratch_slot]
-    reused_deferred = 0  # steps where a slot whose pages were still mapped got a new request
+    reused_deferred = 0  # new requests given a free slot whose pages were still mapped
 
     def take() -> int:
         block = free_blocks.pop(rng.randrange(len(free_blocks)))
@@ -104,6 +104,8 @@ def test_random_grow_share_cow_finish_keeps_slots_equal_to_tables() -> None:
         op = rng.random()
         if op < 0.3 and free_slots and free_blocks:
             slot = free_slots.pop(rng.randrange(len(free_slots)))
+            reused_deferred += slot in kv.released_slots
+            kv.claim_slot(slot)
             shared = rng.choice(list(live.values()))[:rng.randrange(3)] if live and rng.random() < 0.5 else []
             for block in shared:
                 refs[block] += 1
@@ -130,7 +132,6 @@ def test_random_grow_share_cow_finish_keeps_slots_equal_to_tables() -> None:
         tables = np.zeros((len(rows), kv.pages_per_slot), dtype=np.int64)
         for i, slot in enumerate(rows.tolist()):
             tables[i, :len(live[slot])] = live[slot]
-        reused_deferred += bool(set(live) & kv.released_slots)
         kv.map_rows(rows, tables, np.array([len(live[s]) for s in rows.tolist()]), lambda: None)
         check(kv, driver, live, idle=False)
     assert reused_deferred > 0
@@ -152,3 +153,25 @@ def test_vattention_on_the_cpu_is_a_clear_config_error() -> None:
 
     with pytest.raises(ValueError, match="kv_backend: vattention needs a CUDA device"):
         EngineConfig(device="cpu", kv_backend="vattention")
+
+
+def test_a_request_whose_first_block_a_free_slot_maps_takes_that_slot_and_maps_nothing() -> None:
+    """Eager allocation (the pool's first blocks premapped at start) and deferred reclamation (a finished
+    request's pages left mapped) both spare the driver on admission."""
+    kv, driver = make_backend()
+    slot = kv.choose_slot(0)  # block 0: the first a new pool hands out
+    assert slot is not None and slot != kv.scratch_slot
+    calls = driver.map_calls
+    kv.claim_slot(slot)
+    kv.map_rows(np.array([slot]), np.array([[0, 0, 0, 0, 0]]), np.array([1]), pytest.fail)
+    assert driver.map_calls == calls
+    kv.map_rows(np.array([slot]), np.array([[0, 11, 0, 0, 0]]), np.array([2]), pytest.fail)  # grows a page
+    assert driver.map_calls == calls + 2 * LAYERS
+    kv.release_row(slot)
+    assert kv.choose_slot(0) == slot and kv.choose_slot(11) is None  # (indexed by page 0 only)
+    other = kv.choose_slot(1)
+    kv.claim_slot(other)  # a new request in a slot that mapped block 1: its page 0 now holds block 0 instead
+    kv.map_rows(np.array([other]), np.array([[0, 0, 0, 0, 0]]), np.array([1]), pytest.fail)
+    assert driver.unmap_calls == 2 * LAYERS and kv.choose_slot(0) == slot
+    check(kv, driver, {other: [0]}, idle=False)
+    check(kv, driver, {other: [0]})

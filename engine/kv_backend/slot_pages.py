@@ -59,11 +59,11 @@ class SlotPages:
             self.mapped[slot, page] = block
             self.num_maps += 1
 
-    def forget(self, slot: int) -> list[int]:
-        """Mark every page of ``slot`` unmapped and return them: the caller unmaps them (maybe later, but before
-        the slot is mapped again)."""
-        pages = np.flatnonzero(self.mapped[slot] >= 0).tolist()
-        self.mapped[slot] = -1
+    def forget(self, slot: int, first_page: int = 0) -> list[int]:
+        """Mark the pages of ``slot`` from ``first_page`` on unmapped and return those that were mapped: the
+        caller unmaps them (maybe later, but before anything is mapped there again)."""
+        pages = (np.flatnonzero(self.mapped[slot, first_page:] >= 0) + first_page).tolist()
+        self.mapped[slot, first_page:] = -1
         self.num_unmaps += len(pages)
         return pages
 

@@ -56,12 +56,15 @@ class VAttentionKV:
         self._ranges: list[tuple[int, int]] = []
         self._handles: list[Any] = []
         self.pages: SlotPages | None = None
-        # deferred reclamation: a finished request's pages stay mapped while free slots are plentiful; the
-        # oldest released slots (the next to be reused: slots are reused oldest first) are unmapped off the
-        # engine thread once more than ``max_deferred`` wait, and all of them when the engine goes idle. A
-        # slot is mapped again only after its unmapping finished.
+        # deferred reclamation and eager allocation (the paper's two ways to keep the driver off the critical
+        # path): a free slot keeps its pages mapped, and a new request whose first block is what a free slot
+        # maps at page 0 takes that slot and maps nothing for it. At start, free slots get the pool's first
+        # blocks (a new pool hands them out in id order) mapped at page 0. Past ``max_deferred`` free slots with
+        # mappings, the oldest are unmapped off the engine thread; a slot is mapped again only after that.
         self.max_deferred = num_slots // 2
-        self._deferred: dict[int, list[int]] = {}  # slot -> pages still mapped, oldest release first
+        self._deferred: dict[int, None] = {}  # free slots whose pages are still mapped, oldest release first
+        self._first_page: dict[int, int] = {}  # block -> a free slot that maps it at page 0
+        self._claimed_stale: set[int] = set()  # slots given a new request this step, with a previous one's pages
         self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-unmap")
         self._unmapping: dict[int, Future] = {}
 
@@ -89,11 +92,30 @@ class VAttentionKV:
                                       for kv in range(2))
         self.pages = SlotPages(S, self.pages_per_slot, self)
         self.pages.apply(self.scratch_slot, [N], np.array([0]))
+        self._map_ahead(min(N, self.max_deferred))
         self.k_slots[:, self.scratch_slot, :self.block_size].zero_()  # padding rows read one (finite) token
         self.v_slots[:, self.scratch_slot, :self.block_size].zero_()
         logger.info("vattention KV: %d blocks of %d tokens (%d pages of %d MiB each), %d slots x %d tokens, "
                     "set up in %.2f s", N, self.block_size, 2 * L, page >> 20, S - 1, self.max_len,
                     time.perf_counter() - start)
+
+    def _map_ahead(self, count: int) -> None:
+        """Eager allocation: the pool's first ``count`` blocks mapped at page 0 of the last free slots."""
+        for block in range(count):
+            slot = self.num_slots - 1 - block
+            self.pages.apply(slot, [block], np.array([0]))
+            self._deferred[slot] = None
+            self._first_page[block] = slot
+
+    def choose_slot(self, first_block: int) -> int | None:
+        """A free slot that already maps ``first_block`` at page 0 (the caller checks it is free), or None."""
+        slot = self._first_page.get(first_block)
+        return slot if slot in self._deferred else None
+
+    def claim_slot(self, slot: int) -> None:
+        """``slot`` gets a new request (before its first ``map_rows``)."""
+        if self._take_free(slot):
+            self._claimed_stale.add(slot)
 
     def _reserve(self, size: int) -> int:
         address = self.driver.reserve(size)
@@ -164,35 +186,53 @@ class VAttentionKV:
             row, table, width = int(rows[i]), tables[i], int(widths[i])
             pages, replaces = self.pages.changes(row, table[:width])
             if len(pages):
-                if replaces and not waited:
+                # (a new occupant's replaced pages are a finished request's: no step in flight reads them)
+                if replaces and row not in self._claimed_stale and not waited:
                     wait_in_flight()
                     waited = True
                 plans.append((row, table[:width], pages))
         for row, blocks, pages in plans:
-            if (deferred := self._deferred.pop(row, None)) is not None:
-                self._unmap_pages(row, deferred)
             if (pending := self._unmapping.pop(row, None)) is not None:
                 pending.result()
             self.pages.apply(row, blocks, pages)
+        for i in np.flatnonzero(np.isin(rows, list(self._claimed_stale))).tolist():
+            # the finished request's pages past the new one's table: unmapped in the background, so a live
+            # slot maps exactly its table (the new request waits for it only if it grows there)
+            row = int(rows[i])
+            extra = self.pages.forget(row, int(widths[i]))
+            if extra:
+                self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, extra)
+        self._claimed_stale.clear()
 
     def release_row(self, row: int) -> None:
         """A slot no step in flight reads any more: its pages are unmapped later (their blocks live on in the
         pool; a stale mapping in a free slot is harmless)."""
-        pages = self.pages.forget(row)
-        if pages:
-            self._deferred[row] = pages
+        if self.pages.mapped[row, 0] >= 0:
+            self._deferred[row] = None
+            self._first_page[int(self.pages.mapped[row, 0])] = row
         while len(self._deferred) > self.max_deferred:
             self._unmap_in_background(next(iter(self._deferred)))
 
+    def _take_free(self, row: int) -> bool:
+        """``row`` gets an occupant: no longer a free slot with mappings (True if it was one)."""
+        if row not in self._deferred:
+            return False
+        del self._deferred[row]
+        block = int(self.pages.mapped[row, 0])
+        if self._first_page.get(block) == row:
+            del self._first_page[block]
+        return True
+
     def _unmap_in_background(self, row: int) -> None:
-        self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, self._deferred.pop(row))
+        self._take_free(row)
+        self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, self.pages.forget(row))
 
     def _unmap_pages(self, row: int, pages: list[int]) -> None:
         for page in pages:
             self.unmap_block(row, page)
 
     def reclaim(self) -> None:
-        """The engine is idle: unmap every released slot, in the background."""
+        """Unmap every free slot's pages, in the background."""
         while self._deferred:
             self._unmap_in_background(next(iter(self._deferred)))
 

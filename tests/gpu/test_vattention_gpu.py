@@ -1,7 +1,7 @@
 """The vattention KV backend on the GPU: greedy tokens equal transformers' (float32) and the paged backend's
 (bfloat16) through mixed lengths, chunked prefill, preemption, page-granular prefix hits and n > 1
-(copy-on-write), with CUDA graphs; every slot page is unmapped once the engine is idle, and all handles go back
-to the driver when the backend is freed."""
+(copy-on-write), with CUDA graphs; ``flush()`` leaves only the scratch page mapped, and all handles go back to
+the driver when the backend is freed."""
 from __future__ import annotations
 
 import gc
@@ -37,7 +37,7 @@ def prompts_with_long_prefix(seed: int, prefix_len: int) -> list[list[int]]:
 
 def assert_idle_and_clean(llm: LLM) -> None:
     kv = llm.engine.runner.kv
-    kv.flush()  # (idle: the released slots are being unmapped in the background)
+    kv.flush()  # (free slots keep their pages mapped for the next requests until flushed)
     assert kv.stats()["mapped_pages"] == 1  # the scratch slot's page only
     assert kv.stats()["maps"] == kv.stats()["unmaps"] + 1
     check_pool(llm.engine.block_manager, [])

@@ -174,10 +174,16 @@ class HostBlocks:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher,
-                 num_host_blocks: int = 0, num_host_cache_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_host_cache_blocks: int = 0, lookahead_tokens: int = 0,
+                 max_blocks_per_seq: int | None = None) -> None:
         """``num_host_blocks`` host slots for swapped-out sequences (slots 0 ..), then ``num_host_cache_blocks``
-        for the host tier of the prefix cache (with prefix caching only)."""
+        for the host tier of the prefix cache (with prefix caching only). ``lookahead_tokens``: a sequence gets
+        the block it grows into that many tokens early, while free blocks are plentiful (the vattention
+        backend maps its pages in the background meanwhile); never more than ``max_blocks_per_seq``."""
         self.block_size = block_size
+        self.lookahead_tokens = lookahead_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq or sys.maxsize
+        self.lookahead_reserve = num_blocks // 8  # free blocks kept for admissions before any block is taken early
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
         self.pool = BlockPool(num_blocks)
@@ -239,7 +245,8 @@ class BlockManager:
         """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
         tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
         table, start = seq.block_table, seq.num_computed_tokens
-        if num_new_tokens and not prefix_hits and start + num_new_tokens <= len(table) * self.block_size \
+        ahead = self.lookahead_tokens if self.pool.num_free > self.lookahead_reserve else 0
+        if num_new_tokens and not prefix_hits and start + num_new_tokens + ahead <= len(table) * self.block_size \
                 and self.pool.blocks[table[start // self.block_size]].ref_count == 1:
             return True  # the common decode step: its slots are in blocks it owns alone
         prefix_hits = prefix_hits or []
@@ -271,6 +278,10 @@ class BlockManager:
         if needs_copy:
             self._copy_on_write(seq, write_block)
         seq.block_table.extend(self.pool.take().block_id for _ in range(num_fresh))
+        if ahead and self.pool.num_free > self.lookahead_reserve \
+                and len(seq.block_table) < min(self.blocks_needed(num_computed + num_new_tokens + ahead),
+                                               self.max_blocks_per_seq):
+            seq.block_table.append(self.pool.take().block_id)
         if seq.block_table:
             self.holders[seq.seq_id] = seq
         return True

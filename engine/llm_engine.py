@@ -144,7 +144,8 @@ class LLMEngine:
             logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_host_cache_blocks,
                         num_host_cache_blocks * self.runner.bytes_per_block / 2**30)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, hasher,
-                                          num_host_blocks, num_host_cache_blocks)
+                                          num_host_blocks, num_host_cache_blocks, self.runner.kv.lookahead_tokens,
+                                          config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefer_swap=self._prefer_swap)
         self.counters = EngineCounters()

@@ -206,7 +206,7 @@ class ModelRunner:
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
         if self.kv.contiguous:
             inputs = self.inputs
-            self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, self._wait_for_device)
+            self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, inputs.ends, self._wait_for_device)
         prepared = time.perf_counter()
         num_rows = len(batch.sampling_seqs)
         if pad is not None:

@@ -177,7 +177,7 @@ class StepInputs:
             slots = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         else:
             slots = rows[seq_of_token] * self.contiguous.max_len + positions
-        ends = starts + lens
+        ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
         sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
                        if end == seq.num_tokens]
         if batch.forks:  # each forked sample is drawn from its parent's row

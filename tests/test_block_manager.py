@@ -327,6 +327,36 @@ def test_allocation_grows_table_to_exactly_the_needed_blocks() -> None:
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
 
 
+def test_lookahead_takes_the_next_block_early_only_from_spare_blocks() -> None:
+    """vattention: a sequence within ``lookahead_tokens`` of its table's end gets its next block one step
+    early, while more than an eighth of the pool is free; never past ``max_blocks_per_seq``."""
+    bm = BlockManager(16, BS, True, BlockHasher("sha256", MODEL, SEED), lookahead_tokens=2, max_blocks_per_seq=3)
+    seq = make_seq(0, list(range(5)))
+    assert bm.allocate(seq, 5, bm.match_prefix(seq))
+    assert len(seq.block_table) == 2  # tokens 0..4 need 2 blocks of 4; 5 + 2 more still fit in 2
+    lengths = []
+    for token in range(5, 12):  # up to 12 tokens: 3 blocks, the cap
+        compute(bm, seq, 1 if token > 5 else 5)
+        seq.append_token(token)
+        assert bm.allocate(seq, 1)
+        lengths.append(len(seq.block_table))
+    # with token t written (t + 1 tokens), block 3 comes once t + 1 + 2 > 8, i.e. from token 6 on, two
+    # tokens before token 8 needs it; a fourth would come at token 10, but 3 is the cap
+    assert lengths == [2, 3, 3, 3, 3, 3, 3]
+    check_pool(bm, [seq])
+    other = make_seq(1, list(range(100, 104)))
+    tight = BlockManager(8, BS, True, BlockHasher("sha256", MODEL, SEED), lookahead_tokens=4)
+    assert tight.allocate(other, 4, tight.match_prefix(other))
+    assert len(other.block_table) == 2  # 7 of 8 free > 8 // 8 spare: one block ahead
+    hog = make_seq(2, list(range(200, 220)))
+    assert tight.allocate(hog, 20, tight.match_prefix(hog))
+    assert len(hog.block_table) == 5  # 1 block left free, not more than the spare: nothing taken early
+    third = make_seq(3, list(range(300, 302)))
+    assert tight.allocate(third, 2, tight.match_prefix(third))
+    assert len(third.block_table) == 1 and tight.num_free_blocks == 0
+    check_pool(tight, [other, hog, third])
+
+
 def test_copy_on_write_on_first_write_into_shared_block() -> None:
     bm = make_bm(8)
     parent = make_seq(0, [1, 2, 3, 4, 5, 6])

@@ -8,6 +8,7 @@ import torch
 
 class PagedKV:
     contiguous = False
+    lookahead_tokens = 0  # (blocks need no preparation)
     scratch_slot = 0  # (padding rows of a CUDA graph read block 0: always allocated memory)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -29,7 +30,8 @@ class PagedKV:
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_caches[layer], self.v_caches[layer]
 
-    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, wait_in_flight: object) -> None:
+    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
+                 wait_in_flight: object) -> None:
         """(Block tables are read by the kernels: nothing to map.)"""
 
     def release_row(self, row: int) -> None:

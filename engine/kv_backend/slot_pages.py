@@ -50,14 +50,26 @@ class SlotPages:
 
     def apply(self, slot: int, blocks: Sequence[int] | np.ndarray, pages: np.ndarray) -> None:
         """Map ``blocks[page]`` at each of ``pages`` of ``slot`` (unmapping what was there)."""
+        self.execute(slot, self.plan(slot, blocks, pages))
+
+    def plan(self, slot: int, blocks: Sequence[int] | np.ndarray, pages: np.ndarray) -> list[tuple[int, bool, int]]:
+        """The bookkeeping of ``apply`` now; the driver calls, (page, unmap first, block) each, for ``execute``
+        (which may run later on another thread, before anything else touches these pages)."""
+        calls = []
         for page in pages.tolist():
-            if self.mapped[slot, page] >= 0:
-                self.mapper.unmap_block(slot, page)
-                self.num_unmaps += 1
+            mapped = bool(self.mapped[slot, page] >= 0)
             block = int(blocks[page])
-            self.mapper.map_block(slot, page, block)
+            calls.append((page, mapped, block))
             self.mapped[slot, page] = block
+            self.num_unmaps += mapped
             self.num_maps += 1
+        return calls
+
+    def execute(self, slot: int, calls: list[tuple[int, bool, int]]) -> None:
+        for page, unmap_first, block in calls:
+            if unmap_first:
+                self.mapper.unmap_block(slot, page)
+            self.mapper.map_block(slot, page, block)
 
     def forget(self, slot: int, first_page: int = 0) -> list[int]:
         """Mark the pages of ``slot`` from ``first_page`` on unmapped and return those that were mapped: the

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 class VAttentionKV:
     contiguous = True
+    # a sequence is given the block it grows into this many tokens early, so that its pages are mapped in the
+    # background while it decodes the last tokens of the page before
+    lookahead_tokens = 64
 
     def __init__(self, driver: Any, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, num_slots: int) -> None:
@@ -65,8 +68,9 @@ class VAttentionKV:
         self._deferred: dict[int, None] = {}  # free slots whose pages are still mapped, oldest release first
         self._first_page: dict[int, int] = {}  # block -> a free slot that maps it at page 0
         self._claimed_stale: set[int] = set()  # slots given a new request this step, with a previous one's pages
-        self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-unmap")
-        self._unmapping: dict[int, Future] = {}
+        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-vmm")
+        self._background: dict[int, Future] = {}  # slot -> its latest background job (one worker: in order)
+        self._ahead: dict[int, int] = {}  # slot -> first page whose background mapping may still be running
 
     # memory -------------------------------------------------------------------------------------------
 
@@ -174,9 +178,16 @@ class VAttentionKV:
 
     # per step -----------------------------------------------------------------------------------------
 
-    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, wait_in_flight: Any) -> None:
-        """Before a step launches: map each row's blocks ``tables[i, :widths[i]]`` into its slot. A page that
-        must change under a live slot (copy-on-write) is remapped only after ``wait_in_flight()``."""
+    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
+                 wait_in_flight: Any) -> None:
+        """Before a step launches: map each row's blocks ``tables[i, :widths[i]]`` into its slot. Pages the step
+        reads or writes (below ``ends[i]`` tokens) are mapped now; pages a sequence was given ahead of need
+        (``lookahead_tokens``) are mapped in the background, and a later step waits for them only if they are
+        not mapped by then. A page that must change under a live slot (copy-on-write) is remapped only after
+        ``wait_in_flight()``."""
+        needed = -(-ends // self.block_size)
+        if self._ahead:
+            self._wait_for_needed_ahead(rows, needed)
         have = self.pages.mapped[rows, :tables.shape[1]]
         wanted = np.arange(tables.shape[1])[None, :] < widths[:, None]
         changed = np.flatnonzero((wanted & (have != tables)).any(axis=1))  # most steps: none (one numpy pass)
@@ -185,23 +196,37 @@ class VAttentionKV:
         for i in changed.tolist():
             row, table, width = int(rows[i]), tables[i], int(widths[i])
             pages, replaces = self.pages.changes(row, table[:width])
-            if len(pages):
-                # (a new occupant's replaced pages are a finished request's: no step in flight reads them)
-                if replaces and row not in self._claimed_stale and not waited:
-                    wait_in_flight()
-                    waited = True
-                plans.append((row, table[:width], pages))
-        for row, blocks, pages in plans:
-            if (pending := self._unmapping.pop(row, None)) is not None:
-                pending.result()
-            self.pages.apply(row, blocks, pages)
+            # (a new occupant's replaced pages are a finished request's: no step in flight reads them)
+            if replaces and row not in self._claimed_stale and not waited:
+                wait_in_flight()
+                waited = True
+            plans.append((row, table[:width], pages[pages < needed[i]], pages[pages >= needed[i]]))
+        for row, blocks, now, ahead in plans:
+            if len(now):
+                if (pending := self._background.pop(row, None)) is not None:
+                    pending.result()
+                self.pages.apply(row, blocks, now)
+            if len(ahead):
+                self._background[row] = self._mapper.submit(self.pages.execute, row, self.pages.plan(row, blocks, ahead))
+                self._ahead[row] = min(self._ahead.get(row, self.pages_per_slot), int(ahead[0]))
+        self._unmap_past_tables(rows, widths)
+
+    def _wait_for_needed_ahead(self, rows: np.ndarray, needed: np.ndarray) -> None:
+        for i in np.flatnonzero(np.isin(rows, list(self._ahead))).tolist():
+            row = int(rows[i])
+            if needed[i] > self._ahead[row]:
+                if (pending := self._background.pop(row, None)) is not None:
+                    pending.result()
+                del self._ahead[row]
+
+    def _unmap_past_tables(self, rows: np.ndarray, widths: np.ndarray) -> None:
+        """A finished request's pages past its slot's new request's table are unmapped in the background, so
+        a live slot maps exactly its table (the new request waits for it only if it grows there)."""
         for i in np.flatnonzero(np.isin(rows, list(self._claimed_stale))).tolist():
-            # the finished request's pages past the new one's table: unmapped in the background, so a live
-            # slot maps exactly its table (the new request waits for it only if it grows there)
             row = int(rows[i])
             extra = self.pages.forget(row, int(widths[i]))
             if extra:
-                self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, extra)
+                self._background[row] = self._mapper.submit(self._unmap_pages, row, extra)
         self._claimed_stale.clear()
 
     def release_row(self, row: int) -> None:
@@ -225,7 +250,7 @@ class VAttentionKV:
 
     def _unmap_in_background(self, row: int) -> None:
         self._take_free(row)
-        self._unmapping[row] = self._unmapper.submit(self._unmap_pages, row, self.pages.forget(row))
+        self._background[row] = self._mapper.submit(self._unmap_pages, row, self.pages.forget(row))
 
     def _unmap_pages(self, row: int, pages: list[int]) -> None:
         for page in pages:
@@ -236,21 +261,22 @@ class VAttentionKV:
         while self._deferred:
             self._unmap_in_background(next(iter(self._deferred)))
 
-    def wait_unmapping(self) -> None:
-        """Wait for the background unmapping submitted so far."""
-        for pending in self._unmapping.values():
+    def wait_background(self) -> None:
+        """Wait for the background mapping and unmapping submitted so far."""
+        for pending in self._background.values():
             pending.result()
-        self._unmapping.clear()
+        self._background.clear()
+        self._ahead.clear()
 
     def flush(self) -> None:
         """Unmap every released slot now and wait until all are unmapped."""
         self.reclaim()
-        self.wait_unmapping()
+        self.wait_background()
 
     @property
     def released_slots(self) -> set[int]:
         """Free slots whose pages may still be mapped (deferred or being unmapped)."""
-        return set(self._deferred) | set(self._unmapping)
+        return set(self._deferred) | set(self._background)
 
     def stats(self) -> dict[str, float]:
         pages = self.pages

@@ -194,3 +194,25 @@ def test_a_page_given_ahead_of_need_is_mapped_in_the_background_and_not_again() 
     kv.map_rows(np.array([2]), np.array([[7, 9, 0, 0, 0]]), np.array([2]), np.array([kv.block_size + 1]),
                 pytest.fail)  # the sequence reaches page 1: already mapped
     assert driver.map_calls == calls
+
+
+def test_a_backend_collected_as_garbage_gives_everything_back_without_waiting_on_its_worker() -> None:
+    """SlotPages refers back to its backend, so a dropped backend is collected by the cycle collector, with
+    its executor; the worker is told to exit before the finalizer runs. A finalizer that queued the deferred
+    unmapping to that worker and waited for it hung the whole test run (CI, 2026-11-24)."""
+    import gc
+    import threading
+
+    kv, driver = make_backend()
+    map_all(kv, [1, 2], [[7, 3, 0, 0, 0], [4, 0, 0, 0, 0]], [2, 1], pytest.fail)
+    kv.release_row(1)  # deferred: still mapped
+    kv.map_rows(np.array([2]), np.array([[4, 9, 0, 0, 0]]), np.array([2]), np.array([10]), pytest.fail)
+    kv.wait_background()
+    assert kv.released_slots and driver.mappings
+    del kv
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(timeout=30)
+    assert not collector.is_alive(), "collecting the backend waits forever"
+    assert driver.mappings == {} and driver.handles == {} and driver.reserved == {}
+    assert driver.map_calls == driver.unmap_calls

@@ -70,6 +70,7 @@ class VAttentionKV:
         self._claimed_stale: set[int] = set()  # slots given a new request this step, with a previous one's pages
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-vmm")
         self._background: dict[int, Future] = {}  # slot -> its latest background job (one worker: in order)
+        self._jobs: list[tuple[Future, Any, tuple]] = []  # every job not known done, in submission order
         self._ahead: dict[int, int] = {}  # slot -> first page whose background mapping may still be running
 
     # memory -------------------------------------------------------------------------------------------
@@ -128,8 +129,11 @@ class VAttentionKV:
 
     def free(self) -> None:
         """Unmap and release everything (at shutdown, or after the warm-up pass that sized the pool)."""
-        d, L, page = self.driver, self.num_layers, self.page_bytes
         self.flush()
+        self._release()
+
+    def _release(self) -> None:
+        d, L, page = self.driver, self.num_layers, self.page_bytes
         if self.pages is not None:
             for slot in range(self.num_slots):
                 self.pages.clear(slot)
@@ -143,12 +147,26 @@ class VAttentionKV:
         for address, size in self._ranges:
             d.free_address(address, size)
         self._handles, self._ranges, self.pages, self.num_blocks = [], [], None, 0
+        self._deferred.clear()
+        self._first_page.clear()
         self.k_caches = self.v_caches = self.k_slots = self.v_slots = torch.empty(0)
 
     def __del__(self) -> None:
-        # the driver's memory is not torch's: nothing else gives it back when the engine goes away
+        """The driver's memory is not torch's: nothing else gives it back when the backend goes away. Never
+        waits for the worker: when this object is collected with its executor (SlotPages refers back to it,
+        a cycle), the worker has been told to exit first and runs nothing more, so a job it never started is
+        run here instead."""
         try:
-            self.free()
+            self._mapper.shutdown(wait=False)
+            for future, fn, args in self._jobs:
+                if future.cancel():
+                    fn(*args)
+                else:  # running or done: a running job keeps this object alive, so it is done
+                    future.result()
+            self._jobs.clear()
+            self._background.clear()
+            self._ahead.clear()
+            self._release()
         except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone first
             pass
 
@@ -207,7 +225,7 @@ class VAttentionKV:
                     pending.result()
                 self.pages.apply(row, blocks, now)
             if len(ahead):
-                self._background[row] = self._mapper.submit(self.pages.execute, row, self.pages.plan(row, blocks, ahead))
+                self._submit(row, self.pages.execute, row, self.pages.plan(row, blocks, ahead))
                 self._ahead[row] = min(self._ahead.get(row, self.pages_per_slot), int(ahead[0]))
         self._unmap_past_tables(rows, widths)
 
@@ -226,7 +244,7 @@ class VAttentionKV:
             row = int(rows[i])
             extra = self.pages.forget(row, int(widths[i]))
             if extra:
-                self._background[row] = self._mapper.submit(self._unmap_pages, row, extra)
+                self._submit(row, self._unmap_pages, row, extra)
         self._claimed_stale.clear()
 
     def release_row(self, row: int) -> None:
@@ -250,7 +268,7 @@ class VAttentionKV:
 
     def _unmap_in_background(self, row: int) -> None:
         self._take_free(row)
-        self._background[row] = self._mapper.submit(self._unmap_pages, row, self.pages.forget(row))
+        self._submit(row, self._unmap_pages, row, self.pages.forget(row))
 
     def _unmap_pages(self, row: int, pages: list[int]) -> None:
         for page in pages:
@@ -261,10 +279,19 @@ class VAttentionKV:
         while self._deferred:
             self._unmap_in_background(next(iter(self._deferred)))
 
+    def _submit(self, row: int, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker thread, as ``row``'s latest background job."""
+        if len(self._jobs) >= 64:
+            self._jobs = [job for job in self._jobs if not job[0].done()]
+        future = self._mapper.submit(fn, *args)
+        self._jobs.append((future, fn, args))
+        self._background[row] = future
+
     def wait_background(self) -> None:
         """Wait for the background mapping and unmapping submitted so far."""
-        for pending in self._background.values():
-            pending.result()
+        for future, _, _ in self._jobs:
+            future.result()
+        self._jobs.clear()
         self._background.clear()
         self._ahead.clear()
 

@@ -1,14 +1,22 @@
 """Workload ``cpu`` (shared WORKLOADS.md): the embedded default model on a small CPU budget.
 
-SmolLM2-135M-Instruct, float32, ``--threads`` torch threads; one stream and ``--streams`` concurrent streams
-of ``--new-tokens`` greedy tokens each (EOS ignored, so every stream produces exactly that many).
-Peer in the same run: transformers ``generate`` on the engine's converted HF directory of the same model
-(single prompt; a left-padded batch). Output tokens/s = streams x new tokens / wall seconds from submit
-to all finished. Each of ours' runs gets a fresh ``cache_salt`` so no run reuses the previous run's
-prefix-cache blocks (transformers caches nothing between calls). With ``--repeats`` the two sides alternate
-and the table shows each side's best run. A greedy check compares ours' and transformers' tokens on one prompt.
+SmolLM2-135M-Instruct with ``--cpu-weights`` (default: the engine's auto, q4 for this model), ``--threads``
+threads; one stream and ``--streams`` concurrent streams of ``--new-tokens`` greedy tokens each (EOS ignored, so
+every stream produces exactly that many), and the time to the first token of a ~``--long-prompt``-token prompt.
+Peers in the same run (``--peer``, one or more):
 
-    python -m benchmarks.cpu [--threads 2] [--new-tokens 128] [--streams 8] [--repeats 1] [--json PATH] [--profile]
+- ``transformers``: ``generate`` on the engine's converted (float32) HF directory of the same model (single
+  prompt; a left-padded batch).
+- ``llama-cpp``: llama-cpp-python on the very GGUF file the default model comes from. It serves one sequence at
+  a time, so N streams are N sequential generations (its aggregate tok/s); its KV cache is cleared before each.
+
+Output tokens/s = streams x new tokens / wall seconds from submit to all finished. Each of ours' runs gets a fresh
+``cache_salt`` so no run reuses the previous run's prefix-cache blocks. With ``--repeats`` the sides alternate
+and the table shows each side's best run. A greedy check compares ours' tokens with transformers' on one prompt
+(identical with ``--cpu-weights float32``; with a quantized mode it reports where they part).
+
+    python -m benchmarks.cpu [--cpu-weights auto] [--peer transformers llama-cpp] [--threads 2]
+                             [--new-tokens 128] [--streams 8] [--repeats 1] [--json PATH] [--profile]
 """
 from __future__ import annotations
 
@@ -25,10 +33,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from engine.layers.quantized_linear import CPU_WEIGHTS
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 
@@ -127,13 +136,73 @@ def best_latency(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: i
     return min(runs, key=lambda lat: lat.ttft_s + (new_tokens - 1) * lat.tpot_s)
 
 
-# transformers --------------------------------------------------------------------------------------------
+# peers ---------------------------------------------------------------------------------------------------
 
-def load_peer(model_path: str) -> Any:
-    from transformers import AutoModelForCausalLM
+class Peer(Protocol):
+    name: str
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return model.eval()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]: ...
+
+    def first_token_seconds(self, prompt: list[int]) -> float: ...
+
+
+class TransformersPeer:
+    name = "transformers"
+
+    def __init__(self, model_path: str, pad_id: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.pad_id = pad_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        ids, mask = left_pad(prompts, self.pad_id)
+        start = time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id)
+        seconds = time.perf_counter() - start
+        return seconds, out[:, ids.shape[1]:].tolist()
+
+    def first_token_seconds(self, prompt: list[int]) -> float:
+        return self.generate([prompt], 1)[0]
+
+
+class LlamaCppPeer:
+    """llama-cpp-python on the GGUF file itself (greedy; its own sampler chain at temperature 0)."""
+    name = "llama.cpp"
+
+    def __init__(self, gguf_file: str, threads: int) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise SystemExit("--peer llama-cpp needs llama-cpp-python (a benchmark-only dependency): see "
+                             "docs/BENCHMARKS.md for the build flags that work here, e.g. CMAKE_ARGS=... "
+                             "pip install llama-cpp-python==0.3.36") from exc
+        import llama_cpp
+
+        self.version = llama_cpp.__version__
+        self.llm = Llama(model_path=gguf_file, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                         n_batch=512, verbose=False)
+
+    def _one(self, prompt: list[int], new_tokens: int) -> list[int]:
+        self.llm.reset()  # (the next eval drops every cached position: no prefix reuse between runs)
+        tokens = []
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        return tokens
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outputs = [self._one(prompt, new_tokens) for prompt in prompts]
+        return time.perf_counter() - start, outputs
+
+    def first_token_seconds(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self._one(prompt, 1)
+        return time.perf_counter() - start
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,15 +213,20 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-@torch.inference_mode()
-def run_peer(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int
-             ) -> tuple[float, list[list[int]]]:
-    ids, mask = left_pad(prompts, pad_id)
-    start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
-    seconds = time.perf_counter() - start
-    return seconds, out[:, ids.shape[1]:].tolist()
+def long_prompt(llm: LLM, tokens: int) -> list[int]:
+    """A chat prompt of about ``tokens`` tokens: a user message of repeated prose, asking for a summary."""
+    text = ("The lighthouse keeper climbed the spiral stairs each evening, trimmed the wick, polished the lens "
+            "and wrote the weather in his log before the ships came past the rocks. ")
+    words = text * (tokens // 30 + 1)
+    ids = llm.chat_prompt_ids([{"role": "user", "content": "Summarize: " + words}])
+    while len(ids) > tokens:
+        words = words[: int(len(words) * tokens / len(ids)) - 1]
+        ids = llm.chat_prompt_ids([{"role": "user", "content": "Summarize: " + words}])
+    return ids
+
+
+def ours_first_token_seconds(llm: LLM, prompt: list[int]) -> float:
+    return run_ours(llm, [prompt], 1)[0]
 
 
 # checks and report ---------------------------------------------------------------------------------------
@@ -173,23 +247,27 @@ def greedy_check(llm: LLM, prompt: list[int], peer_tokens: list[int], new_tokens
     if same is None and len(ours) == len(peer_tokens):
         return f"identical: all {len(ours)} greedy tokens match transformers"
     same = min(len(ours), len(peer_tokens)) if same is None else same
-    return (f"DIFFERENT: the first {same} of {len(ours)} greedy tokens match, then ours "
+    return (f"the first {same} of {len(ours)} greedy tokens match transformers (float32), then ours "
             f"{ours[same:same + 3]} vs transformers {peer_tokens[same:same + 3]}")
 
 
-def table(results: dict[str, dict[str, Side]], latency: list[Latency]) -> str:
-    rows = ["| scenario | ours tok/s | transformers tok/s | ours / transformers |",
-            "|---|---:|---:|---:|"]
+def table(results: dict[str, dict[str, Side]], ttft: dict[str, float], long_tokens: int,
+          latency: list[Latency]) -> str:
+    peers = [side for side in next(iter(results.values())) if side != "ours"]
+    rows = ["| scenario | ours tok/s | " + " | ".join(f"{p} tok/s | ours / {p}" for p in peers) + " |",
+            "|---|---:|" + "---:|---:|" * len(peers)]
     for scenario, sides in results.items():
-        ours, peer = sides["ours"], sides["transformers"]
-        rows.append(f"| {scenario} | {ours.best_tok_s:.1f} | {peer.best_tok_s:.1f} | "
-                    f"{ours.best_tok_s / peer.best_tok_s:.2f}x |")
+        ours = sides["ours"].best_tok_s
+        rows.append(f"| {scenario} | {ours:.1f} | " + " | ".join(
+            f"{sides[p].best_tok_s:.1f} | {ours / sides[p].best_tok_s:.2f}x" for p in peers) + " |")
+    rows.append(f"| TTFT, {long_tokens}-token prompt (ms, best) | {ttft['ours'] * 1e3:.0f} | " + " | ".join(
+        f"{ttft[p] * 1e3:.0f} | {ttft['ours'] / ttft[p]:.2f}x the time" for p in peers) + " |")
     rows += ["", "| ours, streams | TTFT mean (ms) | time per output token mean (ms) |", "|---:|---:|---:|"]
     rows += [f"| {lat.streams} | {lat.ttft_s * 1e3:.1f} | {lat.tpot_s * 1e3:.1f} |" for lat in latency]
     return "\n".join(rows)
 
 
-def environment(threads: int, load_before: float) -> dict[str, Any]:
+def environment(threads: int, load_before: float, llm: LLM, peers: list[Peer]) -> dict[str, Any]:
     """Where and how the numbers were taken; the 1-minute load averages show whether other work shared the
     cores (2 threads on a 2-core machine slow down sharply when anything else runs)."""
     import transformers
@@ -197,53 +275,77 @@ def environment(threads: int, load_before: float) -> dict[str, Any]:
     return {"load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": threads,
+            "cpu_weights": llm.engine.config.cpu_weights,
+            "llama_cpp": next((p.version for p in peers if isinstance(p, LlamaCppPeer)), None),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.cpu", *sys.argv[1:]])}
 
 
 # main ----------------------------------------------------------------------------------------------------
 
+PEERS = ("transformers", "llama-cpp")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-weights", default="auto", choices=("auto", *CPU_WEIGHTS))
+    parser.add_argument("--peer", nargs="+", choices=PEERS, default=["transformers"],
+                        help="peers run in the same command (llama-cpp needs llama-cpp-python)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--long-prompt", type=int, default=500, help="tokens of the TTFT prompt")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each scenario; the table shows the best")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     parser.add_argument("--profile", action="store_true",
                         help="after the benchmark, cProfile one run of ours with --streams streams")
     args = parser.parse_args(argv)
-    if min(args.threads, args.new_tokens - 1, args.streams, args.repeats) < 1:
-        parser.error("--threads, --streams, --repeats must be >= 1 and --new-tokens >= 2")
+    if min(args.threads, args.new_tokens - 1, args.streams, args.repeats) < 1 or args.long_prompt < 16:
+        parser.error("--threads, --streams, --repeats must be >= 1, --new-tokens >= 2, --long-prompt >= 16")
     return args
 
 
-def warm_up(llm: LLM, peer: Any, prompts: list[list[int]], pad_id: int) -> None:
+def make_peer(name: str, llm: LLM, threads: int) -> Any:
+    if name == "transformers":
+        return TransformersPeer(llm.engine.config.model_path, llm.engine.config.eos_token_ids[0])
+    from engine.loader import _default_gguf_file
+
+    return LlamaCppPeer(str(_default_gguf_file()), threads)
+
+
+def warm_up(llm: LLM, peers: list[Peer], prompts: list[list[int]]) -> None:
     """One short run of each side and shape, so one-time costs (allocator, kernels) fall outside timing."""
     for batch in (prompts[:1], prompts):
         run_ours(llm, batch, WARM_UP_TOKENS)
-        run_peer(peer, batch, WARM_UP_TOKENS, pad_id)
+        for peer in peers:
+            peer.generate(batch, WARM_UP_TOKENS)
 
 
-def benchmark(llm: LLM, peer: Any, prompts: list[list[int]], args: argparse.Namespace
-              ) -> tuple[dict[str, dict[str, Side]], list[int]]:
-    """Ours and transformers alternate within each repeat, so drift in the machine hits both alike."""
-    pad_id = llm.engine.config.eos_token_ids[0]
+def benchmark(llm: LLM, peers: list[Peer], prompts: list[list[int]], long: list[int], args: argparse.Namespace
+              ) -> tuple[dict[str, dict[str, Side]], dict[str, float], list[int]]:
+    """The sides alternate within each repeat, so drift in the machine hits all alike."""
     scenarios = {"1 stream": prompts[:1], f"{args.streams} streams": prompts}
-    results = {name: {side: Side(len(batch), args.new_tokens) for side in ("ours", "transformers")}
+    sides: dict[str, Any] = {"ours": lambda b, n: run_ours(llm, b, n)}
+    sides.update({peer.name: peer.generate for peer in peers})
+    results = {name: {side: Side(len(batch), args.new_tokens) for side in sides}
                for name, batch in scenarios.items()}
-    peer_single: list[int] = []
+    ttft_runs: dict[str, list[float]] = {side: [] for side in sides}
+    first_token = {"ours": lambda p: ours_first_token_seconds(llm, p)}
+    first_token.update({peer.name: peer.first_token_seconds for peer in peers})
+    transformers_single: list[int] = []
     for _ in range(args.repeats):
         for name, batch in scenarios.items():
-            for side, run in (("ours", lambda b: run_ours(llm, b, args.new_tokens)),
-                              ("transformers", lambda b: run_peer(peer, b, args.new_tokens, pad_id))):
-                seconds, outputs = run(batch)
+            for side, run in sides.items():
+                seconds, outputs = run(batch, args.new_tokens)
                 check_lengths(f"{side}, {name}", outputs, args.new_tokens)
                 results[name][side].seconds.append(seconds)
                 if side == "transformers" and len(batch) == 1:
-                    peer_single = outputs[0]
+                    transformers_single = outputs[0]
                 logger.info("%s, %s: %.2f s", side, name, seconds)
-    return results, peer_single
+        for side, run in first_token.items():
+            ttft_runs[side].append(run(long))
+            logger.info("%s, TTFT of %d tokens: %.3f s", side, len(long), ttft_runs[side][-1])
+    return results, {side: min(runs) for side, runs in ttft_runs.items()}, transformers_single
 
 
 def profile_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, top: int = 15) -> None:
@@ -253,19 +355,21 @@ def profile_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, top: int =
     pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
 
 
-def report(results: dict[str, dict[str, Side]], latency: list[Latency], check: str, env: dict[str, Any],
-           args: argparse.Namespace) -> None:
-    print(f"\n## cpu workload: SmolLM2-135M-Instruct, float32, {args.new_tokens} new tokens per stream, "
-          f"best of {args.repeats}\n")
-    print(table(results, latency))
+def report(results: dict[str, dict[str, Side]], ttft: dict[str, float], long_tokens: int,
+           latency: list[Latency], check: str, env: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\n## cpu workload: SmolLM2-135M-Instruct, ours with {env['cpu_weights']} weights, {args.new_tokens} "
+          f"new tokens per stream, best of {args.repeats}\n")
+    print(table(results, ttft, long_tokens, latency))
     print(f"\ngreedy check (single prompt): {check}")
-    print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, {env['threads']} threads, "
-          f"{env['processor']} ({env['cpu_count']} CPUs), load average {env['load_average_before']:.2f} before / "
-          f"{env['load_average_after']:.2f} after; command: {env['command']}")
+    print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, llama-cpp-python "
+          f"{env['llama_cpp']}, {env['threads']} threads, {env['processor']} ({env['cpu_count']} CPUs), load "
+          f"average {env['load_average_before']:.2f} before / {env['load_average_after']:.2f} after; "
+          f"command: {env['command']}")
     if args.json:
         throughput = {name: {side: {"seconds": s.seconds, "best_tok_s": s.best_tok_s, "median_tok_s": s.median_tok_s}
                              for side, s in sides.items()} for name, sides in results.items()}
         dump = {"environment": env, "greedy_check": check, "throughput": throughput,
+                "ttft_long_prompt": {"tokens": long_tokens, "best_seconds": ttft},
                 "latency": [asdict(lat) for lat in latency]}
         with open(args.json, "w") as f:
             json.dump(dump, f, indent=2)
@@ -276,15 +380,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    llm = LLM(num_threads=args.threads, dtype="float32")
-    peer = load_peer(llm.engine.config.model_path)
+    llm = LLM(num_threads=args.threads, dtype="float32", cpu_weights=args.cpu_weights)
+    peers = [make_peer(name, llm, args.threads) for name in args.peer]
     prompts = chat_prompts(llm, args.streams)
-    logger.info("prompt lengths: %s", [len(p) for p in prompts])
-    warm_up(llm, peer, prompts, llm.engine.config.eos_token_ids[0])
-    results, peer_single = benchmark(llm, peer, prompts, args)
+    long = long_prompt(llm, args.long_prompt)
+    logger.info("prompt lengths: %s; TTFT prompt: %d tokens", [len(p) for p in prompts], len(long))
+    warm_up(llm, peers, prompts)
+    results, ttft, transformers_single = benchmark(llm, peers, prompts, long, args)
     latency = [best_latency(llm, batch, args.new_tokens, args.repeats) for batch in (prompts[:1], prompts)]
-    check = greedy_check(llm, prompts[0], peer_single, args.new_tokens)
-    report(results, latency, check, environment(args.threads, load_before), args)
+    check = (greedy_check(llm, prompts[0], transformers_single, args.new_tokens) if transformers_single
+             else "not run (needs --peer transformers)")
+    report(results, ttft, len(long), latency, check, environment(args.threads, load_before, llm, peers), args)
     if args.profile:
         profile_ours(llm, prompts, args.new_tokens)
 

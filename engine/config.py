@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from engine.layers.quantized_linear import CPU_WEIGHTS
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX_HASHES = ("sha256", "xxh128")
@@ -63,6 +65,10 @@ class EngineConfig:
     # KV contiguous in virtual memory, physical pages of the driver's granularity mapped on demand; the block
     # size becomes the tokens of one page, e.g. 2048 for llama-3.2-1b in bf16)
     kv_backend: str = "paged"
+    # how the CPU stores linear weights (activations stay float32): float32 | bfloat16 | int8 (per channel) |
+    # q4 (4-bit groups of 32, a Q4_1 GGUF's own blocks); auto = q4 for a model shipped as Q4_1 GGUF (the
+    # default model: the file's own weights, fastest), float32 otherwise. CUDA: float32 (= the model dtype) only
+    cpu_weights: str = "auto"
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -94,6 +100,8 @@ class EngineConfig:
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
+        _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
+               f"must be auto or one of {CPU_WEIGHTS}")
         self.torch_device = resolve_device(self.device)
         _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
                "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")
@@ -110,6 +118,11 @@ class EngineConfig:
             self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         else:
             self.torch_dtype = DTYPES[self.dtype]
+        quantized = self.cpu_weights not in ("auto", "float32")
+        _check(not quantized or self.torch_device.type == "cpu", "cpu_weights",
+               f"{self.cpu_weights} is for the CPU; on CUDA the weights are in the model dtype")
+        _check(not quantized or self.torch_dtype == torch.float32, "cpu_weights",
+               f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)")
 
     @property
     def max_blocks_per_seq(self) -> int:

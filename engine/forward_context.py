@@ -3,8 +3,8 @@ attention layers, so model code keeps the plain ``forward(input_ids, positions)`
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
@@ -25,6 +25,8 @@ class AttentionMetadata:
     # slot * max_len + position. None for the paged backend.
     slot_ids: torch.Tensor | None = None
     max_context_len: int = 0  # host-known bound of context_lens (contiguous decode sizes split-K from it)
+    # values derived from the above once per pass and shared by every layer (the lean CPU path, kernels/cpu.py)
+    memo: dict[str, Any] = field(default_factory=dict)
 
 
 _current: AttentionMetadata | None = None
@@ -44,3 +46,8 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention layer called outside a forward_context")
     return _current
+
+
+def pass_memo() -> dict[str, Any]:
+    """The current pass's memo; a throwaway dict outside a pass (a layer called on its own)."""
+    return _current.memo if _current is not None else {}

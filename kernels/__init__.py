@@ -54,4 +54,10 @@ def _dispatch(name: str) -> Callable:
 
 ops = SimpleNamespace(**{name: _dispatch(name) for name in _TRITON_MODULE})
 
-__all__ = ["ops"]
+
+def lean_cpu(tensor: torch.Tensor) -> bool:
+    """Whether a layer takes the lean CPU decode path (kernels/cpu.py) for this tensor (``auto`` on the CPU)."""
+    return _CHOICE == "auto" and not tensor.is_cuda
+
+
+__all__ = ["lean_cpu", "ops"]

@@ -29,7 +29,7 @@ def hf_beam(hf_model, prompt_ids: list[int], width: int, max_new_tokens: int) ->
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+    return LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def expected_width4(hf_model, prompt_ids) -> list[list[int]]:
 def test_beam_search_under_preemption_gives_the_same_tokens(expected_width4, prompt_ids, mode: str):
     """swap: a preempted beam's request goes to the host with all its beams (shared blocks copied once) and
     comes back together; recompute: the beam computes its tokens again."""
-    tight = LLM(num_kv_blocks=14, max_model_len=96, preemption_mode=mode, swap_space_gib=0.05)
+    tight = LLM(cpu_weights="float32", num_kv_blocks=14, max_model_len=96, preemption_mode=mode, swap_space_gib=0.05)
     got = tight.beam_search(prompt_ids[:4], beam_width=4, max_tokens=NEW_TOKENS)
     assert tight.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert (tight.engine.scheduler.num_swap_outs > 0) == (mode == "swap")

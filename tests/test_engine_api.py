@@ -14,7 +14,7 @@ from tests.conftest import SMALL_KV_GIB
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+    return LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB)
 
 
 PROMPT = "Write a short poem about the sea, with a title."
@@ -141,20 +141,20 @@ def test_bad_engine_config_names_the_field(field, value):
 
 
 def test_prompt_longer_than_max_model_len_is_rejected():
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=64)
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len=64"):
         llm.generate([[1] * 64], greedy(max_tokens=1))
     assert not llm.engine.has_unfinished_requests()
 
 
 def test_generation_stops_at_max_model_len():
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=40)
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=40)
     (out,) = llm.generate([[1] * 30], greedy(max_tokens=None, ignore_eos=True))
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 
 def test_prompt_too_large_for_the_pool_is_rejected_not_left_waiting():
-    llm = LLM(num_kv_blocks=4)  # 64 tokens in all: max_model_len is capped to the pool
+    llm = LLM(cpu_weights="float32", num_kv_blocks=4)  # 64 tokens in all: max_model_len is capped to the pool
     assert llm.engine.config.max_model_len == 64
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[5] * 100], greedy(max_tokens=4))
@@ -176,4 +176,4 @@ def test_duplicate_request_id_is_rejected(llm: LLM):
 
 def test_max_model_len_beyond_the_model_is_rejected():
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=10**6)
+        LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=10**6)

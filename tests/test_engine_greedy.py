@@ -46,7 +46,7 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 @ASYNC
 def test_batched_greedy_equals_transformers(prompts, expected, async_scheduling):
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=async_scheduling)
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
@@ -54,7 +54,7 @@ def test_batched_greedy_equals_transformers(prompts, expected, async_scheduling)
 
 @ASYNC
 def test_chunked_prefill_equals_transformers(prompts, expected, async_scheduling):
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=7, enable_prefix_caching=False,
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=7, enable_prefix_caching=False,
               async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
@@ -66,7 +66,7 @@ def test_chunked_prefill_equals_transformers(prompts, expected, async_scheduling
 def test_preemption_keeps_output_identical(prompts, expected, async_scheduling):
     longest = max(len(p) for p in prompts) + NEW_TOKENS
     num_blocks = -(-longest // 16) + 2  # room for the longest request alone, far from all of them
-    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    llm = LLM(cpu_weights="float32", num_kv_blocks=num_blocks, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats().preemptions > 0
     assert [o.token_ids for o in outputs] == expected
@@ -77,7 +77,7 @@ def test_preemption_keeps_output_identical(prompts, expected, async_scheduling):
 def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expected):
     """The CUDA-graph input layout, run eagerly on the CPU: decode batches padded to the next graph size
     (rows that write nowhere), block tables in the graphs' static table, pending tokens fed on the device."""
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, max_graph_batch_size=16, max_num_batched_tokens=64,
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, max_graph_batch_size=16, max_num_batched_tokens=64,
               async_scheduling=True)
     runner = llm.engine.runner
     padded_sizes = []
@@ -96,6 +96,6 @@ def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expect
 
 
 def test_text_is_the_decoded_tokens(prompts, tokenizer):
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB)
     (output,) = llm.generate([prompts[1]], GREEDY)
     assert output.text == tokenizer.decode(output.token_ids, skip_special_tokens=True)

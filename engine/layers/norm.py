@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops as kernel_ops
+import torch.nn.functional as F
+
+from kernels import lean_cpu, ops as kernel_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +20,11 @@ class RMSNorm(nn.Module):
         """``norm(x)`` over the last dim; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
         written into ``residual`` in place (it is the new residual stream). The norm is computed in float32
         whatever the model dtype, as the reference implementation does."""
+        if x.dtype == torch.float32 and lean_cpu(x):  # one op (the reference's arithmetic, bit for bit)
+            if residual is None:
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            torch.add(x, residual, out=residual)
+            return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
         if residual is None:
             return kernel_ops.rms_norm(x, self.weight, self.eps)
         return kernel_ops.rms_norm(x, self.weight, self.eps, residual)

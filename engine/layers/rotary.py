@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import ops as kernel_ops
+from engine.forward_context import pass_memo
+from kernels import cpu as cpu_kernels
+from kernels import lean_cpu, ops as kernel_ops
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -58,5 +60,11 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
         in place by their positions; returns the same two tensors."""
-        kernel_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+        if lean_cpu(q):  # cos/sin rows gathered by the first layer of the pass only
+            memo = pass_memo()
+            if (plan := memo.get("rotary")) is None:
+                plan = memo["rotary"] = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
+            cpu_kernels.rotary_embedding(q, k, plan)
+        else:
+            kernel_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
         return q, k

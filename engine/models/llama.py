@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Embedding, Linear
+from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, quantized_linear
+from engine.models.llama_cpu_decoder import LlamaCpuDecoder
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -135,16 +137,23 @@ class LlamaForCausalLM(nn.Module):
         if not self.args.tie_word_embeddings:
             self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         self.logits_weight: torch.Tensor | None = None  # a CPU-friendly layout of the output layer, if set
+        self.logits_head: nn.Module | None = None  # a quantized output layer (--cpu-weights), if set
+        self.cpu_decoder: LlamaCpuDecoder | None = None  # the lean pass over quantized layers, if set
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.cpu_decoder is not None:
+            return self.cpu_decoder.forward(input_ids, positions)
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of each row of ``hidden``, into ``out`` when given (a CUDA graph's static output)."""
+        if self.logits_head is not None:
+            logits = self.logits_head(hidden)
+            return logits if out is None else out.copy_(logits)
         if self.logits_weight is not None:
             return torch.matmul(hidden, self.logits_weight.t(), out=out)
         weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
@@ -156,8 +165,35 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.store_weight_column_major()
-        if self.args.tie_word_embeddings:
+        if self.args.tie_word_embeddings and self.logits_head is None:
             self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
+
+    def quantize_cpu_weights(self, mode: str, q4_blocks: dict[str, Q4Blocks] | None = None,
+                             native: bool = False) -> None:
+        """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py), q4 from the
+        given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
+        becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
+        kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
+        ``native``: kernels/cpu_decode.cpp is loaded (the lean decoder's native decode step, the packed head)."""
+        q4_blocks = q4_blocks or {}
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, Linear) or name == "lm_head":
+                continue
+            shards = _hf_names(f"{name}.weight")
+            blocks = Q4Blocks.cat([q4_blocks[h] for h in shards]) if all(h in q4_blocks for h in shards) else None
+            parent, attr = name.rsplit(".", 1)
+            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks))
+        head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        if mode == "bfloat16":
+            self.logits_head = quantized_linear("bfloat16", head, None)
+        elif native and head.shape[0] % PACKED_OUTPUTS == 0:
+            self.logits_head = PackedInt8Head(head)
+        else:
+            self.logits_head = quantized_linear("int8", head, None)
+        if not self.args.tie_word_embeddings:
+            del self.lm_head
+        self.logits_weight = None
+        self.cpu_decoder = LlamaCpuDecoder(self, native)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises ValueError naming any parameter left unset or tensor unknown."""
@@ -197,6 +233,15 @@ def _fused_name(name: str) -> tuple[str, int | None]:
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{fused}."), shard
     return name, None
+
+
+def _hf_names(weight_name: str) -> list[str]:
+    """The HF tensors a (possibly fused) weight is made of, in shard order."""
+    for fused in {fused for fused, _ in _FUSED.values()}:
+        if f".{fused}." in weight_name:
+            shards = sorted((shard, fragment) for fragment, (f, shard) in _FUSED.items() if f == fused)
+            return [weight_name.replace(f".{fused}.", f".{fragment}.") for _, fragment in shards]
+    return [weight_name]
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -1,0 +1,146 @@
+"""The Llama-family forward pass on the CPU with weight-only quantized projections (``--cpu-weights``), lean.
+
+A decode step of a small model on a CPU spends more time around the matmuls than in them: per layer the module
+path makes ~12 ``nn.Module`` calls and ~40 tensor ops, each a few microseconds of Python and dispatch
+(profile: docs/BENCHMARKS.md, issue 15). This pass walks the same layers' tensors directly and keeps the
+projections' bfloat16 outputs instead of converting each to float32 first: a bfloat16 value promotes exactly,
+so adding it to the float32 residual, rotating it by float32 cos/sin or taking float32 SiLU of it gives the
+very numbers the module path computes. ``tests/test_cpu_decoder.py`` holds it bit-equal to the module path.
+
+The residual stream, norms, rotary embedding, attention and KV cache stay float32; only a projection's input is
+rounded to bfloat16 (the weight-only kernels' input type).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_context import get_attention_metadata
+from engine.layers.quantized_linear import Q4Linear
+from kernels import cpu as cpu_kernels
+
+_BF16 = torch.bfloat16
+
+
+@dataclass(slots=True)
+class _Layer:
+    """One decoder layer's tensors and bound calls, looked up once (not per step through nn.Module)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: nn.Module
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: nn.Module
+    o_bias: torch.Tensor | None
+    gate_up: nn.Module
+    gate_up_bias: torch.Tensor | None
+    down: nn.Module
+    down_bias: torch.Tensor | None
+    attend: object  # PagedAttention.forward_cpu of the layer (its own KV cache)
+
+
+def _bias(layer: nn.Module) -> torch.Tensor | None:
+    return getattr(layer, "bias", None)
+
+
+class LlamaCpuDecoder:
+    """``forward(input_ids, positions) -> hidden`` for a LlamaForCausalLM whose projections have a bfloat16
+    ``matmul`` (engine/layers/quantized_linear.py). With ``native``, decode-only steps of a model whose
+    projections are all 4-bit without biases (the default model) run as one native call
+    (kernels/cpu_decode.cpp); other steps and models take the Python path below."""
+
+    def __init__(self, model: nn.Module, native: bool = False) -> None:
+        args = model.args
+        self.embed = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.eps = args.rms_norm_eps
+        self.hidden = (args.hidden_size,)
+        self.head_shape = (args.head_dim,)
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.intermediate = args.intermediate_size
+        rotary = model.model.layers[0].self_attn.rotary
+        self.cos_cache, self.sin_cache = rotary.cos_cache, rotary.sin_cache
+        self.layers = [self._layer(layer) for layer in model.model.layers]
+        self.attention = [layer.self_attn.attn for layer in model.model.layers]
+        self.native_weights = self._native_weights(model) if native else None
+        self.scale = args.head_dim ** -0.5
+
+    @staticmethod
+    def _native_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:
+        """The native step's weight lists, or None where it does not apply (biases, q/k norms, 8-bit layers)."""
+        layers = model.model.layers
+        projections = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj)
+                       for lay in layers]
+        if any(lay.self_attn.qk_norm for lay in layers) or not all(
+                isinstance(p, Q4Linear) and p.bias is None for group in projections for p in group):
+            return None
+        weights = [[lay.input_layernorm.weight for lay in layers], [lay.post_attention_layernorm.weight for lay in layers]]
+        for i in range(4):
+            weights += [[group[i].packed for group in projections], [group[i].scales_and_zeros for group in projections]]
+        return weights
+
+    @staticmethod
+    def _layer(layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      attn.qkv_proj, _bias(attn.qkv_proj),
+                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
+                      attn.o_proj, _bias(attn.o_proj), mlp.gate_up_proj, _bias(mlp.gate_up_proj),
+                      mlp.down_proj, _bias(mlp.down_proj), attn.attn.forward_cpu)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
+        residual = F.embedding(input_ids, self.embed)
+        if self.native_weights is not None and meta.num_decodes == input_ids.shape[0] and meta.slot_ids is None:
+            x = torch.ops.pagedchat_cpu.decode_layers(
+                residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
+                meta.context_lens, *self.native_weights, [a.k_cache for a in self.attention],
+                [a.v_cache for a in self.attention], self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate, self.eps, self.scale)
+            torch.add(residual, x, out=residual)
+            return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
+        x: torch.Tensor | None = None
+        for layer in self.layers:
+            if x is not None:
+                torch.add(residual, x, out=residual)
+            x = self._attention(layer, self._normed(residual, layer.input_norm), cos, signed_sin, meta)
+            torch.add(residual, x, out=residual)
+            x = self._mlp(layer, self._normed(residual, layer.post_norm))
+        torch.add(residual, x, out=residual)
+        return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
+
+    def _normed(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(residual, self.hidden, weight, self.eps).to(_BF16)
+
+    def _attention(self, layer: _Layer, xb: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   meta: object) -> torch.Tensor:
+        qkv = _project(layer.qkv, xb, layer.qkv_bias)
+        rows, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(rows, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(rows, self.num_kv_heads, self.head_dim).float()
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
+            qk = torch.cat((F.rms_norm(qk[:, : self.num_heads].float(), self.head_shape, layer.q_norm, self.eps),
+                            F.rms_norm(qk[:, self.num_heads:].float(), self.head_shape, layer.k_norm, self.eps)),
+                           dim=1)
+        qk = cpu_kernels.rotated(qk, cos, signed_sin)  # float32, new tensor
+        out = layer.attend(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta)
+        return _project(layer.o, out.to(_BF16), layer.o_bias)
+
+    def _mlp(self, layer: _Layer, xb: torch.Tensor) -> torch.Tensor:
+        gate_up = _project(layer.gate_up, xb, layer.gate_up_bias)
+        hidden = F.silu(gate_up[:, : self.intermediate].float())
+        hidden.mul_(gate_up[:, self.intermediate:])
+        return _project(layer.down, hidden.to(_BF16), layer.down_bias)
+
+
+def _project(layer: nn.Module, xb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 rows through the layer's weight-only matmul; bfloat16 out, or float32 with its bias added."""
+    out = layer.matmul(xb)
+    return out if bias is None else torch.add(bias, out)

@@ -1,0 +1,72 @@
+"""Builds and loads kernels/cpu_decode.cpp, the native CPU decode step (``torch.ops.pagedchat_cpu``).
+
+Built once per machine with the C++ compiler torch's extension builder finds (~30 s on two cores), into
+``build_root/<tag>``, where the tag names the torch version and the instruction set the code was compiled for
+(x86-64-v4 where the CPU has AVX-512, x86-64-v3 where it has AVX2 and FMA, the compiler's default
+otherwise), so a cache shared between
+different CPUs or torch versions never loads a wrong binary; later starts load it in well under a second.
+Without a compiler, or if the build fails, ``load`` returns False and the caller keeps the Python path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_X86_64_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
+_X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_loaded: bool | None = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _arch_flags() -> tuple[str, list[str]]:
+    flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
+    for level, needs in (("x86-64-v4", _X86_64_V4), ("x86-64-v3", _X86_64_V3)):
+        if needs <= flags:
+            return level, [f"-march={level}"]
+    return platform.machine() or "generic", []
+
+
+def load(build_root: Path) -> bool:
+    """Whether ``torch.ops.pagedchat_cpu.decode_layers`` is available (building it on first use)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    if os.environ.get("PAGEDCHAT_CPU_NATIVE", "1") == "0":
+        _loaded = False
+        return False
+    tag, arch = _arch_flags()
+    build_dir = build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}"
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob("*.so")):
+            logger.info("building the native CPU decode step (once per machine, ~30 s): %s", build_dir)
+        build("pagedchat_cpu_decode", [str(_SOURCE)], build_directory=str(build_dir), is_python_module=False,
+              extra_cflags=["-O3", "-fopenmp-simd", *arch], verbose=False)
+    except Exception as exc:  # no compiler, no headers, a failed build: the Python path still works
+        logger.warning("native CPU decode step unavailable (%s: %s); using the Python path",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        _loaded = False
+        return False
+    logger.info("native CPU decode step loaded in %.2f s (%s)", time.perf_counter() - start, tag)
+    _loaded = True
+    return True

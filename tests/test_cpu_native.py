@@ -1,0 +1,158 @@
+"""The native CPU kernels (kernels/cpu_decode.cpp) against the Python path they replace, and the lean Python
+decoder (engine/models/llama_cpu_decoder.py) against the model's modules.
+
+The native decode step rounds to bfloat16 where the Python path does (projection inputs and outputs) but sums in
+its own order (norms, attention, the exp of SiLU and softmax), so it is held to the Python path within a few
+bfloat16 steps; a wrong index, rotation or cache slot moves values by whole units. The lean Python decoder only
+skips conversions whose values are exact, so it must equal the module path bit for bit.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_context import get_attention_metadata
+from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head
+from engine.llm_engine import LLM
+from engine.sampling_params import SamplingParams
+from kernels import cpu_native
+from tests.test_models import tiny_hf_model
+
+if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
+    pytest.skip("PAGEDCHAT_CPU_NATIVE=0: the native CPU kernels are switched off", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_built() -> None:
+    """The kernels must build here (CI has a C++ compiler); a failed build is a failure, not a skip."""
+    assert cpu_native.load(Path(EngineConfig().cache_dir) / "native"), "kernels/cpu_decode.cpp did not build"
+
+
+# ---------------------------------------------------------------- the output layer
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_packed_int8_head_equals_its_int8_weights_in_float64(rows: int):
+    torch.manual_seed(rows)
+    weight = torch.randn(8 * PACKED_OUTPUTS, 96) * torch.logspace(-2, 0, 8 * PACKED_OUTPUTS)[:, None]
+    head = PackedInt8Head(weight)
+    codes = head.packed.transpose(1, 2).reshape(weight.shape)  # back to [out, in]
+    assert int(codes.abs().max()) == 127, "each row's largest weight takes the largest code"
+    x = torch.randn(rows, 96)
+    expected = x.double() @ (codes.double() * head.scales.double()[:, None]).t()
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, weight.shape[0])
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # the stored weights are the weight within half an int8 step per row
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((codes.float() * head.scales[:, None] - weight).abs() <= step / 2 + 1e-7).all())
+
+
+def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch():
+    torch.manual_seed(7)
+    head = PackedInt8Head(torch.randn(4 * PACKED_OUTPUTS, 128))
+    x = torch.randn(11, 128)
+    alone = torch.cat([head(x[i:i + 1]) for i in range(11)])
+    assert torch.equal(head(x), alone)
+    assert torch.equal(head(x[3:9]), alone[3:9])
+
+
+def test_packed_int8_head_rejects_ragged_outputs():
+    with pytest.raises(ValueError, match="cpu_weights"):
+        PackedInt8Head(torch.randn(PACKED_OUTPUTS + 1, 32))
+
+
+# ---------------------------------------------------------------- the decoder, step by step
+
+
+class TwoPaths:
+    """Stands in for the model's ``cpu_decoder``: each pass runs ``first`` and ``second`` from the same KV
+    cache state, records how far apart their hidden states and written KV are, and goes on with ``second``'s."""
+
+    def __init__(self, model: torch.nn.Module, first, second) -> None:
+        self.attention = model.attention_layers
+        self.first, self.second = first, second
+        self.passes: list[dict] = []
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        before = [(a.k_cache.clone(), a.v_cache.clone()) for a in self.attention]
+        first = self.first(input_ids, positions)
+        after_first = [(a.k_cache.clone(), a.v_cache.clone()) for a in self.attention]
+        for attn, (k, v) in zip(self.attention, before):
+            attn.k_cache.copy_(k)
+            attn.v_cache.copy_(v)
+        meta.memo.clear()
+        second = self.second(input_ids, positions)
+        kv_diff = max(max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
+                      for a, (k, v) in zip(self.attention, after_first))
+        written = max(max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
+                      for a, (k, v) in zip(self.attention, before))
+        self.passes.append({"decode": meta.num_decodes == input_ids.shape[0], "rows": input_ids.shape[0],
+                            "longest": int(meta.context_lens.max()), "equal": torch.equal(first, second),
+                            "hidden_diff": float((first - second).abs().max()),
+                            "hidden_scale": float(second.abs().max()), "kv_diff": kv_diff, "kv_written": written})
+        return second
+
+
+def tiny_q4_llm(tmp_path: Path, **options) -> LLM:
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    return LLM(model=str(tmp_path), cpu_weights="q4", num_kv_blocks=96, max_num_batched_tokens=512, **options)
+
+
+def python_path(decoder):
+    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        native, decoder.native_weights = decoder.native_weights, None
+        try:
+            return decoder.forward(input_ids, positions)
+        finally:
+            decoder.native_weights = native
+    return run
+
+
+# prompts of 5..300 tokens: contexts beyond one attention span (64) of the native step's split
+PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [(7 * i) % 311 + 2 for i in range(300)], [11] * 140]
+
+
+def test_native_decode_steps_follow_the_python_path(tmp_path: Path):
+    llm = tiny_q4_llm(tmp_path)
+    model = llm.engine.model
+    decoder = model.cpu_decoder
+    assert decoder.native_weights is not None, "the tiny llama (4-bit, no biases) takes the native step"
+    model.cpu_decoder = recorder = TwoPaths(model, decoder.forward, python_path(decoder))
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    decodes = [p for p in recorder.passes if p["decode"]]
+    assert len(decodes) >= 23 and max(p["rows"] for p in decodes) == len(PROMPTS)
+    assert max(p["longest"] for p in decodes) > 300, "a context longer than four attention spans"
+    for p in decodes:
+        assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
+        assert p["kv_diff"] <= 1e-4 * max(1.0, p["kv_written"]), p  # measured: 2.4e-7
+        assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p  # measured: 0.0017
+    # prefill passes take the Python path in both runs: identical
+    assert all(p["equal"] for p in recorder.passes if not p["decode"])
+
+
+def test_lean_python_decoder_equals_the_modules_bit_for_bit(tmp_path: Path):
+    llm = tiny_q4_llm(tmp_path)
+    model = llm.engine.model
+    decoder = model.cpu_decoder
+    model.cpu_decoder = recorder = TwoPaths(model, model.model.forward, python_path(decoder))
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert any(p["decode"] for p in recorder.passes) and any(not p["decode"] for p in recorder.passes)
+    assert all(p["equal"] and p["kv_diff"] == 0.0 for p in recorder.passes), recorder.passes
+
+
+def test_native_and_python_engines_agree_on_greedy_tokens(tmp_path: Path):
+    """Over whole generations the two paths' rounding differences may part a near-tie late, not early."""
+    native = tiny_q4_llm(tmp_path / "native")
+    python = tiny_q4_llm(tmp_path / "python")
+    python.engine.model.cpu_decoder.native_weights = None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ours, theirs = native.generate(PROMPTS, params), python.generate(PROMPTS, params)
+    firsts = [next((i for i, (a, b) in enumerate(zip(o.token_ids, t.token_ids)) if a != b), 16)
+              for o, t in zip(ours, theirs)]
+    assert min(firsts) >= 4 and sum(firsts) / len(firsts) >= 10, firsts

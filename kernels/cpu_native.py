@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def load(build_root: Path) -> bool:
     tag, arch = _arch_flags()
     build_dir = build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}"
     start = time.perf_counter()
+    # the ninja that pip installed beside this Python (on PATH only in an activated virtual environment)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
         from torch.utils.cpp_extension import load as build
 

@@ -80,7 +80,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
         _apply_cpu_weights(model, config, path)
     model.eval().requires_grad_(False)
     logger.info("model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)", config.model_id,
-                time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
+                time.perf_counter() - start, model.num_parameters / 1e6,
                 config.torch_dtype, config.torch_device,
                 f", {config.cpu_weights} weights" if config.torch_device.type == "cpu" else "")
     return model, tokenizer

@@ -72,7 +72,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.k_caches = torch.empty(0)
         self.host_k_caches = self.host_v_caches = torch.empty(0)  # swap space, when preemption may swap
-        self.num_parameters = sum(p.numel() for p in model.parameters())  # (recompute cost estimates)
+        self.num_parameters = model.num_parameters  # (recompute cost estimates)
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         self.graphs: DecodeGraphs | None = None

@@ -30,6 +30,24 @@ namespace {
 
 using at::Tensor;
 using c10::BFloat16;
+using Bf16 = uint16_t;  // bfloat16 bits: converted by the two helpers below, which vectorize (c10's do not)
+
+inline float to_float(Bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// round to nearest even, as c10::BFloat16 for every finite value (NaN is not expected between layers)
+inline Bf16 to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<Bf16>(bits >> 16);
+}
+
+inline Bf16* bf16_data(const Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr<BFloat16>()); }
 
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -61,37 +79,37 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-void add_rms_norm(float* residual, const BFloat16* x, const float* weight, BFloat16* out, int64_t rows,
+void add_rms_norm(float* residual, const Bf16* x, const float* weight, Bf16* out, int64_t rows,
                   int64_t hidden, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     float* res = residual + r * hidden;
     if (x != nullptr) {
-      const BFloat16* xr = x + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) res[i] += static_cast<float>(xr[i]);
+      const Bf16* xr = x + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) res[i] += to_float(xr[i]);
     }
     double squares = 0.0;
 #pragma omp simd reduction(+ : squares)
     for (int64_t i = 0; i < hidden; ++i) squares += static_cast<double>(res[i]) * res[i];
     const float inv = 1.0f / std::sqrt(static_cast<float>(squares / hidden) + eps);
-    BFloat16* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = BFloat16(weight[i] * (res[i] * inv));
+    Bf16* o = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) o[i] = to_bf16(weight[i] * (res[i] * inv));
   }
 }
 
 // rotate_half(x) * sin == cat(x2, x1) * signed_sin, signed_sin's first half negated (kernels/cpu.py)
-inline void rotate(const BFloat16* x, const float* cos, const float* signed_sin, float* out, int64_t dim) {
+inline void rotate(const Bf16* x, const float* cos, const float* signed_sin, float* out, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    out[i] = static_cast<float>(x[i]) * cos[i] + static_cast<float>(x[i + half]) * signed_sin[i];
-    out[i + half] = static_cast<float>(x[i + half]) * cos[i + half] + static_cast<float>(x[i]) * signed_sin[i + half];
+    out[i] = to_float(x[i]) * cos[i] + to_float(x[i + half]) * signed_sin[i];
+    out[i + half] = to_float(x[i + half]) * cos[i + half] + to_float(x[i]) * signed_sin[i + half];
   }
 }
 
-void rope_store(const BFloat16* qkv, const float* cos, const float* signed_sin, const int64_t* slots, float* q_out,
+void rope_store(const Bf16* qkv, const float* cos, const float* signed_sin, const int64_t* slots, float* q_out,
                 float* k_cache, float* v_cache, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim;
   for (int64_t r = 0; r < rows; ++r) {
-    const BFloat16* src = qkv + r * width;
+    const Bf16* src = qkv + r * width;
     const float* c = cos + r * dim;
     const float* s = signed_sin + r * dim;
     for (int64_t h = 0; h < heads; ++h) rotate(src + h * dim, c, s, q_out + (r * heads + h) * dim, dim);
@@ -99,8 +117,8 @@ void rope_store(const BFloat16* qkv, const float* cos, const float* signed_sin, 
     float* k_slot = k_cache + slots[r] * kv_heads * dim;
     float* v_slot = v_cache + slots[r] * kv_heads * dim;
     for (int64_t h = 0; h < kv_heads; ++h) rotate(src + (heads + h) * dim, c, s, k_slot + h * dim, dim);
-    const BFloat16* v = src + (heads + kv_heads) * dim;
-    for (int64_t i = 0; i < kv_heads * dim; ++i) v_slot[i] = static_cast<float>(v[i]);
+    const Bf16* v = src + (heads + kv_heads) * dim;
+    for (int64_t i = 0; i < kv_heads * dim; ++i) v_slot[i] = to_float(v[i]);
   }
 }
 
@@ -156,7 +174,7 @@ void attend_span(const float* q, const float* k_cache, const float* v_cache, con
 constexpr int64_t kMinSpan = 64;
 
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
-            const int32_t* context_lens, BFloat16* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+            const int32_t* context_lens, Bf16* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
             int64_t block_size, float scale) {
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, context_lens[r]);
@@ -181,12 +199,12 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   });
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
-      BFloat16* o = out + (r * heads + h) * dim;
+      Bf16* o = out + (r * heads + h) * dim;
       const float* first = partial.data() + r * spans * part_size + h * (dim + 2);
       float top = -INFINITY;
       for (int64_t span = 0; span < spans; ++span) top = std::max(top, first[span * part_size + dim]);
       if (top == -INFINITY) {  // no context at all (a padding row)
-        std::fill(o, o + dim, BFloat16(0.0f));
+        std::fill(o, o + dim, Bf16{0});
         continue;
       }
       float merged[kMaxHeadDim] = {};
@@ -198,21 +216,23 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
         total += weight * part[dim + 1];
         for (int64_t i = 0; i < dim; ++i) merged[i] += weight * part[i];
       }
-      for (int64_t i = 0; i < dim; ++i) o[i] = BFloat16(merged[i] / total);
+      for (int64_t i = 0; i < dim; ++i) o[i] = to_bf16(merged[i] / total);
     }
   }
 }
 
-void silu_mul(const BFloat16* gate_up, BFloat16* out, int64_t rows, int64_t inner) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const BFloat16* gate = gate_up + r * 2 * inner;
-    const BFloat16* up = gate + inner;
-    BFloat16* o = out + r * inner;
-    for (int64_t i = 0; i < inner; ++i) {
-      const float g = static_cast<float>(gate[i]);
-      o[i] = BFloat16(g / (1.0f + exp_fast(-g)) * static_cast<float>(up[i]));
+void silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inner) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Bf16* gate = gate_up + r * 2 * inner;
+      const Bf16* up = gate + inner;
+      Bf16* o = out + r * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = to_bf16(g / (1.0f + exp_fast(-g)) * to_float(up[i]));
+      }
     }
-  }
+  });
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode: ", what); }
@@ -241,20 +261,20 @@ Tensor decode_layers(Tensor residual, Tensor cos, Tensor signed_sin, Tensor slot
   Tensor x;
   float* res = residual.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
-    add_rms_norm(res, x.defined() ? x.data_ptr<BFloat16>() : nullptr, input_norms[l].data_ptr<float>(),
-                 xb.data_ptr<BFloat16>(), rows, hidden, static_cast<float>(eps));
+    add_rms_norm(res, x.defined() ? bf16_data(x) : nullptr, input_norms[l].data_ptr<float>(), bf16_data(xb), rows,
+                 hidden, static_cast<float>(eps));
     Tensor qkv_out = at::_weight_int4pack_mm_for_cpu(xb, qkv[l], 32, qkv_scales[l]).contiguous();
-    rope_store(qkv_out.data_ptr<BFloat16>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+    rope_store(bf16_data(qkv_out), cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
                slots.data_ptr<int64_t>(), q.data_ptr<float>(), k_caches[l].data_ptr<float>(),
                v_caches[l].data_ptr<float>(), rows, heads, kv_heads, dim);
     attend(q.data_ptr<float>(), k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(),
            block_tables.data_ptr<int32_t>(), block_tables.size(1), context_lens.data_ptr<int32_t>(),
-           attn.data_ptr<BFloat16>(), rows, heads, kv_heads, dim, block_size, static_cast<float>(scale));
+           bf16_data(attn), rows, heads, kv_heads, dim, block_size, static_cast<float>(scale));
     Tensor o_out = at::_weight_int4pack_mm_for_cpu(attn, o[l], 32, o_scales[l]).contiguous();
-    add_rms_norm(res, o_out.data_ptr<BFloat16>(), post_norms[l].data_ptr<float>(), xb.data_ptr<BFloat16>(), rows,
+    add_rms_norm(res, bf16_data(o_out), post_norms[l].data_ptr<float>(), bf16_data(xb), rows,
                  hidden, static_cast<float>(eps));
     Tensor gate_up_out = at::_weight_int4pack_mm_for_cpu(xb, gate_up[l], 32, gate_up_scales[l]).contiguous();
-    silu_mul(gate_up_out.data_ptr<BFloat16>(), act.data_ptr<BFloat16>(), rows, inner);
+    silu_mul(bf16_data(gate_up_out), bf16_data(act), rows, inner);
     x = at::_weight_int4pack_mm_for_cpu(act, down[l], 32, down_scales[l]).contiguous();
   }
   return x;
@@ -292,7 +312,7 @@ inline FloatVec widen(const int8_t* w) {
 #endif
 constexpr int kVecs = kInt8Outputs / kLanes;
 
-// Rows input rows x 16 outputs; Chains accumulator sets over alternating columns, so that one row still keeps
+// Rows input rows x 16 outputs; two accumulator sets over alternating columns, so that one row still keeps
 // the FMA units busy rather than waiting on one chain's latency. Every variant sums a row's products in the
 // same order, so a row's logits do not depend on how many rows share the call (greedy tokens must not depend
 // on the batch).

@@ -139,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight: torch.Tensor | None = None  # a CPU-friendly layout of the output layer, if set
         self.logits_head: nn.Module | None = None  # a quantized output layer (--cpu-weights), if set
         self.cpu_decoder: LlamaCpuDecoder | None = None  # the lean pass over quantized layers, if set
+        # weights of the model as defined (quantized layers keep theirs in buffers of other sizes)
+        self.num_parameters = sum(p.numel() for p in self.parameters())
 
     @property
     def attention_layers(self) -> list[PagedAttention]:

@@ -397,6 +397,18 @@ def test_min_tokens_stops_masking_once_reached() -> None:
     assert sample(eos_favoured_logits(), [make_seq(params, output=[4, 8])]).token_ids.tolist() == [EOS]
 
 
+def test_min_tokens_gives_way_where_only_the_banned_ids_are_allowed() -> None:
+    """Structured output whose grammar allows only EOS: the row samples EOS (min_tokens cannot be met), while a
+    row of the same batch with other tokens allowed still has EOS masked."""
+    params = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[20])
+    logits = torch.cat([eos_favoured_logits(), eos_favoured_logits()])
+    allowed = torch.zeros(2, 1, dtype=torch.int32)  # bit t: token t may be sampled (VOCAB = 32: one word)
+    allowed[0, 0] = 1 << EOS  # row 0: only EOS
+    allowed[1, 0] = (1 << EOS) | (1 << 13) | (1 << 20)  # row 1: EOS, 13 and the stop token 20
+    out = Sampler()(logits, [make_seq(params, seq_id=0), make_seq(params, seq_id=1)], (EOS,), allowed)
+    assert out.token_ids.tolist() == [EOS, 13]
+
+
 def test_min_tokens_masks_every_eos_id() -> None:
     logits = eos_favoured_logits()
     logits[0, 30] = logits[0, EOS]  # a second EOS id, tied with the first

@@ -244,8 +244,15 @@ def apply_logit_bias_(logits: torch.Tensor, batch: BatchParams) -> None:
 
 
 def apply_min_tokens_(logits: torch.Tensor, batch: BatchParams) -> None:
+    """Masks the banned ids, except in a row where nothing else is left to sample (structured output whose
+    grammar allows only the end): there min_tokens gives way, as the row could produce no token at all
+    (argmax over -inf would pick id 0, which the grammar refuses). No host sync: the choice is a where."""
     if batch.banned_rows.numel():
-        logits.index_put_((batch.banned_rows, batch.banned_ids), logits.new_full((), _NEG_INF))
+        index = (batch.banned_rows, batch.banned_ids)
+        kept = logits[index]
+        logits.index_put_(index, logits.new_full((), _NEG_INF))
+        nothing_left = torch.isneginf(logits.index_select(0, batch.banned_rows)).all(dim=-1)
+        logits.index_put_(index, torch.where(nothing_left, kept, logits.new_full((), _NEG_INF)))
 
 
 def apply_penalties_(logits: torch.Tensor, batch: BatchParams) -> None:

@@ -1,5 +1,6 @@
 """Where a CPU decode step of the default model spends its time, per path: the module path (float32 weights),
-the lean Python decoder (q4 weights, ``PAGEDCHAT_CPU_NATIVE=0`` equivalent) and the native decode step (q4).
+the lean Python decoder (bfloat16, int8 and q4 weights; q4 with the native step switched off) and the native
+decode step (q4).
 
 For 1 and ``--streams`` concurrent streams (the cpu workload's chat prompts, greedy), ``--steps`` decode steps
 after a warm-up are timed (wall ms per step, median of ``--repeats`` runs) and profiled with torch.profiler: the
@@ -24,7 +25,9 @@ from engine.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",
               "aten::matmul", "aten::linear", "pagedchat_cpu::int8_linear")
-PATHS = {"modules, float32": ("float32", True), "lean Python, q4": ("q4", False), "native step, q4": ("q4", True)}
+# path: (cpu_weights, native decode step kept); the 8-bit and 4-bit modes use the native packed int8 output layer
+PATHS = {"modules, float32": ("float32", True), "lean Python, bfloat16": ("bfloat16", True),
+         "lean Python, int8": ("int8", True), "lean Python, q4": ("q4", False), "native step, q4": ("q4", True)}
 QUESTION = "Write a short story about a lighthouse keeper."
 
 

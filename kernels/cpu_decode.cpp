@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -49,6 +50,15 @@ inline Bf16 to_bf16(float v) {
 
 inline Bf16* bf16_data(const Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr<BFloat16>()); }
 
+// activations between the matmuls: bfloat16 bits (torch's int4 kernel) or float32 (the VNNI kernel)
+inline float load(Bf16 v) { return to_float(v); }
+inline float load(float v) { return v; }
+inline void store(Bf16& out, float v) { out = to_bf16(v); }
+inline void store(float& out, float v) { out = v; }
+template <typename T> T* act_data(const Tensor& t);
+template <> Bf16* act_data<Bf16>(const Tensor& t) { return bf16_data(t); }
+template <> float* act_data<float>(const Tensor& t) { return t.data_ptr<float>(); }
+
 constexpr int64_t kMaxHeadDim = 256;
 
 // e^x without a library call, so that loops over it vectorize: x = n ln2 + r (Cody-Waite), e^r by Cephes' expf
@@ -79,37 +89,40 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-void add_rms_norm(float* residual, const Bf16* x, const float* weight, Bf16* out, int64_t rows,
+template <typename T>
+void add_rms_norm(float* residual, const T* x, const float* weight, T* out, int64_t rows,
                   int64_t hidden, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     float* res = residual + r * hidden;
     if (x != nullptr) {
-      const Bf16* xr = x + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) res[i] += to_float(xr[i]);
+      const T* xr = x + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) res[i] += load(xr[i]);
     }
     double squares = 0.0;
 #pragma omp simd reduction(+ : squares)
     for (int64_t i = 0; i < hidden; ++i) squares += static_cast<double>(res[i]) * res[i];
     const float inv = 1.0f / std::sqrt(static_cast<float>(squares / hidden) + eps);
-    Bf16* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = to_bf16(weight[i] * (res[i] * inv));
+    T* o = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) store(o[i], weight[i] * (res[i] * inv));
   }
 }
 
 // rotate_half(x) * sin == cat(x2, x1) * signed_sin, signed_sin's first half negated (kernels/cpu.py)
-inline void rotate(const Bf16* x, const float* cos, const float* signed_sin, float* out, int64_t dim) {
+template <typename T>
+inline void rotate(const T* x, const float* cos, const float* signed_sin, float* out, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    out[i] = to_float(x[i]) * cos[i] + to_float(x[i + half]) * signed_sin[i];
-    out[i + half] = to_float(x[i + half]) * cos[i + half] + to_float(x[i]) * signed_sin[i + half];
+    out[i] = load(x[i]) * cos[i] + load(x[i + half]) * signed_sin[i];
+    out[i + half] = load(x[i + half]) * cos[i + half] + load(x[i]) * signed_sin[i + half];
   }
 }
 
-void rope_store(const Bf16* qkv, const float* cos, const float* signed_sin, const int64_t* slots, float* q_out,
+template <typename T>
+void rope_store(const T* qkv, const float* cos, const float* signed_sin, const int64_t* slots, float* q_out,
                 float* k_cache, float* v_cache, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim;
   for (int64_t r = 0; r < rows; ++r) {
-    const Bf16* src = qkv + r * width;
+    const T* src = qkv + r * width;
     const float* c = cos + r * dim;
     const float* s = signed_sin + r * dim;
     for (int64_t h = 0; h < heads; ++h) rotate(src + h * dim, c, s, q_out + (r * heads + h) * dim, dim);
@@ -117,8 +130,8 @@ void rope_store(const Bf16* qkv, const float* cos, const float* signed_sin, cons
     float* k_slot = k_cache + slots[r] * kv_heads * dim;
     float* v_slot = v_cache + slots[r] * kv_heads * dim;
     for (int64_t h = 0; h < kv_heads; ++h) rotate(src + (heads + h) * dim, c, s, k_slot + h * dim, dim);
-    const Bf16* v = src + (heads + kv_heads) * dim;
-    for (int64_t i = 0; i < kv_heads * dim; ++i) v_slot[i] = to_float(v[i]);
+    const T* v = src + (heads + kv_heads) * dim;
+    for (int64_t i = 0; i < kv_heads * dim; ++i) v_slot[i] = load(v[i]);
   }
 }
 
@@ -169,27 +182,28 @@ void attend_span(const float* q, const float* k_cache, const float* v_cache, con
   }
 }
 
-// Decode attention, parallel over (row, span): a row's positions are cut into spans of at least kMinSpan so
-// that one long row still occupies every thread; the spans of a row are merged by their maxima.
-constexpr int64_t kMinSpan = 64;
+// Decode attention, parallel over (row, span of kSpan positions): one long row still occupies every thread, and
+// the spans of a row are merged by their maxima in order. Spans depend on the row's own length only, so a row's
+// result does not depend on the batch it is in (greedy tokens must not).
+constexpr int64_t kSpan = 128;
 
+template <typename T>
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
-            const int32_t* context_lens, Bf16* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+            const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
             int64_t block_size, float scale) {
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, context_lens[r]);
-  const int64_t wanted = 2 * at::get_num_threads();
-  const int64_t spans = std::max<int64_t>(1, std::min((wanted + rows - 1) / rows, (longest + kMinSpan - 1) / kMinSpan));
-  const int64_t span_len = std::max<int64_t>(1, (longest + spans - 1) / spans);
+  std::vector<int64_t> first_task(rows + 1, 0);  // row r's spans are tasks first_task[r] .. first_task[r + 1] - 1
+  for (int64_t r = 0; r < rows; ++r)
+    first_task[r + 1] = first_task[r] + std::max<int64_t>(1, (context_lens[r] + kSpan - 1) / kSpan);
   const int64_t part_size = heads * (dim + 2);
-  std::vector<float> partial(rows * spans * part_size);
-  at::parallel_for(0, rows * spans, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> partial(first_task[rows] * part_size);
+  at::parallel_for(0, first_task[rows], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    int64_t r = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / spans, lo = task % spans * span_len;
-      const int64_t hi = std::min<int64_t>(context_lens[r], lo + span_len);
+      while (task >= first_task[r + 1]) ++r;
+      const int64_t lo = (task - first_task[r]) * kSpan, hi = std::min<int64_t>(context_lens[r], lo + kSpan);
       float* acc = partial.data() + task * part_size;
-      if (lo >= hi) {  // an empty span (a short row, or a padding row): no weight in the merge
+      if (lo >= hi) {  // a row without context (a padding row): no weight in the merge
         for (int64_t h = 0; h < heads; ++h) acc[h * (dim + 2) + dim] = -INFINITY;
         continue;
       }
@@ -199,37 +213,37 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   });
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
-      Bf16* o = out + (r * heads + h) * dim;
-      const float* first = partial.data() + r * spans * part_size + h * (dim + 2);
+      T* o = out + (r * heads + h) * dim;
       float top = -INFINITY;
-      for (int64_t span = 0; span < spans; ++span) top = std::max(top, first[span * part_size + dim]);
-      if (top == -INFINITY) {  // no context at all (a padding row)
-        std::fill(o, o + dim, Bf16{0});
+      for (int64_t task = first_task[r]; task < first_task[r + 1]; ++task)
+        top = std::max(top, partial[task * part_size + h * (dim + 2) + dim]);
+      if (top == -INFINITY) {
+        std::fill(o, o + dim, T{0});
         continue;
       }
       float merged[kMaxHeadDim] = {};
       float total = 0.0f;
-      for (int64_t span = 0; span < spans; ++span) {
-        const float* part = first + span * part_size;
-        if (part[dim] == -INFINITY) continue;
+      for (int64_t task = first_task[r]; task < first_task[r + 1]; ++task) {
+        const float* part = partial.data() + task * part_size + h * (dim + 2);
         const float weight = std::exp(part[dim] - top);
         total += weight * part[dim + 1];
         for (int64_t i = 0; i < dim; ++i) merged[i] += weight * part[i];
       }
-      for (int64_t i = 0; i < dim; ++i) o[i] = to_bf16(merged[i] / total);
+      for (int64_t i = 0; i < dim; ++i) store(o[i], merged[i] / total);
     }
   }
 }
 
-void silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inner) {
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inner) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const Bf16* gate = gate_up + r * 2 * inner;
-      const Bf16* up = gate + inner;
-      Bf16* o = out + r * inner;
+      const T* gate = gate_up + r * 2 * inner;
+      const T* up = gate + inner;
+      T* o = out + r * inner;
       for (int64_t i = 0; i < inner; ++i) {
-        const float g = to_float(gate[i]);
-        o[i] = to_bf16(g / (1.0f + exp_fast(-g)) * to_float(up[i]));
+        const float g = load(gate[i]);
+        store(o[i], g / (1.0f + exp_fast(-g)) * load(up[i]));
       }
     }
   });
@@ -237,53 +251,70 @@ void silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inner) {
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode: ", what); }
 
-// residual [M, hidden] float32 (the embeddings; updated in place); returns the last layer's MLP output
-// [M, hidden] bfloat16, which the caller adds to the residual before the final norm.
+// The layers of one decode step. residual [M, hidden] float32 (the embeddings; updated in place); returns the last
+// layer's MLP output [M, hidden], which the caller adds to the residual before the final norm. T: the activation
+// type the matmuls take and give; matmul(projection, layer, input [M, K]) -> [M, N].
+struct StepArgs {
+  Tensor residual, cos, signed_sin, slots, block_tables, context_lens;
+  at::TensorList input_norms, post_norms, k_caches, v_caches;
+  int64_t heads, kv_heads, dim, inner;
+  double eps, scale;
+};
+
+template <typename T, typename MatMul>
+Tensor run_layers(const StepArgs& a, at::ScalarType act_type, MatMul matmul) {
+  const int64_t rows = a.residual.size(0), hidden = a.residual.size(1), layers = a.input_norms.size();
+  check(a.residual.scalar_type() == at::kFloat && a.residual.is_contiguous(), "residual must be contiguous float32");
+  check(a.cos.is_contiguous() && a.signed_sin.is_contiguous() && a.cos.numel() == rows * a.dim, "cos/sin rows");
+  check(a.slots.scalar_type() == at::kLong && a.block_tables.scalar_type() == at::kInt &&
+            a.context_lens.scalar_type() == at::kInt && a.block_tables.is_contiguous(), "metadata dtypes");
+  check(a.block_tables.size(0) == rows && a.context_lens.size(0) == rows, "one block table row per decode row");
+  check(a.dim <= kMaxHeadDim && a.heads % a.kv_heads == 0, "head_dim <= 256 and whole query groups");
+  const int64_t block_size = a.k_caches[0].size(1);
+  auto act = a.residual.options().dtype(act_type);
+  Tensor xb = at::empty({rows, hidden}, act);
+  Tensor q = at::empty({rows, a.heads, a.dim}, a.residual.options());
+  Tensor attn = at::empty({rows, a.heads * a.dim}, act);
+  Tensor hidden_act = at::empty({rows, a.inner}, act);
+  Tensor x;
+  float* res = a.residual.data_ptr<float>();
+  const float eps = static_cast<float>(a.eps);
+  for (int64_t l = 0; l < layers; ++l) {
+    add_rms_norm<T>(res, x.defined() ? act_data<T>(x) : nullptr, a.input_norms[l].data_ptr<float>(), act_data<T>(xb),
+                    rows, hidden, eps);
+    Tensor qkv = matmul(0, l, xb);
+    rope_store<T>(act_data<T>(qkv), a.cos.data_ptr<float>(), a.signed_sin.data_ptr<float>(),
+                  a.slots.data_ptr<int64_t>(), q.data_ptr<float>(), a.k_caches[l].data_ptr<float>(),
+                  a.v_caches[l].data_ptr<float>(), rows, a.heads, a.kv_heads, a.dim);
+    attend<T>(q.data_ptr<float>(), a.k_caches[l].data_ptr<float>(), a.v_caches[l].data_ptr<float>(),
+              a.block_tables.data_ptr<int32_t>(), a.block_tables.size(1), a.context_lens.data_ptr<int32_t>(),
+              act_data<T>(attn), rows, a.heads, a.kv_heads, a.dim, block_size, static_cast<float>(a.scale));
+    Tensor o = matmul(1, l, attn);
+    add_rms_norm<T>(res, act_data<T>(o), a.post_norms[l].data_ptr<float>(), act_data<T>(xb), rows, hidden, eps);
+    Tensor gate_up = matmul(2, l, xb);
+    silu_mul<T>(act_data<T>(gate_up), act_data<T>(hidden_act), rows, a.inner);
+    x = matmul(3, l, hidden_act);
+  }
+  return x;
+}
+
+// torch's weight-only int4 matmuls (bfloat16 activations); weights[2p], weights[2p + 1]: projection p's packed
+// int4 weights and scales/zeros per layer (qkv, o, gate_up, down)
 Tensor decode_layers(Tensor residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables,
                      Tensor context_lens, at::TensorList input_norms, at::TensorList post_norms,
                      at::TensorList qkv, at::TensorList qkv_scales, at::TensorList o, at::TensorList o_scales,
                      at::TensorList gate_up, at::TensorList gate_up_scales, at::TensorList down,
                      at::TensorList down_scales, at::TensorList k_caches, at::TensorList v_caches, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t inner, double eps, double scale) {
-  const int64_t rows = residual.size(0), hidden = residual.size(1), layers = input_norms.size();
-  check(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
-  check(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == rows * dim, "cos/sin rows");
-  check(slots.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
-            context_lens.scalar_type() == at::kInt && block_tables.is_contiguous(), "metadata dtypes");
-  check(block_tables.size(0) == rows && context_lens.size(0) == rows, "one block table row per decode row");
-  check(dim <= kMaxHeadDim && heads % kv_heads == 0, "head_dim <= 256 and whole query groups");
-  const int64_t block_size = k_caches[0].size(1);
-  auto bf16 = residual.options().dtype(at::kBFloat16);
-  Tensor xb = at::empty({rows, hidden}, bf16);
-  Tensor q = at::empty({rows, heads, dim}, residual.options());
-  Tensor attn = at::empty({rows, heads * dim}, bf16);
-  Tensor act = at::empty({rows, inner}, bf16);
-  Tensor x;
-  float* res = residual.data_ptr<float>();
-  for (int64_t l = 0; l < layers; ++l) {
-    add_rms_norm(res, x.defined() ? bf16_data(x) : nullptr, input_norms[l].data_ptr<float>(), bf16_data(xb), rows,
-                 hidden, static_cast<float>(eps));
-    Tensor qkv_out = at::_weight_int4pack_mm_for_cpu(xb, qkv[l], 32, qkv_scales[l]).contiguous();
-    rope_store(bf16_data(qkv_out), cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
-               slots.data_ptr<int64_t>(), q.data_ptr<float>(), k_caches[l].data_ptr<float>(),
-               v_caches[l].data_ptr<float>(), rows, heads, kv_heads, dim);
-    attend(q.data_ptr<float>(), k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(),
-           block_tables.data_ptr<int32_t>(), block_tables.size(1), context_lens.data_ptr<int32_t>(),
-           bf16_data(attn), rows, heads, kv_heads, dim, block_size, static_cast<float>(scale));
-    Tensor o_out = at::_weight_int4pack_mm_for_cpu(attn, o[l], 32, o_scales[l]).contiguous();
-    add_rms_norm(res, bf16_data(o_out), post_norms[l].data_ptr<float>(), bf16_data(xb), rows,
-                 hidden, static_cast<float>(eps));
-    Tensor gate_up_out = at::_weight_int4pack_mm_for_cpu(xb, gate_up[l], 32, gate_up_scales[l]).contiguous();
-    silu_mul(bf16_data(gate_up_out), bf16_data(act), rows, inner);
-    x = at::_weight_int4pack_mm_for_cpu(act, down[l], 32, down_scales[l]).contiguous();
-  }
-  return x;
+  const StepArgs args{residual, cos, signed_sin, slots, block_tables, context_lens, input_norms, post_norms,
+                      k_caches, v_caches, heads, kv_heads, dim, inner, eps, scale};
+  const at::TensorList weights[4] = {qkv, o, gate_up, down}, scales[4] = {qkv_scales, o_scales, gate_up_scales,
+                                                                          down_scales};
+  return run_layers<Bf16>(args, at::kBFloat16, [&](int p, int64_t l, const Tensor& in) {
+    return at::_weight_int4pack_mm_for_cpu(in, weights[p][l], 32, scales[p][l]).contiguous();
+  });
 }
 
-// logits [M, N] float32 = x [M, K] float32 times int8 weights with one scale per output, transposed: the
-// output layer. The weights come packed as [N / 16, K, 16] (16 outputs' column k side by side), so 16 outputs
-// are computed at once as vectors, for up to 8 (AVX-512) or 3 (AVX2) input rows per pass, with no horizontal sums; a group's weights
-// are read from memory once for all rows (torch's weight-only int8 kernel is ~3x slower at 8 rows than at one).
 // The output layer's weights are packed in groups of 16 outputs ([N / 16, K, 16]): one AVX-512 vector, two
 // AVX2 vectors (GCC/Clang vector extensions; the int8 -> float widening by intrinsics, which GCC does not
 // derive from __builtin_convertvector).
@@ -380,9 +411,147 @@ Tensor int8_linear(Tensor x, Tensor packed, Tensor scales) {
   return out;
 }
 
+
+// ---------------------------------------------------------------- 4-bit weights x 8-bit activations (VNNI)
+//
+// y[r, n] = sum over groups g of 32 inputs: d[n,g] s[r,g] sum_i q[n,g,i] a[r,g,i] + m[n,g] s[r,g] sum_i a[r,g,i]
+// for Q4_1 weights w = d q + m (q in 0..15, d and m float16: the GGUF's own values, exactly) and activations
+// x ~ s a, a in -127..127 per 32 inputs of a row (llama.cpp's Q8_1 scheme). The integer sums are exact
+// (vpdpbusd: 4 u8 x s8 products per 32-bit lane). Weights come packed for 16 outputs at a time:
+// [N / 16, K / 32, 4, 16, 4] bytes, where vector k of a group holds, for output j, inputs 8k .. 8k + 3 in the
+// low nibbles and 8k + 4 .. 8k + 7 in the high nibbles; d and m as [N / 16, K / 32, 16] float16.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasQ4Q8 = true;
+constexpr int64_t kQ4Rows = 8;
+
+struct QuantizedRows {  // activations of up to kQ4Rows rows, quantized per 32 inputs
+  std::vector<int8_t> codes;  // [rows, K]
+  std::vector<float> scales, scaled_sums;  // [rows, K / 32]: s, and s * sum(a) (the minimum's factor)
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+  const int64_t groups = k / 32;
+  out.codes.resize(rows * k);
+  out.scales.resize(rows * groups);
+  out.scaled_sums.resize(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * k + g * 32;
+      float top = 0.0f;
+      for (int i = 0; i < 32; ++i) top = std::max(top, std::abs(xg[i]));
+      const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      int8_t* a = out.codes.data() + r * k + g * 32;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        a[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inverse));
+        sum += a[i];
+      }
+      out.scales[r * groups + g] = scale;
+      out.scaled_sums[r * groups + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+template <int Rows>
+void q4q8_block(const QuantizedRows& act, int64_t row0, int64_t k, const uint8_t* w, const c10::Half* d,
+                const c10::Half* m, float* out, int64_t n) {
+  const int64_t groups = k / 32;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i q[8];
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = _mm512_loadu_si512(w + (g * 4 + v) * 64);
+      q[2 * v] = _mm512_and_si512(packed, low_nibbles);
+      q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+    }
+    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
+    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* a = act.codes.data() + (row0 + r) * k + g * 32;
+      __m512i sum = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        int32_t four;
+        std::memcpy(&four, a + 4 * c, sizeof(four));
+        sum = _mm512_dpbusd_epi32(sum, q[c], _mm512_set1_epi32(four));
+      }
+      const float scale = act.scales[(row0 + r) * groups + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(scale)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(act.scaled_sums[(row0 + r) * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+
+using Q4Block = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const c10::Half*,
+                         const c10::Half*, float*, int64_t);
+template <int... Rows>
+constexpr std::array<Q4Block, sizeof...(Rows)> q4_blocks(std::integer_sequence<int, Rows...>) {
+  return {q4q8_block<Rows + 1>...};
+}
+constexpr auto kQ4Blocks = q4_blocks(std::make_integer_sequence<int, kQ4Rows>{});
+
+// out [M, N] float32 = x [M, K] float32 (quantized here) times the packed Q4_1 weights
+void q4q8_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, const c10::Half* d, const c10::Half* m,
+                 float* out, int64_t n, QuantizedRows& act) {
+  quantize_rows(x, rows, k, act);
+  const int64_t groups = k / 32;
+  at::parallel_for(0, n / 16, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < rows; r += kQ4Rows)
+        kQ4Blocks[std::min<int64_t>(kQ4Rows, rows - r) - 1](act, r, k, w + b * groups * 256, d + b * groups * 16,
+                                                           m + b * groups * 16, out + r * n + b * 16, n);
+  });
+}
+#else
+constexpr bool kHasQ4Q8 = false;
+#endif
+
+Tensor q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  check(x.scalar_type() == at::kFloat && x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 5 &&
+            d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && packed.is_contiguous() &&
+            d.is_contiguous() && m.is_contiguous() && packed.size(1) * 32 == x.size(1),
+        "q4q8_linear: x [M, K] float32, packed [N / 16, K / 32, 4, 16, 4] uint8, d and m [N / 16, K / 32, 16] float16");
+  Tensor rows = x.contiguous();
+  const int64_t n = packed.size(0) * 16;
+  Tensor out = at::empty({rows.size(0), n}, rows.options());
+  QuantizedRows act;
+  q4q8_matmul(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<uint8_t>(),
+              d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), out.data_ptr<float>(), n, act);
+  return out;
+#else
+  TORCH_CHECK(false, "q4q8_linear: built without AVX-512 VNNI");
+#endif
+}
+
+bool has_q4q8() { return kHasQ4Q8; }
+
+// The same step on the Q4_1 x Q8 kernel (float32 activations); per projection p, a list of 3 tensors per layer:
+// packed weights, d, m (q4q8_linear's layout)
+Tensor decode_layers_q8(Tensor residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables,
+                        Tensor context_lens, at::TensorList input_norms, at::TensorList post_norms, at::TensorList qkv,
+                        at::TensorList o, at::TensorList gate_up, at::TensorList down, at::TensorList k_caches,
+                        at::TensorList v_caches, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inner,
+                        double eps, double scale) {
+  const StepArgs args{residual, cos, signed_sin, slots, block_tables, context_lens, input_norms, post_norms,
+                      k_caches, v_caches, heads, kv_heads, dim, inner, eps, scale};
+  const at::TensorList weights[4] = {qkv, o, gate_up, down};
+  return run_layers<float>(args, at::kFloat, [&](int p, int64_t l, const Tensor& in) {
+    return q4q8_linear(in, weights[p][3 * l], weights[p][3 * l + 1], weights[p][3 * l + 2]);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedchat_cpu, m) {
+  m.def("q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) -> Tensor");
+  m.def("decode_layers_q8(Tensor(a!) residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
+        "Tensor[] down, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int heads, int kv_heads, int dim, int inner, "
+        "float eps, float scale) -> Tensor");
+  m.def("has_q4q8() -> bool", &has_q4q8);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("decode_layers(Tensor(a!) residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qkv, Tensor[] qkv_scales, "
@@ -394,4 +563,6 @@ TORCH_LIBRARY(pagedchat_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedchat_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("int8_linear", &int8_linear);
+  m.impl("q4q8_linear", &q4q8_linear);
+  m.impl("decode_layers_q8", &decode_layers_q8);
 }

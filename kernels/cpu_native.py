@@ -38,6 +38,8 @@ def _cpu_flags() -> set[str]:
 
 def _arch_flags() -> tuple[str, list[str]]:
     flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
+    if _X86_64_V4 | {"avx512_vnni"} <= flags:
+        return "x86-64-v4-vnni", ["-march=x86-64-v4", "-mavx512vnni"]
     for level, needs in (("x86-64-v4", _X86_64_V4), ("x86-64-v3", _X86_64_V3)):
         if needs <= flags:
             return level, [f"-march={level}"]
@@ -73,3 +75,8 @@ def load(build_root: Path) -> bool:
     logger.info("native CPU decode step loaded in %.2f s (%s)", time.perf_counter() - start, tag)
     _loaded = True
     return True
+
+
+def has_q4q8() -> bool:
+    """Whether the loaded kernels include the Q4_1 x Q8 matmul (built for a CPU with AVX-512 VNNI)."""
+    return bool(_loaded) and bool(torch.ops.pagedchat_cpu.has_q4q8())

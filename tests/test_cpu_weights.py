@@ -21,6 +21,7 @@ from engine.layers.quantized_linear import (BFloat16Linear, Int8Linear, PackedIn
 from engine.llm_engine import LLM
 from engine.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
+from kernels import cpu_native
 from tests.conftest import SMALL_KV_GIB
 from tests.test_models import tiny_hf_model
 
@@ -192,10 +193,22 @@ def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
     assert float((error / d.abs()).max()) < 0.1, "bfloat16 scales must stay far within one 4-bit step"
 
 
+def unpack_vnni(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[N / 16, K / 32, 4, 16, 4] bytes (vector v, output j: inputs 8v + t low nibble, 8v + 4 + t high) and
+    [N / 16, K / 32, 16] scales back to codes [N, K] and d, m [N, K / 32]."""
+    blocks, groups = codes.shape[:2]
+    nibbles = torch.stack((codes & 0x0F, codes >> 4), dim=3)  # [b, g, v, half, j, t]
+    q = nibbles.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 16, groups * 32)
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(blocks * 16, groups)
+    return q, rows(d), rows(m)
+
+
 def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks):
     """The q4 engine's fused projections are the GGUF blocks of their shards, in shard order (q, k, v and
     gate, up); the logits head is int8 per channel."""
     model = engine("q4").engine.model
+    expect_vnni = cpu_native.has_q4q8()  # the native Q4_1 x Q8 kernel where the CPU has AVX-512 VNNI
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         expected = {
@@ -205,8 +218,12 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
             layer.mlp.down_proj: [f"{prefix}.mlp.down_proj.weight"],
         }
         for module, names in expected.items():
-            assert isinstance(module, Q4Linear)
+            assert isinstance(module, Q4Linear) and (module.vnni is not None) == expect_vnni
             blocks = Q4Blocks.cat([gguf_blocks[name] for name in names])
+            if module.vnni is not None:  # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
+                codes, d, m = unpack_vnni(*module.vnni)
+                assert torch.equal(codes, blocks.q) and torch.equal(d, blocks.d) and torch.equal(m, blocks.m)
+                continue
             scales = torch.stack([blocks.d.float().t(), (blocks.m.float() + 8 * blocks.d.float()).t()], dim=-1)
             assert torch.equal(module.scales_and_zeros, scales.bfloat16()), names[0]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 2)

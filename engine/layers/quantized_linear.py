@@ -67,38 +67,69 @@ class Q4Blocks:
                         torch.cat([p.m for p in parts]))
 
 
+def vnni_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q4q8_linear``'s layout: codes [N / 16, K / 32, 4, 16, 4] uint8 (vector k of a group: for each of 16
+    outputs, inputs 8k .. 8k + 3 in the low nibbles, 8k + 4 .. 8k + 7 in the high ones), ``d`` and ``m``
+    [N / 16, K / 32, 16] float16."""
+    n, k = blocks.q.shape
+    groups = k // Q4_GROUP
+    q = blocks.q.view(n // 16, 16, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
+    codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+    return codes, per_group(blocks.d.half()), per_group(blocks.m.half())
+
+
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """float32 ``[..., in]`` -> float32 ``[..., out]``: the input rounded to bfloat16, ``matmul``, bias in float32."""
+    """float32 ``[..., in]`` -> float32 ``[..., out]``: the input in the kernel's type (``input_dtype``),
+    ``matmul``, bias in float32."""
     rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-    out = self.matmul(rows.to(torch.bfloat16)).float()
+    out = self.matmul(rows.to(self.input_dtype)).float()
     if self.bias is not None:
         out += self.bias
     return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 class Q4Linear(nn.Module):
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None) -> None:
+    """4-bit groups. With ``vnni`` (a CPU with AVX-512 VNNI and the native kernels built): the native Q4_1 x Q8
+    kernel (``pagedchat_cpu.q4q8_linear``): the blocks' float16 ``d`` and ``m`` exactly, float32 activations
+    quantized to 8 bits per 32 inputs (llama.cpp's Q8 scheme), exact integer dot products; a row's result does
+    not depend on the other rows. Otherwise torch's int4 kernel (bfloat16 activations; ``d`` and ``m + 8 d``
+    rounded to bfloat16), whose result for a row depends on how many rows it is computed with."""
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, vnni: bool = False) -> None:
         super().__init__()
         n, k = blocks.q.shape
         if k % (_INNER_K_TILES * 16):
             raise ValueError(f"cpu_weights: q4 needs input sizes divisible by {_INNER_K_TILES * 16} (got {k})")
         self.in_features, self.out_features = k, n
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.vnni: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if vnni and n % 16 == 0:
+            self.vnni = vnni_layout(blocks)
+            self.input_dtype = torch.float32
+            return
+        self.input_dtype = torch.bfloat16
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             blocks.q.to(torch.int32), _INNER_K_TILES), persistent=False)
         d, m = blocks.d.float(), blocks.m.float()
         # [K / 32, N, 2]: (scale, zero) per group and output
         self.register_buffer("scales_and_zeros", torch.stack([d.t(), (m + 8 * d).t()], dim=-1)
                              .to(torch.bfloat16).contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` ``[M, in]`` bfloat16 -> ``[M, out]`` bfloat16, no bias (the lean CPU decoder's call)."""
+        """``rows`` ``[M, in]`` of ``input_dtype`` -> ``[M, out]`` (float32 / bfloat16), no bias (the lean CPU
+        decoder's call)."""
+        if self.vnni is not None:
+            return torch.ops.pagedchat_cpu.q4q8_linear(rows, *self.vnni)
         return _int4_mm(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
 
     forward = _forward
 
 
 class Int8Linear(nn.Module):
+    input_dtype = torch.bfloat16
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         weight = weight.detach().float()
@@ -139,6 +170,8 @@ class PackedInt8Head(nn.Module):
 
 
 class BFloat16Linear(nn.Module):
+    input_dtype = torch.bfloat16
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -152,10 +185,11 @@ class BFloat16Linear(nn.Module):
 
 
 def quantized_linear(mode: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                     blocks: Q4Blocks | None = None) -> nn.Module:
-    """The ``mode`` layer for a float ``weight`` ``[out, in]`` (q4: the given 4-bit ``blocks`` if any)."""
+                     blocks: Q4Blocks | None = None, vnni: bool = False) -> nn.Module:
+    """The ``mode`` layer for a float ``weight`` ``[out, in]`` (q4: the given 4-bit ``blocks`` if any; ``vnni``:
+    also in the native Q4_1 x Q8 kernel's layout)."""
     if mode == "q4":
-        return Q4Linear(blocks if blocks is not None else Q4Blocks.from_float(weight), bias)
+        return Q4Linear(blocks if blocks is not None else Q4Blocks.from_float(weight), bias, vnni)
     if mode == "int8":
         return Int8Linear(weight, bias)
     if mode == "bfloat16":

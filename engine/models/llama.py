@@ -14,6 +14,7 @@ from torch import nn
 from engine.layers.linear import Embedding, Linear
 from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, quantized_linear
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from kernels import cpu_native
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -178,13 +179,14 @@ class LlamaForCausalLM(nn.Module):
         kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
         ``native``: kernels/cpu_decode.cpp is loaded (the lean decoder's native decode step, the packed head)."""
         q4_blocks = q4_blocks or {}
+        vnni = native and cpu_native.has_q4q8()  # the CPU has AVX-512 VNNI
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
             shards = _hf_names(f"{name}.weight")
             blocks = Q4Blocks.cat([q4_blocks[h] for h in shards]) if all(h in q4_blocks for h in shards) else None
             parent, attr = name.rsplit(".", 1)
-            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks))
+            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks, vnni))
         head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         if mode == "bfloat16":
             self.logits_head = quantized_linear("bfloat16", head, None)

@@ -22,8 +22,6 @@ from engine.forward_context import get_attention_metadata
 from engine.layers.quantized_linear import Q4Linear
 from kernels import cpu as cpu_kernels
 
-_BF16 = torch.bfloat16
-
 
 @dataclass(slots=True)
 class _Layer:
@@ -67,20 +65,27 @@ class LlamaCpuDecoder:
         rotary = model.model.layers[0].self_attn.rotary
         self.cos_cache, self.sin_cache = rotary.cos_cache, rotary.sin_cache
         self.layers = [self._layer(layer) for layer in model.model.layers]
+        # the projections' input type: float32 for the native Q4_1 x Q8 kernel, else bfloat16
+        self.act_dtype = model.model.layers[0].self_attn.qkv_proj.input_dtype
         self.attention = [layer.self_attn.attn for layer in model.model.layers]
         self.native_weights = self._native_weights(model) if native else None
         self.scale = args.head_dim ** -0.5
 
     @staticmethod
     def _native_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:
-        """The native step's weight lists, or None where it does not apply (biases, q/k norms, 8-bit layers)."""
+        """The native step's weight lists, or None where it does not apply (biases, q/k norms, 8-bit layers):
+        the norms, then per projection the Q4_1 x Q8 layout (3 tensors per layer) where every layer has it, else
+        torch's int4 pack and its scales (two lists)."""
         layers = model.model.layers
         projections = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj)
                        for lay in layers]
+        linears = [p for group in projections for p in group]
         if any(lay.self_attn.qk_norm for lay in layers) or not all(
-                isinstance(p, Q4Linear) and p.bias is None for group in projections for p in group):
+                isinstance(p, Q4Linear) and p.bias is None for p in linears):
             return None
         weights = [[lay.input_layernorm.weight for lay in layers], [lay.post_attention_layernorm.weight for lay in layers]]
+        if all(p.vnni is not None for p in linears):
+            return weights + [[t for group in projections for t in group[i].vnni] for i in range(4)]
         for i in range(4):
             weights += [[group[i].packed for group in projections], [group[i].scales_and_zeros for group in projections]]
         return weights
@@ -99,7 +104,9 @@ class LlamaCpuDecoder:
         cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
         residual = F.embedding(input_ids, self.embed)
         if self.native_weights is not None and meta.num_decodes == input_ids.shape[0] and meta.slot_ids is None:
-            x = torch.ops.pagedchat_cpu.decode_layers(
+            step = (torch.ops.pagedchat_cpu.decode_layers_q8 if len(self.native_weights) == 6
+                    else torch.ops.pagedchat_cpu.decode_layers)
+            x = step(
                 residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
                 meta.context_lens, *self.native_weights, [a.k_cache for a in self.attention],
                 [a.v_cache for a in self.attention], self.num_heads, self.num_kv_heads, self.head_dim,
@@ -117,7 +124,7 @@ class LlamaCpuDecoder:
         return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
 
     def _normed(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(residual, self.hidden, weight, self.eps).to(_BF16)
+        return F.rms_norm(residual, self.hidden, weight, self.eps).to(self.act_dtype)
 
     def _attention(self, layer: _Layer, xb: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
@@ -131,16 +138,17 @@ class LlamaCpuDecoder:
                            dim=1)
         qk = cpu_kernels.rotated(qk, cos, signed_sin)  # float32, new tensor
         out = layer.attend(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta)
-        return _project(layer.o, out.to(_BF16), layer.o_bias)
+        return _project(layer.o, out.to(self.act_dtype), layer.o_bias)
 
     def _mlp(self, layer: _Layer, xb: torch.Tensor) -> torch.Tensor:
         gate_up = _project(layer.gate_up, xb, layer.gate_up_bias)
         hidden = F.silu(gate_up[:, : self.intermediate].float())
         hidden.mul_(gate_up[:, self.intermediate:])
-        return _project(layer.down, hidden.to(_BF16), layer.down_bias)
+        return _project(layer.down, hidden.to(self.act_dtype), layer.down_bias)
 
 
 def _project(layer: nn.Module, xb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16 rows through the layer's weight-only matmul; bfloat16 out, or float32 with its bias added."""
-    out = layer.matmul(xb)
+    """Rows (the layer's ``input_dtype``) through its weight-only matmul; its output type (bfloat16 or float32),
+    or float32 with the bias added."""
+    out = layer.matmul(xb.to(layer.input_dtype))
     return out if bias is None else torch.add(bias, out)

@@ -427,6 +427,7 @@ constexpr int64_t kQ4Rows = 8;
 struct QuantizedRows {  // activations of up to kQ4Rows rows, quantized per 32 inputs
   std::vector<int8_t> codes;  // [rows, K]
   std::vector<float> scales, scaled_sums;  // [rows, K / 32]: s, and s * sum(a) (the minimum's factor)
+  std::vector<int32_t> sums;  // [rows, K / 32]: sum(a)
 };
 
 void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
@@ -434,6 +435,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) 
   out.codes.resize(rows * k);
   out.scales.resize(rows * groups);
   out.scaled_sums.resize(rows * groups);
+  out.sums.resize(rows * groups);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + r * k + g * 32;
@@ -448,6 +450,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) 
       }
       out.scales[r * groups + g] = scale;
       out.scaled_sums[r * groups + g] = scale * static_cast<float>(sum);
+      out.sums[r * groups + g] = sum;
     }
   }
 }
@@ -504,9 +507,72 @@ void q4q8_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, cons
                                                            m + b * groups * 16, out + r * n + b * 16, n);
   });
 }
+
+// The output layer as llama.cpp computes a Q8_0 tensor: int8 weights w with a float16 scale d per 32 inputs,
+// times the activations quantized as above: y[r, n] = sum over groups of d[n,g] s[r,g] (w . a). vpdpbusd takes
+// unsigned bytes on one side, so the weights come biased, w + 128, and 128 sum(a) is taken off again (exact).
+// Layout: [N / 16, K / 32, 8, 16, 4] uint8 (vector c of a group: inputs 4c .. 4c + 3 of 16 outputs), d as
+// [N / 16, K / 32, 16] float16.
+template <int Rows>
+void q8q8_block(const QuantizedRows& act, int64_t row0, int64_t k, const uint8_t* w, const c10::Half* d, float* out,
+                int64_t n) {
+  const int64_t groups = k / 32;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[8];
+    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + (g * 8 + c) * 64);
+    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* a = act.codes.data() + (row0 + r) * k + g * 32;
+      __m512i sum = _mm512_set1_epi32(-128 * act.sums[(row0 + r) * groups + g]);
+      for (int c = 0; c < 8; ++c) {
+        int32_t four;
+        std::memcpy(&four, a + 4 * c, sizeof(four));
+        sum = _mm512_dpbusd_epi32(sum, wv[c], _mm512_set1_epi32(four));
+      }
+      const float scale = act.scales[(row0 + r) * groups + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(scale)), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+
+using Q8Block = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const c10::Half*, float*, int64_t);
+template <int... Rows>
+constexpr std::array<Q8Block, sizeof...(Rows)> q8_blocks(std::integer_sequence<int, Rows...>) {
+  return {q8q8_block<Rows + 1>...};
+}
+constexpr auto kQ8Blocks = q8_blocks(std::make_integer_sequence<int, kQ4Rows>{});
 #else
 constexpr bool kHasQ4Q8 = false;
 #endif
+
+Tensor q8q8_linear(Tensor x, Tensor packed, Tensor d) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  check(x.scalar_type() == at::kFloat && x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 5 &&
+            d.scalar_type() == at::kHalf && packed.is_contiguous() && d.is_contiguous() &&
+            packed.size(1) * 32 == x.size(1),
+        "q8q8_linear: x [M, K] float32, packed [N / 16, K / 32, 8, 16, 4] uint8, d [N / 16, K / 32, 16] float16");
+  Tensor rows = x.contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1), n = packed.size(0) * 16, groups = k / 32;
+  Tensor out = at::empty({m, n}, rows.options());
+  QuantizedRows act;
+  quantize_rows(rows.data_ptr<float>(), m, k, act);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const c10::Half* dd = d.data_ptr<c10::Half>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n / 16, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < m; r += kQ4Rows)
+        kQ8Blocks[std::min<int64_t>(kQ4Rows, m - r) - 1](act, r, k, w + b * groups * 512, dd + b * groups * 16,
+                                                         o + r * n + b * 16, n);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "q8q8_linear: built without AVX-512 VNNI");
+#endif
+}
 
 Tensor q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -547,6 +613,7 @@ Tensor decode_layers_q8(Tensor residual, Tensor cos, Tensor signed_sin, Tensor s
 
 TORCH_LIBRARY(pagedchat_cpu, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) -> Tensor");
+  m.def("q8q8_linear(Tensor x, Tensor packed, Tensor d) -> Tensor");
   m.def("decode_layers_q8(Tensor(a!) residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int heads, int kv_heads, int dim, int inner, "
@@ -564,5 +631,6 @@ TORCH_LIBRARY_IMPL(pagedchat_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("int8_linear", &int8_linear);
   m.impl("q4q8_linear", &q4q8_linear);
+  m.impl("q8q8_linear", &q8q8_linear);
   m.impl("decode_layers_q8", &decode_layers_q8);
 }

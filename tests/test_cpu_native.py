@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.forward_context import get_attention_metadata
-from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, vnni_layout
+from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, vnni_layout
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
@@ -94,6 +94,30 @@ def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     alone = torch.cat([torch.ops.pagedchat_cpu.q4q8_linear(x[i:i + 1], *vnni_layout(blocks)) for i in range(rows)])
     assert torch.equal(got, alone), "a row's result must not depend on the other rows"
+
+
+@pytest.mark.parametrize("rows", [1, 8, 11])
+def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int):
+    """Q8_0 weights (int8, a float16 scale per 32 inputs, from the rounding of each block to its maximum) times
+    8-bit activations per 32 inputs: y = sum over groups of d s (w . a)."""
+    if not cpu_native.has_q4q8():
+        pytest.skip("the CPU has no AVX-512 VNNI: the Q8 kernels are not built")
+    torch.manual_seed(rows)
+    weight = torch.randn(64, 96) * torch.logspace(-2, 0, 64)[:, None]
+    head = Q8Head(weight)
+    codes = head.packed.permute(0, 3, 1, 2, 4).reshape(64, 96).double() - 128
+    d = head.d.permute(0, 2, 1).reshape(64, 3).double()
+    half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502  # (+ fp16 scale)
+    stored = (codes.view(64, 3, 32) * d[..., None]).view(64, 96)
+    assert bool(((stored - weight).abs() <= half_step + 1e-6).all()), "each weight within half a step of its block"
+    x = torch.randn(rows, 96) * torch.logspace(-1, 1, 96)
+    groups = x.view(rows, 3, 32).double()
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    a = (groups / scale).round()
+    expected = torch.einsum("rgi,ngi,ng,rg->rn", a, codes.view(64, 3, 32), d, scale.squeeze(-1))
+    got = head(x)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(got, torch.cat([head(x[i:i + 1]) for i in range(rows)]))
 
 
 # ---------------------------------------------------------------- the decoder, step by step

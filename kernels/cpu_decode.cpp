@@ -1,14 +1,15 @@
 // The CPU decode step of a Llama-family model with 4-bit weights, as one native call (kernels/cpu_native.py
 // builds and loads it; engine/models/llama_cpu_decoder.py calls it for decode-only steps).
 //
-// Per layer: 4 weight-only int4 matmuls (torch's _weight_int4pack_mm_for_cpu, bfloat16 in and out) and 4 loops
-// of ours that replace ~40 small tensor ops of the Python path:
-//   add_rms_norm  residual += x; xb = bf16(weight * (residual * rsqrt(mean(residual^2) + eps)))   (HF's order)
+// Per layer: 4 matmuls — our Q4_1 x Q8 kernel (below; float32 activations) where the CPU has AVX-512 VNNI, else
+// torch's _weight_int4pack_mm_for_cpu (bfloat16 activations) — and 4 loops of ours that replace ~40 small tensor
+// ops of the Python path (templated over the activation type T):
+//   add_rms_norm  residual += x; xb = T(weight * (residual * rsqrt(mean(residual^2) + eps)))   (HF's order)
 //   rope_store    q, k rotated (rotate_half with cos / signed sin rows) into float; k and v written into their
 //                 KV cache slots (slot = block * block_size + offset)
 //   attend        softmax(q k^T * scale) v over the sequence's paged KV, read through its block table in place
 //                 (no gathered copy, no mask); GQA: a KV head's query heads share each key/value load
-//   silu_mul      bf16(silu(gate) * up)
+//   silu_mul      T(silu(gate) * up)
 // Float32 everywhere between the matmuls; tests/test_cpu_native.py compares every step with the Python path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,10 +1,10 @@
 """Builds and loads kernels/cpu_decode.cpp, the native CPU decode step (``torch.ops.pagedchat_cpu``).
 
-Built once per machine with the C++ compiler torch's extension builder finds (~30 s on two cores), into
+Built once per machine with the C++ compiler torch's extension builder finds (~10 s on two cores), into
 ``build_root/<tag>``, where the tag names the torch version and the instruction set the code was compiled for
-(x86-64-v4 where the CPU has AVX-512, x86-64-v3 where it has AVX2 and FMA, the compiler's default
-otherwise), so a cache shared between
-different CPUs or torch versions never loads a wrong binary; later starts load it in well under a second.
+(x86-64-v4 plus VNNI where the CPU has AVX-512 VNNI: then the Q4_1 x Q8 kernels exist; x86-64-v4 with AVX-512;
+x86-64-v3 with AVX2 and FMA; the compiler's default otherwise), so a cache shared between different CPUs or
+torch versions never loads a wrong binary; later starts load it in well under a second.
 Without a compiler, or if the build fails, ``load`` returns False and the caller keeps the Python path.
 """
 from __future__ import annotations

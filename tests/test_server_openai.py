@@ -24,7 +24,7 @@ server = server_fixture()
 
 CHATS = {
     "cut_by_length": [{"role": "user", "content": "Write one sentence about the sea."}],
-    "ends_with_eos": [{"role": "user", "content": "What is the capital of France?"}],
+    "ends_with_eos": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
     "with_system": [{"role": "system", "content": "You answer in one short sentence."},
                     {"role": "user", "content": "Why is the sky blue?"}],
 }

@@ -3,12 +3,14 @@
 A decode step of a small model on a CPU spends more time around the matmuls than in them: per layer the module
 path makes ~12 ``nn.Module`` calls and ~40 tensor ops, each a few microseconds of Python and dispatch
 (profile: docs/BENCHMARKS.md, issue 15). This pass walks the same layers' tensors directly and keeps the
-projections' bfloat16 outputs instead of converting each to float32 first: a bfloat16 value promotes exactly,
-so adding it to the float32 residual, rotating it by float32 cos/sin or taking float32 SiLU of it gives the
-very numbers the module path computes. ``tests/test_cpu_decoder.py`` holds it bit-equal to the module path.
+projections' outputs in their kernel's type instead of converting each to float32 first: a bfloat16 value
+promotes exactly, so adding it to the float32 residual, rotating it by float32 cos/sin or taking float32 SiLU
+of it gives the very numbers the module path computes. ``tests/test_cpu_native.py`` holds it bit-equal to the
+module path, and the native decode step (kernels/cpu_decode.cpp) to it.
 
-The residual stream, norms, rotary embedding, attention and KV cache stay float32; only a projection's input is
-rounded to bfloat16 (the weight-only kernels' input type).
+The residual stream, norms, rotary embedding, attention and KV cache stay float32; a projection's input is what
+its kernel takes (``input_dtype``: bfloat16 for torch's weight-only kernels, float32 for the native Q4_1 x Q8
+kernel, which quantizes it to 8 bits per 32 inputs itself).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Weight-only quantized CPU matmuls (``--cpu-weights``): each storage mode on the default model's projection
 shapes, with the activation in float32, bfloat16 and float16, at 1 and 8 rows.
 
-Why the quantized layers cast their input to bfloat16: torch's weight-only int4/int8 CPU kernels are vectorized
-for bfloat16 inputs only (float32 and float16 inputs take a scalar path many times slower). Effective bandwidth =
+Why torch's quantized layers cast their input to bfloat16: its weight-only int4/int8 CPU kernels are vectorized
+for bfloat16 inputs only (float32 and float16 inputs take a scalar path many times slower). Also our native
+kernels (kernels/cpu_decode.cpp) where they build. Effective bandwidth =
 weight bytes / time; 30 copies of each weight (a decode step's layers, beyond L2) are cycled through.
 
     python -m benchmarks.cpu_quant_linear [--threads 2] [--rows 1 8]
@@ -12,12 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized_linear import Q4_GROUP, Q4Blocks, Q4Linear, Int8Linear
+from engine.config import EngineConfig
+from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Int8Linear, PackedInt8Head, Q4Blocks,
+                                            Q4Linear, Q8Head)
+from kernels import cpu_native
 
 # SmolLM2-135M: [out, in] of the fused QKV, gate/up, down projections and the tied output layer
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -53,6 +58,26 @@ def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, s
             lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(xd, q4[i].packed, Q4_GROUP, sz[i]), copies)))
         results.append(("int8", name, 1.0, timed(lambda i: torch._weight_int8pack_mm(xd, i8[i].weight, sc[i]),
                                                   copies)))
+    return results + measure_native(weights, x, copies)
+
+
+def measure_native(weights: list[torch.Tensor], x: torch.Tensor, copies: int) -> list[tuple[str, str, float, float]]:
+    """Our kernels (kernels/cpu_decode.cpp), where they build: the Q4_1 x Q8 and Q8_0 x Q8 products (AVX-512
+    VNNI) and the packed int8 output layer."""
+    if not cpu_native.load(Path(EngineConfig().cache_dir) / "native"):
+        return []
+    out_features = weights[0].shape[0]
+    results = []
+    if cpu_native.has_q4q8():
+        q8 = [Q4Linear(Q4Blocks.from_float(w), None, vnni=True) for w in weights]
+        results.append(("q4, native Q4_1 x Q8", "float32 (8-bit per 32)", 0.5 + 4 / Q4_GROUP,
+                        timed(lambda i: q8[i].matmul(x), copies)))
+        heads = [Q8Head(w) for w in weights]
+        results.append(("Q8_0, native Q8_0 x Q8", "float32 (8-bit per 32)", 1 + 2 / Q4_GROUP,
+                        timed(lambda i: heads[i](x), copies)))
+    if out_features % PACKED_OUTPUTS == 0:
+        packed = [PackedInt8Head(w) for w in weights]
+        results.append(("int8, native packed", "float32", 1.0, timed(lambda i: packed[i](x), copies)))
     return results
 
 

@@ -24,7 +24,8 @@ from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",
-              "aten::matmul", "aten::linear", "pagedchat_cpu::int8_linear")
+              "aten::matmul", "aten::linear", "pagedchat_cpu::int8_linear", "pagedchat_cpu::q4q8_linear",
+              "pagedchat_cpu::q8q8_linear")
 # path: (cpu_weights, native decode step kept); the 8-bit and 4-bit modes use the native packed int8 output layer
 PATHS = {"modules, float32": ("float32", True), "lean Python, bfloat16": ("bfloat16", True),
          "lean Python, int8": ("int8", True), "lean Python, q4": ("q4", False), "native step, q4": ("q4", True)}

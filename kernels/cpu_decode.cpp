@@ -13,6 +13,7 @@
 // Float32 everywhere between the matmuls; tests/test_cpu_native.py compares every step with the Python path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -576,6 +577,7 @@ Tensor q8q8_linear(Tensor x, Tensor packed, Tensor d) {
 }
 
 Tensor q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) {
+  RECORD_FUNCTION("pagedchat_cpu::q4q8_linear", std::vector<c10::IValue>());  // (also when called from the step)
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   check(x.scalar_type() == at::kFloat && x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 5 &&
             d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && packed.is_contiguous() &&

@@ -1,4 +1,5 @@
-"""Builds and loads kernels/cpu_decode.cpp, the native CPU decode step (``torch.ops.pagedchat_cpu``).
+"""Builds and loads the native CPU kernels (``torch.ops.pagedchat_cpu``): kernels/cpu_decode.cpp (the decode
+step, and the ops' registration) and kernels/cpu_quant_matmul.cpp (the quantized matmuls).
 
 Built once per machine with the C++ compiler torch's extension builder finds (~10 s on two cores), into
 ``build_root/<tag>``, where the tag names the torch version and the instruction set the code was compiled for
@@ -20,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_quant_matmul.cpp")]
 _X86_64_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _loaded: bool | None = None
@@ -65,7 +66,8 @@ def load(build_root: Path) -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
             logger.info("building the native CPU decode step (once per machine, ~30 s): %s", build_dir)
-        build("pagedchat_cpu_decode", [str(_SOURCE)], build_directory=str(build_dir), is_python_module=False,
+        build("pagedchat_cpu_decode", [str(source) for source in _SOURCES], build_directory=str(build_dir),
+              extra_include_paths=[str(_SOURCES[0].parent)], is_python_module=False,
               extra_cflags=["-O3", "-fopenmp-simd", *arch], verbose=False)
     except Exception as exc:  # no compiler, no headers, a failed build: the Python path still works
         logger.warning("native CPU decode step unavailable (%s: %s); using the Python path",

@@ -1,5 +1,6 @@
-"""The native CPU kernels (kernels/cpu_decode.cpp) against the Python path they replace, and the lean Python
-decoder (engine/models/llama_cpu_decoder.py) against the model's modules.
+"""The native CPU kernels (kernels/cpu_decode.cpp, kernels/cpu_quant_matmul.cpp) against the Python path they
+replace and against float64 references of their schemes, and the lean Python decoder
+(engine/models/llama_cpu_decoder.py) against the model's modules.
 
 The native decode step rounds to bfloat16 where the Python path does (projection inputs and outputs) but sums in
 its own order (norms, attention, the exp of SiLU and softmax), so it is held to the Python path within a few
@@ -29,7 +30,7 @@ if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
 @pytest.fixture(scope="module", autouse=True)
 def native_built() -> None:
     """The kernels must build here (CI has a C++ compiler); a failed build is a failure, not a skip."""
-    assert cpu_native.load(Path(EngineConfig().cache_dir) / "native"), "kernels/cpu_decode.cpp did not build"
+    assert cpu_native.load(Path(EngineConfig().cache_dir) / "native"), "the native CPU kernels did not build"
 
 
 # ---------------------------------------------------------------- the output layer

@@ -40,7 +40,7 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 64
 # measured on the 2-core dev VM (float32 engine as reference, 16 prompts x 64 tokens; int8 with the packed int8
-# output layer; q4 with the Q4_1 x Q8 kernels and the Q8_0 output layer, kernels/cpu_decode.cpp):
+# output layer; q4 with the Q4_1 x Q8 kernels and the Q8_0 output layer, kernels/cpu_quant_matmul.cpp):
 #   bfloat16: first token 15/16, identical prefix 0.46, step-1 |logit diff| 0.064 (logits' spread: std 4.1)
 #   int8:     first token 15/16, identical prefix 0.32, step-1 |logit diff| 0.32
 #   q4:       first token 15/16, identical prefix 0.23, step-1 |logit diff| 0.19

@@ -24,7 +24,7 @@ from torch import nn
 
 CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
 Q4_GROUP = 32
-PACKED_OUTPUTS = 16  # outputs per group of PackedInt8Head's weights (kernels/cpu_decode.cpp, kInt8Outputs)
+PACKED_OUTPUTS = 16  # outputs per group of PackedInt8Head's weights (kernels/cpu_quant_matmul.cpp, kInt8Outputs)
 _INNER_K_TILES = 2  # the int4 pack's k-tiling (2 or more lets the kernel read two 16-byte vectors at once)
 
 

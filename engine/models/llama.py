@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
         becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
         kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
-        ``native``: kernels/cpu_decode.cpp is loaded (the lean decoder's native decode step, the packed head)."""
+        ``native``: the native CPU kernels are loaded (kernels/cpu_native.py: the decode step, the quantized heads)."""
         q4_blocks = q4_blocks or {}
         vnni = native and cpu_native.has_q4q8()  # the CPU has AVX-512 VNNI
         for name, module in list(self.named_modules()):

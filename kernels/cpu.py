@@ -77,18 +77,18 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, plan: tuple[torch.Tensor,
     """``reference.rotary_embedding`` (the same products and sum, bit for bit) with its cos/sin rows from
     ``rotary_plan``; when ``k``'s heads follow ``q``'s in memory (both views of one QKV projection output)
     the two are rotated as one tensor."""
-    cos, signed_sin = plan
     together = _adjacent(q, k)
     for x in (together,) if together is not None else (q, k):
-        first, second = x.chunk(2, dim=-1)
-        torch.add(x * cos, torch.cat((second, first), dim=-1) * signed_sin, out=x)
+        rotated(x, *plan, out=x)
 
 
-def rotated(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[T, heads, head_dim]`` (any float dtype) rotated into a new float32 tensor with ``rotary_plan``'s
-    rows: the products and sum of ``rotary_embedding``, each factor promoted exactly to float32."""
+def rotated(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """``x`` ``[T, heads, head_dim]`` rotated by ``rotary_plan``'s rows: ``x cos + cat(x2, x1) signed_sin``, into
+    ``out`` (``x`` itself rotates in place: both products exist before the sum is written) or a new float32
+    tensor (a bfloat16 ``x`` promotes exactly)."""
     first, second = x.chunk(2, dim=-1)
-    return torch.add(x * cos, torch.cat((second, first), dim=-1) * signed_sin)
+    return torch.add(x * cos, torch.cat((second, first), dim=-1) * signed_sin, out=out)
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

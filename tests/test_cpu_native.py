@@ -33,6 +33,14 @@ def native_built() -> None:
     assert cpu_native.load(Path(EngineConfig().cache_dir) / "native"), "the native CPU kernels did not build"
 
 
+@pytest.fixture
+def vnni() -> None:
+    """The Q4_1 x Q8 and Q8_0 x Q8 kernels are compiled only for CPUs with AVX-512 VNNI (elsewhere q4 runs torch's
+    int4 kernel, which the "int4" runs below test)."""
+    if not cpu_native.has_q4q8():
+        pytest.skip("the CPU has no AVX-512 VNNI: the Q4_1 x Q8 / Q8_0 x Q8 kernels are not built for it")
+
+
 # ---------------------------------------------------------------- the output layer
 
 
@@ -84,9 +92,7 @@ def q8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int):
-    if not cpu_native.has_q4q8():
-        pytest.skip("the CPU has no AVX-512 VNNI: the Q4_1 x Q8 kernel is not built")
+def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int, vnni: None):
     torch.manual_seed(rows)
     blocks = Q4Blocks.from_float(torch.randn(48, 128) * torch.logspace(-2, 0, 48)[:, None])
     x = torch.randn(rows, 128) * torch.logspace(-1, 1, 128)  # inputs of different scales per group
@@ -98,11 +104,9 @@ def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int):
 
 
 @pytest.mark.parametrize("rows", [1, 8, 11])
-def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int):
+def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, vnni: None):
     """Q8_0 weights (int8, a float16 scale per 32 inputs, from the rounding of each block to its maximum) times
     8-bit activations per 32 inputs: y = sum over groups of d s (w . a)."""
-    if not cpu_native.has_q4q8():
-        pytest.skip("the CPU has no AVX-512 VNNI: the Q8 kernels are not built")
     torch.manual_seed(rows)
     weight = torch.randn(64, 96) * torch.logspace(-2, 0, 64)[:, None]
     head = Q8Head(weight)
@@ -157,9 +161,9 @@ class TwoPaths:
 @pytest.fixture(params=["q4q8", "int4"])
 def kernel(request, monkeypatch) -> str:
     """The native step on the Q4_1 x Q8 kernel (where the CPU has AVX-512 VNNI) and on torch's int4 kernel."""
-    if request.param == "q4q8" and not cpu_native.has_q4q8():
-        pytest.skip("the CPU has no AVX-512 VNNI: the Q4_1 x Q8 kernel is not built")
-    if request.param == "int4":
+    if request.param == "q4q8":
+        request.getfixturevalue("vnni")
+    else:
         monkeypatch.setattr(cpu_native, "has_q4q8", lambda: False)
     return request.param
 

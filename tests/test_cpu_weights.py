@@ -23,6 +23,7 @@ from engine.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 from tests.conftest import SMALL_KV_GIB
+from tests.test_engine_greedy import TEXTS
 from tests.test_models import tiny_hf_model
 
 QUANTIZED = ("bfloat16", "int8", "q4")
@@ -366,16 +367,6 @@ def test_bad_cpu_weights_are_rejected_naming_the_field(options: dict):
 
 # ---------------------------------------------------------------- q4 determinism
 
-TEXTS = [
-    "Hi",
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "List three colours of the rainbow:",
-    "Water boils at a temperature of " * 3,
-    "In 1969, the first humans landed on the Moon. The mission was called",
-    "A long story: " + "the quick brown fox jumps over the lazy dog, " * 6,
-    "Question: what is 12 times 12? Answer:",
-]
 
 
 def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):

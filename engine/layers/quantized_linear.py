@@ -24,6 +24,7 @@ from torch import nn
 
 CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
 Q4_GROUP = 32
+VNNI_OUTPUTS = 16  # outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 vector of int32 sums)
 PACKED_OUTPUTS = 16  # outputs per group of PackedInt8Head's weights (kernels/cpu_quant_matmul.cpp, kInt8Outputs)
 _INNER_K_TILES = 2  # the int4 pack's k-tiling (2 or more lets the kernel read two 16-byte vectors at once)
 
@@ -73,11 +74,18 @@ def vnni_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     [N / 16, K / 32, 16] float16."""
     n, k = blocks.q.shape
     groups = k // Q4_GROUP
-    q = blocks.q.view(n // 16, 16, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
+    q = blocks.q.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+        return t.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, groups).permute(0, 2, 1).contiguous()
     return codes, per_group(blocks.d.half()), per_group(blocks.m.half())
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes ``[out, in]`` and one float32 scale per output row (its largest |w| / 127)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return (weight / scales[:, None]).round().clamp_(-127, 127).to(torch.int8).contiguous(), scales
 
 
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +113,7 @@ class Q4Linear(nn.Module):
         self.in_features, self.out_features = k, n
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.vnni: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if vnni and n % 16 == 0:
+        if vnni and n % VNNI_OUTPUTS == 0:
             self.vnni = vnni_layout(blocks)
             self.input_dtype = torch.float32
             return
@@ -132,11 +140,9 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        weight = weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", (weight / scales[:, None]).round().clamp_(-127, 127).to(torch.int8)
-                             .contiguous(), persistent=False)
+        codes, scales = int8_per_channel(weight)
+        self.register_buffer("weight", codes, persistent=False)
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -154,12 +160,10 @@ class PackedInt8Head(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         if self.out_features % PACKED_OUTPUTS:
             raise ValueError(f"cpu_weights: the packed int8 head needs outputs divisible by {PACKED_OUTPUTS}")
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = (weight / scales[:, None]).round().clamp_(-127, 127).to(torch.int8)
+        codes, scales = int8_per_channel(weight)
         packed = codes.view(-1, PACKED_OUTPUTS, self.in_features).transpose(1, 2).contiguous()
         self.register_buffer("packed", packed, persistent=False)  # [out / 16, in, 16]
         self.register_buffer("scales", scales.contiguous(), persistent=False)
@@ -180,15 +184,18 @@ class Q8Head(nn.Module):
         super().__init__()
         weight = weight.detach().float()
         n, k = self.out_features, self.in_features = weight.shape
-        if n % 16 or k % Q4_GROUP:
-            raise ValueError(f"cpu_weights: the Q8 head needs outputs divisible by 16 and inputs by {Q4_GROUP}")
+        if n % VNNI_OUTPUTS or k % Q4_GROUP:
+            raise ValueError(f"cpu_weights: the Q8 head needs outputs divisible by {VNNI_OUTPUTS} and inputs by "
+                             f"{Q4_GROUP}")
         groups = weight.view(n, k // Q4_GROUP, Q4_GROUP)
         d = (groups.abs().amax(dim=-1) / 127).half()
         step = torch.where(d.float() > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
         codes = (groups / step[..., None]).round().clamp_(-127, 127).to(torch.int16)
-        biased = (codes + 128).to(torch.uint8).view(n // 16, 16, k // Q4_GROUP, 8, 4)  # [block, out, group, vector, byte]
+        # [block, output, group, vector, byte]
+        biased = (codes + 128).to(torch.uint8).view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, k // Q4_GROUP, 8, 4)
         self.register_buffer("packed", biased.permute(0, 2, 3, 1, 4).contiguous(), persistent=False)
-        self.register_buffer("d", d.view(n // 16, 16, k // Q4_GROUP).permute(0, 2, 1).contiguous(), persistent=False)
+        self.register_buffer("d", d.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, k // Q4_GROUP).permute(0, 2, 1)
+                             .contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.pagedchat_cpu.q8q8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.d)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Embedding, Linear
-from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, quantized_linear
+from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, VNNI_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
+                                            quantized_linear)
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
 from kernels import cpu_native
 
@@ -190,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         if mode == "bfloat16":
             self.logits_head = quantized_linear("bfloat16", head, None)
-        elif vnni and mode == "q4" and head.shape[0] % 16 == 0 and head.shape[1] % 32 == 0:
+        elif vnni and mode == "q4" and head.shape[0] % VNNI_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
             self.logits_head = Q8Head(head)
         elif native and head.shape[0] % PACKED_OUTPUTS == 0:
             self.logits_head = PackedInt8Head(head)

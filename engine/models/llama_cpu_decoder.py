@@ -49,9 +49,9 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
 
 
 class LlamaCpuDecoder:
-    """``forward(input_ids, positions) -> hidden`` for a LlamaForCausalLM whose projections have a bfloat16
-    ``matmul`` (engine/layers/quantized_linear.py). With ``native``, decode-only steps of a model whose
-    projections are all 4-bit without biases (the default model) run as one native call
+    """``forward(input_ids, positions) -> hidden`` for a LlamaForCausalLM whose projections have a ``matmul``
+    taking their ``input_dtype`` (engine/layers/quantized_linear.py). With ``native``, decode-only steps of a
+    model whose projections are all 4-bit without biases (the default model) run as one native call
     (kernels/cpu_decode.cpp); other steps and models take the Python path below."""
 
     def __init__(self, model: nn.Module, native: bool = False) -> None:
@@ -70,8 +70,13 @@ class LlamaCpuDecoder:
         # the projections' input type: float32 for the native Q4_1 x Q8 kernel, else bfloat16
         self.act_dtype = model.model.layers[0].self_attn.qkv_proj.input_dtype
         self.attention = [layer.self_attn.attn for layer in model.model.layers]
-        self.native_weights = self._native_weights(model) if native else None
+        self.native_weights = self._native_weights(model) if native else None  # (None: the Python path)
+        # the step for the weights' layout: norms + 4 lists of Q4_1 x Q8 triples, or + 8 int4 pack/scale lists
+        self.native_step = None if self.native_weights is None else (
+            torch.ops.pagedchat_cpu.decode_layers_q8 if len(self.native_weights) == 6
+            else torch.ops.pagedchat_cpu.decode_layers)
         self.scale = args.head_dim ** -0.5
+        self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @staticmethod
     def _native_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:
@@ -85,12 +90,20 @@ class LlamaCpuDecoder:
         if any(lay.self_attn.qk_norm for lay in layers) or not all(
                 isinstance(p, Q4Linear) and p.bias is None for p in linears):
             return None
-        weights = [[lay.input_layernorm.weight for lay in layers], [lay.post_attention_layernorm.weight for lay in layers]]
+        weights = [[lay.input_layernorm.weight for lay in layers],
+                   [lay.post_attention_layernorm.weight for lay in layers]]
         if all(p.vnni is not None for p in linears):
             return weights + [[t for group in projections for t in group[i].vnni] for i in range(4)]
         for i in range(4):
-            weights += [[group[i].packed for group in projections], [group[i].scales_and_zeros for group in projections]]
+            weights += [[group[i].packed for group in projections],
+                        [group[i].scales_and_zeros for group in projections]]
         return weights
+
+    def _kv_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V cache, listed once (again only if the KV cache is allocated anew)."""
+        if self._kv is None or self._kv[0][0] is not self.attention[0].k_cache:
+            self._kv = [a.k_cache for a in self.attention], [a.v_cache for a in self.attention]
+        return self._kv
 
     @staticmethod
     def _layer(layer: nn.Module) -> _Layer:
@@ -106,13 +119,10 @@ class LlamaCpuDecoder:
         cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
         residual = F.embedding(input_ids, self.embed)
         if self.native_weights is not None and meta.num_decodes == input_ids.shape[0] and meta.slot_ids is None:
-            step = (torch.ops.pagedchat_cpu.decode_layers_q8 if len(self.native_weights) == 6
-                    else torch.ops.pagedchat_cpu.decode_layers)
-            x = step(
+            x = self.native_step(
                 residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
-                meta.context_lens, *self.native_weights, [a.k_cache for a in self.attention],
-                [a.v_cache for a in self.attention], self.num_heads, self.num_kv_heads, self.head_dim,
-                self.intermediate, self.eps, self.scale)
+                meta.context_lens, *self.native_weights, *self._kv_caches(), self.num_heads, self.num_kv_heads,
+                self.head_dim, self.intermediate, self.eps, self.scale)
             torch.add(residual, x, out=residual)
             return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
         x: torch.Tensor | None = None

@@ -17,7 +17,7 @@ from app.protocol import ChatMessage, SamplingFields
 from app.request_body import cancel_on_disconnect
 from app.serving import Serving, TimedStream
 from app.sse import sse_response
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -15,7 +15,7 @@ from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
 from app.settings import ServerSettings
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 _RETRY_AFTER_S = "1"

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.layers.quantized_linear import CPU_WEIGHTS
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("benchmarks.cpu")

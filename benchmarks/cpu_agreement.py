@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from tests.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergence

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",

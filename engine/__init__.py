@@ -6,9 +6,15 @@ __all__ = ["EngineConfig", "SamplingParams", "LLM", "LLMEngine", "AsyncEngine", 
 
 
 def __getattr__(name: str):  # the heavy parts load on first use
-    if name in ("LLM", "LLMEngine", "RequestOutput"):
-        from engine import llm_engine
-        return getattr(llm_engine, name)
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "RequestOutput":
+        from engine.outputs import RequestOutput
+        return RequestOutput
     if name == "AsyncEngine":
         from engine.async_engine import AsyncEngine
         return AsyncEngine

@@ -17,12 +17,16 @@ heuristic, True stops once ``k`` hypotheses exist, "never" keeps going while a l
 
 The caller owns the beams' tokens and KV: ``step`` says which beam each new running beam continues and with
 which token; the engine then forks the blocks (copy-on-write), so beams share their common history.
+``BeamGroup`` is one request's side of it in the engine core: its beams, and the log-probs collected per step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 _NEG = -1.0e9  # transformers' "impossible" score
 
@@ -132,3 +136,50 @@ class BeamSearch:
     def best(self, n: int) -> list[Hypothesis]:
         """The ``n`` best finished hypotheses, best first."""
         return [h for h in self.finished[:n] if h is not None]
+
+
+@dataclass(slots=True, eq=False)
+class BeamGroup:
+    """A beam-search request's beams: ``beams[:num_live]`` run, best first; the log-probs of each are collected
+    until every live beam has them (a preempted beam computes its own again), then the search takes a step."""
+
+    search: BeamSearch
+    beams: list[Sequence]
+    num_live: int = 1  # the prompt's sequence, until the first step
+    collected: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
+
+    @property
+    def live(self) -> list[Sequence]:
+        return self.beams[: self.num_live]
+
+    def collect(self, seq: Sequence, log_probs: torch.Tensor) -> bool:
+        """Keep one live beam's log-probs; True once every live beam has given them."""
+        self.collected[seq.seq_id] = log_probs
+        return len(self.collected) == self.num_live
+
+    def advance(self) -> tuple[list[Sequence], list[list[int]]]:
+        """The search's step over the collected log-probs: for each next beam, the beam it continues and its
+        token ids (prompt included); empty once the search is done."""
+        live = self.live
+        log_probs = torch.stack([self.collected[seq.seq_id] for seq in live])
+        self.collected.clear()
+        next_beams = self.search.step(log_probs, [seq.token_ids[seq.num_prompt_tokens:] for seq in live])
+        sources = [live[b.parent] for b in next_beams]
+        return sources, [src.token_ids + [b.token_id] for src, b in zip(sources, next_beams)]
+
+    def results(self, n: int, aborted: bool) -> list[tuple[list[int], float | None, str]]:
+        """The ``n`` best hypotheses (output ids, sum of logprobs, finish reason); for an abort the best found so
+        far, else the live beams; never fewer than ``n`` (a stream waits for n final outputs)."""
+        found = [(h.token_ids, h.sum_logprobs) for h in self.search.best(n)]
+        found += [(seq.token_ids[seq.num_prompt_tokens:], None) for seq in self.live]
+        found += [([], None)] * n
+        eos = set(self.search.eos_token_ids)
+        return [(list(ids), logprob, "abort" if aborted else "stop" if ids and ids[-1] in eos else "length")
+                for ids, logprob in found[:n]]
+
+
+def new_beam_group(beams: list[Sequence], params: SamplingParams, room: int, eos: tuple[int, ...]) -> BeamGroup:
+    """``room``: tokens left in the context after the prompt (the length limit when max_tokens is larger)."""
+    max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+    return BeamGroup(BeamSearch(params.beam_width, max_new, eos, params.length_penalty, params.early_stopping),
+                     beams)

@@ -47,6 +47,14 @@ class BlockHasher:
             h.update(repr(extra_keys).encode())
         return h.digest()
 
+    def extend(self, hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None) -> None:
+        """Extend ``hashes`` (the chain so far) to every full block of ``token_ids``: hash(block i) =
+        H(hash(block i-1), tokens of block i, extra keys), block 0's parent the root, its extra key the salt."""
+        for i in range(len(hashes), len(token_ids) // block_size):
+            parent = hashes[i - 1] if i else self.root
+            extra = (("salt", cache_salt),) if i == 0 and cache_salt is not None else ()
+            hashes.append(self(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -215,11 +223,9 @@ class BlockManager:
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` to every full block of its known tokens (hashes are of tokens only; a
         block holding a token still pending on the device is hashed once that token is resolved)."""
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_known_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else self.hasher.root
-            extra = (("salt", seq.cache_salt),) if i == 0 and seq.cache_salt is not None else ()
-            seq.block_hashes.append(self.hasher(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
+        known = seq.num_known_tokens
+        if known // self.block_size > len(seq.block_hashes):
+            self.hasher.extend(seq.block_hashes, seq.token_ids[:known], self.block_size, seq.cache_salt)
 
     def match_prefix(self, seq: Sequence) -> list[Block | HostHit]:
         """Longest run of cached blocks at the head of ``seq`` (each on the device, or else in the host tier),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
@@ -76,7 +77,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(prompt_ids):
     for _ in range(4):
         for out in engine.step():
             seen[out.request_id].append(out)
-    assert engine._in_flight is not None  # the test needs a step whose ids were not read yet
+    assert engine.core._in_flight is not None  # the test needs a step whose ids were not read yet
     (final,) = engine.abort_request("dropped")
     assert final.finished and final.finish_reason == "abort"
     assert all(t >= 0 for t in final.token_ids), "a pending placeholder leaked into the output"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.beam_search import BeamSearch
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
@@ -100,7 +100,7 @@ def test_abort_mid_search_frees_every_beam(llm: LLM, prompt_ids):
     while engine.has_unfinished_requests():
         engine.step()
     check_pool(engine.block_manager, [])
-    assert engine.scheduler.num_unforked == 0 and not engine._beams
+    assert engine.scheduler.num_unforked == 0 and not engine.core._beams
 
 
 @pytest.mark.parametrize("field, value", [("beam_width", 0), ("n", 5), ("logprobs", 1), ("stop", ["x"]),

@@ -39,7 +39,7 @@ def test_dummy_weights_for_a_model_directory(tmp_path):
     config is read as a namespace and still gives transformers' parameter names and shapes."""
     import json
 
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(dict(

@@ -18,7 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.forward_context import get_attention_metadata
 from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, vnni_layout
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 from tests.test_models import tiny_hf_model

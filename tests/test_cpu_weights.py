@@ -18,7 +18,7 @@ from engine.gguf_q4 import Q4_FILE, load_q4, read_gguf_q4, save_q4
 from engine.layers.linear import Linear
 from engine.layers.quantized_linear import (BFloat16Linear, Int8Linear, PackedInt8Head, Q4Blocks, Q4Linear,
                                             Q8Head, quantized_linear)
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native

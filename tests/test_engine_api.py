@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import SMALL_KV_GIB
 

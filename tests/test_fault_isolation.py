@@ -10,7 +10,8 @@ import pytest
 
 from engine.async_engine import AsyncEngine, RequestFailedError
 from engine.layers.sampler import Sampler
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB

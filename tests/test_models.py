@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.loader import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
 from engine.models.registry import model_class
 from engine.sampling_params import SamplingParams

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import LLM, LLMEngine, sample_seed
+from engine.engine_core import sample_seed
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
@@ -53,7 +55,7 @@ def test_greedy_samples_equal_the_single_answer_and_share_the_prompt(llm: LLM):
     assert peak <= prompt_blocks + 4 * (output_blocks + 1)
     assert peak < 4 * (prompt_blocks + output_blocks), "less than four independent requests"
     stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks and not engine._choices
+    assert stats.num_free_blocks == stats.num_blocks and not engine.core._samples
 
 
 def test_streamed_samples_carry_their_index_and_each_ends_once(llm: LLM):

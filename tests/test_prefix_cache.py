@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import SMALL_KV_GIB
 

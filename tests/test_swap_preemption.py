@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from tests.block_invariants import check_pool

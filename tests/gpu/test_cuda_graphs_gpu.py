@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.loader import dummy_hf_config, dummy_weights
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 

@@ -1,0 +1,456 @@
+"""EngineCore: requests in, one ``step()`` at a time, token-id deltas out.
+
+The core owns what runs at the device's pace: the scheduler, the block manager, the model runner (CUDA graphs,
+async scheduling), grammars and beam search. It knows no text: detokenizing, stop strings, logprob formatting and
+building RequestOutputs belong to the output processor (output_processor.py), which runs beside it in-process
+(llm_engine.py) or in the server's process (async_engine.py, with the core in a process of its own). A stop
+string found there ends the sample here through ``abort_request(request_id, index, "stop")``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from engine.beam_search import BeamGroup, new_beam_group
+from engine.block_manager import BlockHasher, BlockManager
+from engine.config import EngineConfig
+from engine.core_info import CoreInfo, check_request
+from engine.layers.sampler import TokenLogprobs
+from engine.loader import load_model
+from engine.metrics import EngineCounters, EngineStats
+from engine.model_runner import LaunchedStep, ModelRunner
+from engine.outputs import SampleDelta
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured_output import GrammarCompiler
+from engine.structured_output import accept as accept_grammar
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "abort": SequenceStatus.FINISHED_ABORTED,
+                  "error": SequenceStatus.FINISHED_FAILED}
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    """One sample of a request and how many of its output tokens were sent."""
+
+    seq: Sequence
+    num_sent: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    group: SequenceGroup
+    samples: list[_Sample]
+    num_open: int  # samples not finished yet
+    beam: BeamGroup | None = None
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a seeded request: sample 0 keeps it (n = 1 is unchanged), the others
+    get their own, each a pure function of (seed, index), so every sample is reproducible on its own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
+        self.config = config = config or EngineConfig(**options)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer = load_model(config)
+        self.runner = ModelRunner(config, self.model)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
+        num_blocks = self._size_kv_cache()
+        self.runner.capture_graphs()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self._hasher(), *self._host_pools(), self.runner.kv.lookahead_tokens,
+                                          config.max_blocks_per_seq)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   prefer_swap=self._prefer_swap)
+        self.counters = EngineCounters()
+        self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
+        self._requests: dict[str, _Request] = {}
+        self._samples: dict[int, _Sample] = {}  # seq_id -> its sample, for every unfinished one
+        self._beams: dict[int, BeamGroup] = {}  # seq_id -> its beam-search request, for every beam
+        self._beams_swapped_at_step: list[BeamGroup] = []  # beam steps waiting for their beams' swap-in
+        self._seq_ids = itertools.count()
+        self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
+        self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
+
+    def _hasher(self) -> BlockHasher:
+        return BlockHasher(self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed)
+
+    def _host_pools(self) -> tuple[int, int]:
+        """Host blocks for swapped-out sequences and for the host tier of the prefix cache (allocated here)."""
+        config, runner = self.config, self.runner
+        num_swap = num_cache = 0
+        if config.preemption_mode != "recompute":
+            num_swap = int(config.swap_space_gib * 2**30) // runner.bytes_per_block
+        if config.enable_prefix_caching:
+            num_cache = int(config.host_cache_gib * 2**30) // runner.bytes_per_block
+        if num_swap + num_cache:
+            runner.allocate_host_cache(num_swap + num_cache)
+        if num_cache:
+            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_cache,
+                        num_cache * runner.bytes_per_block / 2**30)
+        return num_swap, num_cache
+
+    def _prefer_swap(self, seq: Sequence) -> bool:
+        """``preemption_mode``: swap or recompute this victim. ``auto``: a sample of a request with n > 1 (or
+        best_of) or a beam is swapped, with all its request's running sequences (the paper's rule: they share
+        their history, and the host keeps one copy of each shared block); otherwise the cheaper of the copy
+        out and back over the host link and the recompute of its tokens, by rough device rates. Where the host
+        pool has no room, a victim is recomputed."""
+        mode = self.config.preemption_mode
+        if mode == "recompute":
+            return False
+        if mode == "swap" or seq.params.num_sequences > 1 or seq.params.use_beam_search:
+            return True
+        link, flops = (25e9, 4e14) if self.config.torch_device.type == "cuda" else (5e9, 2e11)
+        copy_seconds = 2 * len(seq.block_table) * self.runner.bytes_per_block / link
+        recompute_seconds = 2 * self.runner.num_parameters * seq.num_computed_tokens / flops
+        return copy_seconds < recompute_seconds
+
+    def _size_kv_cache(self) -> int:
+        config, runner = self.config, self.runner
+        num_blocks = runner.num_blocks_for_budget()
+        if num_blocks < 2:
+            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {runner.bytes_per_block} bytes; "
+                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
+        if config.max_model_len > num_blocks * config.block_size:
+            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
+                           num_blocks * config.block_size)
+            config.max_model_len = num_blocks * config.block_size
+        runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
+                    config.block_size, num_blocks * runner.bytes_per_block / 2**30,
+                    num_blocks * config.block_size, config.max_model_len)
+        return num_blocks
+
+    # requests -----------------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        check_request(self.info, prompt_token_ids, params, self.grammars)
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        self.validate_request(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt = list(prompt_token_ids)
+        if params.use_beam_search:
+            self._add_beam_search(request_id, prompt, params, cache_salt)
+            return
+        # best_of ranks samples by cumulative logprob: each sample's token logprob is computed (handed out only
+        # where asked for, by the output processor)
+        seq_params = params if params.best_of is None or params.logprobs is not None else \
+            dataclasses.replace(params, logprobs=0)
+        samples = []
+        for index in range(params.num_sequences):
+            own = seq_params if index == 0 or params.seed is None else \
+                dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
+                           cache_salt=cache_salt, index=index)
+            if params.structured_output is not None:
+                seq.grammar = self.grammars.matcher(params.structured_output)
+            samples.append(_Sample(seq))
+        # nothing is registered before this point: a failure above leaves the engine as it was
+        seqs = [sample.seq for sample in samples]
+        seqs[0].unforked = seqs[1:]  # computed once, then forked (sharing the prompt's blocks)
+        self._requests[request_id] = _Request(SequenceGroup(request_id, seqs, params), samples, len(samples))
+        self._samples.update((sample.seq.seq_id, sample) for sample in samples)
+        self.counters.prompt_tokens += len(prompt)
+        self.scheduler.add(seqs[0])
+
+    def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams,
+                         cache_salt: str | None) -> None:
+        beams = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=params,
+                          cache_salt=cache_salt, index=i) for i in range(params.beam_width)]
+        beams[0].unforked = beams[1:]  # their places are held until the prompt's step
+        eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
+        group = new_beam_group(beams, params, self.config.max_model_len - len(prompt), eos)
+        self._requests[request_id] = _Request(SequenceGroup(request_id, beams, params), [], 0, beam=group)
+        self._beams.update((seq.seq_id, group) for seq in beams)
+        self.counters.prompt_tokens += len(prompt)
+        self.scheduler.add(beams[0])
+
+    def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort") -> list[SampleDelta]:
+        """End a request now (or only its sample ``index``); returns the final delta (finish_reason ``reason``)
+        of each sample not finished yet (none if the request is unknown or done). ``reason`` "stop": the output
+        processor found a stop string, and has already ended the sample."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        if request.beam is not None:
+            return self._finish_beams(request.beam, SequenceStatus.FINISHED_ABORTED)
+        deltas = []
+        for sample in request.samples:
+            if not sample.seq.is_finished and (index is None or sample.seq.index == index):
+                self._finish(sample.seq, _FINISH_STATUS[reason])
+                deltas.append(self._emit(sample))
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None
+
+    # the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleDelta]:
+        """Schedule, launch one forward pass and its sampling, then read sampled ids, check EOS, stop tokens
+        and length; one delta per sample that received a token.
+
+        With ``async_scheduling`` the ids read are the previous step's: step N+1 is scheduled and launched
+        while the device still runs step N, whose tokens are then read and processed while N+1 runs. Each
+        sequence sampled by step N holds a PENDING_TOKEN in its token ids, and step N+1 takes that token's
+        id from N's sampled ids on the device. A sequence that stops at N (EOS, stop string) still gets
+        one wasted row in N+1; a sequence whose pending token is its last by length is not scheduled again.
+        """
+        deltas = self._deferred_beam_steps() if self._beams_swapped_at_step else []
+        return deltas + self._step()
+
+    def _deferred_beam_steps(self) -> list[SampleDelta]:
+        """Beam steps whose log-probs were complete while the request's beams were swapped out: taken once the
+        beams are back on the device (before the schedule, which then runs the new beams)."""
+        deltas, waiting = [], []
+        for beam in self._beams_swapped_at_step:
+            live = beam.live
+            if any(seq.is_finished for seq in live):
+                continue  # aborted meanwhile
+            if all(seq.status is SequenceStatus.RUNNING for seq in live):
+                deltas += self._beam_step(beam)
+            else:
+                waiting.append(beam)
+        self._beams_swapped_at_step = waiting
+        return deltas
+
+    def _step(self) -> list[SampleDelta]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.last_batch = batch
+        launch_start = time.perf_counter()
+        self.counters.schedule_seconds += launch_start - start
+        in_flight, self._in_flight = self._in_flight, None
+        if not batch.seqs:
+            return self._idle_step(in_flight, batch)
+        deltas: list[SampleDelta] = []
+        if in_flight is not None and self._needs_known_history(batch):
+            deltas += self._process(in_flight)
+            in_flight = None
+        launched = self.runner.execute(batch, in_flight)
+        self.counters.prepare_seconds += launched.prepare_seconds
+        self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
+        for seq in batch.preempted:  # a recomputed beam computes its log-probs again; a swapped one keeps them
+            if (beam := self._beams.get(seq.seq_id)) is not None and seq.status is not SequenceStatus.SWAPPED:
+                beam.collected.pop(seq.seq_id, None)
+        # a beam's next token comes from its request's beam step, not from its own sampled row
+        launched.pending_indices = [-1 if seq.params.use_beam_search else seq.append_pending()
+                                    for seq in launched.seqs]
+        for seq in launched.seqs:
+            if seq.params.use_beam_search:
+                seq.awaiting_beam_step = True
+            else:
+                seq.awaiting_last_token = self._reaches_length_limit(seq, seq.num_tokens)
+        if in_flight is not None:
+            deltas += self._process(in_flight)
+        self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                if not seq.is_finished], batch.forks)
+        self.counters.steps += 1
+        if self.config.async_scheduling:
+            self._in_flight = launched
+        else:
+            deltas += self._process(launched)
+            if not self._requests:
+                self.runner.settle()
+        return deltas
+
+    def _idle_step(self, in_flight: LaunchedStep | None, batch: ScheduledBatch) -> list[SampleDelta]:
+        """Nothing to run: read the step still in flight, or tell a scheduler that can never run anything."""
+        if in_flight is not None:
+            deltas = self._process(in_flight)
+            if not self._requests:
+                self.runner.settle()
+            return deltas
+        stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
+        if stuck and not self.scheduler.running and not batch.preempted:  # for good
+            raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
+        return []
+
+    def _needs_known_history(self, batch: ScheduledBatch) -> bool:
+        """Penalties and grammars read the values of earlier output tokens: those must be known first."""
+        return any(seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs)
+
+    def _process(self, launched: LaunchedStep) -> list[SampleDelta]:
+        """Read a launched step's sampled ids and hand them to their requests."""
+        start = time.perf_counter()
+        token_ids, logprobs = launched.wait()
+        read = time.perf_counter()
+        self.counters.wait_seconds += read - start
+        deltas = []
+        samples = self._samples
+        for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
+            if index < 0:  # a beam: its row's log-probs go to its request's next beam step
+                deltas += self._collect_beam(seq, launched.beam_logprobs[row])
+                continue
+            sample = samples.get(seq.seq_id)
+            if sample is None or seq.is_finished:
+                continue  # aborted, or stopped by the step before: this token is past its end
+            seq.resolve(index, token_id)
+            try:
+                if row in launched.failures:
+                    raise RuntimeError(launched.failures[row])
+                deltas.append(self._accept(sample, token_id, logprobs[row]))
+            except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
+                deltas.append(self._fail(sample, exc))
+        self.counters.generation_tokens += len(deltas)
+        self.counters.output_seconds += time.perf_counter() - read
+        return deltas
+
+    def _accept(self, sample: _Sample, token_id: int, token_logprobs: TokenLogprobs | None) -> SampleDelta:
+        seq = sample.seq
+        accept_grammar(seq, token_id)
+        status = self._stop_status(seq, token_id)
+        if status is not None:
+            self._finish(seq, status)
+        return self._emit(sample, [token_logprobs] if token_logprobs is not None else None)
+
+    def _fail(self, sample: _Sample, exc: Exception) -> SampleDelta:
+        """End one sample because of an error of its own; its final delta carries the error."""
+        seq = sample.seq
+        logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        sample.error = f"{type(exc).__name__}: {exc}"
+        if seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_FAILED
+        else:
+            self._finish(seq, SequenceStatus.FINISHED_FAILED)
+        return self._emit(sample)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.drop_pending()
+        self.scheduler.finish(seq, status)
+        self.runner.forget(seq)
+
+    def _reaches_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        num_output = num_tokens - seq.num_prompt_tokens
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= self.config.max_model_len
+
+    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """EOS, a stop token or the length limit (stop strings are the output processor's: it sees text)."""
+        params = seq.params
+        if token_id in self.config.eos_token_ids and not params.ignore_eos:
+            return SequenceStatus.FINISHED_STOPPED  # (the sampler masks EOS until min_tokens)
+        if token_id in params.stop_token_ids:
+            seq.stop_reason = token_id
+            return SequenceStatus.FINISHED_STOPPED
+        if self._reaches_length_limit(seq, seq.num_known_tokens):
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, sample: _Sample, logprobs: list[TokenLogprobs] | None = None) -> SampleDelta:
+        seq = sample.seq
+        first_output, num_output = seq.num_prompt_tokens, seq.num_known_tokens - seq.num_prompt_tokens
+        new_ids = seq.token_ids[first_output + sample.num_sent : first_output + num_output]
+        sample.num_sent = num_output
+        finish_reason = seq.status.finish_reason
+        if finish_reason is not None and self._samples.pop(seq.seq_id, None) is not None:
+            self.counters.finished[finish_reason] += 1
+            request = self._requests[seq.request_id]
+            request.num_open -= 1
+            if not request.num_open:
+                del self._requests[seq.request_id]
+        queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+        return SampleDelta(seq.request_id, seq.index, new_ids, logprobs, finish_reason,
+                           seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+                           max(seq.num_cached_tokens, 0), queued, None, sample.error)
+
+    # beam search ----------------------------------------------------------------------------------------
+
+    def _collect_beam(self, seq: Sequence, log_probs: torch.Tensor) -> list[SampleDelta]:
+        """A beam's next-token log-probs; the request's beam step runs once every live beam has them."""
+        beam = self._beams.get(seq.seq_id)
+        # (a beam swapped out after this pass keeps its log-probs: its KV was written before the copy)
+        if beam is None or seq.status not in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            return []
+        if not beam.collect(seq, log_probs):
+            return []
+        if all(b.status is SequenceStatus.RUNNING for b in beam.live):
+            return self._beam_step(beam)
+        self._beams_swapped_at_step.append(beam)  # swapped out (all together): the step waits for their swap-in
+        return []
+
+    def _beam_step(self, beam: BeamGroup) -> list[SampleDelta]:
+        """Every live beam has its next-token log-probs: select the next beams; each continues one of the
+        current beams (sharing its blocks, copy-on-write) with one more token."""
+        live = beam.live
+        sources, token_ids = beam.advance()
+        self.counters.generation_tokens += len(live)
+        if beam.search.done:
+            return self._finish_beams(beam, None)
+        if beam.num_live == 1:
+            self.scheduler.start_beams(live[0])
+            beam.num_live = len(beam.beams)
+        self.block_manager.reassign(beam.beams, sources)
+        for seq, ids in zip(beam.beams, token_ids):
+            seq.token_ids = ids
+            seq.awaiting_beam_step = False
+            self.runner.forget(seq)  # its block table changed as a whole
+        return []
+
+    def _finish_beams(self, beam: BeamGroup, status: SequenceStatus | None) -> list[SampleDelta]:
+        """End a beam search (``status`` None: it is done; else aborted): one final delta per hypothesis."""
+        first = beam.beams[0]
+        request = self._requests.pop(first.request_id)
+        for seq in beam.beams:
+            if not seq.is_finished:
+                self._finish(seq, status or SequenceStatus.FINISHED_STOPPED)
+            self._beams.pop(seq.seq_id, None)
+        queued = None if first.first_scheduled_time is None else first.first_scheduled_time - first.arrival_time
+        deltas = []
+        for index, (ids, logprob, reason) in enumerate(beam.results(request.group.params.n, status is not None)):
+            self.counters.finished[reason] += 1
+            deltas.append(SampleDelta(first.request_id, index, ids, None, reason, None,
+                                      max(first.num_cached_tokens, 0), queued, logprob))
+        return deltas
+
+    # pinned prefixes --------------------------------------------------------------------------------
+
+    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None,
+                   max_pinned_blocks: int) -> int:
+        """Pin the cached full blocks of ``token_ids`` (computed by an earlier request) against eviction;
+        returns how many were pinned (0 when caching is off, they were evicted, or over the cap)."""
+        probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
+                         cache_salt=cache_salt)
+        self.block_manager.update_block_hashes(probe)
+        return self.block_manager.pin(pin_id, probe.block_hashes, max_pinned_blocks)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        self.block_manager.unpin(pin_id)
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=blocks.num_cached_blocks, num_pinned_blocks=blocks.num_pinned_blocks,
+            prefix_queries=blocks.prefix_queries,
+            prefix_hits=blocks.prefix_hits, prefix_host_hits=blocks.prefix_host_hits,
+            num_host_cached_blocks=blocks.num_host_cached_blocks, host_cache_stores=blocks.host_cache_stores,
+            evictions=blocks.evictions,
+            preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
+            kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens, steps=self.counters.steps,
+            finished=dict(self.counters.finished),
+        )

@@ -127,7 +127,7 @@ def run_server(app: Any, settings: ServerSettings) -> int:
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=5, log_config=None)
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     try:

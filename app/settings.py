@@ -29,11 +29,13 @@ class ServerSettings:
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
     exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
+    shutdown_timeout_s: float = 30.0  # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, "port", "must be in [1, 65535]")
+        _check(0 <= self.shutdown_timeout_s <= 3600, "shutdown_timeout_s", "must be in [0, 3600]")
         _check(self.max_queue >= 0, "max_queue", "must be >= 0")
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         _check(self.session_ttl_s >= 60, "session_ttl_s", "must be >= 60")

@@ -6,11 +6,11 @@ which aborts its engine request (its KV blocks are free at the next engine step)
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from sse_starlette import EventSourceResponse
 
 from app.errors import APIError, EngineUnavailable
@@ -42,12 +42,16 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
     except Exception as exc:
         logger.exception("stream failed")
         yield _event(dumps(APIError(500, f"internal error: {exc!r}").body()))
-    yield _event("[DONE]")
+    yield _event(b"[DONE]")
 
 
-def _event(data: str) -> bytes:
-    return f"data: {data}\n\n".encode()
+def _event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
 
 
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def dumps(value: Any) -> bytes:
+    """Compact JSON as UTF-8 bytes (msgspec: several times json.dumps' speed, on every token's event)."""
+    return _encode(value)
+
+
+_encode = msgspec.json.Encoder().encode

@@ -1,34 +1,55 @@
-"""AsyncEngine: the LLMEngine on a background thread, bridged to asyncio.
+"""AsyncEngine: the front's handle on an engine core running in its own process.
 
-The event loop never runs engine work: ``generate`` validates, puts the request on a thread-safe inbox and
-awaits a per-request asyncio.Queue. The engine thread drains the inbox between steps, steps, and hands
-each step's outputs back with ``loop.call_soon_threadsafe``. A consumer that stops iterating (disconnect,
-cancellation) aborts its request, so its blocks are free at the next step. An exception in the engine
-thread reaches every waiting consumer, and ``healthy`` turns False.
+The core (core_process.py) schedules and steps at the device's pace; this side, on the server's event loop,
+validates and submits requests, turns each step's token-id deltas into RequestOutputs (output_processor.py:
+detokenizing, stop strings, logprobs) and hands them to per-request streams. A stream that is behind gets
+everything ready for it as one output (never more than one per step), so a slow reader costs one event, not
+many. A consumer that stops iterating (disconnect, cancellation) aborts its request in the core, whose blocks
+are free at its next step. If the core fails or its process dies, every waiting consumer gets EngineDeadError
+and ``healthy`` turns False; if this process ends, the core ends with it.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
-import time
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
 import uuid
-from typing import Any, Callable, Sequence as SequenceOf, TypeVar
+from collections import deque
+from collections.abc import Callable, Sequence as SequenceOf
+from pathlib import Path
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.core_info import CoreInfo, check_request
+from engine.core_messages import (AbortRequest, AddFailed, AddRequest, CoreFailed, Ready, Shutdown, StartFailed,
+                                  StepOutputs, UtilityCall, UtilityResult, encoder, from_core_decoder)
+from engine.core_process import run_engine_core
 from engine.metrics import EngineStats
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STATS_PERIOD_S = 0.05  # stats snapshots are refreshed at most this often while busy (and when idle)
+_STOP_TIMEOUT_S = 10.0  # the core's own shutdown; then it is killed
+_START_POLL_MS = 200  # while the core starts: how often its process is looked at
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error, or stop()); no request can be served."""
+    """The engine core stopped (an error, its process died, or stop()); no request can be served."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not start (the model did not load, no device memory, ...)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -39,39 +60,106 @@ class RequestFailedError(RuntimeError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config or EngineConfig(**options)
-        self.engine: LLMEngine | None = None
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._stats: EngineStats | None = None
-        self._stats_time = 0.0
+        self.tokenizer: Any | None = None
+        self.info: CoreInfo | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._ipc_dir: str | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._inputs: zmq.Socket | None = None  # front -> core (a plain socket: sends never wait)
+        self._outputs: zmq.asyncio.Socket | None = None  # core -> front
+        self._reader: asyncio.Task | None = None
+        self._processor: OutputProcessor | None = None
+        self._grammars: Any | None = None
+        self._streams: dict[str, RequestStream] = {}
         self._queued: set[str] = set()
-        self._calls: set[asyncio.Future] = set()  # call()s not answered yet (failed if the engine dies)
+        self._calls: dict[int, asyncio.Future] = {}  # call()s not answered yet (failed if the engine dies)
+        self._call_ids = itertools.count()
+        self._stats: EngineStats | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # life cycle ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model and size the KV cache (off the event loop), then start the engine thread."""
+        """Start the core process and wait until it has loaded the model and sized the KV cache; ValueError for
+        a configuration mistake (a bad option, a missing model), EngineStartError for anything else."""
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(LLMEngine, self.config)
-        self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._run, name="pagedchat-engine", daemon=True)
-        self._thread.start()
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedchat-")  # 0700: only this user reaches the sockets
+        inputs_address, outputs_address = (f"ipc://{self._ipc_dir}/{name}" for name in ("inputs", "outputs"))
+        self._context = zmq.asyncio.Context()
+        self._inputs = zmq.Context.instance().socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.bind(inputs_address)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.bind(outputs_address)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(target=run_engine_core, name="pagedchat-engine-core", daemon=True,
+                                      args=(self.config, inputs_address, outputs_address,
+                                            logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        try:
+            ready = await self._wait_ready()
+        except BaseException:
+            await self._close()
+            raise
+        self.info, self._stats = ready.info, ready.stats
+        ready.info.apply_to(self.config)
+        self.tokenizer = await asyncio.to_thread(_load_tokenizer, ready.info.model_path)
+        self._processor = OutputProcessor(self.tokenizer, ready.info)
+        self._loop.add_reader(self._process.sentinel, self._core_exited)
+        self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
+
+    async def _wait_ready(self) -> Ready:
+        while not await self._outputs.poll(_START_POLL_MS):
+            if not self._process.is_alive():
+                raise EngineStartError(f"the engine core process exited (status {self._process.exitcode}) "
+                                       "before it was ready; its log above says why")
+        message = from_core_decoder.decode(await self._outputs.recv())
+        if isinstance(message, StartFailed):
+            raise (ValueError if message.config_error else EngineStartError)(message.message)
+        assert isinstance(message, Ready), message
+        return message
 
     async def stop(self) -> None:
-        if self._thread is None:
+        """Stop the core (it finishes nothing: call after the requests worth finishing have finished)."""
+        if self._process is None or self._stopping:
             return
-        self._inbox.put(("stop",))
-        await asyncio.to_thread(self._thread.join)
+        self._stopping = True
+        if self._process.is_alive():
+            self._send(Shutdown())
+        await asyncio.to_thread(self._process.join, _STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            logger.warning("the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
+            self._process.kill()
+            await asyncio.to_thread(self._process.join)
         self._fail_all(EngineDeadError("engine stopped"))
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._loop is not None and self._process is not None:
+            self._loop.remove_reader(self._process.sentinel)
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+        for sock in (self._inputs, self._outputs):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
     def healthy(self) -> bool:
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        return (self._error is None and not self._stopping and self._process is not None
+                and self._processor is not None and self._process.is_alive())
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer if self.engine else None
+    def core_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def stats(self) -> EngineStats:
         if self._stats is None:
@@ -83,21 +171,35 @@ class AsyncEngine:
         """Requests submitted that have not produced their first output yet (waiting or in prefill)."""
         return len(self._queued)
 
+    # requests --------------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        """ValueError naming the field when the request can never run (checked here: a 400 before any IPC)."""
+        self._check_alive()
+        grammars = self._grammar_compiler() if params.structured_output is not None else None
+        check_request(self.info, prompt_token_ids, params, grammars)
+
     def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                  request_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
         outputs (deltas; with n > 1 or best_of, every sample's, told apart by ``index``) until each sample's
         has ``finished``. Closing the stream early aborts the request."""
-        self._check_alive()
-        self.engine.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue_
+        prompt = list(prompt_token_ids)
+        stream = RequestStream(self, request_id, params.num_samples, self.config.stream_interval)
+        self._processor.add_request(request_id, prompt, params, cache_salt)
+        self._streams[request_id] = stream
         self._queued.add(request_id)
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
-        return RequestStream(self, request_id, queue_, params.num_samples)
+        self._send(AddRequest(request_id, prompt, params, cache_salt))
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """End a request; its stream receives a final output with finish_reason ``abort``."""
+        if self.healthy:
+            self._send(AbortRequest(request_id))
 
     async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
                          max_pinned_blocks: int = 0) -> int:
@@ -107,156 +209,189 @@ class AsyncEngine:
         async for _ in self.generate(token_ids, params, request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
                                      cache_salt=cache_salt):
             pass
-        return await self.call(lambda engine: engine.pin_prefix(pin_id, token_ids, cache_salt, max_pinned_blocks))
+        return await self.call("pin_prefix", pin_id, list(token_ids), cache_salt, max_pinned_blocks)
 
     async def unpin_prefix(self, pin_id: str) -> None:
-        await self.call(lambda engine: engine.unpin_prefix(pin_id))
+        await self.call("unpin_prefix", pin_id)
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps (the only thread that may touch it)."""
+    async def call(self, target: str | Callable[..., T], *args: Any) -> T:
+        """Run ``target`` in the core between steps: an EngineCore method by name, or a module-level function
+        taking the core first (pickled: tests inject faults so); returns its result, or raises its error."""
         self._check_alive()
+        call_id = next(self._call_ids)
         future: asyncio.Future[T] = self._loop.create_future()
-        self._calls.add(future)
-        future.add_done_callback(self._calls.discard)
-        self._inbox.put(("call", fn, future))
-        return await future
-
-    async def abort(self, request_id: str) -> None:
-        """End a request; its stream receives a final output with finish_reason ``abort``."""
-        self._inbox.put(("abort", request_id))
+        self._calls[call_id] = future
+        try:
+            self._send(UtilityCall(call_id, pickle.dumps((target, args))))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
 
     def _release(self, request_id: str, finished: bool) -> None:
         """A stream is done with (read to the end, closed or dropped): forget it, abort if unfinished."""
         self._streams.pop(request_id, None)
         self._queued.discard(request_id)
-        if not finished:
-            self._inbox.put(("abort", request_id))
+        if not finished and self._processor is not None:
+            self._processor.abort_request(request_id)
+            if self.healthy:
+                self._send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error!r}") from self._error
+            raise EngineDeadError(f"engine failed: {self._error}") from self._error
         if not self.healthy:
             raise EngineDeadError("engine is not running")
 
-    # engine thread ----------------------------------------------------------------------------------
+    def _grammar_compiler(self) -> Any:
+        if self._grammars is None:
+            from engine.structured_output import GrammarCompiler
 
-    def _run(self) -> None:
-        engine = self.engine
+            self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        return self._grammars
+
+    def _send(self, message: Any) -> None:
+        self._inputs.send(encoder.encode(message), copy=False)
+
+    # the core's messages ---------------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
         try:
-            while self._handle_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    self._publish(engine.step())
-                self._refresh_stats(force=not engine.has_unfinished_requests())
-        except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it
-            logger.exception("engine thread failed")
-            self._error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            while True:
+                frame = await self._outputs.recv(copy=False)
+                self._handle(from_core_decoder.decode(frame.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug on this side: nothing more can be delivered
+            logger.exception("reading the engine core's outputs failed")
+            self._die(exc)
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued adds/aborts; False once asked to stop."""
-        while True:
-            try:
-                command = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if command[0] == "stop":
-                return False
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "call":
-                self._call(*command[1:])
-            else:
-                self._publish(self.engine.abort_request(command[1]))
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, StepOutputs):
+            if message.stats is not None:
+                self._stats = message.stats
+            if message.deltas:
+                self._deliver(message)
+        elif isinstance(message, AddFailed):
+            error = ValueError(message.message) if message.invalid else RequestFailedError(message.message)
+            self._processor.abort_request(message.request_id)
+            if (stream := self._streams.get(message.request_id)) is not None:
+                stream.push(error)
+        elif isinstance(message, UtilityResult):
+            self._settle(message)
+        elif isinstance(message, CoreFailed):
+            self._die(RuntimeError(message.message))
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
-        try:
-            self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
-        except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
-            self._loop.call_soon_threadsafe(self._deliver_error, request_id, exc)
-        except Exception as exc:  # noqa: BLE001 - add_request registers nothing before it can fail
-            logger.exception("request %s could not be added", request_id)
-            error = RequestFailedError(f"{type(exc).__name__}: {exc}")
-            self._loop.call_soon_threadsafe(self._deliver_error, request_id, error)
-
-    def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
-        try:
-            result = fn(self.engine)
-        except Exception as exc:  # noqa: BLE001 - the caller's problem, raised in the caller
-            self._loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            self._loop.call_soon_threadsafe(_settle, future, result, None)
-        self._refresh_stats(force=True)
-
-    def _refresh_stats(self, force: bool) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_time >= _STATS_PERIOD_S:
-            self._stats, self._stats_time = self.engine.stats(), now
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    # event loop -------------------------------------------------------------------------------------
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, message: StepOutputs) -> None:
+        outputs, stops = self._processor.process(message.deltas)
+        for stop in stops:
+            self._send(AbortRequest(stop.request_id, stop.index, stop.reason))
+        streams, queued = self._streams, self._queued
         for output in outputs:
-            self._queued.discard(output.request_id)
-            stream = self._streams.get(output.request_id)
+            queued.discard(output.request_id)
+            stream = streams.get(output.request_id)
             if stream is not None:
-                stream.put_nowait(output if output.error is None else RequestFailedError(output.error))
+                stream.push(output if output.error is None else RequestFailedError(output.error))
 
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
+    def _settle(self, message: UtilityResult) -> None:
+        future = self._calls.get(message.call_id)
+        if future is None or future.done():  # the caller was cancelled meanwhile
+            return
+        value = pickle.loads(message.payload)
+        if message.ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        error = exc
-        if not isinstance(exc, EngineDeadError):
-            error = EngineDeadError(f"engine failed: {exc!r}")
-            error.__cause__ = exc
-        for stream in self._streams.values():
-            stream.put_nowait(error)
-        for future in list(self._calls):
-            _settle(future, None, error)
+    def _core_exited(self) -> None:
+        """The core's process ended (the loop watches its sentinel)."""
+        self._loop.remove_reader(self._process.sentinel)
+        if not self._stopping and self._error is None:
+            self._die(RuntimeError(f"the engine core process exited (status {self._process.exitcode})"))
+
+    def _die(self, cause: BaseException) -> None:
+        if self._error is None:
+            logger.critical("engine core failed: %s", cause)
+            self._error = cause
+        error = EngineDeadError(f"engine failed: {cause}")
+        error.__cause__ = cause
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.push(error)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _load_tokenizer(model_path: str | None) -> Any | None:
+    if model_path is None:
+        return None
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(Path(model_path))
 
 
 class RequestStream:
     """One request's outputs as an async iterator. The request is already submitted; reading every sample's
     final output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it.
-    An error (one sample's failure, or the engine's) ends the stream and aborts the samples still running."""
+    An error (one sample's failure, or the engine's) ends the stream and aborts the samples still running.
 
-    def __init__(self, engine: AsyncEngine, request_id: str,
-                 queue_: asyncio.Queue[RequestOutput | BaseException], num_samples: int = 1) -> None:
+    Outputs wait in a queue; a reader that is behind gets the queued outputs of one sample merged into one.
+    ``stream_interval`` > 1: the reader is woken once that many tokens are ready (or the sample's first, or its
+    end), for fewer, larger events."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int = 1, stream_interval: int = 1) -> None:
         self.request_id = request_id
         self._engine: AsyncEngine | None = engine
-        self._queue = queue_
+        self._pending: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._interval = stream_interval
+        self._unread_tokens = 0
+        self._first_read = False
         self._open = num_samples  # samples whose final output has not been read
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self._pending.append(item)
+        if isinstance(item, RequestOutput):
+            self._unread_tokens += len(item.token_ids_delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and self._readable():
+            waiter.set_result(None)
+
+    def _readable(self) -> bool:
+        if not self._pending:
+            return False
+        if self._interval <= 1 or not self._first_read or self._unread_tokens >= self._interval:
+            return True
+        return any(isinstance(item, BaseException) or item.finished for item in self._pending)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._engine is None:
+        if self._engine is None and not self._pending:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled while waiting: the request must not outlive its consumer
-            self._close(finished=False)
-            raise
+        while not self._readable():
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except BaseException:  # cancelled while waiting: the request must not outlive its consumer
+                self._close(finished=False)
+                raise
+            finally:
+                self._waiter = None
+        item = self._pending.popleft()
         if isinstance(item, BaseException):
+            self._pending.clear()
             self._close(finished=self._open <= 1)  # other samples may still run: abort them
             raise item
+        pending = self._pending
+        while not item.finished and pending and isinstance(pending[0], RequestOutput) \
+                and pending[0].index == item.index:
+            item.merge(pending.popleft())
+        self._first_read = True
+        self._unread_tokens = sum(len(o.token_ids_delta) for o in pending if isinstance(o, RequestOutput))
         if item.finished:
             self._open -= 1
             if not self._open:
@@ -264,6 +399,7 @@ class RequestStream:
         return item
 
     async def aclose(self) -> None:
+        self._pending.clear()
         self._close(finished=False)
 
     def _close(self, finished: bool) -> None:
@@ -272,5 +408,7 @@ class RequestStream:
             self._engine = None
 
     def __del__(self) -> None:
-        if getattr(self, "_engine", None) is not None:
-            self._engine._release(self.request_id, finished=False)  # the inbox is thread-safe
+        engine = getattr(self, "_engine", None)
+        if engine is not None and engine._loop is not None and not engine._loop.is_closed():
+            # (a collected stream may be finalized on any thread: the release runs on the loop's)
+            engine._loop.call_soon_threadsafe(engine._release, self.request_id, False)

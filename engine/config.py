@@ -69,6 +69,10 @@ class EngineConfig:
     # q4 (4-bit groups of 32, a Q4_1 GGUF's own blocks); auto = q4 for a model shipped as Q4_1 GGUF (the
     # default model: the file's own weights, fastest), float32 otherwise. CUDA: float32 (= the model dtype) only
     cpu_weights: str = "auto"
+    # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
+    # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
+    # still gets all that is ready in one event)
+    stream_interval: int = 1
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -99,6 +103,7 @@ class EngineConfig:
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
+        _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
         _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
                f"must be auto or one of {CPU_WEIGHTS}")

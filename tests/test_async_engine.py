@@ -10,6 +10,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import SamplingParams
 from tests.conftest import SMALL_KV_GIB
+from tests.engine_faults import check_idle_pool, fail_model_after
 
 PROMPTS = [f"Tell me fact number {i} about the ocean." for i in range(16)]
 
@@ -71,6 +72,7 @@ async def test_concurrent_streams_with_aborts_leave_every_block_free(engine: Asy
     await wait_for(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+    assert await engine.call(check_idle_pool) == stats.num_blocks
     assert engine.healthy
 
 
@@ -90,16 +92,7 @@ async def test_bad_request_raises_value_error_and_engine_keeps_serving(engine: A
 
 
 async def test_model_error_reaches_every_stream_and_marks_unhealthy(engine: AsyncEngine):
-    runner = engine.engine.runner
-    original, calls = runner.execute, []
-
-    def failing_execute(batch, in_flight):
-        calls.append(len(batch.seqs))
-        if len(calls) >= 3:
-            raise RuntimeError("injected model failure")
-        return original(batch, in_flight)
-
-    runner.execute = failing_execute
+    await engine.call(fail_model_after, 2)  # in the core's process: the third step raises
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     tasks = [asyncio.create_task(consume(engine, [1, 2, 3 + i], params, f"doomed{i}")) for i in range(4)]
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)

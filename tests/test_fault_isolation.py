@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
+from tests.engine_faults import check_idle_pool, fail_sampling_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -75,7 +76,7 @@ def test_detokenizer_fault_ends_only_that_request(tokenizer):
         def take_delta(self, finished):
             return ""
 
-    engine._requests["r1"].choices[0].detokenizer = BrokenDetokenizer()
+    engine.processor._requests["r1"].samples[0].detokenizer = BrokenDetokenizer()  # the front's side
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -87,10 +88,11 @@ def test_detokenizer_fault_ends_only_that_request(tokenizer):
     assert_idle(engine)
 
 
-async def test_failed_request_raises_in_its_stream_and_the_engine_stays_healthy(tokenizer, faulty_sampler):
+async def test_failed_request_raises_in_its_stream_and_the_engine_stays_healthy(tokenizer):
     engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB)
     await engine.start()
     try:
+        await engine.call(fail_sampling_of, "bad")  # in the core's process
         ids = prompts(tokenizer, 4)
 
         async def consume(request_id: str, prompt: list[int]):
@@ -103,11 +105,12 @@ async def test_failed_request_raises_in_its_stream_and_the_engine_stays_healthy(
             *(consume("bad" if i == 0 else f"ok{i}", p) for i, p in enumerate(ids)), return_exceptions=True),
             timeout=120)
         assert isinstance(results[0], RequestFailedError)
+        assert "injected logits-processor fault" in str(results[0])
         assert all(isinstance(r, list) and len(r) == 12 for r in results[1:])
         assert engine.healthy
         after = await consume("after", ids[1])  # the engine still serves
         assert after == results[1]
-        assert engine.engine.stats().num_free_blocks == engine.engine.stats().num_blocks
+        assert await engine.call(check_idle_pool) == engine.stats().num_blocks
     finally:
         await engine.stop()
 

@@ -24,6 +24,8 @@ from app.server import create_app
 from app.settings import ServerSettings
 from engine.async_engine import RequestFailedError
 from engine.config import EngineConfig
+from tests import engine_faults
+from tests.engine_faults import call_in_engine
 from tests.server_harness import (SMALL_KV_GIB, RunningServer, free_port, one_torch_thread, server_fixture, sse_chunks,
                                   sse_data)
 
@@ -288,18 +290,10 @@ def in_process() -> Iterator[TestClient]:
 
 
 def fail_model_after(client: TestClient | Any, num_calls: int) -> None:
-    """The model runner works ``num_calls`` more times, then raises (as a CUDA error or OOM would); ``client`` is a
-    TestClient or the app itself."""
-    runner = getattr(client, "app", client).state.server.engine.engine.runner
-    original, calls = runner.execute, []
-
-    def execute(batch, in_flight):
-        calls.append(1)
-        if len(calls) > num_calls:
-            raise RuntimeError("injected model failure")
-        return original(batch, in_flight)
-
-    runner.execute = execute
+    """The model runner (in the engine core's process) works ``num_calls`` more times, then raises (as a CUDA
+    error or OOM would); ``client`` is a TestClient or the app itself."""
+    engine = getattr(client, "app", client).state.server.engine
+    call_in_engine(engine, engine_faults.fail_model_after, num_calls)
 
 
 def assert_engine_unavailable(response: httpx.Response) -> None:

@@ -75,11 +75,14 @@ def filler_text(rng: Random, num_words: int) -> str:
 
 @dataclass(slots=True)
 class StreamResult:
-    """One streamed answer, timed on arrival of each SSE event (``time.perf_counter`` seconds)."""
+    """One streamed answer, timed on arrival of each SSE event: ``time.perf_counter`` seconds in one process;
+    ``time.monotonic`` where client processes are compared (benchmarks.sse_client), one clock system-wide."""
 
     sent_at: float
     done_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # arrivals of token events (see _apply_chunk)
+    token_times: list[float] = field(default_factory=list)  # arrivals of token events (see apply_chunk)
+    # tokens each token event carried: its choice's ``token_ids`` where the server sends them, else 1
+    token_counts: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -151,7 +154,7 @@ async def _read_events(response: httpx.Response, result: StreamResult) -> None:
         if data == "[DONE]":
             result.done_at = now
         elif not result.done_at and not result.error:
-            _apply_chunk(json.loads(data), now, result)
+            apply_chunk(json.loads(data), now, result)
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -167,11 +170,12 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(parts)
 
 
-def _apply_chunk(chunk: dict[str, Any], now: float, result: StreamResult) -> None:
+def apply_chunk(chunk: dict[str, Any], now: float, result: StreamResult) -> None:
     """A chat.completion.chunk or text_completion chunk: text (chat ``delta.content`` or completions
     ``text``), finish_reason, and the final usage chunk's token counts. Every chunk with a choice is a token
     event (the server sends one when tokens arrive, with their text, possibly empty), except chat's opening
-    ``{"role": "assistant", "content": ""}``, which comes before any token."""
+    ``{"role": "assistant", "content": ""}``, which comes before any token. An event counts one token unless
+    its choice lists ``token_ids`` (servers that return them: an event may then carry several)."""
     if "error" in chunk:
         result.error = f"error event: {chunk['error'].get('message', chunk['error'])}"
         return
@@ -180,6 +184,7 @@ def _apply_chunk(chunk: dict[str, Any], now: float, result: StreamResult) -> Non
         text = choice.get("text") or delta.get("content") or ""
         if text or "role" not in delta:
             result.token_times.append(now)
+            result.token_counts.append(len(choice.get("token_ids") or ()) or 1)
         result.text += text
         result.finish_reason = choice.get("finish_reason") or result.finish_reason
     if usage := chunk.get("usage"):

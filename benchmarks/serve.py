@@ -20,9 +20,27 @@ one, so a repeated run on the same server does not hit the previous run's prefix
 Without ``--base-url`` the script starts ``python -m app serve`` on a free port with ``--server-args`` and
 stops it at the end.
 
+``--client-processes N`` deals the requests round-robin to N spawned processes (benchmarks.sse_client: a lean
+asyncio HTTP/1.1 client, timestamps on ``time.monotonic``, one clock across processes), each with its share of
+``--concurrency``; one Python process cannot parse the tens of thousands of events a second a GPU server sends
+at C = 256, and its late reads would pass for server latency. Each process's CPU / wall share is reported, with
+a warning above 80%. Default 1: the in-process httpx client (``--compare-offline``: min(8, CPUs / 2) processes).
+
+``--compare-offline`` (workload ``serve-vs-engine``): first the engine's steady decode step at batch C =
+``--concurrency``, in this process, built from the same ``--server-args`` (benchmarks.engine_step: the very C
+prompts the clients will send, all prefilled, then 40+ decode steps timed; the engine is freed before the server
+starts), then C streaming clients on ``--endpoint completions`` (``--num-prompts`` = C, all sent at once).
+Reported side by side: the engine's step (ms) and tok/s (C / step); the served TPOT p50 and ITL p50 over the
+step; delivered output tok/s over the steady part (every request streaming) and overall, as shares of the
+engine's tok/s; TTFT p50 / p99 (benchmarks.serve_compare).
+
     python -m benchmarks.serve --concurrency 16 --num-prompts 64 --input-len 256 --output-len 128
     python -m benchmarks.serve --request-rate 4 --num-prompts 200 --endpoint completions \\
         --server-args "--load-format dummy --model-config llama-3.2-1b" --json /tmp/serve.json
+    python -m benchmarks.serve --compare-offline --concurrency 256 --input-len 512 --output-len 256 \\
+        --endpoint completions --server-args "--load-format dummy --model-config llama-3.2-1b"
+    CPU variant: --compare-offline --concurrency 8 --input-len 512 --output-len 128 --endpoint completions \\
+        --server-args "--num-threads 2"
 """
 from __future__ import annotations
 
@@ -34,6 +52,7 @@ import shlex
 import sys
 import time
 import uuid
+from dataclasses import asdict
 from random import Random
 from typing import Any
 
@@ -56,6 +75,16 @@ from benchmarks.http_client import (
     stream_request,
     write_json,
 )
+from benchmarks.serve_compare import (
+    check_compare_args,
+    client_lines,
+    client_warnings,
+    comparison,
+    comparison_table,
+    default_client_processes,
+    engine_line,
+)
+from benchmarks.sse_client import ClientLoad, run_clients
 
 logger = logging.getLogger("benchmarks.serve")
 
@@ -125,41 +154,61 @@ def arrival_offsets(count: int, rate: float, rng: Random) -> list[float]:
     return offsets
 
 
-async def run_load(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], args: argparse.Namespace
-                   ) -> tuple[list[StreamResult], float]:
-    """Send every request on its arrival schedule (at most ``--concurrency`` in flight); returns the results
-    and the seconds from the first send to the last finish."""
+def run_load(url: str, bodies: list[dict[str, Any]], args: argparse.Namespace
+             ) -> tuple[list[StreamResult], float, list[ClientLoad]]:
+    """Send every request on its arrival schedule (at most ``--concurrency`` in flight), from this process or
+    from ``--client-processes`` processes; the results, the seconds from the first send to the last finish,
+    and each client process's load (none for the in-process client)."""
+    offsets = arrival_offsets(len(bodies), args.request_rate, Random(f"arrivals-{args.seed}"))
+    if uses_client_processes(args):
+        logger.info("%d requests from %d client processes", len(bodies), args.client_processes)
+        results, loads = run_clients(url, bodies, offsets, args.concurrency, args.client_processes,
+                                     args.request_timeout)
+        progress = Progress(len(results))
+        for result in results:  # (one line at the end: the processes report when all is done)
+            progress.done(result, quiet=True)
+    else:
+        results, loads = asyncio.run(run_in_process(url, bodies, offsets, args)), []
+    return results, max(r.done_at for r in results) - min(r.sent_at for r in results), loads
+
+
+def uses_client_processes(args: argparse.Namespace) -> bool:
+    return args.client_processes > 1 or args.compare_offline
+
+
+async def run_in_process(url: str, bodies: list[dict[str, Any]], offsets: list[float], args: argparse.Namespace
+                         ) -> list[StreamResult]:
+    """The httpx client on this process's event loop, with progress lines as requests finish."""
     gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     progress = Progress(len(bodies))
 
-    async def send(body: dict[str, Any]) -> StreamResult:
+    async def send(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamResult:
         if gate is None:
             return progress.done(await stream_request(client, url, body))
         async with gate:
             return progress.done(await stream_request(client, url, body))
 
-    offsets = arrival_offsets(len(bodies), args.request_rate, Random(f"arrivals-{args.seed}"))
-    start = time.perf_counter()
-    tasks = []
-    for body, offset in zip(bodies, offsets):
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        tasks.append(asyncio.create_task(send(body)))
-    results = await asyncio.gather(*tasks)
-    return results, max(r.done_at for r in results) - min(r.sent_at for r in results)
+    async with new_client(args.request_timeout) as client:
+        start = time.perf_counter()
+        tasks = []
+        for body, offset in zip(bodies, offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(send(client, body)))
+        return list(await asyncio.gather(*tasks))
 
 
 class Progress:
-    """A log line at every tenth of the requests finished."""
+    """A log line at every tenth of the requests finished (``quiet``: at the last only)."""
 
     def __init__(self, total: int) -> None:
         self.total, self.finished, self.failed = total, 0, 0
 
-    def done(self, result: StreamResult) -> StreamResult:
+    def done(self, result: StreamResult, quiet: bool = False) -> StreamResult:
         self.finished += 1
         self.failed += not result.ok
         if result.error and self.failed <= 3:
             logger.warning("request failed: %s", result.error)
-        if self.finished % max(1, self.total // 10) == 0 or self.finished == self.total:
+        if (not quiet and self.finished % max(1, self.total // 10) == 0) or self.finished == self.total:
             logger.info("%d/%d requests finished (%d failed)", self.finished, self.total, self.failed)
         return result
 
@@ -228,7 +277,7 @@ def report_lines(summary: dict[str, Any], args: argparse.Namespace) -> list[str]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="chat")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 64 (--compare-offline: C)")
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight at most (clients)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Poisson arrivals per second (default inf: all sent at once, up to --concurrency)")
@@ -239,26 +288,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-salt", default=None, help='default: a fresh salt per run; "" sends none')
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="client processes (default 1; --compare-offline: min(8, CPUs / 2))")
+    parser.add_argument("--compare-offline", action="store_true",
+                        help="serve-vs-engine: the engine's decode step at batch C first, in this process")
+    parser.add_argument("--engine-steps", type=int, default=40, help="--compare-offline: decode steps timed, at least")
     add_server_options(parser)
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0:
-        parser.error("--num-prompts and --concurrency must be >= 1 and --request-rate > 0")
+    if args.compare_offline:
+        check_compare_args(parser, args)
+    if args.num_prompts is None:
+        args.num_prompts = args.concurrency if args.compare_offline else 64
+    if args.client_processes is None:
+        args.client_processes = default_client_processes() if args.compare_offline else 1
+    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0 \
+            or args.client_processes < 1:
+        parser.error("--num-prompts, --concurrency and --client-processes must be >= 1 and --request-rate > 0")
     if args.concurrency is None and args.request_rate == float("inf"):
         logger.warning("neither --concurrency nor --request-rate: all %d requests are sent at once",
                        args.num_prompts)
     return args
 
 
-async def benchmark(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+def benchmark(base_url: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[StreamResult]]:
+    """The probe, then the load; the summary (with the client processes' loads) and every request's timings."""
     salt = f"bench-serve-{uuid.uuid4().hex[:12]}" if args.cache_salt is None else args.cache_salt
     url = base_url + ENDPOINTS[args.endpoint]
+    model, template_tokens = asyncio.run(model_and_probe(base_url, url, args, salt))
+    bodies = request_bodies(args, model, template_tokens, salt)
+    logger.info("%d requests to %s (%s), salt %r", len(bodies), url, model, salt)
+    results, duration, loads = run_load(url, bodies, args)
+    summary = {"model": model, "endpoint": args.endpoint, **summarize(results, duration, bodies)}
+    if loads:
+        summary["client_processes"] = [asdict(load) | {"busy": load.busy, "events_per_cpu_s": load.events_per_cpu_s}
+                                       for load in loads]
+        summary["warnings"] += client_warnings(loads)
+    return summary, results
+
+
+async def model_and_probe(base_url: str, url: str, args: argparse.Namespace, salt: str | None) -> tuple[str, int]:
     async with new_client(args.request_timeout) as client:
         model = await served_model(client, base_url)
-        template_tokens = await probe(client, url, args, model, salt)
-        bodies = request_bodies(args, model, template_tokens, salt)
-        logger.info("%d requests to %s (%s), salt %r", len(bodies), url, model, salt)
-        results, duration = await run_load(client, url, bodies, args)
-    return {"model": model, "endpoint": args.endpoint, **summarize(results, duration, bodies)}
+        return model, await probe(client, url, args, model, salt)
+
+
+def measure_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's decode step at batch C on the very prompts the clients send (same seed, same draws), with
+    the engine options of ``--server-args``. Imported here: the client processes re-import this module."""
+    from benchmarks.engine_step import (
+        decode_step_seconds,
+        engine_config_from_server_args,
+    )
+
+    prompts = [body["prompt"] for body in request_bodies(args, "", 0, None)]
+    config = engine_config_from_server_args(shlex.split(args.server_args))
+    return decode_step_seconds(config, prompts, args.output_len[0], min_steps=args.engine_steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,19 +350,36 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
+    engine = measure_engine(args) if args.compare_offline else None
     with server_from_args(args) as base_url:
-        summary = asyncio.run(benchmark(base_url, args))
+        summary, results = benchmark(base_url, args)
     command = shlex.join(["python", "-m", "benchmarks.serve", *(sys.argv[1:] if argv is None else argv)])
     env = environment(command, load_before, None if args.base_url else shlex.split(args.server_args))
+    output: dict[str, Any] = {"environment": env, "summary": summary}
+    if engine is not None:
+        output |= {"engine": engine, "comparison": comparison(engine, summary, results)}
+    print_report(output, args)
+    if args.json:
+        arguments = {k: (None if v == float("inf") else v) for k, v in vars(args).items()}  # JSON has no inf
+        write_json(args.json, {"arguments": arguments, **output})
+
+
+def print_report(output: dict[str, Any], args: argparse.Namespace) -> None:
+    summary, env = output["summary"], output["environment"]
     print(f"\n## serve workload: {summary['model']}, {ENDPOINTS[args.endpoint]}, input {shown(args.input_len)}, "
           f"output {shown(args.output_len)} tokens\n")
     print("\n".join(report_lines(summary, args)))
+    if "comparison" in output:
+        print(f"\n## serve-vs-engine: batch C = {args.concurrency}, prompt {shown(args.input_len)}, output "
+              f"{shown(args.output_len)} tokens\n")
+        print(comparison_table(output["comparison"]) + "\n")
+        print(engine_line(output["engine"]))
+    if summary.get("client_processes"):
+        print("\n".join(client_lines([ClientLoad(**{k: load[k] for k in ("requests", "events", "wall_s", "cpu_s")})
+                                      for load in summary["client_processes"]])))
     print(f"{env['date']}, {env['processor']} ({env['cpu_count']} CPUs on the client), load average "
           f"{env['load_average_before']:.2f} before / {env['load_average_after']:.2f} after; "
           f"command: {env['command']}")
-    if args.json:
-        arguments = {k: (None if v == float("inf") else v) for k, v in vars(args).items()}  # JSON has no inf
-        write_json(args.json, {"environment": env, "arguments": arguments, "summary": summary})
 
 
 if __name__ == "__main__":

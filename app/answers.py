@@ -25,12 +25,15 @@ async def answer_chat(request: Request, server: Serving, body: SamplingFields, s
                       headers: dict[str, str] | None = None) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage)
+        header = ResponseHeader.new("chat.completion.chunk", server.model_name, "chatcmpl", include_usage,
+                                    body.return_token_ids)
         return sse_response(chat_chunks(server, header, stream, include_usage), headers=headers)
-    header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl")
+    header = ResponseHeader.new("chat.completion", server.model_name, "chatcmpl",
+                                return_token_ids=body.return_token_ids)
     finals = await cancel_on_disconnect(request, stream.collect())
-    choices = [chat_choice_message(out.index, out.text, out.finish_reason,
-                                   await _chat_logprobs(server, out, whole=True), out.stop_reason) for out in finals]
+    choices = [header.choice_ids(chat_choice_message(out.index, out.text, out.finish_reason,
+                                                     await _chat_logprobs(server, out, whole=True), out.stop_reason),
+                                 out.token_ids) for out in finals]
     return JSONResponse(header.wrap(choices, samples_usage([out.usage for out in finals])), headers=headers)
 
 
@@ -44,9 +47,10 @@ async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStre
     finals: dict[int, RequestOutput] = {}
     async for out in stream:
         logprobs = await _chat_logprobs(server, out, whole=False)
-        if worth_a_chunk(server, out, logprobs):
+        if worth_a_chunk(server, header, out, logprobs):
             delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
-            yield header.wrap([chat_choice_delta(out.index, delta, out.finish_reason, logprobs, out.stop_reason)])
+            choice = chat_choice_delta(out.index, delta, out.finish_reason, logprobs, out.stop_reason)
+            yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
         if out.finished:
             finals[out.index] = out
     await stream.settled()
@@ -54,10 +58,12 @@ async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStre
         yield header.wrap([], samples_usage([finals[i].usage for i in sorted(finals)]))
 
 
-def worth_a_chunk(server: Serving, out: RequestOutput, logprobs: dict[str, Any] | None) -> bool:
-    """Text, logprobs or the end; without a tokenizer (dummy weights) every token, so clients still see
-    each one arrive."""
-    return bool(out.text_delta or logprobs or out.finished or (out.token_ids_delta and not server.prompts.has_tokenizer))
+def worth_a_chunk(server: Serving, header: ResponseHeader, out: RequestOutput, logprobs: dict[str, Any] | None
+                  ) -> bool:
+    """Text, logprobs or the end; without a tokenizer (dummy weights), or with ``return_token_ids``, every new
+    token, so clients still see each one arrive."""
+    tokens_shown = header.return_token_ids or not server.prompts.has_tokenizer
+    return bool(out.text_delta or logprobs or out.finished or (out.token_ids_delta and tokens_shown))
 
 
 async def _chat_logprobs(server: Serving, out: RequestOutput, whole: bool) -> dict[str, Any] | None:

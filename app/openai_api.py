@@ -56,7 +56,8 @@ async def completions(request: Request) -> Response:
         raise
     echoes = [await server.prompts.decode(ids) if body.echo else "" for ids in prompts]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream)
+    header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream,
+                                body.return_token_ids)
     if body.stream:
         return sse_response(_completion_chunks(server, header, streams, echoes, body.n, include_usage))
     results = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
@@ -65,8 +66,9 @@ async def completions(request: Request) -> Response:
         kept = best_choices(finals, body.n) if body.best_of is not None else finals
         for out in kept:
             logprobs = await _completion_logprobs(server, out.logprobs, len(echoes[prompt]))
-            choices.append(completion_choice(prompt * body.n + out.index, echoes[prompt] + out.text,
-                                             out.finish_reason, logprobs, out.stop_reason))
+            choices.append(header.choice_ids(completion_choice(prompt * body.n + out.index, echoes[prompt] + out.text,
+                                                               out.finish_reason, logprobs, out.stop_reason),
+                                             out.token_ids))
     usage = sum_usage([samples_usage([out.usage for out in finals]) for finals in results])
     return JSONResponse(header.wrap(choices, usage))
 
@@ -87,8 +89,9 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
         i = prompt * n + out.index
         logprobs = await _completion_logprobs(server, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
-        if worth_a_chunk(server, out, logprobs):
-            yield header.wrap([completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)])
+        if worth_a_chunk(server, header, out, logprobs):
+            choice = completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)
+            yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
         if out.finished:
             finals[i] = out
     if include_usage:

@@ -20,10 +20,19 @@ class ResponseHeader:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     include_usage_field: bool = False  # stream_options.include_usage: every chunk carries "usage": null
+    return_token_ids: bool = False  # each choice carries its token ids
 
     @classmethod
-    def new(cls, object_: str, model: str, prefix: str, include_usage_field: bool = False) -> ResponseHeader:
-        return cls(object_, model, f"{prefix}-{uuid.uuid4().hex}", include_usage_field=include_usage_field)
+    def new(cls, object_: str, model: str, prefix: str, include_usage_field: bool = False,
+            return_token_ids: bool = False) -> ResponseHeader:
+        return cls(object_, model, f"{prefix}-{uuid.uuid4().hex}", include_usage_field=include_usage_field,
+                   return_token_ids=return_token_ids)
+
+    def choice_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        """``choice`` with its ``token_ids`` where the request asked for them."""
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
 
     def wrap(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,

@@ -159,6 +159,8 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     cache_salt: Salt | None = Field(default=None, description="requests share prefix blocks only with the same salt")
     user: str | None = None
+    return_token_ids: bool = Field(default=False, description="each choice also carries its token_ids (in a "
+                                   "streamed chunk: the ids new in it); vLLM's field")
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = Field(default=None, description="json_object or json_schema: the "
                                                    "reply is constrained to it")

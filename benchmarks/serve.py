@@ -120,7 +120,8 @@ def prompt_fields(endpoint: str, rng: Random, input_len: int, template_tokens: i
 def request_body(model: str, prompt: dict[str, Any], max_tokens: int, temperature: float, salt: str | None
                  ) -> dict[str, Any]:
     body = {"model": model, **prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # events may carry several tokens (a stream that is behind catches up)
     if salt:
         body["cache_salt"] = salt
     return body

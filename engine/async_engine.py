@@ -250,7 +250,12 @@ class AsyncEngine:
         return self._grammars
 
     def _send(self, message: Any) -> None:
-        self._inputs.send(encoder.encode(message), copy=False)
+        """Never waits: with the core connected, the queue is unbounded; with it gone, there is no one to tell
+        (a PUSH socket without a peer would block the event loop)."""
+        try:
+            self._inputs.send(encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("engine core not connected: %s dropped", type(message).__name__)
 
     # the core's messages ---------------------------------------------------------------------------
 

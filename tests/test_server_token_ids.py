@@ -1,5 +1,6 @@
 """A model without a tokenizer (dummy or bare weights, as on the GPU benchmark machines): /v1/completions takes
-token ids and streams one event per generated token; text-only requests get a 400 naming the field."""
+token ids and streams every generated token (an event per engine step, or several steps' tokens in one event when
+the reader is behind); ``return_token_ids`` shows them; text-only requests get a 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -23,19 +24,28 @@ def client(tmp_path_factory):
         yield client
 
 
-def test_token_id_prompts_stream_one_event_per_token(client: TestClient):
+def test_token_id_prompts_stream_every_token(client: TestClient):
     body = {"prompt": [5, 17, 200, 3], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True,
-            "logprobs": 1, "stream_options": {"include_usage": True}}
+            "logprobs": 1, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
     token_chunks = [c for c in chunks if c["choices"]]
-    assert len(token_chunks) == 6 and token_chunks[-1]["choices"][0]["finish_reason"] == "length"
-    tokens = [c["choices"][0]["logprobs"]["tokens"][0] for c in token_chunks]
-    assert all(t.startswith("token_id:") and int(t.split(":")[1]) >= 0 for t in tokens)
+    assert 1 <= len(token_chunks) <= 6 and token_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["token_ids"] for c in token_chunks)  # no event without a token
+    ids = [t for c in token_chunks for t in c["choices"][0]["token_ids"]]
+    tokens = [t for c in token_chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == [f"token_id:{t}" for t in ids] and len(ids) == 6
+    whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+    assert whole["choices"][0]["token_ids"] == ids  # greedy: the same tokens, all at once
     assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["usage"]["prompt_tokens"] == 4
+
+
+def test_token_ids_are_shown_only_when_asked(client: TestClient):
+    body = {"prompt": [5, 17, 200, 3], "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    assert "token_ids" not in client.post("/v1/completions", json=body).json()["choices"][0]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

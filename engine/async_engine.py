@@ -33,7 +33,7 @@ from engine.core_messages import (AbortRequest, AddFailed, AddRequest, CoreFaile
                                   StepOutputs, UtilityCall, UtilityResult, encoder, from_core_decoder)
 from engine.core_process import run_engine_core
 from engine.metrics import EngineStats
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, SampleState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -190,6 +190,7 @@ class AsyncEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
         stream = RequestStream(self, request_id, params.num_samples, self.config.stream_interval)
+        stream.take = self._processor.take
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
         self._queued.add(request_id)
@@ -287,15 +288,15 @@ class AsyncEngine:
             self._die(RuntimeError(message.message))
 
     def _deliver(self, message: StepOutputs) -> None:
-        outputs, stops = self._processor.process(message.deltas)
+        updated, stops = self._processor.process(message.deltas)
         for stop in stops:
             self._send(AbortRequest(stop.request_id, stop.index, stop.reason))
         streams, queued = self._streams, self._queued
-        for output in outputs:
-            queued.discard(output.request_id)
-            stream = streams.get(output.request_id)
+        for sample in updated:
+            queued.discard(sample.request_id)
+            stream = streams.get(sample.request_id)
             if stream is not None:
-                stream.push(output if output.error is None else RequestFailedError(output.error))
+                stream.push(sample)
 
     def _settle(self, message: UtilityResult) -> None:
         future = self._calls.get(message.call_id)
@@ -342,34 +343,37 @@ class RequestStream:
     final output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it.
     An error (one sample's failure, or the engine's) ends the stream and aborts the samples still running.
 
-    Outputs wait in a queue; a reader that is behind gets the queued outputs of one sample merged into one.
-    ``stream_interval`` > 1: the reader is woken once that many tokens are ready (or the sample's first, or its
-    end), for fewer, larger events."""
+    The engine pushes the samples that changed; a read takes one sample's output with everything new since its
+    last read, so a reader that is behind gets several steps' tokens in one output. ``stream_interval`` > 1: the
+    reader is woken once that many tokens are ready (or a sample's first, or its end), for fewer, larger events."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int = 1, stream_interval: int = 1) -> None:
         self.request_id = request_id
+        self.take: Callable[[SampleState], RequestOutput] | None = None
         self._engine: AsyncEngine | None = engine
-        self._pending: deque[RequestOutput | BaseException] = deque()
+        self._pending: deque[SampleState | BaseException] = deque()
         self._waiter: asyncio.Future | None = None
         self._interval = stream_interval
         self._unread_tokens = 0
-        self._first_read = False
+        self._urgent = False  # a sample's first tokens, its end, or an error: wake the reader now
         self._open = num_samples  # samples whose final output has not been read
 
-    def push(self, item: RequestOutput | BaseException) -> None:
-        self._pending.append(item)
-        if isinstance(item, RequestOutput):
-            self._unread_tokens += len(item.token_ids_delta)
+    def push(self, item: SampleState | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._pending.append(item)
+            self._urgent = True
+        else:
+            if not item.queued:
+                item.queued = True
+                self._pending.append(item)
+            self._unread_tokens = len(item.token_ids) - item.num_taken  # (a sum over samples: an estimate)
+            self._urgent |= item.num_taken == 0 or item.finish_reason is not None
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._readable():
             waiter.set_result(None)
 
     def _readable(self) -> bool:
-        if not self._pending:
-            return False
-        if self._interval <= 1 or not self._first_read or self._unread_tokens >= self._interval:
-            return True
-        return any(isinstance(item, BaseException) or item.finished for item in self._pending)
+        return bool(self._pending) and (self._interval <= 1 or self._urgent or self._unread_tokens >= self._interval)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -387,21 +391,23 @@ class RequestStream:
             finally:
                 self._waiter = None
         item = self._pending.popleft()
-        if isinstance(item, BaseException):
-            self._pending.clear()
-            self._close(finished=self._open <= 1)  # other samples may still run: abort them
-            raise item
         pending = self._pending
-        while not item.finished and pending and isinstance(pending[0], RequestOutput) \
-                and pending[0].index == item.index:
-            item.merge(pending.popleft())
-        self._first_read = True
-        self._unread_tokens = sum(len(o.token_ids_delta) for o in pending if isinstance(o, RequestOutput))
-        if item.finished:
-            self._open -= 1
-            if not self._open:
-                self._close(finished=True)
-        return item
+        self._unread_tokens = 0
+        self._urgent = any(isinstance(i, BaseException) or i.num_taken == 0 or i.finish_reason is not None
+                           for i in pending) if pending else False
+        if not isinstance(item, BaseException):
+            item.queued = False
+            output = self.take(item)
+            if output.error is None:
+                if output.finished:
+                    self._open -= 1
+                    if not self._open:
+                        self._close(finished=True)
+                return output
+            item = RequestFailedError(output.error)
+        self._pending.clear()
+        self._close(finished=self._open <= 1)  # other samples may still run: abort them
+        raise item
 
     async def aclose(self) -> None:
         self._pending.clear()

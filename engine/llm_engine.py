@@ -87,10 +87,10 @@ class LLMEngine:
         return self._process(self.core.step())
 
     def _process(self, deltas: list[SampleDelta]) -> list[RequestOutput]:
-        outputs, stops = self.processor.process(deltas)
+        updated, stops = self.processor.process(deltas)
         for stop in stops:
             self.core.abort_request(stop.request_id, stop.index, stop.reason)
-        return outputs
+        return [self.processor.take(sample) for sample in updated]
 
     def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None,
                    max_pinned_blocks: int) -> int:

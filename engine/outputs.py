@@ -78,15 +78,3 @@ class RequestOutput:
     @property
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
-
-    def merge(self, later: RequestOutput) -> None:
-        """Take in the next output of the same sample (a stream that is behind sends both as one event)."""
-        self.text, self.text_delta = later.text, self.text_delta + later.text_delta
-        self.token_ids_delta = self.token_ids_delta + later.token_ids_delta
-        if later.logprobs_delta is not None:
-            self.logprobs_delta = (self.logprobs_delta or []) + later.logprobs_delta
-        self.logprobs, self.finished, self.finish_reason = later.logprobs, later.finished, later.finish_reason
-        self.stop_reason, self.num_cached_tokens, self.queue_time = later.stop_reason, later.num_cached_tokens, \
-            later.queue_time
-        self.error, self.cumulative_logprob = later.error, later.cumulative_logprob
-        self.num_output_tokens, self._tokens, self._hashes = later.num_output_tokens, later._tokens, later._hashes

@@ -19,6 +19,7 @@ from engine.layers.linear import Linear
 from engine.layers.quantized_linear import (BFloat16Linear, Int8Linear, PackedInt8Head, Q4Blocks, Q4Linear,
                                             Q8Head, quantized_linear)
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
@@ -378,3 +379,24 @@ def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert batched == single
+
+
+def test_q4_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):
+    """A request that arrives while another decodes makes mixed steps (its prefill beside the other's decode
+    row): the decoding row must come out as in a decode-only step, whatever arrives when (the server's load)."""
+    engine = LLMEngine(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False)
+    first, other = (tokenizer.encode(t) for t in TEXTS[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def first_tokens(other_after_steps: int | None) -> list[int]:
+        engine.add_request("first", first, params)
+        finals, steps = {}, 0
+        while engine.has_unfinished_requests():
+            if steps == other_after_steps:
+                engine.add_request("other", other, params)
+            finals.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+            steps += 1
+        return finals["first"]
+
+    alone = first_tokens(None)
+    assert all(first_tokens(k) == alone for k in (1, 2, 5)), "a prefill beside a decode changed its tokens"

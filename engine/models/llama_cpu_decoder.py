@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_attention_metadata
+from engine.forward_context import AttentionMetadata, get_attention_metadata
 from engine.layers.quantized_linear import Q4Linear
 from kernels import cpu as cpu_kernels
 
@@ -118,13 +118,32 @@ class LlamaCpuDecoder:
         meta = get_attention_metadata()
         cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
         residual = F.embedding(input_ids, self.embed)
-        if self.native_weights is not None and meta.num_decodes == input_ids.shape[0] and meta.slot_ids is None:
-            x = self.native_step(
-                residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
-                meta.context_lens, *self.native_weights, *self._kv_caches(), self.num_heads, self.num_kv_heads,
-                self.head_dim, self.intermediate, self.eps, self.scale)
-            torch.add(residual, x, out=residual)
-            return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
+        nd, rows = meta.num_decodes, input_ids.shape[0]
+        if self.native_weights is None or meta.slot_ids is not None or nd == 0:
+            return self._layers(residual, cos, signed_sin, meta)
+        if nd == rows:
+            return self._native_decode(residual, cos, signed_sin, meta)
+        # a mixed step: its decode rows through the native step as in a decode-only step, its prefill rows through
+        # the Python path, so a row's numbers never depend on what else the step holds (greedy output would
+        # otherwise change with load: the two paths round differently)
+        prefill = AttentionMetadata(meta.slot_mapping[nd:], meta.block_tables[nd:], meta.context_lens[nd:], 0,
+                                    meta.prefill_cu_seqlens_q, max_context_len=meta.max_context_len)
+        decode = AttentionMetadata(meta.slot_mapping[:nd], meta.block_tables[:nd], meta.context_lens[:nd], nd,
+                                   meta.prefill_cu_seqlens_q[:1], max_context_len=meta.max_context_len)
+        return torch.cat((self._native_decode(residual[:nd], cos[:nd], signed_sin[:nd], decode),
+                          self._layers(residual[nd:], cos[nd:], signed_sin[nd:], prefill)))
+
+    def _native_decode(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        x = self.native_step(
+            residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
+            meta.context_lens, *self.native_weights, *self._kv_caches(), self.num_heads, self.num_kv_heads,
+            self.head_dim, self.intermediate, self.eps, self.scale)
+        torch.add(residual, x, out=residual)
+        return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
+
+    def _layers(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         x: torch.Tensor | None = None
         for layer in self.layers:
             if x is not None:

@@ -14,13 +14,13 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import shutil
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence as SequenceOf
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,8 +29,20 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core_info import CoreInfo, check_request
-from engine.core_messages import (AbortRequest, AddFailed, AddRequest, CoreFailed, Ready, Shutdown, StartFailed,
-                                  StepOutputs, UtilityCall, UtilityResult, encoder, from_core_decoder)
+from engine.core_messages import (
+    AbortRequest,
+    AddFailed,
+    AddRequest,
+    CoreFailed,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    encoder,
+    from_core_decoder,
+)
 from engine.core_process import run_engine_core
 from engine.metrics import EngineStats
 from engine.output_processor import OutputProcessor, SampleState

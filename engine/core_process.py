@@ -19,8 +19,20 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
-from engine.core_messages import (AbortRequest, AddFailed, AddRequest, CoreFailed, Ready, Shutdown, StartFailed,
-                                  StepOutputs, UtilityCall, UtilityResult, encoder, to_core_decoder)
+from engine.core_messages import (
+    AbortRequest,
+    AddFailed,
+    AddRequest,
+    CoreFailed,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    encoder,
+    to_core_decoder,
+)
 
 logger = logging.getLogger("engine.core")
 

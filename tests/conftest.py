@@ -18,6 +18,17 @@ from engine.loader import ensure_default_model
 SMALL_KV_GIB = 0.1
 
 
+@pytest.fixture
+async def engine():
+    """An AsyncEngine on the default model (the core in its own process), stopped afterwards."""
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return ensure_default_model(Path(EngineConfig().cache_dir))

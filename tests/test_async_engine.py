@@ -9,18 +9,9 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import SamplingParams
-from tests.conftest import SMALL_KV_GIB
 from tests.engine_faults import check_idle_pool, fail_model_after
 
 PROMPTS = [f"Tell me fact number {i} about the ocean." for i in range(16)]
-
-
-@pytest.fixture
-async def engine():
-    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)
-    await engine.start()
-    yield engine
-    await engine.stop()
 
 
 async def wait_for(condition, timeout: float = 30.0) -> None:

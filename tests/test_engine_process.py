@@ -26,14 +26,6 @@ PROMPT = "Tell me about the ocean and the creatures that live in it."
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
-@pytest.fixture
-async def engine():
-    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)
-    await engine.start()
-    yield engine
-    await engine.stop()
-
-
 def process_gone(pid: int) -> bool:
     """True once ``pid`` has exited (a zombie not reaped yet counts as gone)."""
     try:

@@ -293,7 +293,7 @@ class AsyncEngine:
             error = ValueError(message.message) if message.invalid else RequestFailedError(message.message)
             self._processor.abort_request(message.request_id)
             if (stream := self._streams.get(message.request_id)) is not None:
-                stream.push(error)
+                stream.fail(error)
         elif isinstance(message, UtilityResult):
             self._settle(message)
         elif isinstance(message, CoreFailed):
@@ -303,12 +303,13 @@ class AsyncEngine:
         updated, stops = self._processor.process(message.deltas)
         for stop in stops:
             self._send(AbortRequest(stop.request_id, stop.index, stop.reason))
-        streams, queued = self._streams, self._queued
+        streams = self._streams
         for sample in updated:
-            queued.discard(sample.request_id)
             stream = streams.get(sample.request_id)
             if stream is not None:
                 stream.push(sample)
+        if self._queued:
+            self._queued.difference_update(sample.request_id for sample in updated)
 
     def _settle(self, message: UtilityResult) -> None:
         future = self._calls.get(message.call_id)
@@ -336,7 +337,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
-            stream.push(error)
+            stream.fail(error)
         for future in list(self._calls.values()):
             if not future.done():
                 future.set_exception(error)
@@ -370,18 +371,26 @@ class RequestStream:
         self._urgent = False  # a sample's first tokens, its end, or an error: wake the reader now
         self._open = num_samples  # samples whose final output has not been read
 
-    def push(self, item: SampleState | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self._pending.append(item)
-            self._urgent = True
-        else:
-            if not item.queued:
-                item.queued = True
-                self._pending.append(item)
-            self._unread_tokens = len(item.token_ids) - item.num_taken  # (a sum over samples: an estimate)
-            self._urgent |= item.num_taken == 0 or item.finish_reason is not None
+    def push(self, sample: SampleState) -> None:
+        """``sample`` has news (called once per step and sample, on the event loop)."""
+        if not sample.queued:
+            sample.queued = True
+            self._pending.append(sample)
+        if self._interval > 1:
+            self._unread_tokens = len(sample.token_ids) - sample.num_taken  # (a sum over samples: an estimate)
+            self._urgent |= sample.num_taken == 0 or sample.finish_reason is not None
+            if not self._readable():
+                return
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self._pending.append(error)
+        self._urgent = True
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done() and self._readable():
+        if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     def _readable(self) -> bool:

@@ -201,8 +201,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
-        stream = RequestStream(self, request_id, params.num_samples, self.config.stream_interval)
-        stream.take = self._processor.take
+        stream = RequestStream(self, request_id, self._processor.take, params.num_samples,
+                               self.config.stream_interval)
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
         self._queued.add(request_id)
@@ -360,9 +360,10 @@ class RequestStream:
     last read, so a reader that is behind gets several steps' tokens in one output. ``stream_interval`` > 1: the
     reader is woken once that many tokens are ready (or a sample's first, or its end), for fewer, larger events."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int = 1, stream_interval: int = 1) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, take: Callable[[SampleState], RequestOutput],
+                 num_samples: int = 1, stream_interval: int = 1) -> None:
         self.request_id = request_id
-        self.take: Callable[[SampleState], RequestOutput] | None = None
+        self._take = take  # the output processor's: the sample's news as one RequestOutput
         self._engine: AsyncEngine | None = engine
         self._pending: deque[SampleState | BaseException] = deque()
         self._waiter: asyncio.Future | None = None
@@ -418,7 +419,7 @@ class RequestStream:
                            for i in pending) if pending else False
         if not isinstance(item, BaseException):
             item.queued = False
-            output = self.take(item)
+            output = self._take(item)
             if output.error is None:
                 if output.finished:
                     self._open -= 1

@@ -65,9 +65,6 @@ class LLMEngine:
     def last_batch(self) -> ScheduledBatch | None:
         return self.core.last_batch
 
-    def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
-        self.core.validate_request(prompt_token_ids, params)
-
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
         params = params or SamplingParams()

@@ -78,9 +78,6 @@ class OutputProcessor:
         self._block_size = info.block_size
         self._requests: dict[str, _RequestState] = {}
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
         prompt = list(prompt_token_ids)

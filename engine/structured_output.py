@@ -32,7 +32,7 @@ class GrammarCompiler:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
-        self._lock = threading.Lock()  # validate_request runs on the event loop, matchers on the engine thread
+        self._lock = threading.Lock()  # (a compiler may be shared between threads)
         self._tokenizer: Any | None = None
 
     def _ll_tokenizer(self) -> Any:

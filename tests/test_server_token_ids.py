@@ -46,6 +46,8 @@ def test_token_id_prompts_stream_every_token(client: TestClient):
 def test_token_ids_are_shown_only_when_asked(client: TestClient):
     body = {"prompt": [5, 17, 200, 3], "max_tokens": 3, "ignore_eos": True, "temperature": 0}
     assert "token_ids" not in client.post("/v1/completions", json=body).json()["choices"][0]
+    refused = client.post("/v1/completions", json={**body, "return_token_ids": "yes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

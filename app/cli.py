@@ -107,36 +107,15 @@ async def _stream_reply(engine: Any, prompt_ids: list[int], params: SamplingPara
     return out.text
 
 
-ENGINE_DIED = 3  # the exit status after the engine failed (a supervisor restarts the server)
-
-
 def serve(args: argparse.Namespace) -> int:
-    from app.server import create_app
+    from app.serve import serve as run
 
     try:
         settings = server_settings_from_args(args)
     except ValueError as exc:
         print(f"pagedchat: {exc}", file=sys.stderr)
         return 2
-    return run_server(create_app(settings), settings)
-
-
-def run_server(app: Any, settings: ServerSettings) -> int:
-    """Serve ``app`` with uvicorn until stopped; the exit status: 0 after a normal stop, 1 when start-up failed
-    (model, Redis), ENGINE_DIED when the engine failed (with ``exit_on_engine_death``)."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None)
-    server = uvicorn.Server(config)
-    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
-    if app.state.engine_died and settings.exit_on_engine_death:
-        return ENGINE_DIED
-    return 0 if server.started else 1
+    return run(settings)
 
 
 def _read_line() -> str | None:

@@ -2,11 +2,14 @@
 
 Engine-wide numbers (running/waiting, KV usage, prefix-cache queries and hits, token counts, finished
 requests, preemptions) are read from the engine's stats snapshot at scrape time, so they can never drift
-from the engine; per-request latencies are histograms the serving path observes.
+from the engine; per-request latencies are histograms the serving path observes. With several front processes
+(``--api-server-count``), each front's histograms live in prometheus_client's multiprocess files and a scrape of
+any front sums them all.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -17,24 +20,34 @@ from starlette.responses import JSONResponse, Response
 
 from engine.metrics import EngineStats
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set (by the process runner) when several fronts serve
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], multiprocess: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)  # what a scrape reports
         self.model_name = model_name
         labels = ["model_name"]
+        # several fronts: this front's histograms write to the shared files, which a collector sums at scrape time
+        own = CollectorRegistry() if multiprocess else self.registry
+        if multiprocess:
+            from prometheus_client import multiprocess as prometheus_multiprocess
+
+            if not os.environ.get(MULTIPROC_DIR_ENV):
+                raise RuntimeError(f"{MULTIPROC_DIR_ENV} must be set before prometheus_client is imported")
+            prometheus_multiprocess.MultiProcessCollector(self.registry)
         self.ttft = Histogram("pagedchat:time_to_first_token_seconds", "Time to first token (server arrival to "
-                              "first token sent).", labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+                              "first token sent).", labels, buckets=_TTFT_BUCKETS, registry=own)
         self.itl = Histogram("pagedchat:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
+                             labels, buckets=_ITL_BUCKETS, registry=own)
         self.e2e = Histogram("pagedchat:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
+                             labels, buckets=_E2E_BUCKETS, registry=own)
         self.queue_time = Histogram("pagedchat:request_queue_time_seconds", "Time a request waited before it "
-                                    "was first scheduled.", labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+                                    "was first scheduled.", labels, buckets=_TTFT_BUCKETS, registry=own)
         self.registry.register(_EngineCollector(model_name, stats))
         # the labelled children, looked up once (a labels() call per token was a tenth of the front's time)
         self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
@@ -73,6 +86,7 @@ class _EngineCollector(Collector):
         yield _gauge("kv_cache_usage_perc", "Share of KV blocks referenced by a request (1 = full).",
                      stats.kv_usage, label)
         yield _gauge("kv_cache_blocks", "KV blocks in the pool.", stats.num_blocks, label)
+        yield _gauge("kv_cache_pinned_blocks", "KV blocks pinned for preset prompts.", stats.num_pinned_blocks, label)
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        stats.prefix_queries, label)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits, label)

@@ -20,6 +20,7 @@ from starlette.types import Scope
 from app import openai_api
 from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler, http_error_handler,
                         request_failed_handler)
+from app.front import Front
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import NoTokenizer, PromptRenderer
@@ -50,8 +51,9 @@ OPERATIONS = [
 ]
 
 
-def create_app(settings: ServerSettings | None = None) -> Starlette:
-    """The application; its lifespan starts the engine and the session store. Whoever runs it may set
+def create_app(settings: ServerSettings | None = None, front: Front | None = None) -> Starlette:
+    """The application; its lifespan starts the engine (or, as one of several fronts, attaches to the shared
+    core) and the session store. Whoever runs it may set
     ``app.state.request_shutdown`` (a callable): it is called when the engine dies and ``exit_on_engine_death``
     is on, and ``app.state.engine_died`` is True from then on (``pagedchat serve`` then exits non-zero)."""
     settings = settings or ServerSettings()
@@ -73,6 +75,7 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
                         SessionStoreUnavailable: sessions_api.store_unavailable_handler,
                         SessionQuotaExceeded: sessions_api.quota_handler})
     app.state.settings = settings
+    app.state.front = front or Front()
     app.state.engine_died = False
     app.state.request_shutdown = None
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
@@ -82,18 +85,20 @@ def create_app(settings: ServerSettings | None = None) -> Starlette:
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
-    engine = AsyncEngine(settings.engine)
+    front: Front = app.state.front
+    engine = AsyncEngine(settings.engine, endpoint=front.endpoint)
     await engine.start()
     name = settings.served_model_name or _default_model_name(settings)
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
-                     metrics=ServerMetrics(name, engine.stats), model_name=name,
-                     started=int(time.time()))
+                     metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
+                     started=int(time.time()), max_queue=front.queue_share(settings.max_queue))
     app.state.server = server
     watcher = None
     try:
-        await _warm_up(engine)
+        await _warm_up(engine, f"warm-up-{front.index}")
         await sessions_api.open_sessions(server)
-        await presets.pin_stored_presets(server)
+        if front.pins_stored_presets:
+            await presets.pin_stored_presets(server)
         watcher = asyncio.create_task(_watch_engine(app, server))
         base = f"http://{_display_host(settings.host)}:{settings.port}"
         logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
@@ -146,11 +151,11 @@ def _default_model_name(settings: ServerSettings) -> str:
     return Path(config.model).name if config.model else f"dummy-{config.model_config}"
 
 
-async def _warm_up(engine: AsyncEngine) -> None:
+async def _warm_up(engine: AsyncEngine, request_id: str) -> None:
     """One tiny request through the whole path, so the first user does not pay for lazy initialisation."""
     start = time.perf_counter()
     async for _ in engine.generate([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                                   request_id="warm-up"):
+                                   request_id=request_id):
         pass
     logger.info("warm-up request done in %.2f s", time.perf_counter() - start)
 

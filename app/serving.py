@@ -31,9 +31,9 @@ class Serving:
     metrics: ServerMetrics
     model_name: str
     started: int = 0  # unix time the server came up (the model card's "created")
+    max_queue: int = 256  # this front's share of --max-queue (requests waiting for their first token)
     sessions: Any = None  # the SessionStore (app/sessions/store.py)
     outbox: Any = None  # turns waiting for the session store to come back (app/sessions/outbox.py)
-    preset_pins: dict[str, tuple[int, int]] = field(default_factory=dict)  # Preset.key -> (tokens, pinned blocks)
     background: set[asyncio.Task] = field(default_factory=set)  # e.g. turns being stored after their stream
 
     @property
@@ -68,7 +68,7 @@ class Serving:
         """Hand the request to the engine now, or raise the APIError that says why not."""
         if not self.engine.healthy:
             raise EngineUnavailable()
-        if self.engine.num_queued >= self.settings.max_queue:
+        if self.engine.num_queued >= self.max_queue:
             raise APIError(429, f"the server is busy: {self.engine.num_queued} requests are waiting; retry "
                                 "shortly", code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})
         try:

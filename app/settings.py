@@ -31,6 +31,9 @@ class ServerSettings:
     exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
     shutdown_timeout_s: float = 30.0  # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
     log_level: str = "info"
+    # front processes sharing one engine core (HTTP, tokenization, detokenization, SSE spread over N CPUs);
+    # more than one needs --redis-url, so that every front sees the same sessions and presets
+    api_server_count: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,9 @@ class ServerSettings:
         _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         _check(self.admin_api_key is None or bool(self.admin_api_key.strip()) and "," not in self.admin_api_key,
                "admin_api_key", "must be one non-empty key")
+        _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
+        _check(self.api_server_count == 1 or self.redis_url is not None, "api_server_count",
+               "more than one front process needs a session store they share: set --redis-url (or REDIS_URL)")
         _check(self.served_model_name is None or bool(self.served_model_name.strip()),
                "served_model_name", "must not be empty")
 

@@ -7,6 +7,10 @@ everything ready for it as one output (never more than one per step), so a slow 
 many. A consumer that stops iterating (disconnect, cancellation) aborts its request in the core, whose blocks
 are free at its next step. If the core fails or its process dies, every waiting consumer gets EngineDeadError
 and ``healthy`` turns False; if this process ends, the core ends with it.
+
+By default the engine starts its own core. Given a ``CoreEndpoint`` (``--api-server-count``: several front
+processes share one core, started by the process that runs them), it attaches to that core as one of its clients
+instead: the core's life is then its starter's, and this side only watches it (a pidfd: its exit is seen at once).
 """
 from __future__ import annotations
 
@@ -14,9 +18,9 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
-import shutil
-import tempfile
+import select
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -43,7 +47,7 @@ from engine.core_messages import (
     encoder,
     from_core_decoder,
 )
-from engine.core_process import run_engine_core
+from engine.core_process import CoreEndpoint, LaunchedCore, launch_core
 from engine.metrics import EngineStats
 from engine.output_processor import OutputProcessor, SampleState
 from engine.outputs import RequestOutput
@@ -70,12 +74,14 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, endpoint: CoreEndpoint | None = None,
+                 **options: Any) -> None:
         self.config = config or EngineConfig(**options)
         self.tokenizer: Any | None = None
         self.info: CoreInfo | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._ipc_dir: str | None = None
+        self._endpoint = endpoint  # a core started elsewhere, or None: start our own
+        self._launched: LaunchedCore | None = None
+        self._process: multiprocessing.process.BaseProcess | AttachedProcess | None = None
         self._context: zmq.asyncio.Context | None = None
         self._inputs: zmq.Socket | None = None  # front -> core (a plain socket: sends never wait)
         self._outputs: zmq.asyncio.Socket | None = None  # core -> front
@@ -94,23 +100,22 @@ class AsyncEngine:
     # life cycle ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the core process and wait until it has loaded the model and sized the KV cache; ValueError for
-        a configuration mistake (a bad option, a missing model), EngineStartError for anything else."""
+        """Start the core process (or attach to the given one) and wait until it has loaded the model and sized
+        the KV cache; ValueError for a configuration mistake (a bad option, a missing model), EngineStartError for
+        anything else."""
         self._loop = asyncio.get_running_loop()
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedchat-")  # 0700: only this user reaches the sockets
-        inputs_address, outputs_address = (f"ipc://{self._ipc_dir}/{name}" for name in ("inputs", "outputs"))
+        if self._endpoint is None:
+            self._launched = launch_core(self.config)
+            self._endpoint, self._process = self._launched.endpoints[0], self._launched.process
+        else:
+            self._process = AttachedProcess(self._endpoint.pid)
         self._context = zmq.asyncio.Context()
         self._inputs = zmq.Context.instance().socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._inputs.bind(inputs_address)
+        self._inputs.connect(self._endpoint.inputs)
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._outputs.bind(outputs_address)
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(target=run_engine_core, name="pagedchat-engine-core", daemon=True,
-                                      args=(self.config, inputs_address, outputs_address,
-                                            logging.getLogger().getEffectiveLevel()))
-        self._process.start()
+        self._outputs.connect(self._endpoint.outputs)
         try:
             ready = await self._wait_ready()
         except BaseException:
@@ -135,17 +140,19 @@ class AsyncEngine:
         return message
 
     async def stop(self) -> None:
-        """Stop the core (it finishes nothing: call after the requests worth finishing have finished)."""
+        """Stop the core (it finishes nothing: call after the requests worth finishing have finished). An attached
+        engine only lets go of its core: the core's starter stops it."""
         if self._process is None or self._stopping:
             return
         self._stopping = True
-        if self._process.is_alive():
-            self._send(Shutdown())
-        await asyncio.to_thread(self._process.join, _STOP_TIMEOUT_S)
-        if self._process.is_alive():
-            logger.warning("the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
-            self._process.kill()
-            await asyncio.to_thread(self._process.join)
+        if self._launched is not None:
+            if self._process.is_alive():
+                self._send(Shutdown())
+            await asyncio.to_thread(self._process.join, _STOP_TIMEOUT_S)
+            if self._process.is_alive():
+                logger.warning("the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
+                self._process.kill()
+                await asyncio.to_thread(self._process.join)
         self._fail_all(EngineDeadError("engine stopped"))
         await self._close()
 
@@ -154,15 +161,17 @@ class AsyncEngine:
             self._reader.cancel()
         if self._loop is not None and self._process is not None:
             self._loop.remove_reader(self._process.sentinel)
-        if self._process is not None and self._process.is_alive():
+        if self._launched is not None and self._process.is_alive():
             self._process.kill()
         for sock in (self._inputs, self._outputs):
             if sock is not None:
                 sock.close(linger=0)
         if self._context is not None:
             self._context.term()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._launched is not None:
+            self._launched.close()
+        elif isinstance(self._process, AttachedProcess):
+            self._process.close()
 
     @property
     def healthy(self) -> bool:
@@ -206,7 +215,7 @@ class AsyncEngine:
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
         self._queued.add(request_id)
-        self._send(AddRequest(request_id, prompt, params, cache_salt))
+        self._send(AddRequest(request_id, prompt, params, cache_salt, self._endpoint.client))
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -227,6 +236,10 @@ class AsyncEngine:
     async def unpin_prefix(self, pin_id: str) -> None:
         await self.call("unpin_prefix", pin_id)
 
+    async def pins(self) -> dict[str, tuple[int, int]]:
+        """The core's pins: pin id -> (tokens, blocks pinned now)."""
+        return await self.call("pins")
+
     async def call(self, target: str | Callable[..., T], *args: Any) -> T:
         """Run ``target`` in the core between steps: an EngineCore method by name, or a module-level function
         taking the core first (pickled: tests inject faults so); returns its result, or raises its error."""
@@ -235,7 +248,7 @@ class AsyncEngine:
         future: asyncio.Future[T] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            self._send(UtilityCall(call_id, pickle.dumps((target, args))))
+            self._send(UtilityCall(call_id, pickle.dumps((target, args)), self._endpoint.client))
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -263,8 +276,8 @@ class AsyncEngine:
         return self._grammars
 
     def _send(self, message: Any) -> None:
-        """Never waits: with the core connected, the queue is unbounded; with it gone, there is no one to tell
-        (a PUSH socket without a peer would block the event loop)."""
+        """Never waits: the socket connects to the core's, so it queues (unbounded) until the core reads; with
+        the core gone, there is no one to tell."""
         try:
             self._inputs.send(encoder.encode(message), zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -325,7 +338,9 @@ class AsyncEngine:
         """The core's process ended (the loop watches its sentinel)."""
         self._loop.remove_reader(self._process.sentinel)
         if not self._stopping and self._error is None:
-            self._die(RuntimeError(f"the engine core process exited (status {self._process.exitcode})"))
+            status = self._process.exitcode
+            self._die(RuntimeError("the engine core process exited" + (f" (status {status})" if status is not None
+                                                                        else "")))
 
     def _die(self, cause: BaseException) -> None:
         if self._error is None:
@@ -341,6 +356,31 @@ class AsyncEngine:
         for future in list(self._calls.values()):
             if not future.done():
                 future.set_exception(error)
+
+
+class AttachedProcess:
+    """A process this one did not start (a shared core), watched through a pidfd: readable once it exits."""
+
+    def __init__(self, pid: int) -> None:
+        if not hasattr(os, "pidfd_open"):
+            raise EngineStartError("attaching to a shared engine core needs Linux (pidfd_open)")
+        self.pid = pid
+        try:
+            self.sentinel = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise EngineStartError(f"the engine core process {pid} is gone") from None
+        self.exitcode: int | None = None  # (its parent reaps it: the status is not ours to read)
+
+    def is_alive(self) -> bool:
+        if self.sentinel < 0:
+            return False
+        readable, _, _ = select.select([self.sentinel], [], [], 0)
+        return not readable
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
 
 
 def _load_tokenizer(model_path: str | None) -> Any | None:

@@ -1,7 +1,9 @@
 """The messages between the front (the server's process) and the engine core process, and their encoding.
 
-msgpack through msgspec, tagged structs, over two ZeroMQ PUSH/PULL sockets (front -> core: requests, aborts,
-utility calls; core -> front: one ``StepOutputs`` per step carrying every sample's new token ids). Utility calls
+msgpack through msgspec, tagged structs, over ZeroMQ PUSH/PULL sockets bound by the core (front -> core, one socket
+every front connects to: requests, aborts, utility calls; core -> front, one socket per front: one ``StepOutputs``
+per step carrying the new token ids of every sample that front submitted). A front is a *client* of the core,
+numbered from 0; requests and calls name theirs, and the core sends each one's answers to that front only. Utility calls
 carry a pickled callable (a core method's name, or a module-level function taking the core): they are rare (pins,
 tests), and the sockets are private to the two processes (a 0700 directory).
 """
@@ -20,6 +22,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    client: int = 0  # the front that submitted it: its outputs go there
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -31,6 +34,7 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True):
 class UtilityCall(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     payload: bytes  # pickle of (method name or function, args)
+    client: int = 0  # the front that called: the result goes there
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -1,19 +1,26 @@
 """The engine core's process: a busy loop of drain inputs -> step -> push outputs, nothing else on its thread.
 
-Started by the front (async_engine.py) with the spawn method; it loads the model, sizes the KV cache, says
-``Ready`` (or ``StartFailed``) and loops until told to stop. Its life is tied to the front's: it dies with it
-(PR_SET_PDEATHSIG on Linux, and a parent check whenever it is idle), ignores Ctrl-C (the front drains and then
-stops it), and a failed step is reported as ``CoreFailed`` before it exits non-zero.
+``launch_core`` starts it with the spawn method, for one front (the server's process, async_engine.py) or for
+several (``--api-server-count``: front processes sharing one core). It loads the model, sizes the KV cache, says
+``Ready`` (or ``StartFailed``) to every front and loops until told to stop. The core binds its sockets: one input
+every front connects to, and one output per front, to which it sends the outputs of the requests that front
+submitted. Its life is tied to its parent's (the front, or the process that runs the fronts): it dies with it
+(PR_SET_PDEATHSIG on Linux, and a parent check whenever it is idle), ignores Ctrl-C and SIGTERM (the fronts drain,
+then it is stopped), and a failed step is reported as ``CoreFailed`` to every front before it exits non-zero.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -33,49 +40,110 @@ from engine.core_messages import (
     encoder,
     to_core_decoder,
 )
+from engine.outputs import SampleDelta
 
 logger = logging.getLogger("engine.core")
 
 _STATS_PERIOD_S = 0.05  # a stats snapshot rides on a step's outputs at most this often
-_IDLE_POLL_MS = 500  # while idle: how often the parent is looked for
+_IDLE_POLL_MS = 500  # while idle (or waiting for a front to connect): how often the parent is looked for
 _PR_SET_PDEATHSIG = 1
 
 
-def run_engine_core(config: EngineConfig, inputs_address: str, outputs_address: str, log_level: int) -> None:
+@dataclass(frozen=True, slots=True)
+class CoreEndpoint:
+    """What one front needs to reach a running core: the core's input socket, its output socket for this front,
+    this front's client number, and the core's process id (watched: its exit is the engine's death)."""
+
+    inputs: str
+    outputs: str
+    client: int
+    pid: int
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedCore:
+    """A core process started by ``launch_core``; ``close()`` after it has exited removes its socket directory."""
+
+    process: multiprocessing.process.BaseProcess
+    endpoints: list[CoreEndpoint]
+    ipc_dir: str
+
+    def close(self) -> None:
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | None = None) -> LaunchedCore:
+    """Start a core process for ``num_clients`` fronts (it loads the model meanwhile: a front learns the outcome
+    from its first message, ``Ready`` or ``StartFailed``). The sockets live in a fresh 0700 directory, so only
+    this user reaches them."""
+    if num_clients < 1:
+        raise ValueError(f"num_clients: must be >= 1, got {num_clients}")
+    ipc_dir = tempfile.mkdtemp(prefix="pagedchat-")
+    inputs = f"ipc://{ipc_dir}/inputs"
+    outputs = [f"ipc://{ipc_dir}/outputs-{i}" for i in range(num_clients)]
+    level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name="pagedchat-engine-core", daemon=True, args=(config, inputs, outputs, level))
+    process.start()
+    endpoints = [CoreEndpoint(inputs, address, i, process.pid) for i, address in enumerate(outputs)]
+    return LaunchedCore(process, endpoints, ipc_dir)
+
+
+def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses: list[str], log_level: int) -> None:
     """The process's entry point (picklable: spawn imports it by name)."""
     parent = os.getppid()
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front decides
+    # Ctrl-C reaches the whole process group, and systemd's stop SIGTERMs every process of the unit: the fronts
+    # drain their streams first, then stop the core (Shutdown, or the runner's SIGKILL), or it dies with its parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
-    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    inputs.connect(inputs_address)
-    outputs.connect(outputs_address)
+    inputs = context.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.bind(inputs_address)
+    outputs = []
+    for address in outputs_addresses:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.bind(address)
+        outputs.append(socket)
     try:
-        core = _start(config, outputs)
+        core = _start(config, outputs, parent)
         if core is not None:
             CoreLoop(core, inputs, outputs, parent).run()
     finally:
-        outputs.close(linger=2000)  # the last message (a failure) must leave before the process does
+        for socket in outputs:
+            socket.close(linger=2000)  # the last message (a failure) must leave before the process does
         inputs.close(linger=0)
         context.term()
 
 
-def _start(config: EngineConfig, outputs: zmq.Socket) -> Any | None:
+def _start(config: EngineConfig, outputs: list[zmq.Socket], parent_pid: int) -> Any | None:
     from engine.engine_core import EngineCore
 
     try:
         core = EngineCore(config)
     except ValueError as exc:
-        outputs.send(encoder.encode(StartFailed(str(exc), True)))
+        _tell_every_front(outputs, StartFailed(str(exc), True), parent_pid)
         return None
-    except Exception as exc:  # noqa: BLE001 - the front reports it and exits
+    except Exception as exc:  # noqa: BLE001 - the fronts report it and exit
         logger.exception("the engine core failed to start")
-        outputs.send(encoder.encode(StartFailed(f"{type(exc).__name__}: {exc}", False)))
+        _tell_every_front(outputs, StartFailed(f"{type(exc).__name__}: {exc}", False), parent_pid)
         return None
-    outputs.send(encoder.encode(Ready(core.info, core.stats())))
+    _tell_every_front(outputs, Ready(core.info, core.stats()), parent_pid)
     return core
+
+
+def _tell_every_front(outputs: list[zmq.Socket], message: Any, parent_pid: int) -> None:
+    """Wait until each front has connected (a bound PUSH socket holds nothing for a peer not there yet) and send
+    it ``message``; exit if the parent is gone meanwhile."""
+    frame = encoder.encode(message)
+    for socket in outputs:
+        while not socket.poll(_IDLE_POLL_MS, zmq.POLLOUT):
+            if os.getppid() != parent_pid:
+                raise SystemExit(0)
+        socket.send(frame)
 
 
 def _die_with_parent() -> None:
@@ -86,11 +154,15 @@ def _die_with_parent() -> None:
 
 
 class CoreLoop:
-    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    """Drain inputs -> step -> push outputs. With several fronts, each step's deltas are split by the front that
+    submitted each request (one message per front and step); with one, they go out as they come."""
+
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
+        self._client_of: dict[str, int] = {}  # request id -> its front (several fronts only)
         self._stats_time = 0.0
         self._stats_due = False  # something changed since the last snapshot sent
 
@@ -106,14 +178,14 @@ class CoreLoop:
                 if core.has_unfinished_requests():
                     self._send_step(core.step())
                 elif self._stats_due:
-                    self._send(StepOutputs([], self._snapshot()))
+                    self._broadcast(StepOutputs([], self._snapshot()))
         except Exception as exc:  # noqa: BLE001 - the whole step failed: every stream must hear of it
             logger.exception("the engine core failed")
-            self._send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+            self._broadcast(CoreFailed(f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from exc
 
     def _wait_for_input(self) -> bool:
-        """Idle: block until a message comes; exit if the front is gone."""
+        """Idle: block until a message comes; exit if the parent is gone."""
         if self.inputs.poll(_IDLE_POLL_MS):
             return True
         if os.getppid() != self.parent_pid:
@@ -135,20 +207,25 @@ class CoreLoop:
             elif isinstance(message, AbortRequest):
                 deltas = self.core.abort_request(message.request_id, message.index, message.reason)
                 if deltas and message.index is None:  # (a sample the front ended itself needs no word back)
-                    self._send(StepOutputs(deltas))
+                    self._send_deltas(deltas, None)
             elif isinstance(message, UtilityCall):
                 self._call(message)
             elif isinstance(message, Shutdown):
                 return False
 
     def _add(self, message: AddRequest) -> None:
+        request_id, client = message.request_id, message.client
         try:
-            self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.cache_salt)
+            self.core.add_request(request_id, message.prompt_token_ids, message.params, message.cache_salt)
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
-            self._send(AddFailed(message.request_id, str(exc), True))
+            self._send(client, AddFailed(request_id, str(exc), True))
+            return
         except Exception as exc:  # noqa: BLE001 - add_request registers nothing before it can fail
-            logger.exception("request %s could not be added", message.request_id)
-            self._send(AddFailed(message.request_id, f"{type(exc).__name__}: {exc}", False))
+            logger.exception("request %s could not be added", request_id)
+            self._send(client, AddFailed(request_id, f"{type(exc).__name__}: {exc}", False))
+            return
+        if len(self.outputs) > 1:
+            self._client_of[request_id] = client
 
     def _call(self, message: UtilityCall) -> None:
         try:
@@ -157,23 +234,47 @@ class CoreLoop:
             reply = UtilityResult(message.call_id, True, pickle.dumps(result))
         except Exception as exc:  # noqa: BLE001 - the caller's problem, raised in the caller
             reply = UtilityResult(message.call_id, False, _pickled_error(exc))
-        self._send(reply)
+        self._send(message.client, reply)
 
-    def _send_step(self, deltas: list) -> None:
+    def _send_step(self, deltas: list[SampleDelta]) -> None:
         now = time.monotonic()
         stats = None
         if now - self._stats_time >= _STATS_PERIOD_S or not self.core.has_unfinished_requests():
             stats = self._snapshot(now)
         if deltas or stats is not None:
-            self._send(StepOutputs(deltas, stats))
+            self._send_deltas(deltas, stats)
+
+    def _send_deltas(self, deltas: list[SampleDelta], stats: Any | None) -> None:
+        if len(self.outputs) == 1:
+            self._send(0, StepOutputs(deltas, stats))
+            return
+        by_client: list[list[SampleDelta]] = [[] for _ in self.outputs]
+        client_of = self._client_of
+        for delta in deltas:
+            by_client[client_of.get(delta.request_id, 0)].append(delta)
+        for client, batch in enumerate(by_client):
+            if batch or stats is not None:  # (every front gets the stats snapshot)
+                self._send(client, StepOutputs(batch, stats))
+        has_request = self.core.has_request
+        for delta in deltas:
+            if delta.finish_reason is not None and not has_request(delta.request_id):
+                client_of.pop(delta.request_id, None)
 
     def _snapshot(self, now: float | None = None) -> Any:
         self._stats_time = time.monotonic() if now is None else now
         self._stats_due = False
         return self.core.stats()
 
-    def _send(self, message: Any) -> None:
-        self.outputs.send(encoder.encode(message), copy=False)
+    def _send(self, client: int, message: Any) -> None:
+        """A front that is gone (its socket has no peer) is skipped: its process runner ends the server."""
+        try:
+            self.outputs[client].send(encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("front %d is not connected: %s dropped", client, type(message).__name__)
+
+    def _broadcast(self, message: Any) -> None:
+        for client in range(len(self.outputs)):
+            self._send(client, message)
 
 
 def _pickled_error(exc: Exception) -> bytes:

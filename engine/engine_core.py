@@ -82,6 +82,7 @@ class EngineCore:
         self.counters = EngineCounters()
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, _Request] = {}
+        self._pin_tokens: dict[str, int] = {}  # pin id -> tokens of its prefix (pin_prefix)
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample, for every unfinished one
         self._beams: dict[int, BeamGroup] = {}  # seq_id -> its beam-search request, for every beam
         self._beams_swapped_at_step: list[BeamGroup] = []  # beam steps waiting for their beams' swap-in
@@ -205,6 +206,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
+
+    def has_request(self, request_id: str) -> bool:
+        """The request is still running (some sample of it unfinished)."""
+        return request_id in self._requests
 
     # the step -----------------------------------------------------------------------------------------
 
@@ -434,10 +439,18 @@ class EngineCore:
         probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
                          cache_salt=cache_salt)
         self.block_manager.update_block_hashes(probe)
+        self._pin_tokens[pin_id] = len(probe.token_ids)
         return self.block_manager.pin(pin_id, probe.block_hashes, max_pinned_blocks)
 
     def unpin_prefix(self, pin_id: str) -> None:
+        self._pin_tokens.pop(pin_id, None)
         self.block_manager.unpin(pin_id)
+
+    def pins(self) -> dict[str, tuple[int, int]]:
+        """Every pin asked for and not unpinned: pin id -> (its tokens, blocks pinned now). Blocks can be 0: over
+        the cap, or released since to make room (the scheduler drops pins before it preempts)."""
+        held = self.block_manager.pins
+        return {pin_id: (tokens, len(held.get(pin_id, ()))) for pin_id, tokens in self._pin_tokens.items()}
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()

@@ -19,7 +19,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from app.cli import ENGINE_DIED, run_server
+from app.serve import ENGINE_DIED, run_server
 from app.server import create_app
 from app.settings import ServerSettings
 from engine.async_engine import RequestFailedError
@@ -435,7 +435,7 @@ def test_client_gone_in_the_middle_of_its_body_is_one_log_line(in_process: TestC
 
 
 def _serve_in_thread(settings: ServerSettings) -> tuple[Any, threading.Thread, dict[str, int]]:
-    """``pagedchat serve``'s run loop (app.cli.run_server) on a thread of this process, so the test can reach the
+    """``pagedchat serve``'s run loop (app.serve.run_server) on a thread of this process, so the test can reach the
     engine; returns the app, the thread and where its exit status lands once it returns."""
     app, result = create_app(settings), {}
     thread = threading.Thread(target=lambda: result.setdefault("status", run_server(app, settings)), daemon=True)

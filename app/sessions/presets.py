@@ -1,5 +1,6 @@
 """/v1/presets: named system prompts, prefilled once on each replica and pinned in the KV cache, so a session
-started with one hits its blocks on the first turn.
+started with one hits its blocks on the first turn. The engine core keeps the pins (and says which it holds), so
+every front process of a replica (``--api-server-count``) sees the same ones.
 
 A preset belongs to the key that made it; the admin key (``--admin-api-key``) may make shared ones, which every
 tenant sees. A preset is checked (its length against the context, and a real prefill) before it is stored, and a
@@ -52,17 +53,18 @@ async def visible_preset(server: Serving, name: str, tenant: str, param: str) ->
 async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> tuple[int, int]:
     """Prefill the preset's system prompt once on this replica and pin its full blocks (capped at
     ``preset_pin_share`` of the pool); returns (prompt tokens, pinned blocks). 400 when it cannot be prefilled."""
-    if preset.key in server.preset_pins:
-        return server.preset_pins[preset.key]
+    pin_id = _pin_id(preset)
+    held = (await server.engine.pins()).get(pin_id)
+    if held is not None:
+        return held
     ids = await check_system(server, preset.system, param)
     if ids is None:
         raise APIError.bad_request(f"{param}: presets need a model with a tokenizer", param)
     cap = int(server.settings.preset_pin_share * server.engine.stats().num_blocks)
     try:
-        pinned = await server.engine.pin_prefix(_pin_id(preset), ids, None, cap) if len(ids) > 1 else 0
+        pinned = await server.engine.pin_prefix(pin_id, ids, None, cap) if len(ids) > 1 else 0
     except ValueError as exc:
         raise APIError.bad_request(f"{param}: the engine refused the preset: {exc}", param) from None
-    server.preset_pins[preset.key] = (len(ids), pinned)
     logger.info("preset %r: %d tokens, %d blocks pinned (cap %d)", preset.key, len(ids), pinned, cap)
     return len(ids), pinned
 
@@ -80,8 +82,7 @@ async def pin_stored_presets(server: Serving) -> None:
 
 
 async def _unpin(server: Serving, preset: Preset) -> None:
-    if server.preset_pins.pop(preset.key, None) is not None:
-        await server.engine.unpin_prefix(_pin_id(preset))
+    await server.engine.unpin_prefix(_pin_id(preset))
 
 
 def _pin_id(preset: Preset) -> str:
@@ -108,8 +109,9 @@ async def create_preset(request: Request) -> JSONResponse:
 async def list_presets(request: Request) -> JSONResponse:
     server: Serving = request.app.state.server
     presets = await server.sessions.list_presets(server.tenant(request))
-    pins = server.preset_pins
-    return JSONResponse({"object": "list", "data": [p.public(*pins.get(p.key, (None, None))) for p in presets]})
+    pins = await server.engine.pins()
+    return JSONResponse({"object": "list",
+                         "data": [p.public(*pins.get(_pin_id(p), (None, None))) for p in presets]})
 
 
 async def presets_root(request: Request) -> Response:

@@ -527,10 +527,20 @@ class BlockManager:
         return sum(1 for block_id, n in pin_refs.items() if self.pool.blocks[block_id].ref_count == n)
 
     def _used_slots(self) -> int:
-        """Slots holding a token's KV; a shared block counts once, as full as its fullest holder."""
-        filled: dict[int, int] = {}
+        """Slots holding a token's KV; a shared block counts once, as full as its fullest holder. (Set updates over
+        the tables' full heads, then the partial tails one by one: a few tenths of a millisecond at 256 sequences
+        of 50 blocks, where a Python loop over every block took milliseconds, at every stats snapshot.)"""
+        size = self.block_size
+        full: set[int] = set()
+        tails: list[tuple[int, int]] = []
         for seq in self.holders.values():
-            for i, block_id in enumerate(seq.block_table):
-                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        return sum(filled.values())
+            table, computed = seq.block_table, seq.num_computed_tokens
+            num_full = min(computed // size, len(table))
+            full.update(table[:num_full])
+            if num_full < len(table) and computed > num_full * size:
+                tails.append((table[num_full], computed - num_full * size))
+        filled: dict[int, int] = {}
+        for block_id, n in tails:
+            if block_id not in full and n > filled.get(block_id, 0):
+                filled[block_id] = n
+        return len(full) * size + sum(filled.values())

@@ -73,6 +73,9 @@ class EngineConfig:
     # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
     # still gets all that is ready in one event)
     stream_interval: int = 1
+    # the engine core logs a line of its own numbers this often while it works (steps/s, step time, tokens/s,
+    # running/waiting, KV usage, prefix hit rate; vLLM's periodic stats line); 0: never
+    log_stats_interval_s: float = 10.0
 
     # derived
     hf_config: Any = field(default=None, repr=False)
@@ -104,6 +107,7 @@ class EngineConfig:
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
         _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
+        _check(0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]")
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
         _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
                f"must be auto or one of {CPU_WEIGHTS}")

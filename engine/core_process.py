@@ -11,6 +11,7 @@ then it is stopped), and a failed step is reported as ``CoreFailed`` to every fr
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing
 import os
@@ -111,7 +112,12 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
     try:
         core = _start(config, outputs, parent)
         if core is not None:
-            CoreLoop(core, inputs, outputs, parent).run()
+            if os.environ.get("PAGEDCHAT_CORE_GC_FREEZE", "1") == "1":
+                # what start-up made (the model, the block pool: a million long-lived objects on a big GPU) is
+                # never garbage: out of the collector's sight, a full collection in the loop costs little
+                gc.collect()
+                gc.freeze()
+            CoreLoop(core, inputs, outputs, parent, StepLog(config.log_stats_interval_s)).run()
     finally:
         for socket in outputs:
             socket.close(linger=2000)  # the last message (a failure) must leave before the process does
@@ -157,11 +163,13 @@ class CoreLoop:
     """Drain inputs -> step -> push outputs. With several fronts, each step's deltas are split by the front that
     submitted each request (one message per front and step); with one, they go out as they come."""
 
-    def __init__(self, core: Any, inputs: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int) -> None:
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int,
+                 step_log: StepLog | None = None) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
+        self.step_log = step_log or StepLog(0)
         self._client_of: dict[str, int] = {}  # request id -> its front (several fronts only)
         self._stats_time = 0.0
         self._stats_due = False  # something changed since the last snapshot sent
@@ -176,7 +184,10 @@ class CoreLoop:
                 if not self._drain():
                     return
                 if core.has_unfinished_requests():
-                    self._send_step(core.step())
+                    start = time.perf_counter()
+                    deltas = core.step()
+                    self.step_log.record(time.perf_counter() - start, core)
+                    self._send_step(deltas)
                 elif self._stats_due:
                     self._broadcast(StepOutputs([], self._snapshot()))
         except Exception as exc:  # noqa: BLE001 - the whole step failed: every stream must hear of it
@@ -275,6 +286,45 @@ class CoreLoop:
     def _broadcast(self, message: Any) -> None:
         for client in range(len(self.outputs)):
             self._send(client, message)
+
+
+class StepLog:
+    """Every ``interval_s`` while the core works, one line of its own numbers: steps per second and their mean
+    time (the whole step as the loop sees it, host and device), the share of the wall time spent stepping, prompt
+    and generated tokens per second, running and waiting requests, KV usage and the prefix-cache hit rate over the
+    interval. Nothing while idle."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._since = 0.0  # the interval's start
+        self._last_step = float("-inf")
+        self._steps = 0
+        self._step_s = 0.0
+        self._start_stats: Any = None  # the stats at the interval's start
+
+    def record(self, seconds: float, core: Any) -> None:
+        if not self.interval_s:
+            return
+        now = time.monotonic()
+        if now - self._last_step > self.interval_s:  # the first step after start-up or an idle spell
+            self._since, self._steps, self._step_s, self._start_stats = now - seconds, 0, 0.0, core.stats()
+        self._last_step = now
+        self._steps += 1
+        self._step_s += seconds
+        if now - self._since >= self.interval_s:
+            stats = core.stats()
+            self._log(self._start_stats, stats, now - self._since)
+            self._since, self._steps, self._step_s, self._start_stats = now, 0, 0.0, stats
+
+    def _log(self, first: Any, stats: Any, wall_s: float) -> None:
+        queries = stats.prefix_queries - first.prefix_queries
+        hits = stats.prefix_hits - first.prefix_hits
+        logger.info("engine: %.1f steps/s, %.2f ms per step (stepping %.0f%% of the time); prompt %.0f tok/s, "
+                    "generation %.0f tok/s; running %d, waiting %d; KV usage %.1f%%; prefix cache hit rate %.1f%%",
+                    self._steps / wall_s, 1000 * self._step_s / self._steps, 100 * self._step_s / wall_s,
+                    (stats.prompt_tokens - first.prompt_tokens) / wall_s,
+                    (stats.generation_tokens - first.generation_tokens) / wall_s, stats.num_running,
+                    stats.num_waiting, 100 * stats.kv_usage, 100 * hits / queries if queries else 0.0)
 
 
 def _pickled_error(exc: Exception) -> bytes:

@@ -1,8 +1,10 @@
 """The HTTP server on CUDA: `pagedchat serve` with dummy llama-3.2-1b weights (no tokenizer) answers token-id
 completions, streamed one event per token, with the same greedy tokens as the offline engine on the same
-weights; 16 concurrent streams with 6 closed midway leave no KV block held."""
+weights; 16 concurrent streams with 6 closed midway leave no KV block held. The same with two front processes
+over the one core (``--api-server-count 2``, sessions in Redis)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -11,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from tests.redis_harness import running_redis
 from tests.server_harness import running_server, wait_until_idle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
@@ -34,12 +37,18 @@ def stream_tokens(base_url: str, prompt: list[int], max_tokens: int, stop_after:
     return tokens
 
 
-def test_server_on_cuda_streams_the_offline_engines_greedy_tokens():
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_server_on_cuda_streams_the_offline_engines_greedy_tokens(fronts: int):
     from engine import LLM, SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 40, 300)]
-    with running_server(*DUMMY) as server:
+    with contextlib.ExitStack() as stack:
+        extra = ()
+        if fronts > 1:
+            redis = stack.enter_context(running_redis())
+            extra = ("--api-server-count", str(fronts), "--redis-url", redis.url)
+        server = stack.enter_context(running_server(*DUMMY, *extra))
         served = [stream_tokens(server.base_url, p, 12) for p in prompts]
         results: dict[int, list[str]] = {}
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(

@@ -68,6 +68,19 @@ def chat_stream(server: RunningServer, max_tokens: int) -> list[dict]:
             return sse_chunks(sse_data(response.iter_lines()))
 
 
+def open_streams(stack: contextlib.ExitStack, server: RunningServer, count: int, max_tokens: int) -> list:
+    """``count`` chat streams, each on a connection of its own and past its first event; their other events."""
+    streams = []
+    for _ in range(count):
+        client = stack.enter_context(httpx.Client(timeout=60))
+        response = stack.enter_context(client.stream("POST", server.url("/v1/chat/completions"),
+                                                     json=stream_body(max_tokens)))
+        events = data_events(response)
+        next(events)
+        streams.append(events)
+    return streams
+
+
 def test_two_fronts_serve_one_core_with_the_offline_engines_greedy_tokens(server: RunningServer):
     fronts, cores = children_of(server.process.pid)
     assert len(fronts) == 2 and len(cores) == 1
@@ -118,14 +131,7 @@ def test_the_core_killed_ends_streams_on_every_front_and_the_server_exits_3(redi
     with running_server("--api-server-count", "2", "--redis-url", redis_server.url) as server:
         fronts, (core,) = children_of(server.process.pid)
         with contextlib.ExitStack() as stack:
-            streams = []
-            for _ in range(6):
-                client = stack.enter_context(httpx.Client(timeout=60))
-                response = stack.enter_context(client.stream("POST", server.url("/v1/chat/completions"),
-                                                             json=stream_body(2000)))
-                events = data_events(response)
-                next(events)
-                streams.append(events)
+            streams = open_streams(stack, server, 6, max_tokens=2000)
             os.kill(core, signal.SIGKILL)
             for events in streams:
                 rest = list(events)
@@ -139,14 +145,7 @@ def test_sigterm_drains_the_open_streams_of_every_front_then_stops_all(redis_ser
                         "--shutdown-timeout-s", "60") as server:
         fronts, cores = children_of(server.process.pid)
         with contextlib.ExitStack() as stack:
-            streams = []
-            for _ in range(6):
-                client = stack.enter_context(httpx.Client(timeout=60))
-                response = stack.enter_context(client.stream("POST", server.url("/v1/chat/completions"),
-                                                             json=stream_body(40)))
-                events = data_events(response)
-                next(events)
-                streams.append(events)
+            streams = open_streams(stack, server, 6, max_tokens=40)
             server.process.send_signal(signal.SIGTERM)
             for events in streams:
                 rest = list(events)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from random import Random
 from typing import Any
@@ -52,11 +53,37 @@ def decode_step_seconds(config: EngineConfig, prompts: list[list[int]], output_l
     request_ids = [f"step-{i}" for i in range(len(prompts))]
     try:
         result = _measure(engine, dict(zip(request_ids, prompts)), output_len, min_steps, warmup_steps)
+        _abort(engine, request_ids)
+        result |= same_arrivals_tpot(engine, prompts, output_len)
     finally:
         _abort(engine, request_ids)
         del engine
         _release_memory(device)
     return {"build_seconds": build_seconds, **result}
+
+
+def same_arrivals_tpot(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """The engine's own TPOT p50 (per request: (last token - first token) / (tokens - 1)) for the served run's
+    arrivals: all prompts at once, ``output_len`` tokens each, stepped to the end in process. It includes what the
+    served TPOT includes and a decode step does not: the steps where later prompts' prefill chunks run beside the
+    first requests' decodes. (Each prompt's first id is changed, so nothing hits the prefix cache of the decode
+    measurement.)"""
+    from benchmarks.common import greedy
+
+    vocab = engine.config.hf_config.vocab_size
+    ids = {f"arrivals-{i}": [(p[0] + 1) % vocab, *p[1:]] for i, p in enumerate(prompts)}
+    times: dict[str, list[float]] = {request_id: [] for request_id in ids}
+    for request_id, prompt in ids.items():
+        engine.add_request(request_id, prompt, greedy(output_len))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times[out.request_id] += [now] * len(out.token_ids_delta)
+    tpots = sorted((t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1)
+    tpot = statistics.median(tpots) if tpots else None
+    logger.info("engine: TPOT p50 %.2f ms on the served run's arrivals, in process", tpot or float("nan"))
+    return {"arrivals_tpot_ms_p50": tpot}
 
 
 def _measure(engine: Any, requests: dict[str, list[int]], output_len: int, min_steps: int, warmup_steps: int

@@ -2,79 +2,117 @@
 the engine); also ``python -m app ...``.
 
 Every EngineConfig and ServerSettings option is a flag (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``),
-generated from the dataclasses so nothing the engine or server offers is out of reach.
+described in app/options.py (help, choices, units, environment variable); tests/test_cli.py checks that every
+field of the dataclasses has its flag. Building the parser imports no torch, so ``--help`` and ``--version`` are
+instant; the dataclasses are imported when a command runs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import sys
 import time
 from typing import Any
 
-from app.settings import ServerSettings
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}
+_TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    _add_dataclass_options(parser.add_argument_group("engine"), EngineConfig, _DERIVED)
+    _add_options(parser.add_argument_group("engine"), ENGINE_OPTIONS)
 
 
-def _add_dataclass_options(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> None:
-    for field in dataclasses.fields(cls):
-        if field.name in skip:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        default = field.default if field.default is not dataclasses.MISSING else None
-        if "bool" in str(field.type):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+def _add_options(group: argparse._ArgumentGroup, options: tuple[Option, ...]) -> None:
+    """Every flag defaults to None: a flag not given leaves the dataclass's default (or environment) in place."""
+    for option in options:
+        if option.kind == "bool":
+            group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=option.help_text())
         else:
-            group.add_argument(flag, type=_value_type(str(field.type)), default=default,
-                               metavar=field.name.upper(), help=f"default: {_shown(default, field)}")
+            group.add_argument(option.flag, type=_value_type(option), default=None, choices=option.choices,
+                               metavar="SIZE" if option.kind == "bytes" else None if option.choices else
+                               option.name.upper(), help=option.help_text())
 
 
-def _value_type(annotation: str) -> type:
-    return int if "int" in annotation else float if "float" in annotation else str
+def _value_type(option: Option) -> Any:
+    convert = _TYPES[option.kind]
+
+    def value(text: str) -> Any:
+        try:
+            return convert(text.lower() if option.choices else text)
+        except ValueError as exc:  # argparse prints it as "argument --flag: ..." and exits 2
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if option.kind == "bytes" else
+                                             f"invalid {option.kind} value: {text!r}") from None
+
+    value.__name__ = option.kind
+    return value
 
 
-def _shown(default: Any, field: dataclasses.Field) -> str:
-    return "from the environment / cache dir" if field.default_factory is not dataclasses.MISSING else repr(default)
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from engine.config import EngineConfig
 
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**_given(args, EngineConfig, _DERIVED))
 
 
-def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+def server_settings_from_args(args: argparse.Namespace) -> Any:
+    """ServerSettings from the flags (ValueError naming the field for a bad value). ``pagedchat serve MODEL``
+    is ``--model MODEL``."""
+    from app.settings import ServerSettings
+
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            raise ValueError(f"model: given twice ({positional!r} and --model {args.model!r}); give one")
+        args.model = positional
     return ServerSettings(engine=engine_config_from_args(args), **_given(args, ServerSettings, {"engine"}))
 
 
 def _given(args: argparse.Namespace, cls: type, skip: set[str]) -> dict[str, Any]:
+    import dataclasses
+
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-            if f.name not in skip and getattr(args, f.name) is not None}
+            if f.name not in skip and getattr(args, f.name, None) is not None}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("pagedchat")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedchat", description="Self-hosted LLM chat on a paged KV cache.")
+    parser.add_argument("--version", action="version", version=f"pagedchat {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible API, sessions, chat UI")
-    _add_dataclass_options(serve.add_argument_group("server"), ServerSettings, {"engine"})
+    serve = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible API, sessions, chat UI",
+                           description="The HTTP server: OpenAI-compatible API, sessions, chat UI. Sizes take "
+                                       "units (4MiB, 512KiB); a flag not given keeps its default, or its "
+                                       "environment variable where one is named.")
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                       help="The model, as --model (a local Hugging Face directory). Default: the embedded "
+                            "SmolLM2-135M-Instruct.")
+    _add_options(serve.add_argument_group("server"), SERVER_OPTIONS)
     add_engine_options(serve)
-    chat = sub.add_parser("chat", help="stream a chat with the model in this terminal")
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--log-level", default="INFO")
+    chat = sub.add_parser("chat", help="stream a chat with the model in this terminal",
+                          description="A streaming chat with the model in this terminal (the engine, no server).")
+    chat.add_argument("--system", default=None, help="The system prompt. Default: none.")
+    chat.add_argument("--max-tokens", type=int, default=256, help="Most tokens per reply. Default: 256.")
+    chat.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature (0: greedy). "
+                                                                     "Default: 0.7.")
+    chat.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                      help="How much is logged. Default: info.")
     add_engine_options(chat)
     return parser
 
 
-async def chat_loop(config: EngineConfig, system: str | None, params: SamplingParams) -> None:
+async def chat_loop(config: Any, system: str | None, params: Any) -> None:
     from engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(config)
@@ -94,7 +132,7 @@ async def chat_loop(config: EngineConfig, system: str | None, params: SamplingPa
         await engine.stop()
 
 
-async def _stream_reply(engine: Any, prompt_ids: list[int], params: SamplingParams) -> str:
+async def _stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> str:
     start, first, out = time.perf_counter(), None, None
     async for out in engine.generate(prompt_ids, params):
         first = first or time.perf_counter()
@@ -127,9 +165,12 @@ def _read_line() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    from engine.sampling_params import SamplingParams
+
     try:
         config = engine_config_from_args(args)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from app.options import LOG_LEVELS
 from engine.config import EngineConfig
 
 
@@ -51,6 +52,7 @@ class ServerSettings:
         _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         _check(self.admin_api_key is None or bool(self.admin_api_key.strip()) and "," not in self.admin_api_key,
                "admin_api_key", "must be one non-empty key")
+        _check(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
         _check(self.api_server_count == 1 or self.redis_url is not None, "api_server_count",
                "more than one front process needs a session store they share: set --redis-url (or REDIS_URL)")

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from app.cli import _DERIVED, build_parser, engine_config_from_args, server_settings_from_args
+from app.options import ENGINE_OPTIONS, SERVER_OPTIONS, parse_bytes, show_bytes
 from app.settings import ServerSettings
 from engine.config import EngineConfig
 
@@ -75,3 +78,78 @@ def test_piped_chat_streams_a_reply_with_stats():
     assert result.stdout.strip(), "the replies are printed on stdout"
     second_turn_cached = int(stats[1].split("of which ")[1].split(" cached")[0])
     assert second_turn_cached > 0, "the second turn re-sends the first: its blocks must be hit"
+
+
+# the help text ----------------------------------------------------------------------------------------------
+
+
+def _actions(command: str) -> list:
+    return [a for a in build_parser()._subparsers._group_actions[0].choices[command]._actions
+            if a.dest != "help"]
+
+
+def test_every_flag_has_a_help_sentence_and_its_default():
+    for command in ("serve", "chat"):
+        for action in _actions(command):
+            text = action.help or ""
+            sentence = text.split("Default:")[0].strip()
+            assert len(sentence) >= 12 and "Default: " in text, (command, action.option_strings, text)
+
+
+def test_the_options_table_matches_the_dataclasses_and_their_defaults():
+    for options, cls, skip in ((ENGINE_OPTIONS, EngineConfig, _DERIVED), (SERVER_OPTIONS, ServerSettings,
+                                                                           {"engine"})):
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+        assert [o.name for o in options] == list(fields)
+        for option in options:
+            field = fields[option.name]
+            if field.default is dataclasses.MISSING or field.default is None:
+                continue  # (computed, from the environment, or "none": the text says which)
+            shown = {"bool": lambda v: "on" if v else "off", "bytes": show_bytes}.get(option.kind, str)(field.default)
+            assert option.default.split(" ")[0] == shown, (option.name, option.default, shown)
+
+
+def test_choices_are_the_engines_own():
+    from engine.config import DTYPES, KV_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, PREFIX_HASHES
+    from engine.layers.quantized_linear import CPU_WEIGHTS
+    from engine.loader import DUMMY_ARCHITECTURES
+
+    choices = {o.name: set(o.choices) for o in ENGINE_OPTIONS if o.choices}
+    assert choices == {"load_format": set(LOAD_FORMATS), "model_config": set(DUMMY_ARCHITECTURES),
+                       "dtype": {"auto", *DTYPES}, "device": {"auto", "cpu", "cuda"},
+                       "prefix_hash": set(PREFIX_HASHES), "preemption_mode": set(PREEMPTION_MODES),
+                       "kv_backend": set(KV_BACKENDS), "cpu_weights": {"auto", *CPU_WEIGHTS}}
+
+
+def test_help_and_version_answer_without_importing_torch():
+    code = ("import sys, contextlib, io\nfrom app.cli import build_parser\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: build_parser().parse_args(['serve', '--help'])\n    except SystemExit: pass\n"
+            "print('torch' in sys.modules, '--max-num-seqs' in out.getvalue())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split() == ["False", "True"]
+    version = subprocess.run([sys.executable, "-m", "app", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.returncode == 0 and re.fullmatch(r"pagedchat \S+\n", version.stdout)
+
+
+def test_the_model_may_be_given_as_the_first_argument():
+    args = build_parser().parse_args(["serve", "/models/llama", "--port", "9000"])
+    assert server_settings_from_args(args).engine.model == "/models/llama"
+    twice = build_parser().parse_args(["serve", "/models/a", "--model", "/models/b"])
+    with pytest.raises(ValueError, match="model: given twice"):
+        server_settings_from_args(twice)
+
+
+def test_sizes_take_units_and_a_bad_size_or_choice_is_one_line_and_status_2():
+    args = build_parser().parse_args(["serve", "--max-request-bytes", "4MiB", "--max-session-bytes", "512KiB"])
+    settings = server_settings_from_args(args)
+    assert (settings.max_request_bytes, settings.max_session_bytes) == (4 * 2**20, 512 * 2**10)
+    assert parse_bytes("1.5GB") == 1_500_000_000 and show_bytes(8 * 2**20) == "8MiB"
+    for flags, said in ((["--max-request-bytes", "4 lots"], "--max-request-bytes"),
+                        (["--log-level", "verbose"], "invalid choice: 'verbose'"),
+                        (["--dtype", "fp8"], "invalid choice: 'fp8'")):
+        result = subprocess.run([sys.executable, "-m", "app", "serve", *flags], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from app.front import Front
@@ -36,24 +37,85 @@ from engine.core_process import launch_core
 logger = logging.getLogger("pagedchat")
 
 ENGINE_DIED = 3  # the exit status after the engine failed (a supervisor restarts the server)
-START_FAILED = 1  # the exit status when start-up failed (model, Redis, port)
+START_FAILED = 1  # the exit status when start-up failed for another reason (a bug, the device)
+CONFIG_ERROR = 2  # a mistake of the operator's (a flag, the port, Redis, the model): one line says what to fix
 _PR_SET_PDEATHSIG = 1
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class PreflightError(ValueError):
+    """A start-up mistake found before any weights load: one line to the operator, exit status 2."""
+
+
 def serve(settings: ServerSettings) -> int:
-    """``pagedchat serve``: run until stopped; the exit status (0, START_FAILED or ENGINE_DIED)."""
+    """``pagedchat serve``: check what needs no model (the port, Redis, the model's directory), then run until
+    stopped; the exit status (0, CONFIG_ERROR, START_FAILED or ENGINE_DIED)."""
+    try:
+        preflight(settings)
+        listener = listen(settings.host, settings.port)
+    except PreflightError as exc:
+        logger.error("%s", exc)
+        return CONFIG_ERROR
     if settings.api_server_count > 1:
-        return run_api_servers(settings)
+        return run_api_servers(settings, listener)
     from app.server import create_app
 
-    return run_server(create_app(settings), settings)
+    return run_server(create_app(settings), settings, sockets=[listener])
+
+
+def preflight(settings: ServerSettings) -> None:
+    """PreflightError for a mistake that would otherwise surface only after the model has loaded."""
+    engine = settings.engine
+    if engine.model is not None and engine.load_format != "dummy":
+        path = Path(engine.model).expanduser()
+        if not path.exists():
+            raise PreflightError(f"model: {engine.model} does not exist (give a local Hugging Face model directory: "
+                                 "config.json, safetensors, tokenizer)")
+        if not (path / "config.json").is_file():
+            raise PreflightError(f"model: {engine.model} is not a Hugging Face model directory (no config.json)")
+    if settings.redis_url is not None:
+        _check_redis(settings.redis_url)
+
+
+def _check_redis(url: str) -> None:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+    except ValueError as exc:
+        raise PreflightError(f"redis_url: {url!r} is not a Redis URL ({exc}); e.g. redis://localhost:6379/0") \
+            from None
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise PreflightError(f"redis_url: no Redis answers at {url} ({exc}); start it, fix --redis-url, or leave "
+                             "it unset to keep sessions in memory") from None
+    finally:
+        client.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket (as uvicorn binds it: SO_REUSEADDR, IPv6 for a ':' host), bound before the model
+    loads so that a busy port is said at once; uvicorn, or every front, accepts on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise PreflightError(f"port: cannot listen on {host}:{port} ({exc.strerror or exc}); another server may "
+                             "hold it: stop it or choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] | None = None) -> int:
     """Serve ``app`` with uvicorn until stopped (on ``sockets`` if given, else on host:port); the exit status: 0
-    after a normal stop, START_FAILED when start-up failed (model, Redis), ENGINE_DIED when the engine failed
-    (with ``exit_on_engine_death``)."""
+    after a normal stop, CONFIG_ERROR when the engine refused its configuration at start-up (one line says why),
+    START_FAILED when start-up failed otherwise, ENGINE_DIED when the engine failed (with
+    ``exit_on_engine_death``)."""
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
@@ -64,19 +126,19 @@ def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] 
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
+    except SystemExit:  # uvicorn's own status when the lifespan failed (3): ours is said below
+        if server.started:
+            raise
     if app.state.engine_died and settings.exit_on_engine_death:
         return ENGINE_DIED
+    if getattr(app.state, "config_error", None) is not None:
+        return CONFIG_ERROR
     return 0 if server.started else START_FAILED
 
 
-def run_api_servers(settings: ServerSettings) -> int:
+def run_api_servers(settings: ServerSettings, listener: socket.socket) -> int:
     """N fronts over one core, supervised until they have all exited; the exit status as ``run_server``'s."""
     count = settings.api_server_count
-    try:
-        listener = _listen(settings.host, settings.port)
-    except OSError as exc:
-        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
-        return START_FAILED
     metrics_dir = tempfile.mkdtemp(prefix="pagedchat-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # (inherited by the fronts: their histograms go there)
     level = logging.getLogger().getEffectiveLevel()
@@ -113,6 +175,8 @@ def run_api_servers(settings: ServerSettings) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if ENGINE_DIED in statuses:
         return ENGINE_DIED
+    if CONFIG_ERROR in statuses:
+        return CONFIG_ERROR
     failed = [s for s in statuses if s not in (0, -signal.SIGTERM)]
     return failed[0] if failed and failed[0] > 0 else (START_FAILED if failed else 0)
 
@@ -145,21 +209,6 @@ def _stop_core(core: Any) -> None:
     if core.is_alive():
         core.kill()
     core.join()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket every front accepts on (as uvicorn binds it: SO_REUSEADDR, IPv6 for a ':' host)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def run_front(settings: ServerSettings, front: Front, listener: socket.socket, log_level: int) -> None:

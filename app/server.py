@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import Scope
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import openai_api
 from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler, http_error_handler,
@@ -67,7 +69,8 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
         routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
-    app = Starlette(routes=routes, middleware=security_middleware(settings), lifespan=_lifespan,
+    app = Starlette(routes=routes, middleware=[Middleware(OneLineStartupErrors), *security_middleware(settings)],
+                    lifespan=_lifespan,
                     exception_handlers={
                         APIError: api_error_handler, HTTPException: http_error_handler,
                         EngineDeadError: engine_dead_handler, RequestFailedError: request_failed_handler,
@@ -77,6 +80,7 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     app.state.settings = settings
     app.state.front = front or Front()
     app.state.engine_died = False
+    app.state.config_error = None  # set when the engine refused its configuration at start-up
     app.state.request_shutdown = None
     app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
     return app
@@ -87,7 +91,12 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
     front: Front = app.state.front
     engine = AsyncEngine(settings.engine, endpoint=front.endpoint)
-    await engine.start()
+    try:
+        await engine.start()
+    except ValueError as exc:  # the operator's mistake (a flag, the model): one line, exit status 2
+        app.state.config_error = str(exc)
+        logger.error("%s", exc)
+        raise
     name = settings.served_model_name or _default_model_name(settings)
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
                      metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
@@ -95,10 +104,14 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     app.state.server = server
     watcher = None
     try:
-        await _warm_up(engine, f"warm-up-{front.index}")
-        await sessions_api.open_sessions(server)
-        if front.pins_stored_presets:
-            await presets.pin_stored_presets(server)
+        try:
+            await _warm_up(engine, f"warm-up-{front.index}")
+            await sessions_api.open_sessions(server)
+            if front.pins_stored_presets:
+                await presets.pin_stored_presets(server)
+        except EngineDeadError:  # the core died while this front started: the engine's death, not a mistake
+            app.state.engine_died = True
+            raise
         watcher = asyncio.create_task(_watch_engine(app, server))
         base = f"http://{_display_host(settings.host)}:{settings.port}"
         logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
@@ -162,6 +175,26 @@ async def _warm_up(engine: AsyncEngine, request_id: str) -> None:
 
 def _display_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class OneLineStartupErrors:
+    """A configuration mistake at start-up was logged in one line by the lifespan; uvicorn would log Starlette's
+    traceback of it too. Other start-up failures keep their traceback."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_quietly(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and isinstance(sys.exc_info()[1], ValueError):
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, send_quietly)
 
 
 class WebMount(Mount):

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
+from app.version import version
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}
 _TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes}
@@ -75,16 +76,6 @@ def _given(args: argparse.Namespace, cls: type, skip: set[str]) -> dict[str, Any
 
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
             if f.name not in skip and getattr(args, f.name, None) is not None}
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("pagedchat")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (streaming over SSE or not), /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (streaming over SSE or not), /v1/models and
+/v1/models/{model}."""
 from __future__ import annotations
 
 import asyncio
@@ -148,14 +149,24 @@ async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, Request
 
 
 async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.server)]})
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): the card, or 404 for another name."""
     server: Serving = request.app.state.server
-    card = {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "pagedchat",
+    server.check_model(request.path_params["model_id"])
+    return JSONResponse(_model_card(server))
+
+
+def _model_card(server: Serving) -> dict[str, Any]:
+    return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "pagedchat",
             "root": server.engine.config.model_id, "max_model_len": server.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
 
 
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
 ]

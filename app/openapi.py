@@ -18,7 +18,8 @@ _ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "p
 _PATH_PARAM = re.compile(r"{([a-z_]+)}")
 # what each path parameter looks like (anything else is a 404)
 PATH_PARAMS = {"session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
-               "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"}}
+               "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+               "model_id": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"}}
 
 
 @dataclass(frozen=True, slots=True)

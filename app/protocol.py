@@ -337,3 +337,24 @@ class CreatePresetRequest(_Model):
     system: Annotated[str, Field(min_length=1)]
     shared: bool = Field(default=False, description="every tenant sees it (admin key only); otherwise it is the "
                          "creating key's own")
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = Field(default=True, description="with prompt: the tokenizer's BOS and the like")
+    return_token_strs: bool = Field(default=False, description="also each token's text")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]

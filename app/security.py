@@ -27,6 +27,9 @@ from app.settings import ServerSettings
 _SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 
 
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what needs a key when the server has keys
+
+
 def tenant_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -59,7 +62,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         key, tenant = self._match(Headers(scope=scope).get("authorization", ""))
-        if self._keys and tenant is None and scope["path"].startswith("/v1/"):
+        if self._keys and tenant is None and scope["path"].startswith(KEYED_PATHS):
             error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error.response()(scope, receive, send)

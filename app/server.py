@@ -14,12 +14,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import openai_api
+from app import openai_api, tokenize_api
 from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler, http_error_handler,
                         request_failed_handler)
 from app.front import Front
@@ -34,6 +34,7 @@ from app.sessions import api as sessions_api
 from app.sessions import presets
 from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
 from app.settings import ServerSettings
+from app.version import version
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.sampling_params import SamplingParams
 
@@ -46,7 +47,12 @@ OPERATIONS = [
     Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
     Operation("/v1/completions", "POST", "Text completion (OpenAI)", CompletionRequest, streams=True),
     Operation("/v1/models", "GET", "The served model"),
+    Operation("/v1/models/{model_id}", "GET", "The served model's card (404 for another name)",
+              path_params={"model_id": "the model's name"}),
     Operation("/health", "GET", "200 while the engine runs, 503 once it failed"),
+    Operation("/ping", "GET", "As /health"),
+    Operation("/version", "GET", "The server's version"),
+    *tokenize_api.OPERATIONS,
     Operation("/metrics", "GET", "Prometheus metrics (text exposition format)", content_type="text/plain"),
     *sessions_api.OPERATIONS,
     *presets.OPERATIONS,
@@ -63,7 +69,10 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
         *openai_api.routes,
         *sessions_api.routes,
         *presets.routes,
+        *tokenize_api.routes,
         Route("/health", health_endpoint, methods=["GET"]),
+        Route("/ping", health_endpoint, methods=["GET", "POST"]),
+        Route("/version", _version_endpoint, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
@@ -82,7 +91,7 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     app.state.engine_died = False
     app.state.config_error = None  # set when the engine refused its configuration at start-up
     app.state.request_shutdown = None
-    app.state.openapi = openapi_document(OPERATIONS, "pagedchat", "0.1.0")
+    app.state.openapi = openapi_document(OPERATIONS, "pagedchat", version())
     return app
 
 
@@ -151,6 +160,10 @@ async def _drain(server: Serving) -> None:
             logger.error("%d turns were never stored: the session store stayed unreachable", len(server.outbox))
     if server.sessions is not None:
         await server.sessions.close()
+
+
+async def _version_endpoint(request: Request) -> JSONResponse:
+    return JSONResponse({"version": version()})
 
 
 async def _no_tokenizer_handler(request: Request, exc: Exception) -> Response:

@@ -145,3 +145,7 @@ def test_health_and_the_ui_need_no_key(client: TestClient):
     assert client.get("/").status_code == 200
     assert_error(client.get("/v1/models"), 401, "invalid_api_key")
     assert client.get("/v1/models", headers=auth(ADMIN)).status_code == 200  # the admin key is a key too
+    assert client.get("/ping").status_code == 200 and client.get("/version").status_code == 200
+    for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        assert_error(client.post(path, json=body), 401, "invalid_api_key")  # the tokenizer's work: keyed
+        assert client.post(path, json=body, headers=auth(BOB)).status_code == 200

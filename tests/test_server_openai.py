@@ -270,3 +270,41 @@ def test_serve_help_lists_the_promised_options():
     flags = {word.rstrip(",") for word in result.stdout.split() if word.startswith("--")}
     missing = [option for option in SERVE_OPTIONS if option not in flags]
     assert not missing, result.stdout
+
+
+# the smaller routes ------------------------------------------------------------------------------------------
+
+
+def test_models_retrieve_gives_the_served_models_card_and_404_for_another(server: RunningServer,
+                                                                           client: openai.OpenAI):
+    (listed,) = client.models.list().data
+    card = client.models.retrieve(listed.id)
+    assert card.id == listed.id and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/another-model")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize_round_trip_with_the_models_tokenizer(server: RunningServer):
+    tokenizer = offline_llm().tokenizer
+    text = "The three primary colours are"
+    answer = httpx.post(server.url("/tokenize"), json={"prompt": text, "return_token_strs": True}, timeout=30).json()
+    assert answer["tokens"] == tokenizer.encode(text) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] > 0 and "".join(answer["token_strs"]) == tokenizer.decode(answer["tokens"])
+    chat = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": "Hi"}]},
+                      timeout=30).json()
+    assert chat["tokens"] == offline_llm().chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    back = httpx.post(server.url("/detokenize"), json={"tokens": answer["tokens"]}, timeout=30).json()
+    assert back["prompt"] == tokenizer.decode(answer["tokens"])
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+                               "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens.0")):
+        response = httpx.post(server.url(path), json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_version_and_ping(server: RunningServer):
+    assert httpx.get(server.url("/version"), timeout=10).json()["version"]
+    assert httpx.get(server.url("/ping"), timeout=10).status_code == 200
+    assert httpx.post(server.url("/ping"), timeout=10).status_code == 200

@@ -14,12 +14,15 @@ no other client ever sees half of either.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
 from app.sessions.store import (JSON_FIELDS, Preset, Session, SessionPage, SessionQuotaExceeded,
                                 SessionStoreUnavailable, UnknownCursor, session_from_fields, session_to_fields,
                                 sorted_presets)
+
+logger = logging.getLogger(__name__)
 
 _SUMMARY_FIELDS = ["owner", "title", "preset", "created_at", "updated_at", "num_messages"]
 _PRESET_FIELDS = ["name", "system", "owner", "created_at"]
@@ -31,8 +34,16 @@ class RedisSessionStore:
     def __init__(self, url: str, ttl_s: float, prefix: str = "pagedchat:") -> None:
         from redis.asyncio import Redis
 
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        # a connection Redis closed (it restarted) fails on its first use: one retry on a fresh connection, so
+        # the first request after a restart does not get a 503 (only connection errors: a timeout may have run)
         self._redis = Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5,
-                                     health_check_interval=10)
+                                     health_check_interval=10, retry=Retry(NoBackoff(), 1),
+                                     retry_on_error=[RedisConnectionError])
+        self._reachable = True
         self._ttl_ms = int(ttl_s * 1000)
         self._p = prefix
         self._create = self._redis.register_script(_CREATE)
@@ -42,6 +53,21 @@ class RedisSessionStore:
         self._save_preset = self._redis.register_script(_SAVE_PRESET)
         self._set_title = self._redis.register_script(_SET_TITLE)
 
+    async def _guard(self, awaitable: Any) -> Any:
+        """``awaitable``'s result, or SessionStoreUnavailable; Redis going away and coming back is logged once
+        each (not once per request)."""
+        try:
+            result = await _unavailable_on_error(awaitable)
+        except SessionStoreUnavailable as exc:
+            if self._reachable:
+                self._reachable = False
+                logger.warning("session store: %s (session routes answer 503 until it is back)", exc)
+            raise
+        if not self._reachable:
+            self._reachable = True
+            logger.info("session store: Redis is reachable again")
+        return result
+
     def _key(self, session_id: str) -> str:
         return f"{self._p}session:{session_id}"
 
@@ -49,7 +75,7 @@ class RedisSessionStore:
         return f"{self._p}sessions:{owner or '-'}"
 
     async def ping(self) -> None:
-        await _unavailable_on_error(self._redis.ping())
+        await self._guard(self._redis.ping())
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -66,7 +92,7 @@ class RedisSessionStore:
         keys = [self._key(session.id), self._index(session.owner), f"{self._key(session.id)}:lock"]
         args = [self._ttl_ms, session.id, session.updated_at, max_sessions, f"{self._p}session:", lock_token,
                 max(int(lock_ttl_s * 1000), 1), *fields]
-        created = await _unavailable_on_error(self._create(keys=keys, args=args))
+        created = await self._guard(self._create(keys=keys, args=args))
         if created == -1:
             raise SessionQuotaExceeded(f"this API key already has {max_sessions} sessions")
         return lock_token if created == 1 else None
@@ -75,7 +101,7 @@ class RedisSessionStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(self._key(session_id))
             pipe.pexpire(self._key(session_id), self._ttl_ms)  # refreshed on use
-            fields, _ = await _unavailable_on_error(pipe.execute())
+            fields, _ = await self._guard(pipe.execute())
         if not fields or fields.get("owner", "") != owner:
             return None
         return session_from_fields(session_id, fields)
@@ -83,16 +109,16 @@ class RedisSessionStore:
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage:
         index, start = self._index(owner), 0
         if after is not None:
-            rank = await _unavailable_on_error(self._redis.zrevrank(index, after))
+            rank = await self._guard(self._redis.zrevrank(index, after))
             if rank is None:
                 raise UnknownCursor(f"after: no session {after!r} in this listing")
             start = rank + 1
-        ids = await _unavailable_on_error(self._redis.zrevrange(index, start, start + limit))  # one more: has_more
+        ids = await self._guard(self._redis.zrevrange(index, start, start + limit))  # one more: has_more
         has_more, ids = len(ids) > limit, ids[:limit]
         async with self._redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
                 pipe.hmget(self._key(session_id), _SUMMARY_FIELDS)
-            rows = await _unavailable_on_error(pipe.execute())
+            rows = await self._guard(pipe.execute())
         sessions, expired = [], []
         for session_id, row in zip(ids, rows):
             if row[0] is None:  # expired: its index entry goes too (the page is one shorter)
@@ -103,11 +129,11 @@ class RedisSessionStore:
             session.messages = [{}] * int(fields.get("num_messages", 0))  # the summary only counts them
             sessions.append(session)
         if expired:
-            await _unavailable_on_error(self._redis.zrem(index, *expired))
+            await self._guard(self._redis.zrem(index, *expired))
         return SessionPage(sessions, has_more)
 
     async def set_title(self, session_id: str, owner: str, title: str) -> bool:
-        return bool(await _unavailable_on_error(self._set_title(keys=[self._key(session_id)], args=[owner, title])))
+        return bool(await self._guard(self._set_title(keys=[self._key(session_id)], args=[owner, title])))
 
     async def delete(self, session_id: str, owner: str) -> bool:
         if await self.get(session_id, owner) is None:
@@ -115,7 +141,7 @@ class RedisSessionStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._key(session_id))
             pipe.zrem(self._index(owner), session_id)
-            await _unavailable_on_error(pipe.execute())
+            await self._guard(pipe.execute())
         return True
 
     async def save_turn(self, session: Session) -> bool:
@@ -124,28 +150,28 @@ class RedisSessionStore:
         keys = [self._key(session.id), self._index(session.owner)]
         args = [self._ttl_ms, session.id, session.updated_at, fields["num_messages"],
                 *(fields[k] for k in ("updated_at", *JSON_FIELDS)), session.revision, revision]
-        saved = bool(await _unavailable_on_error(self._save_turn(keys=keys, args=args)))
+        saved = bool(await self._guard(self._save_turn(keys=keys, args=args)))
         if saved:
             session.revision = revision
         return saved
 
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
         token = secrets.token_hex(8)
-        ok = await _unavailable_on_error(self._redis.set(f"{self._key(session_id)}:lock", token, nx=True,
+        ok = await self._guard(self._redis.set(f"{self._key(session_id)}:lock", token, nx=True,
                                                          px=int(ttl_s * 1000)))
         return token if ok else None
 
     async def refresh_lock(self, session_id: str, token: str, ttl_s: float) -> bool:
         key = f"{self._key(session_id)}:lock"
-        return bool(await _unavailable_on_error(self._refresh(keys=[key], args=[token, int(ttl_s * 1000)])))
+        return bool(await self._guard(self._refresh(keys=[key], args=[token, int(ttl_s * 1000)])))
 
     async def unlock(self, session_id: str, token: str) -> None:
-        await _unavailable_on_error(self._unlock(keys=[f"{self._key(session_id)}:lock"], args=[token]))
+        await self._guard(self._unlock(keys=[f"{self._key(session_id)}:lock"], args=[token]))
 
     async def save_preset(self, preset: Preset) -> bool:
         keys = [f"{self._p}preset:{preset.key}", f"{self._p}presets"]
         args = [preset.key, preset.name, preset.system, preset.owner, str(preset.created_at)]
-        return bool(await _unavailable_on_error(self._save_preset(keys=keys, args=args)))
+        return bool(await self._guard(self._save_preset(keys=keys, args=args)))
 
     async def get_preset(self, name: str, owner: str) -> Preset | None:
         keys = ([Preset(name, "", owner).key] if owner else []) + [name]
@@ -153,7 +179,7 @@ class RedisSessionStore:
         return found[0] if found else None
 
     async def list_presets(self, owner: str | None) -> list[Preset]:
-        keys = await _unavailable_on_error(self._redis.smembers(f"{self._p}presets"))
+        keys = await self._guard(self._redis.smembers(f"{self._p}presets"))
         if owner is not None:
             keys = [k for k in keys if "/" not in k or k.startswith(f"{owner}/")]
         return sorted_presets(await self._presets(keys), owner)
@@ -162,7 +188,7 @@ class RedisSessionStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(f"{self._p}preset:{preset.key}")
             pipe.srem(f"{self._p}presets", preset.key)
-            deleted, _ = await _unavailable_on_error(pipe.execute())
+            deleted, _ = await self._guard(pipe.execute())
         return bool(deleted)
 
     async def _presets(self, keys: list[str]) -> list[Preset]:
@@ -170,7 +196,7 @@ class RedisSessionStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.hmget(f"{self._p}preset:{key}", _PRESET_FIELDS)
-            rows = await _unavailable_on_error(pipe.execute())
+            rows = await self._guard(pipe.execute())
         return [Preset(name, system or "", owner or "", float(created or 0))
                 for name, system, owner, created in rows if name is not None]
 

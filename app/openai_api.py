@@ -11,9 +11,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.answers import answer_chat, render_chat, sampling_params, token_texts, worth_a_chunk
+from app.answers import (
+    answer_chat,
+    render_chat,
+    sampling_params,
+    token_texts,
+    worth_a_chunk,
+)
 from app.errors import APIError
-from app.openai_format import ResponseHeader, completion_choice, completion_logprobs, samples_usage, sum_usage
+from app.openai_format import (
+    ResponseHeader,
+    completion_choice,
+    completion_logprobs,
+    samples_usage,
+    sum_usage,
+)
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
@@ -31,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
         return await chat_in_session(request, server, body, session_id, arrival)
     prompt_ids = await render_chat(server, body.messages)
     stream = server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
-                           server.cache_salt(request, body.cache_salt), arrival)
+                           server.cache_salt(request, body.cache_salt), arrival, request)
     return await answer_chat(request, server, body, stream)
 
 
@@ -50,7 +62,7 @@ async def completions(request: Request) -> Response:
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(server.submit(ids, p, salt, arrival))
+            streams.append(server.submit(ids, p, salt, arrival, request))
     except APIError:
         for stream in streams:
             await stream.aclose()

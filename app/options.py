@@ -57,7 +57,7 @@ class Option:
 
 ENGINE_OPTIONS = (
     Option("model", "The model: a local Hugging Face directory (Llama, Mistral, Qwen2, Qwen3; safetensors)",
-           "the embedded SmolLM2-135M-Instruct"),
+           "the embedded SmolLM2-135M-Instruct", env="PAGEDCHAT_MODEL"),
     Option("load_format", "Where weights come from: the model's files, or seeded random weights of --model-config "
            "(for speed work; no tokenizer: token-id prompts only)", "auto", choices=("auto", "dummy")),
     Option("model_config", "The architecture of dummy weights (--load-format dummy)", "none", choices=DUMMY_MODELS),
@@ -137,6 +137,8 @@ SERVER_OPTIONS = (
     Option("shutdown_timeout_s", "On SIGTERM or Ctrl-C, open streams may finish for this many seconds", "30.0",
            "float"),
     Option("log_level", "How much the server logs", "info", choices=LOG_LEVELS),
+    Option("log_format", "Log lines as text, or as one JSON object per line (for log collectors); the access "
+           "line of each request carries its numbers either way", "text", choices=("text", "json")),
     Option("api_server_count", "Front processes (HTTP, tokenization, output processing, SSE) sharing one engine "
            "core and one port; more than one needs --redis-url", "1", "int"),
 )

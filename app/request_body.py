@@ -54,7 +54,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                 raise _too_large(max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
-        logger.info("client went away while sending the body of %s %s (%d bytes read)", request.method,
+        logger.debug("client went away while sending the body of %s %s (%d bytes read)", request.method,
                     request.url.path, size)
         raise ClientDisconnected() from None
     return b"".join(chunks)

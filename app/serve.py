@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from app.front import Front
+from app.logs import configure_logging
 from app.metrics import MULTIPROC_DIR_ENV
 from app.settings import ServerSettings
 from engine.core_process import launch_core
@@ -119,7 +120,8 @@ def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] 
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None)
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None,
+                            access_log=False)  # (app/access_log.py writes one line per request, with its numbers)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     try:
@@ -216,8 +218,7 @@ def run_front(settings: ServerSettings, front: Front, listener: socket.socket, l
     os.setpgrp()  # a terminal's Ctrl-C goes to the runner, which passes it on once
     if sys.platform.startswith("linux"):  # the runner killed: this front ends too
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [front {front.index}]: "
-                                                "%(message)s")
+    configure_logging(logging.getLevelName(log_level), settings.log_format, f"front {front.index}")
     from app.server import create_app
 
     sys.exit(run_server(create_app(settings, front), settings, sockets=[listener]))

@@ -20,8 +20,15 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import openai_api, tokenize_api
-from app.errors import (APIError, api_error_handler, client_gone_handler, engine_dead_handler, http_error_handler,
-                        request_failed_handler)
+from app.access_log import AccessLog
+from app.errors import (
+    APIError,
+    api_error_handler,
+    client_gone_handler,
+    engine_dead_handler,
+    http_error_handler,
+    request_failed_handler,
+)
 from app.front import Front
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
@@ -78,7 +85,8 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
         routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
-    app = Starlette(routes=routes, middleware=[Middleware(OneLineStartupErrors), *security_middleware(settings)],
+    app = Starlette(routes=routes, middleware=[Middleware(OneLineStartupErrors), Middleware(AccessLog),
+                                               *security_middleware(settings)],
                     lifespan=_lifespan,
                     exception_handlers={
                         APIError: api_error_handler, HTTPException: http_error_handler,

@@ -64,8 +64,9 @@ class Serving:
         return f"{tenant}/{requested}" if requested is not None else tenant
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-               arrival: float) -> TimedStream:
-        """Hand the request to the engine now, or raise the APIError that says why not."""
+               arrival: float, request: Request | None = None) -> TimedStream:
+        """Hand the request to the engine now, or raise the APIError that says why not. With the HTTP
+        ``request``, the stream's numbers go to its access-log line (app/access_log.py)."""
         if not self.engine.healthy:
             raise EngineUnavailable()
         if self.engine.num_queued >= self.max_queue:
@@ -77,7 +78,10 @@ class Serving:
             raise EngineUnavailable(f"the engine is not running: {exc}") from None
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
-        return TimedStream(stream, self.metrics, arrival, params.num_samples)
+        timed = TimedStream(stream, self.metrics, arrival, params.num_samples, len(prompt_ids))
+        if request is not None:
+            request.scope.setdefault("state", {}).setdefault("generations", []).append(timed)
+        return timed
 
     def spawn(self, coro: Any) -> asyncio.Task:
         """A background task the server keeps referenced (and waits for at shutdown)."""
@@ -92,8 +96,13 @@ class TimedStream:
     time into the server's histograms. With several samples (n, best_of) the request's first token is its time
     to first token, intervals are measured within each sample, and the request ends with its last sample."""
 
-    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float, num_samples: int = 1) -> None:
+    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float, num_samples: int = 1,
+                 num_prompt_tokens: int = 0) -> None:
         self.stream = stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.num_completion_tokens = 0  # every sample's
+        self.finish_reasons: set[str] = set()  # of the samples that ended ("abort" for those cut by a close)
         self._metrics = metrics
         self.arrival = arrival
         self.num_samples = num_samples
@@ -134,6 +143,9 @@ class TimedStream:
         self._ended()
 
     def _ended(self) -> None:
+        if self._num_open > 0:  # ended before every sample finished: closed (the client left) or failed
+            self.finish_reasons.add("error" if self.failure is not None else "abort")
+            self._num_open = 0
         on_end, self.on_end = self.on_end, None
         if on_end is not None:
             self._end_task = on_end(self)
@@ -156,7 +168,10 @@ class TimedStream:
             if count:
                 self._metrics.observe_tokens(now - previous, count)
             self._sample_token_times[output.index] = self.last_token_time = now
+        self.num_completion_tokens += len(output.token_ids_delta)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.finished:
+            self.finish_reasons.add(output.finish_reason or "stop")
             self._num_open -= 1
             if not self._num_open:
                 self._metrics.observe_finished(now - self.arrival)

@@ -32,6 +32,7 @@ class ServerSettings:
     exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
     shutdown_timeout_s: float = 30.0  # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object per line)
     # front processes sharing one engine core (HTTP, tokenization, detokenization, SSE spread over N CPUs);
     # more than one needs --redis-url, so that every front sees the same sessions and presets
     api_server_count: int = 1
@@ -53,6 +54,7 @@ class ServerSettings:
         _check(self.admin_api_key is None or bool(self.admin_api_key.strip()) and "," not in self.admin_api_key,
                "admin_api_key", "must be one non-empty key")
         _check(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+        _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
         _check(self.api_server_count == 1 or self.redis_url is not None, "api_server_count",
                "more than one front process needs a session store they share: set --redis-url (or REDIS_URL)")

@@ -23,7 +23,8 @@ KV_BACKENDS = ("paged", "vattention")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory; None = the embedded SmolLM2-135M-Instruct
+    # HF directory; None = the embedded SmolLM2-135M-Instruct ($PAGEDCHAT_MODEL when set and not empty)
+    model: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_MODEL") or None)
     load_format: str = "auto"  # auto (safetensors / GGUF) | dummy (random weights, seeded)
     model_config: str | None = None  # named architecture for load_format=dummy (llama-3.2-1b, ...)
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU

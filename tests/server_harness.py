@@ -78,6 +78,7 @@ def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
     env.pop("PAGEDCHAT_API_KEY", None)  # a key in the developer's shell must not change what the tests see
     env.pop("PAGEDCHAT_ADMIN_API_KEY", None)
     env.pop("REDIS_URL", None)
+    env.pop("PAGEDCHAT_MODEL", None)
     env.update(extra_env or {})
     return env
 

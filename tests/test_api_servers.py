@@ -15,9 +15,23 @@ import httpx
 import pytest
 
 from tests.redis_harness import RedisServer, running_redis
-from tests.server_harness import (REPO_ROOT, RunningServer, offline_chat, running_server, server_command,
-                                  server_env, sse_chunks, sse_data)
-from tests.test_engine_process import core_processes_of, data_events, process_gone, stream_body, wait_until
+from tests.server_harness import (
+    REPO_ROOT,
+    RunningServer,
+    offline_chat,
+    running_server,
+    server_command,
+    server_env,
+    sse_chunks,
+    sse_data,
+)
+from tests.test_engine_process import (
+    core_processes_of,
+    data_events,
+    process_gone,
+    stream_body,
+    wait_until,
+)
 
 PROMPT = "Name three colours."
 MESSAGES = [{"role": "user", "content": PROMPT}]

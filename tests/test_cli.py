@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import _DERIVED, build_parser, engine_config_from_args, server_settings_from_args
+from app.cli import (
+    _DERIVED,
+    build_parser,
+    engine_config_from_args,
+    server_settings_from_args,
+)
 from app.options import ENGINE_OPTIONS, SERVER_OPTIONS, parse_bytes, show_bytes
 from app.settings import ServerSettings
 from engine.config import EngineConfig
@@ -110,7 +115,13 @@ def test_the_options_table_matches_the_dataclasses_and_their_defaults():
 
 
 def test_choices_are_the_engines_own():
-    from engine.config import DTYPES, KV_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, PREFIX_HASHES
+    from engine.config import (
+        DTYPES,
+        KV_BACKENDS,
+        LOAD_FORMATS,
+        PREEMPTION_MODES,
+        PREFIX_HASHES,
+    )
     from engine.layers.quantized_linear import CPU_WEIGHTS
     from engine.loader import DUMMY_ARCHITECTURES
 

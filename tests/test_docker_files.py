@@ -125,8 +125,36 @@ def test_app_publishes_the_port_it_serves(compose: dict) -> None:
     app = compose["services"]["app"]
     port = app["command"][app["command"].index("--port") + 1]
     published = [interpolate(p, {}) for p in app["ports"]]
-    assert published == [f"8000:{port}"]
-    assert interpolate(app["ports"][0], {"PAGEDCHAT_PORT": "9000"}) == f"9000:{port}"
+    assert published == [f"127.0.0.1:8000:{port}"]  # this machine only, unless the operator chooses otherwise
+    assert interpolate(app["ports"][0], {"PAGEDCHAT_PORT": "9000", "PAGEDCHAT_BIND": "0.0.0.0"}) == \
+        f"0.0.0.0:9000:{port}"
+
+
+def test_every_published_port_is_on_loopback_by_default(compose: dict) -> None:
+    ports = [p for service in compose["services"].values() for p in service.get("ports", [])]
+    assert ports and all(interpolate(p, {}).startswith("127.0.0.1:") for p in ports)
+
+
+def test_the_env_example_names_every_variable_the_compose_file_reads(compose: dict) -> None:
+    used = set(re.findall(r"\$\{([A-Z_]+)", (DOCKER_DIR / "compose.yml").read_text()))
+    example = (DOCKER_DIR / ".env.example").read_text()
+    defined = set(re.findall(r"^([A-Z_]+)=", example, re.MULTILINE))
+    assert used == defined, used ^ defined
+
+
+def test_your_own_models_are_mounted_read_only_and_chosen_by_name(compose: dict) -> None:
+    app = compose["services"]["app"]
+    (mount,) = [v for v in app["volumes"] if ":/models" in v]
+    assert mount.endswith(":/models:ro") and "PAGEDCHAT_MODELS_DIR" in mount
+    assert app["environment"]["PAGEDCHAT_MODEL"] == "${PAGEDCHAT_MODEL:-}"
+
+
+def test_the_cuda_build_args_default_to_the_dockerfiles_own(compose: dict) -> None:
+    args = compose["services"]["app-gpu"]["build"]["args"]
+    dockerfile = (DOCKER_DIR / "Dockerfile.cuda").read_text()
+    for name, value in args.items():
+        default = re.search(rf"^ARG {name}=(\S+)$", dockerfile, re.MULTILINE).group(1)
+        assert interpolate(value, {}) == default
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
@@ -178,8 +206,8 @@ def test_gpu_profile_runs_the_cuda_image_with_a_gpu_reserved(compose: dict) -> N
     assert gpu["image"] != compose["services"]["app"]["image"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] and device.get("driver") == "nvidia" for device in devices)
-    published = {interpolate(p, {}).split(":")[0] for p in gpu["ports"]}
-    assert "8000" not in published  # `--profile gpu up` also starts the CPU app, which has 8000
+    published = {interpolate(p, {}).split(":")[1] for p in gpu["ports"]}  # (address:host port:container port)
+    assert published and "8000" not in published  # `--profile gpu up` also starts the CPU app, which has 8000
 
 
 def test_scale_profile_puts_nginx_in_front_of_the_replicas(compose: dict) -> None:
@@ -209,7 +237,7 @@ def test_replicas_share_redis_and_the_prefix_cache_seed(compose: dict) -> None:
 def test_lb_publishes_the_port_nginx_listens_on(compose: dict) -> None:
     listen = re.search(r"^\s*listen\s+(\d+);", (DOCKER_DIR / "nginx.conf").read_text(), re.MULTILINE).group(1)
     published = [interpolate(p, {}) for p in compose["services"]["lb"]["ports"]]
-    assert published == [f"8080:{listen}"]
+    assert published == [f"127.0.0.1:8080:{listen}"]
 
 
 def test_nginx_config_streams_sse_and_hashes_sessions_consistently() -> None:

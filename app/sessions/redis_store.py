@@ -18,9 +18,18 @@ import logging
 import secrets
 from typing import Any
 
-from app.sessions.store import (JSON_FIELDS, Preset, Session, SessionPage, SessionQuotaExceeded,
-                                SessionStoreUnavailable, UnknownCursor, session_from_fields, session_to_fields,
-                                sorted_presets)
+from app.sessions.store import (
+    JSON_FIELDS,
+    Preset,
+    Session,
+    SessionPage,
+    SessionQuotaExceeded,
+    SessionStoreUnavailable,
+    UnknownCursor,
+    session_from_fields,
+    session_to_fields,
+    sorted_presets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +42,6 @@ class RedisSessionStore:
 
     def __init__(self, url: str, ttl_s: float, prefix: str = "pagedchat:") -> None:
         from redis.asyncio import Redis
-
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError

@@ -143,4 +143,4 @@ async def _store_state(store) -> str:
         await asyncio.wait_for(store.ping(), timeout=1.0)
     except Exception:  # noqa: BLE001 - any failure means unavailable here
         return "unavailable"
-    return "redis" if store.durable else "memory"
+    return store.kind

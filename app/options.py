@@ -15,6 +15,7 @@ _UNITS = {None: 1, "b": 1, "kib": 2**10, "kb": 10**3, "mib": 2**20, "mb": 10**6,
 
 DUMMY_MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3-8b")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+SESSION_STORES = ("auto", "redis", "sqlite", "memory")
 
 
 def parse_bytes(text: str) -> int:
@@ -116,8 +117,12 @@ SERVER_OPTIONS = (
     Option("allowed_origins", "Browser origins that may call the API, comma-separated (CORS; * for any)", "none"),
     Option("max_queue", "Requests waiting for their first token; beyond it new requests get 429", "256", "int"),
     Option("max_request_bytes", "Largest request body (e.g. 4MiB); larger ones get 413", "4MiB", "bytes"),
-    Option("redis_url", "Keep sessions and presets in this Redis (redis://host:port/db); unset: in memory",
+    Option("redis_url", "Keep sessions and presets in this Redis (redis://host:port/db), shared by replicas",
            "none", env="REDIS_URL"),
+    Option("session_store", "Where sessions and presets live: auto is Redis with --redis-url, else a SQLite file "
+           "(durable across restarts, one host); memory is this process only (lost on restart)", "auto",
+           choices=SESSION_STORES),
+    Option("session_db_path", "The SQLite file of the sqlite session store", "sessions.sqlite3 in --cache-dir"),
     Option("session_ttl_s", "An unused session is forgotten after this many seconds (refreshed on use)",
            "2592000 (30 days)", "int"),
     Option("session_lock_s", "A turn holds its session this many seconds without a sign of life", "30.0", "float"),

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from app.options import LOG_LEVELS
+from app.options import LOG_LEVELS, SESSION_STORES
 from engine.config import EngineConfig
 
 
@@ -20,6 +21,10 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting for their first token; beyond it new requests get 429
     max_request_bytes: int = 4 * 2**20  # request bodies above it get 413
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
+    # where sessions and presets live: auto = Redis with --redis-url, else a SQLite file (durable, one host);
+    # memory = this process only (lost on restart)
+    session_store: str = "auto"
+    session_db_path: str | None = None  # the SQLite file; default: sessions.sqlite3 in the cache dir
     session_ttl_s: int = 30 * 24 * 3600  # a session unused this long is forgotten (refreshed on use)
     session_lock_s: float = 30.0  # a turn holds its session this long without a sign of life (refreshed meanwhile)
     session_write_timeout_s: float = 3.0  # a turn's write retries this long; then the stream reports it unsaved
@@ -56,11 +61,26 @@ class ServerSettings:
         _check(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
-        _check(self.api_server_count == 1 or self.redis_url is not None, "api_server_count",
-               "more than one front process needs a session store they share: set --redis-url (or REDIS_URL)")
+        _check(self.session_store in SESSION_STORES, "session_store", f"must be one of {', '.join(SESSION_STORES)}")
+        _check(self.session_store != "redis" or self.redis_url is not None, "session_store",
+               "redis needs --redis-url (or REDIS_URL)")
+        _check(self.session_store not in ("sqlite", "memory") or self.redis_url is None, "session_store",
+               f"{self.session_store} and --redis-url contradict each other: give one")
+        _check(self.api_server_count == 1 or self.session_store != "memory", "api_server_count",
+               "more than one front process needs a session store they share: Redis or SQLite, not memory")
         _check(self.served_model_name is None or bool(self.served_model_name.strip()),
                "served_model_name", "must not be empty")
 
+
+    @property
+    def resolved_session_store(self) -> str:
+        if self.session_store != "auto":
+            return self.session_store
+        return "redis" if self.redis_url else "sqlite"
+
+    @property
+    def sessions_path(self) -> str:
+        return self.session_db_path or str(Path(self.engine.cache_dir) / "sessions.sqlite3")
 
     @property
     def api_keys(self) -> list[str]:

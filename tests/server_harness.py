@@ -66,11 +66,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(port: int, extra_args: Iterable[str] = ()) -> list[str]:
+def server_command(port: int, extra_args: Iterable[str] = (), sessions_path: Path | None = None) -> list[str]:
     """The small test defaults come first: an option repeated in ``extra_args`` wins (argparse keeps the
-    last), e.g. ``--kv-cache-memory-gib 0.5``."""
+    last), e.g. ``--kv-cache-memory-gib 0.5``. Sessions go to a SQLite file of this server's own (the default
+    store; ``sessions_path``, else a fresh temporary file), so no two test servers share one by accident."""
+    if sessions_path is None:
+        sessions_path = Path(tempfile.gettempdir()) / f"pagedchat-test-sessions-{port}-{os.getpid()}.sqlite3"
     return [sys.executable, "-m", "app", "serve", "--port", str(port), "--kv-cache-memory-gib", SMALL_KV_GIB,
-            "--num-threads", "1", "--log-level", "info", *extra_args]
+            "--num-threads", "1", "--log-level", "info", "--session-db-path", str(sessions_path), *extra_args]
 
 
 def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -99,6 +102,16 @@ def running_server(*extra_args: str, env: Mapping[str, str] | None = None,
             sys.stderr.write(f"the server exited with {server.process.returncode} while in use; its log:\n"
                              f"{server.log()}")
         server.log_path.unlink(missing_ok=True)
+        _remove_sessions_file(server)
+
+
+def _remove_sessions_file(server: RunningServer) -> None:
+    """The temporary SQLite file server_command gave it (a test's own ``--session-db-path`` is kept)."""
+    command = server.process.args
+    path = Path(command[command.index("--session-db-path") + 1])
+    if path.name.startswith("pagedchat-test-sessions-"):
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
 def _start(extra_args: list[str], env: Mapping[str, str] | None, startup_timeout: float,

@@ -177,7 +177,20 @@ def test_a_front_killed_stops_the_server_and_leaves_no_process(redis_server: Red
 
 
 def test_more_than_one_front_needs_a_shared_session_store():
-    result = subprocess.run(server_command(8999, ["--api-server-count", "2"]), cwd=REPO_ROOT, env=server_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(server_command(8999, ["--api-server-count", "2", "--session-store", "memory"]),
+                            cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "api_server_count" in result.stderr and "--redis-url" in result.stderr  # (before any model load)
+    assert "api_server_count" in result.stderr and "not memory" in result.stderr  # (before any model load)
+
+
+def test_two_fronts_share_sessions_in_the_default_sqlite_file(tmp_path):
+    with running_server("--api-server-count", "2", "--session-db-path", str(tmp_path / "s.sqlite3")) as server:
+        session = httpx.post(server.url("/v1/sessions"), json={}, timeout=30).json()
+        for turn in ("Hi!", "Name a colour."):
+            with httpx.Client(timeout=120) as client:  # a new connection per turn: either front
+                response = client.post(server.url(f"/v1/sessions/{session['id']}/messages"),
+                                       json={"content": turn, "max_tokens": 4, "temperature": 0})
+            assert response.status_code == 200, response.text
+        for _ in range(4):
+            with httpx.Client(timeout=30) as client:
+                assert client.get(server.url(f"/v1/sessions/{session['id']}")).json()["num_messages"] == 4

@@ -38,7 +38,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 def client() -> Iterator[TestClient]:
     """One app for the whole module (its lifespan runs once: model load, warm-up); schemathesis's own ASGI
     transport would start and stop it around every test."""
-    settings = ServerSettings(default_max_tokens=4, max_request_bytes=256 * 1024,
+    settings = ServerSettings(default_max_tokens=4, max_request_bytes=256 * 1024, session_store="memory",
                               engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=128))
     with TestClient(create_app(settings)) as client:
         yield client

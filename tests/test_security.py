@@ -28,6 +28,7 @@ HI = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     settings = ServerSettings(api_key=f"{ALICE},{BOB}", admin_api_key=ADMIN, allowed_origins=ALLOWED,
+                              session_store="memory",
                               engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=256))
     with one_torch_thread(), TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client

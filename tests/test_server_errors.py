@@ -284,7 +284,7 @@ def test_health_metrics_and_schema_stay_open_without_a_key(guarded_server: Runni
 def in_process() -> Iterator[TestClient]:
     """The app in this process (TestClient runs its lifespan: model load, warm-up), so a test can reach the
     engine's model runner and make it fail."""
-    settings = ServerSettings(engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB)))
+    settings = ServerSettings(session_store="memory", engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB)))
     with one_torch_thread(), TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client
 
@@ -451,7 +451,7 @@ def _serve_in_thread(settings: ServerSettings) -> tuple[Any, threading.Thread, d
 
 @pytest.mark.parametrize("exit_on_death", [True, False])
 def test_engine_death_exits_non_zero(exit_on_death: bool):
-    settings = ServerSettings(port=free_port(), exit_on_engine_death=exit_on_death,
+    settings = ServerSettings(port=free_port(), exit_on_engine_death=exit_on_death, session_store="memory",
                               engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB)))
     with one_torch_thread():
         app, thread, result = _serve_in_thread(settings)

@@ -19,7 +19,7 @@ from tests.test_models import tiny_hf_model
 def client(tmp_path_factory):
     model_dir: Path = tmp_path_factory.mktemp("tiny-llama")
     tiny_hf_model("llama").save_pretrained(model_dir)  # weights and config, no tokenizer files
-    settings = ServerSettings(engine=EngineConfig(model=str(model_dir), num_kv_blocks=64))
+    settings = ServerSettings(session_store="memory", engine=EngineConfig(model=str(model_dir), num_kv_blocks=64))
     with TestClient(create_app(settings)) as client:
         yield client
 

@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    settings = ServerSettings(api_key=",".join(KEYS), max_sessions_per_key=MAX_SESSIONS,
+    settings = ServerSettings(api_key=",".join(KEYS), max_sessions_per_key=MAX_SESSIONS, session_store="memory",
                               max_session_bytes=MAX_SESSION_BYTES, max_system_prompt_chars=MAX_SYSTEM_CHARS,
                               default_max_tokens=DEFAULT_MAX_TOKENS,
                               engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=MAX_MODEL_LEN))

@@ -1,4 +1,4 @@
-"""Session stores, in memory and in a real Redis: the same behaviour behind the SessionStore protocol —
+"""Session stores, in memory, in a real Redis and in a SQLite file: the same behaviour behind the SessionStore protocol —
 owners see only their sessions, listing is newest first and paged, creation never overwrites a taken id and
 respects the per-owner cap, a turn is written whole and never resurrects a deleted session nor overwrites a later
 turn, a rename during a turn survives it, locks exclude and expire, presets belong to their owner or are shared,
@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 from app.sessions import (InMemorySessionStore, Preset, RedisSessionStore, Session, SessionQuotaExceeded,
-                          SessionStoreUnavailable, UnknownCursor, is_session_id, new_session_id)
+                          SessionStoreUnavailable, SQLiteSessionStore, UnknownCursor, is_session_id,
+                          new_session_id)
 from tests.redis_harness import RedisServer, running_redis
 
 TTL_S = 3600
@@ -22,10 +23,15 @@ def redis_server():
         yield server
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def store(request, redis_server: RedisServer):
+@pytest.fixture(params=["memory", "redis", "sqlite"])
+async def store(request, redis_server: RedisServer, tmp_path):
     if request.param == "memory":
         yield InMemorySessionStore(TTL_S)
+        return
+    if request.param == "sqlite":
+        store = SQLiteSessionStore(tmp_path / "sessions.sqlite3", TTL_S)
+        yield store
+        await store.close()
         return
     redis_server.client().flushall()
     store = RedisSessionStore(redis_server.url, TTL_S)
@@ -227,3 +233,35 @@ async def test_redis_cap_does_not_count_expired_sessions(redis_server: RedisServ
             await store.create(Session(id=new_session_id(), owner="a"), max_sessions=2)
     finally:
         await store.close()
+
+
+async def test_sqlite_sessions_survive_a_reopen_and_two_stores_on_one_file_share_them(tmp_path):
+    path = tmp_path / "sessions.sqlite3"
+    first = SQLiteSessionStore(path, TTL_S)
+    session = Session(id=new_session_id(), owner="a", title="kept", system="be brief")
+    assert await first.create(session)
+    turn = await first.get(session.id, "a")
+    turn.messages, turn.token_ids = [{"role": "user", "content": "hi"}], [1, 2, 3]
+    assert await first.save_turn(turn)
+    await first.save_preset(Preset("terse", "Answer tersely."))
+    await first.close()
+    second, third = SQLiteSessionStore(path, TTL_S), SQLiteSessionStore(path, TTL_S)  # (as two front processes)
+    try:
+        reopened = await second.get(session.id, "a")
+        assert (reopened.title, reopened.messages, reopened.token_ids) == ("kept", turn.messages, [1, 2, 3])
+        assert [p.name for p in await third.list_presets(None)] == ["terse"]
+        token = await second.lock(session.id, 30)
+        assert token is not None and await third.lock(session.id, 30) is None  # one turn at a time, across both
+        stale = await third.get(session.id, "a")
+        assert await second.save_turn(reopened) and not await third.save_turn(stale)
+    finally:
+        await second.close()
+        await third.close()
+
+
+async def test_an_unusable_sqlite_file_is_unavailable_not_a_crash(tmp_path):
+    (tmp_path / "not-a-dir").write_text("x")
+    store = SQLiteSessionStore(tmp_path / "not-a-dir" / "sessions.sqlite3", TTL_S)
+    with pytest.raises(SessionStoreUnavailable, match="cannot be used"):
+        await store.ping()
+    await store.close()

@@ -406,3 +406,17 @@ def test_turn_end_with_redis_down_reports_and_keeps_the_turn(redis_server: Redis
         assert kept["messages"][1]["content"] == text and kept["messages"][1]["usage"]["completion_tokens"] == 40
         follow_up = say(server, session_id, "Thanks.", max_tokens=4)  # the turn's lock was released
         assert follow_up["usage"]["prompt_tokens"] > kept["messages"][1]["usage"]["prompt_tokens"] + 40
+
+
+def test_history_survives_a_server_restart_with_the_default_sqlite_store(tmp_path):
+    path = str(tmp_path / "sessions.sqlite3")
+    with running_server("--session-db-path", path) as first_server:
+        assert httpx.get(first_server.url("/health")).json()["sessions"] == "sqlite"
+        session_id = new_session(first_server, system=SYSTEM)
+        first = say(first_server, session_id, "What is the largest planet?", max_tokens=6)
+        stored(first_server, session_id, 2)
+    with running_server("--session-db-path", path) as second_server:
+        body = stored(second_server, session_id, 2)
+        assert [m["content"] for m in body["messages"]] == ["What is the largest planet?",
+                                                            first["choices"][0]["message"]["content"]]
+        assert say(second_server, session_id, "And the smallest?", max_tokens=4)["usage"]["completion_tokens"] == 4

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_harness import RunningServer, server_fixture, wait_until_idle
+from tests.server_harness import RunningServer, running_server, server_fixture, wait_until_idle
 from tests.web_harness import (
     REPLY_TIMEOUT_MS,
     browser_missing,
@@ -396,6 +396,20 @@ def test_sidebar_lists_renames_and_deletes_sessions(browser: Any, server: Runnin
     assert "s=" not in page.url and page.locator("#chat-title").inner_text() == "New chat"
     assert page.errors == []
     page.context.close()
+
+
+def test_the_sidebar_says_when_chats_live_only_in_memory(browser: Any, server: RunningServer) -> None:
+    durable = open_page(browser, server.url("/"))  # the default store: a SQLite file
+    durable.wait_for_function("() => fetch('/health').then(r => r.ok)")
+    durable.wait_for_timeout(300)
+    assert durable.locator("#sessions-volatile").is_hidden()
+    durable.context.close()
+    with running_server("--session-store", "memory") as volatile_server:
+        page = open_page(browser, volatile_server.url("/"))
+        page.wait_for_selector("#sessions-volatile", state="visible")
+        assert "gone when it restarts" in page.locator("#sessions-volatile").inner_text()
+        assert page.errors == []
+        page.context.close()
 
 
 @pytest.mark.slow

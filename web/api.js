@@ -71,6 +71,8 @@ const sessionPath = (id) => `/v1/sessions/${encodeURIComponent(id)}`;
 
 export const api = {
   model: () => json("GET", "/v1/models"),
+  // 200 or 503, JSON either way: {status, sessions: "redis" | "sqlite" | "memory" | "unavailable"}
+  health: async () => (await fetch("/health", { headers: { Accept: "application/json" } })).json(),
   presets: () => json("GET", "/v1/presets"),
   listSessions: (limit = 100) => json("GET", `/v1/sessions?limit=${limit}`),
   createSession: (body) => json("POST", "/v1/sessions", { body }),

@@ -401,7 +401,17 @@ function setStatus(text) {
 
 // ---- start-up ---------------------------------------------------------------------------------------
 
+async function showWhereChatsLive() {
+  try {
+    const health = await api.health();
+    document.getElementById("sessions-volatile").hidden = health.sessions !== "memory";
+  } catch {
+    // no answer: the other calls report the server's state
+  }
+}
+
 async function refreshModelInfo() {
+  showWhereChatsLive();
   try {
     const models = await api.model();
     settings.setModel(models.data[0]);

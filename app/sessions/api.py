@@ -25,6 +25,7 @@ from app.serving import Serving
 from app.sessions.outbox import TurnOutbox
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
+from app.sessions.sqlite_store import SQLiteSessionStore
 from app.sessions.store import (InMemorySessionStore, Session, SessionStore, SessionStoreUnavailable, UnknownCursor,
                                 is_session_id, new_session_id)
 from app.sessions.turns import TurnPlan, TurnRecorder, plan_regeneration, plan_turn
@@ -36,20 +37,25 @@ _LIST_LIMIT = (1, 1000)
 
 
 async def open_sessions(server: Serving) -> SessionStore:
-    """The configured store (a clear error when Redis is configured but unreachable), and its outbox."""
+    """The configured store (a clear error when it cannot be reached), and its outbox."""
     settings = server.settings
-    if settings.redis_url:
+    kind = settings.resolved_session_store
+    if kind == "redis":
         store: SessionStore = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
-        try:
-            await store.ping()
-        except SessionStoreUnavailable as exc:
-            await store.close()
-            logger.error("cannot start: %s (--redis-url %s)", exc, settings.redis_url)
-            raise RuntimeError(f"session store: {exc}") from None
-        logger.info("sessions in Redis at %s", settings.redis_url)
+        where = f"Redis at {settings.redis_url}"
+    elif kind == "sqlite":
+        store = SQLiteSessionStore(settings.sessions_path, settings.session_ttl_s)
+        where = f"{settings.sessions_path} (SQLite)"
     else:
         store = InMemorySessionStore(settings.session_ttl_s)
-        logger.info("sessions in memory: they will not survive a restart (set --redis-url to keep them)")
+        where = "memory: they will not survive a restart"
+    try:
+        await store.ping()
+    except SessionStoreUnavailable as exc:
+        await store.close()
+        logger.error("cannot start: %s", exc)
+        raise RuntimeError(f"session store: {exc}") from None
+    logger.info("sessions in %s", where)
     server.sessions = store
     server.outbox = TurnOutbox(store, server.spawn)
     return store

@@ -39,6 +39,7 @@ _PRESET_FIELDS = ["name", "system", "owner", "created_at"]
 
 class RedisSessionStore:
     durable = True
+    kind = "redis"
 
     def __init__(self, url: str, ttl_s: float, prefix: str = "pagedchat:") -> None:
         from redis.asyncio import Redis

@@ -1,8 +1,9 @@
 """Session stores: a session's messages and the exact token ids (prompt + completion) of its conversation so far,
 with the hashes of their full KV blocks; and named presets (system prompts, each owned by a tenant or shared).
 
-``RedisSessionStore`` (app/sessions/redis_store.py) when a Redis URL is configured; ``InMemorySessionStore`` here
-as the embedded default (lost on restart). Both keep the same rules:
+``RedisSessionStore`` (app/sessions/redis_store.py) when a Redis URL is configured (several replicas);
+``SQLiteSessionStore`` (app/sessions/sqlite_store.py), a file under the cache dir, as the durable default of one
+server; ``InMemorySessionStore`` here when asked for (lost on restart). All keep the same rules:
 
 - a session belongs to one owner (a tenant: a hash of its API key, "" without keys); any other owner gets None,
   exactly as for an id that does not exist;
@@ -112,6 +113,7 @@ class SessionPage:
 
 class SessionStore(Protocol):
     durable: bool  # survives a server restart
+    kind: str  # redis | sqlite | memory (/health says it)
 
     async def ping(self) -> None: ...
     async def close(self) -> None: ...
@@ -144,9 +146,10 @@ def sorted_presets(presets: list[Preset], owner: str | None) -> list[Preset]:
 
 
 class InMemorySessionStore:
-    """The embedded default: everything in this process, gone on restart."""
+    """Everything in this process, gone on restart (tests, and ``--session-store memory``)."""
 
     durable = False
+    kind = "memory"
 
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s

@@ -78,9 +78,10 @@ async def token_texts(server: Serving, entries: list) -> dict[int, str]:
     return dict(zip(ids, await server.prompts.convert_ids_to_tokens(ids)))
 
 
-async def render_chat(server: Serving, messages: list[ChatMessage]) -> list[int]:
+async def render_chat(server: Serving, messages: list[ChatMessage],
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
     try:
-        return await server.prompts.chat([m.as_template_message() for m in messages])
+        return await server.prompts.chat([m.as_template_message() for m in messages], template_kwargs)
     except NoTokenizer as exc:
         raise APIError.bad_request(f"messages: {exc}".replace("prompt: ", ""), "messages") from None
     except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
@@ -89,6 +90,7 @@ async def render_chat(server: Serving, messages: list[ChatMessage]) -> list[int]
 
 def sampling_params(server: Serving, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
     try:
-        return body.sampling_params(num_prompt_tokens, server.max_model_len, server.settings.default_max_tokens)
+        return body.sampling_params(num_prompt_tokens, server.max_model_len, server.settings.default_max_tokens,
+                                    server.sampling_defaults)
     except ValueError as exc:
         raise APIError.from_value_error(exc) from None

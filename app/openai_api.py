@@ -41,7 +41,7 @@ async def chat_completions(request: Request) -> Response:
     server.check_model(body.model)
     if server.sessions is not None and (session_id := body.session_id or request.headers.get("x-session-id")):
         return await chat_in_session(request, server, body, session_id, arrival)
-    prompt_ids = await render_chat(server, body.messages)
+    prompt_ids = await render_chat(server, body.messages, body.chat_template_kwargs)
     stream = server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
                            server.cache_salt(request, body.cache_salt), arrival, request)
     return await answer_chat(request, server, body, stream)

@@ -134,6 +134,9 @@ SERVER_OPTIONS = (
     Option("max_system_prompt_chars", "Longest system prompt of a session or preset, in characters", "32768", "int"),
     Option("default_max_tokens", "max_tokens of a request that gives none (capped by the room left in the "
            "context)", "1024", "int"),
+    Option("generation_config", "auto: the sampling defaults of the model's generation_config.json (temperature, "
+           "top_p, top_k, min_p, repetition_penalty) apply to requests that do not set them, as vLLM; none: "
+           "OpenAI's defaults", "auto", choices=("auto", "none")),
     Option("preset_pin_share", "At most this share of the KV pool is pinned for preset prompts", "0.25", "float"),
     Option("tenant_salt_from_api_key", "Each API key's prefix blocks are its own (never hit by another key)", "off",
            "bool"),

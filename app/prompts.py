@@ -28,11 +28,11 @@ class PromptRenderer:
         """False for dummy weights: prompts must be token ids, and outputs have no text."""
         return self._tokenizer is not None
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ending with the assistant's
-        generation prompt."""
+        generation prompt; ``template_kwargs`` are extra template variables (e.g. Qwen3's enable_thinking)."""
         self._require()
-        return await self._run(self._render_chat, messages)
+        return await self._run(self._render_chat, messages, template_kwargs or {})
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(self._require().encode, text, add_special_tokens=add_special_tokens)
@@ -63,8 +63,9 @@ class PromptRenderer:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def _render_chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                   **template_kwargs)
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -185,8 +185,10 @@ class SamplingFields(_Model):
     def requested_best_of(self) -> int | None:
         return None
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
-        """ValueError naming the field for values the engine refuses or a prompt that leaves no room."""
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """ValueError naming the field for values the engine refuses or a prompt that leaves no room. ``defaults``
+        (the model's generation config) fill the sampling fields the request leaves unset."""
         room = max_model_len - num_prompt_tokens
         max_tokens = self.requested_max_tokens()
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -196,6 +198,8 @@ class SamplingFields(_Model):
         if max_tokens is None:  # a bare request must not hold a slot for the whole context
             max_tokens = min(max(default_max_tokens, self.min_tokens), room)
         values = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING if getattr(self, name) is not None}
+        if defaults and not self.use_beam_search:  # (beam search takes no sampling fields)
+            values = {**defaults, **values}
         return SamplingParams(
             n=self.n, best_of=self.requested_best_of(), use_beam_search=self.use_beam_search, max_tokens=max_tokens, stop=_as_list(self.stop),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
@@ -218,8 +222,20 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presenc
                       "repetition_penalty", "beam_width", "length_penalty", "early_stopping")
 
 
+# what the chat template is called with by the server itself: a request may not set these through
+# chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "tokenize", "add_generation_prompt", "chat_template",
+                             "return_dict", "return_assistant_tokens_mask", "continue_final_message", "tools",
+                             "documents", "tokenizer", "padding", "truncation", "max_length", "return_tensors"}
+TemplateValue = bool | int | float | Annotated[str, Field(max_length=256)] | None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")],
+                                         TemplateValue], Field(max_length=16)] | None = Field(
+        default=None, description="extra variables for the model's chat template, e.g. {\"enable_thinking\": "
+                                  "false} for Qwen3 (vLLM's field); scalars only")
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
@@ -233,6 +249,9 @@ class ChatCompletionRequest(SamplingFields):
     def _supported(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools: not supported (no tool calling)")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} is set by the server, not a request")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         return self

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable
 from typing import TypeVar
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
@@ -29,9 +30,32 @@ async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
     if not body.strip():
         raise APIError.bad_request("the request body must be a JSON object")
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise APIError.from_validation_error(exc) from None
+    _note_unknown_fields(request.url.path, model, body)
+    return parsed
+
+
+_WARNED: set[tuple[str, str]] = set()  # (route, field) already logged
+_MAX_WARNED = 256  # a client inventing names cannot grow it (or the log) without bound
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _note_unknown_fields(path: str, model: type[BaseModel], body: bytes) -> None:
+    """A field the route does not know is ignored (as OpenAI and vLLM do); it is logged once per route and name,
+    so an operator sees what clients send that has no effect."""
+    if len(_WARNED) >= _MAX_WARNED:
+        return
+    try:
+        names = _top_level.decode(body).keys()  # (values stay raw bytes: no second parse of the body)
+    except msgspec.DecodeError:
+        return
+    known = model.model_fields
+    for name in names:
+        if name not in known and (path, name) not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add((path, name))
+            logger.warning("%s: the field %r is not supported and was ignored (logged once)", path, name[:64])
 
 
 def require_json(request: Request) -> None:

@@ -30,6 +30,7 @@ from app.errors import (
     request_failed_handler,
 )
 from app.front import Front
+from app.generation_config import model_sampling_defaults
 from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import NoTokenizer, PromptRenderer
@@ -117,7 +118,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     name = settings.served_model_name or _default_model_name(settings)
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
                      metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
-                     started=int(time.time()), max_queue=front.queue_share(settings.max_queue))
+                     started=int(time.time()), max_queue=front.queue_share(settings.max_queue),
+                     sampling_defaults=model_sampling_defaults(engine.info.model_path)
+                     if settings.generation_config == "auto" else {})
     app.state.server = server
     watcher = None
     try:

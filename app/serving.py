@@ -32,6 +32,7 @@ class Serving:
     model_name: str
     started: int = 0  # unix time the server came up (the model card's "created")
     max_queue: int = 256  # this front's share of --max-queue (requests waiting for their first token)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's (app/generation_config.py)
     sessions: Any = None  # the SessionStore (app/sessions/store.py)
     outbox: Any = None  # turns waiting for the session store to come back (app/sessions/outbox.py)
     background: set[asyncio.Task] = field(default_factory=set)  # e.g. turns being stored after their stream

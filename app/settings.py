@@ -32,6 +32,7 @@ class ServerSettings:
     max_session_bytes: int = 8 * 2**20  # a session this large takes no more turns (messages + token ids)
     max_system_prompt_chars: int = 32_768  # system prompts of sessions and presets
     default_max_tokens: int = 1024  # for requests without max_tokens (capped by the room left in the context)
+    generation_config: str = "auto"  # auto: the model's generation_config.json sampling defaults; none: OpenAI's
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
     exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
@@ -60,6 +61,7 @@ class ServerSettings:
                "admin_api_key", "must be one non-empty key")
         _check(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
+        _check(self.generation_config in ("auto", "none"), "generation_config", "must be auto or none")
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
         _check(self.session_store in SESSION_STORES, "session_store", f"must be one of {', '.join(SESSION_STORES)}")
         _check(self.session_store != "redis" or self.redis_url is not None, "session_store",

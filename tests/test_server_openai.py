@@ -308,3 +308,41 @@ def test_version_and_ping(server: RunningServer):
     assert httpx.get(server.url("/version"), timeout=10).json()["version"]
     assert httpx.get(server.url("/ping"), timeout=10).status_code == 200
     assert httpx.post(server.url("/ping"), timeout=10).status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(server: RunningServer):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = httpx.post(server.url("/tokenize"), json={"messages": messages}, timeout=30).json()["tokens"]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    # the default model's template ignores variables it does not use: the prompt is the same, the request served
+    served = httpx.post(server.url("/v1/chat/completions"),
+                        json={**body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert served.status_code == 200 and served.json()["usage"]["prompt_tokens"] == len(plain)
+    for kwargs, say in (({"add_generation_prompt": False}, "set by the server"), ({"x": {"nested": 1}}, "x"),
+                        ({"bad-name": 1}, "chat_template_kwargs")):
+        refused = httpx.post(server.url("/v1/chat/completions"), json={**body, "chat_template_kwargs": kwargs},
+                             timeout=30)
+        assert refused.status_code == 400 and say in refused.text, refused.text
+
+
+def test_an_unknown_field_is_ignored_and_logged_once(server: RunningServer):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "frobnicate_level": 3}
+    for _ in range(3):
+        assert httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).status_code == 200
+    assert server.log().count("'frobnicate_level' is not supported and was ignored") == 1
+
+
+async def test_template_kwargs_are_variables_of_the_chat_template():
+    import copy
+
+    from app.prompts import PromptRenderer
+
+    tokenizer = copy.deepcopy(offline_llm().tokenizer)
+    tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    renderer = PromptRenderer(tokenizer)
+    try:
+        messages = [{"role": "user", "content": "hello"}]
+        quiet, loud = await renderer.chat(messages), await renderer.chat(messages, {"shout": True})
+    finally:
+        renderer.close()
+    assert tokenizer.decode(quiet) == "hello" and tokenizer.decode(loud) == "LOUD hello"

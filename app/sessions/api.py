@@ -194,6 +194,10 @@ def _check_one_reply(body: SamplingFields) -> None:
     if body.n != 1:
         raise APIError.bad_request("n: a session turn stores one reply, so n must be 1 (for several choices, ask "
                                    "/v1/chat/completions without a session)", "n")
+    if getattr(body, "chat_template_kwargs", None):
+        raise APIError.bad_request("chat_template_kwargs: not supported in a session (its turns extend the stored "
+                                   "tokens exactly; the template renders each turn the same way)",
+                                   "chat_template_kwargs")
 
 
 def _check_turn_messages(new: list[dict[str, Any]]) -> None:

@@ -320,11 +320,13 @@ class StepLog:
         queries = stats.prefix_queries - first.prefix_queries
         hits = stats.prefix_hits - first.prefix_hits
         logger.info("engine: %.1f steps/s, %.2f ms per step (stepping %.0f%% of the time); prompt %.0f tok/s, "
-                    "generation %.0f tok/s; running %d, waiting %d; KV usage %.1f%%; prefix cache hit rate %.1f%%",
+                    "generation %.0f tok/s; running %d, waiting %d, swapped %d; KV usage %.1f%%; prefix cache hit "
+                    "rate %.1f%%; preemptions %d",
                     self._steps / wall_s, 1000 * self._step_s / self._steps, 100 * self._step_s / wall_s,
                     (stats.prompt_tokens - first.prompt_tokens) / wall_s,
                     (stats.generation_tokens - first.generation_tokens) / wall_s, stats.num_running,
-                    stats.num_waiting, 100 * stats.kv_usage, 100 * hits / queries if queries else 0.0)
+                    stats.num_waiting, stats.num_swapped, 100 * stats.kv_usage,
+                    100 * hits / queries if queries else 0.0, stats.preemptions - first.preemptions)
 
 
 def _pickled_error(exc: Exception) -> bytes:

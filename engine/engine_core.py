@@ -465,5 +465,5 @@ class EngineCore:
             preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
             kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens, steps=self.counters.steps,
-            finished=dict(self.counters.finished),
+            finished=dict(self.counters.finished), num_swapped=len(self.scheduler.swapped),
         )

@@ -43,6 +43,7 @@ class EngineStats:
     generation_tokens: int
     steps: int
     finished: dict[str, int]
+    num_swapped: int = 0  # sequences swapped out to host memory, waiting to come back
 
     @property
     def prefix_device_hits(self) -> int:

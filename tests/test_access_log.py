@@ -71,11 +71,18 @@ def test_a_client_that_leaves_midway_is_logged_as_aborted(server: RunningServer)
     wait_until_idle(server)
 
 
-def test_text_lines_carry_the_same_fields():
-    with running_server() as text_server:
-        httpx.post(text_server.url("/v1/chat/completions"), json=CHAT, headers={"X-Request-ID": "req-text"},
-                   timeout=60)
+def test_text_lines_carry_the_same_fields_and_the_core_logs_its_numbers_while_busy():
+    with running_server("--log-stats-interval-s", "0.2") as text_server:
+        time.sleep(1.0)  # idle: no engine line
+        idle = [x for x in text_server.log().splitlines() if "engine: " in x and "steps/s" in x]
+        httpx.post(text_server.url("/v1/chat/completions"), json={**CHAT, "max_tokens": 60},
+                   headers={"X-Request-ID": "req-text"}, timeout=60)
         time.sleep(0.5)
-        (line,) = [x for x in text_server.log().splitlines() if "request_id=req-text" in x]
-    assert "POST /v1/chat/completions 200" in line and "completion_tokens=5" in line
+        log = text_server.log().splitlines()
+    (line,) = [x for x in log if "request_id=req-text" in x]
+    assert "POST /v1/chat/completions 200" in line and "completion_tokens=60" in line
     assert "finish_reason=length" in line
+    engine = [x for x in log if "engine: " in x and "steps/s" in x]
+    assert idle == [] and engine, log[-20:]
+    assert all("generation" in x and "running" in x and "swapped" in x and "preemptions" in x for x in engine)
+    assert any("running 1," in x for x in engine)

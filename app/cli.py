@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "units (4MiB, 512KiB); a flag not given keeps its default, or its "
                                        "environment variable where one is named.")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
-                       help="The model, as --model (a local Hugging Face directory). Default: the embedded "
-                            "SmolLM2-135M-Instruct.")
+                       help="The model, as --model (a local Hugging Face directory, a .gguf file or a hub id). "
+                            "Default: the embedded SmolLM2-135M-Instruct.")
     _add_options(serve.add_argument_group("server"), SERVER_OPTIONS)
     add_engine_options(serve)
     chat = sub.add_parser("chat", help="stream a chat with the model in this terminal",

@@ -57,7 +57,9 @@ class Option:
 
 
 ENGINE_OPTIONS = (
-    Option("model", "The model: a local Hugging Face directory (Llama, Mistral, Qwen2, Qwen3; safetensors)",
+    Option("model", "The model (Llama, Mistral, Qwen2, Qwen3): a local Hugging Face directory, a local .gguf file "
+           "(converted once into --cache-dir), or a hub id such as Qwen/Qwen3-0.6B (downloaded once; the hub "
+           "cache with HF_HUB_OFFLINE=1)",
            "the embedded SmolLM2-135M-Instruct", env="PAGEDCHAT_MODEL"),
     Option("load_format", "Where weights come from: the model's files, or seeded random weights of --model-config "
            "(for speed work; no tokenizer: token-id prompts only)", "auto", choices=("auto", "dummy")),

@@ -68,10 +68,12 @@ def preflight(settings: ServerSettings) -> None:
     """PreflightError for a mistake that would otherwise surface only after the model has loaded."""
     engine = settings.engine
     if engine.model is not None and engine.load_format != "dummy":
-        path = Path(engine.model).expanduser()
-        if not path.exists():
-            raise PreflightError(f"model: {engine.model} does not exist (give a local Hugging Face model directory: "
-                                 "config.json, safetensors, tokenizer)")
+        from engine.loader import resolve_model
+
+        try:  # a hub id is downloaded (or found in the hub cache) and a .gguf file converted here, once
+            path = resolve_model(engine.model, Path(engine.cache_dir))
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
         if not (path / "config.json").is_file():
             raise PreflightError(f"model: {engine.model} is not a Hugging Face model directory (no config.json)")
     if settings.redis_url is not None:

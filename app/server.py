@@ -182,10 +182,16 @@ async def _no_tokenizer_handler(request: Request, exc: Exception) -> Response:
 
 
 def _default_model_name(settings: ServerSettings) -> str:
+    """A hub id as given (``Qwen/Qwen3-0.6B``, as vLLM names it); a directory's name; a .gguf file's stem."""
     config = settings.engine
     if config.model is None and config.load_format != "dummy":
         return "SmolLM2-135M-Instruct"
-    return Path(config.model).name if config.model else f"dummy-{config.model_config}"
+    if not config.model:
+        return f"dummy-{config.model_config}"
+    path = Path(config.model)
+    if not path.expanduser().exists() and "/" in config.model and not config.model.startswith(("/", ".", "~")):
+        return config.model
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
 async def _warm_up(engine: AsyncEngine, request_id: str) -> None:

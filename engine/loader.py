@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
+import os
+import re
 import shutil
 import time
 import zlib
@@ -103,7 +106,8 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
     if config.load_format == "dummy" and config.model is None:
         config.model_id = f"dummy:{config.model_config}"
         return dummy_hf_config(config.model_config), None, None
-    path = Path(config.model) if config.model else ensure_default_model(Path(config.cache_dir))
+    path = resolve_model(config.model, Path(config.cache_dir)) if config.model else \
+        ensure_default_model(Path(config.cache_dir))
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
     config.model_id = config.model or DEFAULT_MODEL_ID
@@ -201,6 +205,61 @@ def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
         yield name, tensor
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+
+
+def is_hub_id(model: str) -> bool:
+    """``org/name`` that is not a local path: a Hugging Face hub id."""
+    return bool(_HUB_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def resolve_model(model: str, cache_dir: Path) -> Path:
+    """The local directory of ``--model``: a Hugging Face directory as it is; a ``.gguf`` file converted once into
+    the cache dir; a hub id (``org/name``) from huggingface_hub (downloaded when online, from the hub cache with
+    ``HF_HUB_OFFLINE=1``). ValueError with one line saying what was looked for otherwise."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model: {model} is a file but not a .gguf file (give a model directory, a .gguf file "
+                             "or a hub id)")
+        return ensure_gguf_model(path, cache_dir)
+    if is_hub_id(model):
+        return _from_hub(model)
+    raise ValueError(f"model: {model} does not exist (give a local Hugging Face model directory, a .gguf file, or a "
+                     "hub id such as Qwen/Qwen3-0.6B)")
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - offline without a cached copy, unknown repo, no network, gated ...
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = "it is not in the local hub cache (HF_HUB_OFFLINE is set)" if offline else \
+            "the hub did not give it (no network, a typo, or a gated repo needing HF_TOKEN)"
+        raise ValueError(f"model: {repo_id} is no local path and {hint}: {type(exc).__name__}") from None
+
+
+def ensure_gguf_model(gguf_file: Path, cache_dir: Path) -> Path:
+    """The HF directory converted (once) from a local GGUF file; keyed by the file's path, size and time, so an
+    edited file is converted again."""
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir / "models" / f"{gguf_file.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf_file, target)
+    return target
+
+
 def ensure_default_model(cache_dir: Path) -> Path:
     """The HF directory of the default model, converting the packaged GGUF file on first use."""
     target = cache_dir / "models" / _DEFAULT_DIR_NAME
@@ -249,7 +308,12 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
         cfg["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         model.generation_config.save_pretrained(tmp)
-        save_q4(read_gguf_q4(gguf_file), tmp / Q4_FILE)  # the file's own 4-bit blocks (--cpu-weights q4)
+        try:
+            blocks = read_gguf_q4(gguf_file)  # the file's own 4-bit blocks (--cpu-weights q4)
+        except ValueError:  # not a Llama GGUF: no q4 blocks of its own (--cpu-weights rounds others)
+            blocks = {}
+        if blocks:
+            save_q4(blocks, tmp / Q4_FILE)
         bar.update()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

@@ -193,6 +193,26 @@ def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(browser: Any
     page.context.close()
 
 
+def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(page: Any, server: RunningServer) -> None:
+    send_message(page, "Tell me a long story about a lighthouse keeper and the sea.")  # 16 tokens: it is cut
+    reply = wait_for_reply(page)
+    assert "cut at the token limit" in reply.locator(".stats").inner_text()
+    assert reply.locator(".continue").is_visible()
+    mark_replies_seen(page)
+    reply.locator(".continue").click()
+    wait_for_reply(page)
+    session = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()
+    assert [m["role"] for m in session["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert session["messages"][2]["content"] == "Continue." and session["messages"][1]["finish_reason"] == "length"
+    replies = page.locator(".message.assistant")
+    assert not replies.first.locator(".continue").is_visible()  # only the last reply offers it
+    assert replies.last.locator(".continue").is_visible()  # (cut again at 16 tokens)
+    page.reload()
+    page.wait_for_selector(".message.assistant .stats:has-text('cut at the token limit')")
+    last = page.locator(".message.assistant").last
+    assert last.locator(".continue").is_visible()
+
+
 @pytest.mark.slow
 def test_stop_ends_the_stream_keeps_the_partial_reply_and_frees_the_request(
         browser: Any, server: RunningServer) -> None:

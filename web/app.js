@@ -96,6 +96,7 @@ function messageElement(role, text, stored = null) {
   node.querySelector(".role-label").textContent = role === "user" ? "You said:" : "The model said:";
   node.querySelector(".regenerate").addEventListener("click", regenerate);
   node.querySelector(".regenerate-alternatives").addEventListener("click", regenerateAlternatives);
+  node.querySelector(".continue").addEventListener("click", continueReply);
   setText(node, text);
   if (stored && role === "assistant") showStoredStats(node, stored);
   return node;
@@ -113,8 +114,14 @@ function showStoredStats(node, message) {
     ttftMs: timing.ttft_s != null ? 1000 * timing.ttft_s : null,
     tokensPerS: timing.decode_tokens_per_s, promptTokens: usage.prompt_tokens,
     cachedTokens: usage.cached_tokens, completionTokens: usage.completion_tokens,
-    stopped: message.finish_reason === "abort",
+    stopped: message.finish_reason === "abort", cut: message.finish_reason === "length",
   });
+  markCut(node, message.finish_reason === "length");
+}
+
+// A reply that ended at its token limit says so, and (as the last reply) offers Continue.
+function markCut(node, cut) {
+  node.dataset.cut = cut ? "true" : "";
 }
 
 function writeStats(node, s) {
@@ -124,6 +131,7 @@ function writeStats(node, s) {
   if (s.completionTokens != null) parts.push(`${s.completionTokens} tokens`);
   if (s.promptTokens != null) parts.push(`prompt ${s.promptTokens} tokens (${s.cachedTokens ?? 0} cached)`);
   if (s.stopped) parts.push("stopped");
+  if (s.cut) parts.push("cut at the token limit");
   const stats = node.querySelector(".stats");
   stats.textContent = parts.join(" · ");
   if (s.promptTokens != null) stats.dataset.promptTokens = s.promptTokens;
@@ -140,6 +148,7 @@ function updateButtons() {
     const hidden = streaming || i !== replies.length - 1 || !isLastNode(node);
     node.querySelector(".regenerate").hidden = hidden;
     node.querySelector(".regenerate-alternatives").hidden = hidden;
+    node.querySelector(".continue").hidden = hidden || node.dataset.cut !== "true";
   });
 }
 
@@ -186,6 +195,17 @@ async function createSession() {
     showError(err);
     return null;
   }
+}
+
+// Continue: a new turn asking the model to go on from where its reply was cut (shown as the user's message).
+async function continueReply() {
+  if (state.streaming || !state.session) return;
+  hideError();
+  const text = "Continue.";
+  const userNode = messageElement("user", text);
+  el.messages.append(userNode);
+  scrollToEnd(true);
+  await streamTurn(state.session, { content: text }, { userNode });
 }
 
 function regenerate() {
@@ -300,6 +320,9 @@ async function readReply(response, turn, session) {
 function handleChunk(chunk, turn, node) {
   if (chunk.error) throw new ApiError(0, `The reply broke off: ${chunk.error.message || "server error"}`);
   if (chunk.usage) turn.usage = chunk.usage;
+  if (chunk.choices && chunk.choices[0] && chunk.choices[0].finish_reason) {
+    turn.finishReason = chunk.choices[0].finish_reason;
+  }
   const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
   if (!delta || !delta.content) return;
   if (turn.firstToken === null) {
@@ -335,8 +358,9 @@ function finishReply(node, turn, stopped) {
     tokensPerS: completion > 1 && decodeS > 0 ? (completion - 1) / decodeS : null,
     promptTokens: usage.prompt_tokens, completionTokens: completion,
     cachedTokens: usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : undefined,
-    stopped,
+    stopped, cut: !stopped && turn.finishReason === "length",
   });
+  markCut(node, !stopped && turn.finishReason === "length");
   state.streaming = null;
   updateButtons();
   setStatus(stopped ? "Reply stopped." : "Reply complete.");

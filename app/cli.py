@@ -14,9 +14,9 @@ import sys
 import time
 from typing import Any
 
-from app.logs import configure_logging
 from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
 from app.version import version
+from engine.log_format import configure_logging
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}
 _TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes}

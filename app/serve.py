@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from app.front import Front
-from app.logs import configure_logging
 from app.metrics import MULTIPROC_DIR_ENV
 from app.settings import ServerSettings
 from engine.core_process import launch_core
+from engine.log_format import configure_logging
 
 logger = logging.getLogger("pagedchat")
 
@@ -146,7 +146,7 @@ def run_api_servers(settings: ServerSettings, listener: socket.socket) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="pagedchat-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # (inherited by the fronts: their histograms go there)
     level = logging.getLogger().getEffectiveLevel()
-    core = launch_core(settings.engine, count, level)
+    core = launch_core(settings.engine, count, level, settings.log_format)
     spawn = multiprocessing.get_context("spawn")
     fronts = [spawn.Process(target=run_front, name=f"pagedchat-api-server-{i}",
                             args=(settings, Front(endpoint, i, count), listener, level))

@@ -108,7 +108,7 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
     front: Front = app.state.front
-    engine = AsyncEngine(settings.engine, endpoint=front.endpoint)
+    engine = AsyncEngine(settings.engine, endpoint=front.endpoint, log_format=settings.log_format)
     try:
         await engine.start()
     except ValueError as exc:  # the operator's mistake (a flag, the model): one line, exit status 2

@@ -75,8 +75,9 @@ class RequestFailedError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, endpoint: CoreEndpoint | None = None,
-                 **options: Any) -> None:
+                 log_format: str = "text", **options: Any) -> None:
         self.config = config or EngineConfig(**options)
+        self._log_format = log_format  # of the core this engine starts (text | json)
         self.tokenizer: Any | None = None
         self.info: CoreInfo | None = None
         self._endpoint = endpoint  # a core started elsewhere, or None: start our own
@@ -105,7 +106,7 @@ class AsyncEngine:
         anything else."""
         self._loop = asyncio.get_running_loop()
         if self._endpoint is None:
-            self._launched = launch_core(self.config)
+            self._launched = launch_core(self.config, log_format=self._log_format)
             self._endpoint, self._process = self._launched.endpoints[0], self._launched.process
         else:
             self._process = AttachedProcess(self._endpoint.pid)

@@ -41,6 +41,7 @@ from engine.core_messages import (
     encoder,
     to_core_decoder,
 )
+from engine.log_format import configure_logging
 from engine.outputs import SampleDelta
 
 logger = logging.getLogger("engine.core")
@@ -73,7 +74,8 @@ class LaunchedCore:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | None = None) -> LaunchedCore:
+def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | None = None,
+                log_format: str = "text") -> LaunchedCore:
     """Start a core process for ``num_clients`` fronts (it loads the model meanwhile: a front learns the outcome
     from its first message, ``Ready`` or ``StartFailed``). The sockets live in a fresh 0700 directory, so only
     this user reaches them."""
@@ -84,13 +86,15 @@ def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | Non
     outputs = [f"ipc://{ipc_dir}/outputs-{i}" for i in range(num_clients)]
     level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
     process = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="pagedchat-engine-core", daemon=True, args=(config, inputs, outputs, level))
+        target=run_engine_core, name="pagedchat-engine-core", daemon=True,
+        args=(config, inputs, outputs, level, log_format))
     process.start()
     endpoints = [CoreEndpoint(inputs, address, i, process.pid) for i, address in enumerate(outputs)]
     return LaunchedCore(process, endpoints, ipc_dir)
 
 
-def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses: list[str], log_level: int) -> None:
+def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses: list[str], log_level: int,
+                    log_format: str = "text") -> None:
     """The process's entry point (picklable: spawn imports it by name)."""
     parent = os.getppid()
     _die_with_parent()
@@ -98,7 +102,7 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
     # drain their streams first, then stop the core (Shutdown, or the runner's SIGKILL), or it dies with its parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.getLevelName(log_level), log_format, "engine core")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.RCVHWM, 0)

@@ -8,7 +8,12 @@ import time
 
 import httpx
 
-from tests.server_harness import RunningServer, running_server, server_fixture, wait_until_idle
+from tests.server_harness import (
+    RunningServer,
+    running_server,
+    server_fixture,
+    wait_until_idle,
+)
 
 server = server_fixture("--log-format", "json")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -86,3 +91,12 @@ def test_text_lines_carry_the_same_fields_and_the_core_logs_its_numbers_while_bu
     assert idle == [] and engine, log[-20:]
     assert all("generation" in x and "running" in x and "swapped" in x and "preemptions" in x for x in engine)
     assert any("running 1," in x for x in engine)
+
+
+def test_json_format_reaches_the_engine_core_process_too(server: RunningServer):
+    lines = server.log().splitlines()
+    core = [json.loads(line) for line in lines if line.startswith("{") and '"engine core"' in line]
+    assert core and all(entry["process"] == "engine core" for entry in core)
+    assert any(entry["logger"].startswith("engine.") for entry in core)
+    text_lines = [line for line in lines if " INFO engine." in line or " WARNING engine." in line]
+    assert text_lines == []  # (no engine line in the text format)

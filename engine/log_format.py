@@ -1,4 +1,5 @@
-"""Logging for the server's processes: one format everywhere (``--log-format text|json``), set up once per process.
+"""Logging for every process of the server (the fronts, the engine core, the runner): one format everywhere
+(``--log-format text|json``), set up once per process.
 
 ``json``: one JSON object per line (time, level, logger, message, and the fields a record carries in ``extra``,
 such as the access log's), for log collectors; ``text``: the usual line, with those fields as key=value.

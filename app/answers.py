@@ -10,14 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.errors import APIError
-from app.openai_format import (
-    ResponseHeader,
-    chat_choice_delta,
-    chat_choice_message,
-    chat_logprobs,
-    logprob_token_ids,
-    samples_usage,
-)
+from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
+                               logprob_token_ids, samples_usage)
 from app.prompts import NoTokenizer
 from app.protocol import ChatMessage, SamplingFields
 from app.request_body import cancel_on_disconnect

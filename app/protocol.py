@@ -9,26 +9,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    model_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_SAMPLES,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-    StructuredOutput,
-)
+from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
 
 _INT32 = 2**31
 

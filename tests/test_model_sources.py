@@ -11,13 +11,7 @@ import httpx
 import pytest
 
 import engine.loader as loader
-from tests.server_harness import (
-    REPO_ROOT,
-    free_port,
-    running_server,
-    server_command,
-    server_env,
-)
+from tests.server_harness import REPO_ROOT, free_port, running_server, server_command, server_env
 from tests.test_models import tiny_hf_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

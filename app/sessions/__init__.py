@@ -3,19 +3,8 @@ turn (conversation.py, turns.py), turns kept while the store is away (outbox.py)
 presets.py)."""
 from app.sessions.redis_store import RedisSessionStore
 from app.sessions.sqlite_store import SQLiteSessionStore
-from app.sessions.store import (
-                                InMemorySessionStore,
-                                Preset,
-                                Session,
-                                SessionPage,
-                                SessionQuotaExceeded,
-                                SessionStore,
-                                SessionStoreUnavailable,
-                                UnknownCursor,
-                                is_preset_name,
-                                is_session_id,
-                                new_session_id,
-)
+from app.sessions.store import (InMemorySessionStore, Preset, Session, SessionPage, SessionQuotaExceeded, SessionStore,
+                                SessionStoreUnavailable, UnknownCursor, is_preset_name, is_session_id, new_session_id)
 
 __all__ = ["InMemorySessionStore", "Preset", "RedisSessionStore", "SQLiteSessionStore", "Session", "SessionPage", "SessionQuotaExceeded",
            "SessionStore", "SessionStoreUnavailable", "UnknownCursor", "is_preset_name", "is_session_id",

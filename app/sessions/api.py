@@ -18,28 +18,16 @@ from starlette.routing import Route
 from app.answers import answer_chat, sampling_params
 from app.errors import APIError
 from app.openapi import Operation, QueryParam
-from app.protocol import (
-    ChatCompletionRequest,
-    CreateSessionRequest,
-    SamplingFields,
-    SessionMessageRequest,
-    UpdateSessionRequest,
-)
+from app.protocol import (ChatCompletionRequest, CreateSessionRequest, SamplingFields, SessionMessageRequest,
+                          UpdateSessionRequest)
 from app.request_body import read_model
 from app.serving import Serving
 from app.sessions.outbox import TurnOutbox
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
 from app.sessions.sqlite_store import SQLiteSessionStore
-from app.sessions.store import (
-    InMemorySessionStore,
-    Session,
-    SessionStore,
-    SessionStoreUnavailable,
-    UnknownCursor,
-    is_session_id,
-    new_session_id,
-)
+from app.sessions.store import (InMemorySessionStore, Session, SessionStore, SessionStoreUnavailable, UnknownCursor,
+                                is_session_id, new_session_id)
 from app.sessions.turns import TurnPlan, TurnRecorder, plan_regeneration, plan_turn
 
 logger = logging.getLogger(__name__)

@@ -19,17 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.sessions.store import (
-    JSON_FIELDS,
-    Preset,
-    Session,
-    SessionPage,
-    SessionQuotaExceeded,
-    SessionStoreUnavailable,
-    UnknownCursor,
-    sorted_presets,
-    visible_preset,
-)
+from app.sessions.store import (JSON_FIELDS, Preset, Session, SessionPage, SessionQuotaExceeded,
+                                SessionStoreUnavailable, UnknownCursor, sorted_presets, visible_preset)
 
 T = TypeVar("T")
 

@@ -8,12 +8,7 @@ import time
 
 import httpx
 
-from tests.server_harness import (
-    RunningServer,
-    running_server,
-    server_fixture,
-    wait_until_idle,
-)
+from tests.server_harness import RunningServer, running_server, server_fixture, wait_until_idle
 
 server = server_fixture("--log-format", "json")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -140,6 +140,10 @@ SERVER_OPTIONS = (
            "top_p, top_k, min_p, repetition_penalty) apply to requests that do not set them, as vLLM; none: "
            "OpenAI's defaults", "auto", choices=("auto", "none")),
     Option("preset_pin_share", "At most this share of the KV pool is pinned for preset prompts", "0.25", "float"),
+    Option("preset_pin_share_per_key", "One key's own presets pin at most this share of the KV pool (shared "
+           "presets count only against --preset-pin-share)", "0.05", "float"),
+    Option("max_presets_per_key", "Presets one key may keep (0: no cap; the admin key's shared presets are not "
+           "counted)", "100", "int"),
     Option("tenant_salt_from_api_key", "Each API key's prefix blocks are its own (never hit by another key)", "off",
            "bool"),
     Option("exit_on_engine_death", "Once the engine failed, end open streams with an error and exit with status 3 "

@@ -137,7 +137,8 @@ class SamplingFields(_Model):
     """Sampling and stopping, shared by chat, completions and session messages."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, description="0 = greedy; default 1")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1 (or the model's "
+                                      "generation config); at most 2, as OpenAI")
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: TopK | None = Field(default=None, description="-1 or 0: off; at most the vocabulary size")
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -249,6 +250,8 @@ class ChatCompletionRequest(SamplingFields):
     def _supported(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools: not supported (no tool calling)")
+        if self.session_id is not None and not self.session_id:
+            raise ValueError("session_id: empty; leave it out for a stateless request, or give a session's id")
         reserved = sorted(set(self.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} is set by the server, not a request")

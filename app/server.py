@@ -122,13 +122,13 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                      sampling_defaults=model_sampling_defaults(engine.info.model_path)
                      if settings.generation_config == "auto" else {})
     app.state.server = server
-    watcher = None
+    watcher = pinning = None
     try:
         try:
             await _warm_up(engine, f"warm-up-{front.index}")
             await sessions_api.open_sessions(server)
             if front.pins_stored_presets:
-                await presets.pin_stored_presets(server)
+                pinning = presets.pin_stored_presets_later(server)
         except EngineDeadError:  # the core died while this front started: the engine's death, not a mistake
             app.state.engine_died = True
             raise
@@ -137,8 +137,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
         yield
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, pinning):
+            if task is not None:
+                task.cancel()
         await _drain(server)
         await engine.stop()
         server.prompts.close()

@@ -34,6 +34,8 @@ class ServerSettings:
     default_max_tokens: int = 1024  # for requests without max_tokens (capped by the room left in the context)
     generation_config: str = "auto"  # auto: the model's generation_config.json sampling defaults; none: OpenAI's
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
+    preset_pin_share_per_key: float = 0.05  # of which one key's own presets pin at most this share of the pool
+    max_presets_per_key: int = 100  # presets one key may keep (0: no cap); shared (admin) presets are not counted
     tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
     exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
     shutdown_timeout_s: float = 30.0  # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
@@ -52,6 +54,9 @@ class ServerSettings:
         _check(self.session_ttl_s >= 60, "session_ttl_s", "must be >= 60")
         _check(self.session_lock_s > 0, "session_lock_s", "must be > 0")
         _check(0 <= self.preset_pin_share <= 0.9, "preset_pin_share", "must be in [0, 0.9]")
+        _check(0 <= self.preset_pin_share_per_key <= self.preset_pin_share, "preset_pin_share_per_key",
+               "must be in [0, preset_pin_share]")
+        _check(self.max_presets_per_key >= 0, "max_presets_per_key", "must be >= 0")
         _check(0 < self.session_write_timeout_s <= 5, "session_write_timeout_s", "must be in (0, 5]")
         _check(self.max_sessions_per_key >= 0, "max_sessions_per_key", "must be >= 0")
         _check(self.max_session_bytes >= 4096, "max_session_bytes", "must be >= 4096")

@@ -8,6 +8,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; room for chat templates' own stop stri
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+MAX_TEMPERATURE = 100.0  # the engine's bound (the HTTP API's is OpenAI's: 2)
 MAX_SAMPLES = 128  # n and best_of: OpenAI's limit on n
 _INT32 = 2**31
 _GREEDY_EPS = 1e-5
@@ -64,7 +65,9 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]")
         _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
                "best_of", f"must be in [n, {MAX_SAMPLES}]")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        # (above ~100 the logits are flat anyway; far above, 1 / temperature underflows float32 to noise)
+        _check(_is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE}]")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(_is_int(self.top_k) and -1 <= self.top_k < _INT32, "top_k",
                "must be -1, 0 (off) or a positive integer (at most the vocabulary size)")

@@ -119,7 +119,7 @@ def test_abort_frees_blocks_and_reports_abort(llm: LLM):
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("n", 0), ("n", 129), ("best_of", 0), ("seed", 1.5), ("temperature", float("nan")),
+    ("n", 0), ("n", 129), ("best_of", 0), ("seed", 1.5), ("temperature", float("nan")), ("temperature", 3.4e38),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

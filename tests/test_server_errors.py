@@ -99,6 +99,10 @@ BAD_REQUESTS = {
     "negative_temperature": ("/v1/chat/completions", chat(temperature=-0.5), 400, "invalid_request_error",
                              "temperature", [">= 0"]),
     "top_p_zero": ("/v1/chat/completions", chat(top_p=0), 400, "invalid_request_error", "top_p", ["> 0"]),
+    "temperature_above_openais_2": ("/v1/chat/completions", chat(temperature=3.4e38), 400, "invalid_request_error",
+                                    "temperature", ["<= 2"]),
+    "empty_session_id": ("/v1/chat/completions", chat(session_id=""), 400, "invalid_request_error", "session_id",
+                         ["empty"]),
     "negative_stop_token_id": ("/v1/chat/completions", chat(stop_token_ids=[-1]), 400, "invalid_request_error",
                                "stop_token_ids.0", [">= 0"]),
     # every numeric field in its real range (the engine's), refused with the field named

@@ -359,6 +359,9 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
         client.hset("pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"})
         client.sadd("pagedchat:presets", "huge")
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
+            deadline = time.monotonic() + 30  # (stored presets pin in the background after start-up)
+            while "preset 'huge' skipped" not in server.log() and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert "preset 'huge' skipped" in server.log()
             presets = {p["name"]: p for p in httpx.get(server.url("/v1/presets")).json()["data"]}
             assert set(presets) == {"huge", "small"}
@@ -420,3 +423,27 @@ def test_history_survives_a_server_restart_with_the_default_sqlite_store(tmp_pat
         assert [m["content"] for m in body["messages"]] == ["What is the largest planet?",
                                                             first["choices"][0]["message"]["content"]]
         assert say(second_server, session_id, "And the smallest?", max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
+def test_start_up_never_waits_on_stored_presets_and_a_key_has_a_preset_quota(tmp_path):
+    import asyncio
+
+    from app.sessions import Preset, SQLiteSessionStore
+
+    path = tmp_path / "sessions.sqlite3"
+
+    async def store_many() -> None:
+        store = SQLiteSessionStore(path, 3600)
+        for i in range(40):  # each is a prefill on the engine: tens of seconds in all on a small CPU
+            await store.save_preset(Preset(f"p{i}", f"You are helper number {i}. " + "Answer politely. " * 40))
+        await store.close()
+
+    asyncio.run(store_many())
+    with running_server("--session-db-path", str(path), "--max-presets-per-key", "1", "--api-key", "k1") as server:
+        # healthy (running_server waited for it) while the stored presets still pin in the background
+        assert "pinning 40 stored presets in the background" in server.log()
+        assert server.log().count("blocks pinned") < 40
+        key = {"Authorization": "Bearer k1"}  # (the 40 stored ones are shared: not this key's)
+        assert post(server, "/v1/presets", {"name": "mine", "system": "Be brief."}, headers=key).status_code == 201
+        refused = post(server, "/v1/presets", {"name": "one-too-many", "system": "Be terse."}, headers=key)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "preset_quota_exceeded"

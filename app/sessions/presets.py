@@ -9,6 +9,7 @@ log line: nothing stored can stop the server from starting.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.requests import Request
@@ -21,7 +22,7 @@ from app.protocol import CreatePresetRequest
 from app.request_body import read_model
 from app.serving import Serving
 from app.sessions import conversation
-from app.sessions.store import Preset, is_preset_name
+from app.sessions.store import Preset, SessionStoreUnavailable, is_preset_name
 from engine.async_engine import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> 
     ids = await check_system(server, preset.system, param)
     if ids is None:
         raise APIError.bad_request(f"{param}: presets need a model with a tokenizer", param)
-    cap = int(server.settings.preset_pin_share * server.engine.stats().num_blocks)
+    cap = _pin_cap(server, preset, await server.engine.pins())
     try:
         pinned = await server.engine.pin_prefix(pin_id, ids, None, cap) if len(ids) > 1 else 0
     except ValueError as exc:
@@ -69,13 +70,40 @@ async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> 
     return len(ids), pinned
 
 
+def _pin_cap(server: Serving, preset: Preset, pins: dict[str, tuple[int, int]]) -> int:
+    """The engine's cap on all pinned blocks for this pin: the pool's ``preset_pin_share``, and for a key's own
+    preset also what its other presets left of its ``preset_pin_share_per_key`` (the engine pins all of a
+    prefix's cached blocks or none, against ``num_pinned_blocks + new <= cap``)."""
+    stats = server.engine.stats()
+    cap = int(server.settings.preset_pin_share * stats.num_blocks)
+    if preset.shared:
+        return cap
+    own = sum(blocks for pin_id, (_, blocks) in pins.items()
+              if pin_id.startswith(f"preset:{preset.owner}/") and pin_id != _pin_id(preset))
+    room = int(server.settings.preset_pin_share_per_key * stats.num_blocks) - own
+    return min(cap, stats.num_pinned_blocks + max(room, 0))
+
+
+def pin_stored_presets_later(server: Serving) -> asyncio.Task:
+    """At start-up, in the background: the server answers at once, however many presets are stored (each also
+    pins on its first use, in pin_preset). The caller cancels the task at shutdown."""
+    return asyncio.get_running_loop().create_task(pin_stored_presets(server), name="pagedchat-preset-pins")
+
+
 async def pin_stored_presets(server: Serving) -> None:
-    """At start-up: every stored preset pinned, or skipped with a log line if it cannot be."""
-    for preset in await server.sessions.list_presets(None):
+    """Every stored preset pinned, or skipped with a log line if it cannot be."""
+    try:
+        stored = await server.sessions.list_presets(None)
+    except SessionStoreUnavailable as exc:
+        logger.warning("stored presets not pinned now (%s): each pins on its first use", exc)
+        return
+    if stored:
+        logger.info("pinning %d stored presets in the background", len(stored))
+    for preset in stored:
         try:
             await pin_preset(server, preset)
         except EngineDeadError:
-            raise
+            return  # (the server's engine watcher handles its death)
         except Exception as exc:  # noqa: BLE001 - a stored object must never stop the server from starting
             message = exc.message if isinstance(exc, APIError) else repr(exc)
             logger.warning("preset %r skipped: it cannot be prefilled (%s)", preset.key, message)
@@ -96,6 +124,12 @@ async def create_preset(request: Request) -> JSONResponse:
         raise APIError(403, "shared: only the admin key (--admin-api-key) creates shared presets", param="shared",
                        code="permission_denied")
     preset = Preset(body.name, body.system, owner="" if body.shared else server.tenant(request))
+    cap = server.settings.max_presets_per_key
+    if cap and not preset.shared:
+        own = sum(p.owner == preset.owner for p in await server.sessions.list_presets(preset.owner))
+        if own >= cap:
+            raise APIError(429, f"name: this API key already has {own} presets (--max-presets-per-key {cap}); "
+                                "delete some first", param="name", code="preset_quota_exceeded")
     existing = await server.sessions.get_preset(preset.name, preset.owner)
     if existing is not None and existing.key == preset.key:
         raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")

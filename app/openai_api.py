@@ -42,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
     if server.sessions is not None and (session_id := body.session_id or request.headers.get("x-session-id")):
         return await chat_in_session(request, server, body, session_id, arrival)
     prompt_ids = await render_chat(server, body.messages, body.chat_template_kwargs)
-    stream = server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
+    stream = await server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
                            server.cache_salt(request, body.cache_salt), arrival, request)
     return await answer_chat(request, server, body, stream)
 
@@ -62,7 +62,7 @@ async def completions(request: Request) -> Response:
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(server.submit(ids, p, salt, arrival, request))
+            streams.append(await server.submit(ids, p, salt, arrival, request))
     except APIError:
         for stream in streams:
             await stream.aclose()

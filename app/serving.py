@@ -3,6 +3,7 @@ the queue is full, 400 for requests the engine refuses), and per-request latency
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -64,12 +65,22 @@ class Serving:
             return requested
         return f"{tenant}/{requested}" if requested is not None else tenant
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-               arrival: float, request: Request | None = None) -> TimedStream:
-        """Hand the request to the engine now, or raise the APIError that says why not. With the HTTP
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                     arrival: float, request: Request | None = None) -> TimedStream:
+        """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
+        schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
         ``request``, the stream's numbers go to its access-log line (app/access_log.py)."""
         if not self.engine.healthy:
             raise EngineUnavailable()
+        spec = params.structured_output
+        if spec is not None and spec.grammar is None:
+            try:
+                compiled = await self.engine.compile_structured_output(spec)
+                params = dataclasses.replace(params, structured_output=compiled)
+            except ValueError as exc:
+                raise APIError.from_value_error(exc) from None
+            except EngineDeadError as exc:
+                raise EngineUnavailable(f"the engine is not running: {exc}") from None
         if self.engine.num_queued >= self.max_queue:
             raise APIError(429, f"the server is busy: {self.engine.num_queued} requests are waiting; retry "
                                 "shortly", code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})

@@ -23,6 +23,7 @@ import pickle
 import select
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
@@ -51,12 +52,13 @@ from engine.core_process import CoreEndpoint, LaunchedCore, launch_core
 from engine.metrics import EngineStats
 from engine.output_processor import OutputProcessor, SampleState
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STOP_TIMEOUT_S = 10.0  # the core's own shutdown; then it is killed
+GRAMMAR_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
 _START_POLL_MS = 200  # while the core starts: how often its process is looked at
 
 
@@ -89,6 +91,7 @@ class AsyncEngine:
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
+        self._grammar_pool: ThreadPoolExecutor | None = None  # schema compiles, off the event loop
         self._streams: dict[str, RequestStream] = {}
         self._queued: set[str] = set()
         self._calls: dict[int, asyncio.Future] = {}  # call()s not answered yet (failed if the engine dies)
@@ -173,6 +176,8 @@ class AsyncEngine:
             self._launched.close()
         elif isinstance(self._process, AttachedProcess):
             self._process.close()
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -200,6 +205,21 @@ class AsyncEngine:
         self._check_alive()
         grammars = self._grammar_compiler() if params.structured_output is not None else None
         check_request(self.info, prompt_token_ids, params, grammars)
+
+    async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
+        """``spec`` checked and compiled off the event loop (a large schema takes seconds), within
+        ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither ``generate`` nor the core compiles it
+        again. ValueError naming ``response_format`` when it cannot be compiled or takes too long."""
+        self._check_alive()
+        compiler = self._grammar_compiler()
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedchat-grammar")
+        work = self._loop.run_in_executor(self._grammar_pool, compiler.compiled, spec)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), GRAMMAR_TIMEOUT_S)
+        except asyncio.TimeoutError:  # (the compile runs on in its thread; its result is dropped)
+            raise ValueError(f"response_format: the schema did not compile within {GRAMMAR_TIMEOUT_S:.0f} s; "
+                             "simplify it") from None
 
     def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                  request_id: str | None = None, cache_salt: str | None = None) -> RequestStream:

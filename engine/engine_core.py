@@ -160,13 +160,15 @@ class EngineCore:
         seq_params = params if params.best_of is None or params.logprobs is not None else \
             dataclasses.replace(params, logprobs=0)
         samples = []
+        # one matcher built (a large grammar's takes tens of milliseconds), copied for the other samples
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         for index in range(params.num_sequences):
             own = seq_params if index == 0 or params.seed is None else \
                 dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
                            cache_salt=cache_salt, index=index)
-            if params.structured_output is not None:
-                seq.grammar = self.grammars.matcher(params.structured_output)
+            if grammar is not None:
+                seq.grammar = grammar if index == 0 else grammar.deep_copy()
             samples.append(_Sample(seq))
         # nothing is registered before this point: a failure above leaves the engine as it was
         seqs = [sample.seq for sample in samples]

@@ -21,6 +21,9 @@ class StructuredOutput:
 
     kind: str
     schema: str | None = None
+    # the compiled grammar (llguidance's), set by the server's front after compiling and checking the schema off
+    # its event loop, so the engine core does not compile it again on its step loop
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_KINDS, "response_format", f"type must be one of {STRUCTURED_KINDS}")

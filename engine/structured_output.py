@@ -11,6 +11,7 @@ sequence's matcher consumes the token (``accept``); a token the grammar refuses 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -48,10 +49,19 @@ class GrammarCompiler:
                                                                eos_token=self._eos_token_ids or None)
             return self._tokenizer
 
-    def validate(self, spec: StructuredOutput) -> None:
-        """ValueError naming ``response_format`` when the schema cannot be compiled, or its grammar allows no
-        first token (some schemas compile but leave the parser nowhere to go)."""
-        _check_usable(self._ll_tokenizer(), self._grammar(spec))
+    def validate(self, spec: StructuredOutput) -> str:
+        """The compiled grammar; ValueError naming ``response_format`` when the schema cannot be compiled, or its
+        grammar allows no first token (some schemas compile but leave the parser nowhere to go). A spec that
+        carries its compiled grammar was checked where it was compiled."""
+        if spec.grammar is not None:
+            return spec.grammar
+        grammar = self._grammar(spec)
+        _check_usable(self._ll_tokenizer(), grammar)
+        return grammar
+
+    def compiled(self, spec: StructuredOutput) -> StructuredOutput:
+        """``spec`` checked, with its compiled grammar (for the engine core: no compiling on its step loop)."""
+        return dataclasses.replace(spec, grammar=self.validate(spec))
 
     def matcher(self, spec: StructuredOutput) -> Any:
         import llguidance
@@ -59,10 +69,13 @@ class GrammarCompiler:
         return llguidance.LLMatcher(self._ll_tokenizer(), self._grammar(spec))
 
     def _grammar(self, spec: StructuredOutput) -> str:
+        if spec.grammar is not None:
+            return spec.grammar
         return _compile(self._ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA)
 
 
-@functools.lru_cache(maxsize=256)
+# (bounded: a compiled grammar of a large enum is megabytes, and schemas are the clients')
+@functools.lru_cache(maxsize=32)
 def _compile(tokenizer: Any, schema: str) -> str:
     import llguidance
 
@@ -80,7 +93,7 @@ def _compile(tokenizer: Any, schema: str) -> str:
     return grammar
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _check_usable(tokenizer: Any, grammar: str) -> None:
     import llguidance
     import llguidance.torch

@@ -18,6 +18,15 @@ from engine.loader import ensure_default_model
 SMALL_KV_GIB = 0.1
 
 
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server for one test module (tests/redis_harness.py); the modules that use it share this."""
+    from tests.redis_harness import running_redis
+
+    with running_redis() as server:
+        yield server
+
+
 @pytest.fixture
 async def engine():
     """An AsyncEngine on the default model (the core in its own process), stopped afterwards."""

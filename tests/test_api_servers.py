@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_harness import RedisServer, running_redis
+from tests.redis_harness import RedisServer
 from tests.server_harness import (
     REPO_ROOT,
     RunningServer,
@@ -35,12 +35,6 @@ from tests.test_engine_process import (
 
 PROMPT = "Name three colours."
 MESSAGES = [{"role": "user", "content": PROMPT}]
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with running_redis() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,9 @@ import pytest
 from app.sessions import (InMemorySessionStore, Preset, RedisSessionStore, Session, SessionQuotaExceeded,
                           SessionStoreUnavailable, SQLiteSessionStore, UnknownCursor, is_session_id,
                           new_session_id)
-from tests.redis_harness import RedisServer, running_redis
+from tests.redis_harness import RedisServer
 
 TTL_S = 3600
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with running_redis() as server:
-        yield server
 
 
 @pytest.fixture(params=["memory", "redis", "sqlite"])

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.redis_harness import RedisServer, running_redis
+from tests.redis_harness import RedisServer
 from tests.server_harness import (RunningServer, free_port, running_server, server_command, server_env, sse_chunks,
                                   sse_data, wait_until_idle)
 
@@ -25,12 +25,6 @@ pytestmark = pytest.mark.slow
 BLOCK = 16
 SYSTEM = "You are a helpful assistant. Answer every question in one short, friendly sentence."
 GREEDY = {"temperature": 0, "max_tokens": 24}
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with running_redis() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -240,8 +240,8 @@ async def run_turn(request: Request, server: Serving, session: Session, new: lis
             _check_size(server, session, new)
         plan = await _plan(server, session, new)
         params = sampling_params(server, body, len(plan.prompt_ids))
-        stream = server.submit(plan.prompt_ids, params, server.cache_salt(request, session.cache_salt), arrival,
-                               request)
+        stream = await server.submit(plan.prompt_ids, params, server.cache_salt(request, session.cache_salt),
+                                     arrival, request)
     except BaseException:
         await _unlock_quietly(server, session.id, token)
         raise

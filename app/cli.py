@@ -16,7 +16,6 @@ from typing import Any
 
 from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
 from app.version import version
-from engine.log_format import configure_logging
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}
 _TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes}
@@ -156,6 +155,8 @@ def _read_line() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from engine.log_format import configure_logging  # (the engine package imports torch: after --help)
+
     configure_logging(args.log_level or "info", getattr(args, "log_format", None) or "text")
     if args.command == "serve":
         return serve(args)

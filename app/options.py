@@ -26,13 +26,6 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower() or None])
 
 
-def show_bytes(value: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size and value % size == 0:
-            return f"{value // size}{unit}"
-    return f"{value}B"
-
-
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # the field of EngineConfig or ServerSettings; the flag is --name-with-dashes

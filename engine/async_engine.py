@@ -135,8 +135,7 @@ class AsyncEngine:
     async def _wait_ready(self) -> Ready:
         while not await self._outputs.poll(_START_POLL_MS):
             if not self._process.is_alive():
-                raise EngineStartError(f"the engine core process exited (status {self._process.exitcode}) "
-                                       "before it was ready; its log above says why")
+                raise EngineStartError(f"{self._exited()} before it was ready; its log above says why")
         message = from_core_decoder.decode(await self._outputs.recv())
         if isinstance(message, StartFailed):
             raise (ValueError if message.config_error else EngineStartError)(message.message)
@@ -359,9 +358,11 @@ class AsyncEngine:
         """The core's process ended (the loop watches its sentinel)."""
         self._loop.remove_reader(self._process.sentinel)
         if not self._stopping and self._error is None:
-            status = self._process.exitcode
-            self._die(RuntimeError("the engine core process exited" + (f" (status {status})" if status is not None
-                                                                        else "")))
+            self._die(RuntimeError(self._exited()))
+
+    def _exited(self) -> str:
+        status = self._process.exitcode  # (None for a core this process did not start: its parent reaps it)
+        return "the engine core process exited" + (f" (status {status})" if status is not None else "")
 
     def _die(self, cause: BaseException) -> None:
         if self._error is None:

@@ -16,7 +16,7 @@ from app.cli import (
     engine_config_from_args,
     server_settings_from_args,
 )
-from app.options import ENGINE_OPTIONS, SERVER_OPTIONS, parse_bytes, show_bytes
+from app.options import ENGINE_OPTIONS, SERVER_OPTIONS, parse_bytes
 from app.settings import ServerSettings
 from engine.config import EngineConfig
 
@@ -83,6 +83,14 @@ def test_piped_chat_streams_a_reply_with_stats():
     assert result.stdout.strip(), "the replies are printed on stdout"
     second_turn_cached = int(stats[1].split("of which ")[1].split(" cached")[0])
     assert second_turn_cached > 0, "the second turn re-sends the first: its blocks must be hit"
+
+
+def show_bytes(value: int) -> str:
+    """A size as --help shows its default (``8MiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size and value % size == 0:
+            return f"{value // size}{unit}"
+    return f"{value}B"
 
 
 # the help text ----------------------------------------------------------------------------------------------

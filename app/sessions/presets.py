@@ -55,13 +55,13 @@ async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> 
     """Prefill the preset's system prompt once on this replica and pin its full blocks (capped at
     ``preset_pin_share`` of the pool); returns (prompt tokens, pinned blocks). 400 when it cannot be prefilled."""
     pin_id = _pin_id(preset)
-    held = (await server.engine.pins()).get(pin_id)
-    if held is not None:
+    pins = await server.engine.pins()
+    if (held := pins.get(pin_id)) is not None:
         return held
     ids = await check_system(server, preset.system, param)
     if ids is None:
         raise APIError.bad_request(f"{param}: presets need a model with a tokenizer", param)
-    cap = _pin_cap(server, preset, await server.engine.pins())
+    cap = _pin_cap(server, preset, pins)
     try:
         pinned = await server.engine.pin_prefix(pin_id, ids, None, cap) if len(ids) > 1 else 0
     except ValueError as exc:

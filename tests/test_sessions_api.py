@@ -353,10 +353,10 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
         client.hset("pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"})
         client.sadd("pagedchat:presets", "huge")
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
-            deadline = time.monotonic() + 30  # (stored presets pin in the background after start-up)
-            while "preset 'huge' skipped" not in server.log() and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30  # (stored presets pin in the background after start-up, by name)
+            while "preset 'small': " not in server.log() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert "preset 'huge' skipped" in server.log()
+            assert "preset 'huge' skipped" in server.log() and "preset 'small': " in server.log()
             presets = {p["name"]: p for p in httpx.get(server.url("/v1/presets")).json()["data"]}
             assert set(presets) == {"huge", "small"}
             assert presets["small"]["num_tokens"] > 0 and presets["huge"]["num_tokens"] is None

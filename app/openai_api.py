@@ -43,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
         return await chat_in_session(request, server, body, session_id, arrival)
     prompt_ids = await render_chat(server, body.messages, body.chat_template_kwargs)
     stream = await server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
-                           server.cache_salt(request, body.cache_salt), arrival, request)
+                                 server.cache_salt(request, body.cache_salt), arrival, request, body.priority)
     return await answer_chat(request, server, body, stream)
 
 
@@ -62,7 +62,7 @@ async def completions(request: Request) -> Response:
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(await server.submit(ids, p, salt, arrival, request))
+            streams.append(await server.submit(ids, p, salt, arrival, request, body.priority))
     except APIError:
         for stream in streams:
             await stream.aclose()

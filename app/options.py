@@ -72,6 +72,15 @@ ENGINE_OPTIONS = (
            "8192 on a GPU of >= 70 GiB (not A100), else 2048", "int"),
     Option("max_model_len", "Longest sequence, prompt plus output, in tokens", "the model's (capped by the KV pool)",
            "int"),
+    Option("max_seqs_per_tenant", "Running sequences one tenant (an API key, or a client address without keys) may "
+           "hold; while several have work, each holds at most its equal share of --max-num-seqs", "--max-num-seqs",
+           "int"),
+    Option("shared_step_time_factor", "While several tenants have work, a step takes at most this multiple of a "
+           "one-row step's time (measured as the engine runs), shared fairly among them; 0: share the token "
+           "budget instead", "1.5", "float"),
+    Option("step_time_target_s", "Prefill chunks are cut so that a step's measured time stays near this (decode "
+           "rows always run), so a request arriving during a long prompt waits one short step; 0: off",
+           "0.25 on the CPU, 0 on CUDA", "float"),
     Option("enable_prefix_caching", "Keep full KV blocks keyed by a hash of their tokens, so shared prefixes are "
            "computed once", "on", "bool"),
     Option("prefix_hash", "The prefix blocks' hash function", "sha256", choices=("sha256", "xxh128")),
@@ -111,6 +120,8 @@ SERVER_OPTIONS = (
            env="PAGEDCHAT_ADMIN_API_KEY"),
     Option("allowed_origins", "Browser origins that may call the API, comma-separated (CORS; * for any)", "none"),
     Option("max_queue", "Requests waiting for their first token; beyond it new requests get 429", "256", "int"),
+    Option("max_queue_per_tenant", "Requests of one tenant (an API key, or a client address without keys) waiting "
+           "for their first token; beyond it that tenant's new requests get 429", "half of --max-queue", "int"),
     Option("max_request_bytes", "Largest request body (e.g. 4MiB); larger ones get 413", "4MiB", "bytes"),
     Option("redis_url", "Keep sessions and presets in this Redis (redis://host:port/db), shared by replicas",
            "none", env="REDIS_URL"),

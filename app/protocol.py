@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
+from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_PRIORITY, MAX_LOGPROBS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
 
 _INT32 = 2**31
@@ -159,6 +159,8 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Salt | None = Field(default=None, description="requests share prefix blocks only with the same salt")
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="among the same tenant's "
+                          "requests, lower runs first (vLLM's field); tenants share the engine fairly whatever it is")
     user: str | None = None
     return_token_ids: bool = Field(default=False, description="each choice also carries its token_ids (in a "
                                    "streamed chunk: the ids new in it); vLLM's field")

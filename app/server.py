@@ -119,6 +119,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
                      metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
                      started=int(time.time()), max_queue=front.queue_share(settings.max_queue),
+                     max_queue_per_tenant=front.queue_share(settings.tenant_queue),
                      sampling_defaults=model_sampling_defaults(engine.info.model_path)
                      if settings.generation_config == "auto" else {})
     app.state.server = server

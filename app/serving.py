@@ -14,6 +14,7 @@ from starlette.requests import Request
 from app.errors import APIError, EngineUnavailable
 from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
+from app.request_body import ClientDisconnected
 from app.settings import ServerSettings
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
@@ -33,6 +34,7 @@ class Serving:
     model_name: str
     started: int = 0  # unix time the server came up (the model card's "created")
     max_queue: int = 256  # this front's share of --max-queue (requests waiting for their first token)
+    max_queue_per_tenant: int = 128  # this front's share of --max-queue-per-tenant
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's (app/generation_config.py)
     sessions: Any = None  # the SessionStore (app/sessions/store.py)
     outbox: Any = None  # turns waiting for the session store to come back (app/sessions/outbox.py)
@@ -53,6 +55,18 @@ class Serving:
         return request.scope.get("state", {}).get("tenant", "")
 
     @staticmethod
+    def scheduling_tenant(request: Request | None) -> str:
+        """Whose share of the engine a request takes: its API key's tenant, or without keys its client's address
+        (behind a proxy, the address uvicorn resolves from --forwarded-allow-ips); "" for the server's own."""
+        if request is None:
+            return ""
+        tenant = request.scope.get("state", {}).get("tenant", "")
+        if tenant:
+            return tenant
+        client = request.scope.get("client")
+        return f"addr:{client[0]}" if client else ""
+
+    @staticmethod
     def is_admin(request: Request) -> bool:
         """The admin key (or a server without keys): may manage shared presets."""
         return bool(request.scope.get("state", {}).get("admin", False))
@@ -66,12 +80,15 @@ class Serving:
         return f"{tenant}/{requested}" if requested is not None else tenant
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                     arrival: float, request: Request | None = None) -> TimedStream:
+                     arrival: float, request: Request | None = None, priority: int = 0) -> TimedStream:
         """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
         schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
-        ``request``, the stream's numbers go to its access-log line (app/access_log.py)."""
+        ``request``, the engine shares its steps fairly between the request's tenant and others
+        (``scheduling_tenant``), and the stream's numbers go to its access-log line (app/access_log.py)."""
         if not self.engine.healthy:
             raise EngineUnavailable()
+        tenant = self.scheduling_tenant(request)
+        self._check_queue(tenant)
         spec = params.structured_output
         if spec is not None and spec.grammar is None:
             try:
@@ -81,11 +98,12 @@ class Serving:
                 raise APIError.from_value_error(exc) from None
             except EngineDeadError as exc:
                 raise EngineUnavailable(f"the engine is not running: {exc}") from None
-        if self.engine.num_queued >= self.max_queue:
-            raise APIError(429, f"the server is busy: {self.engine.num_queued} requests are waiting; retry "
-                                "shortly", code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})
+        self._check_queue(tenant)  # (again: the compile above took time)
+        if request is not None and await request.is_disconnected():  # (a connect-and-drop storm costs no engine work)
+            raise ClientDisconnected()
         try:
-            stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt)
+            stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt, tenant=tenant,
+                                          priority=priority)
         except EngineDeadError as exc:
             raise EngineUnavailable(f"the engine is not running: {exc}") from None
         except ValueError as exc:
@@ -94,6 +112,16 @@ class Serving:
         if request is not None:
             request.scope.setdefault("state", {}).setdefault("generations", []).append(timed)
         return timed
+
+    def _check_queue(self, tenant: str) -> None:
+        """429 when the queue (requests waiting for their first token) is full, or this tenant's part of it."""
+        queued = self.engine.num_queued
+        if queued >= self.max_queue:
+            raise APIError(429, f"the server is busy: {queued} requests are waiting; retry shortly",
+                           code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})
+        if self.engine.num_queued_for(tenant) >= self.max_queue_per_tenant:
+            raise APIError(429, f"too many of your requests are waiting ({self.max_queue_per_tenant}); retry once "
+                                "some have started", code="tenant_queue_full", headers={"Retry-After": _RETRY_AFTER_S})
 
     def spawn(self, coro: Any) -> asyncio.Task:
         """A background task the server keeps referenced (and waits for at shutdown)."""

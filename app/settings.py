@@ -19,6 +19,8 @@ class ServerSettings:
     admin_api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_ADMIN_API_KEY") or None)
     allowed_origins: str | None = None  # comma-separated origins whose browser pages may call the API; "*" any
     max_queue: int = 256  # requests waiting for their first token; beyond it new requests get 429
+    # of which one tenant's (an API key's, or a client address's without keys); None: half of max_queue
+    max_queue_per_tenant: int | None = None
     max_request_bytes: int = 4 * 2**20  # request bodies above it get 413
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     # where sessions and presets live: auto = Redis with --redis-url, else a SQLite file (durable, one host);
@@ -46,10 +48,16 @@ class ServerSettings:
     api_server_count: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    @property
+    def tenant_queue(self) -> int:
+        return self.max_queue_per_tenant or max(1, self.max_queue // 2)
+
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, "port", "must be in [1, 65535]")
         _check(0 <= self.shutdown_timeout_s <= 3600, "shutdown_timeout_s", "must be in [0, 3600]")
         _check(self.max_queue >= 0, "max_queue", "must be >= 0")
+        _check(self.max_queue_per_tenant is None or self.max_queue_per_tenant >= 1, "max_queue_per_tenant",
+               "must be >= 1")
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         _check(self.session_ttl_s >= 60, "session_ttl_s", "must be >= 60")
         _check(self.session_lock_s > 0, "session_lock_s", "must be > 0")

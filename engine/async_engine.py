@@ -22,7 +22,7 @@ import os
 import pickle
 import select
 import uuid
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_info import CoreInfo, check_request
+from engine.core_info import CoreInfo, check_priority, check_request
 from engine.core_messages import (
     AbortRequest,
     AddFailed,
@@ -93,7 +93,8 @@ class AsyncEngine:
         self._grammars: Any | None = None
         self._grammar_pool: ThreadPoolExecutor | None = None  # schema compiles, off the event loop
         self._streams: dict[str, RequestStream] = {}
-        self._queued: set[str] = set()
+        self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
+        self._queued_by_tenant: Counter[str] = Counter()
         self._calls: dict[int, asyncio.Future] = {}  # call()s not answered yet (failed if the engine dies)
         self._call_ids = itertools.count()
         self._stats: EngineStats | None = None
@@ -197,6 +198,17 @@ class AsyncEngine:
         """Requests submitted that have not produced their first output yet (waiting or in prefill)."""
         return len(self._queued)
 
+    def num_queued_for(self, tenant: str) -> int:
+        """Of ``num_queued``, those ``tenant`` submitted."""
+        return self._queued_by_tenant.get(tenant, 0)
+
+    def _dequeue(self, request_id: str) -> None:
+        tenant = self._queued.pop(request_id, None)
+        if tenant is not None:
+            self._queued_by_tenant[tenant] -= 1
+            if not self._queued_by_tenant[tenant]:
+                del self._queued_by_tenant[tenant]
+
     # requests --------------------------------------------------------------------------------------
 
     def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
@@ -221,11 +233,14 @@ class AsyncEngine:
                              "simplify it") from None
 
     def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                 request_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
+                 request_id: str | None = None, cache_salt: str | None = None, tenant: str = "",
+                 priority: int = 0) -> RequestStream:
         """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
         outputs (deltas; with n > 1 or best_of, every sample's, told apart by ``index``) until each sample's
-        has ``finished``. Closing the stream early aborts the request."""
+        has ``finished``. Closing the stream early aborts the request. ``tenant``: who sent it (the core shares
+        its steps fairly among tenants); ``priority``: its rank among the tenant's requests, lower first."""
         self.validate_request(prompt_token_ids, params)
+        check_priority(priority)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -234,8 +249,9 @@ class AsyncEngine:
                                self.config.stream_interval)
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
-        self._queued.add(request_id)
-        self._send(AddRequest(request_id, prompt, params, cache_salt, self._endpoint.client))
+        self._queued[request_id] = tenant
+        self._queued_by_tenant[tenant] += 1
+        self._send(AddRequest(request_id, prompt, params, cache_salt, self._endpoint.client, tenant, priority))
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -276,7 +292,7 @@ class AsyncEngine:
     def _release(self, request_id: str, finished: bool) -> None:
         """A stream is done with (read to the end, closed or dropped): forget it, abort if unfinished."""
         self._streams.pop(request_id, None)
-        self._queued.discard(request_id)
+        self._dequeue(request_id)
         if not finished and self._processor is not None:
             self._processor.abort_request(request_id)
             if self.healthy:
@@ -342,7 +358,8 @@ class AsyncEngine:
             if stream is not None:
                 stream.push(sample)
         if self._queued:
-            self._queued.difference_update(sample.request_id for sample in updated)
+            for sample in updated:
+                self._dequeue(sample.request_id)
 
     def _settle(self, message: UtilityResult) -> None:
         future = self._calls.get(message.call_id)

@@ -39,6 +39,16 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max position embeddings
+    # fairness among tenants (the front names each request's: an API key, a client address): running sequences
+    # one tenant may hold (None: max_num_seqs; while several have work each holds at most its equal share), and
+    # the time budget of a step they share, as a multiple of a one-row decode step measured as the engine runs
+    # (a light tenant's stream stays near its unloaded pace beside a heavy one); 0 shares tokens instead
+    max_seqs_per_tenant: int | None = None
+    shared_step_time_factor: float = 1.5
+    # a step's prefill chunks are cut so that its measured time stays near this (decode rows always run): a
+    # request arriving during another's long prompt waits one short step; None = 0.25 s on the CPU (a 2048-token
+    # step takes seconds there), 0 (off) on CUDA
+    step_time_target_s: float | None = None
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # sha256 | xxh128
     prefix_cache_seed: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", ""))
@@ -99,6 +109,12 @@ class EngineConfig:
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                "must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _check(self.max_seqs_per_tenant is None or self.max_seqs_per_tenant >= 1, "max_seqs_per_tenant",
+               "must be >= 1")
+        _check(self.shared_step_time_factor == 0 or 1 <= self.shared_step_time_factor <= 100,
+               "shared_step_time_factor", "must be 0 (share tokens) or in [1, 100]")
+        _check(self.step_time_target_s is None or 0 <= self.step_time_target_s <= 60, "step_time_target_s",
+               "must be in [0, 60] (0: off)")
         _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
                "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
@@ -122,6 +138,8 @@ class EngineConfig:
             self.max_num_batched_tokens = 8192 if large else 2048
         if self.max_graph_batch_size is None:
             self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0
+        if self.step_time_target_s is None:
+            self.step_time_target_s = 0.25 if self.torch_device.type == "cpu" else 0.0
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda"
         if self.dtype == "auto":

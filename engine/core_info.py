@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_PRIORITY, SamplingParams
 
 
 class CoreInfo(msgspec.Struct, frozen=True):
@@ -60,3 +60,8 @@ def check_request(info: CoreInfo, prompt_token_ids: SequenceOf[int], params: Sam
     if params.num_sequences > info.max_num_seqs:
         field_name = "beam_width" if params.use_beam_search else "best_of" if params.best_of else "n"
         raise ValueError(f"{field_name}: {params.num_sequences} sequences exceed max_num_seqs={info.max_num_seqs}")
+
+
+def check_priority(priority: int) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs first)")

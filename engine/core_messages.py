@@ -23,6 +23,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     cache_salt: str | None = None
     client: int = 0  # the front that submitted it: its outputs go there
+    tenant: str = ""  # who sent it: the core shares steps fairly among tenants
+    priority: int = 0  # among the tenant's requests, lower first
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

@@ -231,7 +231,8 @@ class CoreLoop:
     def _add(self, message: AddRequest) -> None:
         request_id, client = message.request_id, message.client
         try:
-            self.core.add_request(request_id, message.prompt_token_ids, message.params, message.cache_salt)
+            self.core.add_request(request_id, message.prompt_token_ids, message.params, message.cache_salt,
+                                  message.tenant, message.priority)
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
             self._send(client, AddFailed(request_id, str(exc), True))
             return

@@ -20,7 +20,7 @@ import torch
 from engine.beam_search import BeamGroup, new_beam_group
 from engine.block_manager import BlockHasher, BlockManager
 from engine.config import EngineConfig
-from engine.core_info import CoreInfo, check_request
+from engine.core_info import CoreInfo, check_priority, check_request
 from engine.layers.sampler import TokenLogprobs
 from engine.loader import load_model
 from engine.metrics import EngineCounters, EngineStats
@@ -78,7 +78,9 @@ class EngineCore:
                                           self._hasher(), *self._host_pools(), self.runner.kv.lookahead_tokens,
                                           config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prefer_swap=self._prefer_swap)
+                                   prefer_swap=self._prefer_swap, max_seqs_per_tenant=config.max_seqs_per_tenant,
+                                   shared_step_time_factor=config.shared_step_time_factor,
+                                   step_time_target_s=config.step_time_target_s)
         self.counters = EngineCounters()
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, _Request] = {}
@@ -146,14 +148,17 @@ class EngineCore:
         check_request(self.info, prompt_token_ids, params, self.grammars)
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str = "", priority: int = 0) -> None:
+        """``tenant``: who sent it (steps are shared fairly among tenants with work); ``priority``: its rank among
+        that tenant's requests, lower first."""
         params = params or SamplingParams()
         self.validate_request(prompt_token_ids, params)
+        check_priority(priority)
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
         if params.use_beam_search:
-            self._add_beam_search(request_id, prompt, params, cache_salt)
+            self._add_beam_search(request_id, prompt, params, cache_salt, tenant, priority)
             return
         # best_of ranks samples by cumulative logprob: each sample's token logprob is computed (handed out only
         # where asked for, by the output processor)
@@ -166,7 +171,7 @@ class EngineCore:
             own = seq_params if index == 0 or params.seed is None else \
                 dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
-                           cache_salt=cache_salt, index=index)
+                           cache_salt=cache_salt, tenant=tenant, priority=priority, index=index)
             if grammar is not None:
                 seq.grammar = grammar if index == 0 else grammar.deep_copy()
             samples.append(_Sample(seq))
@@ -179,9 +184,10 @@ class EngineCore:
         self.scheduler.add(seqs[0])
 
     def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams,
-                         cache_salt: str | None) -> None:
+                         cache_salt: str | None, tenant: str, priority: int) -> None:
         beams = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=params,
-                          cache_salt=cache_salt, index=i) for i in range(params.beam_width)]
+                          cache_salt=cache_salt, tenant=tenant, priority=priority, index=i)
+                 for i in range(params.beam_width)]
         beams[0].unforked = beams[1:]  # their places are held until the prompt's step
         eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
         group = new_beam_group(beams, params, self.config.max_model_len - len(prompt), eos)
@@ -275,6 +281,9 @@ class EngineCore:
         self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                                 if not seq.is_finished], batch.forks)
         self.counters.steps += 1
+        # (with async scheduling this step's time is mostly the wait for the one before: the same shape, steadily)
+        self.scheduler.step_cost.observe(sum(batch.num_new_tokens), time.perf_counter() - start,
+                                         batch.num_decodes < len(batch.seqs))
         if self.config.async_scheduling:
             self._in_flight = launched
         else:

@@ -66,9 +66,9 @@ class LLMEngine:
         return self.core.last_batch
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str = "", priority: int = 0) -> None:
         params = params or SamplingParams()
-        self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+        self.core.add_request(request_id, prompt_token_ids, params, cache_salt, tenant, priority)
         self.processor.add_request(request_id, prompt_token_ids, params, cache_salt)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:

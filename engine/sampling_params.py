@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; room for chat templates' own stop strings
 MAX_STOP_STRING_CHARS = 256
+MAX_PRIORITY = 1000  # a request's rank among its tenant's requests: an integer in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 MAX_TEMPERATURE = 100.0  # the engine's bound (the HTTP API's is OpenAI's: 2)

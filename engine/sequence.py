@@ -53,6 +53,9 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    tenant: str = ""  # who sent it (the front's word: an API key's hash, a client address): steps are shared fairly
+    priority: int = 0  # among its tenant's requests: lower runs first (vLLM's priority)
+    last_step: int = -1  # the scheduler's step that last computed it (a tenant's rows take turns)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when first admitted to the running batch (queue time ends)
     num_prompt_tokens: int = 0

@@ -241,7 +241,7 @@ async def run_turn(request: Request, server: Serving, session: Session, new: lis
         plan = await _plan(server, session, new)
         params = sampling_params(server, body, len(plan.prompt_ids))
         stream = await server.submit(plan.prompt_ids, params, server.cache_salt(request, session.cache_salt),
-                                     arrival, request)
+                                     arrival, request, body.priority)
     except BaseException:
         await _unlock_quietly(server, session.id, token)
         raise

@@ -98,9 +98,9 @@ class Serving:
                 raise APIError.from_value_error(exc) from None
             except EngineDeadError as exc:
                 raise EngineUnavailable(f"the engine is not running: {exc}") from None
-        self._check_queue(tenant)  # (again: the compile above took time)
         if request is not None and await request.is_disconnected():  # (a connect-and-drop storm costs no engine work)
             raise ClientDisconnected()
+        self._check_queue(tenant)  # (again, with no await before the submission: the compile above took time)
         try:
             stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt, tenant=tenant,
                                           priority=priority)

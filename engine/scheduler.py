@@ -156,9 +156,8 @@ class Scheduler:
 
     def _schedule_shared(self, chosen: dict[Sequence, int], preempted: list[Sequence]) -> None:
         """Several tenants have work: swapped-out requests come back first, then each tenant, least recently
-        served first, spends its fair share of the step (fair_share.py) on its running sequences (by priority,
-        then those that waited longest: a decode row or a prefill chunk each), then its waiting requests (by
-        priority, then arrival)."""
+        served first, spends its fair share of the step (fair_share.py) on its decode rows (by priority, then
+        those that waited longest), its prefill chunks, then its waiting requests (by priority, then arrival)."""
         work = self._work_by_tenant()
         prefill_wanted = any(w.waiting or any(seq.num_uncomputed_tokens > 1 for seq in w.runnable)
                              for w in work.values())
@@ -193,7 +192,8 @@ class Scheduler:
         for seq in self.waiting:
             work[seq.tenant].waiting.append(seq)
         for entry in work.values():
-            entry.runnable.sort(key=lambda seq: (seq.priority, seq.last_step))
+            # decode rows first (a stream steps every time), those that waited longest first; then prefill chunks
+            entry.runnable.sort(key=lambda seq: (seq.num_uncomputed_tokens > 1, seq.priority, seq.last_step))
             entry.waiting.sort(key=lambda seq: seq.priority)  # (stable: arrival order within a priority)
         return work
 
@@ -234,10 +234,12 @@ class Scheduler:
         if prices is None or not self.shared_step_time_factor:
             return self.max_num_batched_tokens, True
         pace = self.shared_step_time_factor * prices.one_token_step()
-        self._credit = min(self._credit + pace, MAX_CREDIT_STEPS * pace)
+        least = num_tokens_for_prefill(num_tenants, self.block_manager.block_size)
+        # (the bank holds at least the cheapest step with prefill: whatever its price, prefill gets its turn)
+        self._credit = min(self._credit + pace, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True)))
         if prefill_wanted:
             tokens = prices.tokens_within(self._credit, prefill=True)
-            if tokens >= num_tokens_for_prefill(num_tenants, self.block_manager.block_size):
+            if tokens >= least:
                 return min(self.max_num_batched_tokens, tokens), True
             pace = (pace + prices.one_token_step()) / 2
         return min(self.max_num_batched_tokens, max(prices.tokens_within(pace), num_tenants)), False

@@ -160,6 +160,29 @@ def test_a_step_time_target_cuts_a_lone_tenants_prefill_but_not_its_decodes():
     assert all(seq in scheduled for seq in decoding) and scheduled[long_prompt] == BLOCK
 
 
+def test_a_new_request_gets_its_prefill_even_when_a_step_with_prefill_costs_many_paces():
+    scheduler = make_scheduler(budget=256, num_blocks=1024)
+    heavy = [request("heavy") for _ in range(12)]
+    light = request("light")
+    for seq in heavy + [light]:
+        scheduler.add(seq)
+    run_until_decoding(scheduler, heavy + [light])
+    scheduler.shared_step_time_factor = 1.2
+    for tokens in (1, 8):  # a one-token step 1 ms (+10 us a token); a step with prefill costs 14 ms more
+        scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)
+    for _ in range(20):
+        scheduler.step_cost.observe(20, 0.001 + 0.00001 * 20 + 0.014, prefill=True)
+    newcomer = request("light", length=40)
+    scheduler.add(newcomer)
+    steps = 0
+    while not (newcomer.num_computed_tokens and newcomer.num_uncomputed_tokens == 1):
+        scheduled = step(scheduler)
+        assert light in scheduled, "the light tenant's stream steps every time meanwhile"
+        steps += 1
+        assert steps < 2000, "the newcomer's prompt never ran"
+    accounting(scheduler)
+
+
 def test_a_light_tenants_request_is_admitted_before_a_heavy_tenants_queue():
     scheduler = make_scheduler(max_num_seqs=4, budget=64)
     heavy = [request("heavy") for _ in range(12)]

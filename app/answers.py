@@ -34,7 +34,10 @@ async def answer_chat(request: Request, server: Serving, body: SamplingFields, s
     choices = [header.choice_ids(chat_choice_message(out.index, out.text, out.finish_reason,
                                                      await _chat_logprobs(server, out, whole=True), out.stop_reason),
                                  out.token_ids) for out in finals]
-    return JSONResponse(header.wrap(choices, samples_usage([out.usage for out in finals])), headers=headers)
+    answer = header.wrap(choices, samples_usage([out.usage for out in finals]))
+    if stream.turn_pending:
+        answer["session_turn"] = "pending"
+    return JSONResponse(answer, headers=headers)
 
 
 async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStream, include_usage: bool,
@@ -56,6 +59,8 @@ async def chat_chunks(server: Serving, header: ResponseHeader, stream: TimedStre
     await stream.settled()
     if include_usage and finals:
         yield header.wrap([], samples_usage([finals[i].usage for i in sorted(finals)]))
+    if stream.turn_pending:
+        yield {**header.wrap([]), "session_turn": "pending"}
 
 
 def worth_a_chunk(server: Serving, header: ResponseHeader, out: RequestOutput, logprobs: dict[str, Any] | None

@@ -118,6 +118,8 @@ SERVER_OPTIONS = (
            env="PAGEDCHAT_API_KEY"),
     Option("admin_api_key", "A key that may also create and delete shared presets", "none",
            env="PAGEDCHAT_ADMIN_API_KEY"),
+    Option("forwarded_allow_ips", "Proxies whose X-Forwarded-For is believed, comma-separated (* for any): the "
+           "client address behind them is the request's tenant when the server has no API keys", "127.0.0.1"),
     Option("allowed_origins", "Browser origins that may call the API, comma-separated (CORS; * for any)", "none"),
     Option("max_queue", "Requests waiting for their first token; beyond it new requests get 429", "256", "int"),
     Option("max_queue_per_tenant", "Requests of one tenant (an API key, or a client address without keys) waiting "

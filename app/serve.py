@@ -123,6 +123,7 @@ def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] 
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None,
+                            proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips,
                             access_log=False)  # (app/access_log.py writes one line per request, with its numbers)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)

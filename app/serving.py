@@ -57,7 +57,7 @@ class Serving:
     @staticmethod
     def scheduling_tenant(request: Request | None) -> str:
         """Whose share of the engine a request takes: its API key's tenant, or without keys its client's address
-        (behind a proxy, the address uvicorn resolves from --forwarded-allow-ips); "" for the server's own."""
+        (behind a proxy of --forwarded-allow-ips, the address it forwards); "" for the server's own."""
         if request is None:
             return ""
         tenant = request.scope.get("state", {}).get("tenant", "")
@@ -156,6 +156,9 @@ class TimedStream:
         # not block (it may run inside a cancelled task), may return a task the answer waits for before its
         # last event (sessions store the turn so, and the client's next message finds it stored)
         self.on_end: Callable[[TimedStream], asyncio.Task | None] | None = None
+        # a session turn the store could not take in time: kept in memory, stored when the store is back (the
+        # answer says so: "session_turn": "pending")
+        self.turn_pending = False
         self._end_task: asyncio.Task | None = None
 
     @property

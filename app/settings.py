@@ -17,6 +17,10 @@ class ServerSettings:
     api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_API_KEY") or None)
     # a key that may also create (and delete) shared presets; it is a tenant of its own for everything else
     admin_api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_ADMIN_API_KEY") or None)
+    # proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's option): the client address behind
+    # them is the request's tenant when the server has no API keys; "*" believes any (only behind a proxy that
+    # sets the header itself)
+    forwarded_allow_ips: str = "127.0.0.1"
     allowed_origins: str | None = None  # comma-separated origins whose browser pages may call the API; "*" any
     max_queue: int = 256  # requests waiting for their first token; beyond it new requests get 429
     # of which one tenant's (an API key's, or a client address's without keys); None: half of max_queue
@@ -29,7 +33,7 @@ class ServerSettings:
     session_db_path: str | None = None  # the SQLite file; default: sessions.sqlite3 in the cache dir
     session_ttl_s: int = 30 * 24 * 3600  # a session unused this long is forgotten (refreshed on use)
     session_lock_s: float = 30.0  # a turn holds its session this long without a sign of life (refreshed meanwhile)
-    session_write_timeout_s: float = 3.0  # a turn's write retries this long; then the stream reports it unsaved
+    session_write_timeout_s: float = 3.0  # a turn's write retries this long; then the answer says it is pending
     max_sessions_per_key: int = 10_000  # sessions one tenant may keep (0: no cap)
     max_session_bytes: int = 8 * 2**20  # a session this large takes no more turns (messages + token ids)
     max_system_prompt_chars: int = 32_768  # system prompts of sessions and presets

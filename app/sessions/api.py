@@ -124,7 +124,16 @@ async def sessions_root(request: Request) -> Response:
 
 
 async def get_session(request: Request) -> JSONResponse:
-    return JSONResponse((await _session(request, request.app.state.server)).public())
+    """The session; while the store is away, a session whose last turn waits in the outbox is shown from there,
+    with ``"turn_pending": true``."""
+    server: Serving = request.app.state.server
+    try:
+        return JSONResponse((await _session(request, server)).public())
+    except SessionStoreUnavailable:
+        kept = server.outbox.kept(request.path_params["session_id"], server.tenant(request))
+        if kept is None:
+            raise
+        return JSONResponse({**kept.public(), "turn_pending": True})
 
 
 async def update_session(request: Request) -> JSONResponse:

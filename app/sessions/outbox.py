@@ -60,6 +60,11 @@ class TurnOutbox:
         if self._flusher is None or self._flusher.done():
             self._flusher = self._spawn(self._flush_until_empty())
 
+    def kept(self, session_id: str, owner: str) -> Session | None:
+        """The session as its unsaved turn left it, if it has one and ``owner`` owns it."""
+        pending = self._pending.get(session_id)
+        return pending.session if pending is not None and pending.session.owner == owner else None
+
     def stop(self) -> None:
         """No more retries in the background (at shutdown)."""
         if self._flusher is not None:

@@ -3,7 +3,8 @@ and storing it once the reply ends — finished, cut by the client (kept with wh
 ``abort``) or failed (``error``). The session is locked for the turn, so two turns never interleave.
 
 Storing is retried for ``--session-write-timeout-s``; a turn still unsaved then goes to the outbox (written when
-the store is back) and the answer ends with an error saying so, instead of waiting for the store.
+the store is back) and the answer ends normally, saying so in an extension field (``"session_turn": "pending"``,
+TimedStream.turn_pending), instead of waiting for the store.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import APIError
 from app.serving import Serving, TimedStream
 from app.sessions import conversation
 from app.sessions.store import Session, SessionStoreUnavailable
@@ -63,13 +63,6 @@ def plan_regeneration(session: Session) -> TurnPlan:
     return TurnPlan(session.token_ids[: last["usage"]["prompt_tokens"]], session.messages[:-1])
 
 
-class TurnNotSaved(APIError):
-    def __init__(self, session_id: str) -> None:
-        super().__init__(503, f"session {session_id!r}: the session store is unreachable, so this turn is not saved "
-                         "yet; the server keeps it and stores it when the store is back", param="session_id",
-                         code="turn_not_saved")
-
-
 @dataclass(slots=True, eq=False)
 class TurnRecorder:
     """Stores the turn when the stream ends (TimedStream.on_end), and keeps the session's lock alive meanwhile."""
@@ -113,7 +106,8 @@ class TurnRecorder:
             self.server.outbox.put(session, self.lock_token)
             logger.error("session %s: the session store is unreachable; the turn is kept in memory until it is back",
                          session.id)
-            raise TurnNotSaved(session.id)
+            stream.turn_pending = True
+            return
         if not saved:
             logger.warning("session %s was deleted, or changed since this turn began; the turn is dropped",
                            session.id)

@@ -23,7 +23,6 @@ import pickle
 import select
 import uuid
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
@@ -49,6 +48,7 @@ from engine.core_messages import (
     from_core_decoder,
 )
 from engine.core_process import CoreEndpoint, LaunchedCore, launch_core
+from engine.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.metrics import EngineStats
 from engine.output_processor import OutputProcessor, SampleState
 from engine.outputs import RequestOutput
@@ -91,7 +91,7 @@ class AsyncEngine:
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
-        self._grammar_pool: ThreadPoolExecutor | None = None  # schema compiles, off the event loop
+        self._grammar_workers: GrammarWorkers | None = None  # schema compiles, in processes of their own
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()
@@ -176,8 +176,8 @@ class AsyncEngine:
             self._launched.close()
         elif isinstance(self._process, AttachedProcess):
             self._process.close()
-        if self._grammar_pool is not None:
-            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_workers is not None:
+            self._grammar_workers.close()
 
     @property
     def healthy(self) -> bool:
@@ -218,19 +218,15 @@ class AsyncEngine:
         check_request(self.info, prompt_token_ids, params, grammars)
 
     async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
-        """``spec`` checked and compiled off the event loop (a large schema takes seconds), within
-        ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither ``generate`` nor the core compiles it
-        again. ValueError naming ``response_format`` when it cannot be compiled or takes too long."""
+        """``spec`` checked and compiled in a grammar worker process (engine/grammar_worker.py: a large schema takes
+        seconds and hundreds of MB), within ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither
+        ``generate`` nor the core compiles it again. ValueError naming ``response_format`` when it cannot be
+        compiled, takes too long or too much memory."""
         self._check_alive()
-        compiler = self._grammar_compiler()
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedchat-grammar")
-        work = self._loop.run_in_executor(self._grammar_pool, compiler.compiled, spec)
-        try:
-            return await asyncio.wait_for(asyncio.shield(work), GRAMMAR_TIMEOUT_S)
-        except asyncio.TimeoutError:  # (the compile runs on in its thread; its result is dropped)
-            raise ValueError(f"response_format: the schema did not compile within {GRAMMAR_TIMEOUT_S:.0f} s; "
-                             "simplify it") from None
+        if self._grammar_workers is None:
+            self._grammar_workers = GrammarWorkers(WorkerSetup(self.info.model_path, self.info.vocab_size,
+                                                               self.info.eos_token_ids))
+        return await self._grammar_workers.compile(spec, GRAMMAR_TIMEOUT_S)
 
     def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                  request_id: str | None = None, cache_salt: str | None = None, tenant: str = "",

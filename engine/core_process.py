@@ -97,7 +97,7 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
                     log_format: str = "text") -> None:
     """The process's entry point (picklable: spawn imports it by name)."""
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches the whole process group, and systemd's stop SIGTERMs every process of the unit: the fronts
     # drain their streams first, then stop the core (Shutdown, or the runner's SIGKILL), or it dies with its parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -156,7 +156,7 @@ def _tell_every_front(outputs: list[zmq.Socket], message: Any, parent_pid: int) 
         socket.send(frame)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel kills this process when the front's process ends (no orphan holds device memory)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)

@@ -8,8 +8,11 @@ string found there ends the sample here through ``abort_request(request_id, inde
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import itertools
+import sys
 import logging
 import time
 from collections.abc import Sequence as SequenceOf
@@ -53,6 +56,14 @@ class _Request:
     samples: list[_Sample]
     num_open: int  # samples not finished yet
     beam: BeamGroup | None = None
+
+
+def release_free_heap() -> None:
+    """Hand the allocator's free memory back to the system (glibc keeps what large frees leave in its arenas, so
+    the process would stay at its peak after a large grammar's matchers are gone)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -387,6 +398,8 @@ class EngineCore:
             request.num_open -= 1
             if not request.num_open:
                 del self._requests[seq.request_id]
+                if request.group.params.structured_output is not None:
+                    release_free_heap()  # (its matchers: tens of MB for a large grammar, times its samples' copies)
         queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
         return SampleDelta(seq.request_id, seq.index, new_ids, logprobs, finish_reason,
                            seq.stop_reason if isinstance(seq.stop_reason, int) else None,

@@ -15,14 +15,18 @@ import dataclasses
 import functools
 import json
 import threading
+import time
 from typing import Any
 
 import torch
 
 from engine.sampling_params import StructuredOutput
+from engine.schema_check import unsatisfiable
 from engine.sequence import Sequence
 
 _OBJECT_SCHEMA = '{"type": "object"}'
+CHECK_STEPS = 4  # grammar steps tried before a request is admitted
+MASK_BUDGET_S = 0.25  # a grammar whose next-token mask takes longer would stall every stream of the step
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -81,12 +85,21 @@ def _compile(tokenizer: Any, schema: str) -> str:
 
     try:
         parsed = json.loads(schema)
+    except ValueError as exc:
+        raise ValueError(f"response_format: invalid JSON schema: {exc}") from None
+    if unsatisfiable(parsed):
+        raise ValueError("response_format: no finite JSON value satisfies this schema (a required property or item "
+                         "needs the schema itself); make the recursion optional")
+    try:
         if isinstance(parsed, dict):
             # one fixed layout: with free whitespace a greedy model can emit blank lines until max_tokens
             parsed.setdefault("x-guidance", _LAYOUT)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(parsed))
+    except MemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - llguidance reports schema errors as ValueError or its own
-        raise ValueError(f"response_format: invalid JSON schema: {exc}") from None
+        reason = str(exc) or f"{type(exc).__name__} (no reason given: too large for the memory allowed?)"
+        raise ValueError(f"response_format: invalid JSON schema: {reason}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise ValueError(f"response_format: invalid JSON schema: {error}")
@@ -95,15 +108,33 @@ def _compile(tokenizer: Any, schema: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _check_usable(tokenizer: Any, grammar: str) -> None:
+    """The grammar allows a first token, and its first ``CHECK_STEPS`` steps (each taking the lowest allowed token
+    other than EOS) work, each mask within ``MASK_BUDGET_S``: a grammar whose lexer explodes (a regex pattern
+    like ``^(a{1000}){1000}$``) is refused here, not after the answer has started on the engine's step loop."""
     import llguidance
     import llguidance.torch
 
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     mask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
-    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-    if matcher.is_error() or not bool(mask.any()):
-        reason = (matcher.get_error() or "no token can start the output").splitlines()[0]
-        raise ValueError(f"response_format: the schema cannot be followed: {reason}")
+    for step in range(CHECK_STEPS):
+        start = time.perf_counter()
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        elapsed = time.perf_counter() - start
+        if matcher.is_error() or not bool(mask.any()):
+            if step == 0 or matcher.is_error():
+                reason = (matcher.get_error() or "no token can start the output").splitlines()[0]
+                raise ValueError(f"response_format: the schema cannot be followed: {reason}")
+            return
+        if elapsed > MASK_BUDGET_S:
+            raise ValueError(f"response_format: following this schema takes {elapsed * 1e3:.0f} ms per token (at "
+                             f"most {MASK_BUDGET_S * 1e3:.0f} ms); simplify it")
+        allowed = unpack_mask(mask, tokenizer.vocab_size)[0].nonzero().flatten().tolist()
+        token = next((t for t in allowed if t not in tokenizer.eos_tokens), None)
+        if token is None:
+            return
+        if not matcher.consume_token(token):
+            reason = (matcher.get_error() or "refused").splitlines()[0]
+            raise ValueError(f"response_format: the schema cannot be followed: {reason}")
 
 
 def token_masks(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor | None, dict[int, str]]:

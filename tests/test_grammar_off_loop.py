@@ -1,9 +1,10 @@
-"""A response_format schema is compiled once per request, off the event loop and within a time limit; the
+"""A response_format schema is compiled once per request, in a grammar worker process and within a time limit (a schema no model can follow is a 400 up front); the
 engine core gets the compiled grammar (it compiles nothing on its step loop) and builds one matcher per request,
 copied for its other samples."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -63,3 +64,18 @@ async def test_a_compiled_spec_carries_its_grammar_and_is_not_compiled_again(eng
     outputs = [out async for out in engine.generate([1, 2, 3, 4], params)]
     finals = [out for out in outputs if out.finished]
     assert len(finals) == 3 and all(out.text.replace(" ", "").startswith('{"x":"value-') for out in finals)
+
+
+@pytest.mark.parametrize("schema, reason", [
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "no finite JSON value"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}}, "required": ["s"]},
+     "(per token|cannot be followed)"),
+], ids=["requires-itself", "exploding-pattern"])
+def test_a_schema_that_cannot_be_followed_is_a_400_up_front(server: RunningServer, schema, reason):
+    body = {"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 8, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert reply.status_code == 400, reply.text[:300]
+    error = reply.json()["error"]
+    assert error["param"] == "response_format"
+    assert re.search(reason, error["message"]), error["message"]

@@ -1,6 +1,6 @@
-"""A response_format schema is compiled once per request, in a grammar worker process and within a time limit (a schema no model can follow is a 400 up front); the
-engine core gets the compiled grammar (it compiles nothing on its step loop) and builds one matcher per request,
-copied for its other samples."""
+"""A response_format schema is compiled once per request, in a grammar worker process and within a time limit (a
+schema no model can follow is a 400 up front); the engine core gets the compiled grammar (it compiles nothing on its
+step loop) and builds one matcher per request, copied for its other samples."""
 from __future__ import annotations
 
 import json

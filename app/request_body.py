@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from app.errors import APIError
+from app.protocol import MAX_MESSAGES
 
 logger = logging.getLogger(__name__)
 
@@ -29,30 +30,53 @@ async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
     body = await read_body(request, max_bytes)
     if not body.strip():
         raise APIError.bad_request("the request body must be a JSON object")
+    top = _top_level_fields(body)
+    _check_message_count(model, top)
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise APIError.from_validation_error(exc) from None
-    _note_unknown_fields(request.url.path, model, body)
+    if top is not None:
+        _note_unknown_fields(request.url.path, model, top)
     return parsed
 
 
 _WARNED: set[tuple[str, str]] = set()  # (route, field) already logged
 _MAX_WARNED = 256  # a client inventing names cannot grow it (or the log) without bound
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_raw_list = msgspec.json.Decoder(list[msgspec.Raw])
 
 
-def _note_unknown_fields(path: str, model: type[BaseModel], body: bytes) -> None:
+def _top_level_fields(body: bytes) -> dict[str, msgspec.Raw] | None:
+    """The body's top-level fields, their values raw bytes (no Python objects built for them); None if the body is
+    not a JSON object (pydantic says why)."""
+    try:
+        return _top_level.decode(body)
+    except msgspec.DecodeError:
+        return None
+
+
+def _check_message_count(model: type[BaseModel], top: dict[str, msgspec.Raw] | None) -> None:
+    """More than MAX_MESSAGES messages is a 400 before pydantic builds each one (60,000 small ones would hold the
+    event loop ~0.3 s before their count is checked)."""
+    if top is None or "messages" not in top or "messages" not in model.model_fields:
+        return
+    try:
+        count = len(_raw_list.decode(top["messages"]))
+    except msgspec.DecodeError:
+        return  # (not a list: pydantic says so)
+    if count > MAX_MESSAGES:
+        raise APIError.bad_request(f"messages: at most {MAX_MESSAGES} messages per request (got {count})",
+                                   param="messages")
+
+
+def _note_unknown_fields(path: str, model: type[BaseModel], top: dict[str, msgspec.Raw]) -> None:
     """A field the route does not know is ignored (as OpenAI and vLLM do); it is logged once per route and name,
     so an operator sees what clients send that has no effect."""
     if len(_WARNED) >= _MAX_WARNED:
         return
-    try:
-        names = _top_level.decode(body).keys()  # (values stay raw bytes: no second parse of the body)
-    except msgspec.DecodeError:
-        return
     known = model.model_fields
-    for name in names:
+    for name in top:
         if name not in known and (path, name) not in _WARNED and len(_WARNED) < _MAX_WARNED:
             _WARNED.add((path, name))
             logger.warning("%s: the field %r is not supported and was ignored (logged once)", path, name[:64])

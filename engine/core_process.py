@@ -49,6 +49,7 @@ logger = logging.getLogger("engine.core")
 _STATS_PERIOD_S = 0.05  # a stats snapshot rides on a step's outputs at most this often
 _IDLE_POLL_MS = 500  # while idle (or waiting for a front to connect): how often the parent is looked for
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
     """The process's entry point (picklable: spawn imports it by name)."""
     parent = os.getppid()
     die_with_parent()
+    name_process("pagedchat-core")
     # Ctrl-C reaches the whole process group, and systemd's stop SIGTERMs every process of the unit: the fronts
     # drain their streams first, then stop the core (Shutdown, or the runner's SIGKILL), or it dies with its parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -161,6 +163,13 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def name_process(name: str) -> None:
+    """Linux: the name ``ps``, ``top`` and /proc/PID/comm show (15 bytes), so operators can tell the processes apart."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 class CoreLoop:

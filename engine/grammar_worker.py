@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from engine.core_process import die_with_parent
+from engine.core_process import die_with_parent, name_process
 from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class WorkerSetup:
 def _serve(conn: Connection, setup: WorkerSetup) -> None:
     """The worker: compile each spec it is sent, answering ("ok", spec) or ("invalid", message), with its RSS."""
     die_with_parent()  # (no orphan when the front is killed)
+    name_process("pagedchat-gramm")
     resource.setrlimit(resource.RLIMIT_DATA, (setup.memory_bytes, setup.memory_bytes))
     from engine.loader import load_tokenizer
     from engine.structured_output import GrammarCompiler

@@ -112,8 +112,8 @@ class Supervisor:
             self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
-    async def watch(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def watch(self) -> None:
+        while True:
             if self.process is not None and self.process.poll() is not None:
                 self.restarts += 1
                 self.start()
@@ -185,6 +185,7 @@ class Client:
                 if reply.status_code != 200:
                     self.tally.problem(start, f"HTTP {reply.status_code}")
                     await reply.aread()
+                    await asyncio.sleep(0.5)  # (a client backs off)
                     return None
                 done = False
                 async for line in reply.aiter_lines():
@@ -212,6 +213,7 @@ class Client:
                         await asyncio.sleep(0.05)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             self.tally.problem(start, type(exc).__name__)
+            await asyncio.sleep(0.5)  # (a client backs off)
             return None
         if not done or finish is None:
             self.tally.problem(start, "stream ended without [DONE]")
@@ -323,7 +325,7 @@ async def faults(duration: float, redis: Redis, server: Supervisor, tally: Tally
 
 async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dict[str, Any]:
     url, tally, stop = server.url, Tally(), asyncio.Event()
-    watcher = asyncio.ensure_future(server.watch(stop))
+    watcher = asyncio.ensure_future(server.watch())
     await wait_healthy(url)
     clients = [Client(url, key, tally, Random(i)) for i, key in enumerate(KEYS)]
     presets = {}
@@ -344,6 +346,7 @@ async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dic
     await asyncio.sleep(max(args.duration * (1 - FAULTS[-1][0]) - FAULT_GRACE_S / 2, 5.0))
     stop.set()
     await asyncio.gather(*work)
+    await wait_healthy(url)
     idle = await idle_kv_usage(url)
     missing = await missing_turns(tally, clients)
     watcher.cancel()
@@ -360,9 +363,10 @@ async def idle_kv_usage(url: str, timeout_s: float = 60.0) -> float:
     usage = 1.0
     async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
         while time.monotonic() < deadline:
-            for line in (await client.get("/metrics")).text.splitlines():
-                if line.startswith("pagedchat:kv_cache_usage_perc"):
-                    usage = float(line.rsplit(" ", 1)[1])
+            with contextlib.suppress(httpx.HTTPError):
+                for line in (await client.get("/metrics")).text.splitlines():
+                    if line.startswith("pagedchat:kv_cache_usage_perc"):
+                        usage = float(line.rsplit(" ", 1)[1])
             if usage == 0:
                 break
             await asyncio.sleep(0.5)
@@ -413,6 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-up", type=int, default=3, help="requests per tenant alone, for its unloaded TPOT")
     parser.add_argument("--server-args", default="", help="extra `python -m app serve` flags")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--server-log", help="keep the server's log here (default: a temporary file)")
     return parser.parse_args(argv)
 
 
@@ -421,12 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedchat-soak-") as directory:
         redis = Redis(directory)
         redis.start()
-        log_path = os.path.join(directory, "server.log")
+        log_path = args.server_log or os.path.join(directory, "server.log")
         server = Supervisor(["--redis-url", redis.url, "--api-key", ",".join(KEYS), "--session-write-timeout-s", "1",
                              *args.server_args.split()], log_path)
         server.start()
         try:
             result = asyncio.run(run(args, redis, server))
+        except Exception:
+            print(open(log_path).read()[-6000:])
+            raise
         finally:
             server.stop()
             redis.signal(signal.SIGKILL)

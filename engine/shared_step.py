@@ -58,7 +58,11 @@ class SharedStep:
         work = self._work_by_tenant()
         prefill_wanted = any(w.waiting or any(seq.num_uncomputed_tokens > 1 for seq in w.runnable)
                              for w in work.values())
-        tokens, prefill = self._shared_budget(len(work), prefill_wanted)
+        streaming = any(seq.num_uncomputed_tokens == 1 for w in work.values() for seq in w.runnable)
+        if streaming:
+            tokens, prefill = self._shared_budget(len(work), prefill_wanted)
+        else:  # (no stream to keep at pace: prompts only, within the solo step's time)
+            tokens, prefill = self._solo_budget(), True
         budget = tokens = self._swap_in(tokens, chosen, preempted)
         shares = max_min_shares({tenant: w.demand(prefill) for tenant, w in work.items()}, tokens)
         seat_share = max(1, min(self.max_seqs_per_tenant, self.max_num_seqs // len(work)))

@@ -313,3 +313,19 @@ def _finals(engine) -> dict:
             if out.finished:
                 finals[out.request_id] = out
     return finals
+
+
+def test_with_only_prompts_waiting_a_shared_step_computes_them_whatever_its_credit():
+    """No stream runs, so nothing is kept at pace: a dear step with prefill runs at once (an empty step would
+    stall the engine)."""
+    scheduler = make_scheduler(budget=256)
+    scheduler.shared_step_time_factor = 1.2
+    for tokens in (1, 8):
+        scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)
+    for _ in range(20):
+        scheduler.step_cost.observe(20, 0.001 + 0.00001 * 20 + 0.014, prefill=True)
+    a, b = request("a", length=30), request("b", length=30)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduled = step(scheduler)
+    assert scheduled.get(a) and scheduled.get(b)

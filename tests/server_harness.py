@@ -307,3 +307,13 @@ def offline_chat(messages: list[dict[str, str]], **sampling: Any) -> Any:
 
 
 _OFFLINE_OUTPUTS: dict[str, list[Any]] = {}
+
+
+def read_until_content(lines: Iterator[str], timeout: float = 60.0) -> None:
+    """Read SSE lines until the first chunk with content (the stream is answering)."""
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            return
+        assert time.monotonic() < deadline, "no content chunk in time"
+    pytest.fail("the stream ended before its first content chunk")

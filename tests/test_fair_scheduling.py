@@ -55,6 +55,25 @@ def run_until_decoding(scheduler: Scheduler, seqs: list[Sequence]) -> None:
     raise AssertionError("prompts never finished")
 
 
+def decoding(scheduler: Scheduler, tenant: str, count: int) -> list[Sequence]:
+    """``count`` requests of ``tenant``, all decoding."""
+    seqs = [request(tenant) for _ in range(count)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_until_decoding(scheduler, seqs)
+    return seqs
+
+
+def heavy_and_light(scheduler: Scheduler, num_heavy: int) -> tuple[list[Sequence], Sequence]:
+    """``num_heavy`` requests of the tenant "heavy" and one of "light", all decoding."""
+    heavy = [request("heavy") for _ in range(num_heavy)]
+    light = request("light")
+    for seq in heavy + [light]:
+        scheduler.add(seq)
+    run_until_decoding(scheduler, heavy + [light])
+    return heavy, light  # (added together: their prompts run in one step, as decoding() would run them apart)
+
+
 def accounting(scheduler: Scheduler) -> None:
     check_pool(scheduler.block_manager, list(scheduler.running) + list(scheduler.waiting))
 
@@ -98,20 +117,13 @@ def test_a_long_run_at_one_size_does_not_wash_out_the_fit():
 
 def test_one_tenant_alone_decodes_every_running_sequence_each_step():
     scheduler = make_scheduler(budget=8)
-    seqs = [request("a") for _ in range(6)]
-    for seq in seqs:
-        scheduler.add(seq)
-    run_until_decoding(scheduler, seqs)
+    seqs = decoding(scheduler, "a", 6)
     assert set(step(scheduler)) == set(seqs)
 
 
 def test_a_light_tenant_runs_every_step_while_a_heavy_tenants_rows_take_turns():
     scheduler = make_scheduler(budget=64)
-    heavy = [request("heavy") for _ in range(9)]
-    light = request("light")
-    for seq in heavy + [light]:
-        scheduler.add(seq)
-    run_until_decoding(scheduler, heavy + [light])
+    heavy, light = heavy_and_light(scheduler, 9)
     scheduler.max_num_batched_tokens = 4  # token shares: light 1, heavy 3 of the 4
     turns = {seq: 0 for seq in heavy}
     for _ in range(6):
@@ -127,11 +139,7 @@ def test_a_light_tenant_runs_every_step_while_a_heavy_tenants_rows_take_turns():
 
 def test_a_measured_step_cost_caps_a_shared_step_by_time():
     scheduler = make_scheduler(budget=64)
-    heavy = [request("heavy") for _ in range(8)]
-    light = request("light")
-    for seq in heavy + [light]:
-        scheduler.add(seq)
-    run_until_decoding(scheduler, heavy + [light])
+    _, light = heavy_and_light(scheduler, 8)
     scheduler.shared_step_time_factor = 1.5
     fixed, per_token = 0.010, 0.005
     for tokens in (1, 8):  # a 1-token step 15 ms; 1.5 x 15 = 22.5 ms: 2 tokens (light 1, heavy 1)
@@ -143,30 +151,23 @@ def test_a_measured_step_cost_caps_a_shared_step_by_time():
 
 def test_a_step_time_target_cuts_a_lone_tenants_prefill_but_not_its_decodes():
     scheduler = make_scheduler(budget=256)
-    decoding = [request("a") for _ in range(6)]
-    for seq in decoding:
-        scheduler.add(seq)
-    run_until_decoding(scheduler, decoding)
+    running = decoding(scheduler, "a", 6)
     scheduler.step_time_target_s = 0.050
     for tokens in (1, 100):
         scheduler.step_cost.observe(tokens, 0.010 + 0.002 * tokens)  # 50 ms: 20 tokens
     long_prompt = request("a", length=120)
     scheduler.add(long_prompt)
     scheduled = step(scheduler)
-    assert all(seq in scheduled for seq in decoding)
-    assert scheduled[long_prompt] == 20 - len(decoding)
+    assert all(seq in scheduled for seq in running)
+    assert scheduled[long_prompt] == 20 - len(running)
     scheduler.step_time_target_s = 0.001  # below the decode rows' own time: they run, with one block of prefill
     scheduled = step(scheduler)
-    assert all(seq in scheduled for seq in decoding) and scheduled[long_prompt] == BLOCK
+    assert all(seq in scheduled for seq in running) and scheduled[long_prompt] == BLOCK
 
 
 def test_a_new_request_gets_its_prefill_even_when_a_step_with_prefill_costs_many_paces():
     scheduler = make_scheduler(budget=256, num_blocks=1024)
-    heavy = [request("heavy") for _ in range(12)]
-    light = request("light")
-    for seq in heavy + [light]:
-        scheduler.add(seq)
-    run_until_decoding(scheduler, heavy + [light])
+    _, light = heavy_and_light(scheduler, 12)
     scheduler.shared_step_time_factor = 1.2
     for tokens in (1, 8):  # a one-token step 1 ms (+10 us a token); a step with prefill costs 14 ms more
         scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)

@@ -4,14 +4,11 @@ engine step are tests/test_fair_scheduling.py's; the served numbers are benchmar
 from __future__ import annotations
 
 import contextlib
-import json
-import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server_harness import RunningServer, server_fixture, wait_until_idle
+from tests.server_harness import RunningServer, read_until_content, server_fixture, wait_until_idle
 
 server = server_fixture("--max-num-seqs", "1", "--max-queue", "8", "--max-queue-per-tenant", "1")
 
@@ -22,15 +19,6 @@ LONG = {"messages": [{"role": "user", "content": "Tell me a long story about the
 def client_from(address: str) -> httpx.Client:
     """A client whose connections come from ``address`` (any 127.x.y.z reaches the server on Linux)."""
     return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
-
-
-def read_until_content(lines: Iterator[str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    for line in lines:
-        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-            return
-        assert time.monotonic() < deadline, "no content chunk in time"
-    pytest.fail("the stream ended before its first content chunk")
 
 
 def test_each_client_address_has_its_own_part_of_the_queue(server: RunningServer):

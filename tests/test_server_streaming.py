@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.server_harness import (RunningServer, offline_chat, offline_llm, server_fixture, sse_chunks, sse_data,
-                                  wait_for_metrics, wait_until_idle)
+from tests.server_harness import (RunningServer, offline_chat, offline_llm, read_until_content, server_fixture,
+                                  sse_chunks, sse_data, wait_for_metrics, wait_until_idle)
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +227,7 @@ def test_full_queue_answers_429_with_retry_after_and_recovers(queue_server: Runn
         a = streams.enter_context(httpx.stream("POST", url, json=long_body, timeout=60))
         assert a.status_code == 200
         a_lines = a.iter_lines()  # kept referenced: a dropped line iterator closes the connection
-        _read_until_content(a_lines)
+        read_until_content(a_lines)
         b = streams.enter_context(httpx.stream("POST", url, json=long_body, timeout=60))
         assert b.status_code == 200  # headers sent: B was admitted and waits for the running slot
         c = httpx.post(url, json=chat_body(FRANCE), timeout=60)
@@ -244,12 +241,3 @@ def test_full_queue_answers_429_with_retry_after_and_recovers(queue_server: Runn
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["message"]["content"] == \
         offline_chat(FRANCE, temperature=0.0, max_tokens=MAX_TOKENS).text
-
-
-def _read_until_content(lines: Iterator[str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    for line in lines:
-        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-            return
-        assert time.monotonic() < deadline, "no content chunk in time"
-    pytest.fail("the stream ended before its first content chunk")

@@ -8,8 +8,9 @@ share unless it asks for less, and what one does not need goes to the others:
 
 The budget is in tokens (a decode row is one, a prefill chunk its length): as many as fit in ``factor`` x the time
 of a one-token step once the step's cost is measured (step_cost.py), else the step's token budget. A tenant with
-work gets at least one token per step whatever its share, and the least recently served tenant goes first. Seats (running sequences, ``max_num_seqs``) are shared the same way:
-a tenant at or over ``max_num_seqs / tenants`` admits nothing more while others have work.
+work gets at least one token per step whatever its share, and the least recently served tenant goes first. Seats
+(running sequences, ``max_num_seqs``) are shared the same way: a tenant at or over ``max_num_seqs / tenants``
+admits nothing more while others have work (shared_step.py).
 """
 from __future__ import annotations
 

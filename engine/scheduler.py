@@ -7,11 +7,11 @@ blocks run out, the newest running sequence is preempted by recompute: its block
 the head of the waiting queue; on resumption its full blocks usually still hit the prefix cache.
 
 While several tenants have work (``Sequence.tenant``: who sent it), a step is shared fairly instead
-(shared_step.py, fair_share.py): each tenant, least recently served first, spends its max-min share of a step-time budget on its
-own decodes, prefill chunks and waiting requests (by ``priority``, then arrival); a heavy tenant's rows take turns
-across steps; seats are shared too (a tenant over its share of ``max_num_seqs`` admits nothing more, and gives
-seats back, newest first, to a tenant under its share); the victim of a block shortage is the newest sequence of
-the tenant running the most.
+(shared_step.py, fair_share.py): each tenant, least recently served first, spends its max-min share of a
+step-time budget on its own decodes, prefill chunks and waiting requests (by ``priority``, then arrival); a heavy
+tenant's rows take turns across steps; seats are shared too (a tenant over its share of ``max_num_seqs`` admits
+nothing more, and gives seats back, newest first, to a tenant under its share); the victim of a block shortage is
+the newest sequence of the tenant running the most.
 """
 from __future__ import annotations
 
@@ -136,8 +136,7 @@ class Scheduler(SharedStep):
     def _solo_budget(self) -> int:
         """Tokens of a step of one tenant: the step's token budget, within ``step_time_target_s`` of measured time
         (every decode row still runs, with a block's worth of prefill beside them)."""
-        prices = self.step_cost.prices()
-        if prices is None or not self.step_time_target_s:
+        if not self.step_time_target_s or (prices := self.step_cost.prices()) is None:
             return self.max_num_batched_tokens
         decodes = sum(seq.num_uncomputed_tokens == 1 for seq in self.running)
         tokens = max(prices.tokens_within(self.step_time_target_s, prefill=True),

@@ -80,7 +80,8 @@ class SharedStep:
         self._service.record(spent)
         if (prices := self.step_cost.prices()) is not None:
             computed = any(n > 1 or seq.num_uncomputed_tokens > 1 for seq, n in chosen.items())
-            self._credit = max(self._credit - prices.cost(budget - tokens, computed), -MAX_CREDIT_STEPS * prices.fixed)
+            spent_s = prices.cost(budget - tokens, computed)
+            self._credit = max(self._credit - spent_s, -MAX_CREDIT_STEPS * prices.fixed)
 
     def _work_by_tenant(self: Scheduler) -> dict[str, _TenantWork]:
         work = {tenant: _TenantWork() for tenant in self._work}

@@ -56,6 +56,7 @@ class StepCostModel:
         self._decode: dict[int, _Bucket] = {}  # decode-only steps
         self._all: dict[int, _Bucket] = {}  # every step: a first line before decode-only steps vary in size
         self._prefill_fixed = 0.0
+        self._prices: StepPrices | None = None  # (refitted at each observation, read several times a step)
 
     def observe(self, num_tokens: int, seconds: float, prefill: bool = False) -> None:
         """One step: the tokens it computed (``prefill``: some of them a prompt's), and its wall time."""
@@ -67,13 +68,13 @@ class StepCostModel:
         elif (line := _fit(self._decode)) is not None:
             extra = max(seconds - line[0] - line[1] * num_tokens, 0.0)
             self._prefill_fixed += ALPHA * (extra - self._prefill_fixed)
+        if (line := _fit(self._decode)) is not None:
+            self._prices = StepPrices(*line, self._prefill_fixed)
+        elif (line := _fit(self._all)) is not None:
+            self._prices = StepPrices(*line)
 
     def prices(self) -> StepPrices | None:
-        line = _fit(self._decode)
-        if line is not None:
-            return StepPrices(*line, self._prefill_fixed)
-        line = _fit(self._all)
-        return StepPrices(*line) if line is not None else None
+        return self._prices
 
 
 def _add(buckets: dict[int, _Bucket], num_tokens: int, seconds: float) -> None:

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
+                      model_validator)
 
 from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_PRIORITY, MAX_LOGPROBS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, StructuredOutput)
@@ -113,6 +114,13 @@ class JsonSchemaSpec(_Model):
     schema_: dict[str, Any] = Field(alias="schema", description="a JSON Schema the reply must be valid against")
     strict: bool | None = Field(default=None, description="always enforced: the reply is generated under the "
                                 "schema's grammar")
+    # a large schema's JSON text, set aside before validation (app/request_body.py): ``schema_`` is then {} and the
+    # grammar worker parses the text, off the event loop
+    _raw_schema: str | None = PrivateAttr(default=None)
+
+    def schema_text(self) -> str:
+        # (msgspec: a 4 MB schema re-encodes in milliseconds, on the event loop; json.dumps takes ~8x as long)
+        return self._raw_schema if self._raw_schema is not None else msgspec.json.encode(self.schema_).decode()
 
 
 class JsonSchemaFormat(_Model):
@@ -221,8 +229,7 @@ class SamplingFields(_Model):
             return None
         if fmt.type == "json_object":
             return StructuredOutput("json_object")
-        # (msgspec: a 4 MB schema re-encodes in milliseconds, on the event loop; json.dumps takes ~8x as long)
-        return StructuredOutput("json_schema", schema=msgspec.json.encode(fmt.json_schema.schema_).decode())
+        return StructuredOutput("json_schema", schema=fmt.json_schema.schema_text())
 
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

@@ -51,3 +51,19 @@ async def test_a_large_schema_reaches_the_grammar_worker_as_the_same_json():
         "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}).encode()
     parsed = await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
     assert json.loads(parsed.structured_output().schema) == schema
+
+
+async def test_a_large_schema_under_another_format_type_is_ignored_as_before():
+    schema = {"type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(20_000)]}}}
+    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_object", "json_schema": {"name": "big", "schema": schema}}}).encode()
+    parsed = await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
+    assert parsed.structured_output().kind == "json_object"
+
+
+async def test_a_large_schema_that_is_not_an_object_is_still_a_400_naming_it():
+    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "big", "schema": ["x"] * 30_000}}}).encode()
+    with pytest.raises(APIError) as refused:
+        await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
+    assert refused.value.status == 400 and "schema" in (refused.value.param or "")

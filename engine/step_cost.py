@@ -65,13 +65,15 @@ class StepCostModel:
         _add(self._all, num_tokens, seconds)
         if not prefill:
             _add(self._decode, num_tokens, seconds)
-        elif (line := _fit(self._decode)) is not None:
+        line = _fit(self._decode)  # (once a step: the engine observes every step)
+        if line is None:
+            line = _fit(self._all)
+            self._prices = StepPrices(*line) if line is not None else None
+            return
+        if prefill:
             extra = max(seconds - line[0] - line[1] * num_tokens, 0.0)
             self._prefill_fixed += ALPHA * (extra - self._prefill_fixed)
-        if (line := _fit(self._decode)) is not None:
-            self._prices = StepPrices(*line, self._prefill_fixed)
-        elif (line := _fit(self._all)) is not None:
-            self._prices = StepPrices(*line)
+        self._prices = StepPrices(*line, self._prefill_fixed)
 
     def prices(self) -> StepPrices | None:
         return self._prices

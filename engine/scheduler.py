@@ -201,6 +201,8 @@ class Scheduler(SharedStep):
     def _schedule_running(self, seq: Sequence, budget: int, chosen: dict[Sequence, int],
                           preempted: list[Sequence], limit: int | None = None) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget, limit or budget)
+        if num_new == 0:
+            return budget  # (the step's budget is spent: it runs next step; an entry of 0 tokens is no row)
         while not self.block_manager.allocate(seq, num_new):
             for victim in self._preempt(self._victim()):
                 budget += chosen.pop(victim, 0)

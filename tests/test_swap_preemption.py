@@ -148,3 +148,20 @@ def test_a_parallel_request_is_swapped_as_a_group_sharing_its_host_copies(prompt
     assert results[1] == results[0]
     assert shared_on_host, "the n=3 request was meant to be swapped out with its shared prompt blocks"
     check_host_pool(engine)
+
+
+def test_a_swapped_in_group_larger_than_the_step_budget_takes_several_steps():
+    """Two best_of = 112 requests in a small pool: a group swapped back in meets a budget smaller than itself (the
+    CPU's step-time target cuts it to a block beside the decodes); the sequences past the budget wait for the next
+    step instead of joining this one with no tokens (which the native decode step refused, ending the engine)."""
+    engine = LLMEngine(kv_cache_memory_gib=0.1, max_model_len=128, step_time_target_s=0.25)
+    params = SamplingParams(best_of=112, n=1, max_tokens=4, ignore_eos=True, temperature=1.0, seed=1)
+    engine.add_request("a", [161, 5000], params)
+    engine.add_request("b", [162, 6000, 7], params)
+    finished, swapped_in = [], 0
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+        batch = engine.last_batch
+        assert 0 not in batch.num_new_tokens
+        swapped_in += bool(batch.swap_in)
+    assert len(finished) == 2 * 112 and swapped_in, "the pool was small enough to swap"

@@ -6,7 +6,6 @@ and fields that would change the answer but are not supported get a 400 naming t
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import msgspec

@@ -104,6 +104,8 @@ ENGINE_OPTIONS = (
     Option("cpu_weights", "How the CPU stores linear weights (activations stay float32); auto is q4 for a model "
            "shipped as Q4_1 GGUF (the default model), float32 otherwise", "auto",
            choices=("auto", "float32", "bfloat16", "int8", "q4")),
+    Option("cpu_isa", "Instruction-set level of the native CPU kernels; a level this CPU lacks is refused", "auto "
+           "(the highest this CPU has)", choices=("auto", "avx2", "avx512", "avx512_vnni"), env="PAGEDCHAT_CPU_ISA"),
     Option("stream_interval", "A stream's reader is woken once this many tokens are ready (or its first, or its "
            "last): fewer, larger SSE events", "1", "int"),
     Option("log_stats_interval_s", "While it works, the engine core logs a line of its numbers this often, in "

@@ -62,21 +62,23 @@ def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, s
 
 
 def measure_native(weights: list[torch.Tensor], x: torch.Tensor, copies: int) -> list[tuple[str, str, float, float]]:
-    """Our kernels (kernels/cpu_decode.cpp), where they build: the Q4_1 x Q8 and Q8_0 x Q8 products (AVX-512
-    VNNI) and the packed int8 output layer."""
-    if not cpu_native.load(Path(EngineConfig().cache_dir) / "native"):
+    """Our kernels (kernels/cpu_decode.cpp) at the configured level (``PAGEDCHAT_CPU_ISA``), where they build: the
+    Q4_1 x Q8 and Q8_0 x Q8 products (x86 with AVX2 or AVX-512) and the packed int8 output layer."""
+    config = EngineConfig()
+    native = cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
+    if native is None:
         return []
     out_features = weights[0].shape[0]
     results = []
-    if cpu_native.has_q4q8():
-        q8 = [Q4Linear(Q4Blocks.from_float(w), None, vnni=True) for w in weights]
+    if native.has_q4q8:
+        q8 = [Q4Linear(Q4Blocks.from_float(w), None, native) for w in weights]
         results.append(("q4, native Q4_1 x Q8", "float32 (8-bit per 32)", 0.5 + 4 / Q4_GROUP,
                         timed(lambda i: q8[i].matmul(x), copies)))
-        heads = [Q8Head(w) for w in weights]
+        heads = [Q8Head(w, native) for w in weights]
         results.append(("Q8_0, native Q8_0 x Q8", "float32 (8-bit per 32)", 1 + 2 / Q4_GROUP,
                         timed(lambda i: heads[i](x), copies)))
     if out_features % PACKED_OUTPUTS == 0:
-        packed = [PackedInt8Head(w) for w in weights]
+        packed = [PackedInt8Head(w, native) for w in weights]
         results.append(("int8, native packed", "float32", 1.0, timed(lambda i: packed[i](x), copies)))
     return results
 

@@ -24,8 +24,12 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",
-              "aten::matmul", "aten::linear", "pagedchat_cpu::int8_linear", "pagedchat_cpu::q4q8_linear",
-              "pagedchat_cpu::q8q8_linear")
+              "aten::matmul", "aten::linear")
+NATIVE_MATMULS = ("::int8_linear", "::q4q8_linear", "::q8q8_linear")  # (pagedchat_cpu_<level>::...)
+
+
+def is_matmul(key: str) -> bool:
+    return key in MATMUL_OPS or (key.startswith("pagedchat_cpu") and key.endswith(NATIVE_MATMULS))
 # path: (cpu_weights, native decode step kept); the 8-bit and 4-bit modes use the native packed int8 output layer
 PATHS = {"modules, float32": ("float32", True), "lean Python, bfloat16": ("bfloat16", True),
          "lean Python, int8": ("int8", True), "lean Python, q4": ("q4", False), "native step, q4": ("q4", True)}
@@ -74,7 +78,7 @@ def measure(llm: LLM, path: str, streams: int, steps: int, repeats: int) -> Step
     llm.engine.step()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
-    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    matmul = sum(e.self_cpu_time_total for e in events if is_matmul(e.key))
     wall = statistics.median(walls)
     # the profiler's own overhead inflates the step; split the unprofiled wall time by the profiled shares
     return StepProfile(path, streams, wall, wall * matmul / total, wall * (total - matmul) / total)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from engine.layers.quantized_linear import CPU_WEIGHTS
+from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +82,9 @@ class EngineConfig:
     # q4 (4-bit groups of 32, a Q4_1 GGUF's own blocks); auto = q4 for a model shipped as Q4_1 GGUF (the
     # default model: the file's own weights, fastest), float32 otherwise. CUDA: float32 (= the model dtype) only
     cpu_weights: str = "auto"
+    # the instruction-set level of the native CPU kernels (kernels/cpu_native.py): auto (the highest this CPU
+    # has) | avx2 | avx512 | avx512_vnni; a level the CPU lacks is refused ($PAGEDCHAT_CPU_ISA when set)
+    cpu_isa: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_CPU_ISA") or "auto")
     # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
     # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
     # still gets all that is ready in one event)
@@ -129,6 +133,7 @@ class EngineConfig:
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
         _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
                f"must be auto or one of {CPU_WEIGHTS}")
+        resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
         self.torch_device = resolve_device(self.device)
         _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
                "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")

@@ -98,7 +98,8 @@ def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None
     if config.cpu_weights == "float32":
         return
     blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
-    native = config.cpu_weights in ("q4", "int8") and cpu_native.load(Path(config.cache_dir) / "native")
+    native = cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa) \
+        if config.cpu_weights in ("q4", "int8") else None
     model.quantize_cpu_weights(config.cpu_weights, blocks, native)
 
 

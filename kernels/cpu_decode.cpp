@@ -1,8 +1,8 @@
 // The CPU decode step of a Llama-family model with 4-bit weights, as one native call (kernels/cpu_native.py
 // builds and loads it; engine/models/llama_cpu_decoder.py calls it for decode-only steps).
 //
-// Per layer: 4 matmuls — our Q4_1 x Q8 kernel (cpu_quant_matmul.cpp; float32 activations) where the CPU has
-// AVX-512 VNNI, else torch's _weight_int4pack_mm_for_cpu (bfloat16 activations) — and 4 loops of ours that
+// Per layer: 4 matmuls — our Q4_1 x Q8 kernel (cpu_quant_matmul.cpp; float32 activations) on builds for
+// AVX2 or AVX-512, else torch's _weight_int4pack_mm_for_cpu (bfloat16 activations) — and 4 loops of ours that
 // replace ~40 small tensor ops of the Python path (templated over the activation type T):
 //   add_rms_norm  residual += x; xb = T(weight * (residual * rsqrt(mean(residual^2) + eps)))   (HF's order)
 //   rope_store    q, k rotated (rotate_half with cos / signed sin rows) into float; k and v written into their
@@ -27,8 +27,8 @@
 namespace {
 
 using at::Tensor;
-using pagedchat_cpu::check;
-using pagedchat_cpu::q4q8_linear;
+using pagedchat_cpu_level::check;
+using pagedchat_cpu_level::q4q8_linear;
 using c10::BFloat16;
 using Bf16 = uint16_t;  // bfloat16 bits: converted by the two helpers below, which vectorize (c10's do not)
 
@@ -49,7 +49,7 @@ inline Bf16 to_bf16(float v) {
 
 inline Bf16* bf16_data(const Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr<BFloat16>()); }
 
-// activations between the matmuls: bfloat16 bits (torch's int4 kernel) or float32 (the VNNI kernel)
+// activations between the matmuls: bfloat16 bits (torch's int4 kernel) or float32 (the Q4_1 x Q8 kernel)
 inline float load(Bf16 v) { return to_float(v); }
 inline float load(float v) { return v; }
 inline void store(Bf16& out, float v) { out = to_bf16(v); }
@@ -330,14 +330,15 @@ Tensor decode_layers_q8(Tensor residual, Tensor cos, Tensor signed_sin, Tensor s
 
 }  // namespace
 
-TORCH_LIBRARY(pagedchat_cpu, m) {
+PAGEDCHAT_LIBRARY(PAGEDCHAT_CPU_NS, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) -> Tensor");
   m.def("q8q8_linear(Tensor x, Tensor packed, Tensor d) -> Tensor");
   m.def("decode_layers_q8(Tensor(a!) residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int heads, int kv_heads, int dim, int inner, "
         "float eps, float scale) -> Tensor");
-  m.def("has_q4q8() -> bool", &pagedchat_cpu::has_q4q8);
+  m.def("has_q4q8() -> bool", &pagedchat_cpu_level::has_q4q8);
+  m.def("isa() -> str", &pagedchat_cpu_level::isa);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("decode_layers(Tensor(a!) residual, Tensor cos, Tensor signed_sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qkv, Tensor[] qkv_scales, "
@@ -346,10 +347,10 @@ TORCH_LIBRARY(pagedchat_cpu, m) {
         "int inner, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedchat_cpu, CPU, m) {
+PAGEDCHAT_LIBRARY_IMPL(PAGEDCHAT_CPU_NS, CPU, m) {
   m.impl("decode_layers", &decode_layers);
-  m.impl("int8_linear", &pagedchat_cpu::int8_linear);
-  m.impl("q4q8_linear", &pagedchat_cpu::q4q8_linear);
-  m.impl("q8q8_linear", &pagedchat_cpu::q8q8_linear);
+  m.impl("int8_linear", &pagedchat_cpu_level::int8_linear);
+  m.impl("q4q8_linear", &pagedchat_cpu_level::q4q8_linear);
+  m.impl("q8q8_linear", &pagedchat_cpu_level::q8q8_linear);
   m.impl("decode_layers_q8", &decode_layers_q8);
 }

@@ -1,12 +1,23 @@
-"""Builds and loads the native CPU kernels (``torch.ops.pagedchat_cpu``): kernels/cpu_decode.cpp (the decode
-step, and the ops' registration) and kernels/cpu_quant_matmul.cpp (the quantized matmuls).
+"""Builds and loads the native CPU kernels: kernels/cpu_decode.cpp (the decode step, and the ops' registration)
+and kernels/cpu_quant_matmul.cpp (the quantized matmuls), for one instruction-set level.
 
-Built once per machine with the C++ compiler torch's extension builder finds (~10 s on two cores), into
-``build_root/<tag>``, where the tag names the torch version and the instruction set the code was compiled for
-(x86-64-v4 plus VNNI where the CPU has AVX-512 VNNI: then the Q4_1 x Q8 kernels exist; x86-64-v4 with AVX-512;
-x86-64-v3 with AVX2 and FMA; the compiler's default otherwise), so a cache shared between different CPUs or
-torch versions never loads a wrong binary; later starts load it in well under a second.
-Without a compiler, or if the build fails, ``load`` returns False and the caller keeps the Python path.
+Levels (``--cpu-isa`` / ``PAGEDCHAT_CPU_ISA``), each a superset of the one before:
+
+- ``avx2``: x86-64-v3 (AVX2, FMA, F16C; AMD Zen 1-3, Intel client CPUs, most cloud instances);
+- ``avx512``: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL);
+- ``avx512_vnni``: x86-64-v4 with AVX-512 VNNI (vpdpbusd: the Q4_1 x Q8 products in one instruction);
+- ``auto``: the highest level this CPU has; ``generic`` (the compiler's default target, no Q4_1 x Q8 kernel:
+  q4 runs torch's int4 kernel) where it has none of them (not x86, or x86 before AVX2).
+
+Any level the CPU has can be forced, so every level is built, tested and benchmarked on one machine; a level the
+CPU lacks is refused with a ValueError naming ``cpu_isa`` (its code would die of SIGILL). Each level is its own
+library, with its own op namespace (``torch.ops.pagedchat_cpu_avx2``, ...), so one process can hold several.
+
+Built once per machine with the C++ compiler torch's extension builder finds (~30 s on two cores), into
+``build_root/<tag>``, where the tag names the torch version and the level (x86-64-v3, x86-64-v4,
+x86-64-v4-vnni), so a cache shared between CPUs or torch versions never loads a wrong binary; later starts load
+it in well under a second. Without a compiler, or if the build fails, ``load`` returns None and the caller keeps
+the Python path.
 """
 from __future__ import annotations
 
@@ -15,19 +26,42 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+ISA_LEVELS = ("avx2", "avx512", "avx512_vnni")  # ascending; each needs the flags of the ones before
+CPU_ISA_CHOICES = ("auto", *ISA_LEVELS)
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_quant_matmul.cpp")]
-_X86_64_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
+_X86_64_V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-_loaded: bool | None = None
+_NEEDS = {"avx2": _X86_64_V3, "avx512": _X86_64_V4, "avx512_vnni": _X86_64_V4 | {"avx512_vnni"}}
+_TARGETS = {  # level -> (build tag, compiler flags)
+    "avx2": ("x86-64-v3", ["-march=x86-64-v3"]),
+    "avx512": ("x86-64-v4", ["-march=x86-64-v4"]),
+    "avx512_vnni": ("x86-64-v4-vnni", ["-march=x86-64-v4", "-mavx512vnni"]),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """The native kernels of one level, loaded: ``ops`` is their op namespace (``ops.decode_layers_q8``, ...)."""
+
+    level: str
+    ops: Any  # torch._ops._OpNamespace
+    has_q4q8: bool  # the Q4_1 x Q8 and Q8_0 x Q8 kernels exist (every level but generic)
+
+
+_loaded: dict[str, CpuKernels | None] = {}
 
 
 def _cpu_flags() -> set[str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -37,25 +71,41 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _arch_flags() -> tuple[str, list[str]]:
-    flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
-    if _X86_64_V4 | {"avx512_vnni"} <= flags:
-        return "x86-64-v4-vnni", ["-march=x86-64-v4", "-mavx512vnni"]
-    for level, needs in (("x86-64-v4", _X86_64_V4), ("x86-64-v3", _X86_64_V3)):
-        if needs <= flags:
-            return level, [f"-march={level}"]
-    return platform.machine() or "generic", []
+def supported_levels() -> list[str]:
+    """The levels this CPU can run, ascending (empty: only the generic build)."""
+    flags = _cpu_flags()
+    return [level for level in ISA_LEVELS if _NEEDS[level] <= flags]
 
 
-def load(build_root: Path) -> bool:
-    """Whether ``torch.ops.pagedchat_cpu.decode_layers`` is available (building it on first use)."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
+def resolve_isa(requested: str) -> str:
+    """``requested`` (one of CPU_ISA_CHOICES) as the level to build: auto -> the highest this CPU has (generic
+    where none); raises ValueError naming ``cpu_isa`` for an unknown value or a level this CPU lacks."""
+    if requested not in CPU_ISA_CHOICES:
+        raise ValueError(f"cpu_isa: must be one of {', '.join(CPU_ISA_CHOICES)} (got {requested!r})")
+    levels = supported_levels()
+    if requested == "auto":
+        return levels[-1] if levels else "generic"
+    if requested not in levels:
+        missing = sorted(_NEEDS[requested] - _cpu_flags())
+        raise ValueError(f"cpu_isa: this CPU cannot run {requested} code (it lacks {', '.join(missing)}); "
+                         f"levels it can run: {', '.join(['auto', *levels])}")
+    return requested
+
+
+def load(build_root: Path, isa: str = "auto") -> CpuKernels | None:
+    """The native kernels of level ``isa`` (building them on first use), or None where they cannot be built or
+    ``PAGEDCHAT_CPU_NATIVE=0``; raises ValueError for a level this CPU lacks."""
+    level = resolve_isa(isa)
     if os.environ.get("PAGEDCHAT_CPU_NATIVE", "1") == "0":
-        _loaded = False
-        return False
-    tag, arch = _arch_flags()
+        return None
+    if level not in _loaded:
+        _loaded[level] = _build(build_root, level)
+    return _loaded[level]
+
+
+def _build(build_root: Path, level: str) -> CpuKernels | None:
+    tag, arch = _TARGETS.get(level, (platform.machine() or "generic", []))
+    name = f"pagedchat_cpu_{level}"
     build_dir = build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}"
     start = time.perf_counter()
     # the ninja that pip installed beside this Python (on PATH only in an activated virtual environment)
@@ -65,20 +115,17 @@ def load(build_root: Path) -> bool:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
-            logger.info("building the native CPU decode step (once per machine, ~30 s): %s", build_dir)
-        build("pagedchat_cpu_decode", [str(source) for source in _SOURCES], build_directory=str(build_dir),
+            logger.info("building the native CPU kernels for %s (once per machine, ~30 s): %s", level, build_dir)
+        build(name, [str(source) for source in _SOURCES], build_directory=str(build_dir),
               extra_include_paths=[str(_SOURCES[0].parent)], is_python_module=False,
-              extra_cflags=["-O3", "-fopenmp-simd", *arch], verbose=False)
+              extra_cflags=["-O3", "-fopenmp-simd", f"-DPAGEDCHAT_CPU_NS={name}", *arch], verbose=False)
     except Exception as exc:  # no compiler, no headers, a failed build: the Python path still works
-        logger.warning("native CPU decode step unavailable (%s: %s); using the Python path",
+        logger.warning("native CPU kernels unavailable (%s: %s); using the Python path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        _loaded = False
-        return False
-    logger.info("native CPU decode step loaded in %.2f s (%s)", time.perf_counter() - start, tag)
-    _loaded = True
-    return True
-
-
-def has_q4q8() -> bool:
-    """Whether the loaded kernels include the Q4_1 x Q8 matmul (built for a CPU with AVX-512 VNNI)."""
-    return bool(_loaded) and bool(torch.ops.pagedchat_cpu.has_q4q8())
+        return None
+    ops = getattr(torch.ops, name)
+    built = str(ops.isa())
+    if built != level:  # a compiler that ignored the flags: the level's promise would not hold
+        raise RuntimeError(f"the native CPU kernels for {level} were compiled as {built} ({build_dir})")
+    logger.info("native CPU kernels loaded in %.2f s (%s, %s)", time.perf_counter() - start, level, tag)
+    return CpuKernels(level, ops, bool(ops.has_q4q8()))

@@ -1,5 +1,6 @@
 // The weight-only quantized matmuls of the native CPU kernels: the packed int8 output layer (any x86/ARM build),
-// and the Q4_1 x Q8 / Q8_0 x Q8 integer products of llama.cpp's scheme (builds for AVX-512 VNNI).
+// and the Q4_1 x Q8 / Q8_0 x Q8 integer products of llama.cpp's scheme (builds for AVX2, AVX-512 and AVX-512
+// VNNI; cpu_native.py builds one library per level).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -11,13 +12,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-namespace pagedchat_cpu {
+namespace PAGEDCHAT_CPU_NS {
 
 using at::Tensor;
 
@@ -99,17 +101,104 @@ constexpr std::array<Int8Block, sizeof...(Rows)> int8_blocks(std::integer_sequen
 }
 constexpr auto kInt8Blocks = int8_blocks(std::make_integer_sequence<int, kInt8Rows>{});
 
-// ---------------------------------------------------------------- 4-bit weights x 8-bit activations (VNNI)
+// ---------------------------------------------------------------- 4-bit weights x 8-bit activations
 //
 // y[r, n] = sum over groups g of 32 inputs: d[n,g] s[r,g] sum_i q[n,g,i] a[r,g,i] + m[n,g] s[r,g] sum_i a[r,g,i]
 // for Q4_1 weights w = d q + m (q in 0..15, d and m float16: the GGUF's own values, exactly) and activations
-// x ~ s a, a in -127..127 per 32 inputs of a row (llama.cpp's Q8_1 scheme). The integer sums are exact
-// (vpdpbusd: 4 u8 x s8 products per 32-bit lane). Weights come packed for 16 outputs at a time:
-// [N / 16, K / 32, 4, 16, 4] bytes, where vector k of a group holds, for output j, inputs 8k .. 8k + 3 in the
-// low nibbles and 8k + 4 .. 8k + 7 in the high nibbles; d and m as [N / 16, K / 32, 16] float16.
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// x ~ s a, a in -127..127 per 32 inputs of a row (llama.cpp's Q8_1 scheme). Weights come packed for 16 outputs
+// at a time: [N / 16, K / 32, 4, 16, 4] bytes, where vector k of a group holds, for output j, inputs
+// 8k .. 8k + 3 in the low nibbles and 8k + 4 .. 8k + 7 in the high nibbles; d and m as [N / 16, K / 32, 16]
+// float16.
+//
+// The integer sums are exact on every instruction-set level, so every level gives the very same floats:
+//   AVX-512 VNNI  vpdpbusd: 4 u8 x s8 products per 32-bit lane, added to it
+//   AVX-512 BW    vpmaddubsw (2 products per 16-bit lane) then vpmaddwd by ones (pairs to 32 bits), as
+//   AVX2          llama.cpp's AVX2 path does; 16 outputs are one 512-bit or two 256-bit vectors.
+// Q4_1: each 16-bit lane of one vpmaddubsw is at most 2 * 15 * 127 = 3810, so the 8 of a group add up in 16
+// bits without saturating (30480 < 32767) before one vpmaddwd.
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define Q4Q8_BUILT 1
+#else
+#define Q4Q8_BUILT 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool kHasQ4Q8 = true;
+constexpr int kQLanes = 16;  // int32 lanes (outputs) per vector
 constexpr int64_t kQ4Rows = 8;
+using IVec = __m512i;
+using FVec = __m512;
+inline IVec load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec broadcast4(const int8_t* a) {
+  int32_t four;
+  std::memcpy(&four, a, sizeof(four));
+  return _mm512_set1_epi32(four);
+}
+inline IVec low_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline IVec high_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline FVec half_to_float(const c10::Half* h) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+inline FVec cvt(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline FVec mul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec set1(float v) { return _mm512_set1_ps(v); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline void store_f(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline IVec add32(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec set1_32(int32_t v) { return _mm512_set1_epi32(v); }
+inline IVec pairs_to_32(IVec s16) { return _mm512_madd_epi16(s16, _mm512_set1_epi16(1)); }
+inline IVec maddubs(IVec u, IVec s) { return _mm512_maddubs_epi16(u, s); }
+inline IVec add16(IVec a, IVec b) { return _mm512_add_epi16(a, b); }
+// the biased Q8_0 byte w + 128 back to w, its |w|, and a with w's sign (AVX-512 has no vpsignb: a mask)
+inline IVec unbias(IVec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline IVec abs8(IVec v) { return _mm512_abs_epi8(v); }
+inline IVec sign8(IVec a, IVec w) { return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a); }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+inline IVec dpbusd(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+inline IVec dpbusd(IVec acc, IVec, IVec) { return acc; }  // (never called)
+#endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasQ4Q8 = true;
+constexpr bool kVnni = false;
+constexpr int kQLanes = 8;
+constexpr int64_t kQ4Rows = 4;  // 16 vector registers: fewer rows in flight than AVX-512's 32
+using IVec = __m256i;
+using FVec = __m256;
+inline IVec load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec broadcast4(const int8_t* a) {
+  int32_t four;
+  std::memcpy(&four, a, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+inline IVec low_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline IVec high_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline FVec half_to_float(const c10::Half* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline FVec cvt(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline FVec mul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec set1(float v) { return _mm256_set1_ps(v); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline void store_f(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline IVec add32(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+inline IVec pairs_to_32(IVec s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+inline IVec maddubs(IVec u, IVec s) { return _mm256_maddubs_epi16(u, s); }
+inline IVec add16(IVec a, IVec b) { return _mm256_add_epi16(a, b); }
+inline IVec unbias(IVec v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline IVec abs8(IVec v) { return _mm256_abs_epi8(v); }
+inline IVec sign8(IVec a, IVec w) { return _mm256_sign_epi8(a, w); }
+inline IVec dpbusd(IVec acc, IVec, IVec) { return acc; }  // (never called)
+#else
+constexpr bool kHasQ4Q8 = false;
+#endif
+
+#if Q4Q8_BUILT
+constexpr int kQVecs = 16 / kQLanes;  // vectors per block of 16 outputs
 
 struct QuantizedRows {  // activations of up to kQ4Rows rows, quantized per 32 inputs
   std::vector<int8_t> codes;  // [rows, K]
@@ -142,36 +231,45 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) 
   }
 }
 
+// sum_i q[j, i] a[i] over a group's 32 inputs, for the kQLanes outputs j of q[8] (the unpacked nibbles)
+inline IVec q4_dot(const IVec* q, const int8_t* a) {
+  if constexpr (kVnni) {
+    IVec sum = set1_32(0);
+    for (int c = 0; c < 8; ++c) sum = dpbusd(sum, q[c], broadcast4(a + 4 * c));
+    return sum;
+  } else {
+    IVec s16 = maddubs(q[0], broadcast4(a));
+    for (int c = 1; c < 8; ++c) s16 = add16(s16, maddubs(q[c], broadcast4(a + 4 * c)));
+    return pairs_to_32(s16);
+  }
+}
+
 template <int Rows>
 void q4q8_block(const QuantizedRows& act, int64_t row0, int64_t k, const uint8_t* w, const c10::Half* d,
                 const c10::Half* m, float* out, int64_t n) {
   const int64_t groups = k / 32;
-  __m512 acc[Rows];
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  FVec acc[Rows][kQVecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i q[8];
-    for (int v = 0; v < 4; ++v) {
-      const __m512i packed = _mm512_loadu_si512(w + (g * 4 + v) * 64);
-      q[2 * v] = _mm512_and_si512(packed, low_nibbles);
-      q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-    }
-    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
-    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
-    for (int r = 0; r < Rows; ++r) {
-      const int8_t* a = act.codes.data() + (row0 + r) * k + g * 32;
-      __m512i sum = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) {
-        int32_t four;
-        std::memcpy(&four, a + 4 * c, sizeof(four));
-        sum = _mm512_dpbusd_epi32(sum, q[c], _mm512_set1_epi32(four));
+    for (int v = 0; v < kQVecs; ++v) {  // (AVX2: outputs 0..7, then 8..15)
+      IVec q[8];
+      for (int c = 0; c < 4; ++c) {
+        const IVec packed = load_i(w + (g * 4 + c) * 64 + v * kQLanes * 4);
+        q[2 * c] = low_nibbles(packed);
+        q[2 * c + 1] = high_nibbles(packed);
       }
-      const float scale = act.scales[(row0 + r) * groups + g];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(scale)), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(act.scaled_sums[(row0 + r) * groups + g]), acc[r]);
+      const FVec dg = half_to_float(d + g * 16 + v * kQLanes), mg = half_to_float(m + g * 16 + v * kQLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const IVec sum = q4_dot(q, act.codes.data() + (row0 + r) * k + g * 32);
+        const float scale = act.scales[(row0 + r) * groups + g];
+        acc[r][v] = fmadd(cvt(sum), mul(dg, set1(scale)), acc[r][v]);
+        acc[r][v] = fmadd(mg, set1(act.scaled_sums[(row0 + r) * groups + g]), acc[r][v]);
+      }
     }
   }
-  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
 }
 
 using Q4Block = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const c10::Half*,
@@ -196,33 +294,52 @@ void q4q8_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, cons
 }
 
 // The output layer as llama.cpp computes a Q8_0 tensor: int8 weights w with a float16 scale d per 32 inputs,
-// times the activations quantized as above: y[r, n] = sum over groups of d[n,g] s[r,g] (w . a). vpdpbusd takes
-// unsigned bytes on one side, so the weights come biased, w + 128, and 128 sum(a) is taken off again (exact).
+// times the activations quantized as above: y[r, n] = sum over groups of d[n,g] s[r,g] (w . a). The weights
+// come biased, w + 128 (vpdpbusd takes unsigned bytes on one side; 128 sum(a) is taken off again, exactly).
+// Without VNNI, vpmaddubsw's 16-bit pairs would saturate on 255 * 127 * 2, so the products are formed as
+// |w| x (a with w's sign): at most 2 * 127 * 127 = 32258 per pair, exact (llama.cpp's AVX2 Q8_0 dot).
 // Layout: [N / 16, K / 32, 8, 16, 4] uint8 (vector c of a group: inputs 4c .. 4c + 3 of 16 outputs), d as
 // [N / 16, K / 32, 16] float16.
+inline IVec q8_dot(const IVec* biased, const IVec* magnitude, const IVec* signs, const int8_t* a, int32_t a_sum) {
+  if constexpr (kVnni) {
+    IVec sum = set1_32(-128 * a_sum);
+    for (int c = 0; c < 8; ++c) sum = dpbusd(sum, biased[c], broadcast4(a + 4 * c));
+    return sum;
+  } else {
+    IVec sum = pairs_to_32(maddubs(magnitude[0], sign8(broadcast4(a), signs[0])));
+    for (int c = 1; c < 8; ++c) sum = add32(sum, pairs_to_32(maddubs(magnitude[c], sign8(broadcast4(a + 4 * c), signs[c]))));
+    return sum;
+  }
+}
+
 template <int Rows>
 void q8q8_block(const QuantizedRows& act, int64_t row0, int64_t k, const uint8_t* w, const c10::Half* d, float* out,
                 int64_t n) {
   const int64_t groups = k / 32;
-  __m512 acc[Rows];
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  FVec acc[Rows][kQVecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i wv[8];
-    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + (g * 8 + c) * 64);
-    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
-    for (int r = 0; r < Rows; ++r) {
-      const int8_t* a = act.codes.data() + (row0 + r) * k + g * 32;
-      __m512i sum = _mm512_set1_epi32(-128 * act.sums[(row0 + r) * groups + g]);
+    for (int v = 0; v < kQVecs; ++v) {
+      IVec biased[8], magnitude[8], signs[8];
       for (int c = 0; c < 8; ++c) {
-        int32_t four;
-        std::memcpy(&four, a + 4 * c, sizeof(four));
-        sum = _mm512_dpbusd_epi32(sum, wv[c], _mm512_set1_epi32(four));
+        biased[c] = load_i(w + (g * 8 + c) * 64 + v * kQLanes * 4);
+        if constexpr (!kVnni) {
+          signs[c] = unbias(biased[c]);
+          magnitude[c] = abs8(signs[c]);
+        }
       }
-      const float scale = act.scales[(row0 + r) * groups + g];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dg, _mm512_set1_ps(scale)), acc[r]);
+      const FVec dg = half_to_float(d + g * 16 + v * kQLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const IVec sum = q8_dot(biased, magnitude, signs, act.codes.data() + (row0 + r) * k + g * 32,
+                                act.sums[(row0 + r) * groups + g]);
+        const float scale = act.scales[(row0 + r) * groups + g];
+        acc[r][v] = fmadd(cvt(sum), mul(dg, set1(scale)), acc[r][v]);
+      }
     }
   }
-  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
 }
 
 using Q8Block = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const c10::Half*, float*, int64_t);
@@ -231,8 +348,6 @@ constexpr std::array<Q8Block, sizeof...(Rows)> q8_blocks(std::integer_sequence<i
   return {q8q8_block<Rows + 1>...};
 }
 constexpr auto kQ8Blocks = q8_blocks(std::make_integer_sequence<int, kQ4Rows>{});
-#else
-constexpr bool kHasQ4Q8 = false;
 #endif
 
 }  // namespace
@@ -260,7 +375,7 @@ Tensor int8_linear(Tensor x, Tensor packed, Tensor scales) {
 
 
 Tensor q8q8_linear(Tensor x, Tensor packed, Tensor d) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if Q4Q8_BUILT
   check(x.scalar_type() == at::kFloat && x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 5 &&
             d.scalar_type() == at::kHalf && packed.is_contiguous() && d.is_contiguous() &&
             packed.size(1) * 32 == x.size(1),
@@ -281,13 +396,13 @@ Tensor q8q8_linear(Tensor x, Tensor packed, Tensor d) {
   });
   return out;
 #else
-  TORCH_CHECK(false, "q8q8_linear: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "q8q8_linear: built without AVX2 or AVX-512");
 #endif
 }
 
 Tensor q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) {
   RECORD_FUNCTION("pagedchat_cpu::q4q8_linear", std::vector<c10::IValue>());  // (also when called from the step)
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if Q4Q8_BUILT
   check(x.scalar_type() == at::kFloat && x.dim() == 2 && packed.scalar_type() == at::kByte && packed.dim() == 5 &&
             d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && packed.is_contiguous() &&
             d.is_contiguous() && m.is_contiguous() && packed.size(1) * 32 == x.size(1),
@@ -300,10 +415,23 @@ Tensor q4q8_linear(Tensor x, Tensor packed, Tensor d, Tensor m) {
               d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), out.data_ptr<float>(), n, act);
   return out;
 #else
-  TORCH_CHECK(false, "q4q8_linear: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "q4q8_linear: built without AVX2 or AVX-512");
 #endif
 }
 
 bool has_q4q8() { return kHasQ4Q8; }
 
-}  // namespace pagedchat_cpu
+// the instruction-set level this library was compiled for, as the compiler saw it (cpu_native.py checks it)
+std::string isa() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx512_vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace PAGEDCHAT_CPU_NS

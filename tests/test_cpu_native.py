@@ -1,6 +1,7 @@
 """The native CPU kernels (kernels/cpu_decode.cpp, kernels/cpu_quant_matmul.cpp) against the Python path they
-replace and against float64 references of their schemes, and the lean Python decoder
-(engine/models/llama_cpu_decoder.py) against the model's modules.
+replace and against float64 references of their schemes, at every instruction-set level this CPU can run
+(kernels/cpu_native.py: avx2, avx512, avx512_vnni; a level it lacks is skipped, naming the level), and the lean
+Python decoder (engine/models/llama_cpu_decoder.py) against the model's modules.
 
 The native decode step rounds to bfloat16 where the Python path does (projection inputs and outputs) but sums in
 its own order (norms, attention, the exp of SiLU and softmax), so it is held to the Python path within a few
@@ -9,6 +10,7 @@ skips conversions whose values are exact, so it must equal the module path bit f
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.forward_context import get_attention_metadata
-from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, vnni_layout
+from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, q4q8_layout
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
@@ -27,28 +29,96 @@ if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
     pytest.skip("PAGEDCHAT_CPU_NATIVE=0: the native CPU kernels are switched off", allow_module_level=True)
 
 
+BUILD_ROOT = Path(EngineConfig().cache_dir) / "native"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def native_built() -> None:
     """The kernels must build here (CI has a C++ compiler); a failed build is a failure, not a skip."""
-    assert cpu_native.load(Path(EngineConfig().cache_dir) / "native"), "the native CPU kernels did not build"
+    assert cpu_native.load(BUILD_ROOT) is not None, "the native CPU kernels did not build"
 
 
-@pytest.fixture
-def vnni() -> None:
-    """The Q4_1 x Q8 and Q8_0 x Q8 kernels are compiled only for CPUs with AVX-512 VNNI (elsewhere q4 runs torch's
-    int4 kernel, which the "int4" runs below test)."""
-    if not cpu_native.has_q4q8():
-        pytest.skip("the CPU has no AVX-512 VNNI: the Q4_1 x Q8 / Q8_0 x Q8 kernels are not built for it")
+def kernels_at(level: str) -> cpu_native.CpuKernels:
+    """The kernels of ``level``, built for it; a level this CPU lacks cannot run here (skipped, named)."""
+    if level not in cpu_native.supported_levels():
+        pytest.skip(f"this CPU cannot run {level} code (levels it has: {cpu_native.supported_levels()})")
+    native = cpu_native.load(BUILD_ROOT, level)
+    assert native is not None and native.has_q4q8, f"the {level} kernels did not build"
+    return native
+
+
+@pytest.fixture(params=cpu_native.ISA_LEVELS)
+def native(request) -> cpu_native.CpuKernels:
+    """The kernels of each instruction-set level (the Q4_1 x Q8 and Q8_0 x Q8 products exist at every level)."""
+    return kernels_at(request.param)
+
+
+# ---------------------------------------------------------------- levels
+
+
+@pytest.mark.parametrize("level", cpu_native.ISA_LEVELS)
+def test_each_level_is_compiled_for_its_own_instruction_set(level: str):
+    assert str(kernels_at(level).ops.isa()) == level
+
+
+def test_auto_takes_the_highest_level_the_cpu_has():
+    levels = cpu_native.supported_levels()
+    assert cpu_native.resolve_isa("auto") == (levels[-1] if levels else "generic")
+    assert cpu_native.load(BUILD_ROOT).level == cpu_native.resolve_isa("auto")
+
+
+def test_a_level_the_cpu_lacks_is_refused_naming_the_field(monkeypatch):
+    avx2_only = set(cpu_native._X86_64_V3) | {"sse4_2"}
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: avx2_only)
+    assert cpu_native.supported_levels() == ["avx2"]
+    for level in ("avx512", "avx512_vnni"):
+        with pytest.raises(ValueError, match=f"cpu_isa: this CPU cannot run {level} code .*avx512"):
+            cpu_native.load(BUILD_ROOT, level)  # refused before any build or load: never SIGILL
+        with pytest.raises(ValueError, match="cpu_isa"):
+            EngineConfig(cpu_isa=level)
+    assert cpu_native.resolve_isa("auto") == "avx2"
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"sse2"})
+    assert cpu_native.resolve_isa("auto") == "generic"
+    with pytest.raises(ValueError, match="cpu_isa"):
+        cpu_native.resolve_isa("avx2")
+
+
+@pytest.mark.parametrize("value", ["avx", "AVX2", "native", ""])
+def test_an_unknown_level_is_refused(value: str):
+    with pytest.raises(ValueError, match="cpu_isa: must be one of auto, avx2, avx512, avx512_vnni"):
+        EngineConfig(cpu_isa=value)
+
+
+def test_the_environment_variable_sets_the_level(monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_CPU_ISA", "avx2")
+    if "avx2" not in cpu_native.supported_levels():
+        with pytest.raises(ValueError, match="cpu_isa"):
+            EngineConfig()
+        return
+    assert EngineConfig().cpu_isa == "avx2"
+
+
+def test_every_level_gives_the_same_floats():
+    """The integer sums are exact and the float steps the same per output at every level: bit-equal results."""
+    levels = [kernels_at(level) for level in cpu_native.supported_levels()]
+    torch.manual_seed(3)
+    blocks = Q4Blocks.from_float(torch.randn(96, 256))
+    head_weight = torch.randn(64, 256)
+    for rows in (1, 4, 5, 8, 13):
+        x = torch.randn(rows, 256) * torch.logspace(-1, 1, 256)
+        q4 = [k.ops.q4q8_linear(x, *q4q8_layout(blocks)) for k in levels]
+        q8 = [Q8Head(head_weight, k)(x) for k in levels]
+        assert all(torch.equal(q4[0], out) for out in q4) and all(torch.equal(q8[0], out) for out in q8)
 
 
 # ---------------------------------------------------------------- the output layer
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
-def test_packed_int8_head_equals_its_int8_weights_in_float64(rows: int):
+def test_packed_int8_head_equals_its_int8_weights_in_float64(rows: int, native):
     torch.manual_seed(rows)
     weight = torch.randn(8 * PACKED_OUTPUTS, 96) * torch.logspace(-2, 0, 8 * PACKED_OUTPUTS)[:, None]
-    head = PackedInt8Head(weight)
+    head = PackedInt8Head(weight, native)
     codes = head.packed.transpose(1, 2).reshape(weight.shape)  # back to [out, in]
     assert int(codes.abs().max()) == 127, "each row's largest weight takes the largest code"
     x = torch.randn(rows, 96)
@@ -61,9 +131,9 @@ def test_packed_int8_head_equals_its_int8_weights_in_float64(rows: int):
     assert bool(((codes.float() * head.scales[:, None] - weight).abs() <= step / 2 + 1e-7).all())
 
 
-def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch():
+def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch(native):
     torch.manual_seed(7)
-    head = PackedInt8Head(torch.randn(4 * PACKED_OUTPUTS, 128))
+    head = PackedInt8Head(torch.randn(4 * PACKED_OUTPUTS, 128), native)
     x = torch.randn(11, 128)
     alone = torch.cat([head(x[i:i + 1]) for i in range(11)])
     assert torch.equal(head(x), alone)
@@ -72,7 +142,7 @@ def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch():
 
 def test_packed_int8_head_rejects_ragged_outputs():
     with pytest.raises(ValueError, match="cpu_weights"):
-        PackedInt8Head(torch.randn(PACKED_OUTPUTS + 1, 32))
+        PackedInt8Head(torch.randn(PACKED_OUTPUTS + 1, 32), cpu_native.load(BUILD_ROOT))
 
 
 # ---------------------------------------------------------------- the Q4_1 x Q8 matmul
@@ -92,24 +162,24 @@ def q8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int, vnni: None):
+def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int, native):
     torch.manual_seed(rows)
     blocks = Q4Blocks.from_float(torch.randn(48, 128) * torch.logspace(-2, 0, 48)[:, None])
     x = torch.randn(rows, 128) * torch.logspace(-1, 1, 128)  # inputs of different scales per group
-    got = torch.ops.pagedchat_cpu.q4q8_linear(x, *vnni_layout(blocks))
+    got = native.ops.q4q8_linear(x, *q4q8_layout(blocks))
     expected = q8_reference(x, blocks)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    alone = torch.cat([torch.ops.pagedchat_cpu.q4q8_linear(x[i:i + 1], *vnni_layout(blocks)) for i in range(rows)])
+    alone = torch.cat([native.ops.q4q8_linear(x[i:i + 1], *q4q8_layout(blocks)) for i in range(rows)])
     assert torch.equal(got, alone), "a row's result must not depend on the other rows"
 
 
 @pytest.mark.parametrize("rows", [1, 8, 11])
-def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, vnni: None):
+def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, native):
     """Q8_0 weights (int8, a float16 scale per 32 inputs, from the rounding of each block to its maximum) times
     8-bit activations per 32 inputs: y = sum over groups of d s (w . a)."""
     torch.manual_seed(rows)
     weight = torch.randn(64, 96) * torch.logspace(-2, 0, 64)[:, None]
-    head = Q8Head(weight)
+    head = Q8Head(weight, native)
     codes = head.packed.permute(0, 3, 1, 2, 4).reshape(64, 96).double() - 128
     d = head.d.permute(0, 2, 1).reshape(64, 3).double()
     half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502  # (+ fp16 scale)
@@ -158,13 +228,16 @@ class TwoPaths:
         return second
 
 
-@pytest.fixture(params=["q4q8", "int4"])
+@pytest.fixture(params=[*cpu_native.ISA_LEVELS, "int4"])
 def kernel(request, monkeypatch) -> str:
-    """The native step on the Q4_1 x Q8 kernel (where the CPU has AVX-512 VNNI) and on torch's int4 kernel."""
-    if request.param == "q4q8":
-        request.getfixturevalue("vnni")
-    else:
-        monkeypatch.setattr(cpu_native, "has_q4q8", lambda: False)
+    """The native step on the Q4_1 x Q8 kernel of each level, and on torch's int4 kernel (the generic build's
+    q4, where the CPU is not x86 or predates AVX2: forced here by hiding the Q4_1 x Q8 kernels)."""
+    if request.param != "int4":
+        kernels_at(request.param)
+        monkeypatch.setenv("PAGEDCHAT_CPU_ISA", request.param)
+        return request.param
+    load = cpu_native.load
+    monkeypatch.setattr(cpu_native, "load", lambda *args: dataclasses.replace(load(*args), has_q4q8=False))
     return request.param
 
 
@@ -192,7 +265,7 @@ def test_native_decode_steps_follow_the_python_path(tmp_path: Path, kernel: str)
     model = llm.engine.model
     decoder = model.cpu_decoder
     assert decoder.native_weights is not None, "the tiny llama (4-bit, no biases) takes the native step"
-    assert (len(decoder.native_weights) == 6) == (kernel == "q4q8")
+    assert (len(decoder.native_weights) == 6) == (kernel != "int4")
     model.cpu_decoder = recorder = TwoPaths(model, decoder.forward, python_path(decoder))
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     decodes = [p for p in recorder.passes if p["decode"]]

@@ -3,7 +3,6 @@ own 4-bit blocks, scales rounded to bfloat16), and each quantized engine agrees 
 chat prompts closely enough (the agreement numbers are printed: ``pytest -s``)."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,7 +196,7 @@ def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
     assert float((error / d.abs()).max()) < 0.1, "bfloat16 scales must stay far within one 4-bit step"
 
 
-def unpack_vnni(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def unpack_q4q8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[N / 16, K / 32, 4, 16, 4] bytes (vector v, output j: inputs 8v + t low nibble, 8v + 4 + t high) and
     [N / 16, K / 32, 16] scales back to codes [N, K] and d, m [N, K / 32]."""
     blocks, groups = codes.shape[:2]
@@ -212,7 +211,8 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
     """The q4 engine's fused projections are the GGUF blocks of their shards, in shard order (q, k, v and
     gate, up); the logits head is int8 per channel."""
     model = engine("q4").engine.model
-    expect_vnni = cpu_native.has_q4q8()  # the native Q4_1 x Q8 kernel where the CPU has AVX-512 VNNI
+    native = cpu_native.load(Path(EngineConfig().cache_dir) / "native")
+    expect_q4q8 = native is not None and native.has_q4q8  # the native Q4_1 x Q8 kernel on x86 with AVX2 or more
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         expected = {
@@ -222,10 +222,10 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
             layer.mlp.down_proj: [f"{prefix}.mlp.down_proj.weight"],
         }
         for module, names in expected.items():
-            assert isinstance(module, Q4Linear) and (module.vnni is not None) == expect_vnni
+            assert isinstance(module, Q4Linear) and (module.q4q8 is not None) == expect_q4q8
             blocks = Q4Blocks.cat([gguf_blocks[name] for name in names])
-            if module.vnni is not None:  # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
-                codes, d, m = unpack_vnni(*module.vnni)
+            if module.q4q8 is not None:  # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
+                codes, d, m = unpack_q4q8(*module.q4q8)
                 assert torch.equal(codes, blocks.q) and torch.equal(d, blocks.d) and torch.equal(m, blocks.m)
                 continue
             scales = torch.stack([blocks.d.float().t(), (blocks.m.float() + 8 * blocks.d.float()).t()], dim=-1)
@@ -234,10 +234,9 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
             assert torch.equal(module.packed, packed), names[0]
     # with the Q4_1 x Q8 kernels, the tied embedding's own Q8_0 blocks (d q exactly: the float32 table's values);
     # else int8 per output channel, packed for the native kernel (built wherever a C++ compiler is) or torch's
-    native = os.environ.get("PAGEDCHAT_CPU_NATIVE") != "0"
     head = model.logits_head
-    assert isinstance(head, Q8Head if expect_vnni else PackedInt8Head if native else Int8Linear)
-    if expect_vnni:
+    assert isinstance(head, Q8Head if expect_q4q8 else PackedInt8Head if native is not None else Int8Linear)
+    if expect_q4q8:
         table = model.model.embed_tokens.weight
         n, k = table.shape
         codes = head.packed.permute(0, 3, 1, 2, 4).reshape(n, k).to(torch.int16) - 128

@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_native import CpuKernels
+
 CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
 Q4_GROUP = 32
-VNNI_OUTPUTS = 16  # outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 vector of int32 sums)
+Q4Q8_OUTPUTS = 16  # outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 or two AVX2 vectors)
 PACKED_OUTPUTS = 16  # outputs per group of PackedInt8Head's weights (kernels/cpu_quant_matmul.cpp, kInt8Outputs)
 _INNER_K_TILES = 2  # the int4 pack's k-tiling (2 or more lets the kernel read two 16-byte vectors at once)
 
@@ -68,16 +70,16 @@ class Q4Blocks:
                         torch.cat([p.m for p in parts]))
 
 
-def vnni_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4q8_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q4q8_linear``'s layout: codes [N / 16, K / 32, 4, 16, 4] uint8 (vector k of a group: for each of 16
     outputs, inputs 8k .. 8k + 3 in the low nibbles, 8k + 4 .. 8k + 7 in the high ones), ``d`` and ``m``
     [N / 16, K / 32, 16] float16."""
     n, k = blocks.q.shape
     groups = k // Q4_GROUP
-    q = blocks.q.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
+    q = blocks.q.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, groups).permute(0, 2, 1).contiguous()
+        return t.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups).permute(0, 2, 1).contiguous()
     return codes, per_group(blocks.d.half()), per_group(blocks.m.half())
 
 
@@ -99,22 +101,24 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Q4Linear(nn.Module):
-    """4-bit groups. With ``vnni`` (a CPU with AVX-512 VNNI and the native kernels built): the native Q4_1 x Q8
-    kernel (``pagedchat_cpu.q4q8_linear``): the blocks' float16 ``d`` and ``m`` exactly, float32 activations
-    quantized to 8 bits per 32 inputs (llama.cpp's Q8 scheme), exact integer dot products; a row's result does
-    not depend on the other rows. Otherwise torch's int4 kernel (bfloat16 activations; ``d`` and ``m + 8 d``
-    rounded to bfloat16), whose result for a row depends on how many rows it is computed with."""
+    """4-bit groups. With ``native`` kernels of an x86 level (AVX2, AVX-512, AVX-512 VNNI: kernels/cpu_native.py):
+    the native Q4_1 x Q8 kernel (``q4q8_linear``): the blocks' float16 ``d`` and ``m`` exactly, float32
+    activations quantized to 8 bits per 32 inputs (llama.cpp's Q8 scheme), exact integer dot products; a row's
+    result depends neither on the other rows nor on the level. Otherwise torch's int4 kernel (bfloat16
+    activations; ``d`` and ``m + 8 d`` rounded to bfloat16), whose result for a row depends on how many rows it
+    is computed with."""
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, vnni: bool = False) -> None:
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, native: CpuKernels | None = None) -> None:
         super().__init__()
         n, k = blocks.q.shape
         if k % (_INNER_K_TILES * 16):
             raise ValueError(f"cpu_weights: q4 needs input sizes divisible by {_INNER_K_TILES * 16} (got {k})")
         self.in_features, self.out_features = k, n
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.vnni: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if vnni and n % VNNI_OUTPUTS == 0:
-            self.vnni = vnni_layout(blocks)
+        self.q4q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if native is not None and native.has_q4q8 and n % Q4Q8_OUTPUTS == 0:
+            self.q4q8 = q4q8_layout(blocks)
+            self._q4q8_linear = native.ops.q4q8_linear.default
             self.input_dtype = torch.float32
             return
         self.input_dtype = torch.bfloat16
@@ -128,8 +132,8 @@ class Q4Linear(nn.Module):
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` ``[M, in]`` of ``input_dtype`` -> ``[M, out]`` (float32 / bfloat16), no bias (the lean CPU
         decoder's call)."""
-        if self.vnni is not None:
-            return torch.ops.pagedchat_cpu.q4q8_linear(rows, *self.vnni)
+        if self.q4q8 is not None:
+            return self._q4q8_linear(rows, *self.q4q8)
         return _int4_mm(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
 
     forward = _forward
@@ -154,13 +158,14 @@ class Int8Linear(nn.Module):
 
 class PackedInt8Head(nn.Module):
     """The output layer of the 4- and 8-bit modes where the native CPU kernels are built: int8 weights per output
-    channel (as ``Int8Linear``) packed 16 outputs at a time for ``pagedchat_cpu.int8_linear``, which reads the
+    channel (as ``Int8Linear``) packed 16 outputs at a time for the native ``int8_linear``, which reads the
     weights once for all rows and keeps the input in float32. torch's weight-only int8 kernel re-reads them per
     row: 1.9 ms for one row of SmolLM2's 49152 x 576 table against 1.1 ms here (docs/BENCHMARKS.md, issue 15)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, native: CpuKernels) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self._int8_linear = native.ops.int8_linear.default
         if self.out_features % PACKED_OUTPUTS:
             raise ValueError(f"cpu_weights: the packed int8 head needs outputs divisible by {PACKED_OUTPUTS}")
         codes, scales = int8_per_channel(weight)
@@ -169,7 +174,7 @@ class PackedInt8Head(nn.Module):
         self.register_buffer("scales", scales.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.pagedchat_cpu.int8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales)
+        out = self._int8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -177,28 +182,29 @@ class Q8Head(nn.Module):
     """The output layer of ``q4`` where the native Q4_1 x Q8 kernels are built: int8 weights with a float16 scale
     per 32 inputs (a Q8_0 GGUF tensor's own blocks, as the default model's tied embedding is: its float32 values
     are d q exactly, so rounding each 32-block to its maximum / 127 finds d and q again), times activations
-    quantized to 8 bits per 32 inputs (``pagedchat_cpu.q8q8_linear``): llama.cpp's computation of this layer.
+    quantized to 8 bits per 32 inputs (the native ``q8q8_linear``): llama.cpp's computation of this layer.
     Integer dot products do not slow down with the rows as torch's int8 kernel does (5.3 ms for 8 rows)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, native: CpuKernels) -> None:
         super().__init__()
+        self._q8q8_linear = native.ops.q8q8_linear.default
         weight = weight.detach().float()
         n, k = self.out_features, self.in_features = weight.shape
-        if n % VNNI_OUTPUTS or k % Q4_GROUP:
-            raise ValueError(f"cpu_weights: the Q8 head needs outputs divisible by {VNNI_OUTPUTS} and inputs by "
+        if n % Q4Q8_OUTPUTS or k % Q4_GROUP:
+            raise ValueError(f"cpu_weights: the Q8 head needs outputs divisible by {Q4Q8_OUTPUTS} and inputs by "
                              f"{Q4_GROUP}")
         groups = weight.view(n, k // Q4_GROUP, Q4_GROUP)
         d = (groups.abs().amax(dim=-1) / 127).half()
         step = torch.where(d.float() > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
         codes = (groups / step[..., None]).round().clamp_(-127, 127).to(torch.int16)
         # [block, output, group, vector, byte]
-        biased = (codes + 128).to(torch.uint8).view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, k // Q4_GROUP, 8, 4)
+        biased = (codes + 128).to(torch.uint8).view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP, 8, 4)
         self.register_buffer("packed", biased.permute(0, 2, 3, 1, 4).contiguous(), persistent=False)
-        self.register_buffer("d", d.view(n // VNNI_OUTPUTS, VNNI_OUTPUTS, k // Q4_GROUP).permute(0, 2, 1)
+        self.register_buffer("d", d.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP).permute(0, 2, 1)
                              .contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.pagedchat_cpu.q8q8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.d)
+        out = self._q8q8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.d)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -218,11 +224,11 @@ class BFloat16Linear(nn.Module):
 
 
 def quantized_linear(mode: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                     blocks: Q4Blocks | None = None, vnni: bool = False) -> nn.Module:
-    """The ``mode`` layer for a float ``weight`` ``[out, in]`` (q4: the given 4-bit ``blocks`` if any; ``vnni``:
-    also in the native Q4_1 x Q8 kernel's layout)."""
+                     blocks: Q4Blocks | None = None, native: CpuKernels | None = None) -> nn.Module:
+    """The ``mode`` layer for a float ``weight`` ``[out, in]`` (q4: the given 4-bit ``blocks`` if any, on the
+    ``native`` Q4_1 x Q8 kernel where it has one)."""
     if mode == "q4":
-        return Q4Linear(blocks if blocks is not None else Q4Blocks.from_float(weight), bias, vnni)
+        return Q4Linear(blocks if blocks is not None else Q4Blocks.from_float(weight), bias, native)
     if mode == "int8":
         return Int8Linear(weight, bias)
     if mode == "bfloat16":

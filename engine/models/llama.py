@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Embedding, Linear
-from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, VNNI_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
+from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Q4Q8_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
                                             quantized_linear)
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
-from kernels import cpu_native
+from kernels.cpu_native import CpuKernels
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -173,28 +173,29 @@ class LlamaForCausalLM(nn.Module):
             self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
 
     def quantize_cpu_weights(self, mode: str, q4_blocks: dict[str, Q4Blocks] | None = None,
-                             native: bool = False) -> None:
+                             native: CpuKernels | None = None) -> None:
         """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py), q4 from the
         given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
         becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
         kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
-        ``native``: the native CPU kernels are loaded (kernels/cpu_native.py: the decode step, the quantized heads)."""
+        ``native``: the native CPU kernels of the configured level (kernels/cpu_native.py: the decode step, the
+        quantized matmuls and heads), None where they are off or not built."""
         q4_blocks = q4_blocks or {}
-        vnni = native and cpu_native.has_q4q8()  # the CPU has AVX-512 VNNI
+        q4q8 = native is not None and native.has_q4q8  # the Q4_1 x Q8 kernels (x86 with AVX2 or AVX-512)
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
             shards = _hf_names(f"{name}.weight")
             blocks = Q4Blocks.cat([q4_blocks[h] for h in shards]) if all(h in q4_blocks for h in shards) else None
             parent, attr = name.rsplit(".", 1)
-            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks, vnni))
+            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks, native))
         head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         if mode == "bfloat16":
             self.logits_head = quantized_linear("bfloat16", head, None)
-        elif vnni and mode == "q4" and head.shape[0] % VNNI_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
-            self.logits_head = Q8Head(head)
-        elif native and head.shape[0] % PACKED_OUTPUTS == 0:
-            self.logits_head = PackedInt8Head(head)
+        elif q4q8 and mode == "q4" and head.shape[0] % Q4Q8_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
+            self.logits_head = Q8Head(head, native)
+        elif native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
+            self.logits_head = PackedInt8Head(head, native)
         else:
             self.logits_head = quantized_linear("int8", head, None)
         if not self.args.tie_word_embeddings:

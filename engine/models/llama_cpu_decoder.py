@@ -23,6 +23,7 @@ from torch import nn
 from engine.forward_context import AttentionMetadata, get_attention_metadata
 from engine.layers.quantized_linear import Q4Linear
 from kernels import cpu as cpu_kernels
+from kernels.cpu_native import CpuKernels
 
 
 @dataclass(slots=True)
@@ -50,11 +51,12 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
 
 class LlamaCpuDecoder:
     """``forward(input_ids, positions) -> hidden`` for a LlamaForCausalLM whose projections have a ``matmul``
-    taking their ``input_dtype`` (engine/layers/quantized_linear.py). With ``native``, decode-only steps of a
+    taking their ``input_dtype`` (engine/layers/quantized_linear.py). With ``native`` kernels (of the configured
+    instruction-set level, kernels/cpu_native.py), decode-only steps of a
     model whose projections are all 4-bit without biases (the default model) run as one native call
     (kernels/cpu_decode.cpp); other steps and models take the Python path below."""
 
-    def __init__(self, model: nn.Module, native: bool = False) -> None:
+    def __init__(self, model: nn.Module, native: CpuKernels | None = None) -> None:
         args = model.args
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
@@ -70,11 +72,10 @@ class LlamaCpuDecoder:
         # the projections' input type: float32 for the native Q4_1 x Q8 kernel, else bfloat16
         self.act_dtype = model.model.layers[0].self_attn.qkv_proj.input_dtype
         self.attention = [layer.self_attn.attn for layer in model.model.layers]
-        self.native_weights = self._native_weights(model) if native else None  # (None: the Python path)
+        self.native_weights = self._native_weights(model) if native is not None else None  # (None: Python path)
         # the step for the weights' layout: norms + 4 lists of Q4_1 x Q8 triples, or + 8 int4 pack/scale lists
-        self.native_step = None if self.native_weights is None else (
-            torch.ops.pagedchat_cpu.decode_layers_q8 if len(self.native_weights) == 6
-            else torch.ops.pagedchat_cpu.decode_layers)
+        self.native_step = None if native is None or self.native_weights is None else (
+            native.ops.decode_layers_q8 if len(self.native_weights) == 6 else native.ops.decode_layers)
         self.scale = args.head_dim ** -0.5
         self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -92,8 +93,8 @@ class LlamaCpuDecoder:
             return None
         weights = [[lay.input_layernorm.weight for lay in layers],
                    [lay.post_attention_layernorm.weight for lay in layers]]
-        if all(p.vnni is not None for p in linears):
-            return weights + [[t for group in projections for t in group[i].vnni] for i in range(4)]
+        if all(p.q4q8 is not None for p in linears):
+            return weights + [[t for group in projections for t in group[i].q4q8] for i in range(4)]
         for i in range(4):
             weights += [[group[i].packed for group in projections],
                         [group[i].scales_and_zeros for group in projections]]

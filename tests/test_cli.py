@@ -132,12 +132,14 @@ def test_choices_are_the_engines_own():
     )
     from engine.layers.quantized_linear import CPU_WEIGHTS
     from engine.loader import DUMMY_ARCHITECTURES
+    from kernels.cpu_native import CPU_ISA_CHOICES
 
     choices = {o.name: set(o.choices) for o in ENGINE_OPTIONS if o.choices}
     assert choices == {"load_format": set(LOAD_FORMATS), "model_config": set(DUMMY_ARCHITECTURES),
                        "dtype": {"auto", *DTYPES}, "device": {"auto", "cpu", "cuda"},
                        "prefix_hash": set(PREFIX_HASHES), "preemption_mode": set(PREEMPTION_MODES),
-                       "kv_backend": set(KV_BACKENDS), "cpu_weights": {"auto", *CPU_WEIGHTS}}
+                       "kv_backend": set(KV_BACKENDS), "cpu_weights": {"auto", *CPU_WEIGHTS},
+                       "cpu_isa": set(CPU_ISA_CHOICES)}
 
 
 def test_help_and_version_answer_without_importing_torch():

@@ -9,14 +9,17 @@ Peers in the same run (``--peer``, one or more):
   prompt; a left-padded batch).
 - ``llama-cpp``: llama-cpp-python on the very GGUF file the default model comes from. It serves one sequence at
   a time, so N streams are N sequential generations (its aggregate tok/s); its KV cache is cleared before each.
+  ``--llama-cpp-dir DIR`` takes it from a ``pip install --target DIR`` build (one per instruction-set level: the
+  CMAKE_ARGS are in docs/BENCHMARKS.md), so that it runs at the level ours runs at (``--isa``).
 
 Output tokens/s = streams x new tokens / wall seconds from submit to all finished. Each of ours' runs gets a fresh
 ``cache_salt`` so no run reuses the previous run's prefix-cache blocks. With ``--repeats`` the sides alternate
 and the table shows each side's best run. A greedy check compares ours' tokens with transformers' on one prompt
 (identical with ``--cpu-weights float32``; with a quantized mode it reports where they part).
 
-    python -m benchmarks.cpu [--cpu-weights auto] [--peer transformers llama-cpp] [--threads 2]
-                             [--new-tokens 128] [--streams 8] [--repeats 1] [--json PATH] [--profile]
+    python -m benchmarks.cpu [--cpu-weights auto] [--isa auto] [--peer transformers llama-cpp]
+                             [--llama-cpp-dir DIR] [--threads 2] [--new-tokens 128] [--streams 8] [--repeats 1]
+                             [--json PATH] [--profile]
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import torch
 
 from engine.layers.quantized_linear import CPU_WEIGHTS
 from engine.llm import LLM
+from kernels.cpu_native import CPU_ISA_CHOICES
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("benchmarks.cpu")
@@ -182,6 +186,7 @@ class LlamaCppPeer:
         import llama_cpp
 
         self.version = llama_cpp.__version__
+        self.system_info = llama_cpp.llama_print_system_info().decode().strip()  # (the instruction sets it uses)
         self.llm = Llama(model_path=gguf_file, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
                          n_batch=512, verbose=False)
 
@@ -275,10 +280,21 @@ def environment(threads: int, load_before: float, llm: LLM, peers: list[Peer]) -
     return {"load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": threads,
-            "cpu_weights": llm.engine.config.cpu_weights,
+            "cpu_weights": llm.engine.config.cpu_weights, "cpu_isa": native_level(llm),
             "llama_cpp": next((p.version for p in peers if isinstance(p, LlamaCppPeer)), None),
+            "llama_cpp_system_info": next((p.system_info for p in peers if isinstance(p, LlamaCppPeer)), None),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.cpu", *sys.argv[1:]])}
+
+
+def native_level(llm: LLM) -> str:
+    """The level ours' native kernels run at ("none": the Python path)."""
+    from kernels import cpu_native
+
+    config = llm.engine.config
+    if config.cpu_weights not in ("q4", "int8") or os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
+        return "none"
+    return cpu_native.resolve_isa(config.cpu_isa)
 
 
 # main ----------------------------------------------------------------------------------------------------
@@ -291,6 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-weights", default="auto", choices=("auto", *CPU_WEIGHTS))
     parser.add_argument("--peer", nargs="+", choices=PEERS, default=["transformers"],
                         help="peers run in the same command (llama-cpp needs llama-cpp-python)")
+    parser.add_argument("--isa", default="auto", choices=CPU_ISA_CHOICES,
+                        help="the instruction-set level of ours' native kernels (a level the CPU lacks is refused)")
+    parser.add_argument("--llama-cpp-dir", metavar="DIR",
+                        help="import llama-cpp-python from DIR (a pip --target build for one level)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
@@ -357,14 +377,16 @@ def profile_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, top: int =
 
 def report(results: dict[str, dict[str, Side]], ttft: dict[str, float], long_tokens: int,
            latency: list[Latency], check: str, env: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\n## cpu workload: SmolLM2-135M-Instruct, ours with {env['cpu_weights']} weights, {args.new_tokens} "
-          f"new tokens per stream, best of {args.repeats}\n")
+    print(f"\n## cpu workload: SmolLM2-135M-Instruct, ours with {env['cpu_weights']} weights at {env['cpu_isa']}, "
+          f"{args.new_tokens} new tokens per stream, best of {args.repeats}\n")
     print(table(results, ttft, long_tokens, latency))
     print(f"\ngreedy check (single prompt): {check}")
     print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, llama-cpp-python "
           f"{env['llama_cpp']}, {env['threads']} threads, {env['processor']} ({env['cpu_count']} CPUs), load "
           f"average {env['load_average_before']:.2f} before / {env['load_average_after']:.2f} after; "
           f"command: {env['command']}")
+    if env["llama_cpp_system_info"]:
+        print(f"llama.cpp system info: {env['llama_cpp_system_info']}")
     if args.json:
         throughput = {name: {side: {"seconds": s.seconds, "best_tok_s": s.best_tok_s, "median_tok_s": s.median_tok_s}
                              for side, s in sides.items()} for name, sides in results.items()}
@@ -380,7 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    llm = LLM(num_threads=args.threads, dtype="float32", cpu_weights=args.cpu_weights)
+    if args.llama_cpp_dir:
+        sys.path.insert(0, args.llama_cpp_dir)
+    llm = LLM(num_threads=args.threads, dtype="float32", cpu_weights=args.cpu_weights, cpu_isa=args.isa)
     peers = [make_peer(name, llm, args.threads) for name in args.peer]
     prompts = chat_prompts(llm, args.streams)
     long = long_prompt(llm, args.long_prompt)

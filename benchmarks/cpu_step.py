@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(num_threads=args.threads, dtype="float32", cpu_weights=weights)
         decoder = llm.engine.model.cpu_decoder
         if decoder is not None and not native:
-            decoder.native_weights = None
+            decoder.native_step = None
         for streams in (1, args.streams):
             results.append(measure(llm, path, streams, args.steps, args.repeats))
         del llm

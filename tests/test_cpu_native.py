@@ -248,11 +248,11 @@ def tiny_q4_llm(tmp_path: Path, **options) -> LLM:
 
 def python_path(decoder):
     def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        native, decoder.native_weights = decoder.native_weights, None
+        native, decoder.native_step = decoder.native_step, None
         try:
             return decoder.forward(input_ids, positions)
         finally:
-            decoder.native_weights = native
+            decoder.native_step = native
     return run
 
 
@@ -260,7 +260,7 @@ def python_path(decoder):
 PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [(7 * i) % 311 + 2 for i in range(300)], [11] * 140]
 
 
-def test_native_decode_steps_follow_the_python_path(tmp_path: Path, kernel: str):
+def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     llm = tiny_q4_llm(tmp_path)
     model = llm.engine.model
     decoder = model.cpu_decoder
@@ -271,12 +271,15 @@ def test_native_decode_steps_follow_the_python_path(tmp_path: Path, kernel: str)
     decodes = [p for p in recorder.passes if p["decode"]]
     assert len(decodes) >= 23 and max(p["rows"] for p in decodes) == len(PROMPTS)
     assert max(p["longest"] for p in decodes) > 300, "a context longer than four attention spans"
-    for p in decodes:
+    prefills = [p for p in recorder.passes if not p["decode"]]
+    assert prefills and max(p["rows"] for p in prefills) > 300, "prompts go through the native step too"
+    # torch's int4 kernel rounds its outputs to bfloat16: a bfloat16 step (2^-8 relative) apart at most, once the
+    # two paths' inputs round differently
+    kv_tolerance = 1e-4 if kernel != "int4" else 2 ** -7
+    for p in recorder.passes:
         assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
-        assert p["kv_diff"] <= 1e-4 * max(1.0, p["kv_written"]), p  # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
+        assert p["kv_diff"] <= kv_tolerance * max(1.0, p["kv_written"]), p  # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
         assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p  # measured: 0.0017 (int4), 4.7e-7 (q4q8)
-    # prefill passes take the Python path in both runs: identical
-    assert all(p["equal"] for p in recorder.passes if not p["decode"])
 
 
 def test_lean_python_decoder_equals_the_modules_bit_for_bit(tmp_path: Path, kernel: str):
@@ -293,9 +296,38 @@ def test_native_and_python_engines_agree_on_greedy_tokens(tmp_path: Path, kernel
     """Over whole generations the two paths' rounding differences may part a near-tie late, not early."""
     native = tiny_q4_llm(tmp_path / "native")
     python = tiny_q4_llm(tmp_path / "python")
-    python.engine.model.cpu_decoder.native_weights = None
+    python.engine.model.cpu_decoder.native_step = None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours, theirs = native.generate(PROMPTS, params), python.generate(PROMPTS, params)
     firsts = [next((i for i, (a, b) in enumerate(zip(o.token_ids, t.token_ids)) if a != b), 16)
               for o, t in zip(ours, theirs)]
     assert min(firsts) >= 4 and sum(firsts) / len(firsts) >= 10, firsts
+
+
+@pytest.mark.parametrize("level", cpu_native.ISA_LEVELS)
+def test_greedy_output_does_not_depend_on_load(tmp_path: Path, level: str, monkeypatch):
+    """A token's numbers are the same whether its sequence runs alone or among others, its prompt in one step
+    or in chunks, with its prefix cached, or recomputed after preemption (issue 22: temperature-0 requests must
+    not change under load): token ids and logprobs equal bit for bit."""
+    kernels_at(level)
+    monkeypatch.setenv("PAGEDCHAT_CPU_ISA", level)
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(prompts: list[list[int]], llm: LLM | None = None, **options) -> tuple[LLM, list]:
+        llm = llm or LLM(model=str(tmp_path), cpu_weights="q4", **{"num_kv_blocks": 96, **options})
+        return llm, llm.generate(prompts, params)
+
+    def tokens(outputs: list) -> list[tuple[list[int], list]]:
+        return [(o.token_ids, o.logprobs) for o in outputs]
+
+    alone = [tokens(run([prompt], enable_prefix_caching=False)[1])[0] for prompt in PROMPTS]
+    assert tokens(run(PROMPTS, enable_prefix_caching=False)[1]) == alone, "a batch of four"
+    chunked = run(PROMPTS, max_num_batched_tokens=48, enable_prefix_caching=False)[1]
+    assert tokens(chunked) == alone, "prompts in chunks of up to 48 tokens"
+    cache = run(PROMPTS[2:])[0]
+    outputs = run(PROMPTS, cache)[1]
+    assert tokens(outputs) == alone and outputs[2].num_cached_tokens >= 288, "prompts from the prefix cache"
+    squeezed, outputs = run(PROMPTS, num_kv_blocks=24, preemption_mode="recompute", enable_prefix_caching=False)
+    assert squeezed.engine.scheduler.num_preemptions > 0, "24 blocks of 16 cannot hold the four at once"
+    assert tokens(outputs) == alone, "recomputed after preemption"

@@ -52,9 +52,9 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
 class LlamaCpuDecoder:
     """``forward(input_ids, positions) -> hidden`` for a LlamaForCausalLM whose projections have a ``matmul``
     taking their ``input_dtype`` (engine/layers/quantized_linear.py). With ``native`` kernels (of the configured
-    instruction-set level, kernels/cpu_native.py), decode-only steps of a
-    model whose projections are all 4-bit without biases (the default model) run as one native call
-    (kernels/cpu_decode.cpp); other steps and models take the Python path below."""
+    instruction-set level, kernels/cpu_native.py), every step of a model whose projections are all 4-bit
+    without biases (the default model) runs as one native call (kernels/cpu_decode.cpp), prompts too; other
+    models take the Python path below."""
 
     def __init__(self, model: nn.Module, native: CpuKernels | None = None) -> None:
         args = model.args
@@ -119,27 +119,26 @@ class LlamaCpuDecoder:
         meta = get_attention_metadata()
         cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
         residual = F.embedding(input_ids, self.embed)
-        nd, rows = meta.num_decodes, input_ids.shape[0]
-        if self.native_weights is None or meta.slot_ids is not None or nd == 0:
+        if self.native_step is None or meta.slot_ids is not None:
             return self._layers(residual, cos, signed_sin, meta)
-        if nd == rows:
-            return self._native_decode(residual, cos, signed_sin, meta)
-        # a mixed step: its decode rows through the native step as in a decode-only step, its prefill rows through
-        # the Python path, so a row's numbers never depend on what else the step holds (greedy output would
-        # otherwise change with load: the two paths round differently)
-        prefill = AttentionMetadata(meta.slot_mapping[nd:], meta.block_tables[nd:], meta.context_lens[nd:], 0,
-                                    meta.prefill_cu_seqlens_q, max_context_len=meta.max_context_len)
-        decode = AttentionMetadata(meta.slot_mapping[:nd], meta.block_tables[:nd], meta.context_lens[:nd], nd,
-                                   meta.prefill_cu_seqlens_q[:1], max_context_len=meta.max_context_len)
-        return torch.cat((self._native_decode(residual[:nd], cos[:nd], signed_sin[:nd], decode),
-                          self._layers(residual[nd:], cos[nd:], signed_sin[nd:], prefill)))
+        return self._native(residual, cos, signed_sin, positions, meta)
 
-    def _native_decode(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
+    def _native(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Every row through the native step, a prompt's tokens too: a token is a row with its sequence's block
+        table and its own context (its position + 1; the step writes every row's K and V before any row attends).
+        So a token's numbers are the same in a decode step, a prefill of any chunk size, a recompute after
+        preemption and a step of any other rows: greedy output does not depend on load."""
+        tables, context_lens = meta.block_tables, meta.context_lens
+        if meta.num_decodes != residual.shape[0]:
+            per_seq = torch.cat((torch.ones(meta.num_decodes, dtype=torch.int64),
+                                 meta.prefill_cu_seqlens_q.diff().long()))
+            tables = tables.index_select(0, torch.repeat_interleave(per_seq))
+            context_lens = (positions + 1).int()
         x = self.native_step(
-            residual, cos, signed_sin, meta.slot_mapping.long(), meta.block_tables.contiguous(),
-            meta.context_lens, *self.native_weights, *self._kv_caches(), self.num_heads, self.num_kv_heads,
-            self.head_dim, self.intermediate, self.eps, self.scale)
+            residual, cos, signed_sin, meta.slot_mapping.long(), tables.contiguous(), context_lens,
+            *self.native_weights, *self._kv_caches(), self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate, self.eps, self.scale)
         torch.add(residual, x, out=residual)
         return F.rms_norm(residual, self.hidden, self.final_norm, self.eps)
 

@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -190,6 +191,7 @@ template <typename T>
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
             const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
             int64_t block_size, float scale) {
+  RECORD_FUNCTION("pagedchat_cpu::attend", std::vector<c10::IValue>());
   std::vector<int64_t> first_task(rows + 1, 0);  // row r's spans are tasks first_task[r] .. first_task[r + 1] - 1
   for (int64_t r = 0; r < rows; ++r)
     first_task[r + 1] = first_task[r] + std::max<int64_t>(1, (context_lens[r] + kSpan - 1) / kSpan);
@@ -278,6 +280,7 @@ Tensor run_layers(const StepArgs& a, at::ScalarType act_type, MatMul matmul) {
   float* res = a.residual.data_ptr<float>();
   const float eps = static_cast<float>(a.eps);
   for (int64_t l = 0; l < layers; ++l) {
+    RECORD_FUNCTION("pagedchat_cpu::norms_rope_silu", std::vector<c10::IValue>());  // (the profile's "rest")
     add_rms_norm<T>(res, x.defined() ? act_data<T>(x) : nullptr, a.input_norms[l].data_ptr<float>(), act_data<T>(xb),
                     rows, hidden, eps);
     Tensor qkv = matmul(0, l, xb);

@@ -13,7 +13,9 @@ Any level the CPU has can be forced, so every level is built, tested and benchma
 CPU lacks is refused with a ValueError naming ``cpu_isa`` (its code would die of SIGILL). Each level is its own
 library, with its own op namespace (``torch.ops.pagedchat_cpu_avx2``, ...), so one process can hold several.
 
-Built once per machine with the C++ compiler torch's extension builder finds (~30 s on two cores), into
+Compiled with OpenMP: ``at::parallel_for`` is a header template whose ``#pragma omp parallel`` only takes effect in
+code compiled with ``-fopenmp`` (without it every kernel ran on one thread). Built once per machine with the C++
+compiler torch's extension builder finds (~30 s on two cores), into
 ``build_root/<tag>``, where the tag names the torch version and the level (x86-64-v3, x86-64-v4,
 x86-64-v4-vnni), so a cache shared between CPUs or torch versions never loads a wrong binary; later starts load
 it in well under a second. Without a compiler, or if the build fails, ``load`` returns None and the caller keeps
@@ -118,7 +120,8 @@ def _build(build_root: Path, level: str) -> CpuKernels | None:
             logger.info("building the native CPU kernels for %s (once per machine, ~30 s): %s", level, build_dir)
         build(name, [str(source) for source in _SOURCES], build_directory=str(build_dir),
               extra_include_paths=[str(_SOURCES[0].parent)], is_python_module=False,
-              extra_cflags=["-O3", "-fopenmp-simd", f"-DPAGEDCHAT_CPU_NS={name}", *arch], verbose=False)
+              extra_cflags=["-O3", "-fopenmp", f"-DPAGEDCHAT_CPU_NS={name}", *arch], extra_ldflags=["-fopenmp"],
+              verbose=False)
     except Exception as exc:  # no compiler, no headers, a failed build: the Python path still works
         logger.warning("native CPU kernels unavailable (%s: %s); using the Python path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

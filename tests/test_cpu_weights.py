@@ -371,15 +371,32 @@ def test_bad_cpu_weights_are_rejected_naming_the_field(options: dict):
 
 def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
     """The engine's other tests compare batched runs with single ones: the q4 kernel must give each row the
-    same result whatever rows it is computed with (prefix caching off: every prompt computed in full; no step-time
-    target: each prompt in one chunk either way, since a q4 prefill cut into chunks is not yet bit-equal to one
-    in a piece, issue 22)."""
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False, step_time_target_s=0)
+    same result whatever rows it is computed with, and a prompt cut into chunks the same as one in a piece
+    (prefix caching off: every prompt computed in full)."""
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False,
+              max_num_batched_tokens=64)
     prompts = [tokenizer.encode(t) for t in TEXTS]
+    assert max(len(p) for p in prompts) > 64, "a prompt longer than one step's budget: prefilled in chunks"
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert batched == single
+
+
+def test_q4_greedy_output_under_memory_pressure_equals_each_request_alone(tokenizer):
+    """Issue 22's reproduction: 48 KV blocks, preemption by recompute, 16 concurrent temperature-0 requests (4
+    with n=4) against each sent alone. A preempted sequence's tokens are computed again as a prompt: the same
+    numbers as when they were decoded, so every request and every one of an n=4 request's samples is the same."""
+    llm = LLM(num_kv_blocks=48, preemption_mode="recompute", cpu_weights="q4")
+    prompts = [tokenizer.encode(f"{TEXTS[i % len(TEXTS)]} ({i})") for i in range(16)]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=4 if i % 4 == 0 else 1)
+              for i in range(16)]
+    loaded = iter(llm.generate(prompts, params))  # (a prompt's n samples one after another)
+    assert llm.engine.scheduler.num_preemptions > 0, "48 blocks of 16 tokens cannot hold all sixteen at once"
+    for prompt, param in zip(prompts, params):
+        alone = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))[0]
+        samples = [next(loaded).token_ids for _ in range(param.n)]
+        assert all(tokens == alone.token_ids for tokens in samples)
 
 
 def test_q4_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):

@@ -6,11 +6,14 @@ kernels have their vectorized path for bfloat16 only: with float32 or float16 in
 measured by ``benchmarks/cpu_quant_linear.py``) and returns float32:
 
 - ``q4``: 4-bit codes in groups of 32 input columns with a scale and a minimum per group, ``w = d * q + m`` (the
-  GGUF Q4_1 block). Computed by torch's weight-only int4 CPU matmul (``_weight_int4pack_mm_for_cpu``), whose
-  dequantization is ``(q - 8) * scale + zero``: ``scale = d``, ``zero = m + 8 d``, both held in bfloat16 (the
-  kernel's type). From a Q4_1 GGUF the codes are the file's own; ``d`` and ``m + 8 d`` (from the file's float16
-  ``d`` and ``m``) are rounded to bfloat16 (8 significant bits), which moves a weight by at most ~0.06 of its
-  block's scale ``d`` (measured, tests/test_cpu_weights.py) — well under one 4-bit step (``d``).
+  GGUF Q4_1 block). On x86 with AVX2 or AVX-512 computed by our native Q4_1 x Q8 kernel (``Q4Linear``: the
+  file's float16 ``d`` and ``m`` exactly, float32 input quantized to 8 bits per 32; kernels/cpu_native.py picks
+  the instruction-set level). Elsewhere by torch's weight-only int4 CPU matmul
+  (``_weight_int4pack_mm_for_cpu``), whose dequantization is ``(q - 8) * scale + zero``: ``scale = d``,
+  ``zero = m + 8 d``, both held in bfloat16 (the kernel's type). From a Q4_1 GGUF the codes are the file's own;
+  ``d`` and ``m + 8 d`` (from the file's float16 ``d`` and ``m``) are rounded to bfloat16 (8 significant bits),
+  which moves a weight by at most ~0.06 of its block's scale ``d`` (measured, tests/test_cpu_weights.py) — well
+  under one 4-bit step (``d``).
 - ``int8``: per output channel, symmetric (``_weight_int8pack_mm``).
 - ``bfloat16``: the weight in bfloat16 (oneDNN; AMX where the CPU has it).
 """

@@ -1,5 +1,7 @@
-// The CPU decode step of a Llama-family model with 4-bit weights, as one native call (kernels/cpu_native.py
-// builds and loads it; engine/models/llama_cpu_decoder.py calls it for decode-only steps).
+// The CPU step of a Llama-family model with 4-bit weights, as one native call (kernels/cpu_native.py builds and
+// loads it; engine/models/llama_cpu_decoder.py calls it for every step). A row is one token with its own block
+// table row and context length: a decode token, or one of a prompt's tokens (its context is its position + 1;
+// every row's K and V are written before any row attends), so a token's numbers do not depend on the step.
 //
 // Per layer: 4 matmuls — our Q4_1 x Q8 kernel (cpu_quant_matmul.cpp; float32 activations) on builds for
 // AVX2 or AVX-512, else torch's _weight_int4pack_mm_for_cpu (bfloat16 activations) — and 4 loops of ours that

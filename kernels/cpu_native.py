@@ -23,6 +23,7 @@ the Python path.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -61,16 +62,17 @@ class CpuKernels:
 _loaded: dict[str, CpuKernels | None] = {}
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache  # (EngineConfig checks cpu_isa on every construction: /proc/cpuinfo is read once)
+def _cpu_flags() -> frozenset[str]:
     if platform.machine() not in ("x86_64", "AMD64"):
-        return set()
+        return frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def supported_levels() -> list[str]:

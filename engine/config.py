@@ -85,6 +85,9 @@ class EngineConfig:
     # the instruction-set level of the native CPU kernels (kernels/cpu_native.py): auto (the highest this CPU
     # has) | avx2 | avx512 | avx512_vnni; a level the CPU lacks is refused ($PAGEDCHAT_CPU_ISA when set)
     cpu_isa: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_CPU_ISA") or "auto")
+    # tensor parallelism: each layer split over this many devices, one process each (the engine core is rank 0 and
+    # starts the others; engine/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
+    tensor_parallel_size: int = 1
     # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
     # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
     # still gets all that is ready in one event)
@@ -135,6 +138,7 @@ class EngineConfig:
                f"must be auto or one of {CPU_WEIGHTS}")
         resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
         self.torch_device = resolve_device(self.device)
+        _check_tensor_parallel(self)
         _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
                "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")
         large = is_large_gpu(self.torch_device)
@@ -164,6 +168,21 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         assert self.max_model_len is not None
         return -(-self.max_model_len // self.block_size)
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    size, device = config.tensor_parallel_size, config.torch_device
+    _check(1 <= size <= 64, "tensor_parallel_size", "must be in [1, 64]")
+    if size == 1:
+        return
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        _check(size <= count, "tensor_parallel_size", f"{size} exceeds the {count} visible CUDA devices")
+        _check(device.index in (None, 0), "device", "with tensor parallelism the ranks take cuda:0 .. N-1: "
+               "give cuda (choose the devices with CUDA_VISIBLE_DEVICES)")
+    _check(config.kv_backend == "paged", "kv_backend", "tensor parallelism needs the paged backend")
+    _check(config.cpu_weights in ("auto", "float32"), "cpu_weights",
+           "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)")
 
 
 def resolve_device(device: str) -> torch.device:

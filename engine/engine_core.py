@@ -34,6 +34,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.structured_output import GrammarCompiler
 from engine.structured_output import accept as accept_grammar
+from engine.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,22 @@ class EngineCore:
         self.config = config = config or EngineConfig(**options)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        elif config.tensor_parallel_size > 1 and config.torch_device.type == "cpu":  # (the ranks share the cores)
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
-        self.model, self.tokenizer = load_model(config)
-        self.runner = ModelRunner(config, self.model)
+        # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
+        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model, self.tokenizer = load_model(config)
+            if self.workers is not None:
+                self.workers.wait_ready()
+            self.runner = ModelRunner(config, self.model, self.workers)
+            num_blocks = self._size_kv_cache()
+            self.runner.capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
         self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
-        num_blocks = self._size_kv_cache()
-        self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self._hasher(), *self._host_pools(), self.runner.kv.lookahead_tokens,
                                           config.max_blocks_per_seq)
@@ -102,6 +113,11 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def _hasher(self) -> BlockHasher:
         return BlockHasher(self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed)

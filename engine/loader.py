@@ -94,7 +94,8 @@ def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None
     q4_file = path / Q4_FILE if path is not None else None
     has_q4 = q4_file is not None and q4_file.is_file()
     if config.cpu_weights == "auto":
-        config.cpu_weights = "q4" if has_q4 and config.torch_dtype == torch.float32 else "float32"
+        config.cpu_weights = "q4" if has_q4 and config.torch_dtype == torch.float32 and \
+            config.tensor_parallel_size == 1 else "float32"
     if config.cpu_weights == "float32":
         return
     blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
@@ -161,14 +162,15 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(f for f in path.glob("*.safetensors") if f.name != Q4_FILE)
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, Any]]:
+    """Each tensor as a lazy slice: a tensor-parallel rank reads only its part of it."""
     files = _weight_files(path)
     if not files:
         raise ValueError(f"model: no *.safetensors files in {path}")
     for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def dummy_hf_config(name: str) -> Any:

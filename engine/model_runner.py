@@ -3,6 +3,10 @@ context (eagerly, or by replaying a CUDA graph for a decode-only batch), and sam
 chunk reached their end. Nothing is read back here: ``execute`` returns a ``LaunchedStep`` whose ``wait``
 gives the sampled ids, so the engine can prepare the next step while the device runs this one.
 Also owns the KV cache tensors and sizes them.
+
+Under tensor parallelism every rank has a runner over its shard. Rank 0's (``workers`` given) schedules and
+samples: each command it carries out on its device goes to the other ranks first (engine/worker_group.py),
+whose runners repeat it on theirs (``follow_step`` for a step), and its sampled ids are broadcast to them.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels import ops as kernel_ops
+from engine import parallel_state
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
 from engine.forward_context import AttentionMetadata, forward_context
@@ -24,6 +29,8 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_inputs import ContiguousSlots, StepInputs, StepTensors
 from engine.structured_output import token_masks
+from engine.worker_group import (AllocateHostCache, AllocateKv, CaptureGraphs, MemoryInfo, ReleaseKv, RunStep,
+                                 WorkerGroup)
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +62,16 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, workers: WorkerGroup | None = None) -> None:
+        """``workers``: the other tensor-parallel ranks, which this (rank 0's) runner drives."""
         self.config = config
         self.model = model
+        self.workers = workers
         self.device = config.torch_device
         # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
         # wait for the step in flight, hence up to twice the running limit
         self.num_slots = 2 * config.max_num_seqs + 2
-        self.kv = make_kv_backend(config.kv_backend, model.args, config.torch_dtype, self.device, config.block_size,
+        self.kv = make_kv_backend(config.kv_backend, model.shard_args, config.torch_dtype, self.device, config.block_size,
                                   config.max_model_len, self.num_slots)
         if self.kv.block_size != config.block_size:
             logger.info("kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
@@ -104,9 +113,11 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
             return int(self.config.kv_cache_memory_gib * 2**30) // self.bytes_per_block
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = self._warm_up_peak_memory()
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+        ranks = [torch.cuda.mem_get_info(self.device)]
+        if self.workers is not None:
+            ranks += self.workers.gather(MemoryInfo())
+        peak = self._warm_up_peak_memory()  # (rank 0's: the ranks hold equal shards)
+        budget = min(total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks) - peak
         return max(0, int(budget)) // self.bytes_per_block
 
     def _warm_up_peak_memory(self) -> int:
@@ -125,21 +136,29 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         graph_bytes = 0
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self._decode_pass, [self.graph_sizes[-1]], self.device, self._idle_inputs)
+            self.capture_graphs([self.graph_sizes[-1]])
             graph_bytes = self.graphs.memory_bytes
-            self.graphs = None
         # the step buffers are allocated again, at their final size, beside the real KV cache
         buffers = self.graph_logits.nbytes + self.graph_tables.nbytes + self.inputs.device_buffer.nbytes
+        self.release_kv_cache()
+        return peak + graph_bytes + buffers
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache and the graphs recorded over it (the warm-up's scratch ones)."""
+        if self.workers is not None:
+            self.workers.send(ReleaseKv())
+        self.graphs = None
         self.kv.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
-        return peak + graph_bytes + buffers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The KV backend's memory for ``num_blocks`` blocks (block-addressed ``k_caches``/``v_caches``
         ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap); each attention
         layer gets its layer's view. Also the step input buffers, sized by the (now final) ``max_model_len``."""
         args, config, kv = self.model.args, self.config, self.kv
+        if self.workers is not None:
+            self.workers.send(AllocateKv(num_blocks, config.max_model_len))
         kv.allocate(num_blocks)
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
@@ -159,6 +178,8 @@ class ModelRunner:
     def allocate_host_cache(self, num_blocks: int) -> None:
         """The host pool for swapped-out blocks, the device cache's layout (pinned on CUDA, so copies are DMA
         transfers); uninitialised: a block is read only after a swap-out wrote it."""
+        if self.workers is not None:
+            self.workers.send(AllocateHostCache(num_blocks))
         shape = (self.k_caches.shape[0], num_blocks, *self.k_caches.shape[2:])
         pinned = self.device.type == "cuda"
         self.host_k_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
@@ -170,10 +191,15 @@ class ModelRunner:
         kernel_ops.swap_blocks(src[0], dst[0], mapping)
         kernel_ops.swap_blocks(src[1], dst[1], mapping)
 
-    def capture_graphs(self) -> None:
-        """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``)."""
-        if self.use_graphs:
-            self.graphs = DecodeGraphs(self._decode_pass, self.graph_sizes, self.device, self._idle_inputs)
+    def capture_graphs(self, sizes: list[int] | None = None) -> None:
+        """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``) of
+        ``sizes`` (all of ``graph_sizes``)."""
+        if not self.use_graphs:
+            return
+        sizes = sizes or self.graph_sizes
+        if self.workers is not None:
+            self.workers.send(CaptureGraphs(sizes))
+        self.graphs = DecodeGraphs(self._decode_pass, sizes, self.device, self._idle_inputs)
 
     # one step ---------------------------------------------------------------------------------------
 
@@ -192,23 +218,19 @@ class ModelRunner:
         """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
         pending in ``in_flight`` are fed from its sampled ids on the device."""
         start = time.perf_counter()
-        # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
-        if batch.swap_out:
-            self._swap(batch.swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches))
-        if batch.block_copies:
-            mapping = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
-            kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
-        if batch.swap_in:
-            self._swap(batch.swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches))
         pad = None
         if batch.num_decodes == len(batch.seqs):
             pad = padded_size(self.graph_sizes, len(batch.seqs))
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
+        num_rows = len(batch.sampling_seqs)
+        if self.workers is not None:
+            self.workers.send(RunStep(self.inputs.layout, pad, num_rows, batch.swap_out, batch.block_copies,
+                                      batch.swap_in), memoryview(self.inputs.packed.numpy()))
+        self._move_blocks(batch.swap_out, batch.block_copies, batch.swap_in)
         if self.kv.contiguous:
             inputs = self.inputs
             self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, inputs.ends, self._wait_for_device)
         prepared = time.perf_counter()
-        num_rows = len(batch.sampling_seqs)
         if pad is not None:
             logits = self._padded_decode(step, pad, len(batch.seqs))
             if num_rows != len(batch.seqs) or batch.forks:  # (some rows not sampled, or sampled twice)
@@ -219,6 +241,31 @@ class ModelRunner:
         launched = self._sample(logits, batch.sampling_seqs, prepared - start)
         self.inputs.step_launched()
         return launched
+
+    def follow_step(self, command: RunStep, payload: memoryview) -> None:
+        """Another rank's side of rank 0's ``execute``: the same block moves and forward pass over this rank's
+        shard (the collectives meet rank 0's), then the sampled ids rank 0 broadcasts."""
+        self._move_blocks(command.swap_out, command.block_copies, command.swap_in)
+        step = self.inputs.unpack(payload, command.layout)
+        if command.pad is not None:
+            self._padded_decode(step, command.pad, command.layout.num_seqs)
+        else:
+            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            if command.num_sampled:
+                self.model.compute_logits(hidden[step.sample_rows])
+        if command.num_sampled:
+            parallel_state.broadcast_from_driver(self.last_sampled[:command.num_sampled])
+
+    def _move_blocks(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
+                     swap_in: list[tuple[int, int]]) -> None:
+        # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
+        if swap_out:
+            self._swap(swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches))
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+            kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+        if swap_in:
+            self._swap(swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches))
 
     def _wait_for_device(self) -> None:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
@@ -241,6 +288,8 @@ class ModelRunner:
         sampled, failures = self._sample_rows(logits, seqs)
         rows = len(seqs)
         self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
+        if rows and self.workers is not None:
+            parallel_state.broadcast_from_driver(self.last_sampled[:rows])
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
                                 beam_logprobs=beam_logprobs)

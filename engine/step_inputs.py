@@ -47,6 +47,19 @@ class StepTensors:
 
 
 @dataclass(slots=True)
+class StepLayout:
+    """Where each vector of a packed step buffer lies, and the step's shape: what another tensor-parallel rank
+    needs beside the buffer to unpack the same step (engine/worker_group.py)."""
+
+    offsets: list[int]
+    num_decodes: int
+    total: int  # token rows, padding included
+    num_seqs: int
+    width: int  # block-table columns
+    max_context_len: int
+
+
+@dataclass(slots=True)
 class ContiguousSlots:
     """A contiguous KV layout's terms: slot length, the padding rows' slot, and what to do with a slot that
     no step in flight reads any more."""
@@ -78,6 +91,9 @@ class StepInputs:
         # the inputs' home on the device (its head doubles as the CUDA graphs' static inputs)
         self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
         self._turn = 0
+        self.layout: StepLayout | None = None  # the latest step's, with ``packed``: its used host buffer
+        self.packed = self._staging[0][:0]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)  # (unpack's staging reuse)
 
     # block-table rows ---------------------------------------------------------------------------------
 
@@ -216,19 +232,36 @@ class StepInputs:
             pos_v[num_tokens:] = 0
             slot_v[num_tokens:] = -1
             ctx_v[num_seqs:] = 1
-        step = self._to_device(host, offsets, total_seqs if pad_to else num_decodes, total, num_seqs, width)
-        step.metadata.max_context_len = int(ends.max())
+        self.layout = StepLayout(offsets.tolist(), total_seqs if pad_to else num_decodes, total, num_seqs, width,
+                                 int(ends.max()))
+        self.packed = host[:int(offsets[-1])]
+        return self._to_device(host, self.layout)
+
+    def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
+        """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""
+        turn = self._turn % len(self._staging)
+        self._turn += 1
+        if (copied := self._copied[turn]) is not None:
+            copied.synchronize()  # (the staging buffer's last copy to the device has been read)
+        host = self._staging[turn]
+        values = np.frombuffer(payload, dtype=np.int32)
+        host.numpy()[:len(values)] = values
+        step = self._to_device(host, layout)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         return step
 
-    def _to_device(self, host: torch.Tensor, offsets: np.ndarray, num_decodes: int, total: int, num_seqs: int,
-                   width: int) -> StepTensors:
-        used = int(offsets[-1])
+    def _to_device(self, host: torch.Tensor, layout: StepLayout) -> StepTensors:
+        offsets = layout.offsets
+        used = offsets[-1]
         buffer = self.device_buffer
         buffer[:used].copy_(host[:used], non_blocking=True)
-        parts = [buffer[int(offsets[i]):int(offsets[i + 1])] for i in range(len(offsets) - 1)]
+        parts = [buffer[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
         ids, feed, positions, slots, ctx, cu, rows, table = parts
-        tables = table.view(-1, width)
+        tables = table.view(-1, layout.width)
         metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
-                                     num_decodes=num_decodes, prefill_cu_seqlens_q=cu,
-                                     slot_ids=None if self.contiguous is None else tables[:, 0])
-        return StepTensors(ids, feed, positions, metadata, rows, total, num_seqs)
+                                     num_decodes=layout.num_decodes, prefill_cu_seqlens_q=cu,
+                                     slot_ids=None if self.contiguous is None else tables[:, 0],
+                                     max_context_len=layout.max_context_len)
+        return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

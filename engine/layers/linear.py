@@ -1,8 +1,18 @@
 """Linear and Embedding without random initialisation: every weight comes from the loader (which fails on
-any tensor left unset), so initialising 100M+ parameters first would only cost seconds at start."""
+any tensor left unset), so initialising 100M+ parameters first would only cost seconds at start.
+
+Their tensor-parallel forms (engine/parallel_state.py): a column-parallel layer holds this rank's slice of the
+outputs, a row-parallel layer this rank's slice of the inputs and adds the ranks' partial outputs with one
+all-reduce (its bias once, after the sum), and the vocabulary-parallel embedding this rank's rows of the
+table. With one rank each is the plain layer.
+"""
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine import parallel_state
 
 
 class Linear(nn.Linear):
@@ -16,6 +26,41 @@ class Linear(nn.Linear):
         self.weight.data = self.weight.data.t().contiguous().t()
 
 
+class ColumnParallelLinear(Linear):
+    """``out_features`` are this rank's outputs (the loader fills them with its rows of the full weight)."""
+
+
+class RowParallelLinear(Linear):
+    """``in_features`` are this rank's slice of the inputs; the output is the full sum over ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel_state.current().size == 1:
+            return super().forward(x)
+        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         pass
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows ``start .. start + num_embeddings - 1`` of the table (the last rank's slice padded with zero rows
+    when the ranks do not divide the vocabulary); a token outside them looks up zeros here, so the all-reduce
+    of the ranks' lookups is exactly its row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        tp = parallel_state.current()
+        shard = -(-vocab_size // tp.size)
+        super().__init__(shard, hidden_size)
+        self.vocab_size = vocab_size
+        self.start = tp.rank * shard
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if parallel_state.current().size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return parallel_state.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))

@@ -2,16 +2,21 @@
 
 Weights use the Hugging Face names, except that q/k/v and gate/up are fused into one matmul each;
 ``load_weights`` places each HF tensor into its shard of the fused parameter.
+
+Under tensor parallelism (engine/parallel_state.py) each rank builds the layers of its shard: its heads of
+q/k/v (kv heads replicated where the ranks outnumber them), its columns of gate/up, the matching inputs of
+o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only that slice of each tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from engine.layers.linear import Embedding, Linear
+from engine import parallel_state
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Q4Q8_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
                                             quantized_linear)
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
@@ -63,14 +68,32 @@ class LlamaArgs:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
 
+    def sharded(self, size: int) -> "LlamaArgs":
+        """One rank's shape of ``size``: its heads, kv heads (one each where the ranks outnumber them: then
+        replicated) and intermediate columns; ValueError naming tensor_parallel_size where they do not divide."""
+        if size == 1:
+            return self
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} kv heads (nor do they divide it)")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate size {self.intermediate_size}")
+        if problems:
+            raise ValueError(f"tensor_parallel_size: {size} does not divide the model's " + ", ".join(problems))
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=max(1, self.num_kv_heads // size),
+                       intermediate_size=self.intermediate_size // size)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -110,9 +133,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded)."""
         super().__init__()
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -135,9 +159,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.args = LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(self.args)
+        self.tp = parallel_state.current()
+        self.shard_args = self.args.sharded(self.tp.size)  # this rank's heads, kv heads, columns (its KV cache's)
+        self.model = LlamaModel(self.shard_args)
         if not self.args.tie_word_embeddings:
-            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head = ColumnParallelLinear(self.args.hidden_size, self.model.embed_tokens.num_embeddings,
+                                                bias=False)
         self.logits_weight: torch.Tensor | None = None  # a CPU-friendly layout of the output layer, if set
         self.logits_head: nn.Module | None = None  # a quantized output layer (--cpu-weights), if set
         self.cpu_decoder: LlamaCpuDecoder | None = None  # the lean pass over quantized layers, if set
@@ -158,10 +185,14 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_head is not None:
             logits = self.logits_head(hidden)
             return logits if out is None else out.copy_(logits)
-        if self.logits_weight is not None:
-            return torch.matmul(hidden, self.logits_weight.t(), out=out)
-        weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return torch.matmul(hidden, weight.t(), out=out)
+        weight = self.logits_weight
+        if weight is None:
+            weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        if self.tp.size == 1:
+            return torch.matmul(hidden, weight.t(), out=out)
+        # each rank's vocabulary slice, gathered on every rank (rank 0 samples); the padding columns dropped
+        logits = parallel_state.all_gather_last_dim(torch.matmul(hidden, weight.t()))[:, :self.args.vocab_size]
+        return logits if out is None else out.copy_(logits)
 
     def store_weights_column_major(self) -> None:
         """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied
@@ -203,12 +234,13 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight = None
         self.cpu_decoder = LlamaCpuDecoder(self, native)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; raises ValueError naming any parameter left unset or tensor unknown."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named tensors in, each a tensor or a lazy safetensors slice (of which only this rank's part is
+        read); raises ValueError naming any parameter left unset or tensor unknown."""
         params = dict(self.named_parameters())
         shard_sizes = self._shard_sizes()
         loaded: set[tuple[str, int | None]] = set()
-        for name, tensor in weights:
+        for name, source in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
                 continue
             target, shard = _fused_name(name)
@@ -218,11 +250,39 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 sizes = shard_sizes[target.rsplit(".", 2)[-2]]
                 dst = dst[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
+            tensor = _read(source, self._rank_slice(name))
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and self.tp.size > 1:
+                dst[tensor.shape[0]:].zero_()  # (rows padding the last rank's vocabulary slice)
+                dst = dst[:tensor.shape[0]]
             _copy_checked(dst, tensor, name)
             loaded.add((target, shard))
         expected = {(name, shard) for name in params for shard in self._shards_of(name)}
         if missing := sorted(str(item) for item in expected - loaded):
             raise ValueError(f"weights: missing tensors for {missing[:5]} ({len(missing)} in all)")
+
+    def _rank_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, end) of HF tensor ``name`` that this rank holds; None: all of it (norms, row-parallel
+        biases, a single rank)."""
+        tp, args = self.tp, self.args
+        if tp.size == 1:
+            return None
+        heads = args.num_heads * args.head_dim
+        if ".q_proj." in name:
+            return (0, *tp.shard(heads))
+        if ".k_proj." in name or ".v_proj." in name:
+            local = self.shard_args.num_kv_heads
+            first = tp.rank * local if args.num_kv_heads % tp.size == 0 else tp.rank * args.num_kv_heads // tp.size
+            return 0, first * args.head_dim, (first + local) * args.head_dim
+        if ".gate_proj." in name or ".up_proj." in name:
+            return (0, *tp.shard(args.intermediate_size))
+        if name.endswith(".o_proj.weight"):
+            return (1, *tp.shard(heads))
+        if name.endswith(".down_proj.weight"):
+            return (1, *tp.shard(args.intermediate_size))
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            embed = self.model.embed_tokens
+            return 0, embed.start, min(embed.start + embed.num_embeddings, args.vocab_size)
+        return None
 
     def _shards_of(self, param_name: str) -> list[int | None]:
         fused = param_name.rsplit(".", 2)[-2]
@@ -232,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         return {
             "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
-            "gate_up_proj": [self.args.intermediate_size] * 2,
+            "gate_up_proj": [self.shard_args.intermediate_size] * 2,
         }
 
 
@@ -250,6 +310,14 @@ def _hf_names(weight_name: str) -> list[str]:
             shards = sorted((shard, fragment) for fragment, (f, shard) in _FUSED.items() if f == fused)
             return [weight_name.replace(f".{fused}.", f".{fragment}.") for _, fragment in shards]
     return [weight_name]
+
+
+def _read(source: Any, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """``source`` (a tensor or a safetensors slice, which reads only what is indexed), or its ``part``."""
+    if part is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    dim, start, end = part
+    return source[start:end] if dim == 0 else source[:, start:end]
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kib|kb|mib|mb|gib|gb)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "b": 1, "kib": 2**10, "kb": 10**3, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9}
 
-DUMMY_MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3-8b")
+DUMMY_MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3-8b", "llama-3-70b")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SESSION_STORES = ("auto", "redis", "sqlite", "memory")
 
@@ -106,6 +106,8 @@ ENGINE_OPTIONS = (
            choices=("auto", "float32", "bfloat16", "int8", "q4")),
     Option("cpu_isa", "Instruction-set level of the native CPU kernels; a level this CPU lacks is refused", "auto "
            "(the highest this CPU has)", choices=("auto", "avx2", "avx512", "avx512_vnni"), env="PAGEDCHAT_CPU_ISA"),
+    Option("tensor_parallel_size", "Split each layer of the model over this many devices, one process each "
+           "(cuda:0 .. N-1 over NCCL; on the CPU, N processes over gloo)", "1", "int"),
     Option("stream_interval", "A stream's reader is woken once this many tokens are ready (or its first, or its "
            "last): fewer, larger SSE events", "1", "int"),
     Option("log_stats_interval_s", "While it works, the engine core logs a line of its numbers this often, in "

@@ -123,7 +123,10 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
                 # never garbage: out of the collector's sight, a full collection in the loop costs little
                 gc.collect()
                 gc.freeze()
-            CoreLoop(core, inputs, outputs, parent, StepLog(config.log_stats_interval_s)).run()
+            try:
+                CoreLoop(core, inputs, outputs, parent, StepLog(config.log_stats_interval_s)).run()
+            finally:
+                core.shutdown()
     finally:
         for socket in outputs:
             socket.close(linger=2000)  # the last message (a failure) must leave before the process does
@@ -212,6 +215,9 @@ class CoreLoop:
         """Idle: block until a message comes; exit if the parent is gone."""
         if self.inputs.poll(_IDLE_POLL_MS):
             return True
+        workers = getattr(self.core, "workers", None)
+        if workers is not None and workers.failure is not None:  # (a rank died while the engine was idle)
+            raise RuntimeError(f"tensor parallel: {workers.failure}")
         if os.getppid() != self.parent_pid:
             logger.warning("the front process is gone; the engine core exits")
             raise SystemExit(0)

@@ -59,6 +59,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.chat_prompt_ids(c) for c in conversations], sampling_params)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        self.engine.shutdown()
+
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         text = self._require_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -32,6 +32,10 @@ class LLMEngine:
         self.core = EngineCore(config, **options)
         self.processor = OutputProcessor(self.core.tokenizer, self.core.info)
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); the engine is unusable afterwards."""
+        self.core.shutdown()
+
     # the core's parts, for benchmarks and tests that look inside
     @property
     def config(self) -> EngineConfig:

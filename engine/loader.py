@@ -58,6 +58,12 @@ DUMMY_ARCHITECTURES: dict[str, dict[str, Any]] = {
                        vocab_size=128256, intermediate_size=14336, tie_word_embeddings=False,
                        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
                        bos_token_id=128000, eos_token_id=[128001, 128009]),
+    # 70.6B parameters, 141 GB in bf16: more than one GPU holds (tensor parallelism)
+    "llama-3-70b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                        vocab_size=128256, intermediate_size=28672, tie_word_embeddings=False,
+                        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                        bos_token_id=128000, eos_token_id=[128001, 128009]),
 }
 
 

@@ -67,9 +67,11 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous:
     return _current
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(abandon: bool = False) -> None:
+    """Leave the group (every rank at once: NCCL's teardown meets the others'); ``abandon``: a rank is lost, so
+    on NCCL only forget the group (its teardown would wait for the lost rank)."""
     global _current
-    if dist.is_initialized():
+    if dist.is_initialized() and not (abandon and dist.get_backend() == "nccl"):
         dist.destroy_process_group()
     _current = _SINGLE
 

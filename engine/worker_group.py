@@ -165,6 +165,7 @@ class WorkerGroup:
         while len(ready) < self.size - 1:
             message = self._receive(deadline)
             if isinstance(message, WorkerFailed):
+                self.failure = f"rank {message.rank} failed to start"
                 self.stop()
                 kind = ValueError if message.error.startswith("ValueError") else RuntimeError
                 raise kind(f"tensor-parallel rank {message.rank} failed to start: {message.error}")
@@ -227,6 +228,9 @@ class WorkerGroup:
                     socket.send(pickle.dumps(Stop()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        # NCCL's teardown meets the other ranks': all leave together, and with a rank lost the group is only
+        # abandoned (its teardown would wait for the lost rank; the process is about to end anyway)
+        parallel_state.destroy_tensor_parallel(abandon=self.failure is not None)
         for process in self.processes:
             try:
                 process.wait(timeout=10)
@@ -236,7 +240,6 @@ class WorkerGroup:
         for socket in [*self._commands, self._replies]:
             socket.close(linger=0)
         self._context.term()
-        parallel_state.destroy_tensor_parallel()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

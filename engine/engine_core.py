@@ -78,6 +78,7 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
         self.config = config = config or EngineConfig(**options)
+        self._threads_before = torch.get_num_threads()  # (restored by shutdown: ranks on the CPU share the cores)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         elif config.tensor_parallel_size > 1 and config.torch_device.type == "cpu":  # (the ranks share the cores)
@@ -117,7 +118,10 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
         if self.workers is not None:
+            if hasattr(self, "runner"):
+                self.runner.release_graphs()
             self.workers.stop()
+            torch.set_num_threads(self._threads_before)
 
     def _hasher(self) -> BlockHasher:
         return BlockHasher(self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed)

@@ -143,6 +143,13 @@ class ModelRunner:
         self.release_kv_cache()
         return peak + graph_bytes + buffers
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (at shutdown: NCCL collectives captured in them hold the communicator until the
+        graphs are gone, so they go before the process group does)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the graphs recorded over it (the warm-up's scratch ones)."""
         if self.workers is not None:

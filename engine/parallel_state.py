@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: a program using it can take a shared host's GPUs out of
 # service (the device notes); set before the first NCCL call, and inherited by the processes we start
@@ -67,12 +68,15 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous:
     return _current
 
 
-def destroy_tensor_parallel(abandon: bool = False) -> None:
-    """Leave the group (every rank at once: NCCL's teardown meets the others'); ``abandon``: a rank is lost, so
-    on NCCL only forget the group (its teardown would wait for the lost rank)."""
+def destroy_tensor_parallel() -> None:
+    """Leave the group. NCCL's communicators are aborted, a local act: a graceful teardown waits for the other
+    ranks' (seen hanging on 2 x H100 while a rank was still stopping), or forever for a rank that died."""
     global _current
-    if dist.is_initialized() and not (abandon and dist.get_backend() == "nccl"):
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _current = _SINGLE
 
 

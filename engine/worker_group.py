@@ -13,6 +13,7 @@ engine's death) after a short grace. The workers die with rank 0's process (PR_S
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -228,9 +229,7 @@ class WorkerGroup:
                     socket.send(pickle.dumps(Stop()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        # NCCL's teardown meets the other ranks': all leave together, and with a rank lost the group is only
-        # abandoned (its teardown would wait for the lost rank; the process is about to end anyway)
-        parallel_state.destroy_tensor_parallel(abandon=self.failure is not None)
+        _leave_group()
         for process in self.processes:
             try:
                 process.wait(timeout=10)
@@ -241,6 +240,16 @@ class WorkerGroup:
             socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _leave_group(timeout_s: float = 30.0) -> None:
+    """Leave the process group, on a thread given ``timeout_s``: an NCCL teardown that waits on a peer (or on
+    work captured in CUDA graphs still alive) must not hang the caller's shutdown."""
+    leaving = threading.Thread(target=parallel_state.destroy_tensor_parallel, name="tp-leave", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
+    if leaving.is_alive():
+        logger.warning("tensor parallel: leaving the process group took over %.0f s; left behind", timeout_s)
 
 
 # the worker process --------------------------------------------------------------------------------------
@@ -255,6 +264,7 @@ def run_worker(spec: WorkerSpec) -> None:
     name_process(f"pagedchat-tp{spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1)  # (kill -USR1: every thread's stack on stderr, for a rank that seems stuck)
     configure_logging(logging.getLevelName(spec.log_level), "text", f"tp rank {spec.rank}")
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
@@ -304,6 +314,7 @@ def _serve(runner: Any, commands: zmq.Socket, replies: zmq.Socket, rank: int) ->
             elif isinstance(command, MemoryInfo):
                 replies.send(pickle.dumps(Reply(rank, torch.cuda.mem_get_info(runner.device))))
             elif isinstance(command, Stop):
+                runner.release_graphs()  # (before the group goes: their captured collectives hold its communicator)
                 return
             else:
                 raise RuntimeError(f"unknown command {type(command).__name__}")
@@ -314,3 +325,6 @@ if __name__ == "__main__":
     from engine.worker_group import run_worker as _run
 
     _run(pickle.loads(sys.stdin.buffer.read()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no interpreter teardown: CUDA and NCCL state is simply dropped with the process)

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from engine.block_manager import BlockHasher, BlockManager
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence

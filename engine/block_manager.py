@@ -1,66 +1,21 @@
-"""Paged KV cache bookkeeping: BlockPool (free LRU queue, hash -> block map, ref counts) + BlockManager.
+"""Paged KV cache bookkeeping: which blocks each sequence holds (the pool itself: engine/block_pool.py).
 
 A block holds the KV of ``block_size`` consecutive tokens; a sequence's ``block_table`` lists its blocks in
 token order, so token i lives at slot ``block_table[i // block_size] * block_size + i % block_size``.
 
-Prefix caching: every full block of tokens has a chained hash
-
-    hash(block i) = H(hash(block i-1), token ids of block i, extra keys)      (block -1's hash = root)
-
-with the root derived from the model id and a secret seed, and ``("salt", cache_salt)`` as block 0's extra
-key. A block enters the hash map once its KV is written; a freed block keeps its hash in the free queue
-(LRU, O(1) removal on a hit) until it is reused for other tokens.
+Prefix caching: every full block of tokens has a chained hash (engine/block_hash.py). A block enters the hash
+map once its KV is written; a freed block keeps its hash in the free queue (LRU, O(1) removal on a hit) until it
+is reused for other tokens.
 """
 from __future__ import annotations
 
-import hashlib
 import sys
-from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
-import xxhash
-
+from engine.block_hash import BlockHasher
+from engine.block_pool import Block, BlockPool, HostBlocks
 from engine.host_prefix_cache import HostPrefixCache
 from engine.sequence import Sequence
-
-
-class BlockHasher:
-    """Chained block hashes: sha256 (default: a collision would leak one tenant's text) or xxh128."""
-
-    def __init__(self, algo: str, model_id: str, seed: str) -> None:
-        self._new = {"sha256": hashlib.sha256, "xxh128": xxhash.xxh3_128}[algo]
-        h = self._new()
-        for part in ("pagedchat-block-root-v1", model_id, seed):  # length-prefixed: no ambiguous joins
-            data = part.encode()
-            h.update(len(data).to_bytes(8, "little") + data)
-        self.root = h.digest()
-
-    def __call__(self, parent: bytes, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
-        h = self._new(parent)
-        tokens = array("q", token_ids)
-        if sys.byteorder == "big":  # little-endian int64 everywhere: hashes agree across replicas
-            tokens.byteswap()
-        h.update(tokens.tobytes())
-        if extra_keys:  # tagged tuples such as ("salt", "tenant-a"); repr is canonical for str/int/tuple
-            h.update(repr(extra_keys).encode())
-        return h.digest()
-
-    def extend(self, hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None) -> None:
-        """Extend ``hashes`` (the chain so far) to every full block of ``token_ids``: hash(block i) =
-        H(hash(block i-1), tokens of block i, extra keys), block 0's parent the root, its extra key the salt."""
-        for i in range(len(hashes), len(token_ids) // block_size):
-            parent = hashes[i - 1] if i else self.root
-            extra = (("salt", cache_salt),) if i == 0 and cache_salt is not None else ()
-            hashes.append(self(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None  # set while this block is the hash map's entry for its tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,65 +24,6 @@ class HostHit:
 
     block_hash: bytes
     slot: int
-
-
-class BlockPool:
-    """All blocks, the free queue and the hash map.
-
-    The free queue is ordered by eviction priority: blocks without a hash at the front (nothing to lose),
-    then hashed blocks from least to most recently freed. ``take`` pops the front.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[bytes, Block] = {}
-        self.num_evictions = 0
-        self.on_evict: Callable[[Block, bytes], None] | None = None  # told before an evicted block is reused
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def take(self) -> Block:
-        """A free block for new tokens; evicts its old hash if it had one."""
-        _, block = self.free_queue.popitem(last=False)
-        if block.block_hash is not None:
-            if self.on_evict is not None:
-                self.on_evict(block, block.block_hash)
-            del self.cached[block.block_hash]
-            block.block_hash = None
-            self.num_evictions += 1
-        block.ref_count = 1
-        return block
-
-    def acquire(self, block: Block) -> None:
-        """One more reference to a block found by hash (it may be sitting in the free queue)."""
-        if block.ref_count == 0:
-            del self.free_queue[block.block_id]
-        block.ref_count += 1
-
-    def release(self, block: Block) -> None:
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_queue[block.block_id] = block
-            if block.block_hash is None:
-                self.free_queue.move_to_end(block.block_id, last=False)
-
-    def register(self, block: Block, block_hash: bytes) -> None:
-        """Make a written full block hittable; the first block written with a hash keeps the entry."""
-        if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash = block_hash
-            self.cached[block_hash] = block
-
-    def reset_cache(self) -> int:
-        """Forget the hashes of free blocks (a cold cache); returns how many were dropped."""
-        dropped = [b for b in self.free_queue.values() if b.block_hash is not None]
-        for block in dropped:
-            del self.cached[block.block_hash]
-            block.block_hash = None
-            self.free_queue.move_to_end(block.block_id, last=False)
-        return len(dropped)
 
 
 @dataclass(slots=True)
@@ -145,39 +41,6 @@ class BlockStats:
     evictions: int
     allocated_slots: int  # slots of referenced blocks
     used_slots: int  # of those, slots holding a token's KV
-
-
-class HostBlocks:
-    """The host pool that swapped-out sequences' blocks are copied to: a free list, and a reference count per
-    held slot (the sequences of one request swapped out together share the copies of the blocks they shared on
-    the device). A slot freed by a swap-in is reused only from the next step on, as this step's copies still
-    read it (they run in order on one stream: swap-outs, copy-on-write, swap-ins, then the pass)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.freed_this_step: list[int] = []
-        self.refs: dict[int, int] = {}  # held slot -> sequences holding it
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def release(self, slots: list[int], reused_next_step: bool) -> None:
-        for slot in slots:
-            self.refs[slot] -= 1
-            if not self.refs[slot]:
-                del self.refs[slot]
-                (self.freed_this_step if reused_next_step else self.free).append(slot)
-
-    def reclaim(self, slot: int) -> int:
-        """A slot freed by this step's swap-in, held again (its contents are still the block's)."""
-        self.freed_this_step.remove(slot)
-        return slot
-
-    def new_step(self) -> None:
-        self.free += self.freed_this_step
-        self.freed_this_step = []
 
 
 class BlockManager:

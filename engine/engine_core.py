@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.beam_search import BeamGroup, new_beam_group
-from engine.block_manager import BlockHasher, BlockManager
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_info import CoreInfo, check_priority, check_request
 from engine.layers.sampler import TokenLogprobs

@@ -16,7 +16,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockHasher
+from engine.block_hash import BlockHasher
 from engine.core_info import CoreInfo
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layers.sampler import TokenLogprobs

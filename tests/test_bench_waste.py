@@ -6,7 +6,8 @@ import pytest
 
 from benchmarks.waste import ReservingScheduler, next_pow2, reservation_slots
 from benchmarks.workloads import nano_workload
-from engine.block_manager import BlockHasher, BlockManager
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus

@@ -18,7 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from block_invariants import (ReferenceHashes, check_contents, check_host, check_pool, kv_tokens,
                               reference_block_hash, reference_chain, reference_root, snapshot, with_pending)
-from engine.block_manager import Block, BlockHasher, BlockManager, HostHit
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager, HostHit
+from engine.block_pool import Block
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from engine.block_manager import BlockHasher, BlockManager
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager
 from engine.fair_share import TenantService, max_min_shares
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

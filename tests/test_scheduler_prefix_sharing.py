@@ -2,7 +2,8 @@
 prefix to be cached instead of computing it a second time in the same burst."""
 from __future__ import annotations
 
-from engine.block_manager import BlockHasher, BlockManager
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence

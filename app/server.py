@@ -43,7 +43,8 @@ from app.sessions import presets
 from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
 from app.settings import ServerSettings
 from app.version import version
-from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.request_stream import RequestFailedError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedchat")

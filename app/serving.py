@@ -16,7 +16,8 @@ from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
 from app.request_body import ClientDisconnected
 from app.settings import ServerSettings
-from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.request_stream import RequestStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

@@ -20,7 +20,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import APIError, EngineUnavailable
-from engine.async_engine import EngineDeadError, RequestFailedError
+from engine.async_engine import EngineDeadError
+from engine.request_stream import RequestFailedError
 
 logger = logging.getLogger(__name__)
 

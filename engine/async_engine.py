@@ -22,7 +22,7 @@ import os
 import pickle
 import select
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
@@ -50,8 +50,8 @@ from engine.core_messages import (
 from engine.core_process import CoreEndpoint, LaunchedCore, launch_core
 from engine.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.metrics import EngineStats
-from engine.output_processor import OutputProcessor, SampleState
-from engine.outputs import RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """The engine core could not start (the model did not load, no device memory, ...)."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request ended with an error of its own (its sampling, grammar, detokenizing); the engine and the
-    other requests run on."""
 
 
 class AsyncEngine:
@@ -241,7 +236,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
-        stream = RequestStream(self, request_id, self._processor.take, params.num_samples,
+        stream = RequestStream(request_id, self._processor.take, self._release, self._loop, params.num_samples,
                                self.config.stream_interval)
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
@@ -424,99 +419,3 @@ def _load_tokenizer(model_path: str | None) -> Any | None:
     from engine.loader import load_tokenizer
 
     return load_tokenizer(Path(model_path))
-
-
-class RequestStream:
-    """One request's outputs as an async iterator. The request is already submitted; reading every sample's
-    final output ends it, and ``aclose()`` (or cancellation while waiting, or dropping the stream) aborts it.
-    An error (one sample's failure, or the engine's) ends the stream and aborts the samples still running.
-
-    The engine pushes the samples that changed; a read takes one sample's output with everything new since its
-    last read, so a reader that is behind gets several steps' tokens in one output. ``stream_interval`` > 1: the
-    reader is woken once that many tokens are ready (or a sample's first, or its end), for fewer, larger events."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, take: Callable[[SampleState], RequestOutput],
-                 num_samples: int = 1, stream_interval: int = 1) -> None:
-        self.request_id = request_id
-        self._take = take  # the output processor's: the sample's news as one RequestOutput
-        self._engine: AsyncEngine | None = engine
-        self._pending: deque[SampleState | BaseException] = deque()
-        self._waiter: asyncio.Future | None = None
-        self._interval = stream_interval
-        self._unread_tokens = 0
-        self._urgent = False  # a sample's first tokens, its end, or an error: wake the reader now
-        self._open = num_samples  # samples whose final output has not been read
-
-    def push(self, sample: SampleState) -> None:
-        """``sample`` has news (called once per step and sample, on the event loop)."""
-        if not sample.queued:
-            sample.queued = True
-            self._pending.append(sample)
-        if self._interval > 1:
-            self._unread_tokens = len(sample.token_ids) - sample.num_taken  # (a sum over samples: an estimate)
-            self._urgent |= sample.num_taken == 0 or sample.finish_reason is not None
-            if not self._readable():
-                return
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        self._pending.append(error)
-        self._urgent = True
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _readable(self) -> bool:
-        return bool(self._pending) and (self._interval <= 1 or self._urgent or self._unread_tokens >= self._interval)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._engine is None and not self._pending:
-            raise StopAsyncIteration
-        while not self._readable():
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            except BaseException:  # cancelled while waiting: the request must not outlive its consumer
-                self._close(finished=False)
-                raise
-            finally:
-                self._waiter = None
-        item = self._pending.popleft()
-        pending = self._pending
-        self._unread_tokens = 0
-        self._urgent = any(isinstance(i, BaseException) or i.num_taken == 0 or i.finish_reason is not None
-                           for i in pending) if pending else False
-        if not isinstance(item, BaseException):
-            item.queued = False
-            output = self._take(item)
-            if output.error is None:
-                if output.finished:
-                    self._open -= 1
-                    if not self._open:
-                        self._close(finished=True)
-                return output
-            item = RequestFailedError(output.error)
-        self._pending.clear()
-        self._close(finished=self._open <= 1)  # other samples may still run: abort them
-        raise item
-
-    async def aclose(self) -> None:
-        self._pending.clear()
-        self._close(finished=False)
-
-    def _close(self, finished: bool) -> None:
-        if self._engine is not None:
-            self._engine._release(self.request_id, finished)
-            self._engine = None
-
-    def __del__(self) -> None:
-        engine = getattr(self, "_engine", None)
-        if engine is not None and engine._loop is not None and not engine._loop.is_closed():
-            # (a collected stream may be finalized on any thread: the release runs on the loop's)
-            engine._loop.call_soon_threadsafe(engine._release, self.request_id, False)

@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from engine.async_engine import AsyncEngine, RequestFailedError
+from engine.async_engine import AsyncEngine
+from engine.request_stream import RequestFailedError
 from engine.layers.sampler import Sampler
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine

@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from app.serve import ENGINE_DIED, run_server
 from app.server import create_app
 from app.settings import ServerSettings
-from engine.async_engine import RequestFailedError
+from engine.request_stream import RequestFailedError
 from engine.config import EngineConfig
 from tests import engine_faults
 from tests.engine_faults import call_in_engine

@@ -8,11 +8,8 @@ string found there ends the sample here through ``abort_request(request_id, inde
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import itertools
-import sys
 import logging
 import time
 from collections.abc import Sequence as SequenceOf
@@ -30,11 +27,13 @@ from engine.loader import load_model
 from engine.metrics import EngineCounters, EngineStats
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import SampleDelta
+from engine.preemption import SwapPolicy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.structured_output import GrammarCompiler
 from engine.structured_output import accept as accept_grammar
+from engine.structured_output import release_free_heap
 from engine.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -60,22 +59,6 @@ class _Request:
     beam: BeamGroup | None = None
 
 
-def release_free_heap() -> None:
-    """Hand the allocator's free memory back to the system (glibc keeps what large frees leave in its arenas, so
-    the process would stay at its peak after a large grammar's matchers are gone)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """The seed of sample ``index`` of a seeded request: sample 0 keeps it (n = 1 is unchanged), the others
-    get their own, each a pure function of (seed, index), so every sample is reproducible on its own."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
         self.config = config = config or EngineConfig(**options)
@@ -92,17 +75,19 @@ class EngineCore:
             if self.workers is not None:
                 self.workers.wait_ready()
             self.runner = ModelRunner(config, self.model, self.workers)
-            num_blocks = self._size_kv_cache()
+            num_blocks = self.runner.size_kv_cache()
             self.runner.capture_graphs()
         except BaseException:
             self.shutdown()
             raise
         self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self._hasher(), *self._host_pools(), self.runner.kv.lookahead_tokens,
+                                          self._hasher(), *self.runner.allocate_host_pools(), self.runner.kv.lookahead_tokens,
                                           config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prefer_swap=self._prefer_swap, max_seqs_per_tenant=config.max_seqs_per_tenant,
+                                   prefer_swap=SwapPolicy(config.preemption_mode, config.torch_device.type,
+                                                          self.runner.bytes_per_block, self.runner.num_parameters),
+                                   max_seqs_per_tenant=config.max_seqs_per_tenant,
                                    shared_step_time_factor=config.shared_step_time_factor,
                                    step_time_target_s=config.step_time_target_s)
         self.counters = EngineCounters()
@@ -126,53 +111,6 @@ class EngineCore:
 
     def _hasher(self) -> BlockHasher:
         return BlockHasher(self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed)
-
-    def _host_pools(self) -> tuple[int, int]:
-        """Host blocks for swapped-out sequences and for the host tier of the prefix cache (allocated here)."""
-        config, runner = self.config, self.runner
-        num_swap = num_cache = 0
-        if config.preemption_mode != "recompute":
-            num_swap = int(config.swap_space_gib * 2**30) // runner.bytes_per_block
-        if config.enable_prefix_caching:
-            num_cache = int(config.host_cache_gib * 2**30) // runner.bytes_per_block
-        if num_swap + num_cache:
-            runner.allocate_host_cache(num_swap + num_cache)
-        if num_cache:
-            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_cache,
-                        num_cache * runner.bytes_per_block / 2**30)
-        return num_swap, num_cache
-
-    def _prefer_swap(self, seq: Sequence) -> bool:
-        """``preemption_mode``: swap or recompute this victim. ``auto``: a sample of a request with n > 1 (or
-        best_of) or a beam is swapped, with all its request's running sequences (the paper's rule: they share
-        their history, and the host keeps one copy of each shared block); otherwise the cheaper of the copy
-        out and back over the host link and the recompute of its tokens, by rough device rates. Where the host
-        pool has no room, a victim is recomputed."""
-        mode = self.config.preemption_mode
-        if mode == "recompute":
-            return False
-        if mode == "swap" or seq.params.num_sequences > 1 or seq.params.use_beam_search:
-            return True
-        link, flops = (25e9, 4e14) if self.config.torch_device.type == "cuda" else (5e9, 2e11)
-        copy_seconds = 2 * len(seq.block_table) * self.runner.bytes_per_block / link
-        recompute_seconds = 2 * self.runner.num_parameters * seq.num_computed_tokens / flops
-        return copy_seconds < recompute_seconds
-
-    def _size_kv_cache(self) -> int:
-        config, runner = self.config, self.runner
-        num_blocks = runner.num_blocks_for_budget()
-        if num_blocks < 2:
-            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {runner.bytes_per_block} bytes; "
-                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
-        if config.max_model_len > num_blocks * config.block_size:
-            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
-                           num_blocks * config.block_size)
-            config.max_model_len = num_blocks * config.block_size
-        runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
-                    config.block_size, num_blocks * runner.bytes_per_block / 2**30,
-                    num_blocks * config.block_size, config.max_model_len)
-        return num_blocks
 
     # requests -----------------------------------------------------------------------------------------
 
@@ -201,7 +139,7 @@ class EngineCore:
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         for index in range(params.num_sequences):
             own = seq_params if index == 0 or params.seed is None else \
-                dataclasses.replace(seq_params, seed=sample_seed(params.seed, index))
+                dataclasses.replace(seq_params, seed=params.sample_seed(index))
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
                            cache_salt=cache_salt, tenant=tenant, priority=priority, index=index)
             if grammar is not None:
@@ -498,17 +436,4 @@ class EngineCore:
         return {pin_id: (tokens, len(held.get(pin_id, ()))) for pin_id, tokens in self._pin_tokens.items()}
 
     def stats(self) -> EngineStats:
-        blocks = self.block_manager.stats()
-        return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
-            num_cached_blocks=blocks.num_cached_blocks, num_pinned_blocks=blocks.num_pinned_blocks,
-            prefix_queries=blocks.prefix_queries,
-            prefix_hits=blocks.prefix_hits, prefix_host_hits=blocks.prefix_host_hits,
-            num_host_cached_blocks=blocks.num_host_cached_blocks, host_cache_stores=blocks.host_cache_stores,
-            evictions=blocks.evictions,
-            preemptions=self.scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
-            kv_used_slots=blocks.used_slots, prompt_tokens=self.counters.prompt_tokens,
-            generation_tokens=self.counters.generation_tokens, steps=self.counters.steps,
-            finished=dict(self.counters.finished), num_swapped=len(self.scheduler.swapped),
-        )
+        return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)

@@ -120,6 +120,23 @@ class ModelRunner:
         budget = min(total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks) - peak
         return max(0, int(budget)) // self.bytes_per_block
 
+    def size_kv_cache(self) -> int:
+        """Allocate the KV pool of the memory budget (capping ``max_model_len`` to what it holds); its blocks."""
+        config = self.config
+        num_blocks = self.num_blocks_for_budget()
+        if num_blocks < 2:
+            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {self.bytes_per_block} bytes; "
+                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
+        if config.max_model_len > num_blocks * config.block_size:
+            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
+                           num_blocks * config.block_size)
+            config.max_model_len = num_blocks * config.block_size
+        self.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
+                    config.block_size, num_blocks * self.bytes_per_block / 2**30,
+                    num_blocks * config.block_size, config.max_model_len)
+        return num_blocks
+
     def _warm_up_peak_memory(self) -> int:
         """Activation memory of a forward pass over ``max_num_batched_tokens`` tokens (a scratch KV), plus
         what the CUDA graph of the largest decode batch holds (captured once on the scratch KV)."""
@@ -181,6 +198,22 @@ class ModelRunner:
                                            device=self.device)
             self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
                                             device=self.device)
+
+    def allocate_host_pools(self) -> tuple[int, int]:
+        """Host blocks for swapped-out sequences and for the host tier of the prefix cache, allocated as one pool
+        (``swap_space_gib`` where preemption may swap, ``host_cache_gib`` with prefix caching); their counts."""
+        config = self.config
+        num_swap = num_cache = 0
+        if config.preemption_mode != "recompute":
+            num_swap = int(config.swap_space_gib * 2**30) // self.bytes_per_block
+        if config.enable_prefix_caching:
+            num_cache = int(config.host_cache_gib * 2**30) // self.bytes_per_block
+        if num_swap + num_cache:
+            self.allocate_host_cache(num_swap + num_cache)
+        if num_cache:
+            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_cache,
+                        num_cache * self.bytes_per_block / 2**30)
+        return num_swap, num_cache
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """The host pool for swapped-out blocks, the device cache's layout (pinned on CUDA, so copies are DMA

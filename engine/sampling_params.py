@@ -139,6 +139,13 @@ class SamplingParams:
         """Sequences the request runs at once: its beams or its samples."""
         return self.beam_width if self.use_beam_search else self.best_of or self.n
 
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample ``index`` of a seeded request: sample 0 keeps it (n = 1 is unchanged), the others
+        get their own, each a pure function of (seed, index), so every sample is reproducible on its own."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index * 0x9E3779B97F4A7C15) % 2**64
+
     @property
     def needs_known_history(self) -> bool:
         """Sampling reads the values of earlier output tokens (not only their count)."""

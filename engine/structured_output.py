@@ -11,9 +11,12 @@ sequence's matcher consumes the token (``accept``); a token the grammar refuses 
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
+import sys
 import threading
 import time
 from typing import Any
@@ -170,3 +173,11 @@ def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed int32 bitmask -> bool ``[rows, vocab_size]`` (True = allowed); bit j of word w is token 32w + j."""
     ids = torch.arange(vocab_size, device=mask.device)
     return ((mask[:, ids // 32] >> (ids % 32)) & 1).bool()
+
+
+def release_free_heap() -> None:
+    """Hand the allocator's free memory back to the system (glibc keeps what large frees leave in its arenas, so
+    the process would stay at its peak after a large grammar's matchers are gone)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine_core import sample_seed
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -78,7 +77,7 @@ def test_seeded_sample_i_is_reproducible_and_equals_a_single_request_with_its_se
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert len({tuple(o.token_ids) for o in first}) == 3, "the samples differ from each other"
     for i, out in enumerate(first):
-        (alone,) = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=sample_seed(1234, i), max_tokens=16,
+        (alone,) = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=SamplingParams(seed=1234).sample_seed(i), max_tokens=16,
                                                        ignore_eos=True))
         assert alone.token_ids == out.token_ids
 

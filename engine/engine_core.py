@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.beam_requests import BeamRequests
 from engine.beam_search import BeamGroup, new_beam_group
 from engine.block_hash import BlockHasher
 from engine.block_manager import BlockManager
@@ -82,8 +83,8 @@ class EngineCore:
             raise
         self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self._hasher(), *self.runner.allocate_host_pools(), self.runner.kv.lookahead_tokens,
-                                          config.max_blocks_per_seq)
+                                          self._hasher(), *self.runner.allocate_host_pools(),
+                                          self.runner.kv.lookahead_tokens, config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefer_swap=SwapPolicy(config.preemption_mode, config.torch_device.type,
                                                           self.runner.bytes_per_block, self.runner.num_parameters),
@@ -95,8 +96,8 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._pin_tokens: dict[str, int] = {}  # pin id -> tokens of its prefix (pin_prefix)
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample, for every unfinished one
-        self._beams: dict[int, BeamGroup] = {}  # seq_id -> its beam-search request, for every beam
-        self._beams_swapped_at_step: list[BeamGroup] = []  # beam steps waiting for their beams' swap-in
+        self.beams = BeamRequests(self.scheduler, self.block_manager, self.counters, self.runner.forget,
+                                  self._finish, lambda request_id: self._requests.pop(request_id).group.params.n)
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
@@ -162,7 +163,7 @@ class EngineCore:
         eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
         group = new_beam_group(beams, params, self.config.max_model_len - len(prompt), eos)
         self._requests[request_id] = _Request(SequenceGroup(request_id, beams, params), [], 0, beam=group)
-        self._beams.update((seq.seq_id, group) for seq in beams)
+        self.beams.add(group)
         self.counters.prompt_tokens += len(prompt)
         self.scheduler.add(beams[0])
 
@@ -174,7 +175,7 @@ class EngineCore:
         if request is None:
             return []
         if request.beam is not None:
-            return self._finish_beams(request.beam, SequenceStatus.FINISHED_ABORTED)
+            return self.beams.finish(request.beam, SequenceStatus.FINISHED_ABORTED)
         deltas = []
         for sample in request.samples:
             if not sample.seq.is_finished and (index is None or sample.seq.index == index):
@@ -201,23 +202,7 @@ class EngineCore:
         id from N's sampled ids on the device. A sequence that stops at N (EOS, stop string) still gets
         one wasted row in N+1; a sequence whose pending token is its last by length is not scheduled again.
         """
-        deltas = self._deferred_beam_steps() if self._beams_swapped_at_step else []
-        return deltas + self._step()
-
-    def _deferred_beam_steps(self) -> list[SampleDelta]:
-        """Beam steps whose log-probs were complete while the request's beams were swapped out: taken once the
-        beams are back on the device (before the schedule, which then runs the new beams)."""
-        deltas, waiting = [], []
-        for beam in self._beams_swapped_at_step:
-            live = beam.live
-            if any(seq.is_finished for seq in live):
-                continue  # aborted meanwhile
-            if all(seq.status is SequenceStatus.RUNNING for seq in live):
-                deltas += self._beam_step(beam)
-            else:
-                waiting.append(beam)
-        self._beams_swapped_at_step = waiting
-        return deltas
+        return self.beams.deferred_steps() + self._step()
 
     def _step(self) -> list[SampleDelta]:
         start = time.perf_counter()
@@ -235,9 +220,7 @@ class EngineCore:
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
         self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
-        for seq in batch.preempted:  # a recomputed beam computes its log-probs again; a swapped one keeps them
-            if (beam := self._beams.get(seq.seq_id)) is not None and seq.status is not SequenceStatus.SWAPPED:
-                beam.collected.pop(seq.seq_id, None)
+        self.beams.preempted(batch.preempted)
         # a beam's next token comes from its request's beam step, not from its own sampled row
         launched.pending_indices = [-1 if seq.params.use_beam_search else seq.append_pending()
                                     for seq in launched.seqs]
@@ -288,7 +271,7 @@ class EngineCore:
         samples = self._samples
         for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
             if index < 0:  # a beam: its row's log-probs go to its request's next beam step
-                deltas += self._collect_beam(seq, launched.beam_logprobs[row])
+                deltas += self.beams.collect(seq, launched.beam_logprobs[row])
                 continue
             sample = samples.get(seq.seq_id)
             if sample is None or seq.is_finished:
@@ -363,55 +346,6 @@ class EngineCore:
         return SampleDelta(seq.request_id, seq.index, new_ids, logprobs, finish_reason,
                            seq.stop_reason if isinstance(seq.stop_reason, int) else None,
                            max(seq.num_cached_tokens, 0), queued, None, sample.error)
-
-    # beam search ----------------------------------------------------------------------------------------
-
-    def _collect_beam(self, seq: Sequence, log_probs: torch.Tensor) -> list[SampleDelta]:
-        """A beam's next-token log-probs; the request's beam step runs once every live beam has them."""
-        beam = self._beams.get(seq.seq_id)
-        # (a beam swapped out after this pass keeps its log-probs: its KV was written before the copy)
-        if beam is None or seq.status not in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
-            return []
-        if not beam.collect(seq, log_probs):
-            return []
-        if all(b.status is SequenceStatus.RUNNING for b in beam.live):
-            return self._beam_step(beam)
-        self._beams_swapped_at_step.append(beam)  # swapped out (all together): the step waits for their swap-in
-        return []
-
-    def _beam_step(self, beam: BeamGroup) -> list[SampleDelta]:
-        """Every live beam has its next-token log-probs: select the next beams; each continues one of the
-        current beams (sharing its blocks, copy-on-write) with one more token."""
-        live = beam.live
-        sources, token_ids = beam.advance()
-        self.counters.generation_tokens += len(live)
-        if beam.search.done:
-            return self._finish_beams(beam, None)
-        if beam.num_live == 1:
-            self.scheduler.start_beams(live[0])
-            beam.num_live = len(beam.beams)
-        self.block_manager.reassign(beam.beams, sources)
-        for seq, ids in zip(beam.beams, token_ids):
-            seq.token_ids = ids
-            seq.awaiting_beam_step = False
-            self.runner.forget(seq)  # its block table changed as a whole
-        return []
-
-    def _finish_beams(self, beam: BeamGroup, status: SequenceStatus | None) -> list[SampleDelta]:
-        """End a beam search (``status`` None: it is done; else aborted): one final delta per hypothesis."""
-        first = beam.beams[0]
-        request = self._requests.pop(first.request_id)
-        for seq in beam.beams:
-            if not seq.is_finished:
-                self._finish(seq, status or SequenceStatus.FINISHED_STOPPED)
-            self._beams.pop(seq.seq_id, None)
-        queued = None if first.first_scheduled_time is None else first.first_scheduled_time - first.arrival_time
-        deltas = []
-        for index, (ids, logprob, reason) in enumerate(beam.results(request.group.params.n, status is not None)):
-            self.counters.finished[reason] += 1
-            deltas.append(SampleDelta(first.request_id, index, ids, None, reason, None,
-                                      max(first.num_cached_tokens, 0), queued, logprob))
-        return deltas
 
     # pinned prefixes --------------------------------------------------------------------------------
 

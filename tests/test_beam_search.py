@@ -100,7 +100,7 @@ def test_abort_mid_search_frees_every_beam(llm: LLM, prompt_ids):
     while engine.has_unfinished_requests():
         engine.step()
     check_pool(engine.block_manager, [])
-    assert engine.scheduler.num_unforked == 0 and not engine.core._beams
+    assert engine.scheduler.num_unforked == 0 and not engine.core.beams.groups
 
 
 @pytest.mark.parametrize("field, value", [("beam_width", 0), ("n", 5), ("logprobs", 1), ("stop", ["x"]),

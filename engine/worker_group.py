@@ -38,6 +38,7 @@ from engine.step_inputs import StepLayout
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0  # a rank loading its shard of a large model from a slow disk
+_LEAVE_TIMEOUT_S = 30.0  # leaving the process group at shutdown, before giving up on it
 _DEATH_GRACE_S = 10.0  # CUDA: how long rank 0's own collective may take to fail before the watcher ends it
 
 
@@ -242,14 +243,15 @@ class WorkerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _leave_group(timeout_s: float = 30.0) -> None:
-    """Leave the process group, on a thread given ``timeout_s``: an NCCL teardown that waits on a peer (or on
-    work captured in CUDA graphs still alive) must not hang the caller's shutdown."""
+def _leave_group() -> None:
+    """Leave the process group, on a thread given ``_LEAVE_TIMEOUT_S``: an NCCL teardown that waits on a peer
+    (or on work captured in CUDA graphs still alive) must not hang the caller's shutdown."""
     leaving = threading.Thread(target=parallel_state.destroy_tensor_parallel, name="tp-leave", daemon=True)
     leaving.start()
-    leaving.join(timeout_s)
+    leaving.join(_LEAVE_TIMEOUT_S)
     if leaving.is_alive():
-        logger.warning("tensor parallel: leaving the process group took over %.0f s; left behind", timeout_s)
+        logger.warning("tensor parallel: leaving the process group took over %.0f s; left behind",
+                       _LEAVE_TIMEOUT_S)
 
 
 # the worker process --------------------------------------------------------------------------------------

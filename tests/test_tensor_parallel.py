@@ -160,3 +160,23 @@ async def test_a_killed_rank_ends_every_stream_with_an_error_and_marks_the_engin
         assert not engine.healthy
     finally:
         await engine.stop()
+
+
+def test_shutdown_returns_even_when_leaving_the_group_hangs(model_dirs, monkeypatch: pytest.MonkeyPatch):
+    """An NCCL teardown that waits on a peer (seen on 2 x H100) must not hang the engine's shutdown: leaving
+    the group runs on a thread given a bounded time."""
+    import threading
+
+    from engine import worker_group
+
+    llm = LLM(model=str(model_dirs["llama"]), tensor_parallel_size=2, num_kv_blocks=16)
+    leave = parallel_state.destroy_tensor_parallel
+    stuck = threading.Event()
+    monkeypatch.setattr(parallel_state, "destroy_tensor_parallel", lambda: stuck.wait(60))
+    monkeypatch.setattr(worker_group, "_LEAVE_TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 15  # (the worker's own exit: well under its 10 s wait)
+    assert not worker_pids(os.getpid())
+    stuck.set()
+    leave()  # (what the stuck teardown would have done: the next test's engine joins a new group)

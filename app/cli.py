@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def chat_loop(config: Any, system: str | None, params: Any) -> None:
     from engine.async_engine import AsyncEngine
+    from engine.chat_template import chat_prompt_ids
 
     engine = AsyncEngine(config)
     await engine.start()
@@ -115,8 +116,7 @@ async def chat_loop(config: Any, system: str | None, params: Any) -> None:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            reply = await _stream_reply(engine, tokenizer.encode(text, add_special_tokens=False), params)
+            reply = await _stream_reply(engine, chat_prompt_ids(tokenizer, messages), params)
             messages.append({"role": "assistant", "content": reply})
     finally:
         await engine.stop()

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.chat_template import chat_prompt_ids
+
 T = TypeVar("T")
 
 
@@ -64,9 +66,7 @@ class PromptRenderer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _render_chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                   **template_kwargs)
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self._tokenizer, messages, **template_kwargs)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, best_choices
 from engine.outputs import RequestOutput
@@ -64,8 +65,7 @@ class LLM:
         self.engine.shutdown()
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._require_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self._require_tokenizer(), messages)
 
     def _encode(self, text: str) -> list[int]:
         return self._require_tokenizer().encode(text)

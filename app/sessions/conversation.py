@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from engine.chat_template import render_chat
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,9 +29,7 @@ class NotAnExtension(ValueError):
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    if not messages:
-        return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -25,7 +25,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
-from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
@@ -123,7 +122,9 @@ class AsyncEngine:
             raise
         self.info, self._stats = ready.info, ready.stats
         ready.info.apply_to(self.config)
-        self.tokenizer = await asyncio.to_thread(_load_tokenizer, ready.info.model_path)
+        from engine.loader import load_tokenizer  # (here: the model code is the core's, not imported by the front)
+
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, ready.info.model_path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
@@ -411,11 +412,3 @@ class AttachedProcess:
         if self.sentinel >= 0:
             os.close(self.sentinel)
             self.sentinel = -1
-
-
-def _load_tokenizer(model_path: str | None) -> Any | None:
-    if model_path is None:
-        return None
-    from engine.loader import load_tokenizer
-
-    return load_tokenizer(Path(model_path))

@@ -123,9 +123,13 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
     return hf_config, path, load_tokenizer(path)
 
 
-def load_tokenizer(path: Path) -> Any | None:
-    """The directory's tokenizer. With a tokenizer.json the fast class loads it directly: AutoTokenizer
-    would first import transformers' whole tokenizer registry (seconds) to pick the same class."""
+def load_tokenizer(path: Path | str | None) -> Any | None:
+    """The directory's tokenizer (None without a directory or a tokenizer in it). With a tokenizer.json the fast
+    class loads it directly: AutoTokenizer would first import transformers' whole tokenizer registry (seconds)
+    to pick the same class."""
+    if path is None:
+        return None
+    path = Path(path)
     if (path / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 

@@ -47,6 +47,20 @@ class StepTensors:
 
 
 @dataclass(slots=True)
+class _StepVectors:
+    """One step's values before packing: per token (ids, positions, slots) and per sequence (ends, rows)."""
+
+    ids: list[int]
+    positions: np.ndarray
+    slots: np.ndarray
+    ends: np.ndarray  # tokens with KV after this step
+    prefill_cu: np.ndarray
+    sample_rows: list[int]
+    rows: np.ndarray  # each sequence's row of the persistent table
+    width: int  # the longest block table
+
+
+@dataclass(slots=True)
 class StepLayout:
     """Where each vector of a packed step buffer lies, and the step's shape: what another tensor-parallel rank
     needs beside the buffer to unpack the same step (engine/worker_group.py)."""
@@ -171,6 +185,15 @@ class StepInputs:
             self.forget(seq)
         if self._cooling:
             self._release_cooled(wait=False)
+        vectors = self._vectors(batch)
+        host = self._staging[self._turn % len(self._staging)]
+        self._turn += 1
+        self.layout = self._pack(host.numpy(), vectors, batch, feed_rows, pad_to)
+        self.packed = host[:self.layout.offsets[-1]]
+        return self._to_device(host, self.layout)
+
+    def _vectors(self, batch: ScheduledBatch) -> _StepVectors:
+        """The step's per-token and per-sequence values (numpy), before packing."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         num_seqs = len(seqs)
         rows = self.rows = np.fromiter((self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs)
@@ -179,14 +202,9 @@ class StepInputs:
         ids: list[int] = []
         for seq, start, n in zip(seqs, starts.tolist(), counts):
             ids.extend(seq.token_ids[start:start + n])
-        num_tokens = len(ids)
-        total = pad_to or num_tokens
-        total_seqs = pad_to or num_seqs
         self.widths = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs)
-        width = int(self.widths.max())
-
         cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
+        positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
         seq_of_token = np.repeat(np.arange(num_seqs), lens)
         if self.contiguous is None:
             blocks = self.table[rows[seq_of_token], positions // self.block_size]
@@ -199,43 +217,37 @@ class StepInputs:
         if batch.forks:  # each forked sample is drawn from its parent's row
             row_of = {seq.seq_id: row for seq, row in zip(batch.sampling_seqs, sample_rows)}
             sample_rows += [row_of[parent.seq_id] for parent, _ in batch.forks]
-        num_decodes = batch.num_decodes
-        prefill_cu = np.concatenate(([0], np.cumsum(lens[num_decodes:])))
+        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decodes:])))
+        return _StepVectors(ids, positions, slots, ends, prefill_cu, sample_rows, rows, int(self.widths.max()))
 
+    def _pack(self, flat: np.ndarray, v: _StepVectors, batch: ScheduledBatch, feed_rows: dict[int, int],
+              pad_to: int | None) -> StepLayout:
+        """Write the vectors into ``flat`` in the packed order (module docstring); the layout they took."""
+        num_tokens, num_seqs, width = len(v.ids), len(v.rows), v.width
+        total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
         table_rows = num_seqs
         if self.contiguous is not None:  # the table is each sequence's slot (padding rows: the scratch slot)
             width, table_rows = 1, total_seqs
-        sizes = [total, total, total, total, total_seqs, len(prefill_cu), len(sample_rows), table_rows * width]
-        host = self._staging[self._turn % len(self._staging)]
-        self._turn += 1
-        flat = host.numpy()
-        offsets = np.cumsum([0] + sizes)
-        views = [flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
-        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = views
-        ids_v[:num_tokens] = ids
+        sizes = [total, total, total, total, total_seqs, len(v.prefill_cu), len(v.sample_rows), table_rows * width]
+        offsets = np.cumsum([0] + sizes).tolist()
+        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = (
+            flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes)))
+        ids_v[:num_tokens] = v.ids
         feed_v.fill(-1)
-        for i, seq in enumerate(seqs[:num_decodes]):  # a pending token is always a decode row's input
-            if ids[i] == PENDING_TOKEN:
+        for i, seq in enumerate(batch.seqs[:batch.num_decodes]):  # a pending token is always a decode row's input
+            if v.ids[i] == PENDING_TOKEN:
                 feed_v[i] = feed_rows[seq.seq_id]
-        pos_v[:num_tokens] = positions
-        slot_v[:num_tokens] = slots
-        ctx_v[:num_seqs] = ends
-        cu_v[:] = prefill_cu
-        rows_v[:] = sample_rows
+        pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
+        cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
         if self.contiguous is None:
-            table_v.reshape(num_seqs, width)[:] = self.table[rows, :width]
+            table_v.reshape(num_seqs, width)[:] = self.table[v.rows, :width]
         else:
-            table_v[:num_seqs] = rows
+            table_v[:num_seqs] = v.rows
             table_v[num_seqs:] = self.contiguous.scratch_slot
         if total > num_tokens:  # graph padding rows: token 0 at position 0 of a 1-token context, written nowhere
-            ids_v[num_tokens:] = 0
-            pos_v[num_tokens:] = 0
-            slot_v[num_tokens:] = -1
-            ctx_v[num_seqs:] = 1
-        self.layout = StepLayout(offsets.tolist(), total_seqs if pad_to else num_decodes, total, num_seqs, width,
-                                 int(ends.max()))
-        self.packed = host[:int(offsets[-1])]
-        return self._to_device(host, self.layout)
+            ids_v[num_tokens:], pos_v[num_tokens:], slot_v[num_tokens:], ctx_v[num_seqs:] = 0, 0, -1, 1
+        return StepLayout(offsets, total_seqs if pad_to else batch.num_decodes, total, num_seqs, width,
+                          int(v.ends.max()))
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
         """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""

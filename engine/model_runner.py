@@ -368,27 +368,20 @@ class ModelRunner:
         with forward_context(metadata):
             return self.model(input_ids, positions)
 
-    def _static_inputs(self, size: int) -> list[torch.Tensor]:
-        """The graph-size ``size`` views of the device input buffer: ids, feed, positions, slots, contexts."""
-        buffer = self.inputs.device_buffer
-        return [buffer[i * size:(i + 1) * size] for i in range(5)]
-
     def _decode_pass(self, size: int) -> torch.Tensor:
         """One decode pass over the static inputs of graph size ``size`` (what each graph records)."""
-        ids, feed, positions, slots, context_lens = self._static_inputs(size)
+        view = self.inputs.decode_view(size)
         tables = self.graph_tables[:size]
-        metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=context_lens,
-                                     num_decodes=size, prefill_cu_seqlens_q=self.inputs.device_buffer[5 * size:5 * size + 1],
+        metadata = AttentionMetadata(slot_mapping=view.slots, block_tables=tables, context_lens=view.context_lens,
+                                     num_decodes=size, prefill_cu_seqlens_q=view.cu_seqlens,
                                      slot_ids=tables[:, 0] if self.kv.contiguous else None,
                                      max_context_len=self.config.max_model_len)
-        hidden = self._forward(ids, feed, positions, metadata)
+        hidden = self._forward(view.ids, view.feed, view.positions, metadata)
         return self.model.compute_logits(hidden, out=self.graph_logits[:size])
 
     def _idle_inputs(self, size: int) -> None:
-        """Static inputs of a harmless batch (token 0 at position 0, written nowhere) for capture."""
-        ids, feed, positions, slots, context_lens = self._static_inputs(size)
-        ids.zero_(), feed.fill_(-1), positions.zero_(), slots.fill_(-1), context_lens.fill_(1)
-        self.inputs.device_buffer[5 * size].zero_()
+        """Static inputs of a harmless batch (every row a padding row) for capture."""
+        self.inputs.decode_view(size).fill_padding()
 
 
 def _greedy_stand_in(seq: Sequence) -> Sequence:

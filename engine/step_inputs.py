@@ -46,6 +46,29 @@ class StepTensors:
     num_real_seqs: int  # B before padding
 
 
+# a padding row: token 0 at position 0 of a 1-token context, its KV written nowhere (slot -1), fed nothing
+PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens": 1}
+
+
+@dataclass(slots=True)
+class DecodeView:
+    """The device buffer's head as a padded decode-only step of ``size`` rows lays it out (the packed order's
+    first five vectors, then the one-entry prefill offsets): a CUDA graph's static inputs."""
+
+    ids: torch.Tensor
+    feed: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def fill_padding(self) -> None:
+        """Every row a padding row (a harmless batch for capture)."""
+        for name, value in PADDING_ROW.items():
+            getattr(self, name).fill_(value)
+        self.cu_seqlens.zero_()
+
+
 @dataclass(slots=True)
 class _StepVectors:
     """One step's values before packing: per token (ids, positions, slots) and per sequence (ends, rows)."""
@@ -244,10 +267,17 @@ class StepInputs:
         else:
             table_v[:num_seqs] = v.rows
             table_v[num_seqs:] = self.contiguous.scratch_slot
-        if total > num_tokens:  # graph padding rows: token 0 at position 0 of a 1-token context, written nowhere
-            ids_v[num_tokens:], pos_v[num_tokens:], slot_v[num_tokens:], ctx_v[num_seqs:] = 0, 0, -1, 1
+        if total > num_tokens:  # graph padding rows (feed: -1 already)
+            pad = PADDING_ROW
+            ids_v[num_tokens:], pos_v[num_tokens:] = pad["ids"], pad["positions"]
+            slot_v[num_tokens:], ctx_v[num_seqs:] = pad["slots"], pad["context_lens"]
         return StepLayout(offsets, total_seqs if pad_to else batch.num_decodes, total, num_seqs, width,
                           int(v.ends.max()))
+
+    def decode_view(self, size: int) -> DecodeView:
+        """The static inputs of a decode-only step padded to ``size`` rows (``build`` packs such a step so)."""
+        head = self.device_buffer
+        return DecodeView(*(head[i * size:(i + 1) * size] for i in range(5)), head[5 * size:5 * size + 1])
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
         """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""

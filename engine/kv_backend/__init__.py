@@ -4,10 +4,7 @@
 - ``vattention`` (engine/kv_backend/vattention.py): contiguous virtual ranges per request slot, physical
   pages mapped on demand (CUDA only); page accounting in slot_pages.py, driver calls in cuda_vmm.py.
 
-Both expose: ``block_size`` (tokens per block the block manager uses), ``bytes_per_block``, ``allocate(n)``,
-``free()``, ``k_caches``/``v_caches`` (block-addressed ``[layers, blocks, ...]``, for copy-on-write and swap),
-``layer_caches(layer)`` (what attention reads), ``contiguous``, ``scratch_slot``, ``map_rows`` (before a step),
-``release_row`` (a slot no step reads any more), ``reclaim`` (the engine went idle), ``flush`` and ``stats()``.
+Both implement ``KVBackend`` (engine/kv_backend/base.py), the typed contract.
 """
 from __future__ import annotations
 
@@ -15,12 +12,13 @@ from typing import Any
 
 import torch
 
+from engine.kv_backend.base import KVBackend
 from engine.kv_backend.paged import PagedKV
 from engine.kv_backend.vattention import VAttentionKV
 
 
 def make_kv_backend(name: str, args: Any, dtype: torch.dtype, device: torch.device, block_size: int,
-                    max_model_len: int, num_slots: int) -> PagedKV | VAttentionKV:
+                    max_model_len: int, num_slots: int) -> KVBackend:
     if name == "paged":
         return PagedKV(args.num_layers, args.num_kv_heads, args.head_dim, dtype, device, block_size)
     from engine.kv_backend.cuda_vmm import CudaDriver  # noqa: PLC0415 - cuda-bindings only where it runs
@@ -29,4 +27,4 @@ def make_kv_backend(name: str, args: Any, dtype: torch.dtype, device: torch.devi
                         max_model_len, num_slots)
 
 
-__all__ = ["PagedKV", "VAttentionKV", "make_kv_backend"]
+__all__ = ["KVBackend", "PagedKV", "VAttentionKV", "make_kv_backend"]

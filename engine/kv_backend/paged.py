@@ -2,14 +2,14 @@
 head_dim]``; attention reads each sequence's blocks through its block table."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from engine.kv_backend.base import KVBackend
 
-class PagedKV:
-    contiguous = False
-    lookahead_tokens = 0  # (blocks need no preparation)
-    scratch_slot = 0  # (padding rows of a CUDA graph read block 0: always allocated memory)
+
+class PagedKV(KVBackend):
+    """Blocks need no preparation and kernels read block tables: the contract's defaults (no mapping, no
+    background work) hold; padding rows of a CUDA graph read block 0."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int) -> None:
@@ -29,19 +29,3 @@ class PagedKV:
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_caches[layer], self.v_caches[layer]
-
-    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
-                 wait_in_flight: object) -> None:
-        """(Block tables are read by the kernels: nothing to map.)"""
-
-    def release_row(self, row: int) -> None:
-        pass
-
-    def reclaim(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {}

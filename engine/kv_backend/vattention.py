@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.kv_backend.base import KVBackend
 from engine.kv_backend.slot_pages import SlotPages
 
 logger = logging.getLogger(__name__)
 
 
-class VAttentionKV:
+class VAttentionKV(KVBackend):
     contiguous = True
     # a sequence is given the block it grows into this many tokens early, so that its pages are mapped in the
     # background while it decodes the last tokens of the page before

@@ -1,0 +1,53 @@
+"""The KV backend contract (ARCHITECTURE.md, "KV backends"): the block manager decides which tokens live in
+which block; a backend owns the memory behind the blocks and says how attention addresses it.
+
+Every backend keeps block-addressed ``k_caches``/``v_caches`` (``[layers, blocks, block_size, kv_heads,
+head_dim]``), through which copy-on-write, swap and the host tier move whole blocks, whatever the backend.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+
+class KVBackend(ABC):
+    contiguous: bool = False  # each sequence's KV contiguous in a request slot (no block table in the kernels)
+    lookahead_tokens: int = 0  # a sequence is given the block it grows into this many tokens early
+    scratch_slot: int = 0  # what padding rows of a CUDA graph read: always allocated memory
+    block_size: int  # tokens per block, for the block manager
+    bytes_per_block: int  # device bytes of one block, K and V of every layer
+    k_caches: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
+    v_caches: torch.Tensor
+
+    @abstractmethod
+    def allocate(self, num_blocks: int) -> None:
+        """The memory of ``num_blocks`` blocks (zeroed: a masked-out stale slot never carries NaN)."""
+
+    @abstractmethod
+    def free(self) -> None:
+        """Give the memory back (the warm-up's scratch cache; shutdown)."""
+
+    @abstractmethod
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention layer ``layer`` reads and writes: its K and V."""
+
+    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
+                 wait_in_flight: Callable[[], None]) -> None:
+        """Before a step: make each row's blocks (its ``tables[i, :widths[i]]``) addressable up to ``ends``;
+        ``wait_in_flight`` waits for the step the device still runs. Nothing to do where kernels read tables."""
+
+    def release_row(self, row: int) -> None:
+        """A request slot no step reads any more."""
+
+    def reclaim(self) -> None:
+        """The engine went idle: deferred clean-up may run now."""
+
+    def flush(self) -> None:
+        """Finish background work (before the memory is inspected or freed)."""
+
+    def stats(self) -> dict[str, float]:
+        """Backend numbers for the metrics (mapping time, pages mapped, ...)."""
+        return {}

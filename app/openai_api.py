@@ -173,7 +173,7 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 def _model_card(server: Serving) -> dict[str, Any]:
     return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "pagedchat",
-            "root": server.engine.config.model_id, "max_model_len": server.max_model_len}
+            "root": server.engine.info.model_id, "max_model_len": server.max_model_len}
 
 
 routes = [

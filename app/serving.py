@@ -43,7 +43,7 @@ class Serving:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine.info.max_model_len
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:

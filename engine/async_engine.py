@@ -252,14 +252,15 @@ class AsyncEngine:
             self._send(AbortRequest(request_id))
 
     async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
-                         max_pinned_blocks: int = 0) -> int:
+                         share: float = 1.0, group: str | None = None, group_share: float = 1.0) -> int:
         """Compute ``token_ids`` once (a one-token request) and pin their full blocks against eviction, so
-        every later request starting with them hits the cache; returns the number of blocks pinned."""
+        every later request starting with them hits the cache; returns the number of blocks pinned. The caps:
+        EngineCore.pin_prefix (``share`` of the KV pool for all pins, ``group_share`` for one group's)."""
         params = SamplingParams(temperature=0.0, max_tokens=1)
         async for _ in self.generate(token_ids, params, request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
                                      cache_salt=cache_salt):
             pass
-        return await self.call("pin_prefix", pin_id, list(token_ids), cache_salt, max_pinned_blocks)
+        return await self.call("pin_prefix", pin_id, list(token_ids), cache_salt, share, group, group_share)
 
     async def unpin_prefix(self, pin_id: str) -> None:
         await self.call("unpin_prefix", pin_id)

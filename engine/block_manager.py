@@ -407,3 +407,4 @@ class BlockManager:
             if block_id not in full and n > filled.get(block_id, 0):
                 filled[block_id] = n
         return len(full) * size + sum(filled.values())
+

@@ -95,6 +95,7 @@ class EngineCore:
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, _Request] = {}
         self._pin_tokens: dict[str, int] = {}  # pin id -> tokens of its prefix (pin_prefix)
+        self._pin_groups: dict[str, str | None] = {}  # pin id -> its group (whose pins share a cap)
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample, for every unfinished one
         self.beams = BeamRequests(self.scheduler, self.block_manager, self.counters, self.runner.forget,
                                   self._finish, lambda request_id: self._requests.pop(request_id).group.params.n)
@@ -349,18 +350,26 @@ class EngineCore:
 
     # pinned prefixes --------------------------------------------------------------------------------
 
-    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None,
-                   max_pinned_blocks: int) -> int:
-        """Pin the cached full blocks of ``token_ids`` (computed by an earlier request) against eviction;
-        returns how many were pinned (0 when caching is off, they were evicted, or over the cap)."""
+    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
+                   group: str | None = None, group_share: float = 1.0) -> int:
+        """Pin the cached full blocks of ``token_ids`` (computed by an earlier request) against eviction, all or
+        none; returns how many were pinned (0 when caching is off, they were evicted, or over the cap). All pins
+        together hold at most ``share`` of the KV pool, and the pins of one ``group`` (an API key's presets) at
+        most ``group_share`` of it."""
         probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
                          cache_salt=cache_salt)
         self.block_manager.update_block_hashes(probe)
         self._pin_tokens[pin_id] = len(probe.token_ids)
-        return self.block_manager.pin(pin_id, probe.block_hashes, max_pinned_blocks)
+        self._pin_groups[pin_id] = group
+        blocks = self.block_manager
+        group_pins = {other: len(held) for other, held in blocks.pins.items()
+                      if other != pin_id and group is not None and self._pin_groups.get(other) == group}
+        cap = pin_cap(blocks.num_blocks, blocks.num_pinned_blocks, share, group_pins if group else None, group_share)
+        return blocks.pin(pin_id, probe.block_hashes, cap)
 
     def unpin_prefix(self, pin_id: str) -> None:
         self._pin_tokens.pop(pin_id, None)
+        self._pin_groups.pop(pin_id, None)
         self.block_manager.unpin(pin_id)
 
     def pins(self) -> dict[str, tuple[int, int]]:
@@ -371,3 +380,15 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)
+
+
+def pin_cap(num_blocks: int, num_pinned: int, share: float, group_pins: dict[str, int] | None,
+            group_share: float) -> int:
+    """The cap ``BlockManager.pin`` holds all pins to (``num_pinned + new <= cap``) for a new pin: ``share`` of
+    the pool, and for a pin of a group (an API key's presets) also what the group's other pins (``group_pins``:
+    pin id -> blocks) left of its ``group_share``."""
+    cap = int(share * num_blocks)
+    if group_pins is None:
+        return cap
+    room = int(group_share * num_blocks) - sum(group_pins.values())
+    return min(cap, num_pinned + max(room, 0))

@@ -93,9 +93,10 @@ class LLMEngine:
             self.core.abort_request(stop.request_id, stop.index, stop.reason)
         return [self.processor.take(sample) for sample in updated]
 
-    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None,
-                   max_pinned_blocks: int) -> int:
-        return self.core.pin_prefix(pin_id, token_ids, cache_salt, max_pinned_blocks)
+    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
+                   group: str | None = None, group_share: float = 1.0) -> int:
+        """EngineCore.pin_prefix (the prefix must be cached already)."""
+        return self.core.pin_prefix(pin_id, token_ids, cache_salt, share, group, group_share)
 
     def unpin_prefix(self, pin_id: str) -> None:
         self.core.unpin_prefix(pin_id)

@@ -150,7 +150,7 @@ def test_pinned_presets_never_stall_the_scheduler(tokenizer):
     engine.add_request("preset", preset + [1], SamplingParams(temperature=0.0, max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pin_prefix("p", preset, None, max_pinned_blocks=20) == 9
+    assert engine.pin_prefix("p", preset, None, share=0.5) == 9
     prompt = (tokenizer.encode("Tell me a long story about the sea. " * 40))[:300]
     engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
     finals = []

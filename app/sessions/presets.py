@@ -61,27 +61,16 @@ async def pin_preset(server: Serving, preset: Preset, param: str = "system") -> 
     ids = await check_system(server, preset.system, param)
     if ids is None:
         raise APIError.bad_request(f"{param}: presets need a model with a tokenizer", param)
-    cap = _pin_cap(server, preset, pins)
+    settings = server.settings
+    # all pins hold at most preset_pin_share of the KV pool, one key's own presets preset_pin_share_per_key
+    group = None if preset.shared else f"key:{preset.owner}"
     try:
-        pinned = await server.engine.pin_prefix(pin_id, ids, None, cap) if len(ids) > 1 else 0
+        pinned = await server.engine.pin_prefix(pin_id, ids, None, settings.preset_pin_share, group,
+                                                settings.preset_pin_share_per_key) if len(ids) > 1 else 0
     except ValueError as exc:
         raise APIError.bad_request(f"{param}: the engine refused the preset: {exc}", param) from None
-    logger.info("preset %r: %d tokens, %d blocks pinned (cap %d)", preset.key, len(ids), pinned, cap)
+    logger.info("preset %r: %d tokens, %d blocks pinned", preset.key, len(ids), pinned)
     return len(ids), pinned
-
-
-def _pin_cap(server: Serving, preset: Preset, pins: dict[str, tuple[int, int]]) -> int:
-    """The engine's cap on all pinned blocks for this pin: the pool's ``preset_pin_share``, and for a key's own
-    preset also what its other presets left of its ``preset_pin_share_per_key`` (the engine pins all of a
-    prefix's cached blocks or none, against ``num_pinned_blocks + new <= cap``)."""
-    stats = server.engine.stats()
-    cap = int(server.settings.preset_pin_share * stats.num_blocks)
-    if preset.shared:
-        return cap
-    own = sum(blocks for pin_id, (_, blocks) in pins.items()
-              if pin_id.startswith(f"preset:{preset.owner}/") and pin_id != _pin_id(preset))
-    room = int(server.settings.preset_pin_share_per_key * stats.num_blocks) - own
-    return min(cap, stats.num_pinned_blocks + max(room, 0))
 
 
 def pin_stored_presets_later(server: Serving) -> asyncio.Task:

@@ -39,7 +39,7 @@ def template_history(session: Session) -> list[dict[str, str]]:
 async def plan_turn(server: Serving, session: Session, new: list[dict[str, Any]]) -> TurnPlan:
     """The prompt for ``new`` messages (ending with a user message) after the session's history."""
     new_template = [{"role": m["role"], "content": m["content"]} for m in new]
-    eos = server.engine.config.eos_token_ids
+    eos = server.engine.info.eos_token_ids
     history = template_history(session)
     try:
         if not session.token_ids:

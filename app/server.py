@@ -44,6 +44,7 @@ from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
 from app.settings import ServerSettings
 from app.version import version
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.engine_client import EngineClient
 from engine.request_stream import RequestFailedError
 from engine.sampling_params import SamplingParams
 
@@ -197,7 +198,7 @@ def _default_model_name(settings: ServerSettings) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
-async def _warm_up(engine: AsyncEngine, request_id: str) -> None:
+async def _warm_up(engine: EngineClient, request_id: str) -> None:
     """One tiny request through the whole path, so the first user does not pay for lazy initialisation."""
     start = time.perf_counter()
     async for _ in engine.generate([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),

@@ -16,7 +16,8 @@ from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
 from app.request_body import ClientDisconnected
 from app.settings import ServerSettings
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import EngineDeadError
+from engine.engine_client import EngineClient
 from engine.request_stream import RequestStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class Serving:
     """What a request handler needs, kept on ``app.state.server``."""
 
     settings: ServerSettings
-    engine: AsyncEngine
+    engine: EngineClient
     prompts: PromptRenderer
     metrics: ServerMetrics
     model_name: str

@@ -1,5 +1,6 @@
-"""Both KV backends implement the typed contract (engine/kv_backend/base.py) in full, and the paged one keeps
-block-addressed caches of the documented shape."""
+"""The typed contracts between parts: both KV backends implement KVBackend (engine/kv_backend/base.py) in full,
+the paged one keeps block-addressed caches of the documented shape, and AsyncEngine has every member of the
+EngineClient the server is written against (engine/engine_client.py)."""
 from __future__ import annotations
 
 import pytest
@@ -26,3 +27,13 @@ def test_the_paged_backend_keeps_block_addressed_caches():
     assert k.data_ptr() == kv.k_caches[3].data_ptr() and not v.any()
     kv.free()
     assert kv.k_caches.numel() == 0
+
+
+def test_the_async_engine_is_the_engine_client_the_server_is_written_against():
+    from engine.async_engine import AsyncEngine
+    from engine.engine_client import EngineClient
+
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    missing = [name for name in members if not hasattr(AsyncEngine, name)]
+    assert not missing
+    assert set(EngineClient.__annotations__) <= set(AsyncEngine.__init__.__code__.co_names)  # (set in __init__)

@@ -187,6 +187,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
 
+    @property
+    def num_open_samples(self) -> int:
+        """Samples of requests not finished yet (0 once every request has ended: none is leaked)."""
+        return len(self._samples)
+
     def has_request(self, request_id: str) -> bool:
         """The request is still running (some sample of it unfinished)."""
         return request_id in self._requests

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,7 @@ class ModelRunner:
                           for _ in range(2)]
         self._turn = 0
         self.graph_tables = torch.empty(0, dtype=torch.int32)
+        self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded (graph) size
         self.graph_logits = torch.empty(0)
         if self.device.type == "cpu":
             model.store_weights_column_major()
@@ -312,6 +314,7 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).synchronize()
 
     def _padded_decode(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
+        self.padded_steps[size] += 1
         rows, width = step.metadata.block_tables.shape
         self.graph_tables[:rows, :width].copy_(step.metadata.block_tables)
         logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)

@@ -54,7 +54,7 @@ def test_greedy_samples_equal_the_single_answer_and_share_the_prompt(llm: LLM):
     assert peak <= prompt_blocks + 4 * (output_blocks + 1)
     assert peak < 4 * (prompt_blocks + output_blocks), "less than four independent requests"
     stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks and not engine.core._samples
+    assert stats.num_free_blocks == stats.num_blocks and engine.core.num_open_samples == 0
 
 
 def test_streamed_samples_carry_their_index_and_each_ends_once(llm: LLM):

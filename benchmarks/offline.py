@@ -259,6 +259,24 @@ def print_report(args: argparse.Namespace, result: dict[str, Any], runs: list[Ru
 
 # main ----------------------------------------------------------------------------------------------------
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a nano run and its steady decode step (``--split-*``), shared with the benchmarks that
+    reuse this one's code (benchmarks/tensor_parallel.py)."""
+    parser.add_argument("--split-batch", type=int, default=256)
+    parser.add_argument("--split-prompt-len", type=int, default=640)
+    parser.add_argument("--split-steps", type=int, default=50)
+    parser.add_argument("--split-warmup", type=int, default=10)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths")
+    parser.add_argument("--max-output-len", type=int, help="smoke tests only: clip the output lengths")
+    parser.add_argument("--json", metavar="PATH")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
@@ -268,20 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-attn", help="transformers attn_implementation (default: transformers' choice)")
     parser.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds before the peer is given up")
     parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--split-batch", type=int, default=256)
-    parser.add_argument("--split-prompt-len", type=int, default=640)
-    parser.add_argument("--split-steps", type=int, default=50)
-    parser.add_argument("--split-warmup", type=int, default=10)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths")
-    parser.add_argument("--max-output-len", type=int, help="smoke tests only: clip the output lengths")
-    parser.add_argument("--json", metavar="PATH")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len) < 1:
         parser.error("--num-requests and --split-* must be >= 1")

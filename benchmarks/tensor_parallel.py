@@ -43,6 +43,7 @@ import torch
 
 from benchmarks.common import build_engine, command_line, release_memory, synchronize
 from benchmarks.offline import (
+    add_run_options,
     busy_us,
     environment,
     fill_decode_batch,
@@ -170,19 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes, run in order")
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--split-batch", type=int, default=256)
-    parser.add_argument("--split-prompt-len", type=int, default=640)
-    parser.add_argument("--split-steps", type=int, default=50)
-    parser.add_argument("--split-warmup", type=int, default=10)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths (split's too)")
-    parser.add_argument("--max-output-len", type=int, help="smoke tests only: clip the output lengths")
-    parser.add_argument("--json", metavar="PATH")
+    add_run_options(parser)  # (--max-prompt-len clips the split's prompts too)
     args = parser.parse_args(argv)
     if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len, *args.sizes) < 1:
         parser.error("--sizes, --num-requests and --split-* must be >= 1")

@@ -44,16 +44,21 @@ def wait_until(condition, timeout: float) -> bool:
     return True
 
 
-def core_processes_of(pid: int) -> list[int]:
-    """The children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
+def child_processes(pid: int, marker: bytes) -> list[int]:
+    """The children of ``pid`` whose command line holds ``marker``."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat, \
                     open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline.read():
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid and marker in cmdline.read():
                     found.append(int(entry))
     return found
+
+
+def core_processes_of(pid: int) -> list[int]:
+    """The children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
+    return child_processes(pid, b"spawn_main")
 
 
 async def first_token_then_rest(engine: AsyncEngine, prompt: list[int], started: asyncio.Event) -> list:

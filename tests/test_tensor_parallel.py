@@ -4,7 +4,6 @@ a model whose heads do not divide is refused, and a rank that dies ends every re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
+from tests.test_engine_process import child_processes
 from tests.test_models import tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -127,15 +127,7 @@ def test_tensor_parallel_options_are_checked():
 
 def worker_pids(parent: int) -> list[int]:
     """Tensor-parallel worker processes whose parent is ``parent``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat, \
-                    open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == parent and \
-                        b"engine.worker_group" in cmdline.read():
-                    found.append(int(entry))
-    return found
+    return child_processes(parent, b"engine.worker_group")
 
 
 async def test_a_killed_rank_ends_every_stream_with_an_error_and_marks_the_engine_dead(model_dirs):

@@ -29,7 +29,6 @@ from app.openai_format import (
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.serving import Serving, TimedStream
-from app.sessions.api import chat_in_session
 from app.sse import sse_response
 from engine.llm_engine import RequestOutput, best_choices
 
@@ -39,8 +38,8 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     body = await read_model(request, ChatCompletionRequest, server.settings.max_request_bytes)
     server.check_model(body.model)
-    if server.sessions is not None and (session_id := body.session_id or request.headers.get("x-session-id")):
-        return await chat_in_session(request, server, body, session_id, arrival)
+    if session_id := body.session_id or request.headers.get("x-session-id"):
+        return await server.session_chat(request, server, body, session_id, arrival)
     prompt_ids = await render_chat(server, body.messages, body.chat_template_kwargs)
     stream = await server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
                                  server.cache_salt(request, body.cache_salt), arrival, request, body.priority)

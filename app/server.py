@@ -37,9 +37,10 @@ from app.prompts import NoTokenizer, PromptRenderer
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import ClientDisconnected
 from app.security import security_middleware
-from app.serving import Serving
+from app.serving import BackgroundTasks, Serving
 from app.sessions import api as sessions_api
 from app.sessions import presets
+from app.sessions.outbox import TurnOutbox
 from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
 from app.settings import ServerSettings
 from app.version import version
@@ -118,8 +119,16 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         logger.error("%s", exc)
         raise
     name = settings.served_model_name or _default_model_name(settings)
+    try:
+        store = await sessions_api.open_store(settings)
+    except BaseException:
+        await engine.stop()
+        raise
+    background = BackgroundTasks()
     server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
                      metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
+                     sessions=store, outbox=TurnOutbox(store, background.spawn),
+                     session_chat=sessions_api.chat_in_session, background=background,
                      started=int(time.time()), max_queue=front.queue_share(settings.max_queue),
                      max_queue_per_tenant=front.queue_share(settings.tenant_queue),
                      sampling_defaults=model_sampling_defaults(engine.info.model_path)
@@ -129,7 +138,6 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     try:
         try:
             await _warm_up(engine, f"warm-up-{front.index}")
-            await sessions_api.open_sessions(server)
             if front.pins_stored_presets:
                 pinning = presets.pin_stored_presets_later(server)
         except EngineDeadError:  # the core died while this front started: the engine's death, not a mistake
@@ -164,17 +172,15 @@ async def _watch_engine(app: Starlette, server: Serving) -> None:
 
 async def _drain(server: Serving) -> None:
     """Let turns being stored finish, and try once more to store turns kept while the session store was away."""
-    if server.outbox is not None:
-        server.outbox.stop()
-    if server.background:
-        await asyncio.wait(server.background, timeout=10)
-    if server.outbox is not None and len(server.outbox):
+    server.outbox.stop()
+    if server.background.tasks:
+        await asyncio.wait(server.background.tasks, timeout=10)
+    if len(server.outbox):
         with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
             await asyncio.wait_for(server.outbox.flush(), 5)
         if len(server.outbox):
             logger.error("%d turns were never stored: the session store stayed unreachable", len(server.outbox))
-    if server.sessions is not None:
-        await server.sessions.close()
+    await server.sessions.close()
 
 
 async def _version_endpoint(request: Request) -> JSONResponse:

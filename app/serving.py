@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from app.errors import APIError, EngineUnavailable
 from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
 from app.request_body import ClientDisconnected
+from app.protocol import ChatCompletionRequest
+from app.sessions.outbox import TurnOutbox
+from app.sessions.store import SessionStore
 from app.settings import ServerSettings
 from engine.async_engine import EngineDeadError
 from engine.engine_client import EngineClient
@@ -25,22 +29,41 @@ from engine.sampling_params import SamplingParams
 _RETRY_AFTER_S = "1"
 
 
+class BackgroundTasks:
+    """Tasks the server keeps referenced until they end (e.g. turns being stored after their stream), and waits
+    for at shutdown."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+
+# a chat completion in a session (app/sessions/api.py): the stateless route hands it over without importing it
+SessionChat = Callable[[Request, "Serving", ChatCompletionRequest, str, float], Awaitable[Response]]
+
+
 @dataclass(slots=True, eq=False)
 class Serving:
-    """What a request handler needs, kept on ``app.state.server``."""
+    """What a request handler needs, built once at start-up and kept on ``app.state.server``."""
 
     settings: ServerSettings
     engine: EngineClient
     prompts: PromptRenderer
     metrics: ServerMetrics
     model_name: str
+    sessions: SessionStore
+    outbox: TurnOutbox  # turns waiting for the session store to come back
+    session_chat: SessionChat
+    background: BackgroundTasks = field(default_factory=BackgroundTasks)
     started: int = 0  # unix time the server came up (the model card's "created")
     max_queue: int = 256  # this front's share of --max-queue (requests waiting for their first token)
     max_queue_per_tenant: int = 128  # this front's share of --max-queue-per-tenant
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's (app/generation_config.py)
-    sessions: Any = None  # the SessionStore (app/sessions/store.py)
-    outbox: Any = None  # turns waiting for the session store to come back (app/sessions/outbox.py)
-    background: set[asyncio.Task] = field(default_factory=set)  # e.g. turns being stored after their stream
 
     @property
     def max_model_len(self) -> int:
@@ -125,12 +148,9 @@ class Serving:
             raise APIError(429, f"too many of your requests are waiting ({self.max_queue_per_tenant}); retry once "
                                 "some have started", code="tenant_queue_full", headers={"Retry-After": _RETRY_AFTER_S})
 
-    def spawn(self, coro: Any) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """A background task the server keeps referenced (and waits for at shutdown)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
+        return self.background.spawn(coro)
 
 
 class TimedStream:

@@ -22,7 +22,7 @@ from app.protocol import (ChatCompletionRequest, CreateSessionRequest, SamplingF
                           UpdateSessionRequest)
 from app.request_body import read_model
 from app.serving import Serving
-from app.sessions.outbox import TurnOutbox
+from app.settings import ServerSettings
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
 from app.sessions.sqlite_store import SQLiteSessionStore
@@ -36,9 +36,8 @@ _TITLE_CHARS = 60
 _LIST_LIMIT = (1, 1000)
 
 
-async def open_sessions(server: Serving) -> SessionStore:
-    """The configured store (a clear error when it cannot be reached), and its outbox."""
-    settings = server.settings
+async def open_store(settings: ServerSettings) -> SessionStore:
+    """The configured store (a clear error when it cannot be reached)."""
     kind = settings.resolved_session_store
     if kind == "redis":
         store: SessionStore = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
@@ -56,8 +55,6 @@ async def open_sessions(server: Serving) -> SessionStore:
         logger.error("cannot start: %s", exc)
         raise RuntimeError(f"session store: {exc}") from None
     logger.info("sessions in %s", where)
-    server.sessions = store
-    server.outbox = TurnOutbox(store, server.spawn)
     return store
 
 

@@ -108,6 +108,9 @@ ENGINE_OPTIONS = (
            "(the highest this CPU has)", choices=("auto", "avx2", "avx512", "avx512_vnni"), env="PAGEDCHAT_CPU_ISA"),
     Option("tensor_parallel_size", "Split each layer of the model over this many devices, one process each "
            "(cuda:0 .. N-1 over NCCL; on the CPU, N processes over gloo)", "1", "int"),
+    Option("all_reduce", "How tensor-parallel ranks add their partial sums on CUDA: auto sends a decode step's "
+           "small all-reduces through symmetric memory (one kernel over NVLink), NCCL the rest", "auto",
+           choices=("auto", "nccl")),
     Option("stream_interval", "A stream's reader is woken once this many tokens are ready (or its first, or its "
            "last): fewer, larger SSE events", "1", "int"),
     Option("log_stats_interval_s", "While it works, the engine core logs a line of its numbers this often, in "

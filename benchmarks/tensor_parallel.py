@@ -18,6 +18,7 @@ the same kernels on their shards); on the CPU the profiled parts are skipped.
 
     python -m benchmarks.tensor_parallel --model-config llama-3-8b --sizes 1 2 [--json PATH] [--num-requests 256]
         [--split-batch 256] [--split-steps 50] [--max-model-len N] [--gpu-memory-utilization 0.9]
+        [--all-reduce auto|nccl]
     smoke test on the CPU: --model-config qwen3-0.6b --device cpu --sizes 1 2 --num-requests 2 --max-prompt-len 8
         --max-output-len 4 --split-batch 2 --split-steps 2 --max-model-len 64
 
@@ -28,8 +29,8 @@ Columns of the table:
                    the first size)
   step ms          the steady decode step's wall ms, mean (median); "vs base": its mean over the base size's
   GPU busy ms      rank 0's GPU busy time per decode step (union of kernel intervals)
-  all-reduce ms    rank 0's NCCL kernel time per decode step (the collectives above); share: of the GPU busy time
-                   of the same profiled steps
+  all-reduce ms    rank 0's collective kernel time per decode step (the collectives above, and the one-shot
+                   all-reduce's kernels, "one_shot"); share: of the GPU busy time of the same profiled steps
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ from engine.loader import DUMMY_ARCHITECTURES
 
 logger = logging.getLogger("benchmarks.tensor_parallel")
 
-COLLECTIVE_MARKS = ("allreduce", "all_reduce", "nccl")  # matched against kernel names in lower case
+COLLECTIVE_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
+TOP_KERNELS = 15  # the kernels (by name) of most time per step, reported with the collectives  # matched against kernel names in lower case
 
 
 # one size ------------------------------------------------------------------------------------------------
@@ -67,7 +69,7 @@ def start_engine(args: argparse.Namespace, size: int) -> tuple[LLMEngine, float]
     """The engine of ``size`` ranks and the seconds its start took."""
     start = time.perf_counter()
     engine = build_engine(args, seed=args.seed, tensor_parallel_size=size, max_model_len=args.max_model_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+                          gpu_memory_utilization=args.gpu_memory_utilization, all_reduce=args.all_reduce)
     return engine, time.perf_counter() - start
 
 
@@ -87,8 +89,12 @@ def profile_collectives(engine: LLMEngine, steps: int) -> dict[str, float]:
     collective = [e for e in kernels if any(mark in e.name.lower() for mark in COLLECTIVE_MARKS)]
     all_reduce_ms = sum(e.time_range.elapsed_us() for e in collective) * 1e-3 / steps
     busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) * 1e-3 / steps
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.elapsed_us() * 1e-3 / steps
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     return {"all_reduce_ms": all_reduce_ms, "busy_ms": busy_ms, "share": all_reduce_ms / busy_ms if busy_ms else 0.0,
-            "kernels_per_step": len(collective) / steps}
+            "kernels_per_step": len(collective) / steps, "top_kernels_ms": dict(top)}
 
 
 def measure_collectives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float] | None:
@@ -119,6 +125,7 @@ def run_size(args: argparse.Namespace, size: int, requests: list[Request]) -> di
         collectives = measure_collectives(engine, args)
         result = {"size": size, "start_seconds": start_seconds, "dtype": str(engine.config.torch_dtype),
                   "run": asdict(run) | {"tok_s": run.tok_s}, "split": split, "collectives": collectives}
+        logger.info("size %d: decode step %s; collectives %s", size, split, collectives)  # (before the shutdown)
     finally:
         engine.shutdown()
         del engine
@@ -162,6 +169,11 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     print(f"nano: {args.num_requests} requests; decode step: batch {args.split_batch} x {args.split_prompt_len}-token "
           f"prompts, {args.split_steps} steps" + ("; GPU numbers are rank 0's (cuda:0)" if gpus else ""))
     print("\n" + size_table(sizes), flush=True)
+    for r in sizes:
+        if r["collectives"]:
+            print(f"\nsize {r['size']}: the kernels of most GPU ms per decode step (rank 0)")
+            for name, value in r["collectives"]["top_kernels_ms"].items():
+                print(f"  {value:7.3f}  {name}")
 
 
 # main ----------------------------------------------------------------------------------------------------
@@ -171,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes, run in order")
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--all-reduce", choices=("auto", "nccl"), default="auto",
+                        help="EngineConfig.all_reduce: the symmetric-memory one shot for small all-reduces, or NCCL")
     add_run_options(parser)  # (--max-prompt-len clips the split's prompts too)
     args = parser.parse_args(argv)
     if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len, *args.sizes) < 1:

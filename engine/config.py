@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from engine.layers.quantized_linear import CPU_WEIGHTS
+from engine.parallel_state import ALL_REDUCE_CHOICES
 from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -88,6 +89,9 @@ class EngineConfig:
     # tensor parallelism: each layer split over this many devices, one process each (the engine core is rank 0 and
     # starts the others; engine/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
     tensor_parallel_size: int = 1
+    # how the ranks' partial sums are added on CUDA: auto (small all-reduces, a decode step's, through PyTorch's
+    # symmetric memory in one kernel when the GPUs reach each other's memory; NCCL for the rest) | nccl
+    all_reduce: str = "auto"
     # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
     # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
     # still gets all that is ready in one event)
@@ -173,6 +177,7 @@ class EngineConfig:
 def _check_tensor_parallel(config: EngineConfig) -> None:
     size, device = config.tensor_parallel_size, config.torch_device
     _check(1 <= size <= 64, "tensor_parallel_size", "must be in [1, 64]")
+    _check(config.all_reduce in ALL_REDUCE_CHOICES, "all_reduce", f"must be one of {', '.join(ALL_REDUCE_CHOICES)}")
     if size == 1:
         return
     if device.type == "cuda":

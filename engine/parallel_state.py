@@ -9,6 +9,12 @@ token's row (the others add zeros), and the logits are all-gathered where sampli
 
 One group per process, the default torch.distributed group: NCCL on CUDA, gloo on the CPU. Without one (a
 single rank) every collective is the identity, so model code has no branch for it.
+
+The decode step's all-reduces are small (a batch of 256 rows of 4096 bf16 is 2 MiB) and there are two per
+layer, so their latency, not NVLink's bandwidth, is what they cost. On CUDA with ``all_reduce="auto"`` those of
+1 .. 8 MiB go through PyTorch's symmetric memory (``PeerAllReduce``): each rank copies its part into a buffer
+every rank has mapped, and a kernel on each rank reads the others' parts over NVLink directly (no ring, no proxy
+thread). NCCL takes the rest and every other collective.
 """
 from __future__ import annotations
 
@@ -39,16 +45,68 @@ class TensorParallel:
 _SINGLE = TensorParallel(0, 1)
 _current = _SINGLE
 
+# PeerAllReduce takes the all-reduces from 1 MiB to 8 MiB (a decode step of 128 .. 1024 rows of 4096 bf16): there
+# its two-shot sum beat NCCL on 2 x H100 and 2 x H200; below 1 MiB NCCL was as fast or faster (benchmarks/all_reduce.py,
+# docs/BENCHMARKS.md), and above it prefill's large messages are bandwidth-bound, where NCCL is good
+PEER_ALL_REDUCE_MIN_BYTES = 1 << 20
+PEER_ALL_REDUCE_BYTES = 8 << 20
+ALL_REDUCE_CHOICES = ("auto", "nccl")
+
+
+class PeerAllReduce:
+    """The sum over ranks of a CUDA tensor of ``min_bytes`` .. ``max_bytes`` through a buffer of PyTorch's
+    symmetric memory that every rank has mapped (NVLink or PCIe peer access; multicast stays off). Two-shot: each
+    rank copies its part into the buffer, sums a 1/N slice of every rank's part and writes the sums back to all,
+    then copies the result out; the op's own barriers order each use of the one buffer in stream order, also in
+    a CUDA graph (checked against NCCL in graphs with changing inputs by benchmarks/all_reduce.py)."""
+
+    def __init__(self, device: torch.device, min_bytes: int = PEER_ALL_REDUCE_MIN_BYTES,
+                 max_bytes: int = PEER_ALL_REDUCE_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.is_contiguous() and self.min_bytes <= x.nbytes <= self.max_bytes and x.nbytes % 16 == 0
+
+    def staged(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` copied into the buffer (a view of it)."""
+        return self.buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        staged, ops = self.staged(x), torch.ops.symm_mem
+        if hasattr(ops, "two_shot_all_reduce_out"):
+            return ops.two_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
+        return ops.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
+
+    def one_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The one-shot sum (each rank reads every rank's whole part), for benchmarks/all_reduce.py."""
+        return torch.ops.symm_mem.one_shot_all_reduce_out(self.staged(x), "sum", self.group_name, torch.empty_like(x))
+
+
+_peer: PeerAllReduce | None = None
+# PyTorch keeps a symmetric-memory group's state by the group's name for the life of the process, and a later
+# group of the same name ("0") hung in its rendezvous on 2 x H100: one PeerAllReduce per process, and a later
+# tensor-parallel engine in the same process (tests, benchmarks) adds through NCCL
+_peer_used_before = False
+
 
 def current() -> TensorParallel:
     return _current
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous: str,
-                         timeout_s: float = 1800.0) -> TensorParallel:
+                         timeout_s: float = 1800.0, all_reduce: str = "auto") -> TensorParallel:
     """Join the group of ``size`` ranks meeting at ``rendezvous`` (a ``file://`` path no earlier group used);
-    blocks until every rank has joined. One group per process at a time (``destroy_tensor_parallel`` ends it)."""
-    global _current
+    blocks until every rank has joined. One group per process at a time (``destroy_tensor_parallel`` ends it).
+    ``all_reduce``: auto (``PeerAllReduce`` for small messages on CUDA where the ranks' GPUs reach each other's
+    memory, the first group of this process only; NCCL for the rest) | nccl (NCCL for all)."""
+    global _current, _peer, _peer_used_before
+    if all_reduce not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"all_reduce: {all_reduce!r} is not one of {', '.join(ALL_REDUCE_CHOICES)}")
     if dist.is_initialized():
         raise RuntimeError("tensor_parallel_size: this process already belongs to a tensor-parallel group "
                            "(one tensor-parallel engine per process)")
@@ -65,13 +123,39 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous:
     if int(probe.item()) != size:
         raise RuntimeError(f"tensor parallel: an all-reduce of ones over {size} ranks gave {probe.item()}")
     _current = TensorParallel(rank, size)
+    if all_reduce == "auto" and device.type == "cuda" and _peers_reachable(size) and not _peer_used_before:
+        _peer_used_before = True
+        _peer = PeerAllReduce(device)
+        check = _peer(torch.full((_peer.min_bytes // 4,), float(rank + 1), device=device))
+        if not bool((check == size * (size + 1) / 2).all()):
+            raise RuntimeError(f"tensor parallel: the peer all-reduce over {size} ranks gave {check[:4].tolist()}")
     return _current
+
+
+def _peers_reachable(size: int) -> bool:
+    """Every pair of the ranks' GPUs (cuda:0 .. size-1) can read each other's memory (NVLink or PCIe P2P)."""
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
+
+
+def peer_all_reduce() -> PeerAllReduce | None:
+    """This rank's symmetric-memory all-reduce while its group uses one."""
+    return _peer
+
+
+def peer_all_reduce_active() -> bool:
+    return _peer is not None
+
+
+def peer_all_reduce_spent() -> bool:
+    """Whether this process has set a ``PeerAllReduce`` up before (a later group adds through NCCL)."""
+    return _peer_used_before
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group. NCCL's communicators are aborted, a local act: a graceful teardown waits for the other
     ranks' (seen hanging on 2 x H100 while a rank was still stopping), or forever for a rank that died."""
-    global _current
+    global _current, _peer
+    _peer = None  # (its buffer is freed with the group's memory pool)
     if dist.is_initialized():
         if dist.get_backend() == "nccl":
             c10d._abort_process_group()
@@ -81,20 +165,32 @@ def destroy_tensor_parallel() -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` over the ranks, in place (a row-parallel layer's partial outputs)."""
-    if _current.size > 1:
-        dist.all_reduce(x)
+    """Sum of ``x`` over the ranks (a row-parallel layer's partial outputs): in place through NCCL, or a new
+    tensor through ``PeerAllReduce``; use the result."""
+    if _current.size == 1:
+        return x
+    if _peer is not None and _peer.fits(x):
+        return _peer(x)
+    dist.all_reduce(x)
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """``[rows, n]`` on each rank -> ``[rows, size * n]``: the ranks' slices side by side, rank order."""
-    size = _current.size
+def all_gather_last_dim(x: torch.Tensor, width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[rows, n]`` on each rank -> ``[rows, width]``: the first ``width`` (default ``size * n``) columns of the
+    ranks' slices side by side in rank order, written once into ``out`` (or a new tensor)."""
+    size, (rows, n) = _current.size, x.shape
+    width = size * n if width is None else width
     if size == 1:
-        return x
-    gathered = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    _gather(gathered.view(size * x.shape[0], *x.shape[1:]), x.contiguous())
-    return gathered.permute(1, 0, 2).reshape(x.shape[0], size * x.shape[1])
+        return x[:, :width] if out is None else out.copy_(x[:, :width])
+    gathered = torch.empty((size, rows, n), dtype=x.dtype, device=x.device)
+    _gather(gathered.view(size * rows, n), x.contiguous())
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device) if out is None else out
+    for rank in range(size):
+        start = rank * n
+        if start < width:
+            end = min(start + n, width)
+            out[:, start:end].copy_(gathered[rank, :, :end - start])
+    return out
 
 
 def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:

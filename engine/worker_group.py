@@ -152,10 +152,15 @@ class WorkerGroup:
             self.processes.append(process)
         logger.info("tensor parallel: %d ranks, workers %s", size, [p.pid for p in self.processes])
         try:
-            parallel_state.init_tensor_parallel(0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S)
+            parallel_state.init_tensor_parallel(0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S,
+                                                config.all_reduce)
         except Exception:
             self.stop()
             raise
+        logger.info("tensor parallel: all-reduce through %s", "symmetric memory from %d to %d MiB, NCCL otherwise"
+                    % (parallel_state.PEER_ALL_REDUCE_MIN_BYTES >> 20, parallel_state.PEER_ALL_REDUCE_BYTES >> 20)
+                    if parallel_state.peer_all_reduce_active()
+                    else "NCCL" if config.torch_device.type == "cuda" else "gloo")
         self._watcher = threading.Thread(target=self._watch, name="tp-watcher", daemon=True)
         self._watcher.start()
 
@@ -275,7 +280,8 @@ def run_worker(spec: WorkerSpec) -> None:
     replies.connect(spec.replies)
     try:
         device = rank_device(spec.config, spec.rank)
-        parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S)
+        parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S,
+                                            spec.config.all_reduce)
         config = spec.config  # (its device stays "cuda": the current device, this rank's, set by the group)
         if config.num_threads is None and device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))

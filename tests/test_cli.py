@@ -132,6 +132,7 @@ def test_choices_are_the_engines_own():
     )
     from engine.layers.quantized_linear import CPU_WEIGHTS
     from engine.loader import DUMMY_ARCHITECTURES
+    from engine.parallel_state import ALL_REDUCE_CHOICES
     from kernels.cpu_native import CPU_ISA_CHOICES
 
     choices = {o.name: set(o.choices) for o in ENGINE_OPTIONS if o.choices}
@@ -139,7 +140,7 @@ def test_choices_are_the_engines_own():
                        "dtype": {"auto", *DTYPES}, "device": {"auto", "cpu", "cuda"},
                        "prefix_hash": set(PREFIX_HASHES), "preemption_mode": set(PREEMPTION_MODES),
                        "kv_backend": set(KV_BACKENDS), "cpu_weights": {"auto", *CPU_WEIGHTS},
-                       "cpu_isa": set(CPU_ISA_CHOICES)}
+                       "cpu_isa": set(CPU_ISA_CHOICES), "all_reduce": set(ALL_REDUCE_CHOICES)}
 
 
 def test_help_and_version_answer_without_importing_torch():

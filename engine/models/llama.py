@@ -191,8 +191,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.size == 1:
             return torch.matmul(hidden, weight.t(), out=out)
         # each rank's vocabulary slice, gathered on every rank (rank 0 samples); the padding columns dropped
-        logits = parallel_state.all_gather_last_dim(torch.matmul(hidden, weight.t()))[:, :self.args.vocab_size]
-        return logits if out is None else out.copy_(logits)
+        return parallel_state.all_gather_last_dim(torch.matmul(hidden, weight.t()), self.args.vocab_size, out)
 
     def store_weights_column_major(self) -> None:
         """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied

@@ -1,5 +1,6 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): dummy weights in float32, the two-rank engine gives the single-rank
-engine's greedy tokens for mixed-length prompts with chunked prefill and a prefix hit, CUDA graphs on; and its
+engine's greedy tokens for mixed-length prompts with chunked prefill and a prefix hit, CUDA graphs on (the
+process's first two-rank engine adds its prefill steps' partial sums through symmetric memory); and its
 decode-only steps of several sequences replay the captured graphs (the all-reduces inside them)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import pytest
 import torch
 
+from engine import parallel_state
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -18,12 +20,14 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
 NEW_TOKENS = 16
 SHARED_LEN = 80  # the prefix the last two prompts share: 5 full blocks of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# steps of up to 160 tokens: llama-3.2-1b's all-reduces of 128 .. 160 rows of 2048 float32 (1 .. 1.25 MiB) take the
+# symmetric-memory path of the process's first tensor-parallel engine (engine/parallel_state.py), the rest NCCL
 OPTIONS = {"load_format": "dummy", "dtype": "float32", "device": "cuda", "num_kv_blocks": 256,
-           "max_num_batched_tokens": 96, "max_model_len": 1024}
+           "max_num_batched_tokens": 160, "max_model_len": 1024}
 
 
 def mixed_prompts(seed: int = 0) -> list[list[int]]:
-    """Five lengths (300 and 129 come in chunks of 96), then two that share an 80-token prefix."""
+    """Five lengths (300 comes in chunks of 160), then two that share an 80-token prefix."""
     rng = random.Random(seed)
     shared = [rng.randrange(10000) for _ in range(SHARED_LEN)]
     prompts = [[rng.randrange(10000) for _ in range(n)] for n in (3, 17, 64, 129, 300)]
@@ -48,9 +52,11 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks
     gc.collect()
     torch.cuda.empty_cache()
 
+    first_group = not parallel_state.peer_all_reduce_spent()
     llm = LLM(model_config=model_config, tensor_parallel_size=2, **OPTIONS)
     try:
         assert llm.engine.runner.graphs is not None
+        assert parallel_state.peer_all_reduce_active() == first_group
         sharded, sharded_cached = generate(llm, prompts)
     finally:
         llm.shutdown()

@@ -62,7 +62,7 @@ class AccessLog:
 
 
 def generation_fields(state: dict[str, Any]) -> dict[str, Any]:
-    """The numbers of the request's generations (app/serving.py's TimedStreams), summed over its prompts."""
+    """The numbers of the request's generations (app/timed_stream.py's TimedStreams), summed over its prompts."""
     streams = state.get("generations") or []
     if not streams:
         return {}

@@ -132,7 +132,7 @@ async def health_endpoint(request: Request) -> JSONResponse:
     session store's state is reported but does not fail the check: stateless routes still serve without it."""
     server = request.app.state.server
     healthy = server.engine.healthy
-    return JSONResponse({"status": "ok" if healthy else "unhealthy", "sessions": await _store_state(server.sessions)},
+    return JSONResponse({"status": "ok" if healthy else "unhealthy", "sessions": await _store_state(server.sessions.store)},
                         status_code=200 if healthy else 503)
 
 

@@ -11,13 +11,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.answers import (
-    answer_chat,
-    render_chat,
-    sampling_params,
-    token_texts,
-    worth_a_chunk,
-)
 from app.errors import APIError
 from app.openai_format import (
     ResponseHeader,
@@ -28,7 +21,9 @@ from app.openai_format import (
 )
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
-from app.serving import Serving, TimedStream
+from app.replies import ReplyWriter
+from app.serving import Serving
+from app.timed_stream import TimedStream
 from app.sse import sse_response
 from engine.llm_engine import RequestOutput, best_choices
 
@@ -36,14 +31,15 @@ from engine.llm_engine import RequestOutput, best_choices
 async def chat_completions(request: Request) -> Response:
     server: Serving = request.app.state.server
     arrival = time.monotonic()
-    body = await read_model(request, ChatCompletionRequest, server.settings.max_request_bytes)
-    server.check_model(body.model)
+    body = await read_model(request, ChatCompletionRequest, server.max_request_bytes)
+    server.admission.check_model(body.model)
     if session_id := body.session_id or request.headers.get("x-session-id"):
-        return await server.session_chat(request, server, body, session_id, arrival)
-    prompt_ids = await render_chat(server, body.messages, body.chat_template_kwargs)
-    stream = await server.submit(prompt_ids, sampling_params(server, body, len(prompt_ids)),
-                                 server.cache_salt(request, body.cache_salt), arrival, request, body.priority)
-    return await answer_chat(request, server, body, stream)
+        return await server.session_chat(request, server.sessions, body, session_id, arrival)
+    replies, admission = server.replies, server.admission
+    prompt_ids = await replies.render_chat(body.messages, body.chat_template_kwargs)
+    stream = await admission.submit(prompt_ids, replies.sampling_params(body, len(prompt_ids)),
+                                    admission.cache_salt(request, body.cache_salt), arrival, request, body.priority)
+    return await replies.answer_chat(request, body, stream)
 
 
 # completions ------------------------------------------------------------------------------------------
@@ -53,15 +49,15 @@ async def completions(request: Request) -> Response:
     """Each prompt's ``n`` choices are numbered ``prompt * n + sample`` (OpenAI's and vLLM's order)."""
     server: Serving = request.app.state.server
     arrival = time.monotonic()
-    body = await read_model(request, CompletionRequest, server.settings.max_request_bytes)
-    server.check_model(body.model)
+    body = await read_model(request, CompletionRequest, server.max_request_bytes)
+    server.admission.check_model(body.model)
     prompts = [await _prompt_ids(server, prompt) for prompt in body.prompts()]
-    params = [sampling_params(server, body, len(ids)) for ids in prompts]
-    salt = server.cache_salt(request, body.cache_salt)
+    params = [server.replies.sampling_params(body, len(ids)) for ids in prompts]
+    salt = server.admission.cache_salt(request, body.cache_salt)
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(await server.submit(ids, p, salt, arrival, request, body.priority))
+            streams.append(await server.admission.submit(ids, p, salt, arrival, request, body.priority))
     except APIError:
         for stream in streams:
             await stream.aclose()
@@ -71,13 +67,13 @@ async def completions(request: Request) -> Response:
     header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream,
                                 body.return_token_ids)
     if body.stream:
-        return sse_response(_completion_chunks(server, header, streams, echoes, body.n, include_usage))
+        return sse_response(_completion_chunks(server.replies, header, streams, echoes, body.n, include_usage))
     results = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
     choices = []
     for prompt, finals in enumerate(results):
         kept = best_choices(finals, body.n) if body.best_of is not None else finals
         for out in kept:
-            logprobs = await _completion_logprobs(server, out.logprobs, len(echoes[prompt]))
+            logprobs = await _completion_logprobs(server.replies, out.logprobs, len(echoes[prompt]))
             choices.append(header.choice_ids(completion_choice(prompt * body.n + out.index, echoes[prompt] + out.text,
                                                                out.finish_reason, logprobs, out.stop_reason),
                                              out.token_ids))
@@ -89,7 +85,7 @@ async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
     return await server.prompts.encode(prompt) if isinstance(prompt, str) else prompt
 
 
-async def _completion_chunks(server: Serving, header: ResponseHeader, streams: list[TimedStream],
+async def _completion_chunks(replies: ReplyWriter, header: ResponseHeader, streams: list[TimedStream],
                              echoes: list[str], n: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     """Choice ``prompt * n + sample`` (a streamed best_of equals n: protocol.py), each one's chunks as they come."""
     offsets = [len(echoes[i // n]) for i in range(len(streams) * n)]  # per choice
@@ -99,9 +95,9 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
             yield header.wrap([completion_choice(i, echoes[i // n], None, None)])
     async for prompt, out in _merge(streams):
         i = prompt * n + out.index
-        logprobs = await _completion_logprobs(server, out.logprobs_delta, offsets[i])
+        logprobs = await _completion_logprobs(replies, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
-        if worth_a_chunk(server, header, out, logprobs):
+        if replies.worth_a_chunk(header, out, logprobs):
             choice = completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)
             yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
         if out.finished:
@@ -111,10 +107,10 @@ async def _completion_chunks(server: Serving, header: ResponseHeader, streams: l
         yield header.wrap([], sum_usage([samples_usage(usages) for usages in per_prompt]))
 
 
-async def _completion_logprobs(server: Serving, entries: list | None, offset: int) -> dict[str, Any] | None:
+async def _completion_logprobs(replies: ReplyWriter, entries: list | None, offset: int) -> dict[str, Any] | None:
     if not entries:
         return None
-    return completion_logprobs(entries, await token_texts(server, entries), offset)
+    return completion_logprobs(entries, await replies.token_texts(entries), offset)
 
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -166,7 +162,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def retrieve_model(request: Request) -> JSONResponse:
     """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): the card, or 404 for another name."""
     server: Serving = request.app.state.server
-    server.check_model(request.path_params["model_id"])
+    server.admission.check_model(request.path_params["model_id"])
     return JSONResponse(_model_card(server))
 
 

@@ -30,17 +30,15 @@ from app.errors import (
     request_failed_handler,
 )
 from app.front import Front
-from app.generation_config import model_sampling_defaults
-from app.metrics import ServerMetrics, health_endpoint, metrics_endpoint
+from app.metrics import health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
-from app.prompts import NoTokenizer, PromptRenderer
+from app.prompts import NoTokenizer
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.request_body import ClientDisconnected
 from app.security import security_middleware
-from app.serving import BackgroundTasks, Serving
+from app.serving import Serving, build_serving
 from app.sessions import api as sessions_api
 from app.sessions import presets
-from app.sessions.outbox import TurnOutbox
 from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
 from app.settings import ServerSettings
 from app.version import version
@@ -124,22 +122,14 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     except BaseException:
         await engine.stop()
         raise
-    background = BackgroundTasks()
-    server = Serving(settings=settings, engine=engine, prompts=PromptRenderer(engine.tokenizer),
-                     metrics=ServerMetrics(name, engine.stats, multiprocess=front.shared), model_name=name,
-                     sessions=store, outbox=TurnOutbox(store, background.spawn),
-                     session_chat=sessions_api.chat_in_session, background=background,
-                     started=int(time.time()), max_queue=front.queue_share(settings.max_queue),
-                     max_queue_per_tenant=front.queue_share(settings.tenant_queue),
-                     sampling_defaults=model_sampling_defaults(engine.info.model_path)
-                     if settings.generation_config == "auto" else {})
+    server = build_serving(settings, engine, front, name, store, sessions_api.chat_in_session)
     app.state.server = server
     watcher = pinning = None
     try:
         try:
             await _warm_up(engine, f"warm-up-{front.index}")
             if front.pins_stored_presets:
-                pinning = presets.pin_stored_presets_later(server)
+                pinning = presets.pin_stored_presets_later(server.sessions)
         except EngineDeadError:  # the core died while this front started: the engine's death, not a mistake
             app.state.engine_died = True
             raise
@@ -162,7 +152,7 @@ async def _watch_engine(app: Starlette, server: Serving) -> None:
     while server.engine.healthy:
         await asyncio.sleep(_WATCH_S)
     app.state.engine_died = True
-    if not server.settings.exit_on_engine_death:
+    if not app.state.settings.exit_on_engine_death:
         logger.critical("the engine failed; every request now gets 503 (--no-exit-on-engine-death: not exiting)")
         return
     logger.critical("the engine failed; shutting down so that a supervisor restarts the server")
@@ -172,15 +162,16 @@ async def _watch_engine(app: Starlette, server: Serving) -> None:
 
 async def _drain(server: Serving) -> None:
     """Let turns being stored finish, and try once more to store turns kept while the session store was away."""
-    server.outbox.stop()
+    outbox = server.sessions.outbox
+    outbox.stop()
     if server.background.tasks:
         await asyncio.wait(server.background.tasks, timeout=10)
-    if len(server.outbox):
+    if len(outbox):
         with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
-            await asyncio.wait_for(server.outbox.flush(), 5)
-        if len(server.outbox):
-            logger.error("%d turns were never stored: the session store stayed unreachable", len(server.outbox))
-    await server.sessions.close()
+            await asyncio.wait_for(outbox.flush(), 5)
+        if len(outbox):
+            logger.error("%d turns were never stored: the session store stayed unreachable", len(outbox))
+    await server.sessions.store.close()
 
 
 async def _version_endpoint(request: Request) -> JSONResponse:

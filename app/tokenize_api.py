@@ -7,7 +7,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from app.answers import render_chat
 from app.errors import APIError
 from app.openapi import Operation
 from app.protocol import DetokenizeRequest, TokenizeRequest
@@ -17,10 +16,10 @@ from app.serving import Serving
 
 async def tokenize(request: Request) -> JSONResponse:
     server: Serving = request.app.state.server
-    body = await read_model(request, TokenizeRequest, server.settings.max_request_bytes)
-    server.check_model(body.model)
+    body = await read_model(request, TokenizeRequest, server.max_request_bytes)
+    server.admission.check_model(body.model)
     if body.messages is not None:
-        ids = await render_chat(server, body.messages)
+        ids = await server.replies.render_chat(body.messages)
     else:
         ids = await server.prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
@@ -31,8 +30,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     server: Serving = request.app.state.server
-    body = await read_model(request, DetokenizeRequest, server.settings.max_request_bytes)
-    server.check_model(body.model)
+    body = await read_model(request, DetokenizeRequest, server.max_request_bytes)
+    server.admission.check_model(body.model)
     vocab = server.engine.info.vocab_size
     if any(token >= vocab for token in body.tokens):
         raise APIError.bad_request(f"tokens: every id must be below the vocabulary size ({vocab})", "tokens")

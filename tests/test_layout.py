@@ -5,6 +5,7 @@
   tested and reasoned about without the ones above it.
 - No import cycles between the modules of kernels/, engine/ and app/ at import time: a cycle makes the
   import order matter and half-initialised modules show up as confusing AttributeErrors.
+- The stateless routes (openai_api, tokenize_api) import nothing of app/sessions.
 - No module over ~400 lines and no function over ~40 lines without a reason (STYLE.md). Modules are held to
   MAX_MODULE_LINES; functions on the hot path (the scheduler/runner/model step) to MAX_FUNCTION_LINES, since
   those are the ones read most often when chasing latency or correctness bugs.
@@ -110,6 +111,22 @@ def test_no_upward_imports() -> None:
                     if top in LAYERS and LAYERS.index(top) > rank:
                         offenders.append(f"{rel(path)}:{node.lineno} -> {most_specific(name) or name}")
     assert not offenders, "imports must go kernels <- engine <- app only:\n" + "\n".join(offenders)
+
+
+STATELESS_ROUTES = ("app.openai_api", "app.tokenize_api")  # they serve without the session store
+
+
+def test_the_stateless_routes_import_nothing_of_the_session_routes() -> None:
+    """The stateless routes reach sessions only through Serving's typed services (a chat with a session id is
+    handed to ``Serving.session_chat``), so they import no module of app/sessions themselves."""
+    offenders = []
+    for module in STATELESS_ROUTES:
+        path = modules()[module]
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                offenders += [f"{rel(path)}:{node.lineno} -> {name}" for name in imported(module, node)
+                              if name.startswith("app.sessions")]
+    assert not offenders, "\n".join(offenders)
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:

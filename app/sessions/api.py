@@ -15,13 +15,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.answers import answer_chat, sampling_params
 from app.errors import APIError
 from app.openapi import Operation, QueryParam
 from app.protocol import (ChatCompletionRequest, CreateSessionRequest, SamplingFields, SessionMessageRequest,
                           UpdateSessionRequest)
 from app.request_body import read_model
-from app.serving import Serving
+from app.sessions.service import SessionService
 from app.settings import ServerSettings
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
@@ -67,48 +66,48 @@ def busy(session_id: str) -> APIError:
                     param="session_id", code="session_busy")
 
 
-async def own_session(server: Serving, session_id: str, owner: str) -> Session | None:
+async def own_session(service: SessionService, session_id: str, owner: str) -> Session | None:
     """The session if ``owner`` owns it (a turn kept while the store was away is written first)."""
     if not is_session_id(session_id):
         return None
-    await server.outbox.flush_session(session_id)
-    return await server.sessions.get(session_id, owner)
+    await service.outbox.flush_session(session_id)
+    return await service.store.get(session_id, owner)
 
 
-async def _session(request: Request, server: Serving) -> Session:
+async def _session(request: Request, service: SessionService) -> Session:
     session_id = request.path_params["session_id"]
-    session = await own_session(server, session_id, server.tenant(request))
+    session = await own_session(service, session_id, service.admission.tenant(request))
     if session is None:
         raise not_found(session_id)
     return session
 
 
 async def create_session(request: Request) -> JSONResponse:
-    server: Serving = request.app.state.server
-    body = await read_model(request, CreateSessionRequest, server.settings.max_request_bytes)
-    tenant, system = server.tenant(request), body.system
+    service: SessionService = request.app.state.server.sessions
+    body = await read_model(request, CreateSessionRequest, service.limits.max_request_bytes)
+    tenant, system = service.admission.tenant(request), body.system
     if body.preset is not None:
-        preset = await visible_preset(server, body.preset, tenant, param="preset")
-        await pin_preset(server, preset, param="preset")
+        preset = await visible_preset(service, body.preset, tenant, param="preset")
+        await pin_preset(service, preset, param="preset")
         system = preset.system
     elif system is not None:
-        await check_system(server, system, "system")
+        await check_system(service, system, "system")
     session = Session(id=new_session_id(), owner=tenant, title=body.title or "", system=system,
                       preset=body.preset, cache_salt=body.cache_salt)
-    if not await server.sessions.create(session, server.settings.max_sessions_per_key):
+    if not await service.store.create(session, service.limits.max_sessions_per_key):
         raise APIError(409, "session id collision; retry", code="session_exists")  # 128 random bits: never
     return JSONResponse(session.public(), status_code=201)
 
 
 async def list_sessions(request: Request) -> JSONResponse:
-    server: Serving = request.app.state.server
+    service: SessionService = request.app.state.server.sessions
     limit, after = request.query_params.get("limit", "50"), request.query_params.get("after")
     if not limit.isdigit() or not _LIST_LIMIT[0] <= int(limit) <= _LIST_LIMIT[1]:
         raise APIError.bad_request(f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit")
     if after is not None and not is_session_id(after):
         raise APIError.bad_request("after: must be a session id (the last id of the previous page)", "after")
     try:
-        page = await server.sessions.list(server.tenant(request), int(limit), after)
+        page = await service.store.list(service.admission.tenant(request), int(limit), after)
     except UnknownCursor as exc:
         raise APIError.from_value_error(exc) from None
     data = [s.summary() for s in page.sessions]
@@ -123,29 +122,29 @@ async def sessions_root(request: Request) -> Response:
 async def get_session(request: Request) -> JSONResponse:
     """The session; while the store is away, a session whose last turn waits in the outbox is shown from there,
     with ``"turn_pending": true``."""
-    server: Serving = request.app.state.server
+    service: SessionService = request.app.state.server.sessions
     try:
-        return JSONResponse((await _session(request, server)).public())
+        return JSONResponse((await _session(request, service)).public())
     except SessionStoreUnavailable:
-        kept = server.outbox.kept(request.path_params["session_id"], server.tenant(request))
+        kept = service.outbox.kept(request.path_params["session_id"], service.admission.tenant(request))
         if kept is None:
             raise
         return JSONResponse({**kept.public(), "turn_pending": True})
 
 
 async def update_session(request: Request) -> JSONResponse:
-    server: Serving = request.app.state.server
-    body = await read_model(request, UpdateSessionRequest, server.settings.max_request_bytes)
-    session = await _session(request, server)
-    await server.sessions.set_title(session.id, session.owner, body.title)
+    service: SessionService = request.app.state.server.sessions
+    body = await read_model(request, UpdateSessionRequest, service.limits.max_request_bytes)
+    session = await _session(request, service)
+    await service.store.set_title(session.id, session.owner, body.title)
     session.title = body.title
     return JSONResponse(session.public())
 
 
 async def delete_session(request: Request) -> JSONResponse:
-    server: Serving = request.app.state.server
-    session = await _session(request, server)
-    await server.sessions.delete(session.id, session.owner)
+    service: SessionService = request.app.state.server.sessions
+    session = await _session(request, service)
+    await service.store.delete(session.id, session.owner)
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True})
 
 
@@ -155,44 +154,44 @@ async def session_item(request: Request) -> Response:
 
 
 async def post_message(request: Request) -> Response:
-    server: Serving = request.app.state.server
+    service: SessionService = request.app.state.server.sessions
     arrival = time.monotonic()
-    body = await read_model(request, SessionMessageRequest, server.settings.max_request_bytes)
-    server.check_model(body.model)
+    body = await read_model(request, SessionMessageRequest, service.limits.max_request_bytes)
+    service.admission.check_model(body.model)
     _check_one_reply(body)
-    session = await _session(request, server)
-    token = await _lock(server, session.id)
+    session = await _session(request, service)
+    token = await _lock(service, session.id)
     new = None if body.regenerate else [{"role": "user", "content": body.content}]
-    return await run_turn(request, server, session, new, body, arrival, token)
+    return await run_turn(request, service, session, new, body, arrival, token)
 
 
-async def chat_in_session(request: Request, server: Serving, body: ChatCompletionRequest, session_id: str,
+async def chat_in_session(request: Request, service: SessionService, body: ChatCompletionRequest, session_id: str,
                           arrival: float) -> Response:
     """/v1/chat/completions with ``session_id`` (or X-Session-ID): the request's messages are this turn's new
     messages; the server supplies the history. A well-formed id nobody has starts a new session, atomically: of
     concurrent first turns one creates it, the others find it busy (409)."""
     _check_one_reply(body)
-    owner = server.tenant(request)
+    owner = service.admission.tenant(request)
     new = [m.as_template_message() for m in body.messages]
     if not is_session_id(session_id):
         raise APIError(404, f"session {session_id!r} not found: ids are 22 URL-safe characters",
                        param="session_id", code="session_not_found")
-    session = await own_session(server, session_id, owner)
+    session = await own_session(service, session_id, owner)
     if session is not None:
-        token = await _lock(server, session_id)
-        with _unlocked_on_error(server, session_id, token):
+        token = await _lock(service, session_id)
+        with _unlocked_on_error(service, session_id, token):
             _check_turn_messages(new)
     else:
         system = new.pop(0)["content"] if new[0]["role"] == "system" else None
         _check_turn_messages(new)
         if system is not None:
-            await check_system(server, system, "messages")
+            await check_system(service, system, "messages")
         session = Session(id=session_id, owner=owner, system=system, cache_salt=body.cache_salt)
-        token = await server.sessions.create_locked(session, server.settings.session_lock_s,
-                                                    server.settings.max_sessions_per_key)
+        token = await service.store.create_locked(session, service.limits.session_lock_s,
+                                                    service.limits.max_sessions_per_key)
         if token is None:  # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
-            raise busy(session_id) if await server.sessions.get(session_id, owner) else not_found(session_id)
-    return await run_turn(request, server, session, new, body, arrival, token)
+            raise busy(session_id) if await service.store.get(session_id, owner) else not_found(session_id)
+    return await run_turn(request, service, session, new, body, arrival, token)
 
 
 def _check_one_reply(body: SamplingFields) -> None:
@@ -213,61 +212,62 @@ def _check_turn_messages(new: list[dict[str, Any]]) -> None:
         raise APIError.bad_request("messages: must end with the user's new message", "messages")
 
 
-async def _lock(server: Serving, session_id: str) -> str:
-    token = await server.sessions.lock(session_id, server.settings.session_lock_s)
+async def _lock(service: SessionService, session_id: str) -> str:
+    token = await service.store.lock(session_id, service.limits.session_lock_s)
     if token is None:
         raise busy(session_id)
     return token
 
 
 @contextlib.contextmanager
-def _unlocked_on_error(server: Serving, session_id: str, token: str):
+def _unlocked_on_error(service: SessionService, session_id: str, token: str):
     """Release the turn's lock if the turn does not start (the release runs in the background)."""
     try:
         yield
     except BaseException:
-        server.spawn(_unlock_quietly(server, session_id, token))
+        service.spawn(_unlock_quietly(service, session_id, token))
         raise
 
 
-async def _unlock_quietly(server: Serving, session_id: str, token: str) -> None:
+async def _unlock_quietly(service: SessionService, session_id: str, token: str) -> None:
     with contextlib.suppress(SessionStoreUnavailable):
-        await server.sessions.unlock(session_id, token)
+        await service.store.unlock(session_id, token)
 
 
-async def run_turn(request: Request, server: Serving, session: Session, new: list[dict[str, Any]] | None,
+async def run_turn(request: Request, service: SessionService, session: Session, new: list[dict[str, Any]] | None,
                    body: SamplingFields, arrival: float, token: str) -> Response:
     """The turn, holding the session's lock (``token``): planned on the session as stored now, submitted, and
     recorded when its stream ends."""
     try:
-        await server.outbox.flush_session(session.id)
-        session = await server.sessions.get(session.id, session.owner) or session  # fresh, under the lock
+        await service.outbox.flush_session(session.id)
+        session = await service.store.get(session.id, session.owner) or session  # fresh, under the lock
         if new is not None:
-            _check_size(server, session, new)
-        plan = await _plan(server, session, new)
-        params = sampling_params(server, body, len(plan.prompt_ids))
-        stream = await server.submit(plan.prompt_ids, params, server.cache_salt(request, session.cache_salt),
-                                     arrival, request, body.priority)
+            _check_size(service, session, new)
+        plan = await _plan(service, session, new)
+        params = service.replies.sampling_params(body, len(plan.prompt_ids))
+        admission = service.admission
+        stream = await admission.submit(plan.prompt_ids, params, admission.cache_salt(request, session.cache_salt),
+                                        arrival, request, body.priority)
     except BaseException:
-        await _unlock_quietly(server, session.id, token)
+        await _unlock_quietly(service, session.id, token)
         raise
     if not session.title and new:
-        await server.sessions.set_title(session.id, session.owner, _title(new[-1]["content"]))
-    TurnRecorder(server, session, plan, token).start(stream)
-    return await answer_chat(request, server, body, stream, headers={"X-Session-ID": session.id})
+        await service.store.set_title(session.id, session.owner, _title(new[-1]["content"]))
+    TurnRecorder(service, session, plan, token).start(stream)
+    return await service.replies.answer_chat(request, body, stream, headers={"X-Session-ID": session.id})
 
 
-def _check_size(server: Serving, session: Session, new: list[dict[str, Any]]) -> None:
-    cap = server.settings.max_session_bytes
+def _check_size(service: SessionService, session: Session, new: list[dict[str, Any]]) -> None:
+    cap = service.limits.max_session_bytes
     size = session.stored_bytes() + sum(len(m["content"].encode()) for m in new)
     if size > cap:
         raise APIError(400, f"session_id: the session holds {size} bytes, over this server's cap of {cap} "
                        "(--max-session-bytes); start a new session", param="session_id", code="session_full")
 
 
-async def _plan(server: Serving, session: Session, new: list[dict[str, Any]] | None) -> TurnPlan:
+async def _plan(service: SessionService, session: Session, new: list[dict[str, Any]] | None) -> TurnPlan:
     if new is not None:
-        return await plan_turn(server, session, new)
+        return await plan_turn(service, session, new)
     try:
         return plan_regeneration(session)
     except ValueError as exc:

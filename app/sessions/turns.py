@@ -16,9 +16,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from app.serving import Serving, TimedStream
+from app.sessions.service import SessionService
+from app.timed_stream import TimedStream
 from app.sessions import conversation
-from app.sessions.store import Session, SessionStoreUnavailable
+from app.sessions.store import Session, SessionStore, SessionStoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +37,21 @@ def template_history(session: Session) -> list[dict[str, str]]:
     return head + [{"role": m["role"], "content": m["content"]} for m in session.messages]
 
 
-async def plan_turn(server: Serving, session: Session, new: list[dict[str, Any]]) -> TurnPlan:
+async def plan_turn(service: SessionService, session: Session, new: list[dict[str, Any]]) -> TurnPlan:
     """The prompt for ``new`` messages (ending with a user message) after the session's history."""
     new_template = [{"role": m["role"], "content": m["content"]} for m in new]
-    eos = server.engine.info.eos_token_ids
+    eos = service.engine.info.eos_token_ids
     history = template_history(session)
     try:
         if not session.token_ids:
-            ids = await server.prompts.in_thread(conversation.first_turn_ids, session.system, new_template)
+            ids = await service.prompts.in_thread(conversation.first_turn_ids, session.system, new_template)
         else:
-            ids = await server.prompts.in_thread(conversation.next_turn_ids, session.token_ids, history,
+            ids = await service.prompts.in_thread(conversation.next_turn_ids, session.token_ids, history,
                                                  new_template, eos)
     except conversation.NotAnExtension as exc:
         logger.warning("session %s: %s; re-rendering the whole conversation (fewer prefix-cache hits)",
                        session.id, exc)
-        ids = await server.prompts.in_thread(conversation.full_render_ids, history + new_template)
+        ids = await service.prompts.in_thread(conversation.full_render_ids, history + new_template)
     now = time.time()
     return TurnPlan(ids, session.messages + [{**m, "created_at": now} for m in new])
 
@@ -67,29 +68,29 @@ def plan_regeneration(session: Session) -> TurnPlan:
 class TurnRecorder:
     """Stores the turn when the stream ends (TimedStream.on_end), and keeps the session's lock alive meanwhile."""
 
-    server: Serving
+    service: SessionService
     session: Session  # as the turn found it (its revision is the one the turn is written over)
     plan: TurnPlan
     lock_token: str
     _refresher: asyncio.Task | None = None
 
     @property
-    def _store(self) -> Any:
-        return self.server.sessions
+    def _store(self) -> SessionStore:
+        return self.service.store
 
     def start(self, stream: TimedStream) -> None:
         stream.on_end = self._ended
-        self._refresher = self.server.spawn(self._keep_lock(weakref.ref(stream)))
+        self._refresher = self.service.spawn(self._keep_lock(weakref.ref(stream)))
 
     def _ended(self, stream: TimedStream) -> asyncio.Task:
         if self._refresher is not None:
             self._refresher.cancel()
-        task = self.server.spawn(self._save(stream))
+        task = self.service.spawn(self._save(stream))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by the answer, if it still waits
         return task
 
     async def _keep_lock(self, stream: weakref.ref[TimedStream]) -> None:
-        lock_s = self.server.settings.session_lock_s
+        lock_s = self.service.limits.session_lock_s
         while True:
             await asyncio.sleep(lock_s / 3)
             if stream() is None:  # dropped unread (client gone before the response started): free the session
@@ -101,9 +102,9 @@ class TurnRecorder:
 
     async def _save(self, stream: TimedStream) -> None:
         session = self._finished_session(stream)
-        saved = await self._save_within(session, self.server.settings.session_write_timeout_s)
+        saved = await self._save_within(session, self.service.limits.session_write_timeout_s)
         if saved is None:
-            self.server.outbox.put(session, self.lock_token)
+            self.service.outbox.put(session, self.lock_token)
             logger.error("session %s: the session store is unreachable; the turn is kept in memory until it is back",
                          session.id)
             stream.turn_pending = True

@@ -2,7 +2,7 @@
 the engine); also ``python -m app ...``.
 
 Every EngineConfig and ServerSettings option is a flag (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``),
-described in app/options.py (help, choices, units, environment variable); tests/test_cli.py checks that every
+described in app/options.py (help, choices, units, environment variable); tests/server/test_cli.py checks that every
 field of the dataclasses has its flag. Building the parser imports no torch, so ``--help`` and ``--version`` are
 instant; the dataclasses are imported when a command runs.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.core_process import CoreEndpoint
+from engine.core.core_process import CoreEndpoint
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.metrics import EngineStats
+from engine.core.metrics import EngineStats
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set (by the process runner) when several fronts serve
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.layers.sampler import TokenLogprobs
-from engine.outputs import Usage
+from engine.output.outputs import Usage
 
 
 @dataclass(slots=True)

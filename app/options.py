@@ -3,7 +3,7 @@ variable, for the command line (app/cli.py) and its ``--help``.
 
 This module imports nothing heavy (no torch), so ``pagedchat --help`` answers at once. The values themselves are
 checked where they are used, by EngineConfig and ServerSettings (whose defaults ``--help`` shows, as the
-``default`` text here: tests/test_cli.py holds the two together, and checks that every field has an option).
+``default`` text here: tests/server/test_cli.py holds the two together, and checks that every field has an option).
 """
 from __future__ import annotations
 

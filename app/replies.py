@@ -19,7 +19,7 @@ from app.protocol import ChatMessage, SamplingFields
 from app.request_body import cancel_on_disconnect
 from app.timed_stream import TimedStream
 from app.sse import sse_response
-from engine.outputs import RequestOutput
+from engine.output.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 

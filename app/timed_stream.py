@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from app.metrics import ServerMetrics
-from engine.outputs import RequestOutput
+from engine.output.outputs import RequestOutput
 from engine.request_stream import RequestStream
 
 

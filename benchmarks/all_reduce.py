@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import command_line, device_name, utc_now
-from engine import parallel_state
+from engine.worker import parallel_state
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

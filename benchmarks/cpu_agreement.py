@@ -1,5 +1,5 @@
 """How close each ``--cpu-weights`` mode stays to the float32 engine (token-exact with transformers), next to
-llama.cpp on the very GGUF file: 16 chat prompts (tests/test_cpu_weights.py's) x 64 greedy tokens (EOS ignored);
+llama.cpp on the very GGUF file: 16 chat prompts (tests/engine/test_cpu_weights.py's) x 64 greedy tokens (EOS ignored);
 per engine, the prompts whose first token equals float32's and the mean share of each output that is identical
 to float32's before the first difference.
 
@@ -13,9 +13,9 @@ import json
 import torch
 
 from engine.llm import LLM
-from engine.loader import _default_gguf_file
+from engine.worker.loader import _default_gguf_file
 from engine.sampling_params import SamplingParams
-from tests.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergence
+from tests.engine.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergence
 
 
 def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     shared, rows = light_intervals(engine, prompt, args.light_tokens, True, heavy_prompt, args.heavy_tokens)
     device = torch.cuda.get_device_name() if engine.config.torch_device.type == "cuda" else "cpu"
     print(f"device {device}; factor {engine.config.shared_step_time_factor}; "
-          f"prices {engine.scheduler.step_cost.prices()}")
+          f"prices {engine.core.scheduler.step_cost.prices()}")
     print(f"light alone:      {statistics.median(alone) * 1e3:.3f} ms per token (median)")
     print(f"beside n=128:     {statistics.median(shared) * 1e3:.3f} ms per token (median), "
           f"{statistics.mean(shared) * 1e3:.3f} mean; rows per step median {statistics.median(rows)}, "

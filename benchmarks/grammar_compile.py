@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.loader import ensure_default_model, load_tokenizer
+from engine.worker.loader import ensure_default_model, load_tokenizer
 from engine.sampling_params import StructuredOutput
-from engine.structured_output import GrammarCompiler
+from engine.output.structured_output import GrammarCompiler
 
 
 def enum_schema(entries: int) -> str:

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from engine.block_hash import BlockHasher
-from engine.block_manager import BlockManager
+from engine.core.block_hash import BlockHasher
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step_inputs import StepInputs
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.worker.step_inputs import StepInputs
 
 
 def decode_ready(batch: int, context: int, block_size: int, seed: int) -> tuple[Scheduler, StepInputs]:

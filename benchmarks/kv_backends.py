@@ -59,7 +59,7 @@ from benchmarks.waste import ModeResult, account, sample
 from benchmarks.workloads import Request, capped, nano_workload
 from engine.config import KV_BACKENDS, EngineConfig, resolve_device
 from engine.llm_engine import LLMEngine
-from engine.loader import DUMMY_ARCHITECTURES
+from engine.worker.loader import DUMMY_ARCHITECTURES
 from kernels.contiguous_attention import contiguous_decode_attention
 
 logger = logging.getLogger("benchmarks.kv_backends")
@@ -84,7 +84,7 @@ class KVSampler:
     def restart(self) -> None:
         engine = self.engine
         self.result, self.steps, self.peak_blocks = ModeResult(engine.config.kv_backend), 0, 0
-        self.preemptions, self.kv_stats = engine.scheduler.num_preemptions, engine.runner.kv.stats()
+        self.preemptions, self.kv_stats = engine.core.scheduler.num_preemptions, engine.runner.kv.stats()
         self.last = time.perf_counter()
 
     def __call__(self) -> Any:
@@ -133,12 +133,12 @@ def nano_row(engine: LLMEngine, run: Run, sampler: KVSampler) -> dict[str, Any]:
     config, kv, result = engine.config, engine.runner.kv, sampler.result
     return {"model": config.model_config, "backend": config.kv_backend, "error": None,
             "block_size": config.block_size, "bytes_per_block": kv.bytes_per_block,
-            "page_bytes": getattr(kv, "page_bytes", None), "num_blocks": engine.block_manager.num_blocks,
+            "page_bytes": getattr(kv, "page_bytes", None), "num_blocks": engine.core.block_manager.num_blocks,
             "start_seconds": run.start_seconds, "warmup_seconds": run.warmup_seconds, "seconds": run.seconds,
             "output_tokens": run.output_tokens, "tok_s": run.tok_s, "steps": run.steps,
             **memory(engine, result), "peak_blocks": sampler.peak_blocks, "mean_running": result.mean_running,
             "max_running": result.max_running, "samples": result.samples, "sample_seconds": result.sample_seconds,
-            "preemptions": engine.scheduler.num_preemptions - sampler.preemptions,
+            "preemptions": engine.core.scheduler.num_preemptions - sampler.preemptions,
             "allocation": allocation(sampler.kv_stats, kv.stats(), engine.runner.model.args.num_layers)}
 
 
@@ -153,7 +153,7 @@ def run_backend(args: argparse.Namespace, model: str, backend: str, requests: li
     sampler = None
     try:
         run = run_ours(engine, requests, start_seconds)  # throughput: nothing else on the host
-        engine.block_manager.reset_prefix_cache()
+        engine.core.block_manager.reset_prefix_cache()
         sampler = KVSampler(engine, args.sample_every)  # memory: the same run again, sampled
         run_ours(engine, requests, start_seconds)
         return nano_row(engine, run, sampler)

@@ -71,7 +71,7 @@ def preemption_part(args: argparse.Namespace) -> list[dict[str, Any]]:
                               swap_space_gib=args.swap_space_gib, max_model_len=args.max_model_len)
         warm_up(engine, 64)
         before = engine.stats()
-        swaps_before = engine.scheduler.num_swap_outs
+        swaps_before = engine.core.scheduler.num_swap_outs
         seconds, outputs = run_load(engine, load)
         after = engine.stats()
         first_outputs = first_outputs or outputs
@@ -79,7 +79,7 @@ def preemption_part(args: argparse.Namespace) -> list[dict[str, Any]]:
         tokens = sum(len(t) for t in outputs.values())
         rows.append({"mode": mode, "seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
                      "preemptions": after.preemptions - before.preemptions,
-                     "swap_outs": engine.scheduler.num_swap_outs - swaps_before,
+                     "swap_outs": engine.core.scheduler.num_swap_outs - swaps_before,
                      "block_bytes": engine.runner.bytes_per_block, "same_tokens_as_first_mode": same})
         logger.info("%s", rows[-1])
         device = engine.config.torch_device

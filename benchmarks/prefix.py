@@ -137,7 +137,7 @@ def run_both(args: argparse.Namespace, prompts: dict[str, list[int]]) -> tuple[l
     results, engine_info = [], {}
     for caching in (True, False):
         engine = build_engine(args, enable_prefix_caching=caching, num_kv_blocks=args.num_kv_blocks)
-        engine_info = {"num_kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
+        engine_info = {"num_kv_blocks": engine.core.block_manager.num_blocks, "block_size": engine.config.block_size,
                        "max_num_seqs": engine.config.max_num_seqs,
                        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                        "async_scheduling": engine.config.async_scheduling, "dtype": str(engine.config.torch_dtype)}

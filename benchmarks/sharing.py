@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(args, seed=args.seed, num_kv_blocks=args.num_kv_blocks)
     device, block = engine.config.torch_device, engine.config.block_size
     results = [run_mode(engine, mode, prompt, width, args.output_len, args.seed) for mode, width in modes(args.n)]
-    assert engine.scheduler.num_preemptions == 0, "the pool was too small: preemption distorts the counts"
+    assert engine.core.scheduler.num_preemptions == 0, "the pool was too small: preemption distorts the counts"
     del engine
     release_memory(device)
     bounds = {r.sequences: -(-args.prompt_len // block) + r.sequences * (-(-args.output_len // block) + 1)

@@ -17,7 +17,7 @@ Checked at the end (exit status 1 if any fails):
 - each tenant's TPOT p50 within 2x its unloaded TPOT p50.
 
     python -m benchmarks.soak --duration 1800          # the 30-minute run (docs/BENCHMARKS.md)
-    python -m benchmarks.soak --duration 120           # CI's run (tests/test_soak.py)
+    python -m benchmarks.soak --duration 120           # CI's run (tests/server/test_soak.py)
 """
 from __future__ import annotations
 

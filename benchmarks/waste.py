@@ -46,10 +46,10 @@ from benchmarks.common import (
     warm_up,
 )
 from benchmarks.workloads import NANO_LENGTHS, Request, nano_workload
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 
 logger = logging.getLogger("benchmarks.waste")
 
@@ -122,12 +122,12 @@ class ReservingScheduler(Scheduler):
 def install_scheduler(engine: LLMEngine, mode: str) -> None:
     """A fresh scheduler of ``mode`` over the engine's block manager (call with no request in the engine)."""
     config = engine.config
-    args = (engine.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-    engine.scheduler = Scheduler(*args) if mode == "paged" else ReservingScheduler(*args, mode, config.max_model_len)
+    args = (engine.core.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+    engine.core.scheduler = Scheduler(*args) if mode == "paged" else ReservingScheduler(*args, mode, config.max_model_len)
 
 
 def reserved_slots(engine: LLMEngine, allocated_slots: int) -> int:
-    scheduler = engine.scheduler
+    scheduler = engine.core.scheduler
     return scheduler.reserved_slots if isinstance(scheduler, ReservingScheduler) else allocated_slots
 
 
@@ -181,9 +181,9 @@ class Sample:
 def sample(engine: LLMEngine) -> Sample:
     """The state between two steps, stamped with the time it was taken from."""
     now = time.perf_counter()
-    blocks = engine.block_manager.stats()
+    blocks = engine.core.block_manager.stats()
     return Sample(now, blocks.used_slots, reserved_slots(engine, blocks.allocated_slots),
-                  blocks.allocated_slots, len(engine.scheduler.running))
+                  blocks.allocated_slots, len(engine.core.scheduler.running))
 
 
 def account(result: ModeResult, taken: Sample, seconds: float) -> None:
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_mode(engine, mode, requests, args.sample_every))
         logger.info("%s: %s", mode, results[-1].summary())
     env = environment(config.torch_device, load_before, "benchmarks.waste")
-    pool = {"num_kv_blocks": engine.block_manager.num_blocks, "block_size": config.block_size,
-            "pool_slots": engine.block_manager.num_blocks * config.block_size, "max_model_len": config.max_model_len,
+    pool = {"num_kv_blocks": engine.core.block_manager.num_blocks, "block_size": config.block_size,
+            "pool_slots": engine.core.block_manager.num_blocks * config.block_size, "max_model_len": config.max_model_len,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "async_scheduling": config.async_scheduling, "dtype": str(config.torch_dtype)}
     if args.json:

@@ -13,7 +13,7 @@ def __getattr__(name: str):  # the heavy parts load on first use
         from engine.llm_engine import LLMEngine
         return LLMEngine
     if name == "RequestOutput":
-        from engine.outputs import RequestOutput
+        from engine.output.outputs import RequestOutput
         return RequestOutput
     if name == "AsyncEngine":
         from engine.async_engine import AsyncEngine

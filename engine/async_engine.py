@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_info import CoreInfo, check_priority, check_request
-from engine.core_messages import (
+from engine.core.core_info import CoreInfo, check_priority, check_request
+from engine.core.core_messages import (
     AbortRequest,
     AddFailed,
     AddRequest,
@@ -46,10 +46,10 @@ from engine.core_messages import (
     encoder,
     from_core_decoder,
 )
-from engine.core_process import CoreEndpoint, LaunchedCore, launch_core
-from engine.grammar_worker import GrammarWorkers, WorkerSetup
-from engine.metrics import EngineStats
-from engine.output_processor import OutputProcessor
+from engine.core.core_process import CoreEndpoint, LaunchedCore, launch_core
+from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.core.metrics import EngineStats
+from engine.output.output_processor import OutputProcessor
 from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -122,7 +122,7 @@ class AsyncEngine:
             raise
         self.info, self._stats = ready.info, ready.stats
         ready.info.apply_to(self.config)
-        from engine.loader import load_tokenizer  # (here: the model code is the core's, not imported by the front)
+        from engine.worker.loader import load_tokenizer  # (here: the model code is the core's, not imported by the front)
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, ready.info.model_path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
@@ -214,7 +214,7 @@ class AsyncEngine:
         check_request(self.info, prompt_token_ids, params, grammars)
 
     async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
-        """``spec`` checked and compiled in a grammar worker process (engine/grammar_worker.py: a large schema takes
+        """``spec`` checked and compiled in a grammar worker process (engine/output/grammar_worker.py: a large schema takes
         seconds and hundreds of MB), within ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither
         ``generate`` nor the core compiles it again. ValueError naming ``response_format`` when it cannot be
         compiled, takes too long or too much memory."""
@@ -299,7 +299,7 @@ class AsyncEngine:
 
     def _grammar_compiler(self) -> Any:
         if self._grammars is None:
-            from engine.structured_output import GrammarCompiler
+            from engine.output.structured_output import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
         return self._grammars

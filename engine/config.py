@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.layers.quantized_linear import CPU_WEIGHTS
-from engine.parallel_state import ALL_REDUCE_CHOICES
+from engine.worker.parallel_state import ALL_REDUCE_CHOICES
 from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -87,7 +87,7 @@ class EngineConfig:
     # has) | avx2 | avx512 | avx512_vnni; a level the CPU lacks is refused ($PAGEDCHAT_CPU_ISA when set)
     cpu_isa: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_CPU_ISA") or "auto")
     # tensor parallelism: each layer split over this many devices, one process each (the engine core is rank 0 and
-    # starts the others; engine/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
+    # starts the others; engine/worker/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
     tensor_parallel_size: int = 1
     # how the ranks' partial sums are added on CUDA: auto (small all-reduces, a decode step's, through PyTorch's
     # symmetric memory in one kernel when the GPUs reach each other's memory; NCCL for the rest) | nccl

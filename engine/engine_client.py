@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from typing import Any, Protocol, runtime_checkable
 
-from engine.core_info import CoreInfo
-from engine.metrics import EngineStats
+from engine.core.core_info import CoreInfo
+from engine.core.metrics import EngineStats
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
 

@@ -7,7 +7,7 @@ from typing import Any
 from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, best_choices
-from engine.outputs import RequestOutput
+from engine.output.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 

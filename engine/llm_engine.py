@@ -7,15 +7,15 @@ import dataclasses
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.metrics import EngineCounters, EngineStats
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput, SampleDelta, Usage
+from engine.core.engine_core import EngineCore
+from engine.core.metrics import EngineCounters, EngineStats
+from engine.worker.model_runner import ModelRunner
+from engine.output.output_processor import OutputProcessor
+from engine.output.outputs import RequestOutput, SampleDelta, Usage
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduler import ScheduledBatch, Scheduler
 
 __all__ = ["LLMEngine", "RequestOutput", "Usage", "best_choices"]
 

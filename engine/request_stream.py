@@ -5,8 +5,8 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from engine.output_processor import SampleState
-from engine.outputs import RequestOutput
+from engine.output.output_processor import SampleState
+from engine.output.outputs import RequestOutput
 
 
 class RequestFailedError(RuntimeError):

@@ -1,6 +1,6 @@
 """The CPU decode path, lean: the reference's arithmetic (so float32 stays token-exact with transformers), with
 what every layer of a pass would recompute done once per pass. The attention layers keep the per-pass values
-in the forward context's ``memo``; tests/test_cpu_kernels.py checks each function against kernels/reference.py.
+in the forward context's ``memo``; tests/kernels/test_cpu_kernels.py checks each function against kernels/reference.py.
 
 Per layer and step the reference spends most of a small model's CPU time outside the matmuls (measured with
 torch.profiler: docs/BENCHMARKS.md, issue 15): gathering cos/sin rows, the block ids and visibility mask of

@@ -10,8 +10,8 @@ import struct
 
 import xxhash
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence
 
 ROOT_TAG = "pagedchat-block-root-v1"
 

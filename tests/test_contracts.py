@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kv_backend import KVBackend, PagedKV, VAttentionKV, make_kv_backend
-from engine.loader import dummy_hf_config
+from engine.worker.loader import dummy_hf_config
 from engine.models.llama import LlamaArgs
 
 

@@ -23,10 +23,10 @@ MAX_MODULE_LINES = 420  # the rule is "~400 lines"; 420 leaves a little slack be
 MAX_FUNCTION_LINES = 50  # STYLE.md says ~40 "without a reason"; 50 is where no reason is good enough
 SIZE_CHECKED = ("engine", "app")
 HOT_PATH = (
-    "engine/scheduler.py", "engine/block_manager.py", "engine/block_pool.py", "engine/model_runner.py",
-    "engine/step_inputs.py", "engine/engine_core.py", "engine/output_processor.py", "engine/detokenizer.py",
-    "engine/layers/*.py", "engine/models/*.py", "engine/kv_backend/*.py", "engine/cuda_graphs.py",
-    "engine/core_process.py",
+    "engine/core/scheduler.py", "engine/core/block_manager.py", "engine/core/block_pool.py", "engine/worker/model_runner.py",
+    "engine/worker/step_inputs.py", "engine/core/engine_core.py", "engine/output/output_processor.py", "engine/output/detokenizer.py",
+    "engine/layers/*.py", "engine/models/*.py", "engine/kv_backend/*.py", "engine/worker/cuda_graphs.py",
+    "engine/core/core_process.py",
 )
 
 

@@ -7,7 +7,7 @@ size), backed by the physical pages of KV block ``table[i]``. The block manager 
 holds which tokens (and shares prefix blocks by hash); here those blocks are *mapped* into each slot, so a
 shared block is one physical page seen at two virtual addresses, never a copy.
 
-Rules the tests check with a fake driver (tests/test_slot_pages.py):
+Rules the tests check with a fake driver (tests/engine/test_slot_pages.py):
 - a slot's page is mapped to exactly the block its sequence's table names (maps only where it differs);
 - a page already mapped to another block is unmapped first, and that happens only for a live slot whose own
   block changed (copy-on-write), after the caller made sure no step in flight still reads it;

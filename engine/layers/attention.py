@@ -8,7 +8,7 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 from kernels import lean_cpu, ops as kernel_ops
-from engine.forward_context import AttentionMetadata, get_attention_metadata
+from engine.worker.forward_context import AttentionMetadata, get_attention_metadata
 
 
 class PagedAttention(nn.Module):

@@ -1,7 +1,7 @@
 """Linear and Embedding without random initialisation: every weight comes from the loader (which fails on
 any tensor left unset), so initialising 100M+ parameters first would only cost seconds at start.
 
-Their tensor-parallel forms (engine/parallel_state.py): a column-parallel layer holds this rank's slice of the
+Their tensor-parallel forms (engine/worker/parallel_state.py): a column-parallel layer holds this rank's slice of the
 outputs, a row-parallel layer this rank's slice of the inputs and adds the ranks' partial outputs with one
 all-reduce (its bias once, after the sum), and the vocabulary-parallel embedding this rank's rows of the
 table. With one rank each is the plain layer.
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel_state
+from engine.worker import parallel_state
 
 
 class Linear(nn.Linear):

@@ -12,7 +12,7 @@ measured by ``benchmarks/cpu_quant_linear.py``) and returns float32:
   (``_weight_int4pack_mm_for_cpu``), whose dequantization is ``(q - 8) * scale + zero``: ``scale = d``,
   ``zero = m + 8 d``, both held in bfloat16 (the kernel's type). From a Q4_1 GGUF the codes are the file's own;
   ``d`` and ``m + 8 d`` (from the file's float16 ``d`` and ``m``) are rounded to bfloat16 (8 significant bits),
-  which moves a weight by at most ~0.06 of its block's scale ``d`` (measured, tests/test_cpu_weights.py) — well
+  which moves a weight by at most ~0.06 of its block's scale ``d`` (measured, tests/engine/test_cpu_weights.py) — well
   under one 4-bit step (``d``).
 - ``int8``: per output channel, symmetric (``_weight_int8pack_mm``).
 - ``bfloat16``: the weight in bfloat16 (oneDNN; AMX where the CPU has it).

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.forward_context import pass_memo
+from engine.worker.forward_context import pass_memo
 from kernels import cpu as cpu_kernels
 from kernels import lean_cpu, ops as kernel_ops
 

@@ -28,7 +28,7 @@ from itertools import chain
 
 import torch
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1

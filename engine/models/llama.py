@@ -3,7 +3,7 @@
 Weights use the Hugging Face names, except that q/k/v and gate/up are fused into one matmul each;
 ``load_weights`` places each HF tensor into its shard of the fused parameter.
 
-Under tensor parallelism (engine/parallel_state.py) each rank builds the layers of its shard: its heads of
+Under tensor parallelism (engine/worker/parallel_state.py) each rank builds the layers of its shard: its heads of
 q/k/v (kv heads replicated where the ranks outnumber them), its columns of gate/up, the matching inputs of
 o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only that slice of each tensor.
 """
@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from engine import parallel_state
+from engine.worker import parallel_state
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Q4Q8_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
                                             quantized_linear)

@@ -5,7 +5,7 @@ path makes ~12 ``nn.Module`` calls and ~40 tensor ops, each a few microseconds o
 (profile: docs/BENCHMARKS.md, issue 15). This pass walks the same layers' tensors directly and keeps the
 projections' outputs in their kernel's type instead of converting each to float32 first: a bfloat16 value
 promotes exactly, so adding it to the float32 residual, rotating it by float32 cos/sin or taking float32 SiLU
-of it gives the very numbers the module path computes. ``tests/test_cpu_native.py`` holds it bit-equal to the
+of it gives the very numbers the module path computes. ``tests/kernels/test_cpu_native.py`` holds it bit-equal to the
 module path, and the native decode step (kernels/cpu_decode.cpp) to it.
 
 The residual stream, norms, rotary embedding, attention and KV cache stay float32; a projection's input is what
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import AttentionMetadata, get_attention_metadata
+from engine.worker.forward_context import AttentionMetadata, get_attention_metadata
 from engine.layers.quantized_linear import Q4Linear
 from kernels import cpu as cpu_kernels
 from kernels.cpu_native import CpuKernels

@@ -31,8 +31,8 @@ def generate_checked(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out.token_ids
-        s = engine.scheduler
-        check_pool(engine.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
+        s = engine.core.scheduler
+        check_pool(engine.core.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
     return [finals[f"r{i}"] for i in range(len(batch))]
 
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.layers.sampler import Sampler, draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 

@@ -1,0 +1,393 @@
+"""Runs one scheduled batch: packs its inputs (engine/worker/step_inputs.py), runs the model under the forward
+context (eagerly, or by replaying a CUDA graph for a decode-only batch), and samples the sequences whose
+chunk reached their end. Nothing is read back here: ``execute`` returns a ``LaunchedStep`` whose ``wait``
+gives the sampled ids, so the engine can prepare the next step while the device runs this one.
+Also owns the KV cache tensors and sizes them.
+
+Under tensor parallelism every rank has a runner over its shard. Rank 0's (``workers`` given) schedules and
+samples: each command it carries out on its device goes to the other ranks first (engine/worker/worker_group.py),
+whose runners repeat it on theirs (``follow_step`` for a step), and its sampled ids are broadcast to them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels import ops as kernel_ops
+from engine.worker import parallel_state
+from engine.config import EngineConfig
+from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
+from engine.worker.forward_context import AttentionMetadata, forward_context
+from engine.kv_backend import make_kv_backend
+from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence
+from engine.worker.step_inputs import ContiguousSlots, StepInputs, StepTensors
+from engine.output.structured_output import token_masks
+from engine.worker.worker_group import (AllocateHostCache, AllocateKv, CaptureGraphs, MemoryInfo, ReleaseKv, RunStep,
+                                 WorkerGroup)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose sampled ids are on their way to the host."""
+
+    seqs: list[Sequence]  # the sampled sequences, in row order
+    sampled: SamplerOutput | None  # None when no entry of the step reached its end
+    host_ids: torch.Tensor  # [rows] the sampled ids' host copy (pinned on CUDA), valid after ``event``
+    event: torch.cuda.Event | None
+    prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
+    pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
+    failures: dict[int, str] = field(default_factory=dict)  # row -> why its request failed (token is void)
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> log_softmax [vocab] (beams)
+
+    def feed_rows(self) -> dict[int, int]:
+        """seq_id -> row of its sampled id, for the next step's inputs."""
+        return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+
+    def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Block until the sampled ids are on the host; the ids and (where asked) their logprobs."""
+        if self.sampled is None:
+            return [], []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_ids.tolist(), self.sampled.logprobs()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, workers: WorkerGroup | None = None) -> None:
+        """``workers``: the other tensor-parallel ranks, which this (rank 0's) runner drives."""
+        self.config = config
+        self.model = model
+        self.workers = workers
+        self.device = config.torch_device
+        # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
+        # wait for the step in flight, hence up to twice the running limit
+        self.num_slots = 2 * config.max_num_seqs + 2
+        self.kv = make_kv_backend(config.kv_backend, model.shard_args, config.torch_dtype, self.device, config.block_size,
+                                  config.max_model_len, self.num_slots)
+        if self.kv.block_size != config.block_size:
+            logger.info("kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
+                        config.kv_backend, self.kv.block_size, self.kv.page_bytes >> 20)
+            config.block_size = self.kv.block_size
+        self.block_size = config.block_size
+        self.sampler = Sampler()
+        self.k_caches = torch.empty(0)
+        self.host_k_caches = self.host_v_caches = torch.empty(0)  # swap space, when preemption may swap
+        self.num_parameters = model.num_parameters  # (recompute cost estimates)
+        self.v_caches = torch.empty(0)
+        self.inputs: StepInputs | None = None
+        self.graphs: DecodeGraphs | None = None
+        # decode-only batches up to max_graph_batch_size are padded to a graph size, also with --enforce-eager,
+        # so that eager and graph runs compute the same shapes and give the same tokens
+        max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
+        self.graph_sizes = graph_sizes(max_padded) if max_padded else []
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and bool(self.graph_sizes)
+        num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
+        self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
+        self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                          for _ in range(2)]
+        self._turn = 0
+        self.graph_tables = torch.empty(0, dtype=torch.int32)
+        self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded (graph) size
+        self.graph_logits = torch.empty(0)
+        if self.device.type == "cpu":
+            model.store_weights_column_major()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv.bytes_per_block
+
+    # KV cache sizing ---------------------------------------------------------------------------------
+
+    def num_blocks_for_budget(self) -> int:
+        """KV blocks that fit: the configured CPU budget, or on CUDA the memory left under
+        ``gpu_memory_utilization`` after the weights, a warm-up pass of the largest batch and the CUDA graphs."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return int(self.config.kv_cache_memory_gib * 2**30) // self.bytes_per_block
+        ranks = [torch.cuda.mem_get_info(self.device)]
+        if self.workers is not None:
+            ranks += self.workers.gather(MemoryInfo())
+        peak = self._warm_up_peak_memory()  # (rank 0's: the ranks hold equal shards)
+        budget = min(total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks) - peak
+        return max(0, int(budget)) // self.bytes_per_block
+
+    def size_kv_cache(self) -> int:
+        """Allocate the KV pool of the memory budget (capping ``max_model_len`` to what it holds); its blocks."""
+        config = self.config
+        num_blocks = self.num_blocks_for_budget()
+        if num_blocks < 2:
+            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {self.bytes_per_block} bytes; "
+                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
+        if config.max_model_len > num_blocks * config.block_size:
+            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
+                           num_blocks * config.block_size)
+            config.max_model_len = num_blocks * config.block_size
+        self.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
+                    config.block_size, num_blocks * self.bytes_per_block / 2**30,
+                    num_blocks * config.block_size, config.max_model_len)
+        return num_blocks
+
+    def _warm_up_peak_memory(self) -> int:
+        """Activation memory of a forward pass over ``max_num_batched_tokens`` tokens (a scratch KV), plus
+        what the CUDA graph of the largest decode batch holds (captured once on the scratch KV)."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        seq = Sequence(seq_id=-1, request_id="warm-up", token_ids=[0] * num_tokens, params=SamplingParams(temperature=0.0))
+        seq.block_table = list(range(-(-num_tokens // self.block_size)))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[num_tokens]), None).wait()
+        self.inputs.forget(seq)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        graph_bytes = 0
+        if self.use_graphs:
+            self.capture_graphs([self.graph_sizes[-1]])
+            graph_bytes = self.graphs.memory_bytes
+        # the step buffers are allocated again, at their final size, beside the real KV cache
+        buffers = self.graph_logits.nbytes + self.graph_tables.nbytes + self.inputs.device_buffer.nbytes
+        self.release_kv_cache()
+        return peak + graph_bytes + buffers
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (at shutdown: NCCL collectives captured in them hold the communicator until the
+        graphs are gone, so they go before the process group does)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache and the graphs recorded over it (the warm-up's scratch ones)."""
+        if self.workers is not None:
+            self.workers.send(ReleaseKv())
+        self.graphs = None
+        self.kv.free()
+        self.k_caches = self.v_caches = torch.empty(0)
+        torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The KV backend's memory for ``num_blocks`` blocks (block-addressed ``k_caches``/``v_caches``
+        ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap); each attention
+        layer gets its layer's view. Also the step input buffers, sized by the (now final) ``max_model_len``."""
+        args, config, kv = self.model.args, self.config, self.kv
+        if self.workers is not None:
+            self.workers.send(AllocateKv(num_blocks, config.max_model_len))
+        kv.allocate(num_blocks)
+        self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = kv.layer_caches(i)
+        max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
+        slots = (ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row, kv.choose_slot, kv.claim_slot)
+                 if kv.contiguous else None)
+        self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
+                                 config.max_num_seqs + 1, config.max_blocks_per_seq, slots)
+        if self.graph_sizes:
+            width = 1 if kv.contiguous else config.max_blocks_per_seq  # (contiguous: the slot ids)
+            self.graph_tables = torch.full((self.graph_sizes[-1], width), kv.scratch_slot, dtype=torch.int32,
+                                           device=self.device)
+            self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
+                                            device=self.device)
+
+    def allocate_host_pools(self) -> tuple[int, int]:
+        """Host blocks for swapped-out sequences and for the host tier of the prefix cache, allocated as one pool
+        (``swap_space_gib`` where preemption may swap, ``host_cache_gib`` with prefix caching); their counts."""
+        config = self.config
+        num_swap = num_cache = 0
+        if config.preemption_mode != "recompute":
+            num_swap = int(config.swap_space_gib * 2**30) // self.bytes_per_block
+        if config.enable_prefix_caching:
+            num_cache = int(config.host_cache_gib * 2**30) // self.bytes_per_block
+        if num_swap + num_cache:
+            self.allocate_host_cache(num_swap + num_cache)
+        if num_cache:
+            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_cache,
+                        num_cache * self.bytes_per_block / 2**30)
+        return num_swap, num_cache
+
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        """The host pool for swapped-out blocks, the device cache's layout (pinned on CUDA, so copies are DMA
+        transfers); uninitialised: a block is read only after a swap-out wrote it."""
+        if self.workers is not None:
+            self.workers.send(AllocateHostCache(num_blocks))
+        shape = (self.k_caches.shape[0], num_blocks, *self.k_caches.shape[2:])
+        pinned = self.device.type == "cuda"
+        self.host_k_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
+        self.host_v_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
+
+    def _swap(self, pairs: list[tuple[int, int]], src: tuple[torch.Tensor, torch.Tensor],
+              dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        kernel_ops.swap_blocks(src[0], dst[0], mapping)
+        kernel_ops.swap_blocks(src[1], dst[1], mapping)
+
+    def capture_graphs(self, sizes: list[int] | None = None) -> None:
+        """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``) of
+        ``sizes`` (all of ``graph_sizes``)."""
+        if not self.use_graphs:
+            return
+        sizes = sizes or self.graph_sizes
+        if self.workers is not None:
+            self.workers.send(CaptureGraphs(sizes))
+        self.graphs = DecodeGraphs(self._decode_pass, sizes, self.device, self._idle_inputs)
+
+    # one step ---------------------------------------------------------------------------------------
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left the running batch for good (finished): release its input rows."""
+        self.inputs.forget(seq)
+
+    def settle(self) -> None:
+        """The engine went idle: slots of finished sequences are released now (their pages stay mapped for the
+        next requests: vattention's deferred reclamation)."""
+        if self.kv.contiguous:
+            self.inputs.drain()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:
+        """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
+        pending in ``in_flight`` are fed from its sampled ids on the device."""
+        start = time.perf_counter()
+        pad = None
+        if batch.num_decodes == len(batch.seqs):
+            pad = padded_size(self.graph_sizes, len(batch.seqs))
+        step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
+        num_rows = len(batch.sampling_seqs)
+        if self.workers is not None:
+            self.workers.send(RunStep(self.inputs.layout, pad, num_rows, batch.swap_out, batch.block_copies,
+                                      batch.swap_in), memoryview(self.inputs.packed.numpy()))
+        self._move_blocks(batch.swap_out, batch.block_copies, batch.swap_in)
+        if self.kv.contiguous:
+            inputs = self.inputs
+            self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, inputs.ends, self._wait_for_device)
+        prepared = time.perf_counter()
+        if pad is not None:
+            logits = self._padded_decode(step, pad, len(batch.seqs))
+            if num_rows != len(batch.seqs) or batch.forks:  # (some rows not sampled, or sampled twice)
+                logits = logits[step.sample_rows]
+        else:
+            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
+        launched = self._sample(logits, batch.sampling_seqs, prepared - start)
+        self.inputs.step_launched()
+        return launched
+
+    def follow_step(self, command: RunStep, payload: memoryview) -> None:
+        """Another rank's side of rank 0's ``execute``: the same block moves and forward pass over this rank's
+        shard (the collectives meet rank 0's), then the sampled ids rank 0 broadcasts."""
+        self._move_blocks(command.swap_out, command.block_copies, command.swap_in)
+        step = self.inputs.unpack(payload, command.layout)
+        if command.pad is not None:
+            self._padded_decode(step, command.pad, command.layout.num_seqs)
+        else:
+            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            if command.num_sampled:
+                self.model.compute_logits(hidden[step.sample_rows])
+        if command.num_sampled:
+            parallel_state.broadcast_from_driver(self.last_sampled[:command.num_sampled])
+
+    def _move_blocks(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
+                     swap_in: list[tuple[int, int]]) -> None:
+        # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
+        if swap_out:
+            self._swap(swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches))
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+            kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+        if swap_in:
+            self._swap(swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches))
+
+    def _wait_for_device(self) -> None:
+        """(A contiguous backend about to remap a page that the step in flight may read.)"""
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def _padded_decode(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
+        self.padded_steps[size] += 1
+        rows, width = step.metadata.block_tables.shape
+        self.graph_tables[:rows, :width].copy_(step.metadata.block_tables)
+        logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
+        return logits[:num_seqs]
+
+    def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
+        if logits is None:
+            return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
+        beam_rows = [i for i, seq in enumerate(seqs) if seq.params.use_beam_search]
+        beam_logprobs = {}
+        if beam_rows:  # float32 like transformers' beam search; the sampled token of these rows is not used
+            log_probs = torch.log_softmax(logits[beam_rows].float(), dim=-1)
+            beam_logprobs = dict(zip(beam_rows, log_probs))
+        sampled, failures = self._sample_rows(logits, seqs)
+        rows = len(seqs)
+        self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
+        if rows and self.workers is not None:
+            parallel_state.broadcast_from_driver(self.last_sampled[:rows])
+        if self.device.type != "cuda":
+            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
+                                beam_logprobs=beam_logprobs)
+        host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
+        self._turn += 1
+        host.copy_(sampled.token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures,
+                            beam_logprobs=beam_logprobs)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[int, str]]:
+        """Sample every row; a row whose own parameters or grammar make sampling fail is reported (its request
+        ends with an error) and the batch is sampled again with a plain greedy stand-in for it."""
+        mask, failures = token_masks(seqs, logits.shape[-1])
+        if mask is not None and self.device.type == "cuda":
+            mask = mask.pin_memory().to(self.device, non_blocking=True)  # from pageable memory it would sync
+        eos = self.config.eos_token_ids
+        try:
+            return self.sampler(logits, seqs, eos, mask), failures
+        except Exception:  # noqa: BLE001 - find the row at fault; none found means a fault of the whole step
+            for i, seq in enumerate(seqs):
+                try:
+                    self.sampler(logits[i:i + 1], [seq], eos, None if mask is None else mask[i:i + 1])
+                except Exception as exc:  # noqa: BLE001
+                    failures[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+            if not failures:
+                raise
+        stand_ins = [_greedy_stand_in(seq) if i in failures else seq for i, seq in enumerate(seqs)]
+        return self.sampler(logits, stand_ins, eos, mask), failures
+
+    def _forward(self, input_ids: torch.Tensor, feed: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        """The model over one step's tokens; pending ids (``feed >= 0``) come from the last sampled ids."""
+        input_ids = torch.where(feed >= 0, self.last_sampled[feed.clamp(min=0)], input_ids)
+        with forward_context(metadata):
+            return self.model(input_ids, positions)
+
+    def _decode_pass(self, size: int) -> torch.Tensor:
+        """One decode pass over the static inputs of graph size ``size`` (what each graph records)."""
+        view = self.inputs.decode_view(size)
+        tables = self.graph_tables[:size]
+        metadata = AttentionMetadata(slot_mapping=view.slots, block_tables=tables, context_lens=view.context_lens,
+                                     num_decodes=size, prefill_cu_seqlens_q=view.cu_seqlens,
+                                     slot_ids=tables[:, 0] if self.kv.contiguous else None,
+                                     max_context_len=self.config.max_model_len)
+        hidden = self._forward(view.ids, view.feed, view.positions, metadata)
+        return self.model.compute_logits(hidden, out=self.graph_logits[:size])
+
+    def _idle_inputs(self, size: int) -> None:
+        """Static inputs of a harmless batch (every row a padding row) for capture."""
+        self.inputs.decode_view(size).fill_padding()
+
+
+def _greedy_stand_in(seq: Sequence) -> Sequence:
+    """Takes a failed row's place in a batch: sampled greedily, its token is thrown away."""
+    return Sequence(seq_id=seq.seq_id, request_id=f"{seq.request_id} (stand-in)",
+                    token_ids=list(seq.token_ids[-1:]), params=SamplingParams(temperature=0.0))

@@ -68,6 +68,7 @@ class PeerAllReduce:
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self._two_shot_out = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)  # (newer torch)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.is_contiguous() and self.min_bytes <= x.nbytes <= self.max_bytes and x.nbytes % 16 == 0
@@ -77,10 +78,10 @@ class PeerAllReduce:
         return self.buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged, ops = self.staged(x), torch.ops.symm_mem
-        if hasattr(ops, "two_shot_all_reduce_out"):
-            return ops.two_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
-        return ops.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
+        staged = self.staged(x)
+        if self._two_shot_out is not None:
+            return self._two_shot_out(staged, "sum", self.group_name, torch.empty_like(x))
+        return torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The one-shot sum (each rank reads every rank's whole part), for benchmarks/all_reduce.py."""

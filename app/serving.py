@@ -31,7 +31,6 @@ from engine.engine_client import EngineClient
 class Serving:
     engine: EngineClient
     metrics: ServerMetrics
-    prompts: PromptRenderer
     admission: Admission
     replies: ReplyWriter
     sessions: SessionService
@@ -48,6 +47,10 @@ class Serving:
     def max_model_len(self) -> int:
         return self.replies.max_model_len
 
+    @property
+    def prompts(self) -> PromptRenderer:
+        return self.replies.prompts
+
 
 def build_serving(settings: ServerSettings, engine: EngineClient, front: Front, model_name: str,
                   store: SessionStore, session_chat: SessionChat) -> Serving:
@@ -63,5 +66,5 @@ def build_serving(settings: ServerSettings, engine: EngineClient, front: Front, 
     replies = ReplyWriter(prompts, model_name, engine.info.max_model_len, settings.default_max_tokens, defaults)
     sessions = SessionService(store, TurnOutbox(store, background.spawn), admission, replies, prompts, engine,
                               SessionLimits.of(settings), background)
-    return Serving(engine, metrics, prompts, admission, replies, sessions, session_chat, background,
+    return Serving(engine, metrics, admission, replies, sessions, session_chat, background,
                    settings.max_request_bytes, int(time.time()))

@@ -115,6 +115,7 @@ class WorkerSpec:
     commands: str  # its ZeroMQ address for rank 0's commands
     replies: str  # rank 0's address for replies
     log_level: int
+    all_reduce: str  # the group's all-reduce path, decided by rank 0 (every rank must take the same)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -139,13 +140,16 @@ class WorkerGroup:
         os.environ.update(parallel_state.NCCL_SAFETY_ENV)  # (the workers inherit them)
         rendezvous = f"file://{self._dir}/rendezvous"
         level = logging.getLogger().getEffectiveLevel()
+        # rank 0 decides for all: a process sets a PeerAllReduce up once, and the workers are always fresh
+        all_reduce = "nccl" if parallel_state.peer_all_reduce_spent() else config.all_reduce
         for rank in range(1, size):
             address = f"ipc://{self._dir}/commands-{rank}"
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.bind(address)
             self._commands.append(socket)
-            spec = WorkerSpec(config, rank, size, rendezvous, address, f"ipc://{self._dir}/replies", level)
+            spec = WorkerSpec(config, rank, size, rendezvous, address, f"ipc://{self._dir}/replies", level,
+                              all_reduce)
             process = subprocess.Popen([sys.executable, "-m", "engine.worker.worker_group"], stdin=subprocess.PIPE)
             process.stdin.write(pickle.dumps(spec))
             process.stdin.close()
@@ -153,7 +157,7 @@ class WorkerGroup:
         logger.info("tensor parallel: %d ranks, workers %s", size, [p.pid for p in self.processes])
         try:
             parallel_state.init_tensor_parallel(0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S,
-                                                config.all_reduce)
+                                                all_reduce)
         except Exception:
             self.stop()
             raise
@@ -281,7 +285,7 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         device = rank_device(spec.config, spec.rank)
         parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S,
-                                            spec.config.all_reduce)
+                                            spec.all_reduce)
         config = spec.config  # (its device stays "cuda": the current device, this rank's, set by the group)
         if config.num_threads is None and device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))

@@ -1,5 +1,7 @@
-"""The tensor-parallel all-reduce, NCCL against the symmetric-memory one-shot and two-shot sums (engine/
-parallel_state.py's ``PeerAllReduce``: the engine uses its two shot from 1 to 8 MiB), at the sizes a decode or prefill step adds: ``rows`` x ``--hidden`` values of ``--dtype``.
+"""The tensor-parallel all-reduce, NCCL against the symmetric-memory sums (engine/worker/parallel_state.py's
+``PeerAllReduce``: our Triton two shot and one shot, kernels/all_reduce.py, and PyTorch's own two-shot and one-shot
+ops; the engine uses ``PeerAllReduce``'s default method from 1 to 8 MiB), at the sizes a decode or prefill step
+adds: ``rows`` x ``--hidden`` values of ``--dtype``.
 
 N processes (one per GPU, cuda:0 .. N-1) join one group through ``parallel_state.init_tensor_parallel``. For each
 size and path, ``--calls`` all-reduces of distinct random inputs are captured in one CUDA graph (as the engine's
@@ -10,9 +12,9 @@ or raced read of the shared buffer would differ).
 
     python -m benchmarks.all_reduce [--ranks 2] [--hidden 4096] [--rows 1 8 32 ... 4096] [--json PATH]
 
-Columns: rows, MiB (the message), NCCL us, one-shot us (blank above the peer buffer's size), one-shot / NCCL,
-two-shot us (``PeerAllReduce`` itself, with its copies in and out; its results checked against NCCL's the same
-way). Both symmetric-memory sums are measured at every size up to the buffer, also where the engine uses NCCL.
+Columns: rows, MiB (the message), NCCL us, then us for each ``PeerAllReduce`` method (with its copy in; blank
+above the peer buffer's size) and the best method's time over NCCL's. Every method is measured at every size up to
+the buffer, also where the engine uses NCCL.
 """
 from __future__ import annotations
 
@@ -86,15 +88,15 @@ def measure(rank: int, args: argparse.Namespace, rows: int) -> dict[str, Any]:
     peer = parallel_state.peer_all_reduce()
     if peer is not None and inputs[0].nbytes <= peer.max_bytes:
         mismatches = 0
-        for name, fn in (("one_shot_us", peer.one_shot), ("two_shot_us", peer)):
-            graph, outputs = captured(fn, inputs)
+        for method in parallel_state.PEER_METHODS:
+            graph, outputs = captured(lambda x, method=method: peer.sum(x, method), inputs)
             for seed in (1, 2):  # the second round: new inputs through the same captured graphs
                 fill(inputs, seed=seed * 7919 + 1000 * rank + rows)
                 nccl_graph.replay()
                 graph.replay()
                 torch.cuda.synchronize()
                 mismatches += sum(int(not torch.equal(a, b)) for a, b in zip(nccl_out, outputs))
-            result[name] = replay_us(graph, args.calls, args.repeats)
+            result[f"{method}_us"] = replay_us(graph, args.calls, args.repeats)
             del graph
         result["mismatches"] = mismatches
     del nccl_graph
@@ -104,6 +106,11 @@ def measure(rank: int, args: argparse.Namespace, rows: int) -> dict[str, Any]:
 def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     device = torch.device("cuda", rank)
     parallel_state.init_tensor_parallel(rank, args.ranks, device, rendezvous, all_reduce="auto")
+    peer = parallel_state.peer_all_reduce()
+    if args.programs and peer is not None:
+        if 2 * args.programs * args.ranks > peer.pad.numel():
+            raise SystemExit(f"--programs: at most {peer.pad.numel() // (2 * args.ranks)} (the signal pad's slots)")
+        peer.programs = args.programs
     results = [measure(rank, args, rows) for rows in args.rows]
     mismatches = torch.tensor([sum(r.get("mismatches", 0) for r in results)], device=device)
     dist.all_reduce(mismatches)
@@ -111,7 +118,8 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
         report = {"environment": {"date": utc_now(), "command": command_line("benchmarks.all_reduce"),
                                   "device": device_name(device), "ranks": args.ranks, "torch": torch.__version__,
                                   "peer_buffer_mib": parallel_state.PEER_ALL_REDUCE_BYTES / 2**20,
-                                  "symmetric_memory": parallel_state.peer_all_reduce_active()},
+                                  "symmetric_memory": parallel_state.peer_all_reduce_active(),
+                                  "programs": peer.programs if peer is not None else None},
                   "dtype": args.dtype, "hidden": args.hidden, "mismatches_all_ranks": int(mismatches.item()),
                   "sizes": results}
         print_report(report)
@@ -125,14 +133,18 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
 def print_report(report: dict[str, Any]) -> None:
     env = report["environment"]
     print(f"## all-reduce: {env['ranks']} x {env['device']}, {report['dtype']} x {report['hidden']}, {env['date']}")
-    print(f"command: {env['command']}; symmetric memory active: {env['symmetric_memory']}; results differing from "
+    print(f"command: {env['command']}; symmetric memory active: {env['symmetric_memory']} (our kernel's programs: "
+          f"{env['programs']}); results differing from "
           f"NCCL's on any rank: {report['mismatches_all_ranks']}\n")
-    print("| rows | MiB | NCCL us | one-shot us | one-shot / NCCL | two-shot us |\n|---:|---:|---:|---:|---:|---:|")
+    methods = parallel_state.PEER_METHODS
+    print("| rows | MiB | NCCL us | " + " | ".join(f"{m} us" for m in methods) + " | best / NCCL |")
+    print("|---:" * (len(methods) + 4) + "|")
     for r in report["sizes"]:
-        shot, base = r.get("one_shot_us"), r["nccl_us"]
-        cells = (f"{shot:.1f}", f"{shot / base:.2f}") if shot else ("-", "-")
-        two = f"{r['two_shot_us']:.1f}" if "two_shot_us" in r else "-"
-        print(f"| {r['rows']} | {r['mib']:.3f} | {base:.1f} | {cells[0]} | {cells[1]} | {two} |", flush=True)
+        times = [r.get(f"{m}_us") for m in methods]
+        cells = [f"{t:.1f}" if t else "-" for t in times]
+        best = min((t for t in times if t), default=None)
+        ratio = f"{best / r['nccl_us']:.2f}" if best else "-"
+        print(f"| {r['rows']} | {r['mib']:.3f} | {r['nccl_us']:.1f} | {' | '.join(cells)} | {ratio} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096])
     parser.add_argument("--calls", type=int, default=20, help="all-reduces in one captured graph")
     parser.add_argument("--repeats", type=int, default=20, help="timed replays")
+    parser.add_argument("--programs", type=int, help="our kernel's programs per rank (default: one per SM, as "
+                        "many as the signal pad holds)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:

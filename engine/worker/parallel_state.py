@@ -13,8 +13,8 @@ single rank) every collective is the identity, so model code has no branch for i
 The decode step's all-reduces are small (a batch of 256 rows of 4096 bf16 is 2 MiB) and there are two per
 layer, so their latency, not NVLink's bandwidth, is what they cost. On CUDA with ``all_reduce="auto"`` those of
 1 .. 8 MiB go through PyTorch's symmetric memory (``PeerAllReduce``): each rank copies its part into a buffer
-every rank has mapped, and a kernel on each rank reads the others' parts over NVLink directly (no ring, no proxy
-thread). NCCL takes the rest and every other collective.
+every rank has mapped, and our kernel on each rank (kernels/all_reduce.py) reads the others' parts over NVLink
+directly (no ring, no proxy thread). NCCL takes the rest and every other collective.
 """
 from __future__ import annotations
 
@@ -53,39 +53,68 @@ PEER_ALL_REDUCE_BYTES = 8 << 20
 ALL_REDUCE_CHOICES = ("auto", "nccl")
 
 
+PEER_METHODS = ("two_shot", "one_shot", "torch_two_shot", "torch_one_shot")
+
+
 class PeerAllReduce:
     """The sum over ranks of a CUDA tensor of ``min_bytes`` .. ``max_bytes`` through a buffer of PyTorch's
-    symmetric memory that every rank has mapped (NVLink or PCIe peer access; multicast stays off). Two-shot: each
-    rank copies its part into the buffer, sums a 1/N slice of every rank's part and writes the sums back to all,
-    then copies the result out; the op's own barriers order each use of the one buffer in stream order, also in
-    a CUDA graph (checked against NCCL in graphs with changing inputs by benchmarks/all_reduce.py)."""
+    symmetric memory that every rank has mapped (NVLink or PCIe peer access; multicast stays off): each rank
+    copies its part into the buffer, then one kernel per rank reads the peers' parts directly.
+
+    ``method``: two_shot / one_shot, our Triton kernel (kernels/all_reduce.py: one launch, as many programs as
+    the device has SMs, barriers in the buffer's signal pad); torch_two_shot / torch_one_shot, PyTorch's own
+    symmetric-memory ops on a buffer of their own (for benchmarks/all_reduce.py's comparison). Each method's
+    barriers order every use of its buffer in stream order, also in a CUDA graph (checked against NCCL in graphs
+    with changing inputs by benchmarks/all_reduce.py)."""
 
     def __init__(self, device: torch.device, min_bytes: int = PEER_ALL_REDUCE_MIN_BYTES,
-                 max_bytes: int = PEER_ALL_REDUCE_BYTES) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
+                 max_bytes: int = PEER_ALL_REDUCE_BYTES, method: str = "two_shot") -> None:
+        if method not in PEER_METHODS:
+            raise ValueError(f"method: {method!r} is not one of {', '.join(PEER_METHODS)}")
         self.group_name = dist.group.WORLD.group_name
+        self.device, self.method = device, method
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
-        self._two_shot_out = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)  # (newer torch)
+        self.buffer, handle = self._allocate()
+        self.rank, world = handle.rank, handle.world_size
+        # the peers' copies of the buffer and the signal pad, as offsets from this rank's (bytes, int32 slots)
+        self._byte_deltas = tuple(p - handle.buffer_ptrs[self.rank] for p in handle.buffer_ptrs)
+        self.pad = handle.get_signal_pad(self.rank, [handle.signal_pad_size // 4], dtype=torch.int32)
+        self._pad_deltas = tuple((p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.programs = min(sms, self.pad.numel() // (2 * world))
+        self._torch_buffer: torch.Tensor | None = None
+        self._torch_ops = torch.ops.symm_mem
+
+    def _allocate(self) -> tuple[torch.Tensor, object]:
+        import torch.distributed._symmetric_memory as symm_mem
+        buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
+        return buffer, symm_mem.rendezvous(buffer, self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.is_contiguous() and self.min_bytes <= x.nbytes <= self.max_bytes and x.nbytes % 16 == 0
 
-    def staged(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` copied into the buffer (a view of it)."""
-        return self.buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.staged(x)
-        if self._two_shot_out is not None:
-            return self._two_shot_out(staged, "sum", self.group_name, torch.empty_like(x))
-        return torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
+        return self.sum(x, self.method)
 
-    def one_shot(self, x: torch.Tensor) -> torch.Tensor:
-        """The one-shot sum (each rank reads every rank's whole part), for benchmarks/all_reduce.py."""
-        return torch.ops.symm_mem.one_shot_all_reduce_out(self.staged(x), "sum", self.group_name, torch.empty_like(x))
+    def sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
+        """The sum over ranks of ``x`` by ``method`` (a new tensor)."""
+        if method.startswith("torch_"):
+            return self._torch_sum(x, method)
+        from kernels.all_reduce import all_reduce_staged
+        staged = self.buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+        deltas = tuple(d // x.element_size() for d in self._byte_deltas)
+        return all_reduce_staged(staged, torch.empty_like(x), self.pad, deltas, self._pad_deltas, self.rank,
+                                 self.programs, two_shot=method == "two_shot")
+
+    def _torch_sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
+        if self._torch_buffer is None:
+            self._torch_buffer = self._allocate()[0]
+        staged = self._torch_buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+        if method == "torch_one_shot":
+            return self._torch_ops.one_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
+        if hasattr(self._torch_ops, "two_shot_all_reduce_out"):  # (newer torch)
+            return self._torch_ops.two_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
+        return self._torch_ops.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
 
 
 _peer: PeerAllReduce | None = None
@@ -127,8 +156,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous:
     if all_reduce == "auto" and device.type == "cuda" and _peers_reachable(size) and not _peer_used_before:
         _peer_used_before = True
         _peer = PeerAllReduce(device)
-        check = _peer(torch.full((_peer.min_bytes // 4,), float(rank + 1), device=device))
-        if not bool((check == size * (size + 1) / 2).all()):
+        pattern = torch.arange(_peer.min_bytes // 4, device=device, dtype=torch.float32) % 251
+        check = _peer(pattern + rank)
+        if not torch.equal(check, size * pattern + size * (size - 1) // 2):
             raise RuntimeError(f"tensor parallel: the peer all-reduce over {size} ranks gave {check[:4].tolist()}")
     return _current
 

@@ -1,0 +1,115 @@
+"""The sum over tensor-parallel ranks of a tensor each rank has staged into a buffer that every rank has mapped
+(PyTorch's symmetric memory: NVLink or PCIe peer access), as one Triton kernel per rank.
+
+Addresses: a peer's copy of the buffer (or of the signal pad) is this rank's address plus a fixed offset, given in
+elements (``buffer_deltas[r]``, ``pad_deltas[r]``; 0 for this rank), so the loads keep the alignment Triton sees
+on this rank's pointer and vectorise.
+
+Barriers: program ``p`` of every rank meets program ``p`` of the others in a slot of the signal pad,
+``slot = (channel * programs + p) * world + sender``: the sender sets its slot in each peer's pad to 1 (release,
+system scope) and the receiver turns it back from 1 to 0 (acquire), so every slot is 0 again after each barrier,
+also across CUDA-graph replays. Program ``p`` only ever reads what program ``p`` of a peer wrote, so pairwise
+barriers suffice. A sender never finds its slot still 1: a peer consumes the call's channel-0 signal before it
+sends channel 1, which the sender waits for before its call ends, and its channel-1 signal before it ends its
+call, which the sender waits for (the next call's channel 0) before it sends channel 1 again. So the send is one
+exchange, not a loop waiting for the slot to free.
+
+Two schedules (``TWO_SHOT``):
+- one shot: barrier (every rank has staged) -> each rank sums every rank's copy of its chunks into ``out`` ->
+  barrier (no rank overwrites its buffer while a peer still reads it).
+- two shot: barrier -> rank r sums shard r of every rank's copy, writes it to ``out`` and into each peer's
+  buffer (over its own input there, which only rank r reads) -> barrier -> each rank copies the other shards,
+  which its peers wrote into its buffer, to ``out``. The next call's first barrier waits for every peer to
+  have finished this one, so two barriers suffice here too.
+
+``SYNC=False`` drops the barriers and ``PHASE`` runs one half of the two shot: the CPU tests emulate the ranks one
+after another in Triton's interpreter that way (one process, no peers to wait for).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _barrier(pad_ptr, pad_deltas, channel, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Program p of this rank meets program p of every other rank (see the module docstring)."""
+    slot = (channel * tl.num_programs(0) + tl.program_id(0)) * WORLD
+    tl.debug_barrier()  # (every thread's writes precede the release)
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            tl.atomic_xchg(pad_ptr + pad_deltas[r] + slot + RANK, 1, sem="release", scope="sys")
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            while tl.atomic_cas(pad_ptr + slot + r, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, numel, shard, chunk,
+                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr,
+                       SYNC: tl.constexpr, PHASE: tl.constexpr):
+    pid = tl.program_id(0)
+    if SYNC:
+        _barrier(pad_ptr, pad_deltas, 0, RANK, WORLD)
+    if TWO_SHOT:
+        if PHASE != 2:  # sum shard RANK's chunk of every rank's copy; send it to the peers
+            first = RANK * shard + pid * chunk
+            end = tl.minimum(tl.minimum(first + chunk, RANK * shard + shard), numel)
+            for start in range(first, end, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < end
+                acc = tl.zeros([BLOCK], tl.float32)
+                for r in tl.static_range(WORLD):
+                    acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+                total = acc.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + offs, total, mask=mask)
+                for r in tl.static_range(WORLD):
+                    if r != RANK:
+                        tl.store(buf_ptr + buffer_deltas[r] + offs, total, mask=mask)
+        if SYNC:
+            _barrier(pad_ptr, pad_deltas, 1, RANK, WORLD)
+        if PHASE != 1:  # the peers' shards, which they wrote into this rank's buffer
+            for s in tl.static_range(WORLD):
+                if s != RANK:
+                    first = s * shard + pid * chunk
+                    end = tl.minimum(tl.minimum(first + chunk, s * shard + shard), numel)
+                    for start in range(first, end, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        mask = offs < end
+                        tl.store(out_ptr + offs, tl.load(buf_ptr + offs, mask=mask, cache_modifier=".cg"), mask=mask)
+    else:
+        first = pid * chunk
+        end = tl.minimum(first + chunk, numel)
+        for start in range(first, end, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < end
+            acc = tl.zeros([BLOCK], tl.float32)
+            for r in tl.static_range(WORLD):
+                acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SYNC:
+            _barrier(pad_ptr, pad_deltas, 1, RANK, WORLD)
+
+
+def all_reduce_staged(staged: torch.Tensor, out: torch.Tensor, pad: torch.Tensor, buffer_deltas: tuple[int, ...],
+                      pad_deltas: tuple[int, ...], rank: int, programs: int, two_shot: bool = True,
+                      block: int = 2048, sync: bool = True, phase: int = 0) -> torch.Tensor:
+    """``out`` = the sum over ranks of ``staged`` (this rank's part, inside its symmetric buffer, at the same
+    offset on every rank). ``pad``: this rank's int32 signal pad, 0 everywhere, with room for
+    ``2 * programs * world`` slots; ``buffer_deltas[r]`` (elements of ``staged``'s dtype) and ``pad_deltas[r]``
+    (int32 elements): rank r's address minus this rank's. Every rank must call it with the same sizes and
+    ``programs``; the programs of all ranks run at once (``programs`` no more than fit on the device together)."""
+    world = len(buffer_deltas)
+    assert staged.is_contiguous() and out.is_contiguous() and staged.numel() == out.numel()
+    assert pad.dtype == torch.int32 and pad.numel() >= 2 * programs * world, "signal pad too small"
+    numel = staged.numel()
+    shard = triton.cdiv(numel, world) if two_shot else numel
+    shard = triton.cdiv(shard, 16) * 16  # (shards start 32-byte aligned: vector loads)
+    chunk = triton.cdiv(triton.cdiv(shard, programs), block) * block
+    _all_reduce_kernel[(programs,)](staged, out, pad, tuple(buffer_deltas), tuple(pad_deltas), numel, shard, chunk,
+                                    RANK=rank, WORLD=world, BLOCK=block, TWO_SHOT=two_shot, SYNC=sync, PHASE=phase,
+                                    num_warps=8)
+    return out

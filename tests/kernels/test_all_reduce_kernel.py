@@ -1,0 +1,54 @@
+"""The peer all-reduce kernel's arithmetic (kernels/all_reduce.py) in Triton's interpreter: the ranks are emulated
+one after another in one process, their buffers slices of one tensor, the barriers off (``sync=False``; the two
+shot in its two phases). The barriers themselves and the real peers run in tests/gpu/test_tensor_parallel_gpu.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton loads; the CPU has no other way to run it)
+all_reduce = pytest.importorskip("kernels.all_reduce", reason="Triton is not installed")
+
+
+def _emulate(parts: list[torch.Tensor], two_shot: bool, programs: int, block: int) -> list[torch.Tensor]:
+    world, numel = len(parts), parts[0].numel()
+    stride = numel + 48  # (rank r's buffer starts r * stride elements into one tensor; 32-byte aligned)
+    memory = torch.zeros(world * stride, dtype=parts[0].dtype)
+    staged = [memory[r * stride:r * stride + numel] for r in range(world)]
+    for r, part in enumerate(parts):
+        staged[r].copy_(part)
+    pad = torch.zeros(2 * programs * world, dtype=torch.int32)
+    outs = [torch.full_like(parts[0], float("nan")) for _ in range(world)]
+
+    def call(rank: int, phase: int) -> None:
+        deltas = tuple((r - rank) * stride for r in range(world))
+        all_reduce.all_reduce_staged(staged[rank], outs[rank], pad, deltas, (0,) * world, rank, programs,
+                                     two_shot=two_shot, block=block, sync=False, phase=phase)
+    for phase in ((1, 2) if two_shot else (0,)):
+        for rank in range(world):
+            call(rank, phase)
+    assert not pad.any()
+    return outs
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one-shot", "two-shot"])
+@pytest.mark.parametrize("world,numel,programs", [(2, 1000, 3), (2, 4096, 4), (4, 1234, 2)])
+def test_every_rank_gets_the_sum_of_every_ranks_part(two_shot: bool, world: int, numel: int, programs: int) -> None:
+    torch.manual_seed(world * numel)
+    parts = [torch.randn(numel) * (r + 1) for r in range(world)]
+    want = torch.stack(parts).sum(0)
+    for rank, out in enumerate(_emulate(parts, two_shot, programs, block=64)):
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-5, msg=f"rank {rank}")
+
+
+def test_bfloat16_parts_are_summed_in_float32_and_rounded_once() -> None:
+    """Within one bfloat16 step of the float32 sum (the interpreter rounds toward zero, the GPU to nearest);
+    bfloat16 partial sums would drift further."""
+    torch.manual_seed(0)
+    parts = [torch.randn(512).to(torch.bfloat16) for _ in range(4)]
+    want = torch.stack([p.float() for p in parts]).sum(0)
+    for out in _emulate(parts, True, programs=2, block=64):
+        step = 2.0 ** (torch.frexp(want).exponent.float() - 8)
+        assert ((out.float() - want).abs() <= step).all()

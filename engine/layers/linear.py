@@ -36,7 +36,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.current().size == 1:
             return super().forward(x)
-        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        out = parallel_state.linear_all_reduce(x, self.weight)
         return out if self.bias is None else out.add_(self.bias)
 
 

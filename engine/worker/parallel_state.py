@@ -18,6 +18,7 @@ directly (no ring, no proxy thread). NCCL takes the rest and every other collect
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: a program using it can take a shared host's GPUs out of
 # service (the device notes); set before the first NCCL call, and inherited by the processes we start
@@ -100,11 +102,19 @@ class PeerAllReduce:
         """The sum over ranks of ``x`` by ``method`` (a new tensor)."""
         if method.startswith("torch_"):
             return self._torch_sum(x, method)
+        return self.sum_staged(self.staging(x.shape, x.dtype).copy_(x), method)
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer's first bytes as a tensor of ``shape``: a producer writes its part there (``sum_staged``)."""
+        numel = math.prod(shape)
+        return self.buffer[:numel * dtype.itemsize].view(dtype).view(shape)
+
+    def sum_staged(self, staged: torch.Tensor, method: str | None = None) -> torch.Tensor:
+        """The sum over ranks of the part this rank wrote into ``staging(...)`` (our kernel's methods)."""
         from kernels.all_reduce import all_reduce_staged
-        staged = self.buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
-        deltas = tuple(d // x.element_size() for d in self._byte_deltas)
-        return all_reduce_staged(staged, torch.empty_like(x), self.pad, deltas, self._pad_deltas, self.rank,
-                                 self.programs, two_shot=method == "two_shot")
+        deltas = tuple(d // staged.element_size() for d in self._byte_deltas)
+        return all_reduce_staged(staged, torch.empty_like(staged), self.pad, deltas, self._pad_deltas, self.rank,
+                                 self.programs, two_shot=(method or self.method) == "two_shot")
 
     def _torch_sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
         if self._torch_buffer is None:
@@ -204,6 +214,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _peer(x)
     dist.all_reduce(x)
     return x
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``all_reduce(F.linear(x, weight))`` (a row-parallel layer without bias); where the sum goes through our
+    peer kernel, the matmul writes its output straight into the peer buffer (no copy in)."""
+    rows, out_features = x.numel() // x.shape[-1], weight.shape[0]
+    nbytes = rows * out_features * x.element_size()
+    if (_peer is None or _peer.method.startswith("torch_") or not x.is_cuda or x.dim() != 2
+            or not _peer.min_bytes <= nbytes <= _peer.max_bytes or nbytes % 16):
+        return all_reduce(F.linear(x, weight))
+    staged = _peer.staging((rows, out_features), x.dtype)
+    torch.mm(x, weight.t(), out=staged)
+    return _peer.sum_staged(staged)
 
 
 def all_gather_last_dim(x: torch.Tensor, width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,4 +18,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernel_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.activate(x))
+
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``: the down projection's input."""
+        return kernel_ops.silu_and_mul(self.gate_up_proj(x))

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from engine.worker import parallel_state
-from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding
+from engine.layers.linear import (ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding,
+                                  project_then_norm)
 from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Q4Q8_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
                                             quantized_linear)
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
@@ -102,6 +103,10 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention's output before ``o_proj``."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -109,7 +114,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.attn(q, k, v)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,15 +125,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """``x``: the residual stream ``residual`` already normed by this layer's ``input_layernorm`` ->
+        ``(next_norm(stream), stream)``, the stream after this layer normed for the next layer (or the model's
+        final norm): each norm follows its row-parallel projection (``project_then_norm``)."""
+        attn = self.self_attn
+        x, residual = project_then_norm(attn.o_proj, attn.attend(positions, x), self.post_attention_layernorm,
+                                        residual)
+        return project_then_norm(self.mlp.down_proj, self.mlp.activate(x), next_norm, residual)
 
 
 class LlamaModel(nn.Module):
@@ -141,10 +146,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = layer(positions, x, residual, next_norm)
         return x
 
 

@@ -81,7 +81,7 @@ class PeerAllReduce:
         # the peers' copies of the buffer and the signal pad, as offsets from this rank's (bytes, int32 slots)
         self._byte_deltas = tuple(p - handle.buffer_ptrs[self.rank] for p in handle.buffer_ptrs)
         self.pad = handle.get_signal_pad(self.rank, [handle.signal_pad_size // 4], dtype=torch.int32)
-        self._pad_deltas = tuple((p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs)
+        self.pad_deltas = tuple((p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.programs = min(sms, self.pad.numel() // (2 * world))
         self._torch_buffer: torch.Tensor | None = None
@@ -112,9 +112,12 @@ class PeerAllReduce:
     def sum_staged(self, staged: torch.Tensor, method: str | None = None) -> torch.Tensor:
         """The sum over ranks of the part this rank wrote into ``staging(...)`` (our kernel's methods)."""
         from kernels.all_reduce import all_reduce_staged
-        deltas = tuple(d // staged.element_size() for d in self._byte_deltas)
-        return all_reduce_staged(staged, torch.empty_like(staged), self.pad, deltas, self._pad_deltas, self.rank,
-                                 self.programs, two_shot=(method or self.method) == "two_shot")
+        return all_reduce_staged(staged, torch.empty_like(staged), self.pad, self.deltas(staged.dtype),
+                                 self.pad_deltas, self.rank, self.programs, two_shot=(method or self.method) == "two_shot")
+
+    def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """Each rank's buffer address minus this rank's, in elements of ``dtype``."""
+        return tuple(d // dtype.itemsize for d in self._byte_deltas)
 
     def _torch_sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
         if self._torch_buffer is None:
@@ -216,17 +219,35 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _peer_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.linear(x, weight)``'s sum over ranks goes through our peer kernel."""
+    nbytes = (x.numel() // x.shape[-1]) * weight.shape[0] * x.element_size()
+    return (_peer is not None and not _peer.method.startswith("torch_") and x.is_cuda and x.dim() == 2
+            and _peer.min_bytes <= nbytes <= _peer.max_bytes and nbytes % 16 == 0)
+
+
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``all_reduce(F.linear(x, weight))`` (a row-parallel layer without bias); where the sum goes through our
     peer kernel, the matmul writes its output straight into the peer buffer (no copy in)."""
-    rows, out_features = x.numel() // x.shape[-1], weight.shape[0]
-    nbytes = rows * out_features * x.element_size()
-    if (_peer is None or _peer.method.startswith("torch_") or not x.is_cuda or x.dim() != 2
-            or not _peer.min_bytes <= nbytes <= _peer.max_bytes or nbytes % 16):
+    if not _peer_takes(x, weight):
         return all_reduce(F.linear(x, weight))
-    staged = _peer.staging((rows, out_features), x.dtype)
+    staged = _peer.staging((x.shape[0], weight.shape[0]), x.dtype)
     torch.mm(x, weight.t(), out=staged)
     return _peer.sum_staged(staged)
+
+
+def linear_all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sum over ranks of ``F.linear(x, weight)``, added to ``residual`` (in place) and RMS-normed with
+    ``norm_weight`` (kernels/rms_norm.py's contract), in the all-reduce's own kernel: ``(normed, residual)``.
+    None where our peer kernel's two shot does not take this sum (the caller runs the layers one by one)."""
+    if not (_peer_takes(x, weight) and _peer.method == "two_shot" and residual.is_contiguous()):
+        return None
+    from kernels.all_reduce import all_reduce_rms_norm_staged
+    staged = _peer.staging((x.shape[0], weight.shape[0]), x.dtype)
+    torch.mm(x, weight.t(), out=staged)
+    return all_reduce_rms_norm_staged(staged, residual, norm_weight, eps, _peer.pad, _peer.deltas(x.dtype),
+                                      _peer.pad_deltas, _peer.rank, _peer.programs)
 
 
 def all_gather_last_dim(x: torch.Tensor, width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -52,3 +52,31 @@ def test_bfloat16_parts_are_summed_in_float32_and_rounded_once() -> None:
     for out in _emulate(parts, True, programs=2, block=64):
         step = 2.0 ** (torch.frexp(want).exponent.float() - 8)
         assert ((out.float() - want).abs() <= step).all()
+
+
+@pytest.mark.parametrize("world,rows,hidden,programs", [(2, 5, 48, 2), (2, 8, 64, 3), (4, 7, 40, 2)])
+def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_reference(world: int, rows: int, hidden: int,
+                                                                                  programs: int) -> None:
+    """Every rank ends with the residual stream plus the sum over ranks (in place) and its RMSNorm, as
+    ``reference.rms_norm(all_reduce(x), weight, eps, residual)`` gives, rows split into the ranks' halves."""
+    from kernels import reference
+    torch.manual_seed(rows * hidden)
+    parts = [torch.randn(rows, hidden) for _ in range(world)]
+    residual, weight, eps = torch.randn(rows, hidden), torch.rand(hidden) + 0.5, 1e-5
+    want_out, want_residual = reference.rms_norm(torch.stack(parts).sum(0), weight, eps, residual.clone())
+    stride = rows * hidden + 64
+    memory = torch.zeros(world * stride)
+    staged = [memory[r * stride:r * stride + rows * hidden].view(rows, hidden) for r in range(world)]
+    for r, part in enumerate(parts):
+        staged[r].copy_(part)
+    residuals = [residual.clone() for _ in range(world)]
+    outs = [torch.full((rows, hidden), float("nan")) for _ in range(world)]
+    pad = torch.zeros(2 * programs * world, dtype=torch.int32)
+    for phase in (1, 2):
+        for rank in range(world):
+            deltas = tuple((r - rank) * stride for r in range(world))
+            all_reduce.all_reduce_rms_norm_staged(staged[rank], residuals[rank], weight, eps, pad, deltas, (0,) * world,
+                                                  rank, programs, sync=False, phase=phase, out=outs[rank])
+    for rank in range(world):
+        torch.testing.assert_close(residuals[rank], want_residual, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(outs[rank], want_out, rtol=1e-5, atol=1e-5)

@@ -152,3 +152,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: ``silu(gate) * up`` for ``gate, up`` the two halves of the last dim of ``[T, 2I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                config: object | None = None) -> torch.Tensor:
+    """``x @ weight.T`` (x ``[M, K]``, weight ``[N, K]`` as nn.Linear's), into ``out`` when given. ``config``
+    (the Triton kernel's launch parameters) is ignored."""
+    result = x @ weight.T
+    return result if out is None else out.copy_(result)
+
+
+def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                             config: object | None = None) -> torch.Tensor:
+    """The MLP's gate/up projection and its activation: ``silu_and_mul(x @ weight.T)`` (weight ``[2I, K]``, gate
+    rows first), into ``out`` when given. ``config`` is ignored."""
+    result = silu_and_mul(x @ weight.T)
+    return result if out is None else out.copy_(result)

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-import triton.language as tl  # noqa: E402
 
 from kernels import reference  # noqa: E402
+from tests.interpreter_rounding import round_bfloat16_like_gpu  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rotary import rotary_embedding  # noqa: E402
@@ -41,15 +40,7 @@ def gpu_bfloat16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the interpreter: float32 -> bfloat16 rounds to nearest even (through torch), as on a GPU."""
     if DEVICE.type == "cuda":
         return
-    from triton.runtime import interpreter
-    convert = interpreter._convert_float
-
-    def round_to_nearest_even(values: np.ndarray, src, dst, rounding_mode) -> np.ndarray:
-        if (src, dst) != (tl.float32, tl.bfloat16):
-            return convert(values, src, dst, rounding_mode)
-        as_float = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
-        return as_float.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(values.shape)
-    monkeypatch.setattr(interpreter, "_convert_float", round_to_nearest_even)
+    round_bfloat16_like_gpu(monkeypatch)
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-
 from kernels import reference  # noqa: E402
 from tests.interpreter_rounding import round_bfloat16_like_gpu  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402

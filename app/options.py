@@ -101,6 +101,9 @@ ENGINE_OPTIONS = (
            "memory and copied back on a hit (0: off)", "0.0", "float"),
     Option("kv_backend", "Who owns the KV memory: block tables over a block pool, or (CUDA) each request "
            "contiguous in virtual memory with pages mapped on demand", "paged", choices=("paged", "vattention")),
+    Option("kv_cache_dtype", "The KV cache's element type: auto is the model's dtype; fp8 stores float8 e4m3 (half "
+           "the bytes of bfloat16: twice the KV blocks), per-layer scales 1.0 (values clipped at +-448); CUDA needs "
+           "compute capability 8.9+", "auto", choices=("auto", "fp8")),
     Option("cpu_weights", "How the CPU stores linear weights (activations stay float32); auto is q4 for a model "
            "shipped as Q4_1 GGUF (the default model), float32 otherwise", "auto",
            choices=("auto", "float32", "bfloat16", "int8", "q4")),

@@ -9,6 +9,10 @@ last column times the one-pass kernel (split-K off) for comparison. Kernels unde
 time in this measurement (the L2 flush before each call is the only head start the host gets).
 
     python -m benchmarks.decode_kernel [--block-sizes 16 32 64 128] [--shapes 32x8192 ...] [--sweep] [--json PATH]
+                                       [--kv-cache-dtype fp8]
+
+``--kv-cache-dtype fp8``: the cache in float8 e4m3 (half the bytes; query and output stay bf16); the SDPA peer
+then reads a bfloat16 copy (its TB/s counts its own bytes), and ours/SDPA is the ratio of times.
 
 ``--sweep`` also times a grid of launch configurations (tiles, stages, when to split) per shape and reports
 the best next to the default.
@@ -41,11 +45,11 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
-def paged_inputs(batch: int, context: int, block_size: int) -> dict:
+def paged_inputs(batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE) -> dict:
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE).to(kv_dtype)
+    v_cache = torch.randn(k_cache.shape, device="cuda", dtype=DTYPE).to(kv_dtype)
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     return dict(query=torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE), k_cache=k_cache,
                 v_cache=v_cache, block_tables=tables,
@@ -76,8 +80,8 @@ def run_sdpa(inputs: dict) -> tuple[float, torch.Tensor]:
     """The same K/V gathered once into contiguous [B, kv_heads, L, d] tensors (outside the timing)."""
     tables = inputs["block_tables"].long()
     batch = tables.shape[0]
-    k = inputs["k_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    v = inputs["v_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    k = inputs["k_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).to(DTYPE).contiguous()
+    v = inputs["v_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).to(DTYPE).contiguous()
     q = inputs["query"].unsqueeze(2)
     ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True))
     return ms, F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True).squeeze(2)
@@ -97,8 +101,8 @@ def check(out: torch.Tensor, inputs: dict) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def measure(batch: int, context: int, block_size: int, sweep: list[DecodeConfig]) -> dict:
-    inputs = paged_inputs(batch, context, block_size)
+def measure(batch: int, context: int, block_size: int, sweep: list[DecodeConfig], kv_dtype: torch.dtype) -> dict:
+    inputs = paged_inputs(batch, context, block_size, kv_dtype)
     kv_bytes = 2 * inputs["k_cache"].numel() * inputs["k_cache"].element_size()
     ours_ms, out = run_ours(inputs)
     row = dict(batch=batch, context=context, block_size=block_size, kv_gb=kv_bytes / 1e9, ours_ms=ours_ms,
@@ -118,18 +122,22 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-from", type=int, default=0, help="time only SWEEP[i:] (a shorter sweep)")
     parser.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES], help="BATCHxCONTEXT ...")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     rows = []
     for batch, context in [tuple(map(int, shape.split("x"))) for shape in args.shapes]:
-        inputs = paged_inputs(batch, context, 16)
+        inputs = paged_inputs(batch, context, 16, kv_dtype)
         kv_bytes = 2 * inputs["k_cache"].numel() * inputs["k_cache"].element_size()
         sdpa_ms, _ = run_sdpa(inputs)
+        sdpa_bytes = 2 * inputs["k_cache"].numel() * DTYPE.itemsize  # (SDPA reads bf16)
         del inputs
         copy_tbps = copy_ceiling_tbps(kv_bytes)
         for block_size in args.block_sizes:
-            row = measure(batch, context, block_size, SWEEP[args.sweep_from:] if args.sweep else [])
-            row.update(sdpa_ms=sdpa_ms, sdpa_tbps=kv_bytes / sdpa_ms / 1e9, copy_tbps=copy_tbps)
+            row = measure(batch, context, block_size, SWEEP[args.sweep_from:] if args.sweep else [], kv_dtype)
+            row.update(sdpa_ms=sdpa_ms, sdpa_tbps=sdpa_bytes / sdpa_ms / 1e9, copy_tbps=copy_tbps,
+                       kv_dtype=str(kv_dtype).removeprefix("torch."))
             rows.append(row)
             torch.cuda.empty_cache()
     print_table(rows, args.sweep)
@@ -149,7 +157,7 @@ def print_table(rows: list[dict], sweep: bool) -> None:
     for r in rows:
         err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
         line = (f"| {r['batch']}x{r['context']} | {r['block_size']} | {r['kv_gb']:.2f} | {r['ours_ms']:.3f} | "
-                f"{r['ours_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['ours_tbps'] / r['sdpa_tbps']:.2f} | "
+                f"{r['ours_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['sdpa_ms'] / r['ours_ms']:.2f} | "
                 f"{r['copy_tbps']:.2f} | {err} | {r['one_pass_tbps']:.2f} |")
         if sweep:
             c = r["best_config"]

@@ -21,6 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PREFIX_HASHES = ("sha256", "xxh128")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_BACKENDS = ("paged", "vattention")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton and the hardware: Ada (sm89), Hopper (sm90) and newer
 
 
 @dataclass(slots=True)
@@ -79,6 +81,12 @@ class EngineConfig:
     # KV contiguous in virtual memory, physical pages of the driver's granularity mapped on demand; the block
     # size becomes the tokens of one page, e.g. 2048 for llama-3.2-1b in bf16)
     kv_backend: str = "paged"
+    # the KV cache's element type: auto (the model dtype) | fp8 (float8 e4m3, torch.float8_e4m3fn: one byte, so a
+    # block takes half the memory of bfloat16 and the pool holds twice the blocks). Each attention layer stores
+    # clamp(x / scale, -448, 448) rounded to e4m3 and reads it back times scale, with per-layer K and V scales of
+    # 1.0 (vLLM's default without calibrated scales): values beyond +-448 are clipped, relative rounding error is
+    # at most 2^-4 (3 mantissa bits), and below 2^-6 the step is an absolute 2^-9. CUDA: compute capability 8.9+
+    kv_cache_dtype: str = "auto"
     # how the CPU stores linear weights (activations stay float32): float32 | bfloat16 | int8 (per channel) |
     # q4 (4-bit groups of 32, a Q4_1 GGUF's own blocks); auto = q4 for a model shipped as Q4_1 GGUF (the
     # default model: the file's own weights, fastest), float32 otherwise. CUDA: float32 (= the model dtype) only
@@ -138,11 +146,13 @@ class EngineConfig:
         _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
         _check(0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]")
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
                f"must be auto or one of {CPU_WEIGHTS}")
         resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
         self.torch_device = resolve_device(self.device)
         _check_tensor_parallel(self)
+        _check_kv_cache_dtype(self)
         _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
                "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")
         large = is_large_gpu(self.torch_device)
@@ -169,6 +179,11 @@ class EngineConfig:
                f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)")
 
     @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's (auto) or float8_e4m3fn (fp8)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+    @property
     def max_blocks_per_seq(self) -> int:
         assert self.max_model_len is not None
         return -(-self.max_model_len // self.block_size)
@@ -188,6 +203,16 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
     _check(config.kv_backend == "paged", "kv_backend", "tensor parallelism needs the paged backend")
     _check(config.cpu_weights in ("auto", "float32"), "cpu_weights",
            "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)")
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """fp8 on CUDA needs e4m3 in hardware and Triton (compute capability 8.9+); the CPU converts in torch."""
+    if config.kv_cache_dtype != "fp8" or config.torch_device.type != "cuda":
+        return
+    capability = tuple(torch.cuda.get_device_capability(config.torch_device))
+    _check(capability >= FP8_MIN_CAPABILITY, "kv_cache_dtype",
+           f"fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+           f"{capability[0]}.{capability[1]}: use auto")
 
 
 def resolve_device(device: str) -> torch.device:

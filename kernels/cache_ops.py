@@ -2,7 +2,8 @@
 blocks between the device and a pinned host cache.
 
 Layout (see kernels/reference.py): per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``, and
-``[num_layers, num_blocks, ...]`` for the whole cache; ``slot = block_id * block_size + offset``.
+``[num_layers, num_blocks, ...]`` for the whole cache; ``slot = block_id * block_size + offset``. An FP8 cache
+(float8_e4m3fn) is written quantized (``quantize_e4m3``) and copied and swapped as bytes.
 """
 from __future__ import annotations
 
@@ -11,15 +12,32 @@ import triton
 import triton.language as tl
 
 from kernels import reference
+from kernels.reference import FP8, as_bytes
 from kernels.specialization import per_step
 
 
+@triton.jit
+def quantize_e4m3(x, scale):
+    """``clamp(x / scale, -448, 448)`` rounded to the nearest e4m3 value, ties to even (torch's rounding), as
+    float32: the rounding is done here in float32 arithmetic, so that the cast to float8 that follows is exact
+    everywhere (Triton's interpreter truncates in its own fp32 -> fp8 cast). Normal range (|x| >= 2^-6): round
+    the float32 bits to 3 mantissa bits. Below it e4m3 is subnormal, multiples of 2^-9: ``(|x| + 2^14) - 2^14``
+    rounds there, float32's spacing at 2^14 being 2^-9."""
+    x = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(x) + 16384.0) - 16384.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
 @triton.jit(**per_step("slot_ptr"))
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_block, stride_token, stride_head,
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale, stride_kt,
+                     stride_kh, stride_vt, stride_vh, stride_block, stride_token, stride_head,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One program per token: copies its ``[kv_heads, head_dim]`` K and V rows into slot ``slot_mapping[t]``."""
+                     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One program per token: copies its ``[kv_heads, head_dim]`` K and V rows into slot ``slot_mapping[t]``
+    (KV_FP8: quantized with ``k_scale`` / ``v_scale``)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # -1 marks padding (e.g. CUDA-graph batch padding): nothing to write
@@ -28,13 +46,16 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, str
         mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
         dst = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token + heads * stride_head + dims
         key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-        tl.store(k_cache_ptr + dst, key, mask=mask)
         value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        if KV_FP8:
+            key = quantize_e4m3(key, k_scale).to(k_cache_ptr.dtype.element_ty)
+            value = quantize_e4m3(value, v_scale).to(v_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + dst, key, mask=mask)
         tl.store(v_cache_ptr + dst, value, mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Same contract as ``reference.store_kv``; padding slots (-1) are skipped on the device, no host check."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -43,10 +64,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], KV_FP8=k_cache.dtype == FP8,
+        num_warps=4)
 
 
 @triton.jit
@@ -69,6 +91,7 @@ def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: t
     source (fresh blocks): pairs run in parallel, so a chain src -> dst -> dst2 would race."""
     if block_mapping.shape[0] == 0:
         return
+    k_caches, v_caches = as_bytes(k_caches), as_bytes(v_caches)
     block_numel = k_caches[0, 0].numel()
     blocks_contiguous = k_caches[0, 0].is_contiguous() and k_caches.stride(1) >= block_numel
     if not blocks_contiguous or k_caches.stride() != v_caches.stride():
@@ -102,6 +125,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     pairs = block_mapping.tolist()
     if not pairs:
         return
+    src, dst = as_bytes(src), as_bytes(dst)  # (float8 lacks index_copy_ on the CPU)
     if to_host is None:
         to_host = dst.device.type == "cpu" and src.device.type != "cpu"
     device_side = src if to_host else dst

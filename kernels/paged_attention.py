@@ -18,6 +18,10 @@ Design, and why:
   The counters reset themselves after use (one launch at a time per device: the engine's single stream).
   The partition count comes from ``block_tables.shape[1]`` (contiguous: the slot length), host-known, so
   nothing waits on the device.
+- FP8 cache (``KV_FP8``, a constexpr from the cache's dtype: other caches compile exactly as before): K and V
+  tiles are loaded as e4m3 and widened to the query's dtype (exact: e4m3 has 3 mantissa bits), the dots run as
+  for that dtype, and the scales are applied outside the loop: ``k_scale`` folded into the softmax scale on the
+  host, ``v_scale`` once on the accumulated output (attention is linear in V).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8
 from kernels.specialization import per_step
 
 LOG2E = 1.4426950408889634
@@ -78,11 +83,12 @@ def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.conste
 @triton.jit(**per_step("table_ptr", "ctx_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "stride_table",
                        "num_parts", "partition"))
 def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-                   counter_ptr, scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_token,
-                   stride_head, stride_table, num_kv_heads, num_parts, partition,
+                   counter_ptr, scale_log2, v_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_block,
+                   stride_token, stride_head, stride_table, num_kv_heads, num_parts, partition,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
-                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr):
+                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
@@ -100,7 +106,10 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
     k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
     row_max, row_sum, acc = _attend_range(q, k_seq, v_seq, table_row, start, end,
                                           kv_head, dims, scale_log2, stride_block, stride_token, stride_head,
-                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, CONTIGUOUS)
+                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, CONTIGUOUS,
+                                          KV_FP8)
+    if KV_FP8:
+        acc = acc * v_scale  # (before split-K's partials: the merge is linear in them)
     if SPLIT:
         used = tl.cdiv(ctx, partition)
         if part < used:  # partitions past the context hold no keys: they neither count nor write
@@ -126,9 +135,10 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
 def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_log2, stride_block, stride_token,
                   stride_head, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  CONTIGUOUS: tl.constexpr):
+                  CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
     """Online softmax of the query rows ``q`` over key positions ``start .. end - 1``: returns (row max, row
-    sum, unnormalized output), all in base 2."""
+    sum, unnormalized output), all in base 2. KV_FP8: K and V widened to ``q``'s dtype, scales applied by the
+    caller."""
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
@@ -142,6 +152,8 @@ def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_l
         else:
             kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -149,6 +161,8 @@ def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_l
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     return row_max, row_sum, acc
@@ -243,20 +257,21 @@ def split_counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                    split: bool | None = None, config: DecodeConfig | None = None) -> None:
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0, *, split: bool | None = None, config: DecodeConfig | None = None) -> None:
     """Same contract as ``reference.paged_attention``; ``split`` forces split-K on/off (None: automatic)."""
-    launch_decode(out, query, k_cache, v_cache, block_tables, context_lens, scale, contiguous=False, split=split,
-                  config=config)
+    launch_decode(out, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                  contiguous=False, split=split, config=config)
 
 
 def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  table: torch.Tensor, context_lens: torch.Tensor, scale: float, *, contiguous: bool,
-                  split: bool | None, config: DecodeConfig | None, max_context: int = 0) -> None:
+                  table: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, *,
+                  contiguous: bool, split: bool | None, config: DecodeConfig | None, max_context: int = 0) -> None:
     """Launch ``_decode_kernel`` over either layout. Paged: ``table`` is the block tables ``[B, width]`` of a
     ``[num_blocks, block_size, ...]`` cache. Contiguous: ``table`` is the slot ids ``[B]`` of a
     ``[num_slots, max_len, ...]`` cache, and ``max_context`` the host-known bound on every context, rounded
-    up to 16 positions as a table of 16-token blocks bounds it (so both layouts split a batch alike)."""
+    up to 16 positions as a table of 16-token blocks bounds it (so both layouts split a batch alike). The
+    scales apply to an FP8 cache only."""
     config = config or CONFIG
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -280,11 +295,12 @@ def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
         part_acc, part_max, part_sum = partials.split([partials.numel() - 2 * parts * batch * num_heads,
                                                        parts * batch * num_heads, parts * batch * num_heads])
         counters = split_counters(query.device, batch * num_kv_heads)
+    kv_fp8 = k_cache.dtype == FP8
     _decode_kernel[(num_kv_heads, batch, parts)](
         out, query, k_cache, v_cache, table, context_lens, part_max, part_sum, part_acc, counters,
-        scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_kv_heads, parts,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_kv_heads, parts,
         partition, GROUP=group, GROUP_PAD=group_pad, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=partition > 0, MERGE_CHUNK=8,
-        DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous, num_warps=config.num_warps,
+        DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous, KV_FP8=kv_fp8, num_warps=config.num_warps,
         num_stages=stages)

@@ -15,6 +15,9 @@ most keys are launched first (reverse order) so the causal tail does not run alo
 
 Per tile, keys before ``prefix + first row`` are visible to every row and run unmasked; only the last
 ``BLOCK_M + BLOCK_N`` keys (the diagonal) pay for the causal mask.
+
+An FP8 cache (``KV_FP8``) is read as in the decode kernel (paged_attention.py): tiles widened to the query's
+dtype, ``k_scale`` folded into the softmax scale, ``v_scale`` applied to the output.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets, sequence_kv
+from kernels.reference import FP8
 from kernels.specialization import per_step
 
 
@@ -58,7 +62,7 @@ def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
                  stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE: tl.constexpr,
                  MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 CONTIGUOUS: tl.constexpr):
+                 CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
     ``<= prefix + r`` and no key at or past ``ctx`` is loaded."""
     in_context = pos < ctx
@@ -76,6 +80,8 @@ def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, p
     else:  # every key of the tile is visible to every row: plain wide loads
         k = tl.load(k_ptr + offs)
         v = tl.load(v_ptr + offs)
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = (pos[None, :] <= prefix + rows[:, None]) & in_context[None, :]
@@ -89,12 +95,12 @@ def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, p
 
 
 @triton.jit(**per_step("table_ptr", "cu_ptr", "ctx_ptr", "stride_table", "num_seqs", "num_tiles"))
-def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, scale_log2,
+def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, scale_log2, v_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_token, stride_head,
                     stride_table, num_seqs, num_tiles,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    CONTIGUOUS: tl.constexpr):
+                    CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
     head = tl.program_id(0)
     tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
     seq = _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M)
@@ -122,33 +128,37 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, sc
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, False, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION, CONTIGUOUS)
+                DOT_PRECISION, CONTIGUOUS, KV_FP8)
         diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
         for start in range(unmasked_end, diagonal_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, True, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION, CONTIGUOUS)
+                DOT_PRECISION, CONTIGUOUS, KV_FP8)
         out = acc / row_sum[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(out_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, *, config: PrefillConfig | None = None) -> None:
+                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                      config: PrefillConfig | None = None) -> None:
     """Same contract as ``reference.prefill_attention``. No device sync: the grid is sized from the number
     of query tokens and sequences, both known on the host."""
-    launch_prefill(out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, contiguous=False,
-                   config=config)
+    launch_prefill(out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scale, v_scale,
+                   contiguous=False, config=config)
 
 
 def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   table: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                   contiguous: bool, config: PrefillConfig | None) -> None:
+                   table: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   k_scale: float, v_scale: float, *, contiguous: bool, config: PrefillConfig | None) -> None:
     """Launch ``_prefill_kernel`` over either layout: ``table`` is the block tables ``[num_seqs, width]``
-    (paged) or the slot ids ``[num_seqs]`` of a ``[num_slots, max_len, ...]`` cache (contiguous)."""
+    (paged) or the slot ids ``[num_seqs]`` of a ``[num_slots, max_len, ...]`` cache (contiguous). The scales
+    apply to an FP8 cache only."""
     config = config or CONFIG
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -162,11 +172,13 @@ def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor
     head_pad = triton.next_power_of_2(head_dim)
     block_n, stages = fit_shared_memory(config.block_n, config.num_stages, config.block_m, head_pad,
                                         query.element_size())
+    kv_fp8 = k_cache.dtype == FP8
     _prefill_kernel[(num_heads, num_tiles)](
-        out, query, k_cache, v_cache, table, cu_seqlens_q, context_lens, scale * LOG2E,
+        out, query, k_cache, v_cache, table, cu_seqlens_q, context_lens, scale * LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_seqs, num_tiles,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=1 if contiguous else k_cache.shape[1],  # a constexpr the contiguous path never reads
         BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous,
-        num_warps=config.num_warps, num_stages=stages)
+        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=stages)

@@ -221,3 +221,18 @@ def check_host(bm: BlockManager, seqs: list[Sequence], swapped: list[Sequence], 
     for block_hash, slot in hc.entries.items():
         assert block_hash in ref.origin, "host-tier hash not produced by the documented chain of any sequence"
         assert host_kv[slot] == ref.block_tokens(block_hash), "a host hit would serve wrong tokens"
+
+
+def run_checked(engine, prompt_ids: list[list[int]], params) -> list[list[int]]:
+    """Step ``engine`` (an LLMEngine) through ``prompt_ids`` with ``params``, checking the pool's invariants
+    after every step; the final token ids in prompt order."""
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(f"r{i}", ids, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+        s = engine.core.scheduler
+        check_pool(engine.core.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
+    return [finals[f"r{i}"] for i in range(len(prompt_ids))]

@@ -9,7 +9,8 @@ from engine.kv_backend.base import KVBackend
 
 class PagedKV(KVBackend):
     """Blocks need no preparation and kernels read block tables: the contract's defaults (no mapping, no
-    background work) hold; padding rows of a CUDA graph read block 0."""
+    background work) hold; padding rows of a CUDA graph read block 0. ``dtype`` is the cache's element type
+    (EngineConfig.kv_cache_torch_dtype: the model's, or float8_e4m3fn, whose block is half a bfloat16 one)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int) -> None:

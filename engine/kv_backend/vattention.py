@@ -3,7 +3,8 @@ memory, and physical pages are mapped under it on demand with the CUDA driver's 
 attention kernels read ``k[slot, position]`` with no block table.
 
 Layout, per K and per V (``S`` slots, ``L`` layers, ``N`` blocks, ``P`` tokens per page, page = the driver's
-minimum granularity, 2 MiB on Hopper, so ``P = 2 MiB / (kv_heads * head_dim * itemsize)``):
+minimum granularity, 2 MiB on Hopper, so ``P = 2 MiB / (kv_heads * head_dim * itemsize)``, where itemsize is the
+cache's: an FP8 cache's page holds twice the tokens of a bfloat16 one):
 - slot range ``[L, S, max_len, kv_heads, head_dim]``: what attention reads and ``store_kv`` writes
   (``slot = row * max_len + position``); page ``i`` of slot ``s`` in layer ``l`` is mapped to block
   ``table[i]``'s page of that layer;

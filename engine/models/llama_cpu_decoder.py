@@ -119,7 +119,9 @@ class LlamaCpuDecoder:
         meta = get_attention_metadata()
         cos, signed_sin = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
         residual = F.embedding(input_ids, self.embed)
-        if self.native_step is None or meta.slot_ids is not None:
+        # (the native step reads and writes float32 caches: an FP8 cache takes the layers' path, whose attention
+        # goes through the torch references)
+        if self.native_step is None or meta.slot_ids is not None or self.attention[0].kv_fp8:
             return self._layers(residual, cos, signed_sin, meta)
         return self._native(residual, cos, signed_sin, positions, meta)
 

@@ -72,8 +72,8 @@ class ModelRunner:
         # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
         # wait for the step in flight, hence up to twice the running limit
         self.num_slots = 2 * config.max_num_seqs + 2
-        self.kv = make_kv_backend(config.kv_backend, model.shard_args, config.torch_dtype, self.device, config.block_size,
-                                  config.max_model_len, self.num_slots)
+        self.kv = make_kv_backend(config.kv_backend, model.shard_args, config.kv_cache_torch_dtype, self.device,
+                                  config.block_size, config.max_model_len, self.num_slots)
         if self.kv.block_size != config.block_size:
             logger.info("kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
                         config.kv_backend, self.kv.block_size, self.kv.page_bytes >> 20)
@@ -134,9 +134,10 @@ class ModelRunner:
                            num_blocks * config.block_size)
             config.max_model_len = num_blocks * config.block_size
         self.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens); max_model_len %d", num_blocks,
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens, %s); max_model_len %d", num_blocks,
                     config.block_size, num_blocks * self.bytes_per_block / 2**30,
-                    num_blocks * config.block_size, config.max_model_len)
+                    num_blocks * config.block_size, str(config.kv_cache_torch_dtype).removeprefix("torch."),
+                    config.max_model_len)
         return num_blocks
 
     def _warm_up_peak_memory(self) -> int:

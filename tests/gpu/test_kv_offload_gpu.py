@@ -9,7 +9,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.block_invariants import check_pool
+from tests.block_invariants import run_checked
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 
@@ -23,17 +23,7 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def generate_checked(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
-    engine = llm.engine
-    for i, ids in enumerate(batch):
-        engine.add_request(f"r{i}", ids, GREEDY)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.token_ids
-        s = engine.core.scheduler
-        check_pool(engine.core.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
-    return [finals[f"r{i}"] for i in range(len(batch))]
+    return run_checked(llm.engine, batch, GREEDY)
 
 
 @pytest.fixture(scope="module")

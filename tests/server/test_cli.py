@@ -60,10 +60,11 @@ def test_every_engine_option_is_a_chat_flag():
 
 def test_flags_reach_the_engine_config():
     args = build_parser().parse_args(["chat", "--block-size", "32", "--no-enable-prefix-caching",
-                                      "--kv-cache-memory-gib", "0.5", "--prefix-hash", "xxh128"])
+                                      "--kv-cache-memory-gib", "0.5", "--prefix-hash", "xxh128",
+                                      "--kv-cache-dtype", "fp8", "--device", "cpu"])
     config = engine_config_from_args(args)
-    assert (config.block_size, config.enable_prefix_caching, config.kv_cache_memory_gib, config.prefix_hash) == \
-        (32, False, 0.5, "xxh128")
+    assert (config.block_size, config.enable_prefix_caching, config.kv_cache_memory_gib, config.prefix_hash,
+            config.kv_cache_dtype) == (32, False, 0.5, "xxh128", "fp8")
 
 
 def test_bad_flag_value_exits_with_a_clear_message():
@@ -126,6 +127,7 @@ def test_choices_are_the_engines_own():
     from engine.config import (
         DTYPES,
         KV_BACKENDS,
+        KV_CACHE_DTYPES,
         LOAD_FORMATS,
         PREEMPTION_MODES,
         PREFIX_HASHES,
@@ -139,7 +141,8 @@ def test_choices_are_the_engines_own():
     assert choices == {"load_format": set(LOAD_FORMATS), "model_config": set(DUMMY_ARCHITECTURES),
                        "dtype": {"auto", *DTYPES}, "device": {"auto", "cpu", "cuda"},
                        "prefix_hash": set(PREFIX_HASHES), "preemption_mode": set(PREEMPTION_MODES),
-                       "kv_backend": set(KV_BACKENDS), "cpu_weights": {"auto", *CPU_WEIGHTS},
+                       "kv_backend": set(KV_BACKENDS), "kv_cache_dtype": set(KV_CACHE_DTYPES),
+                       "cpu_weights": {"auto", *CPU_WEIGHTS},
                        "cpu_isa": set(CPU_ISA_CHOICES), "all_reduce": set(ALL_REDUCE_CHOICES)}
 
 

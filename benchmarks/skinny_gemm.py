@@ -5,8 +5,8 @@ bf16, random weights and inputs (never zeros). For each: cuBLAS (``F.linear``) a
 explicit sweep of launch configs (tiles x warps x stages, split-K 1..8) and at the config the kernel picks by
 itself (``choose_config``: the table, else the heuristic), every config checked against torch in float32 first
 (relative error < 1e-2, bf16 output). For gate_up also the fused gate/up + SiLU-and-mul against ``F.linear`` +
-``kernels.activation.silu_and_mul`` (the engine's pair). GB/s = (weight + x + out bytes) / time, and its fraction of a device-to-device copy measured in the same run
-(bytes read + written).
+``kernels.activation.silu_and_mul`` (the engine's pair). GB/s = (weight + x + out bytes) / time, and its fraction
+of a device-to-device copy measured in the same run (bytes read + written).
 
 Timing: CUDA events around a batch of calls, each call on its own copy of the weight (the copies together >= 3x
 the L2, so every call reads its weight from memory, as a decode step does), queued behind a GPU sleep long

@@ -12,9 +12,10 @@ single rank) every collective is the identity, so model code has no branch for i
 
 The decode step's all-reduces are small (a batch of 256 rows of 4096 bf16 is 2 MiB) and there are two per
 layer, so their latency, not NVLink's bandwidth, is what they cost. On CUDA with ``all_reduce="auto"`` those of
-1 .. 8 MiB go through PyTorch's symmetric memory (``PeerAllReduce``): each rank copies its part into a buffer
-every rank has mapped, and our kernel on each rank (kernels/all_reduce.py) reads the others' parts over NVLink
-directly (no ring, no proxy thread). NCCL takes the rest and every other collective.
+1 .. 8 MiB go through PyTorch's symmetric memory (``PeerAllReduce``): each rank's row-parallel matmul writes its
+part into a buffer every rank has mapped, and our kernel on each rank (kernels/all_reduce.py) reads and writes
+the others' parts over NVLink directly (no ring, no proxy thread); after o_proj and down_proj the same kernel
+also adds the residual and applies the next RMSNorm. NCCL takes the rest and every other collective.
 """
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ class PeerAllReduce:
     def sum_staged(self, staged: torch.Tensor, method: str | None = None) -> torch.Tensor:
         """The sum over ranks of the part this rank wrote into ``staging(...)`` (our kernel's methods)."""
         from kernels.all_reduce import all_reduce_staged
+        two_shot = (method or self.method) == "two_shot"
         return all_reduce_staged(staged, torch.empty_like(staged), self.pad, self.deltas(staged.dtype),
-                                 self.pad_deltas, self.rank, self.programs, two_shot=(method or self.method) == "two_shot")
+                                 self.pad_deltas, self.rank, self.programs, two_shot=two_shot)
 
     def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
         """Each rank's buffer address minus this rank's, in elements of ``dtype``."""

@@ -22,7 +22,10 @@ from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.cache_ops import store_kv  # noqa: E402
-from kernels.contiguous_attention import contiguous_decode_attention, contiguous_prefill_attention  # noqa: E402
+from kernels.contiguous_attention import (  # noqa: E402
+    contiguous_decode_attention,
+    contiguous_prefill_attention,
+)
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from tests.block_invariants import run_checked  # noqa: E402

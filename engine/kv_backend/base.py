@@ -12,6 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine.worker.forward_context import AttentionMetadata
+
 
 class KVBackend(ABC):
     contiguous: bool = False  # each sequence's KV contiguous in a request slot (no block table in the kernels)
@@ -33,6 +35,15 @@ class KVBackend(ABC):
     @abstractmethod
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the attention layer ``layer`` reads and writes: its K and V."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """One attention layer's pass over its caches (``layer_caches``): store this pass's ``k``/``v``
+        ``[T, kv_heads, head_dim]`` at their slots, then attend each row of ``q`` ``[T, heads, head_dim]`` over its
+        sequence's KV, the decode rows (the first ``meta.num_decodes``) and the prefill chunks after them each by
+        their own kernel -> ``[T, heads * head_dim]``. ``k_scale``/``v_scale``: an FP8 cache's scales."""
 
     def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
                  wait_in_flight: Callable[[], None]) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.kv_backend.base import KVBackend
+from engine.worker.forward_context import AttentionMetadata
+from kernels import cpu as cpu_kernels
+from kernels import ops as kernel_ops
 
 
 class PagedKV(KVBackend):
@@ -30,3 +33,47 @@ class PagedKV(KVBackend):
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_caches[layer], self.v_caches[layer]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """Through the kernel dispatch (kernels.ops: Triton on CUDA, the torch references on the CPU), over
+        each sequence's block table."""
+        kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            kernel_ops.paged_attention(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                       meta.context_lens[:nd], scale, k_scale, v_scale)
+        if nd < q.shape[0]:
+            kernel_ops.prefill_attention(out[nd:], q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                         meta.prefill_cu_seqlens_q, meta.context_lens[nd:], scale, k_scale, v_scale)
+        return out.view(q.shape[0], -1)
+
+
+class LeanCpuPagedKV(PagedKV):
+    """The paged backend on the CPU with the default kernels (``kernels.lean_cpu``): decode attention through
+    kernels/cpu.py, whose per-pass slot, block and mask values the first layer computes for all (``meta.memo``).
+    Those lean functions read float caches only: an FP8 cache takes ``PagedKV.attend`` (the torch references,
+    which quantize and dequantize)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        memo = meta.memo
+        if (store := memo.get("store")) is None:
+            store = memo["store"] = cpu_kernels.store_plan(meta.slot_mapping)
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, store)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            if (plan := memo.get("decode")) is None:
+                plan = memo["decode"] = cpu_kernels.decode_plan(meta.block_tables[:nd], meta.context_lens[:nd],
+                                                                k_cache.shape[1])
+            cpu_kernels.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, plan, scale)
+        if nd < q.shape[0]:
+            kernel_ops.prefill_attention(out[nd:], q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                         meta.prefill_cu_seqlens_q, meta.context_lens[nd:], scale)
+        return out.view(q.shape[0], -1)

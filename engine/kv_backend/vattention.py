@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from engine.kv_backend.base import KVBackend
+from engine.worker.forward_context import AttentionMetadata
+from kernels import ops as kernel_ops
 from engine.kv_backend.slot_pages import SlotPages
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,23 @@ class VAttentionKV(KVBackend):
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What layer ``layer``'s attention reads and writes: its slot ranges ``[S, max_len, kv_heads, dim]``."""
         return self.k_slots[layer], self.v_slots[layer]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """Each sequence's KV is its request slot (``meta.slot_ids``): no block table in the kernels."""
+        kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            kernel_ops.contiguous_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.slot_ids[:nd],
+                                                   meta.context_lens[:nd], scale, meta.max_context_len, k_scale,
+                                                   v_scale)
+        if nd < q.shape[0]:
+            kernel_ops.contiguous_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, meta.slot_ids[nd:],
+                                                    meta.prefill_cu_seqlens_q, meta.context_lens[nd:], scale,
+                                                    k_scale, v_scale)
+        return out.view(q.shape[0], -1)
 
     # PageMapper --------------------------------------------------------------------------------------
 

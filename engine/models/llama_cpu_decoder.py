@@ -42,7 +42,7 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down: nn.Module
     down_bias: torch.Tensor | None
-    attend: object  # PagedAttention.forward_cpu of the layer (its own KV cache)
+    attend: object  # PagedAttention.attend of the layer (its own KV cache, its backend's kernels)
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:
@@ -113,7 +113,7 @@ class LlamaCpuDecoder:
                       attn.qkv_proj, _bias(attn.qkv_proj),
                       attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                       attn.o_proj, _bias(attn.o_proj), mlp.gate_up_proj, _bias(mlp.gate_up_proj),
-                      mlp.down_proj, _bias(mlp.down_proj), attn.attn.forward_cpu)
+                      mlp.down_proj, _bias(mlp.down_proj), attn.attn.attend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()

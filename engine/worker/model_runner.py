@@ -189,7 +189,7 @@ class ModelRunner:
         kv.allocate(num_blocks)
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
-            attn.k_cache, attn.v_cache = kv.layer_caches(i)
+            attn.bind(kv, i)
         max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
         slots = (ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row, kv.choose_slot, kv.claim_slot)
                  if kv.contiguous else None)

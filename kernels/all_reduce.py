@@ -48,6 +48,15 @@ def _barrier(pad_ptr, pad_deltas, channel, RANK: tl.constexpr, WORLD: tl.constex
 
 
 @triton.jit
+def _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Every rank's copy of ``offs`` added in float32, rounded once to the buffer's dtype."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WORLD):
+        acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+    return acc.to(buf_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, numel, shard, chunk,
                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr,
                        SYNC: tl.constexpr, PHASE: tl.constexpr):
@@ -61,10 +70,7 @@ def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, num
             for start in range(first, end, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < end
-                acc = tl.zeros([BLOCK], tl.float32)
-                for r in tl.static_range(WORLD):
-                    acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-                total = acc.to(out_ptr.dtype.element_ty)
+                total = _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD, BLOCK)
                 tl.store(out_ptr + offs, total, mask=mask)
                 for r in tl.static_range(WORLD):
                     if r != RANK:
@@ -86,10 +92,7 @@ def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, num
         for start in range(first, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < end
-            acc = tl.zeros([BLOCK], tl.float32)
-            for r in tl.static_range(WORLD):
-                acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offs, _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD, BLOCK), mask=mask)
         if SYNC:
             _barrier(pad_ptr, pad_deltas, 1, RANK, WORLD)
 
@@ -144,10 +147,7 @@ def _all_reduce_rms_norm_kernel(buf_ptr, residual_ptr, weight_ptr, out_ptr, pad_
         end = tl.minimum(RANK * shard_rows + shard_rows, num_rows)
         for row in range(RANK * shard_rows + pid, end, programs):
             offs = row * HIDDEN + cols  # (a buffer of at most 8 MiB: int32 offsets)
-            acc = tl.zeros([BLOCK_H], tl.float32)
-            for r in tl.static_range(WORLD):
-                acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-            total = acc.to(buf_ptr.dtype.element_ty)
+            total = _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD, BLOCK_H)
             for r in tl.static_range(WORLD):
                 if r != RANK:
                     tl.store(buf_ptr + buffer_deltas[r] + offs, total, mask=mask)

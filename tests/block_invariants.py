@@ -223,9 +223,9 @@ def check_host(bm: BlockManager, seqs: list[Sequence], swapped: list[Sequence], 
         assert host_kv[slot] == ref.block_tokens(block_hash), "a host hit would serve wrong tokens"
 
 
-def run_checked(engine, prompt_ids: list[list[int]], params) -> list[list[int]]:
+def run_checked(engine, prompt_ids: list[list[int]], params, check_step=None) -> list[list[int]]:
     """Step ``engine`` (an LLMEngine) through ``prompt_ids`` with ``params``, checking the pool's invariants
-    after every step; the final token ids in prompt order."""
+    (and ``check_step(engine)``, when given) after every step; the final token ids in prompt order."""
     for i, ids in enumerate(prompt_ids):
         engine.add_request(f"r{i}", ids, params)
     finals = {}
@@ -235,4 +235,6 @@ def run_checked(engine, prompt_ids: list[list[int]], params) -> list[list[int]]:
                 finals[out.request_id] = out.token_ids
         s = engine.core.scheduler
         check_pool(engine.core.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
+        if check_step is not None:
+            check_step(engine)
     return [finals[f"r{i}"] for i in range(len(prompt_ids))]

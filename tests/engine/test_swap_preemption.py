@@ -9,7 +9,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.core.sequence import SequenceStatus
-from tests.block_invariants import check_pool
+from tests.block_invariants import check_pool, run_checked as run_pool_checked
 from tests.conftest import SMALL_KV_GIB
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours of the rainbow:"]
@@ -44,17 +44,7 @@ def check_host_pool(engine: LLMEngine) -> None:
 
 
 def run_checked(engine: LLMEngine, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    for i, ids in enumerate(prompt_ids):
-        engine.add_request(f"r{i}", ids, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.token_ids
-        scheduler = engine.core.scheduler
-        check_pool(engine.core.block_manager, list(scheduler.running) + list(scheduler.waiting) + list(scheduler.swapped))
-        check_host_pool(engine)
-    return [finals[f"r{i}"] for i in range(len(prompt_ids))]
+    return run_pool_checked(engine, prompt_ids, params, check_host_pool)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from engine.kv_backend.base import KVBackend
+from engine.kv_backend.slot_pages import SlotPages
 from engine.worker.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
-from engine.kv_backend.slot_pages import SlotPages
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from kernels import ops as kernel_ops
 from engine.worker import parallel_state
 from engine.config import EngineConfig
-from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
+from engine.worker.cuda_graphs import DecodeGraphRunner
 from engine.worker.forward_context import AttentionMetadata, forward_context
 from engine.kv_backend import make_kv_backend
 from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
@@ -85,20 +84,13 @@ class ModelRunner:
         self.num_parameters = model.num_parameters  # (recompute cost estimates)
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
-        self.graphs: DecodeGraphs | None = None
-        # decode-only batches up to max_graph_batch_size are padded to a graph size, also with --enforce-eager,
-        # so that eager and graph runs compute the same shapes and give the same tokens
-        max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
-        self.graph_sizes = graph_sizes(max_padded) if max_padded else []
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and bool(self.graph_sizes)
+        self.decode_graphs = DecodeGraphRunner(config, model.args.vocab_size, self._forward, model.compute_logits,
+                                               self.kv.contiguous)
         num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
         self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
         self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                           for _ in range(2)]
         self._turn = 0
-        self.graph_tables = torch.empty(0, dtype=torch.int32)
-        self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded (graph) size
-        self.graph_logits = torch.empty(0)
         if self.device.type == "cpu":
             model.store_weights_column_major()
 
@@ -155,26 +147,24 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         graph_bytes = 0
-        if self.use_graphs:
-            self.capture_graphs([self.graph_sizes[-1]])
-            graph_bytes = self.graphs.memory_bytes
+        if self.decode_graphs.use_graphs:
+            self.capture_graphs([self.decode_graphs.max_size])
+            graph_bytes = self.decode_graphs.graphs.memory_bytes
         # the step buffers are allocated again, at their final size, beside the real KV cache
-        buffers = self.graph_logits.nbytes + self.graph_tables.nbytes + self.inputs.device_buffer.nbytes
+        buffers = self.decode_graphs.buffer_bytes + self.inputs.device_buffer.nbytes
         self.release_kv_cache()
         return peak + graph_bytes + buffers
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (at shutdown: NCCL collectives captured in them hold the communicator until the
         graphs are gone, so they go before the process group does)."""
-        if self.graphs is not None:
-            self.graphs = None
-            torch.cuda.synchronize(self.device)
+        self.decode_graphs.release()
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the graphs recorded over it (the warm-up's scratch ones)."""
         if self.workers is not None:
             self.workers.send(ReleaseKv())
-        self.graphs = None
+        self.decode_graphs.graphs = None
         self.kv.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
@@ -183,24 +173,19 @@ class ModelRunner:
         """The KV backend's memory for ``num_blocks`` blocks (block-addressed ``k_caches``/``v_caches``
         ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap); each attention
         layer gets its layer's view. Also the step input buffers, sized by the (now final) ``max_model_len``."""
-        args, config, kv = self.model.args, self.config, self.kv
+        config, kv = self.config, self.kv
         if self.workers is not None:
             self.workers.send(AllocateKv(num_blocks, config.max_model_len))
         kv.allocate(num_blocks)
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
-        max_tokens = max(config.max_num_batched_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
+        max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_size)
         slots = (ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row, kv.choose_slot, kv.claim_slot)
                  if kv.contiguous else None)
         self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
                                  config.max_num_seqs + 1, config.max_blocks_per_seq, slots)
-        if self.graph_sizes:
-            width = 1 if kv.contiguous else config.max_blocks_per_seq  # (contiguous: the slot ids)
-            self.graph_tables = torch.full((self.graph_sizes[-1], width), kv.scratch_slot, dtype=torch.int32,
-                                           device=self.device)
-            self.graph_logits = torch.empty(self.graph_sizes[-1], args.vocab_size, dtype=config.torch_dtype,
-                                            device=self.device)
+        self.decode_graphs.allocate(self.inputs, config.max_blocks_per_seq, kv.scratch_slot)
 
     def allocate_host_pools(self) -> tuple[int, int]:
         """Host blocks for swapped-out sequences and for the host tier of the prefix cache, allocated as one pool
@@ -237,12 +222,12 @@ class ModelRunner:
     def capture_graphs(self, sizes: list[int] | None = None) -> None:
         """After the final KV allocation: record the decode graphs (CUDA, unless ``enforce_eager``) of
         ``sizes`` (all of ``graph_sizes``)."""
-        if not self.use_graphs:
+        if not self.decode_graphs.use_graphs:
             return
-        sizes = sizes or self.graph_sizes
+        sizes = sizes or self.decode_graphs.sizes
         if self.workers is not None:
             self.workers.send(CaptureGraphs(sizes))
-        self.graphs = DecodeGraphs(self._decode_pass, sizes, self.device, self._idle_inputs)
+        self.decode_graphs.capture(sizes)
 
     # one step ---------------------------------------------------------------------------------------
 
@@ -263,7 +248,7 @@ class ModelRunner:
         start = time.perf_counter()
         pad = None
         if batch.num_decodes == len(batch.seqs):
-            pad = padded_size(self.graph_sizes, len(batch.seqs))
+            pad = self.decode_graphs.padded_size(len(batch.seqs))
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
         num_rows = len(batch.sampling_seqs)
         if self.workers is not None:
@@ -275,7 +260,7 @@ class ModelRunner:
             self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, inputs.ends, self._wait_for_device)
         prepared = time.perf_counter()
         if pad is not None:
-            logits = self._padded_decode(step, pad, len(batch.seqs))
+            logits = self.decode_graphs.run(step, pad, len(batch.seqs))
             if num_rows != len(batch.seqs) or batch.forks:  # (some rows not sampled, or sampled twice)
                 logits = logits[step.sample_rows]
         else:
@@ -291,7 +276,7 @@ class ModelRunner:
         self._move_blocks(command.swap_out, command.block_copies, command.swap_in)
         step = self.inputs.unpack(payload, command.layout)
         if command.pad is not None:
-            self._padded_decode(step, command.pad, command.layout.num_seqs)
+            self.decode_graphs.run(step, command.pad, command.layout.num_seqs)
         else:
             hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
             if command.num_sampled:
@@ -313,13 +298,6 @@ class ModelRunner:
     def _wait_for_device(self) -> None:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
         torch.cuda.current_stream(self.device).synchronize()
-
-    def _padded_decode(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
-        self.padded_steps[size] += 1
-        rows, width = step.metadata.block_tables.shape
-        self.graph_tables[:rows, :width].copy_(step.metadata.block_tables)
-        logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
-        return logits[:num_seqs]
 
     def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
         if logits is None:
@@ -371,21 +349,6 @@ class ModelRunner:
         input_ids = torch.where(feed >= 0, self.last_sampled[feed.clamp(min=0)], input_ids)
         with forward_context(metadata):
             return self.model(input_ids, positions)
-
-    def _decode_pass(self, size: int) -> torch.Tensor:
-        """One decode pass over the static inputs of graph size ``size`` (what each graph records)."""
-        view = self.inputs.decode_view(size)
-        tables = self.graph_tables[:size]
-        metadata = AttentionMetadata(slot_mapping=view.slots, block_tables=tables, context_lens=view.context_lens,
-                                     num_decodes=size, prefill_cu_seqlens_q=view.cu_seqlens,
-                                     slot_ids=tables[:, 0] if self.kv.contiguous else None,
-                                     max_context_len=self.config.max_model_len)
-        hidden = self._forward(view.ids, view.feed, view.positions, metadata)
-        return self.model.compute_logits(hidden, out=self.graph_logits[:size])
-
-    def _idle_inputs(self, size: int) -> None:
-        """Static inputs of a harmless batch (every row a padding row) for capture."""
-        self.inputs.decode_view(size).fill_padding()
 
 
 def _greedy_stand_in(seq: Sequence) -> Sequence:

@@ -40,13 +40,13 @@ def test_graphs_with_preemption_equal_transformers_float32():
     # 40 blocks of 16 cannot hold all 12 requests at once: the newest are preempted and recomputed
     llm = LLM(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda",
               num_kv_blocks=40, max_num_batched_tokens=96, max_model_len=512)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.runner.decode_graphs.graphs is not None
     outputs = llm.generate(prompts[:-1], params)
     (last,) = llm.generate([prompts[-1]], params)  # 80 shared tokens: 5 cached blocks
     stats = llm.engine.stats()
     assert stats.preemptions > 0
     assert last.num_cached_tokens == 80
-    assert llm.engine.runner.graphs.num_replays > 0
+    assert llm.engine.runner.decode_graphs.graphs.num_replays > 0
     check_pool(llm.engine.block_manager, [])
 
     config = dummy_hf_config("llama-3.2-1b")
@@ -65,7 +65,7 @@ def test_graphs_eager_and_sync_give_identical_tokens_bf16(model_config):
                           "graphs+sync": {"async_scheduling": False}}.items():
         llm = LLM(load_format="dummy", model_config=model_config, device="cuda", num_kv_blocks=512,
                   max_num_batched_tokens=256, max_model_len=1024, max_num_seqs=32, **options)
-        assert (llm.engine.runner.graphs is None) == ("eager" in name)
+        assert (llm.engine.runner.decode_graphs.graphs is None) == ("eager" in name)
         results[name] = [o.token_ids for o in llm.generate(prompts, params)]
         assert [len(t) for t in results[name]] == [p.max_tokens for p in params]
         del llm

@@ -158,7 +158,7 @@ def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
         assert tight.engine.scheduler.num_swap_outs > 0, "the pool was meant to force swapping"
         got += generate_checked(tight, [follow_up])
         assert tight.engine.stats().prefix_hits > 0
-        assert sum(tight.engine.runner.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
+        assert sum(tight.engine.runner.decode_graphs.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
     finally:  # (the engine's GPU memory goes with it, also when an assertion failed: the next test sizes a pool)
         tight.shutdown()
         del tight

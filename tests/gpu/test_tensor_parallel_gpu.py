@@ -46,7 +46,7 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = mixed_prompts()
     llm = LLM(model_config=model_config, **OPTIONS)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.runner.decode_graphs.graphs is not None
     single, single_cached = generate(llm, prompts)
     del llm
     gc.collect()
@@ -55,7 +55,7 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks
     first_group = not parallel_state.peer_all_reduce_spent()
     llm = LLM(model_config=model_config, tensor_parallel_size=2, **OPTIONS)
     try:
-        assert llm.engine.runner.graphs is not None
+        assert llm.engine.runner.decode_graphs.graphs is not None
         assert parallel_state.peer_all_reduce_active() == first_group
         sharded, sharded_cached = generate(llm, prompts)
     finally:
@@ -73,7 +73,7 @@ def test_a_decode_only_batch_larger_than_one_replays_cuda_graphs_with_two_ranks(
     prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 9, 12, 20)]  # one prefill step, then 4 decode
     llm = LLM(model_config="llama-3.2-1b", tensor_parallel_size=2, **OPTIONS)
     try:
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.runner.decode_graphs.graphs
         assert graphs is not None
         replayed: list[int] = []
         replay = graphs.replay

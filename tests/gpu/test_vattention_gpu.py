@@ -53,12 +53,12 @@ def test_vattention_equals_transformers_float32():
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm = LLM(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda",
               kv_backend="vattention", num_kv_blocks=5, max_num_batched_tokens=96, max_model_len=2048)
-    assert llm.engine.config.block_size == 1024 and llm.engine.runner.graphs is not None
+    assert llm.engine.config.block_size == 1024 and llm.engine.runner.decode_graphs.graphs is not None
     outputs = llm.generate(prompts[:-1], params)
     (last,) = llm.generate([prompts[-1]], params)
     assert llm.engine.stats().preemptions > 0
     assert last.num_cached_tokens == 1024  # one whole page of the shared prefix, mapped, not copied
-    assert llm.engine.runner.graphs.num_replays > 0
+    assert llm.engine.runner.decode_graphs.graphs.num_replays > 0
     assert_idle_and_clean(llm)
 
     config = dummy_hf_config("llama-3.2-1b")

@@ -20,6 +20,7 @@ from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.kv_backend.paged import PagedKV
 from engine.worker.step_inputs import StepInputs
 
 
@@ -39,7 +40,8 @@ def decode_ready(batch: int, context: int, block_size: int, seed: int) -> tuple[
     for seq in scheduler.running:
         seq.append_token(rng.randrange(10000))
     max_blocks = context // block_size + 64
-    return scheduler, StepInputs(torch.device("cpu"), block_size, max(2048, batch), batch + 1, max_blocks)
+    return scheduler, StepInputs(torch.device("cpu"), block_size, max(2048, batch), batch + 1, max_blocks,
+                                  PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), block_size))
 
 
 def measure(batch: int, context: int, steps: int, pad: bool) -> dict[str, float]:

@@ -3,12 +3,14 @@ the paged one keeps block-addressed caches of the documented shape, and AsyncEng
 EngineClient the server is written against (engine/engine_client.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine.kv_backend import KVBackend, LeanCpuPagedKV, PagedKV, VAttentionKV, make_kv_backend
 from engine.worker.loader import dummy_hf_config
 from engine.models.llama import LlamaArgs
+from tests.fake_vmm_driver import FakeDriver
 
 
 @pytest.mark.parametrize("backend", [PagedKV, LeanCpuPagedKV, VAttentionKV])
@@ -35,6 +37,32 @@ def test_the_cpu_gets_the_lean_paged_backend_with_the_default_kernels_and_the_pl
     assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is LeanCpuPagedKV
     monkeypatch.setattr(kernels, "_CHOICE", "reference")
     assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is PagedKV
+
+
+def test_the_paged_backend_addresses_a_token_by_its_block_and_packs_each_block_table_row():
+    kv = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), 4)
+    table = np.array([[7, 2, 0], [5, 9, 3]], dtype=np.int32)  # the step inputs' rows: one per live sequence
+    token_rows, positions = np.array([1, 1, 0, 1]), np.array([0, 5, 6, 11])
+    assert kv.slot_mapping(table, token_rows, positions).tolist() == [5 * 4, 9 * 4 + 1, 2 * 4 + 2, 3 * 4 + 3]
+    assert kv.table_shape(2, 8, 3) == (2, 3)  # (graph padding rows need no table row)
+    out = np.full((2, 2), -1, dtype=np.int32)
+    kv.pack_tables(out, table, np.array([1, 0]))
+    assert out.tolist() == [[5, 9], [7, 2]]
+    assert kv.slot_ids(torch.tensor(out)) is None and kv.reserved_row is None
+
+
+def test_the_contiguous_backend_addresses_a_token_in_its_request_slot_and_packs_slot_ids():
+    kv = VAttentionKV(FakeDriver(), 2, 4, 128, torch.bfloat16, torch.device("cpu"), 8192, 4)
+    table = np.array([[7, 2], [5, 9], [4, 4]], dtype=np.int32)  # (block ids do not address a contiguous slot)
+    token_rows, positions = np.array([2, 2, 1]), np.array([0, 300, 9])
+    assert kv.slot_mapping(table, token_rows, positions).tolist() == [2 * kv.max_len, 2 * kv.max_len + 300,
+                                                                      kv.max_len + 9]
+    assert kv.table_shape(2, 4, 7) == (4, 1)  # padding rows read the scratch slot
+    out = np.full((4, 1), -1, dtype=np.int32)
+    kv.pack_tables(out, table, np.array([2, 1]))
+    assert out[:, 0].tolist() == [2, 1, kv.scratch_slot, kv.scratch_slot]
+    assert kv.slot_ids(torch.tensor(out)).tolist() == [2, 1, kv.scratch_slot, kv.scratch_slot]
+    assert kv.reserved_row == kv.scratch_slot
 
 
 def test_the_async_engine_is_the_engine_client_the_server_is_written_against():

@@ -45,6 +45,44 @@ class KVBackend(ABC):
         sequence's KV, the decode rows (the first ``meta.num_decodes``) and the prefill chunks after them each by
         their own kernel -> ``[T, heads * head_dim]``. ``k_scale``/``v_scale``: an FP8 cache's scales."""
 
+    # where a step's tokens live: the step inputs' slot math (engine/worker/step_inputs.py) ------------------
+
+    def slot_mapping(self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Each token's KV slot, where ``store`` writes it: ``token_rows[i]`` is the row of the step inputs' table
+        ``table`` that holds token i's sequence, ``positions[i]`` the token's position. Block-addressed: the
+        slot of its block's first token plus its offset in the block."""
+        blocks = table[token_rows, positions // self.block_size]
+        return blocks.astype(np.int64) * self.block_size + positions % self.block_size
+
+    def table_shape(self, num_seqs: int, padded_seqs: int, width: int) -> tuple[int, int]:
+        """Rows and columns of a step's packed tables, for ``num_seqs`` sequences (``padded_seqs`` with a CUDA
+        graph's padding rows) whose block tables are at most ``width`` long. Padding rows need none here: the
+        graphs' static tables keep harmless rows of their own."""
+        return num_seqs, width
+
+    def pack_tables(self, out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
+        """A step's tables into ``out`` (``table_shape``): each sequence's block-table row, ``rows`` giving
+        its row of ``table``."""
+        out[:] = table[rows, :out.shape[1]]
+
+    def slot_ids(self, tables: torch.Tensor) -> torch.Tensor | None:
+        """What the kernels address a sequence's KV by, beside its block table (None: the table itself)."""
+        return None
+
+    # the step inputs' rows ------------------------------------------------------------------------------
+
+    @property
+    def reserved_row(self) -> int | None:
+        """A row of the step inputs' table no sequence may take (None: every row is free for one)."""
+        return None
+
+    def choose_slot(self, first_block: int) -> int | None:
+        """A row for a new sequence whose first block is ``first_block`` (None: any free row)."""
+        return None
+
+    def claim_slot(self, slot: int) -> None:
+        """Row ``slot`` gets a new sequence."""
+
     def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
                  wait_in_flight: Callable[[], None]) -> None:
         """Before a step: make each row's blocks (its ``tables[i, :widths[i]]``) addressable up to ``ends``;

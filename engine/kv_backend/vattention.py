@@ -116,6 +116,25 @@ class VAttentionKV(KVBackend):
             self._deferred[slot] = None
             self._first_page[block] = slot
 
+    def slot_mapping(self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """A row is the sequence's request slot, and its KV sits at ``slot * max_len + position``."""
+        return token_rows * self.max_len + positions
+
+    def table_shape(self, num_seqs: int, padded_seqs: int, width: int) -> tuple[int, int]:
+        """One slot id per sequence, padding rows included (they read the scratch slot)."""
+        return padded_seqs, 1
+
+    def pack_tables(self, out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
+        out[:len(rows), 0] = rows
+        out[len(rows):, 0] = self.scratch_slot
+
+    def slot_ids(self, tables: torch.Tensor) -> torch.Tensor | None:
+        return tables[:, 0]
+
+    @property
+    def reserved_row(self) -> int | None:
+        return self.scratch_slot
+
     def choose_slot(self, first_block: int) -> int | None:
         """A free slot that already maps ``first_block`` at page 0 (the caller checks it is free), or None."""
         slot = self._first_page.get(first_block)

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.kv_backend.base import KVBackend
 from engine.worker.forward_context import AttentionMetadata
 from engine.worker.step_inputs import StepInputs, StepTensors
 
@@ -81,12 +82,12 @@ class DecodeGraphRunner:
     """Decode-only steps at padded (ladder) sizes, replayed from CUDA graphs or run eagerly the same way."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, forward: Forward, compute_logits: ComputeLogits,
-                 contiguous: bool) -> None:
+                 kv: KVBackend) -> None:
         """``forward`` runs the model over a step's inputs; ``compute_logits(hidden, out=)`` its output layer;
-        ``contiguous``: the KV backend addresses a request's cache by its slot id (one table column)."""
+        ``kv``: the KV backend, whose tables the decode pass reads."""
         self.config, self.device = config, config.torch_device
         self.vocab_size, self.forward, self.compute_logits = vocab_size, forward, compute_logits
-        self.contiguous = contiguous
+        self.kv = kv
         max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
         self.sizes = graph_sizes(max_padded) if max_padded else []
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
@@ -114,7 +115,7 @@ class DecodeGraphRunner:
         self.graphs, self.inputs = None, inputs
         if not self.sizes:
             return
-        width = 1 if self.contiguous else table_width  # (contiguous: the slot ids)
+        _, width = self.kv.table_shape(self.max_size, self.max_size, table_width)
         self.tables = torch.full((self.max_size, width), scratch_slot, dtype=torch.int32, device=self.device)
         self.logits = torch.empty(self.max_size, self.vocab_size, dtype=self.config.torch_dtype,
                                   device=self.device)
@@ -144,7 +145,7 @@ class DecodeGraphRunner:
         tables = self.tables[:size]
         metadata = AttentionMetadata(slot_mapping=view.slots, block_tables=tables, context_lens=view.context_lens,
                                      num_decodes=size, prefill_cu_seqlens_q=view.cu_seqlens,
-                                     slot_ids=tables[:, 0] if self.contiguous else None,
+                                     slot_ids=self.kv.slot_ids(tables),
                                      max_context_len=self.config.max_model_len)
         hidden = self.forward(view.ids, view.feed, view.positions, metadata)
         return self.compute_logits(hidden, out=self.logits[:size])

@@ -27,7 +27,7 @@ from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.worker.step_inputs import ContiguousSlots, StepInputs, StepTensors
+from engine.worker.step_inputs import StepInputs, StepTensors
 from engine.output.structured_output import token_masks
 from engine.worker.worker_group import (AllocateHostCache, AllocateKv, CaptureGraphs, MemoryInfo, ReleaseKv, RunStep,
                                  WorkerGroup)
@@ -85,7 +85,7 @@ class ModelRunner:
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         self.decode_graphs = DecodeGraphRunner(config, model.args.vocab_size, self._forward, model.compute_logits,
-                                               self.kv.contiguous)
+                                               self.kv)
         num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
         self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
         self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -181,10 +181,8 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
         max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_size)
-        slots = (ContiguousSlots(kv.max_len, kv.scratch_slot, kv.release_row, kv.choose_slot, kv.claim_slot)
-                 if kv.contiguous else None)
         self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
-                                 config.max_num_seqs + 1, config.max_blocks_per_seq, slots)
+                                 config.max_num_seqs + 1, config.max_blocks_per_seq, kv)
         self.decode_graphs.allocate(self.inputs, config.max_blocks_per_seq, kv.scratch_slot)
 
     def allocate_host_pools(self) -> tuple[int, int]:
@@ -238,8 +236,7 @@ class ModelRunner:
     def settle(self) -> None:
         """The engine went idle: slots of finished sequences are released now (their pages stay mapped for the
         next requests: vattention's deferred reclamation)."""
-        if self.kv.contiguous:
-            self.inputs.drain()
+        self.inputs.drain()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:

@@ -14,20 +14,21 @@ by the step in flight): the device takes it from row ``r`` of the previous step'
 decode-only step padded to a CUDA-graph size G (padding rows need no table row: the model runner copies
 the B real rows into the graphs' static block table), the first 5G entries are the graph's static inputs.
 
-With a contiguous KV backend (vAttention) a sequence's table row is also its request slot: its KV sits at
-``slot * max_len + position``, the packed table is one slot id per sequence (padding rows: the scratch slot),
-and a finished sequence's slot is reused only after the last step that may still read it has finished on
-the device (then the backend unmaps its pages).
+The KV backend (engine/kv_backend/base.py) owns the slot math: each token's slot, the packed tables' shape
+and contents, and which row a new sequence takes. With a contiguous backend (vAttention) a sequence's table
+row is also its request slot: its KV sits at ``slot * max_len + position``, the packed table is one slot id
+per sequence (padding rows: the scratch slot), and a finished sequence's slot is reused only after the last
+step that may still read it has finished on the device (then the backend unmaps its pages).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
+from engine.kv_backend.base import KVBackend
 from engine.worker.forward_context import AttentionMetadata
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import PENDING_TOKEN, Sequence
@@ -96,23 +97,11 @@ class StepLayout:
     max_context_len: int
 
 
-@dataclass(slots=True)
-class ContiguousSlots:
-    """A contiguous KV layout's terms: slot length, the padding rows' slot, and what to do with a slot that
-    no step in flight reads any more."""
-
-    max_len: int
-    scratch_slot: int
-    release: Callable[[int], None]
-    choose: Callable[[int], int | None]  # first block -> a free slot that already maps it, if any
-    claim: Callable[[int], None]  # a slot gets a new sequence
-
-
 class StepInputs:
     def __init__(self, device: torch.device, block_size: int, max_tokens: int, max_seqs: int,
-                 max_blocks_per_seq: int, contiguous: ContiguousSlots | None = None) -> None:
+                 max_blocks_per_seq: int, kv: KVBackend) -> None:
         self.device = device
-        self.contiguous = contiguous
+        self.kv = kv
         self._cooling: deque[tuple[int, torch.cuda.Event | None]] = deque()  # (row, last step that may read it)
         self._launched: torch.cuda.Event | None = None
         self.rows = np.zeros(0, dtype=np.int64)  # the latest step's table rows, one per sequence
@@ -120,8 +109,7 @@ class StepInputs:
         self.max_blocks = max_blocks_per_seq
         self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)  # persistent, one row per seq
         self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
-        self._free_rows = [row for row in range(max_seqs - 1, -1, -1)
-                           if contiguous is None or row != contiguous.scratch_slot]
+        self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
         capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
         pinned = device.type == "cuda"
         self._staging = [torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
@@ -139,14 +127,14 @@ class StepInputs:
         entry = self._rows.pop(seq.seq_id, None)
         if entry is None:
             return
-        if self.contiguous is None:
+        if not self.kv.contiguous:
             self._free_rows.append(entry[0])
         else:
             self._cooling.append((entry[0], self._launched))
 
     def step_launched(self) -> None:
         """The runner launched a step (on CUDA): rows forgotten from now on wait for it."""
-        if self.contiguous is not None and self.device.type == "cuda":
+        if self.kv.contiguous and self.device.type == "cuda":
             self._launched = torch.cuda.Event()
             self._launched.record()
 
@@ -165,7 +153,7 @@ class StepInputs:
                 event.synchronize()
             wait = False
             self._cooling.popleft()
-            self.contiguous.release(row)
+            self.kv.release_row(row)
             self._free_rows.insert(0, row)  # reused last: its pages are unmapped in the background
 
     def _sync_row(self, seq: Sequence) -> int:
@@ -188,14 +176,12 @@ class StepInputs:
         return row
 
     def _take_row(self, seq: Sequence) -> int:
-        if self.contiguous is None:
-            return self._free_rows.pop()
-        row = self.contiguous.choose(seq.block_table[0]) if seq.block_table else None
+        row = self.kv.choose_slot(seq.block_table[0]) if seq.block_table else None
         if row is not None and row in self._free_rows:
             self._free_rows.remove(row)
         else:
             row = self._free_rows.pop()
-        self.contiguous.claim(row)
+        self.kv.claim_slot(row)
         return row
 
     # packing ------------------------------------------------------------------------------------------
@@ -229,11 +215,7 @@ class StepInputs:
         cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
         positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
         seq_of_token = np.repeat(np.arange(num_seqs), lens)
-        if self.contiguous is None:
-            blocks = self.table[rows[seq_of_token], positions // self.block_size]
-            slots = blocks.astype(np.int64) * self.block_size + positions % self.block_size
-        else:
-            slots = rows[seq_of_token] * self.contiguous.max_len + positions
+        slots = self.kv.slot_mapping(self.table, rows[seq_of_token], positions)
         ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
         sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
                        if end == seq.num_tokens]
@@ -246,11 +228,9 @@ class StepInputs:
     def _pack(self, flat: np.ndarray, v: _StepVectors, batch: ScheduledBatch, feed_rows: dict[int, int],
               pad_to: int | None) -> StepLayout:
         """Write the vectors into ``flat`` in the packed order (module docstring); the layout they took."""
-        num_tokens, num_seqs, width = len(v.ids), len(v.rows), v.width
+        num_tokens, num_seqs = len(v.ids), len(v.rows)
         total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
-        table_rows = num_seqs
-        if self.contiguous is not None:  # the table is each sequence's slot (padding rows: the scratch slot)
-            width, table_rows = 1, total_seqs
+        table_rows, width = self.kv.table_shape(num_seqs, total_seqs, v.width)
         sizes = [total, total, total, total, total_seqs, len(v.prefill_cu), len(v.sample_rows), table_rows * width]
         offsets = np.cumsum([0] + sizes).tolist()
         ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = (
@@ -262,11 +242,7 @@ class StepInputs:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
         cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
-        if self.contiguous is None:
-            table_v.reshape(num_seqs, width)[:] = self.table[v.rows, :width]
-        else:
-            table_v[:num_seqs] = v.rows
-            table_v[num_seqs:] = self.contiguous.scratch_slot
+        self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
             pad = PADDING_ROW
             ids_v[num_tokens:], pos_v[num_tokens:] = pad["ids"], pad["positions"]
@@ -304,6 +280,6 @@ class StepInputs:
         tables = table.view(-1, layout.width)
         metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
                                      num_decodes=layout.num_decodes, prefill_cu_seqlens_q=cu,
-                                     slot_ids=None if self.contiguous is None else tables[:, 0],
+                                     slot_ids=self.kv.slot_ids(tables),
                                      max_context_len=layout.max_context_len)
         return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_backend.paged import PagedKV
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.worker.step_inputs import PADDING_ROW, StepInputs
 
 BLOCK = 4
+PAGED = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), BLOCK)  # (its slot math only: no memory allocated)
 
 
 def decoding(seq_id: int, tokens: list[int], blocks: list[int]) -> Sequence:
@@ -22,7 +24,7 @@ def decoding(seq_id: int, tokens: list[int], blocks: list[int]) -> Sequence:
 
 
 def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
-    inputs = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4)
+    inputs = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
     seqs = [decoding(0, [5, 6, 7, 8, 9], [3, 1]), decoding(1, [11, 12], [2])]
     step = inputs.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]), {}, pad_to=4)
     view = inputs.decode_view(4)
@@ -38,8 +40,8 @@ def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
 
 
 def test_another_rank_unpacks_the_same_step():
-    driver = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4)
-    follower = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4)
+    driver = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
+    follower = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
     prefill = Sequence(seq_id=2, request_id="r2", token_ids=list(range(20, 27)), params=SamplingParams())
     prefill.block_table = [4, 5]
     seqs = [decoding(0, [5, 6, 7], [3]), prefill]

@@ -2,9 +2,9 @@
 the engine); also ``python -m app ...``.
 
 Every EngineConfig and ServerSettings option is a flag (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``),
-described in app/options.py (help, choices, units, environment variable); tests/server/test_cli.py checks that every
-field of the dataclasses has its flag. Building the parser imports no torch, so ``--help`` and ``--version`` are
-instant; the dataclasses are imported when a command runs.
+described in app/engine_options.py and app/server_options.py (help, choices, units, environment variable);
+tests/server/test_cli.py checks that every field of the dataclasses has its flag. Building the parser imports no
+torch, so ``--help`` and ``--version`` are instant; the dataclasses are imported when a command runs.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import sys
 import time
 from typing import Any
 
-from app.options import ENGINE_OPTIONS, LOG_LEVELS, SERVER_OPTIONS, Option, parse_bytes
+from app.engine_options import ENGINE_OPTIONS
+from app.options import Option, parse_bytes
+from app.server_options import LOG_LEVELS, SERVER_OPTIONS
 from app.version import version
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}

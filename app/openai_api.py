@@ -19,7 +19,7 @@ from app.openai_format import (
     samples_usage,
     sum_usage,
 )
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol.completions import ChatCompletionRequest, CompletionRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.replies import ReplyWriter
 from app.serving import Serving
@@ -87,7 +87,8 @@ async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
 
 async def _completion_chunks(replies: ReplyWriter, header: ResponseHeader, streams: list[TimedStream],
                              echoes: list[str], n: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """Choice ``prompt * n + sample`` (a streamed best_of equals n: protocol.py), each one's chunks as they come."""
+    """Choice ``prompt * n + sample`` (a streamed best_of equals n: protocol/completions.py), each one's chunks as
+    they come."""
     offsets = [len(echoes[i // n]) for i in range(len(streams) * n)]  # per choice
     finals: dict[int, RequestOutput] = {}
     for i in range(len(offsets)):

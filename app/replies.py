@@ -15,7 +15,8 @@ from app.errors import APIError
 from app.openai_format import (ResponseHeader, chat_choice_delta, chat_choice_message, chat_logprobs,
                                logprob_token_ids, samples_usage)
 from app.prompts import NoTokenizer, PromptRenderer
-from app.protocol import ChatMessage, SamplingFields
+from app.protocol.messages import ChatMessage
+from app.protocol.sampling import SamplingFields
 from app.request_body import cancel_on_disconnect
 from app.timed_stream import TimedStream
 from app.sse import sse_response

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from app.errors import APIError
-from app.protocol import MAX_MESSAGES
+from app.protocol.fields import MAX_MESSAGES
 
 logger = logging.getLogger(__name__)
 

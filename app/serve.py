@@ -68,7 +68,7 @@ def preflight(settings: ServerSettings) -> None:
     """PreflightError for a mistake that would otherwise surface only after the model has loaded."""
     engine = settings.engine
     if engine.model is not None and engine.load_format != "dummy":
-        from engine.worker.loader import resolve_model
+        from engine.worker.model_sources import resolve_model
 
         try:  # a hub id is downloaded (or found in the hub cache) and a .gguf file converted here, once
             path = resolve_model(engine.model, Path(engine.cache_dir))

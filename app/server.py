@@ -33,13 +33,14 @@ from app.front import Front
 from app.metrics import health_endpoint, metrics_endpoint
 from app.openapi import Operation, openapi_document, openapi_endpoint
 from app.prompts import NoTokenizer
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol.completions import ChatCompletionRequest, CompletionRequest
 from app.request_body import ClientDisconnected
 from app.security import security_middleware
 from app.serving import Serving, build_serving
 from app.sessions import api as sessions_api
 from app.sessions import presets
 from app.sessions.store import SessionQuotaExceeded, SessionStoreUnavailable
+from app.sessions.turn_api import chat_in_session
 from app.settings import ServerSettings
 from app.version import version
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -122,7 +123,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     except BaseException:
         await engine.stop()
         raise
-    server = build_serving(settings, engine, front, name, store, sessions_api.chat_in_session)
+    server = build_serving(settings, engine, front, name, store, chat_in_session)
     app.state.server = server
     watcher = pinning = None
     try:

@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.options import LOG_LEVELS, SESSION_STORES
+from app.server_options import LOG_LEVELS, SESSION_STORES
 from engine.config import EngineConfig
 
 

@@ -9,7 +9,7 @@ from starlette.routing import Route
 
 from app.errors import APIError
 from app.openapi import Operation
-from app.protocol import DetokenizeRequest, TokenizeRequest
+from app.protocol.tokenization import DetokenizeRequest, TokenizeRequest
 from app.request_body import read_model
 from app.serving import Serving
 

@@ -328,7 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_peer(name: str, llm: LLM, threads: int) -> Any:
     if name == "transformers":
         return TransformersPeer(llm.engine.config.model_path, llm.engine.config.eos_token_ids[0])
-    from engine.worker.loader import _default_gguf_file
+    from engine.worker.model_sources import _default_gguf_file
 
     return LlamaCppPeer(str(_default_gguf_file()), threads)
 

@@ -13,7 +13,7 @@ import json
 import torch
 
 from engine.llm import LLM
-from engine.worker.loader import _default_gguf_file
+from engine.worker.model_sources import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from tests.engine.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergence
 

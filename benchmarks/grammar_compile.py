@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.worker.loader import ensure_default_model, load_tokenizer
+from engine.worker.loader import load_tokenizer
+from engine.worker.model_sources import ensure_default_model
 from engine.sampling_params import StructuredOutput
 from engine.output.structured_output import GrammarCompiler
 

@@ -59,7 +59,7 @@ from benchmarks.waste import ModeResult, account, sample
 from benchmarks.workloads import Request, capped, nano_workload
 from engine.config import KV_BACKENDS, EngineConfig, resolve_device
 from engine.llm_engine import LLMEngine
-from engine.worker.loader import DUMMY_ARCHITECTURES
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from kernels.contiguous_attention import contiguous_decode_attention
 
 logger = logging.getLogger("benchmarks.kv_backends")

@@ -42,7 +42,7 @@ from benchmarks.common import (
 from benchmarks.transformers_peer import run_peer
 from benchmarks.workloads import VOCAB, Request, capped, nano_workload
 from engine.llm_engine import LLMEngine
-from engine.worker.loader import DUMMY_ARCHITECTURES
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 
 logger = logging.getLogger("benchmarks.offline")
 

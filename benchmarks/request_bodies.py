@@ -13,7 +13,8 @@ import statistics
 import time
 
 from app.errors import APIError
-from app.protocol import MAX_MESSAGES, ChatCompletionRequest
+from app.protocol.completions import ChatCompletionRequest
+from app.protocol.fields import MAX_MESSAGES
 from app.request_body import read_model
 from starlette.requests import Request
 

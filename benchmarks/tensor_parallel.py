@@ -55,7 +55,7 @@ from benchmarks.offline import (
 from benchmarks.workloads import Request, capped, nano_workload
 from engine.config import resolve_device
 from engine.llm_engine import LLMEngine
-from engine.worker.loader import DUMMY_ARCHITECTURES
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 
 logger = logging.getLogger("benchmarks.tensor_parallel")
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from benchmarks.common import Run, synchronize
 from benchmarks.workloads import Request, capped, nano_workload
-from engine.worker.loader import dummy_hf_config, dummy_weights
+from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 
 logger = logging.getLogger("benchmarks.offline")  # the peer runs inside, and logs as, the offline benchmark
 

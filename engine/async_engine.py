@@ -11,24 +11,19 @@ and ``healthy`` turns False; if this process ends, the core ends with it.
 By default the engine starts its own core. Given a ``CoreEndpoint`` (``--api-server-count``: several front
 processes share one core, started by the process that runs them), it attaches to that core as one of its clients
 instead: the core's life is then its starter's, and this side only watches it (a pidfd: its exit is seen at once).
+The sockets and the process are core_connection.py's; the requests, their streams and the core's outputs are here.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import os
 import pickle
-import select
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any, TypeVar
-
-import zmq
-import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
@@ -37,18 +32,14 @@ from engine.core.core_messages import (
     AddFailed,
     AddRequest,
     CoreFailed,
-    Ready,
-    Shutdown,
-    StartFailed,
     StepOutputs,
     UtilityCall,
     UtilityResult,
-    encoder,
-    from_core_decoder,
 )
-from engine.core.core_process import CoreEndpoint, LaunchedCore, launch_core
-from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.core.core_process import CoreEndpoint
 from engine.core.metrics import EngineStats
+from engine.core_connection import CoreConnection
+from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.output.output_processor import OutputProcessor
 from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -56,32 +47,20 @@ from engine.sampling_params import SamplingParams, StructuredOutput
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STOP_TIMEOUT_S = 10.0  # the core's own shutdown; then it is killed
 GRAMMAR_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
-_START_POLL_MS = 200  # while the core starts: how often its process is looked at
 
 
 class EngineDeadError(RuntimeError):
     """The engine core stopped (an error, its process died, or stop()); no request can be served."""
 
 
-class EngineStartError(RuntimeError):
-    """The engine core could not start (the model did not load, no device memory, ...)."""
-
-
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, endpoint: CoreEndpoint | None = None,
                  log_format: str = "text", **options: Any) -> None:
         self.config = config or EngineConfig(**options)
-        self._log_format = log_format  # of the core this engine starts (text | json)
         self.tokenizer: Any | None = None
         self.info: CoreInfo | None = None
-        self._endpoint = endpoint  # a core started elsewhere, or None: start our own
-        self._launched: LaunchedCore | None = None
-        self._process: multiprocessing.process.BaseProcess | AttachedProcess | None = None
-        self._context: zmq.asyncio.Context | None = None
-        self._inputs: zmq.Socket | None = None  # front -> core (a plain socket: sends never wait)
-        self._outputs: zmq.asyncio.Socket | None = None  # core -> front
+        self._core = CoreConnection(self.config, endpoint, log_format)  # endpoint None: start our own core
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
@@ -103,20 +82,9 @@ class AsyncEngine:
         the KV cache; ValueError for a configuration mistake (a bad option, a missing model), EngineStartError for
         anything else."""
         self._loop = asyncio.get_running_loop()
-        if self._endpoint is None:
-            self._launched = launch_core(self.config, log_format=self._log_format)
-            self._endpoint, self._process = self._launched.endpoints[0], self._launched.process
-        else:
-            self._process = AttachedProcess(self._endpoint.pid)
-        self._context = zmq.asyncio.Context()
-        self._inputs = zmq.Context.instance().socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._inputs.connect(self._endpoint.inputs)
-        self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._outputs.connect(self._endpoint.outputs)
+        self._core.open()
         try:
-            ready = await self._wait_ready()
+            ready = await self._core.wait_ready()
         except BaseException:
             await self._close()
             raise
@@ -126,63 +94,36 @@ class AsyncEngine:
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, ready.info.model_path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
-        self._loop.add_reader(self._process.sentinel, self._core_exited)
+        self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
-
-    async def _wait_ready(self) -> Ready:
-        while not await self._outputs.poll(_START_POLL_MS):
-            if not self._process.is_alive():
-                raise EngineStartError(f"{self._exited()} before it was ready; its log above says why")
-        message = from_core_decoder.decode(await self._outputs.recv())
-        if isinstance(message, StartFailed):
-            raise (ValueError if message.config_error else EngineStartError)(message.message)
-        assert isinstance(message, Ready), message
-        return message
 
     async def stop(self) -> None:
         """Stop the core (it finishes nothing: call after the requests worth finishing have finished). An attached
         engine only lets go of its core: the core's starter stops it."""
-        if self._process is None or self._stopping:
+        if self._core.process is None or self._stopping:
             return
         self._stopping = True
-        if self._launched is not None:
-            if self._process.is_alive():
-                self._send(Shutdown())
-            await asyncio.to_thread(self._process.join, _STOP_TIMEOUT_S)
-            if self._process.is_alive():
-                logger.warning("the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
-                self._process.kill()
-                await asyncio.to_thread(self._process.join)
+        await self._core.stop()
         self._fail_all(EngineDeadError("engine stopped"))
         await self._close()
 
     async def _close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if self._loop is not None and self._process is not None:
-            self._loop.remove_reader(self._process.sentinel)
-        if self._launched is not None and self._process.is_alive():
-            self._process.kill()
-        for sock in (self._inputs, self._outputs):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._context is not None:
-            self._context.term()
-        if self._launched is not None:
-            self._launched.close()
-        elif isinstance(self._process, AttachedProcess):
-            self._process.close()
+        if self._loop is not None and self._core.process is not None:
+            self._loop.remove_reader(self._core.process.sentinel)
+        self._core.close()
         if self._grammar_workers is not None:
             self._grammar_workers.close()
 
     @property
     def healthy(self) -> bool:
-        return (self._error is None and not self._stopping and self._process is not None
-                and self._processor is not None and self._process.is_alive())
+        return (self._error is None and not self._stopping and self._core.process is not None
+                and self._processor is not None and self._core.process.is_alive())
 
     @property
     def core_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._core.process.pid if self._core.process is not None else None
 
     def stats(self) -> EngineStats:
         if self._stats is None:
@@ -243,13 +184,13 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._queued[request_id] = tenant
         self._queued_by_tenant[tenant] += 1
-        self._send(AddRequest(request_id, prompt, params, cache_salt, self._endpoint.client, tenant, priority))
+        self._core.send(AddRequest(request_id, prompt, params, cache_salt, self._core.endpoint.client, tenant, priority))
         return stream
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream receives a final output with finish_reason ``abort``."""
         if self.healthy:
-            self._send(AbortRequest(request_id))
+            self._core.send(AbortRequest(request_id))
 
     async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
                          share: float = 1.0, group: str | None = None, group_share: float = 1.0) -> int:
@@ -277,7 +218,7 @@ class AsyncEngine:
         future: asyncio.Future[T] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            self._send(UtilityCall(call_id, pickle.dumps((target, args)), self._endpoint.client))
+            self._core.send(UtilityCall(call_id, pickle.dumps((target, args)), self._core.endpoint.client))
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -289,7 +230,7 @@ class AsyncEngine:
         if not finished and self._processor is not None:
             self._processor.abort_request(request_id)
             if self.healthy:
-                self._send(AbortRequest(request_id))
+                self._core.send(AbortRequest(request_id))
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -304,21 +245,12 @@ class AsyncEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
         return self._grammars
 
-    def _send(self, message: Any) -> None:
-        """Never waits: the socket connects to the core's, so it queues (unbounded) until the core reads; with
-        the core gone, there is no one to tell."""
-        try:
-            self._inputs.send(encoder.encode(message), zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            logger.debug("engine core not connected: %s dropped", type(message).__name__)
-
     # the core's messages ---------------------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
         try:
             while True:
-                frame = await self._outputs.recv(copy=False)
-                self._handle(from_core_decoder.decode(frame.buffer))
+                self._handle(await self._core.receive())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug on this side: nothing more can be delivered
@@ -344,7 +276,7 @@ class AsyncEngine:
     def _deliver(self, message: StepOutputs) -> None:
         updated, stops = self._processor.process(message.deltas)
         for stop in stops:
-            self._send(AbortRequest(stop.request_id, stop.index, stop.reason))
+            self._core.send(AbortRequest(stop.request_id, stop.index, stop.reason))
         streams = self._streams
         for sample in updated:
             stream = streams.get(sample.request_id)
@@ -366,13 +298,9 @@ class AsyncEngine:
 
     def _core_exited(self) -> None:
         """The core's process ended (the loop watches its sentinel)."""
-        self._loop.remove_reader(self._process.sentinel)
+        self._loop.remove_reader(self._core.process.sentinel)
         if not self._stopping and self._error is None:
-            self._die(RuntimeError(self._exited()))
-
-    def _exited(self) -> str:
-        status = self._process.exitcode  # (None for a core this process did not start: its parent reaps it)
-        return "the engine core process exited" + (f" (status {status})" if status is not None else "")
+            self._die(RuntimeError(self._core.exited()))
 
     def _die(self, cause: BaseException) -> None:
         if self._error is None:
@@ -389,27 +317,3 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(error)
 
-
-class AttachedProcess:
-    """A process this one did not start (a shared core), watched through a pidfd: readable once it exits."""
-
-    def __init__(self, pid: int) -> None:
-        if not hasattr(os, "pidfd_open"):
-            raise EngineStartError("attaching to a shared engine core needs Linux (pidfd_open)")
-        self.pid = pid
-        try:
-            self.sentinel = os.pidfd_open(pid)
-        except ProcessLookupError:
-            raise EngineStartError(f"the engine core process {pid} is gone") from None
-        self.exitcode: int | None = None  # (its parent reaps it: the status is not ours to read)
-
-    def is_alive(self) -> bool:
-        if self.sentinel < 0:
-            return False
-        readable, _, _ = select.select([self.sentinel], [], [], 0)
-        return not readable
-
-    def close(self) -> None:
-        if self.sentinel >= 0:
-            os.close(self.sentinel)
-            self.sentinel = -1

@@ -15,7 +15,8 @@ from engine.worker.model_runner import ModelRunner
 from engine.output.output_processor import OutputProcessor
 from engine.output.outputs import RequestOutput, SampleDelta, Usage
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.scheduler import Scheduler
 
 __all__ = ["LLMEngine", "RequestOutput", "Usage", "best_choices"]
 

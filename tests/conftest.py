@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.config import EngineConfig
-from engine.worker.loader import ensure_default_model
+from engine.worker.model_sources import ensure_default_model
 
 # Small KV pools keep engine start-up cheap in tests; each test states the sizes it depends on.
 SMALL_KV_GIB = 0.1

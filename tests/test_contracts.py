@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.kv_backend import KVBackend, LeanCpuPagedKV, PagedKV, VAttentionKV, make_kv_backend
-from engine.worker.loader import dummy_hf_config
+from engine.worker.dummy_model import dummy_hf_config
 from engine.models.llama import LlamaArgs
 from tests.fake_vmm_driver import FakeDriver
 

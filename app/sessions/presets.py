@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from app.errors import APIError
 from app.openapi import Operation
-from app.protocol import CreatePresetRequest
+from app.protocol.sessions import CreatePresetRequest
 from app.request_body import read_model
 from app.sessions.service import SessionService
 from app.sessions import conversation

@@ -1,7 +1,7 @@
 """SessionService: what the session and preset routes need, built once at start-up: the store and the outbox of
 turns waiting for it, the admission gate and reply writer the stateless routes use too, the prompt renderer, the
 engine client (for preset pins and the model's end-of-sequence ids) and the session limits. The routes
-(app/sessions/api.py, presets.py) and a turn's recorder (turns.py) are written against it."""
+(app/sessions/api.py, turn_api.py, presets.py) and a turn's recorder (turns.py) are written against it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,7 @@ from starlette.responses import Response
 from app.admission import Admission
 from app.background import BackgroundTasks
 from app.prompts import PromptRenderer
-from app.protocol import ChatCompletionRequest
+from app.protocol.completions import ChatCompletionRequest
 from app.replies import ReplyWriter
 from app.sessions.outbox import TurnOutbox
 from app.sessions.store import SessionStore
@@ -62,6 +62,6 @@ class SessionService:
         return self.background.spawn(coro)
 
 
-# a chat completion in a session (app/sessions/api.py's chat_in_session): the stateless route hands it over
+# a chat completion in a session (app/sessions/turn_api.py's chat_in_session): the stateless route hands it over
 # through Serving without importing the session routes
 SessionChat = Callable[[Request, SessionService, ChatCompletionRequest, str, float], Awaitable[Response]]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import Block, BlockPool, HostBlocks
+from engine.core.block_stats import BlockStats, collect_block_stats
 from engine.core.host_prefix_cache import HostPrefixCache
 from engine.core.sequence import Sequence
 
@@ -24,23 +25,6 @@ class HostHit:
 
     block_hash: bytes
     slot: int
-
-
-@dataclass(slots=True)
-class BlockStats:
-    num_blocks: int
-    num_free_blocks: int  # ref count 0 (some still hold a hash and can be hit)
-    num_cached_blocks: int  # in the hash map
-    num_pinned_blocks: int  # held by pins (shared system prompts), not evictable
-    usage: float  # share of blocks referenced by a sequence (pins alone do not count)
-    prefix_queries: int  # tokens looked up at admission
-    prefix_hits: int  # of those, tokens found in the cache (on the device or in the host tier)
-    prefix_host_hits: int  # of the hits, tokens copied back from the host tier
-    num_host_cached_blocks: int  # blocks held by the host tier
-    host_cache_stores: int  # evicted blocks copied to the host tier
-    evictions: int
-    allocated_slots: int  # slots of referenced blocks
-    used_slots: int  # of those, slots holding a token's KV
 
 
 class BlockManager:
@@ -128,20 +112,7 @@ class BlockManager:
         needs_copy = write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
         if num_fresh + num_revived + needs_copy > self.pool.num_free:
             return False
-        if not seq.block_table:  # admission: count the lookup
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(prefix_hits) * self.block_size
-        # device hits first, and host hits' slots claimed: taking blocks for host hits must not evict a device hit
-        # or store an evicted block into the slot of a host hit still to be restored
-        restores = {}
-        for hit in prefix_hits:
-            if isinstance(hit, Block):
-                self.pool.acquire(hit)
-            else:
-                restores[hit.block_hash] = self.host_cache.restore(hit.block_hash)
-        for hit in prefix_hits:
-            seq.block_table.append(hit.block_id if isinstance(hit, Block)
-                                   else self._restore(hit.block_hash, restores[hit.block_hash]))
+        self._take_hits(seq, prefix_hits)
         seq.num_computed_tokens = num_computed
         seq.num_registered_blocks = max(seq.num_registered_blocks, len(prefix_hits))
         if needs_copy:
@@ -154,6 +125,23 @@ class BlockManager:
         if seq.block_table:
             self.holders[seq.seq_id] = seq
         return True
+
+    def _take_hits(self, seq: Sequence, prefix_hits: list[Block | HostHit]) -> None:
+        """``seq``'s table gains its prefix hits (and an admission's lookup is counted). Device hits first, and
+        host hits' slots claimed: taking blocks for host hits must not evict a device hit or store an evicted
+        block into the slot of a host hit still to be restored."""
+        if not seq.block_table:  # admission: count the lookup
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(prefix_hits) * self.block_size
+        restores = {}
+        for hit in prefix_hits:
+            if isinstance(hit, Block):
+                self.pool.acquire(hit)
+            else:
+                restores[hit.block_hash] = self.host_cache.restore(hit.block_hash)
+        for hit in prefix_hits:
+            seq.block_table.append(hit.block_id if isinstance(hit, Block)
+                                   else self._restore(hit.block_hash, restores[hit.block_hash]))
 
     def _block_of(self, seq: Sequence, prefix_hits: list[Block | HostHit], index: int) -> Block | HostHit:
         if index < len(seq.block_table):
@@ -363,48 +351,4 @@ class BlockManager:
         return dropped + (self.host_cache.clear() if self.host_cache is not None else 0)
 
     def stats(self) -> BlockStats:
-        used_blocks = self.num_blocks - self.pool.num_free
-        pinned_only = self._pinned_only_blocks()
-        return BlockStats(
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.pool.num_free,
-            num_cached_blocks=len(self.pool.cached),
-            num_pinned_blocks=self.num_pinned_blocks,
-            usage=(used_blocks - pinned_only) / self.num_blocks,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
-            prefix_host_hits=self.prefix_host_hits,
-            num_host_cached_blocks=len(self.host_cache) if self.host_cache is not None else 0,
-            host_cache_stores=self.host_cache.num_stored if self.host_cache is not None else 0,
-            evictions=self.pool.num_evictions,
-            allocated_slots=(used_blocks - pinned_only) * self.block_size,
-            used_slots=self._used_slots(),
-        )
-
-    def _pinned_only_blocks(self) -> int:
-        """Pinned blocks no sequence references (their ref count is their pin count)."""
-        pin_refs: dict[int, int] = {}
-        for block_ids in self.pins.values():
-            for block_id in block_ids:
-                pin_refs[block_id] = pin_refs.get(block_id, 0) + 1
-        return sum(1 for block_id, n in pin_refs.items() if self.pool.blocks[block_id].ref_count == n)
-
-    def _used_slots(self) -> int:
-        """Slots holding a token's KV; a shared block counts once, as full as its fullest holder. (Set updates over
-        the tables' full heads, then the partial tails one by one: a few tenths of a millisecond at 256 sequences
-        of 50 blocks, where a Python loop over every block took milliseconds, at every stats snapshot.)"""
-        size = self.block_size
-        full: set[int] = set()
-        tails: list[tuple[int, int]] = []
-        for seq in self.holders.values():
-            table, computed = seq.block_table, seq.num_computed_tokens
-            num_full = min(computed // size, len(table))
-            full.update(table[:num_full])
-            if num_full < len(table) and computed > num_full * size:
-                tails.append((table[num_full], computed - num_full * size))
-        filled: dict[int, int] = {}
-        for block_id, n in tails:
-            if block_id not in full and n > filled.get(block_id, 0):
-                filled[block_id] = n
-        return len(full) * size + sum(filled.values())
-
+        return collect_block_stats(self)

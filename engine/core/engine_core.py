@@ -8,17 +8,15 @@ string found there ends the sample here through ``abort_request(request_id, inde
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
 import torch
 
 from engine.core.beam_requests import BeamRequests
-from engine.output.beam_search import BeamGroup, new_beam_group
+from engine.output.beam_search import new_beam_group
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -26,15 +24,20 @@ from engine.core.core_info import CoreInfo, check_priority, check_request
 from engine.layers.sampler import TokenLogprobs
 from engine.worker.loader import load_model
 from engine.core.metrics import EngineCounters, EngineStats
-from engine.worker.model_runner import LaunchedStep, ModelRunner
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step_sampler import LaunchedStep
 from engine.output.outputs import SampleDelta
 from engine.core.preemption import SwapPolicy
+from engine.core.requests import Request, Sample, new_sequences, reaches_length_limit, stop_status
+from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.output.structured_output import GrammarCompiler
 from engine.output.structured_output import accept as accept_grammar
 from engine.output.structured_output import release_free_heap
+from engine.worker.parallel_state import set_rank_threads
 from engine.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -43,65 +46,54 @@ _FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "abort": SequenceStat
                   "error": SequenceStatus.FINISHED_FAILED}
 
 
-@dataclass(slots=True, eq=False)
-class _Sample:
-    """One sample of a request and how many of its output tokens were sent."""
-
-    seq: Sequence
-    num_sent: int = 0
-    error: str | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    group: SequenceGroup
-    samples: list[_Sample]
-    num_open: int  # samples not finished yet
-    beam: BeamGroup | None = None
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
         self.config = config = config or EngineConfig(**options)
-        self._threads_before = torch.get_num_threads()  # (restored by shutdown: ranks on the CPU share the cores)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        elif config.tensor_parallel_size > 1 and config.torch_device.type == "cpu":  # (the ranks share the cores)
-            torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+        # (restored by shutdown: ranks on the CPU share the cores)
+        self._threads_before = set_rank_threads(config.num_threads, config.tensor_parallel_size, config.torch_device)
         torch.manual_seed(config.seed)
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
-        try:
-            self.model, self.tokenizer = load_model(config)
-            if self.workers is not None:
-                self.workers.wait_ready()
-            self.runner = ModelRunner(config, self.model, self.workers)
-            num_blocks = self.runner.size_kv_cache()
-            self.runner.capture_graphs()
-        except BaseException:
-            self.shutdown()
-            raise
+        num_blocks = self._load()
         self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self._hasher(), *self.runner.allocate_host_pools(),
                                           self.runner.kv.lookahead_tokens, config.max_blocks_per_seq)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prefer_swap=SwapPolicy(config.preemption_mode, config.torch_device.type,
-                                                          self.runner.bytes_per_block, self.runner.num_parameters),
-                                   max_seqs_per_tenant=config.max_seqs_per_tenant,
-                                   shared_step_time_factor=config.shared_step_time_factor,
-                                   step_time_target_s=config.step_time_target_s)
+        self.scheduler = self._new_scheduler()
         self.counters = EngineCounters()
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
-        self._requests: dict[str, _Request] = {}
-        self._pin_tokens: dict[str, int] = {}  # pin id -> tokens of its prefix (pin_prefix)
-        self._pin_groups: dict[str, str | None] = {}  # pin id -> its group (whose pins share a cap)
-        self._samples: dict[int, _Sample] = {}  # seq_id -> its sample, for every unfinished one
+        self._requests: dict[str, Request] = {}
+        self.prefix_pins = PrefixPins(self.block_manager)
+        self._samples: dict[int, Sample] = {}  # seq_id -> its sample, for every unfinished one
         self.beams = BeamRequests(self.scheduler, self.block_manager, self.counters, self.runner.forget,
                                   self._finish, lambda request_id: self._requests.pop(request_id).group.params.n)
         self._seq_ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
         self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
+
+    def _load(self) -> int:
+        """The model, its runner and the KV cache sized to the memory budget (its blocks), the CUDA graphs
+        recorded over it; the other ranks stopped if any of it fails."""
+        try:
+            self.model, self.tokenizer = load_model(self.config)
+            if self.workers is not None:
+                self.workers.wait_ready()
+            self.runner = ModelRunner(self.config, self.model, self.workers)
+            num_blocks = self.runner.size_kv_cache()
+            self.runner.capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
+        return num_blocks
+
+    def _new_scheduler(self) -> Scheduler:
+        config, runner = self.config, self.runner
+        swap = SwapPolicy(config.preemption_mode, config.torch_device.type, runner.bytes_per_block,
+                          runner.num_parameters)
+        return Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap=swap,
+                         max_seqs_per_tenant=config.max_seqs_per_tenant,
+                         shared_step_time_factor=config.shared_step_time_factor,
+                         step_time_target_s=config.step_time_target_s)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
@@ -129,44 +121,23 @@ class EngineCore:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
-        if params.use_beam_search:
-            self._add_beam_search(request_id, prompt, params, cache_salt, tenant, priority)
-            return
-        # best_of ranks samples by cumulative logprob: each sample's token logprob is computed (handed out only
-        # where asked for, by the output processor)
-        seq_params = params if params.best_of is None or params.logprobs is not None else \
-            dataclasses.replace(params, logprobs=0)
-        samples = []
         # one matcher built (a large grammar's takes tens of milliseconds), copied for the other samples
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
-        for index in range(params.num_sequences):
-            own = seq_params if index == 0 or params.seed is None else \
-                dataclasses.replace(seq_params, seed=params.sample_seed(index))
-            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
-                           cache_salt=cache_salt, tenant=tenant, priority=priority, index=index)
-            if grammar is not None:
-                seq.grammar = grammar if index == 0 else grammar.deep_copy()
-            samples.append(_Sample(seq))
+        seqs = new_sequences(self._seq_ids, request_id, prompt, params, grammar, cache_salt, tenant, priority)
+        group = SequenceGroup(request_id, seqs, params)
+        if params.use_beam_search:
+            eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
+            request = Request(group, [], 0, beam=new_beam_group(seqs, params, self.config.max_model_len - len(prompt),
+                                                                 eos))
+        else:
+            request = Request(group, [Sample(seq) for seq in seqs], len(seqs))
         # nothing is registered before this point: a failure above leaves the engine as it was
-        seqs = [sample.seq for sample in samples]
-        seqs[0].unforked = seqs[1:]  # computed once, then forked (sharing the prompt's blocks)
-        self._requests[request_id] = _Request(SequenceGroup(request_id, seqs, params), samples, len(samples))
-        self._samples.update((sample.seq.seq_id, sample) for sample in samples)
+        self._requests[request_id] = request
+        if request.beam is not None:
+            self.beams.add(request.beam)
+        self._samples.update((sample.seq.seq_id, sample) for sample in request.samples)
         self.counters.prompt_tokens += len(prompt)
         self.scheduler.add(seqs[0])
-
-    def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams,
-                         cache_salt: str | None, tenant: str, priority: int) -> None:
-        beams = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt), params=params,
-                          cache_salt=cache_salt, tenant=tenant, priority=priority, index=i)
-                 for i in range(params.beam_width)]
-        beams[0].unforked = beams[1:]  # their places are held until the prompt's step
-        eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
-        group = new_beam_group(beams, params, self.config.max_model_len - len(prompt), eos)
-        self._requests[request_id] = _Request(SequenceGroup(request_id, beams, params), [], 0, beam=group)
-        self.beams.add(group)
-        self.counters.prompt_tokens += len(prompt)
-        self.scheduler.add(beams[0])
 
     def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort") -> list[SampleDelta]:
         """End a request now (or only its sample ``index``); returns the final delta (finish_reason ``reason``)
@@ -234,7 +205,7 @@ class EngineCore:
             if seq.params.use_beam_search:
                 seq.awaiting_beam_step = True
             else:
-                seq.awaiting_last_token = self._reaches_length_limit(seq, seq.num_tokens)
+                seq.awaiting_last_token = reaches_length_limit(seq, seq.num_tokens, self.config.max_model_len)
         if in_flight is not None:
             deltas += self._process(in_flight)
         self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
@@ -293,15 +264,15 @@ class EngineCore:
         self.counters.output_seconds += time.perf_counter() - read
         return deltas
 
-    def _accept(self, sample: _Sample, token_id: int, token_logprobs: TokenLogprobs | None) -> SampleDelta:
+    def _accept(self, sample: Sample, token_id: int, token_logprobs: TokenLogprobs | None) -> SampleDelta:
         seq = sample.seq
         accept_grammar(seq, token_id)
-        status = self._stop_status(seq, token_id)
+        status = stop_status(seq, token_id, self.config.eos_token_ids, self.config.max_model_len)
         if status is not None:
             self._finish(seq, status)
         return self._emit(sample, [token_logprobs] if token_logprobs is not None else None)
 
-    def _fail(self, sample: _Sample, exc: Exception) -> SampleDelta:
+    def _fail(self, sample: Sample, exc: Exception) -> SampleDelta:
         """End one sample because of an error of its own; its final delta carries the error."""
         seq = sample.seq
         logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
@@ -317,83 +288,30 @@ class EngineCore:
         self.scheduler.finish(seq, status)
         self.runner.forget(seq)
 
-    def _reaches_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
-        num_output = num_tokens - seq.num_prompt_tokens
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= self.config.max_model_len
-
-    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
-        """EOS, a stop token or the length limit (stop strings are the output processor's: it sees text)."""
-        params = seq.params
-        if token_id in self.config.eos_token_ids and not params.ignore_eos:
-            return SequenceStatus.FINISHED_STOPPED  # (the sampler masks EOS until min_tokens)
-        if token_id in params.stop_token_ids:
-            seq.stop_reason = token_id
-            return SequenceStatus.FINISHED_STOPPED
-        if self._reaches_length_limit(seq, seq.num_known_tokens):
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _emit(self, sample: _Sample, logprobs: list[TokenLogprobs] | None = None) -> SampleDelta:
+    def _emit(self, sample: Sample, logprobs: list[TokenLogprobs] | None = None) -> SampleDelta:
+        delta = sample.take_delta(logprobs)
         seq = sample.seq
-        first_output, num_output = seq.num_prompt_tokens, seq.num_known_tokens - seq.num_prompt_tokens
-        new_ids = seq.token_ids[first_output + sample.num_sent : first_output + num_output]
-        sample.num_sent = num_output
-        finish_reason = seq.status.finish_reason
-        if finish_reason is not None and self._samples.pop(seq.seq_id, None) is not None:
-            self.counters.finished[finish_reason] += 1
+        if delta.finish_reason is not None and self._samples.pop(seq.seq_id, None) is not None:
+            self.counters.finished[delta.finish_reason] += 1
             request = self._requests[seq.request_id]
             request.num_open -= 1
             if not request.num_open:
                 del self._requests[seq.request_id]
                 if request.group.params.structured_output is not None:
                     release_free_heap()  # (its matchers: tens of MB for a large grammar, times its samples' copies)
-        queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
-        return SampleDelta(seq.request_id, seq.index, new_ids, logprobs, finish_reason,
-                           seq.stop_reason if isinstance(seq.stop_reason, int) else None,
-                           max(seq.num_cached_tokens, 0), queued, None, sample.error)
+        return delta
 
-    # pinned prefixes --------------------------------------------------------------------------------
+    # pinned prefixes (prefix_pins.py) -----------------------------------------------------------------
 
     def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
                    group: str | None = None, group_share: float = 1.0) -> int:
-        """Pin the cached full blocks of ``token_ids`` (computed by an earlier request) against eviction, all or
-        none; returns how many were pinned (0 when caching is off, they were evicted, or over the cap). All pins
-        together hold at most ``share`` of the KV pool, and the pins of one ``group`` (an API key's presets) at
-        most ``group_share`` of it."""
-        probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
-                         cache_salt=cache_salt)
-        self.block_manager.update_block_hashes(probe)
-        self._pin_tokens[pin_id] = len(probe.token_ids)
-        self._pin_groups[pin_id] = group
-        blocks = self.block_manager
-        group_pins = {other: len(held) for other, held in blocks.pins.items()
-                      if other != pin_id and group is not None and self._pin_groups.get(other) == group}
-        cap = pin_cap(blocks.num_blocks, blocks.num_pinned_blocks, share, group_pins if group else None, group_share)
-        return blocks.pin(pin_id, probe.block_hashes, cap)
+        return self.prefix_pins.pin(pin_id, token_ids, cache_salt, share, group, group_share)
 
     def unpin_prefix(self, pin_id: str) -> None:
-        self._pin_tokens.pop(pin_id, None)
-        self._pin_groups.pop(pin_id, None)
-        self.block_manager.unpin(pin_id)
+        self.prefix_pins.unpin(pin_id)
 
     def pins(self) -> dict[str, tuple[int, int]]:
-        """Every pin asked for and not unpinned: pin id -> (its tokens, blocks pinned now). Blocks can be 0: over
-        the cap, or released since to make room (the scheduler drops pins before it preempts)."""
-        held = self.block_manager.pins
-        return {pin_id: (tokens, len(held.get(pin_id, ()))) for pin_id, tokens in self._pin_tokens.items()}
+        return self.prefix_pins.pins()
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)
-
-
-def pin_cap(num_blocks: int, num_pinned: int, share: float, group_pins: dict[str, int] | None,
-            group_share: float) -> int:
-    """The cap ``BlockManager.pin`` holds all pins to (``num_pinned + new <= cap``) for a new pin: ``share`` of
-    the pool, and for a pin of a group (an API key's presets) also what the group's other pins (``group_pins``:
-    pin id -> blocks) left of its ``group_share``."""
-    cap = int(share * num_blocks)
-    if group_pins is None:
-        return cap
-    room = int(group_share * num_blocks) - sum(group_pins.values())
-    return min(cap, num_pinned + max(room, 0))

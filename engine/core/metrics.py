@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (annotations only)
-    from engine.core.block_manager import BlockStats
+    from engine.core.block_stats import BlockStats
     from engine.core.scheduler import Scheduler
 
 

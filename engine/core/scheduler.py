@@ -19,48 +19,15 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
 from engine.core.fair_share import TenantService
+from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.shared_step import SharedStep
 from engine.core.step_cost import StepCostModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """What one forward pass computes. Single-token (decode-shaped) entries come first."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
-    preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks copied out first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks copied in after CoW
-    # parallel sampling: (parent, child) for each sample forked from a parent whose prompt this pass completes;
-    # the child is sampled from its parent's logits row and shares its blocks from ``Scheduler.advance`` on
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
-    # entries whose chunk reaches their last token, so the pass samples a new token for them (in order),
-    # then the forked children; fixed at scheduling, before the pass advances num_computed_tokens
-    sampling_seqs: list[Sequence] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sampling_seqs = [seq for seq, n in zip(self.seqs, self.num_new_tokens)
-                              if seq.num_computed_tokens + n == seq.num_tokens]
-        self.sampling_seqs += [child for _, child in self.forks]
-
-    @property
-    def num_decodes(self) -> int:
-        count = 0
-        for n in self.num_new_tokens:
-            if n != 1:
-                break
-            count += 1
-        return count
-
 
 
 MAX_DEFERRED_PER_STEP = 256  # waiting requests passed over per step for sharing a prefix in progress

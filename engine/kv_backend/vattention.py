@@ -21,18 +21,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.kv_backend.base import KVBackend
+from engine.kv_backend.slot_jobs import SlotJobs
 from engine.kv_backend.slot_pages import SlotPages
 from engine.worker.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
 
 logger = logging.getLogger(__name__)
+
+
+def tokens_per_page(page_bytes: int, token_bytes: int) -> int:
+    """Tokens of one layer's K (or V) in a page of the driver's: a token's bytes must divide the page."""
+    if page_bytes % token_bytes:
+        raise ValueError(f"kv_backend: vattention needs a token's KV ({token_bytes} bytes per layer) to "
+                         f"divide the driver's page of {page_bytes} bytes")
+    return page_bytes // token_bytes
 
 
 class VAttentionKV(KVBackend):
@@ -46,11 +54,7 @@ class VAttentionKV(KVBackend):
         self.driver, self.dtype, self.device = driver, dtype, device
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_bytes = driver.granularity
-        token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        if self.page_bytes % token_bytes:
-            raise ValueError(f"kv_backend: vattention needs a token's KV ({token_bytes} bytes per layer) to "
-                             f"divide the driver's page of {self.page_bytes} bytes")
-        self.block_size = self.page_bytes // token_bytes  # tokens per page
+        self.block_size = tokens_per_page(self.page_bytes, num_kv_heads * head_dim * dtype.itemsize)
         self.pages_per_slot = math.ceil(max_model_len / self.block_size)
         self.max_len = self.pages_per_slot * self.block_size
         # slot 0 is the scratch slot: its first page stays mapped, so each layer's slot range starts at mapped
@@ -72,9 +76,7 @@ class VAttentionKV(KVBackend):
         self._deferred: dict[int, None] = {}  # free slots whose pages are still mapped, oldest release first
         self._first_page: dict[int, int] = {}  # block -> a free slot that maps it at page 0
         self._claimed_stale: set[int] = set()  # slots given a new request this step, with a previous one's pages
-        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-vmm")
-        self._background: dict[int, Future] = {}  # slot -> its latest background job (one worker: in order)
-        self._jobs: list[tuple[Future, Any, tuple]] = []  # every job not known done, in submission order
+        self.jobs = SlotJobs("vattention-vmm")  # the driver's work off the engine thread
         self._ahead: dict[int, int] = {}  # slot -> first page whose background mapping may still be running
 
     # memory -------------------------------------------------------------------------------------------
@@ -180,14 +182,7 @@ class VAttentionKV(KVBackend):
         a cycle), the worker has been told to exit first and runs nothing more, so a job it never started is
         run here instead."""
         try:
-            self._mapper.shutdown(wait=False)
-            for future, fn, args in self._jobs:
-                if future.cancel():
-                    fn(*args)
-                else:  # running or done: a running job keeps this object alive, so it is done
-                    future.result()
-            self._jobs.clear()
-            self._background.clear()
+            self.jobs.close()
             self._ahead.clear()
             self._release()
         except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone first
@@ -261,11 +256,10 @@ class VAttentionKV(KVBackend):
             plans.append((row, table[:width], pages[pages < needed[i]], pages[pages >= needed[i]]))
         for row, blocks, now, ahead in plans:
             if len(now):
-                if (pending := self._background.pop(row, None)) is not None:
-                    pending.result()
+                self.jobs.wait_for(row)
                 self.pages.apply(row, blocks, now)
             if len(ahead):
-                self._submit(row, self.pages.execute, row, self.pages.plan(row, blocks, ahead))
+                self.jobs.submit(row, self.pages.execute, row, self.pages.plan(row, blocks, ahead))
                 self._ahead[row] = min(self._ahead.get(row, self.pages_per_slot), int(ahead[0]))
         self._unmap_past_tables(rows, widths)
 
@@ -273,8 +267,7 @@ class VAttentionKV(KVBackend):
         for i in np.flatnonzero(np.isin(rows, list(self._ahead))).tolist():
             row = int(rows[i])
             if needed[i] > self._ahead[row]:
-                if (pending := self._background.pop(row, None)) is not None:
-                    pending.result()
+                self.jobs.wait_for(row)
                 del self._ahead[row]
 
     def _unmap_past_tables(self, rows: np.ndarray, widths: np.ndarray) -> None:
@@ -284,7 +277,7 @@ class VAttentionKV(KVBackend):
             row = int(rows[i])
             extra = self.pages.forget(row, int(widths[i]))
             if extra:
-                self._submit(row, self._unmap_pages, row, extra)
+                self.jobs.submit(row, self._unmap_pages, row, extra)
         self._claimed_stale.clear()
 
     def release_row(self, row: int) -> None:
@@ -308,7 +301,7 @@ class VAttentionKV(KVBackend):
 
     def _unmap_in_background(self, row: int) -> None:
         self._take_free(row)
-        self._submit(row, self._unmap_pages, row, self.pages.forget(row))
+        self.jobs.submit(row, self._unmap_pages, row, self.pages.forget(row))
 
     def _unmap_pages(self, row: int, pages: list[int]) -> None:
         for page in pages:
@@ -319,20 +312,9 @@ class VAttentionKV(KVBackend):
         while self._deferred:
             self._unmap_in_background(next(iter(self._deferred)))
 
-    def _submit(self, row: int, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)`` on the worker thread, as ``row``'s latest background job."""
-        if len(self._jobs) >= 64:
-            self._jobs = [job for job in self._jobs if not job[0].done()]
-        future = self._mapper.submit(fn, *args)
-        self._jobs.append((future, fn, args))
-        self._background[row] = future
-
     def wait_background(self) -> None:
         """Wait for the background mapping and unmapping submitted so far."""
-        for future, _, _ in self._jobs:
-            future.result()
-        self._jobs.clear()
-        self._background.clear()
+        self.jobs.wait_all()
         self._ahead.clear()
 
     def flush(self) -> None:
@@ -343,7 +325,7 @@ class VAttentionKV(KVBackend):
     @property
     def released_slots(self) -> set[int]:
         """Free slots whose pages may still be mapped (deferred or being unmapped)."""
-        return set(self._deferred) | set(self._background)
+        return set(self._deferred) | self.jobs.slots
 
     def stats(self) -> dict[str, float]:
         pages = self.pages

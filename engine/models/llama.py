@@ -217,7 +217,6 @@ class LlamaForCausalLM(nn.Module):
         ``native``: the native CPU kernels of the configured level (kernels/cpu_native.py: the decode step, the
         quantized matmuls and heads), None where they are off or not built."""
         q4_blocks = q4_blocks or {}
-        q4q8 = native is not None and native.has_q4q8  # the Q4_1 x Q8 kernels (x86 with AVX2 or AVX-512)
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
@@ -226,14 +225,7 @@ class LlamaForCausalLM(nn.Module):
             parent, attr = name.rsplit(".", 1)
             setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks, native))
         head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        if mode == "bfloat16":
-            self.logits_head = quantized_linear("bfloat16", head, None)
-        elif q4q8 and mode == "q4" and head.shape[0] % Q4Q8_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
-            self.logits_head = Q8Head(head, native)
-        elif native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
-            self.logits_head = PackedInt8Head(head, native)
-        else:
-            self.logits_head = quantized_linear("int8", head, None)
+        self.logits_head = _cpu_logits_head(mode, head, native)
         if not self.args.tie_word_embeddings:
             del self.lm_head
         self.logits_weight = None
@@ -329,3 +321,17 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def _cpu_logits_head(mode: str, head: torch.Tensor, native: CpuKernels | None) -> nn.Module:
+    """The output layer of ``mode`` over the float32 ``head`` weight: bfloat16 for bfloat16; for the 8-bit and
+    4-bit modes int8, as the native Q8_0 x Q8 head where the Q4_1 x Q8 kernels run (x86 with AVX2 or AVX-512)
+    and the shape fits, else the native packed int8 head, else torch's int8 matmul."""
+    q4q8 = native is not None and native.has_q4q8
+    if mode == "bfloat16":
+        return quantized_linear("bfloat16", head, None)
+    if q4q8 and mode == "q4" and head.shape[0] % Q4Q8_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
+        return Q8Head(head, native)
+    if native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
+        return PackedInt8Head(head, native)
+    return quantized_linear("int8", head, None)

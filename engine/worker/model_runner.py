@@ -1,7 +1,7 @@
 """Runs one scheduled batch: packs its inputs (engine/worker/step_inputs.py), runs the model under the forward
 context (eagerly, or by replaying a CUDA graph for a decode-only batch), and samples the sequences whose
-chunk reached their end. Nothing is read back here: ``execute`` returns a ``LaunchedStep`` whose ``wait``
-gives the sampled ids, so the engine can prepare the next step while the device runs this one.
+chunk reached their end (engine/worker/step_sampler.py). Nothing is read back here: ``execute`` returns a
+``LaunchedStep`` whose ``wait`` gives the sampled ids, so the engine can prepare the next step while the device runs this one.
 Also owns the KV cache tensors and sizes them.
 
 Under tensor parallelism every rank has a runner over its shard. Rank 0's (``workers`` given) schedules and
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,42 +22,15 @@ from engine.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphRunner
 from engine.worker.forward_context import AttentionMetadata, forward_context
 from engine.kv_backend import make_kv_backend
-from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch
+from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.worker.step_inputs import StepInputs, StepTensors
-from engine.output.structured_output import token_masks
+from engine.worker.step_inputs import StepInputs
+from engine.worker.step_sampler import LaunchedStep, StepSampler
 from engine.worker.worker_group import (AllocateHostCache, AllocateKv, CaptureGraphs, MemoryInfo, ReleaseKv, RunStep,
                                  WorkerGroup)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class LaunchedStep:
-    """A step whose sampled ids are on their way to the host."""
-
-    seqs: list[Sequence]  # the sampled sequences, in row order
-    sampled: SamplerOutput | None  # None when no entry of the step reached its end
-    host_ids: torch.Tensor  # [rows] the sampled ids' host copy (pinned on CUDA), valid after ``event``
-    event: torch.cuda.Event | None
-    prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
-    pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
-    failures: dict[int, str] = field(default_factory=dict)  # row -> why its request failed (token is void)
-    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> log_softmax [vocab] (beams)
-
-    def feed_rows(self) -> dict[int, int]:
-        """seq_id -> row of its sampled id, for the next step's inputs."""
-        return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
-
-    def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Block until the sampled ids are on the host; the ids and (where asked) their logprobs."""
-        if self.sampled is None:
-            return [], []
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host_ids.tolist(), self.sampled.logprobs()
 
 
 class ModelRunner:
@@ -78,7 +50,7 @@ class ModelRunner:
                         config.kv_backend, self.kv.block_size, self.kv.page_bytes >> 20)
             config.block_size = self.kv.block_size
         self.block_size = config.block_size
-        self.sampler = Sampler()
+        self.sampling = StepSampler(config, workers is not None)
         self.k_caches = torch.empty(0)
         self.host_k_caches = self.host_v_caches = torch.empty(0)  # swap space, when preemption may swap
         self.num_parameters = model.num_parameters  # (recompute cost estimates)
@@ -86,11 +58,6 @@ class ModelRunner:
         self.inputs: StepInputs | None = None
         self.decode_graphs = DecodeGraphRunner(config, model.args.vocab_size, self._forward, model.compute_logits,
                                                self.kv)
-        num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
-        self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
-        self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                          for _ in range(2)]
-        self._turn = 0
         if self.device.type == "cpu":
             model.store_weights_column_major()
 
@@ -263,7 +230,7 @@ class ModelRunner:
         else:
             hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
-        launched = self._sample(logits, batch.sampling_seqs, prepared - start)
+        launched = self.sampling.launch(logits, batch.sampling_seqs, prepared - start)
         self.inputs.step_launched()
         return launched
 
@@ -279,7 +246,7 @@ class ModelRunner:
             if command.num_sampled:
                 self.model.compute_logits(hidden[step.sample_rows])
         if command.num_sampled:
-            parallel_state.broadcast_from_driver(self.last_sampled[:command.num_sampled])
+            parallel_state.broadcast_from_driver(self.sampling.last_sampled[:command.num_sampled])
 
     def _move_blocks(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
                      swap_in: list[tuple[int, int]]) -> None:
@@ -296,59 +263,9 @@ class ModelRunner:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
         torch.cuda.current_stream(self.device).synchronize()
 
-    def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
-        if logits is None:
-            return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
-        beam_rows = [i for i, seq in enumerate(seqs) if seq.params.use_beam_search]
-        beam_logprobs = {}
-        if beam_rows:  # float32 like transformers' beam search; the sampled token of these rows is not used
-            log_probs = torch.log_softmax(logits[beam_rows].float(), dim=-1)
-            beam_logprobs = dict(zip(beam_rows, log_probs))
-        sampled, failures = self._sample_rows(logits, seqs)
-        rows = len(seqs)
-        self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
-        if rows and self.workers is not None:
-            parallel_state.broadcast_from_driver(self.last_sampled[:rows])
-        if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
-                                beam_logprobs=beam_logprobs)
-        host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
-        self._turn += 1
-        host.copy_(sampled.token_ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures,
-                            beam_logprobs=beam_logprobs)
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[int, str]]:
-        """Sample every row; a row whose own parameters or grammar make sampling fail is reported (its request
-        ends with an error) and the batch is sampled again with a plain greedy stand-in for it."""
-        mask, failures = token_masks(seqs, logits.shape[-1])
-        if mask is not None and self.device.type == "cuda":
-            mask = mask.pin_memory().to(self.device, non_blocking=True)  # from pageable memory it would sync
-        eos = self.config.eos_token_ids
-        try:
-            return self.sampler(logits, seqs, eos, mask), failures
-        except Exception:  # noqa: BLE001 - find the row at fault; none found means a fault of the whole step
-            for i, seq in enumerate(seqs):
-                try:
-                    self.sampler(logits[i:i + 1], [seq], eos, None if mask is None else mask[i:i + 1])
-                except Exception as exc:  # noqa: BLE001
-                    failures[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-            if not failures:
-                raise
-        stand_ins = [_greedy_stand_in(seq) if i in failures else seq for i, seq in enumerate(seqs)]
-        return self.sampler(logits, stand_ins, eos, mask), failures
-
     def _forward(self, input_ids: torch.Tensor, feed: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
         """The model over one step's tokens; pending ids (``feed >= 0``) come from the last sampled ids."""
-        input_ids = torch.where(feed >= 0, self.last_sampled[feed.clamp(min=0)], input_ids)
+        input_ids = torch.where(feed >= 0, self.sampling.last_sampled[feed.clamp(min=0)], input_ids)
         with forward_context(metadata):
             return self.model(input_ids, positions)
-
-
-def _greedy_stand_in(seq: Sequence) -> Sequence:
-    """Takes a failed row's place in a batch: sampled greedily, its token is thrown away."""
-    return Sequence(seq_id=seq.seq_id, request_id=f"{seq.request_id} (stand-in)",
-                    token_ids=list(seq.token_ids[-1:]), params=SamplingParams(temperature=0.0))

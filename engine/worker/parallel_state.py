@@ -139,6 +139,17 @@ _peer: PeerAllReduce | None = None
 _peer_used_before = False
 
 
+def set_rank_threads(num_threads: int | None, size: int, device: torch.device) -> int:
+    """One rank's torch threads: ``num_threads`` where set, else on the CPU the ``size`` ranks share the cores
+    (each its share of this process's threads). Returns the count before, for a restore."""
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif size > 1 and device.type == "cpu":
+        torch.set_num_threads(max(1, before // size))
+    return before
+
+
 def current() -> TensorParallel:
     return _current
 

@@ -30,7 +30,7 @@ import torch
 
 from engine.kv_backend.base import KVBackend
 from engine.worker.forward_context import AttentionMetadata
-from engine.core.scheduler import ScheduledBatch
+from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.sequence import PENDING_TOKEN, Sequence
 
 

@@ -287,10 +287,7 @@ def run_worker(spec: WorkerSpec) -> None:
         parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S,
                                             spec.all_reduce)
         config = spec.config  # (its device stays "cuda": the current device, this rank's, set by the group)
-        if config.num_threads is None and device.type == "cpu":
-            torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
-        elif config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        parallel_state.set_rank_threads(config.num_threads, spec.size, device)
         torch.manual_seed(config.seed)
         model, _ = load_model(config)
         runner = ModelRunner(config, model)

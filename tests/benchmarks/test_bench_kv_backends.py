@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.decode_kernel import HEAD_DIM, HEADS, KV_HEADS
 from benchmarks.kv_backends import allocation, contiguous_inputs, main
-from engine.worker.loader import DUMMY_ARCHITECTURES
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from kernels import reference
 
 # the shapes of the dummy llama-3.2-1b, shrunk so that a CPU engine starts and steps in about a second (the

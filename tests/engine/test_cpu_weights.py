@@ -19,7 +19,7 @@ from engine.layers.quantized_linear import (BFloat16Linear, Int8Linear, PackedIn
                                             Q8Head, quantized_linear)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.worker.loader import _default_gguf_file
+from engine.worker.model_sources import _default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 from tests.conftest import SMALL_KV_GIB
@@ -112,12 +112,12 @@ def greedy_run(engine, chat_prompts) -> Callable[[str], GreedyRun]:
     def get(mode: str) -> GreedyRun:
         if mode not in runs:
             runner = engine(mode).engine.runner
-            recorder = runner.sampler = FirstStepLogits(runner.sampler)
+            recorder = runner.sampling.sampler = FirstStepLogits(runner.sampling.sampler)
             try:
                 outputs = engine(mode).generate(chat_prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                                              ignore_eos=True))
             finally:
-                runner.sampler = recorder.sampler
+                runner.sampling.sampler = recorder.sampler
             logits = torch.stack([recorder.by_prompt[tuple(p)] for p in chat_prompts])
             runs[mode] = GreedyRun([o.token_ids for o in outputs], logits)
         return runs[mode]

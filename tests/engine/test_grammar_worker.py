@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
-from engine.worker.loader import ensure_default_model
+from engine.worker.model_sources import ensure_default_model
 from engine.sampling_params import StructuredOutput
 
 SMALL = StructuredOutput("json_schema", schema=json.dumps({"type": "object", "properties": {

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import engine.worker.loader as loader
+import engine.worker.model_sources as model_sources
 from tests.server_harness import REPO_ROOT, free_port, running_server, server_command, server_env
 from tests.engine.test_models import tiny_hf_model
 
@@ -57,20 +57,20 @@ def test_a_gguf_file_is_converted_once_per_version_of_the_file(tmp_path, monkeyp
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(model_sources, "_convert_gguf", convert)
     gguf = tmp_path / "my-model.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
-    first = loader.resolve_model(str(gguf), tmp_path / "cache")
-    assert loader.resolve_model(str(gguf), tmp_path / "cache") == first and len(converted) == 1
+    first = model_sources.resolve_model(str(gguf), tmp_path / "cache")
+    assert model_sources.resolve_model(str(gguf), tmp_path / "cache") == first and len(converted) == 1
     assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("my-model.Q4_1-")
     os.utime(gguf, ns=(1, 1))  # another version of the file: converted again, elsewhere
-    assert loader.resolve_model(str(gguf), tmp_path / "cache") != first and len(converted) == 2
+    assert model_sources.resolve_model(str(gguf), tmp_path / "cache") != first and len(converted) == 2
 
 
 def test_what_is_neither_says_what_is_accepted(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ValueError, match="not a .gguf file"):
-        loader.resolve_model(str(tmp_path / "notes.txt"), tmp_path)
+        model_sources.resolve_model(str(tmp_path / "notes.txt"), tmp_path)
     with pytest.raises(ValueError, match="a local Hugging Face model directory, a .gguf file, or a hub id"):
-        loader.resolve_model(str(tmp_path / "missing"), tmp_path)
-    assert loader.resolve_model(str(tmp_path), tmp_path) == tmp_path  # a directory is taken as it is
+        model_sources.resolve_model(str(tmp_path / "missing"), tmp_path)
+    assert model_sources.resolve_model(str(tmp_path), tmp_path) == tmp_path  # a directory is taken as it is

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.worker.loader import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
 from engine.models.registry import model_class
 from engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy

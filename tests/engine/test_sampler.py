@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, SamplerOutput, draw_key, exponential_noise, splitmix64
+from engine.layers.sampler import Sampler, SamplerOutput
+from engine.layers.seeded_noise import draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.worker.loader import dummy_hf_config, dummy_weights
+from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 from tests.conftest import hf_greedy

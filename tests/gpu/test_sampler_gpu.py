@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, draw_key, exponential_noise, splitmix64
+from engine.layers.sampler import Sampler
+from engine.layers.seeded_noise import draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 

@@ -16,7 +16,9 @@ from app.cli import (
     engine_config_from_args,
     server_settings_from_args,
 )
-from app.options import ENGINE_OPTIONS, SERVER_OPTIONS, parse_bytes
+from app.engine_options import ENGINE_OPTIONS
+from app.options import parse_bytes
+from app.server_options import SERVER_OPTIONS
 from app.settings import ServerSettings
 from engine.config import EngineConfig
 
@@ -133,7 +135,7 @@ def test_choices_are_the_engines_own():
         PREFIX_HASHES,
     )
     from engine.layers.quantized_linear import CPU_WEIGHTS
-    from engine.worker.loader import DUMMY_ARCHITECTURES
+    from engine.worker.dummy_model import DUMMY_ARCHITECTURES
     from engine.worker.parallel_state import ALL_REDUCE_CHOICES
     from kernels.cpu_native import CPU_ISA_CHOICES
 

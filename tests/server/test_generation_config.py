@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from app.generation_config import model_sampling_defaults
-from app.protocol import CompletionRequest
+from app.protocol.completions import CompletionRequest
 from app.server import create_app
 from app.settings import ServerSettings
 from engine.config import EngineConfig

@@ -9,7 +9,8 @@ import pytest
 from starlette.requests import Request
 
 from app.errors import APIError
-from app.protocol import MAX_MESSAGES, ChatCompletionRequest
+from app.protocol.completions import ChatCompletionRequest
+from app.protocol.fields import MAX_MESSAGES
 from app.request_body import read_model
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from app.protocol import ChatCompletionRequest
+from app.protocol.completions import ChatCompletionRequest
 from app.server import create_app
 from app.settings import ServerSettings
 from engine.config import EngineConfig

@@ -83,9 +83,11 @@ class Admission:
                 raise APIError.from_value_error(exc) from None
             except EngineDeadError as exc:
                 raise EngineUnavailable(f"the engine is not running: {exc}") from None
-        if request is not None and await request.is_disconnected():  # (a connect-and-drop storm costs no engine work)
+        # (a connect-and-drop storm costs no engine work)
+        if request is not None and await request.is_disconnected():
             raise ClientDisconnected()
-        self._check_queue(tenant)  # (again, with no await before the submission: the compile above took time)
+        # (again, with no await before the submission: the compile above took time)
+        self._check_queue(tenant)
         try:
             stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt, tenant=tenant,
                                           priority=priority)

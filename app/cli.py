@@ -157,7 +157,8 @@ def _read_line() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from engine.log_format import configure_logging  # (the engine package imports torch: after --help)
+    # (the engine package imports torch: after --help)
+    from engine.log_format import configure_logging
 
     configure_logging(args.log_level or "info", getattr(args, "log_format", None) or "text")
     if args.command == "serve":

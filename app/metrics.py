@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 
 from engine.core.metrics import EngineStats
 
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set (by the process runner) when several fronts serve
+# set (by the process runner) when several fronts serve
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)

@@ -19,7 +19,8 @@ class ResponseHeader:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    include_usage_field: bool = False  # stream_options.include_usage: every chunk carries "usage": null
+    # stream_options.include_usage: every chunk carries "usage": null
+    include_usage_field: bool = False
     return_token_ids: bool = False  # each choice carries its token ids
 
     @classmethod

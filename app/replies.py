@@ -30,7 +30,8 @@ class ReplyWriter:
     model_name: str
     max_model_len: int
     default_max_tokens: int  # for requests without max_tokens
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's (app/generation_config.py)
+    # the model's (app/generation_config.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     async def answer_chat(self, request: Request, body: SamplingFields, stream: TimedStream,
                           headers: dict[str, str] | None = None) -> Response:

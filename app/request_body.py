@@ -67,7 +67,8 @@ def _set_schema_aside(top: dict[str, msgspec.Raw] | None, body: bytes) -> tuple[
 _WARNED: set[tuple[str, str]] = set()  # (route, field) already logged
 _MAX_WARNED = 256  # a client inventing names cannot grow it (or the log) without bound
 LARGE_SCHEMA_BYTES = 64 * 1024
-_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])  # (values stay raw bytes: nothing built for them)
+# (values stay raw bytes: nothing built for them)
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _raw_list = msgspec.json.Decoder(list[msgspec.Raw])
 
 
@@ -120,7 +121,8 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():  # a lying or absent Content-Length is caught while reading
+        # a lying or absent Content-Length is caught while reading
+        async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
                 raise _too_large(max_bytes)

@@ -69,7 +69,8 @@ class ApiKeyMiddleware:
             return
         state = scope.setdefault("state", {})
         state["tenant"] = tenant or ""
-        state["admin"] = not self._keys or (key is not None and key == self._admin)  # no keys: one user, all rights
+        # no keys: one user, all rights
+        state["admin"] = not self._keys or (key is not None and key == self._admin)
         await self.app(scope, receive, send)
 
     def _match(self, header: str) -> tuple[bytes | None, str | None]:

@@ -39,7 +39,8 @@ logger = logging.getLogger("pagedchat")
 
 ENGINE_DIED = 3  # the exit status after the engine failed (a supervisor restarts the server)
 START_FAILED = 1  # the exit status when start-up failed for another reason (a bug, the device)
-CONFIG_ERROR = 2  # a mistake of the operator's (a flag, the port, Redis, the model): one line says what to fix
+# a mistake of the operator's (a flag, the port, Redis, the model): one line says what to fix
+CONFIG_ERROR = 2
 _PR_SET_PDEATHSIG = 1
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -70,7 +71,8 @@ def preflight(settings: ServerSettings) -> None:
     if engine.model is not None and engine.load_format != "dummy":
         from engine.worker.model_sources import resolve_model
 
-        try:  # a hub id is downloaded (or found in the hub cache) and a .gguf file converted here, once
+        # a hub id is downloaded (or found in the hub cache) and a .gguf file converted here, once
+        try:
             path = resolve_model(engine.model, Path(engine.cache_dir))
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
@@ -124,7 +126,8 @@ def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None,
                             proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips,
-                            access_log=False)  # (app/access_log.py writes one line per request, with its numbers)
+                            # (app/access_log.py writes one line per request, with its numbers)
+                            access_log=False)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     try:
@@ -145,7 +148,8 @@ def run_api_servers(settings: ServerSettings, listener: socket.socket) -> int:
     """N fronts over one core, supervised until they have all exited; the exit status as ``run_server``'s."""
     count = settings.api_server_count
     metrics_dir = tempfile.mkdtemp(prefix="pagedchat-metrics-")
-    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # (inherited by the fronts: their histograms go there)
+    # (inherited by the fronts: their histograms go there)
+    os.environ[MULTIPROC_DIR_ENV] = metrics_dir
     level = logging.getLogger().getEffectiveLevel()
     core = launch_core(settings.engine, count, level, settings.log_format)
     spawn = multiprocessing.get_context("spawn")

@@ -131,7 +131,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             await _warm_up(engine, f"warm-up-{front.index}")
             if front.pins_stored_presets:
                 pinning = presets.pin_stored_presets_later(server.sessions)
-        except EngineDeadError:  # the core died while this front started: the engine's death, not a mistake
+        # the core died while this front started: the engine's death, not a mistake
+        except EngineDeadError:
             app.state.engine_died = True
             raise
         watcher = asyncio.create_task(_watch_engine(app, server))

@@ -21,7 +21,8 @@ class ServerSettings:
     # them is the request's tenant when the server has no API keys; "*" believes any (only behind a proxy that
     # sets the header itself)
     forwarded_allow_ips: str = "127.0.0.1"
-    allowed_origins: str | None = None  # comma-separated origins whose browser pages may call the API; "*" any
+    # comma-separated origins whose browser pages may call the API; "*" any
+    allowed_origins: str | None = None
     max_queue: int = 256  # requests waiting for their first token; beyond it new requests get 429
     # of which one tenant's (an API key's, or a client address's without keys); None: half of max_queue
     max_queue_per_tenant: int | None = None
@@ -30,21 +31,33 @@ class ServerSettings:
     # where sessions and presets live: auto = Redis with --redis-url, else a SQLite file (durable, one host);
     # memory = this process only (lost on restart)
     session_store: str = "auto"
-    session_db_path: str | None = None  # the SQLite file; default: sessions.sqlite3 in the cache dir
-    session_ttl_s: int = 30 * 24 * 3600  # a session unused this long is forgotten (refreshed on use)
-    session_lock_s: float = 30.0  # a turn holds its session this long without a sign of life (refreshed meanwhile)
-    session_write_timeout_s: float = 3.0  # a turn's write retries this long; then the answer says it is pending
+    # the SQLite file; default: sessions.sqlite3 in the cache dir
+    session_db_path: str | None = None
+    # a session unused this long is forgotten (refreshed on use)
+    session_ttl_s: int = 30 * 24 * 3600
+    # a turn holds its session this long without a sign of life (refreshed meanwhile)
+    session_lock_s: float = 30.0
+    # a turn's write retries this long; then the answer says it is pending
+    session_write_timeout_s: float = 3.0
     max_sessions_per_key: int = 10_000  # sessions one tenant may keep (0: no cap)
-    max_session_bytes: int = 8 * 2**20  # a session this large takes no more turns (messages + token ids)
+    # a session this large takes no more turns (messages + token ids)
+    max_session_bytes: int = 8 * 2**20
     max_system_prompt_chars: int = 32_768  # system prompts of sessions and presets
-    default_max_tokens: int = 1024  # for requests without max_tokens (capped by the room left in the context)
-    generation_config: str = "auto"  # auto: the model's generation_config.json sampling defaults; none: OpenAI's
+    # for requests without max_tokens (capped by the room left in the context)
+    default_max_tokens: int = 1024
+    # auto: the model's generation_config.json sampling defaults; none: OpenAI's
+    generation_config: str = "auto"
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
-    preset_pin_share_per_key: float = 0.05  # of which one key's own presets pin at most this share of the pool
-    max_presets_per_key: int = 100  # presets one key may keep (0: no cap); shared (admin) presets are not counted
-    tenant_salt_from_api_key: bool = False  # with several keys: each key's prefix blocks are its own
-    exit_on_engine_death: bool = True  # exit non-zero once the engine failed, so a supervisor restarts us
-    shutdown_timeout_s: float = 30.0  # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
+    # of which one key's own presets pin at most this share of the pool
+    preset_pin_share_per_key: float = 0.05
+    # presets one key may keep (0: no cap); shared (admin) presets are not counted
+    max_presets_per_key: int = 100
+    # with several keys: each key's prefix blocks are its own
+    tenant_salt_from_api_key: bool = False
+    # exit non-zero once the engine failed, so a supervisor restarts us
+    exit_on_engine_death: bool = True
+    # on SIGTERM / Ctrl-C: open streams may finish this long, then the server stops
+    shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object per line)
     # front processes sharing one engine core (HTTP, tokenization, detokenization, SSE spread over N CPUs);

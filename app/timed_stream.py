@@ -22,16 +22,19 @@ class TimedStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.num_completion_tokens = 0  # every sample's
-        self.finish_reasons: set[str] = set()  # of the samples that ended ("abort" for those cut by a close)
+        # of the samples that ended ("abort" for those cut by a close)
+        self.finish_reasons: set[str] = set()
         self._metrics = metrics
         self.arrival = arrival
         self.num_samples = num_samples
         self._num_open = num_samples
-        self._sample_token_times: dict[int, float] = {}  # sample index -> when its latest token arrived
+        # sample index -> when its latest token arrived
+        self._sample_token_times: dict[int, float] = {}
         self.last_token_time: float | None = None
         self.first_token_time: float | None = None
         self.last_output: RequestOutput | None = None
-        self.failure: Exception | None = None  # what ended the stream early (the request failed, the engine died)
+        # what ended the stream early (the request failed, the engine died)
+        self.failure: Exception | None = None
         # called once when the stream ends for any reason (finished, error, cancelled, closed unread): must
         # not block (it may run inside a cancelled task), may return a task the answer waits for before its
         # last event (sessions store the turn so, and the client's next message finds it stored)
@@ -66,7 +69,8 @@ class TimedStream:
         self._ended()
 
     def _ended(self) -> None:
-        if self._num_open > 0:  # ended before every sample finished: closed (the client left) or failed
+        # ended before every sample finished: closed (the client left) or failed
+        if self._num_open > 0:
             self.finish_reasons.add("error" if self.failure is not None else "abort")
             self._num_open = 0
         on_end, self.on_end = self.on_end, None

@@ -36,12 +36,15 @@ class Run:
     requested_tokens: int
     output_tokens: int = 0
     seconds: float = 0.0
-    start_seconds: float = 0.0  # build: weights, KV cache, CUDA graph capture (peer: its own warm-up too)
+    # build: weights, KV cache, CUDA graph capture (peer: its own warm-up too)
+    start_seconds: float = 0.0
     warmup_seconds: float = 0.0  # a small generate before the timed run
     error: str | None = None
     steps: int = 0  # engine steps of the timed run (ours)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # host phases over the timed run (ours)
-    compiled: dict[str, int] = field(default_factory=dict)  # Triton variants compiled during the timed run
+    # host phases over the timed run (ours)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Triton variants compiled during the timed run
+    compiled: dict[str, int] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:

@@ -186,12 +186,14 @@ class LlamaCppPeer:
         import llama_cpp
 
         self.version = llama_cpp.__version__
-        self.system_info = llama_cpp.llama_print_system_info().decode().strip()  # (the instruction sets it uses)
+        # (the instruction sets it uses)
+        self.system_info = llama_cpp.llama_print_system_info().decode().strip()
         self.llm = Llama(model_path=gguf_file, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
                          n_batch=512, verbose=False)
 
     def _one(self, prompt: list[int], new_tokens: int) -> list[int]:
-        self.llm.reset()  # (the next eval drops every cached position: no prefix reuse between runs)
+        # (the next eval drops every cached position: no prefix reuse between runs)
+        self.llm.reset()
         tokens = []
         for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             tokens.append(int(token))

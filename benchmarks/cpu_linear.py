@@ -36,7 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     row_major = [torch.randn(OUT_FEATURES, IN_FEATURES) for _ in range(NUM_WEIGHTS)]
-    column_major = [w.t().contiguous().t() for w in row_major]  # same [out, in] values, [in, out] memory
+    # same [out, in] values, [in, out] memory
+    column_major = [w.t().contiguous().t() for w in row_major]
     layouts = {
         "row-major (nn.Linear default)": lambda x, i: F.linear(x, row_major[i]),
         "column-major (ours on CPU)": lambda x, i: F.linear(x, column_major[i]),

@@ -20,7 +20,8 @@ from engine.config import EngineConfig
 
 logger = logging.getLogger("benchmarks.engine_step")
 
-WARMUP_STEPS = 5  # decode steps after the prefill, untimed (the first replays of each graph, allocator growth)
+# decode steps after the prefill, untimed (the first replays of each graph, allocator growth)
+WARMUP_STEPS = 5
 
 
 def engine_config_from_server_args(server_args: list[str]) -> EngineConfig:

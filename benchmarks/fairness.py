@@ -173,7 +173,8 @@ async def scenario(url: str, args: argparse.Namespace, name: str, unloaded: dict
 
 async def run(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     url = f"{base_url}/v1/completions"
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the server runs here, on the same device)
+    # (the server runs here, on the same device)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     await light_run(url, args, seed=99)  # warm-up (and the step-cost model's first points)
     unloaded = light_summary(await light_run(url, args, seed=10))
     output: dict[str, Any] = {"device": device, "unloaded": unloaded, "scenarios": {}}

@@ -80,7 +80,8 @@ class StreamResult:
 
     sent_at: float
     done_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # arrivals of token events (see apply_chunk)
+    # arrivals of token events (see apply_chunk)
+    token_times: list[float] = field(default_factory=list)
     # tokens each token event carried: its choice's ``token_ids`` where the server sends them, else 1
     token_counts: list[int] = field(default_factory=list)
     text: str = ""
@@ -282,13 +283,15 @@ def local_server(server_args: list[str], startup_timeout: float) -> Iterator[str
     with tempfile.NamedTemporaryFile("w", prefix="pagedchat-bench-server-", suffix=".log", delete=False) as log:
         logger.info("starting the server: %s (log: %s)", shlex.join(command), log.name)
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # our Ctrl-C must not reach it before we stop it
+                                   # our Ctrl-C must not reach it before we stop it
+                                   start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_for_health(url, process, startup_timeout, log.name)
             yield url
         finally:
-            stop_process(process, signal.SIGTERM, "server")  # uvicorn shuts down gracefully on SIGTERM
+            # uvicorn shuts down gracefully on SIGTERM
+            stop_process(process, signal.SIGTERM, "server")
 
 
 def wait_for_health(url: str, process: subprocess.Popen, timeout_s: float, log_path: str) -> None:

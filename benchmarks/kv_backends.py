@@ -122,7 +122,8 @@ def allocation(before: dict[str, float], after: dict[str, float], num_layers: in
 def memory(engine: LLMEngine, result: ModeResult) -> dict[str, float]:
     """Time-averaged reserved and used KV bytes, from the sampled slot-seconds."""
     args, kv, block_size = engine.runner.model.args, engine.runner.kv, engine.config.block_size
-    token_bytes = args.num_kv_heads * args.head_dim * engine.config.torch_dtype.itemsize  # one token, one layer
+    # one token, one layer
+    token_bytes = args.num_kv_heads * args.head_dim * engine.config.torch_dtype.itemsize
     used = result.used_slot_s / result.sampled_s * token_bytes * 2 * args.num_layers
     reserved = result.reserved_slot_s / result.sampled_s / block_size * kv.bytes_per_block
     return {"token_bytes_per_layer": token_bytes, "mean_used_gib": used / GIB, "mean_reserved_gib": reserved / GIB,
@@ -161,7 +162,8 @@ def run_backend(args: argparse.Namespace, model: str, backend: str, requests: li
         if sampler is not None:
             sampler.detach()
         synchronize(engine.config.torch_device)
-        engine.runner.kv.free()  # vattention's driver pages are not torch memory: collecting the engine frees none
+        # vattention's driver pages are not torch memory: collecting the engine frees none
+        engine.runner.kv.free()
 
 
 def run_nano(args: argparse.Namespace, requests: list[Request], device: torch.device, result: dict[str, Any]
@@ -206,7 +208,8 @@ def contiguous_inputs(paged: dict[str, torch.Tensor], context: int) -> dict[str,
 
 def run_contiguous_kernel(inputs: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
     out = torch.empty_like(inputs["query"])
-    max_context = int(inputs["context_lens"].max())  # host-known in the engine: read once, outside the timing
+    # host-known in the engine: read once, outside the timing
+    max_context = int(inputs["context_lens"].max())
 
     def call() -> None:
         contiguous_decode_attention(out, inputs["query"], inputs["k_slots"], inputs["v_slots"], inputs["slot_ids"],

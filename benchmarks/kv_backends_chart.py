@@ -53,7 +53,8 @@ def render(data: dict[str, Any], out: str) -> None:
     axes[0].set(ylabel="output tokens / s", title="nano throughput")
     grouped_bars(axes[1], *nano_series(data["nano"], "useful", scale=100), fmt="%.1f%%")
     axes[1].set(ylabel="KV bytes holding tokens / reserved (%)", title="Useful KV memory (time average)")
-    axes[1].set(ylim=(0, 120), yticks=range(0, 101, 20))  # headroom: the legend stays clear of 100% bars
+    # headroom: the legend stays clear of 100% bars
+    axes[1].set(ylim=(0, 120), yticks=range(0, 101, 20))
     if panels == 3:
         grouped_bars(axes[2], *kernel_series(data["kernel"]), fmt="%.0f")
         axes[2].set(ylabel="K+V bytes / kernel time (GB/s)", xlabel="batch x context", title="Decode kernel")

@@ -121,7 +121,8 @@ def request_body(model: str, prompt: dict[str, Any], max_tokens: int, temperatur
                  ) -> dict[str, Any]:
     body = {"model": model, **prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}  # events may carry several tokens (a stream that is behind catches up)
+            # events may carry several tokens (a stream that is behind catches up)
+            "return_token_ids": True}
     if salt:
         body["cache_salt"] = salt
     return body
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
         output |= {"engine": engine, "comparison": comparison(engine, summary, results)}
     print_report(output, args)
     if args.json:
-        arguments = {k: (None if v == float("inf") else v) for k, v in vars(args).items()}  # JSON has no inf
+        # JSON has no inf
+        arguments = {k: (None if v == float("inf") else v) for k, v in vars(args).items()}
         write_json(args.json, {"arguments": arguments, **output})
 
 

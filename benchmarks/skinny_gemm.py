@@ -179,7 +179,8 @@ def layer_rows(timer: Timer, model: str, layer: str, n: int, k: int, rows: list[
         plain = None
         for op in [GEMM, SILU_AND_MUL] if layer == "gate_up" else [GEMM]:
             configs = sweep(m, n, k, op, sms)
-            if op == SILU_AND_MUL:  # the best plain configs, and each with twice the split (half the columns)
+            # the best plain configs, and each with twice the split (half the columns)
+            if op == SILU_AND_MUL:
                 best = [SkinnyConfig(**c) for c, _ in sorted(plain["sweep"], key=lambda t: t[1])[:FUSED_FROM_BEST]]
                 configs = list(dict.fromkeys(configs[:1] + best + [replace(c, split_k=2 * c.split_k) for c in best]))
             row = dict(model=model, layer=layer, op=op, m=m, n=n, k=k, copies=weights.shape[0], **measure(

@@ -48,7 +48,8 @@ from benchmarks.http_client import REDIS_SERVER, _wait_for_redis, free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("soak-tenant-a", "soak-tenant-b", "soak-tenant-c")
 FAULTS = ((0.2, "redis_killed"), (0.4, "redis_frozen"), (0.6, "storm"), (0.8, "core_killed"))
-FAULT_GRACE_S = 30.0  # after a fault ends, errors are still expected this long (retries, the restart)
+# after a fault ends, errors are still expected this long (retries, the restart)
+FAULT_GRACE_S = 30.0
 
 
 @dataclass(slots=True)
@@ -56,8 +57,10 @@ class Tally:
     statuses: dict[str, int] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)  # 5xx or error events outside fault windows
     tpots: dict[str, list[float]] = field(default_factory=dict)
-    turns: list[tuple[str, str, str, int]] = field(default_factory=list)  # key, session, text, tokens
-    windows: list[tuple[float, float]] = field(default_factory=list)  # fault start, end + grace (monotonic)
+    # key, session, text, tokens
+    turns: list[tuple[str, str, str, int]] = field(default_factory=list)
+    # fault start, end + grace (monotonic)
+    windows: list[tuple[float, float]] = field(default_factory=list)
 
     def count(self, what: str) -> None:
         self.statuses[what] = self.statuses.get(what, 0) + 1
@@ -354,7 +357,8 @@ async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dic
                  "response_format": {"type": "json_object"}}
     await clients[0].http.post("/v1/chat/completions", json=json_warm)  # (grammar workers started)
     one_stream = {client.key: statistics.median(await client.one_stream(args.warm_up)) for client in clients}
-    await clients[0].alone(args.alone_s / 2, presets[clients[0].key])  # (warm: every kind of request once)
+    # (warm: every kind of request once)
+    await clients[0].alone(args.alone_s / 2, presets[clients[0].key])
     unloaded = {client.key: statistics.median(await client.alone(args.alone_s, presets[client.key]))
                 for client in clients}
     memory = {"after_warm_up": server.rss_bytes()}

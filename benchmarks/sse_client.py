@@ -145,7 +145,8 @@ async def stream_sse(host: str, port: int, path: str, payload: bytes, timeout_s:
     try:
         async with asyncio.timeout(timeout_s):
             await _exchange(host, port, path, payload, result)
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:  # ValueError: bad JSON
+    # ValueError: bad JSON
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.done_at = result.done_at or time.monotonic()
     if result.ok and result.finish_reason is None:

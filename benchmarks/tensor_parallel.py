@@ -60,7 +60,9 @@ from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 logger = logging.getLogger("benchmarks.tensor_parallel")
 
 COLLECTIVE_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
-TOP_KERNELS = 15  # the kernels (by name) of most time per step, reported with the collectives  # matched against kernel names in lower case
+# the kernels (by name) of most time per step, reported with the collectives  # matched against
+# kernel names in lower case
+TOP_KERNELS = 15
 
 
 # one size ------------------------------------------------------------------------------------------------
@@ -125,7 +127,8 @@ def run_size(args: argparse.Namespace, size: int, requests: list[Request]) -> di
         collectives = measure_collectives(engine, args)
         result = {"size": size, "start_seconds": start_seconds, "dtype": str(engine.config.torch_dtype),
                   "run": asdict(run) | {"tok_s": run.tok_s}, "split": split, "collectives": collectives}
-        logger.info("size %d: decode step %s; collectives %s", size, split, collectives)  # (before the shutdown)
+        # (before the shutdown)
+        logger.info("size %d: decode step %s; collectives %s", size, split, collectives)
     finally:
         engine.shutdown()
         del engine

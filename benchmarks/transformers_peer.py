@@ -21,7 +21,8 @@ from benchmarks.common import Run, synchronize
 from benchmarks.workloads import Request, capped, nano_workload
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 
-logger = logging.getLogger("benchmarks.offline")  # the peer runs inside, and logs as, the offline benchmark
+# the peer runs inside, and logs as, the offline benchmark
+logger = logging.getLogger("benchmarks.offline")
 
 
 def build_peer(name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None) -> Any:
@@ -34,7 +35,8 @@ def build_peer(name: str, device: torch.device, dtype: torch.dtype, seed: int, a
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     state = model.state_dict()
     with torch.no_grad():
-        for weight_name, tensor in dummy_weights(config, seed=seed, device=device):  # one at a time: low peak
+        # one at a time: low peak
+        for weight_name, tensor in dummy_weights(config, seed=seed, device=device):
             state[weight_name].copy_(tensor)
     return model.eval()
 

@@ -60,15 +60,18 @@ class AsyncEngine:
         self.config = config or EngineConfig(**options)
         self.tokenizer: Any | None = None
         self.info: CoreInfo | None = None
-        self._core = CoreConnection(self.config, endpoint, log_format)  # endpoint None: start our own core
+        # endpoint None: start our own core
+        self._core = CoreConnection(self.config, endpoint, log_format)
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
-        self._grammar_workers: GrammarWorkers | None = None  # schema compiles, in processes of their own
+        # schema compiles, in processes of their own
+        self._grammar_workers: GrammarWorkers | None = None
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()
-        self._calls: dict[int, asyncio.Future] = {}  # call()s not answered yet (failed if the engine dies)
+        # call()s not answered yet (failed if the engine dies)
+        self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stats: EngineStats | None = None
         self._error: BaseException | None = None
@@ -90,7 +93,8 @@ class AsyncEngine:
             raise
         self.info, self._stats = ready.info, ready.stats
         ready.info.apply_to(self.config)
-        from engine.worker.loader import load_tokenizer  # (here: the model code is the core's, not imported by the front)
+        # (here: the model code is the core's, not imported by the front)
+        from engine.worker.loader import load_tokenizer
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, ready.info.model_path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)

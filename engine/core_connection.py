@@ -38,7 +38,8 @@ class CoreConnection:
     def __init__(self, config: EngineConfig, endpoint: CoreEndpoint | None, log_format: str = "text") -> None:
         self._config = config
         self._log_format = log_format  # of the core this connection launches (text | json)
-        self.endpoint = endpoint  # a core started elsewhere, or None until ``open`` launches our own
+        # a core started elsewhere, or None until ``open`` launches our own
+        self.endpoint = endpoint
         self.launched: LaunchedCore | None = None
         self.process: multiprocessing.process.BaseProcess | AttachedProcess | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -112,7 +113,8 @@ class CoreConnection:
             self.process.close()
 
     def exited(self) -> str:
-        status = self.process.exitcode  # (None for a core this process did not start: its parent reaps it)
+        # (None for a core this process did not start: its parent reaps it)
+        status = self.process.exitcode
         return "the engine core process exited" + (f" (status {status})" if status is not None else "")
 
 

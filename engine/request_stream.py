@@ -46,7 +46,8 @@ class RequestStream:
             sample.queued = True
             self._pending.append(sample)
         if self._interval > 1:
-            self._unread_tokens = len(sample.token_ids) - sample.num_taken  # (a sum over samples: an estimate)
+            # (a sum over samples: an estimate)
+            self._unread_tokens = len(sample.token_ids) - sample.num_taken
             self._urgent |= sample.num_taken == 0 or sample.finish_reason is not None
             if not self._readable():
                 return
@@ -75,7 +76,8 @@ class RequestStream:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
-            except BaseException:  # cancelled while waiting: the request must not outlive its consumer
+            # cancelled while waiting: the request must not outlive its consumer
+            except BaseException:
                 self._close(finished=False)
                 raise
             finally:

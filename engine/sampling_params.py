@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; room for chat templates' own stop strings
 MAX_STOP_STRING_CHARS = 256
-MAX_PRIORITY = 1000  # a request's rank among its tenant's requests: an integer in [-MAX_PRIORITY, MAX_PRIORITY]
+# a request's rank among its tenant's requests: an integer in [-MAX_PRIORITY, MAX_PRIORITY]
+MAX_PRIORITY = 1000
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 MAX_TEMPERATURE = 100.0  # the engine's bound (the HTTP API's is OpenAI's: 2)
@@ -34,8 +35,10 @@ class StructuredOutput:
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1  # samples of one prompt (parallel sampling: the prompt is computed once, its blocks shared)
-    best_of: int | None = None  # sample this many (>= n) and keep the n of highest cumulative logprob
+    # samples of one prompt (parallel sampling: the prompt is computed once, its blocks shared)
+    n: int = 1
+    # sample this many (>= n) and keep the n of highest cumulative logprob
+    best_of: int | None = None
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -157,7 +160,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN fails
+    # NaN fails
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -97,7 +97,8 @@ def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: t
     block_numel = k_caches[0, 0].numel()
     blocks_contiguous = k_caches[0, 0].is_contiguous() and k_caches.stride(1) >= block_numel
     if not blocks_contiguous or k_caches.stride() != v_caches.stride():
-        reference.copy_blocks(k_caches, v_caches, block_mapping)  # odd layouts: correctness over speed
+        # odd layouts: correctness over speed
+        reference.copy_blocks(k_caches, v_caches, block_mapping)
         return
     mapping = block_mapping.to(device=k_caches.device, dtype=torch.int64).contiguous()
     chunk = min(4096, triton.next_power_of_2(block_numel))

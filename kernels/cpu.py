@@ -34,7 +34,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     blocks, visible, length = plan
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    if isinstance(blocks, int):  # one sequence, consecutive blocks: the same values as the gather, in place
+    # one sequence, consecutive blocks: the same values as the gather, in place
+    if isinstance(blocks, int):
         width = length // k_cache.shape[1]
         keys, values = k_cache[blocks:blocks + width], v_cache[blocks:blocks + width]
     else:

@@ -45,7 +45,8 @@ class DecodeConfig:
 
     tile_n: int = 128  # key positions per loop step, one-pass kernel
     split_tile_n: int = 64  # key positions per loop step, split-K kernel
-    split_below_programs_per_sm: float = 1.0  # split-K only when (sequences x kv heads) < this x SMs
+    # split-K only when (sequences x kv heads) < this x SMs
+    split_below_programs_per_sm: float = 1.0
     programs_per_sm: int = 2  # then aim for this many programs per SM ...
     min_partition: int = 512  # ... with partitions of at least this many positions
     num_warps: int = 4
@@ -121,7 +122,8 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
             tl.debug_barrier()  # every thread's partials are written before the release below
             counter = counter_ptr + seq * num_kv_heads + kv_head
             finished = tl.atomic_add(counter, 1, sem="acq_rel")
-            if finished == used - 1:  # the last partition merges all of them, then re-arms the counter
+            # the last partition merges all of them, then re-arms the counter
+            if finished == used - 1:
                 tl.store(counter, 0)
                 _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used,
                                   num_heads, num_parts, stride_ob, stride_oh, GROUP, GROUP_POW2, HEAD_DIM,
@@ -280,7 +282,8 @@ def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
     assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, "a slot's offsets are int32"
     assert query.stride(-1) == 1 and out.stride(-1) == 1
-    block_size = 1 if contiguous else k_cache.shape[1]  # a constexpr the contiguous path never reads
+    # a constexpr the contiguous path never reads
+    block_size = 1 if contiguous else k_cache.shape[1]
     max_tokens = min(-(-max_context // 16) * 16, k_cache.shape[1]) if contiguous else table.shape[1] * block_size
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
@@ -289,7 +292,8 @@ def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
     group_pad = max(16, triton.next_power_of_2(group))
     tile, stages = fit_shared_memory(config.split_tile_n if partition else config.tile_n, config.num_stages,
                                      group_pad, head_pad, query.element_size())
-    part_max = part_sum = part_acc = counters = out  # placeholders: never touched by the one-pass kernel
+    # placeholders: never touched by the one-pass kernel
+    part_max = part_sum = part_acc = counters = out
     if partition:  # one allocation for all partials: host time matters at small batch sizes
         partials = torch.empty(batch * num_heads * parts * (head_pad + 2), dtype=torch.float32, device=query.device)
         part_acc, part_max, part_sum = partials.split([partials.numel() - 2 * parts * batch * num_heads,

@@ -179,6 +179,7 @@ def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_seqs, num_tiles,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=1 if contiguous else k_cache.shape[1],  # a constexpr the contiguous path never reads
+        # a constexpr the contiguous path never reads
+        BLOCK_SIZE=1 if contiguous else k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=stages)

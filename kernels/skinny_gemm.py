@@ -96,7 +96,8 @@ def _column_block_product(x_ptr, w_ptr, rows, cols, k_start, k_stop, M, N, K, st
     ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    x_rows, w_rows = (rows < M)[:, None], (cols < N)[:, None]  # row-only masks keep the loads 16 bytes wide
+    # row-only masks keep the loads 16 bytes wide
+    x_rows, w_rows = (rows < M)[:, None], (cols < N)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
@@ -145,7 +146,8 @@ def _sum_partials(part_ptr, rows, cols, M, N, num_splits, SILU_MUL: tl.constexpr
     return gate, up
 
 
-@triton.jit(**per_step("M"))  # the batch's row count changes every step: one variant for all M of a BLOCK_M
+# the batch's row count changes every step: one variant for all M of a BLOCK_M
+@triton.jit(**per_step("M"))
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, num_splits,
                    stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -172,7 +174,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_
             tl.store(part + N, up, mask=mask)
         tl.debug_barrier()  # every thread's partials are written before the release below
         counter = counter_ptr + block
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the last split merges, re-arms
+        # the last split merges, re-arms
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
             total_gate, total_up = _sum_partials(part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N)
             _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)

@@ -173,7 +173,8 @@ def check_contents(bm: BlockManager, seqs: list[Sequence], kv: KV, ref: Referenc
         assert seq.block_hashes == chain[: len(seq.block_hashes)], "block hashes differ from the documented chain"
         for i, block_id in enumerate(seq.block_table):
             block_hash = bm.pool.blocks[block_id].block_hash
-            if block_hash is not None:  # a hashed block in a table is that sequence's block for those tokens
+            # a hashed block in a table is that sequence's block for those tokens
+            if block_hash is not None:
                 assert i < seq.num_computed_tokens // bs and block_hash == chain[i]
     for block_hash, block in bm.pool.cached.items():
         assert block_hash in ref.origin, "cached hash not produced by the documented chain of any sequence"

@@ -78,7 +78,8 @@ def server_command(port: int, extra_args: Iterable[str] = (), sessions_path: Pat
 
 def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("PAGEDCHAT_API_KEY", None)  # a key in the developer's shell must not change what the tests see
+    # a key in the developer's shell must not change what the tests see
+    env.pop("PAGEDCHAT_API_KEY", None)
     env.pop("PAGEDCHAT_ADMIN_API_KEY", None)
     env.pop("REDIS_URL", None)
     env.pop("PAGEDCHAT_MODEL", None)
@@ -120,7 +121,8 @@ def _start(extra_args: list[str], env: Mapping[str, str] | None, startup_timeout
     for attempt in range(attempts):
         port = free_port()
         fd, name = tempfile.mkstemp(prefix=f"pagedchat-server-{port}-", suffix=".log")
-        with os.fdopen(fd, "wb") as log_file:  # a file, not a pipe: a chatty server never blocks on a full pipe
+        # a file, not a pipe: a chatty server never blocks on a full pipe
+        with os.fdopen(fd, "wb") as log_file:
             process = subprocess.Popen(server_command(port, extra_args), cwd=REPO_ROOT, env=server_env(env),
                                        stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         server = RunningServer(f"http://127.0.0.1:{port}", process, Path(name), extra_args)

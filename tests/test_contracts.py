@@ -16,7 +16,8 @@ from tests.fake_vmm_driver import FakeDriver
 @pytest.mark.parametrize("backend", [PagedKV, LeanCpuPagedKV, VAttentionKV])
 def test_each_backend_implements_the_whole_contract(backend: type):
     assert issubclass(backend, KVBackend)
-    assert not backend.__abstractmethods__  # (an unimplemented member would fail only where it is built)
+    # (an unimplemented member would fail only where it is built)
+    assert not backend.__abstractmethods__
 
 
 def test_the_paged_backend_keeps_block_addressed_caches():
@@ -41,7 +42,8 @@ def test_the_cpu_gets_the_lean_paged_backend_with_the_default_kernels_and_the_pl
 
 def test_the_paged_backend_addresses_a_token_by_its_block_and_packs_each_block_table_row():
     kv = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), 4)
-    table = np.array([[7, 2, 0], [5, 9, 3]], dtype=np.int32)  # the step inputs' rows: one per live sequence
+    # the step inputs' rows: one per live sequence
+    table = np.array([[7, 2, 0], [5, 9, 3]], dtype=np.int32)
     token_rows, positions = np.array([1, 1, 0, 1]), np.array([0, 5, 6, 11])
     assert kv.slot_mapping(table, token_rows, positions).tolist() == [5 * 4, 9 * 4 + 1, 2 * 4 + 2, 3 * 4 + 3]
     assert kv.table_shape(2, 8, 3) == (2, 3)  # (graph padding rows need no table row)
@@ -53,7 +55,8 @@ def test_the_paged_backend_addresses_a_token_by_its_block_and_packs_each_block_t
 
 def test_the_contiguous_backend_addresses_a_token_in_its_request_slot_and_packs_slot_ids():
     kv = VAttentionKV(FakeDriver(), 2, 4, 128, torch.bfloat16, torch.device("cpu"), 8192, 4)
-    table = np.array([[7, 2], [5, 9], [4, 4]], dtype=np.int32)  # (block ids do not address a contiguous slot)
+    # (block ids do not address a contiguous slot)
+    table = np.array([[7, 2], [5, 9], [4, 4]], dtype=np.int32)
     token_rows, positions = np.array([2, 2, 1]), np.array([0, 300, 9])
     assert kv.slot_mapping(table, token_rows, positions).tolist() == [2 * kv.max_len, 2 * kv.max_len + 300,
                                                                       kv.max_len + 9]
@@ -72,4 +75,5 @@ def test_the_async_engine_is_the_engine_client_the_server_is_written_against():
     members = [name for name in vars(EngineClient) if not name.startswith("_")]
     missing = [name for name in members if not hasattr(AsyncEngine, name)]
     assert not missing
-    assert set(EngineClient.__annotations__) <= set(AsyncEngine.__init__.__code__.co_names)  # (set in __init__)
+    # (set in __init__)
+    assert set(EngineClient.__annotations__) <= set(AsyncEngine.__init__.__code__.co_names)

@@ -18,7 +18,8 @@ from typing import Any
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SETTINGS_KEY = "pagedchat.settings"  # web/api.js keeps the UI's settings under this localStorage key
+# web/api.js keeps the UI's settings under this localStorage key
+SETTINGS_KEY = "pagedchat.settings"
 REPLY_TIMEOUT_MS = 90_000
 
 

@@ -26,7 +26,8 @@ TopK = Annotated[int, Field(ge=-1, lt=_INT32), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**64), BeforeValidator(_integral)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
 NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(_integral)]
-MAX_MESSAGES = 4096  # of one request (a body of tens of thousands costs the event loop ~5 us each to check)
+# of one request (a body of tens of thousands costs the event loop ~5 us each to check)
+MAX_MESSAGES = 4096
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Salt = Annotated[str, Field(max_length=256)]

@@ -66,7 +66,8 @@ async def create_session(request: Request) -> JSONResponse:
     session = Session(id=new_session_id(), owner=tenant, title=body.title or "", system=system,
                       preset=body.preset, cache_salt=body.cache_salt)
     if not await service.store.create(session, service.limits.max_sessions_per_key):
-        raise APIError(409, "session id collision; retry", code="session_exists")  # 128 random bits: never
+        # 128 random bits: never
+        raise APIError(409, "session id collision; retry", code="session_exists")
     return JSONResponse(session.public(), status_code=201)
 
 

@@ -27,7 +27,8 @@ class _Pending:
     session: Session  # the whole session after the turn, at the revision the turn started from
     lock_token: str  # released once written (the lock has usually expired by then)
     size: int
-    writing: asyncio.Lock = field(default_factory=asyncio.Lock)  # the flusher and a new turn may both try
+    # the flusher and a new turn may both try
+    writing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class TurnOutbox:

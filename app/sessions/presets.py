@@ -122,7 +122,8 @@ async def create_preset(request: Request) -> JSONResponse:
     existing = await service.store.get_preset(preset.name, preset.owner)
     if existing is not None and existing.key == preset.key:
         raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")
-    num_tokens, pinned = await pin_preset(service, preset)  # checked (and prefilled) before it is stored
+    # checked (and prefilled) before it is stored
+    num_tokens, pinned = await pin_preset(service, preset)
     if not await service.store.save_preset(preset):
         await _unpin(service, preset)
         raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")

@@ -122,7 +122,8 @@ class RedisSessionStore:
             if rank is None:
                 raise UnknownCursor(f"after: no session {after!r} in this listing")
             start = rank + 1
-        ids = await self._guard(self._redis.zrevrange(index, start, start + limit))  # one more: has_more
+        # one more: has_more
+        ids = await self._guard(self._redis.zrevrange(index, start, start + limit))
         has_more, ids = len(ids) > limit, ids[:limit]
         async with self._redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
@@ -135,7 +136,8 @@ class RedisSessionStore:
                 continue
             fields = {k: v for k, v in zip(_SUMMARY_FIELDS, row) if v is not None}
             session = session_from_fields(session_id, fields)
-            session.messages = [{}] * int(fields.get("num_messages", 0))  # the summary only counts them
+            # the summary only counts them
+            session.messages = [{}] * int(fields.get("num_messages", 0))
             sessions.append(session)
         if expired:
             await self._guard(self._redis.zrem(index, *expired))

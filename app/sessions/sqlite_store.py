@@ -61,14 +61,16 @@ class SQLiteSessionStore:
             if self._db is None:
                 self._db = self._open()
             return fn(self._db, *args)
-        except (sqlite3.OperationalError, OSError) as exc:  # a locked or unreadable file: the store is away
+        # a locked or unreadable file: the store is away
+        except (sqlite3.OperationalError, OSError) as exc:
             raise SessionStoreUnavailable(f"the session database {self.path} cannot be used: {exc}") from exc
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=5, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # with WAL: a power cut may lose the last turns, never corrupt
+        # with WAL: a power cut may lose the last turns, never corrupt
+        db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
         return db
 
@@ -134,7 +136,8 @@ class SQLiteSessionStore:
                          "expires_at > ?", (session_id, owner, now)).fetchone()
         if row is None:
             return None
-        db.execute("UPDATE sessions SET expires_at = ? WHERE id = ?", (now + self._ttl_s, session_id))  # on use
+        # on use
+        db.execute("UPDATE sessions SET expires_at = ? WHERE id = ?", (now + self._ttl_s, session_id))
         return _session(row)
 
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage:
@@ -178,7 +181,8 @@ class SQLiteSessionStore:
             now = time.time()
             if db.execute("SELECT 1 FROM sessions WHERE id = ? AND revision = ? AND expires_at > ?",
                           (session.id, session.revision, now)).fetchone() is None:
-                return False  # deleted (perhaps taken again) or a later turn was stored: nothing is written
+                # deleted (perhaps taken again) or a later turn was stored: nothing is written
+                return False
             revision = secrets.token_hex(8)
             row = dict(zip(_COLUMNS, _row(session)))
             row["revision"] = revision

@@ -64,7 +64,8 @@ class Session:
     updated_at: float = 0.0
     revision: str = field(default_factory=lambda: secrets.token_hex(8))  # new on every stored turn
     messages: list[dict[str, Any]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # prompt + completion of the last turn, exactly
+    # prompt + completion of the last turn, exactly
+    token_ids: list[int] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -88,7 +89,8 @@ class Session:
 class Preset:
     name: str
     system: str
-    owner: str = ""  # the tenant that made it; "" = shared (made by the admin key, or a server without keys)
+    # the tenant that made it; "" = shared (made by the admin key, or a server without keys)
+    owner: str = ""
     created_at: float = field(default_factory=time.time)
 
     @property
@@ -107,7 +109,8 @@ class Preset:
 
 @dataclass(slots=True)
 class SessionPage:
-    sessions: list[Session]  # summaries: ``messages`` holds only as many empty dicts as the session has messages
+    # summaries: ``messages`` holds only as many empty dicts as the session has messages
+    sessions: list[Session]
     has_more: bool
 
 

@@ -85,7 +85,8 @@ async def chat_in_session(request: Request, service: SessionService, body: ChatC
         session = Session(id=session_id, owner=owner, system=system, cache_salt=body.cache_salt)
         token = await service.store.create_locked(session, service.limits.session_lock_s,
                                                     service.limits.max_sessions_per_key)
-        if token is None:  # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
+        # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
+        if token is None:
             raise busy(session_id) if await service.store.get(session_id, owner) else not_found(session_id)
     return await run_turn(request, service, session, new, body, arrival, token)
 
@@ -136,7 +137,8 @@ async def run_turn(request: Request, service: SessionService, session: Session, 
     recorded when its stream ends."""
     try:
         await service.outbox.flush_session(session.id)
-        session = await service.store.get(session.id, session.owner) or session  # fresh, under the lock
+        # fresh, under the lock
+        session = await service.store.get(session.id, session.owner) or session
         if new is not None:
             _check_size(service, session, new)
         plan = await _plan(service, session, new)

@@ -29,7 +29,8 @@ _FIRST_RETRY_S = 0.1
 @dataclass(slots=True)
 class TurnPlan:
     prompt_ids: list[int]
-    messages: list[dict[str, Any]]  # the session's messages before the reply (new user input included)
+    # the session's messages before the reply (new user input included)
+    messages: list[dict[str, Any]]
 
 
 def template_history(session: Session) -> list[dict[str, str]]:
@@ -86,18 +87,21 @@ class TurnRecorder:
         if self._refresher is not None:
             self._refresher.cancel()
         task = self.service.spawn(self._save(stream))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by the answer, if it still waits
+        # read by the answer, if it still waits
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
     async def _keep_lock(self, stream: weakref.ref[TimedStream]) -> None:
         lock_s = self.service.limits.session_lock_s
         while True:
             await asyncio.sleep(lock_s / 3)
-            if stream() is None:  # dropped unread (client gone before the response started): free the session
+            # dropped unread (client gone before the response started): free the session
+            if stream() is None:
                 with contextlib.suppress(SessionStoreUnavailable):
                     await self._store.unlock(self.session.id, self.lock_token)
                 return
-            with contextlib.suppress(SessionStoreUnavailable):  # the lock expires by itself if Redis stays away
+            # the lock expires by itself if Redis stays away
+            with contextlib.suppress(SessionStoreUnavailable):
                 await self._store.refresh_lock(self.session.id, self.lock_token, lock_s)
 
     async def _save(self, stream: TimedStream) -> None:

@@ -51,7 +51,8 @@ class BeamRequests:
             return []
         if all(b.status is SequenceStatus.RUNNING for b in group.live):
             return self._step(group)
-        self._swapped_at_step.append(group)  # swapped out (all together): the step waits for their swap-in
+        # swapped out (all together): the step waits for their swap-in
+        self._swapped_at_step.append(group)
         return []
 
     def deferred_steps(self) -> list[SampleDelta]:

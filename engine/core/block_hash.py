@@ -21,7 +21,8 @@ class BlockHasher:
     def __init__(self, algo: str, model_id: str, seed: str) -> None:
         self._new = {"sha256": hashlib.sha256, "xxh128": xxhash.xxh3_128}[algo]
         h = self._new()
-        for part in ("pagedchat-block-root-v1", model_id, seed):  # length-prefixed: no ambiguous joins
+        # length-prefixed: no ambiguous joins
+        for part in ("pagedchat-block-root-v1", model_id, seed):
             data = part.encode()
             h.update(len(data).to_bytes(8, "little") + data)
         self.root = h.digest()
@@ -32,7 +33,8 @@ class BlockHasher:
         if sys.byteorder == "big":  # little-endian int64 everywhere: hashes agree across replicas
             tokens.byteswap()
         h.update(tokens.tobytes())
-        if extra_keys:  # tagged tuples such as ("salt", "tenant-a"); repr is canonical for str/int/tuple
+        # tagged tuples such as ("salt", "tenant-a"); repr is canonical for str/int/tuple
+        if extra_keys:
             h.update(repr(extra_keys).encode())
         return h.digest()
 

@@ -38,17 +38,21 @@ class BlockManager:
         self.block_size = block_size
         self.lookahead_tokens = lookahead_tokens
         self.max_blocks_per_seq = max_blocks_per_seq or sys.maxsize
-        self.lookahead_reserve = num_blocks // 8  # free blocks kept for admissions before any block is taken early
+        # free blocks kept for admissions before any block is taken early
+        self.lookahead_reserve = num_blocks // 8
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
         self.pool = BlockPool(num_blocks)
         self.holders: dict[int, Sequence] = {}  # seq_id -> sequence with a non-empty block table
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), drained by the scheduler
-        self.pins: dict[str, list[int]] = {}  # pin id -> cached blocks it holds one reference to each
+        # copy-on-write (src, dst), drained by the scheduler
+        self.pending_copies: list[tuple[int, int]] = []
+        # pin id -> cached blocks it holds one reference to each
+        self.pins: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.host = HostBlocks(num_host_blocks)
-        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block), drained by the scheduler
+        # (device block, host block), drained by the scheduler
+        self.pending_swap_out: list[tuple[int, int]] = []
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
         self.prefix_host_hits = 0
         self.host_cache: HostPrefixCache | None = None
@@ -202,7 +206,8 @@ class BlockManager:
         a shared block is copied on the next write into it). Sources are read before any sequence changes."""
         snapshots = [(list(src.block_table), list(src.block_hashes), src.num_computed_tokens,
                       src.num_registered_blocks) for src in sources]
-        for table, *_ in snapshots:  # references first: a block both dropped and kept never reaches the free queue
+        # references first: a block both dropped and kept never reaches the free queue
+        for table, *_ in snapshots:
             for block_id in table:
                 self.pool.acquire(self.pool.blocks[block_id])
         for seq in seqs:
@@ -269,7 +274,8 @@ class BlockManager:
         """Room in the host pool for the distinct blocks of ``seqs`` (a request's sequences go together); no
         when one of them is being filled from the host tier in this step (its data is not on the device yet)."""
         blocks = {b for seq in seqs for b in self._computed_blocks(seq)}
-        swapped_in = set(self.host.freed_this_step)  # slots whose copy back runs this step (not host-tier ones)
+        # slots whose copy back runs this step (not host-tier ones)
+        swapped_in = set(self.host.freed_this_step)
         filling = {dst for src, dst in self.pending_swap_in if src not in swapped_in}
         return (all(self._computed_blocks(seq) for seq in seqs) and blocks.isdisjoint(filling)
                 and len(blocks) <= self.host.num_free)

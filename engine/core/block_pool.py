@@ -29,7 +29,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
-        self.on_evict: Callable[[Block, bytes], None] | None = None  # told before an evicted block is reused
+        # told before an evicted block is reused
+        self.on_evict: Callable[[Block, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:

@@ -14,14 +14,16 @@ from engine.sampling_params import MAX_PRIORITY, SamplingParams
 
 class CoreInfo(msgspec.Struct, frozen=True):
     model_id: str
-    model_path: str | None  # the HF directory the tokenizer comes from (None: dummy weights of a named architecture)
+    # the HF directory the tokenizer comes from (None: dummy weights of a named architecture)
+    model_path: str | None
     vocab_size: int
     max_model_len: int  # after capping to the KV pool
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     block_size: int
     num_blocks: int
-    prefix_hash: str  # the block hash chain's algorithm, root and seed: the front hashes final outputs' blocks
+    # the block hash chain's algorithm, root and seed: the front hashes final outputs' blocks
+    prefix_hash: str
     prefix_cache_seed: str
     device: str  # cpu | cuda
 

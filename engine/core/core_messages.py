@@ -29,7 +29,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
-    index: int | None = None  # one sample only (the front ended it: a stop string), else the whole request
+    # one sample only (the front ended it: a stop string), else the whole request
+    index: int | None = None
     reason: str = "abort"  # abort | stop | error
 
 

@@ -47,7 +47,8 @@ from engine.output.outputs import SampleDelta
 logger = logging.getLogger("engine.core")
 
 _STATS_PERIOD_S = 0.05  # a stats snapshot rides on a step's outputs at most this often
-_IDLE_POLL_MS = 500  # while idle (or waiting for a front to connect): how often the parent is looked for
+# while idle (or waiting for a front to connect): how often the parent is looked for
+_IDLE_POLL_MS = 500
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -129,7 +130,8 @@ def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses
                 core.shutdown()
     finally:
         for socket in outputs:
-            socket.close(linger=2000)  # the last message (a failure) must leave before the process does
+            # the last message (a failure) must leave before the process does
+            socket.close(linger=2000)
         inputs.close(linger=0)
         context.term()
 
@@ -216,7 +218,8 @@ class CoreLoop:
         if self.inputs.poll(_IDLE_POLL_MS):
             return True
         workers = getattr(self.core, "workers", None)
-        if workers is not None and workers.failure is not None:  # (a rank died while the engine was idle)
+        # (a rank died while the engine was idle)
+        if workers is not None and workers.failure is not None:
             raise RuntimeError(f"tensor parallel: {workers.failure}")
         if os.getppid() != self.parent_pid:
             logger.warning("the front process is gone; the engine core exits")
@@ -236,7 +239,8 @@ class CoreLoop:
                 self._add(message)
             elif isinstance(message, AbortRequest):
                 deltas = self.core.abort_request(message.request_id, message.index, message.reason)
-                if deltas and message.index is None:  # (a sample the front ended itself needs no word back)
+                # (a sample the front ended itself needs no word back)
+                if deltas and message.index is None:
                     self._send_deltas(deltas, None)
             elif isinstance(message, UtilityCall):
                 self._call(message)
@@ -326,7 +330,8 @@ class StepLog:
         if not self.interval_s:
             return
         now = time.monotonic()
-        if now - self._last_step > self.interval_s:  # the first step after start-up or an idle spell
+        # the first step after start-up or an idle spell
+        if now - self._last_step > self.interval_s:
             self._since, self._steps, self._step_s, self._start_stats = now - seconds, 0, 0.0, core.stats()
         self._last_step = now
         self._steps += 1

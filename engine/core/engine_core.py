@@ -68,8 +68,10 @@ class EngineCore:
         self.beams = BeamRequests(self.scheduler, self.block_manager, self.counters, self.runner.forget,
                                   self._finish, lambda request_id: self._requests.pop(request_id).group.params.n)
         self._seq_ids = itertools.count()
-        self._in_flight: LaunchedStep | None = None  # launched, sampled ids not read yet (async scheduling)
-        self.last_batch: ScheduledBatch | None = None  # the latest step's schedule (benchmarks read its shape)
+        # launched, sampled ids not read yet (async scheduling)
+        self._in_flight: LaunchedStep | None = None
+        # the latest step's schedule (benchmarks read its shape)
+        self.last_batch: ScheduledBatch | None = None
 
     def _load(self) -> int:
         """The model, its runner and the KV cache sized to the memory budget (its blocks), the CUDA graphs
@@ -298,7 +300,8 @@ class EngineCore:
             if not request.num_open:
                 del self._requests[seq.request_id]
                 if request.group.params.structured_output is not None:
-                    release_free_heap()  # (its matchers: tens of MB for a large grammar, times its samples' copies)
+                    # (its matchers: tens of MB for a large grammar, times its samples' copies)
+                    release_free_heap()
         return delta
 
     # pinned prefixes (prefix_pins.py) -----------------------------------------------------------------

@@ -21,7 +21,8 @@ class HostPrefixCache:
         """Slots ``first_slot .. first_slot + num_slots - 1`` of the host KV pool belong to this tier."""
         self.first_slot = first_slot
         self.num_slots = num_slots
-        self.entries: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, least recently used first
+        # block hash -> slot, least recently used first
+        self.entries: OrderedDict[bytes, int] = OrderedDict()
         self.free: list[int] = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.busy: set[int] = set()  # slots a copy of this step reads or writes
         self._free_next_step: list[int] = []  # busy slots of entries dropped by clear()

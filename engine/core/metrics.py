@@ -21,9 +21,11 @@ class EngineCounters:
     # host time of the engine thread per phase, cumulative seconds (benchmarks read the per-step split)
     schedule_seconds: float = 0.0  # scheduler.schedule()
     prepare_seconds: float = 0.0  # building and copying the step's input tensors
-    launch_seconds: float = 0.0  # launching the forward pass and sampling (eager kernels or a graph replay)
+    # launching the forward pass and sampling (eager kernels or a graph replay)
+    launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on the device for the sampled tokens
-    output_seconds: float = 0.0  # appending tokens, stop checks, detokenizing, building RequestOutputs
+    # appending tokens, stop checks, detokenizing, building RequestOutputs
+    output_seconds: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

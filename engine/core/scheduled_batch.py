@@ -18,10 +18,13 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the pass
+    # copy-on-write (src, dst) before the pass
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks copied out first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks copied in after CoW
+    # (device, host) blocks copied out first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host, device) blocks copied in after CoW
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     # parallel sampling: (parent, child) for each sample forked from a parent whose prompt this pass completes;
     # the child is sampled from its parent's logits row and shares its blocks from ``Scheduler.advance`` on
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)

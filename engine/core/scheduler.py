@@ -30,7 +30,8 @@ from engine.core.step_cost import StepCostModel
 logger = logging.getLogger(__name__)
 
 
-MAX_DEFERRED_PER_STEP = 256  # waiting requests passed over per step for sharing a prefix in progress
+# waiting requests passed over per step for sharing a prefix in progress
+MAX_DEFERRED_PER_STEP = 256
 
 
 class Scheduler(SharedStep):
@@ -43,20 +44,25 @@ class Scheduler(SharedStep):
         self.max_seqs_per_tenant = max_seqs_per_tenant or max_num_seqs
         # while several tenants have work: a step's time budget, as a multiple of a one-row step (0: tokens)
         self.shared_step_time_factor = shared_step_time_factor
-        self.step_time_target_s = step_time_target_s  # any step's measured time, within reason (0: none)
+        # any step's measured time, within reason (0: none)
+        self.step_time_target_s = step_time_target_s
         self.step_cost = StepCostModel()  # fed by the engine with each step's shape and time
         self._service = TenantService()
-        self._work: Counter[str] = Counter()  # tenant -> its unfinished sequences here (unforked samples too)
+        # tenant -> its unfinished sequences here (unforked samples too)
+        self._work: Counter[str] = Counter()
         self.num_steps = 0
-        self._credit = 0.0  # seconds a shared step may spend beyond its pace (saved by cheaper steps)
+        # seconds a shared step may spend beyond its pace (saved by cheaper steps)
+        self._credit = 0.0
         # per victim: swap its blocks to the host pool (True) or drop them and recompute (False)
         self.prefer_swap = prefer_swap or (lambda seq: False)
-        self.swapped: deque[Sequence] = deque()  # swapped out, in order: they come back before new requests
+        # swapped out, in order: they come back before new requests
+        self.swapped: deque[Sequence] = deque()
         self.num_swap_outs = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
-        self.num_unforked = 0  # samples of running parents, not forked yet: they hold places in the batch
+        # samples of running parents, not forked yet: they hold places in the batch
+        self.num_unforked = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -128,7 +134,8 @@ class Scheduler(SharedStep):
             unforked = sum(len(seq.unforked) for seq in group)
             if len(self.running) + self.num_unforked + len(group) + unforked > self.max_num_seqs:
                 break
-            if not manager.can_swap_in(*group, spare=len(group)):  # (a block to spare for each next token)
+            # (a block to spare for each next token)
+            if not manager.can_swap_in(*group, spare=len(group)):
                 if self.running:
                     break
                 if manager.pins:  # nothing else runs: pins give way, as for a waiting request
@@ -169,12 +176,14 @@ class Scheduler(SharedStep):
                           preempted: list[Sequence], limit: int | None = None) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget, limit or budget)
         if num_new == 0:
-            return budget  # (the step's budget is spent: it runs next step; an entry of 0 tokens is no row)
+            # (the step's budget is spent: it runs next step; an entry of 0 tokens is no row)
+            return budget
         while not self.block_manager.allocate(seq, num_new):
             for victim in self._preempt(self._victim()):
                 budget += chosen.pop(victim, 0)
                 preempted.append(victim)
-            if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or with its request's others)
+            # preempted itself (or with its request's others)
+            if seq.status is not SequenceStatus.RUNNING:
                 return budget
         chosen[seq] = num_new
         return budget - num_new
@@ -300,7 +309,8 @@ class Scheduler(SharedStep):
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.num_unforked -= len(seq.unforked)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (else: a sample never forked)
+        # (else: a sample never forked)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)

@@ -53,29 +53,35 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
-    tenant: str = ""  # who sent it (the front's word: an API key's hash, a client address): steps are shared fairly
+    # who sent it (the front's word: an API key's hash, a client address): steps are shared fairly
+    tenant: str = ""
     priority: int = 0  # among its tenant's requests: lower runs first (vLLM's priority)
     last_step: int = -1  # the scheduler's step that last computed it (a tenant's rows take turns)
     arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None  # when first admitted to the running batch (queue time ends)
+    # when first admitted to the running batch (queue time ends)
+    first_scheduled_time: float | None = None
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full token blocks
+    # chained hashes of its full token blocks
+    block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # head blocks already entered in the prefix-cache hash map
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN entries of token_ids
-    awaiting_last_token: bool = False  # its pending token is its last (length limit): nothing more to compute
-    awaiting_beam_step: bool = False  # a beam whose next-token logits wait for its request's other beams
+    # its pending token is its last (length limit): nothing more to compute
+    awaiting_last_token: bool = False
+    # a beam whose next-token logits wait for its request's other beams
+    awaiting_beam_step: bool = False
     grammar: Any | None = None  # structured output: the llguidance matcher its tokens must satisfy
     index: int = 0  # its choice among the request's samples (OpenAI ``choices[i].index``)
     # parallel sampling: the request's other samples, waiting for this one's prompt; forked from it (sharing
     # every block) in the step that computes the prompt's last token, and sampled from the same logits
     unforked: list[Sequence] = field(default_factory=list)
-    host_blocks: list[int] = field(default_factory=list)  # while SWAPPED: its blocks in the host pool, in order
+    # while SWAPPED: its blocks in the host pool, in order
+    host_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -102,7 +108,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_finished(self) -> bool:  # per token per step: identity tests (an enum hash is a Python call);
+    # per token per step: identity tests (an enum hash is a Python call);
+    def is_finished(self) -> bool:
         # WAITING, RUNNING and SWAPPED are the only unfinished states
         status = self.status
         return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING \

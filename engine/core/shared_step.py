@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 class _TenantWork:
     """One tenant's runnable work in a shared step, and the seats it holds."""
 
-    runnable: list[Sequence] = field(default_factory=list)  # running, to decode or to prefill (a chunk)
+    # running, to decode or to prefill (a chunk)
+    runnable: list[Sequence] = field(default_factory=list)
     waiting: list[Sequence] = field(default_factory=list)
     seats: int = 0
 
@@ -45,7 +46,8 @@ def num_tokens_for_prefill(num_tenants: int, block_size: int) -> int:
     return num_tenants + block_size
 
 
-MAX_CREDIT_STEPS = 8  # a shared step may save up this many paces of time (for a dearer step with prefill)
+# a shared step may save up this many paces of time (for a dearer step with prefill)
+MAX_CREDIT_STEPS = 8
 
 
 class SharedStep:
@@ -96,7 +98,8 @@ class SharedStep:
         for entry in work.values():
             # decode rows first (a stream steps every time), those that waited longest first; then prefill chunks
             entry.runnable.sort(key=lambda seq: (seq.num_uncomputed_tokens > 1, seq.priority, seq.last_step))
-            entry.waiting.sort(key=lambda seq: seq.priority)  # (stable: arrival order within a priority)
+            # (stable: arrival order within a priority)
+            entry.waiting.sort(key=lambda seq: seq.priority)
         return work
 
     def _serve_tenant(self: Scheduler, work: _TenantWork, share: int, tokens: int, prefill: bool, seat_share: int,

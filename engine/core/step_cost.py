@@ -24,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALPHA = 0.2  # weight of a new observation in its bucket's average
-MIN_TOKEN_SECONDS = 1e-7  # a floor for b (a batch-size-free device would otherwise price tokens at zero)
+# a floor for b (a batch-size-free device would otherwise price tokens at zero)
+MIN_TOKEN_SECONDS = 1e-7
 
 
 @dataclass(slots=True, frozen=True)
 class StepPrices:
     fixed: float  # a: seconds a step costs whatever it computes
-    per_token: float  # b: seconds per token computed (a decode row, or one token of a prefill chunk)
+    # b: seconds per token computed (a decode row, or one token of a prefill chunk)
+    per_token: float
     prefill_fixed: float = 0.0  # p: seconds a step with any prefill costs beyond a decode-only one
 
     def one_token_step(self) -> float:
@@ -54,9 +56,11 @@ class _Bucket:
 class StepCostModel:
     def __init__(self) -> None:
         self._decode: dict[int, _Bucket] = {}  # decode-only steps
-        self._all: dict[int, _Bucket] = {}  # every step: a first line before decode-only steps vary in size
+        # every step: a first line before decode-only steps vary in size
+        self._all: dict[int, _Bucket] = {}
         self._prefill_fixed = 0.0
-        self._prices: StepPrices | None = None  # (refitted at each observation, read several times a step)
+        # (refitted at each observation, read several times a step)
+        self._prices: StepPrices | None = None
 
     def observe(self, num_tokens: int, seconds: float, prefill: bool = False) -> None:
         """One step: the tokens it computed (``prefill``: some of them a prompt's), and its wall time."""

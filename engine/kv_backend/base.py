@@ -16,7 +16,8 @@ from engine.worker.forward_context import AttentionMetadata
 
 
 class KVBackend(ABC):
-    contiguous: bool = False  # each sequence's KV contiguous in a request slot (no block table in the kernels)
+    # each sequence's KV contiguous in a request slot (no block table in the kernels)
+    contiguous: bool = False
     lookahead_tokens: int = 0  # a sequence is given the block it grows into this many tokens early
     scratch_slot: int = 0  # what padding rows of a CUDA graph read: always allocated memory
     block_size: int  # tokens per block, for the block manager

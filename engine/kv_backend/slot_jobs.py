@@ -15,7 +15,8 @@ class SlotJobs:
     def __init__(self, thread_name: str) -> None:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._latest: dict[int, Future] = {}  # slot -> its latest job
-        self._jobs: list[tuple[Future, Callable[..., Any], tuple]] = []  # every job not known done, in order
+        # every job not known done, in order
+        self._jobs: list[tuple[Future, Callable[..., Any], tuple]] = []
 
     @property
     def slots(self) -> set[int]:

@@ -31,7 +31,8 @@ class PageMapper(Protocol):
 
 class SlotPages:
     def __init__(self, num_slots: int, pages_per_slot: int, mapper: PageMapper) -> None:
-        self.mapped = np.full((num_slots, pages_per_slot), -1, dtype=np.int64)  # block id per page, -1 = none
+        # block id per page, -1 = none
+        self.mapped = np.full((num_slots, pages_per_slot), -1, dtype=np.int64)
         self.mapper = mapper
         self.num_maps = 0
         self.num_unmaps = 0

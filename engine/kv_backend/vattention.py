@@ -73,11 +73,14 @@ class VAttentionKV(KVBackend):
         # blocks (a new pool hands them out in id order) mapped at page 0. Past ``max_deferred`` free slots with
         # mappings, the oldest are unmapped off the engine thread; a slot is mapped again only after that.
         self.max_deferred = num_slots // 2
-        self._deferred: dict[int, None] = {}  # free slots whose pages are still mapped, oldest release first
+        # free slots whose pages are still mapped, oldest release first
+        self._deferred: dict[int, None] = {}
         self._first_page: dict[int, int] = {}  # block -> a free slot that maps it at page 0
-        self._claimed_stale: set[int] = set()  # slots given a new request this step, with a previous one's pages
+        # slots given a new request this step, with a previous one's pages
+        self._claimed_stale: set[int] = set()
         self.jobs = SlotJobs("vattention-vmm")  # the driver's work off the engine thread
-        self._ahead: dict[int, int] = {}  # slot -> first page whose background mapping may still be running
+        # slot -> first page whose background mapping may still be running
+        self._ahead: dict[int, int] = {}
 
     # memory -------------------------------------------------------------------------------------------
 
@@ -104,7 +107,8 @@ class VAttentionKV(KVBackend):
         self.pages = SlotPages(S, self.pages_per_slot, self)
         self.pages.apply(self.scratch_slot, [N], np.array([0]))
         self._map_ahead(min(N, self.max_deferred))
-        self.k_slots[:, self.scratch_slot, :self.block_size].zero_()  # padding rows read one (finite) token
+        # padding rows read one (finite) token
+        self.k_slots[:, self.scratch_slot, :self.block_size].zero_()
         self.v_slots[:, self.scratch_slot, :self.block_size].zero_()
         logger.info("vattention KV: %d blocks of %d tokens (%d pages of %d MiB each), %d slots x %d tokens, "
                     "set up in %.2f s", N, self.block_size, 2 * L, page >> 20, S - 1, self.max_len,
@@ -243,7 +247,8 @@ class VAttentionKV(KVBackend):
             self._wait_for_needed_ahead(rows, needed)
         have = self.pages.mapped[rows, :tables.shape[1]]
         wanted = np.arange(tables.shape[1])[None, :] < widths[:, None]
-        changed = np.flatnonzero((wanted & (have != tables)).any(axis=1))  # most steps: none (one numpy pass)
+        # most steps: none (one numpy pass)
+        changed = np.flatnonzero((wanted & (have != tables)).any(axis=1))
         plans = []
         waited = False
         for i in changed.tolist():

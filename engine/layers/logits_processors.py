@@ -24,7 +24,8 @@ def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def apply_logit_bias_(logits: torch.Tensor, batch: BatchParams) -> None:
     if batch.bias_rows.numel():
-        index = (batch.bias_rows, batch.bias_ids)  # each (row, id) at most once: no accumulation needed
+        # each (row, id) at most once: no accumulation needed
+        index = (batch.bias_rows, batch.bias_ids)
         logits.index_put_(index, logits[index] + batch.bias_values)
 
 
@@ -60,7 +61,8 @@ def apply_penalties_(logits: torch.Tensor, batch: BatchParams) -> None:
 
 def token_counts(padded: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, vocab] float counts of each token id in each row of `padded` (ids `vocab` are padding)."""
-    counts = torch.zeros(padded.shape[0], vocab + 1, device=padded.device)  # the padding's column is dropped
+    # the padding's column is dropped
+    counts = torch.zeros(padded.shape[0], vocab + 1, device=padded.device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
 

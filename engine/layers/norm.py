@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
         """``norm(x)`` over the last dim; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
         written into ``residual`` in place (it is the new residual stream). The norm is computed in float32
         whatever the model dtype, as the reference implementation does."""
-        if x.dtype == torch.float32 and lean_cpu(x):  # one op (the reference's arithmetic, bit for bit)
+        # one op (the reference's arithmetic, bit for bit)
+        if x.dtype == torch.float32 and lean_cpu(x):
             if residual is None:
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             torch.add(x, residual, out=residual)

@@ -29,12 +29,16 @@ from kernels.cpu_native import CpuKernels
 
 CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
 Q4_GROUP = 32
-Q4Q8_OUTPUTS = 16  # outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 or two AVX2 vectors)
-PACKED_OUTPUTS = 16  # outputs per group of PackedInt8Head's weights (kernels/cpu_quant_matmul.cpp, kInt8Outputs)
-_INNER_K_TILES = 2  # the int4 pack's k-tiling (2 or more lets the kernel read two 16-byte vectors at once)
+# outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 or two AVX2 vectors)
+Q4Q8_OUTPUTS = 16
+# outputs per group of PackedInt8Head's weights (kernels/cpu_quant_matmul.cpp, kInt8Outputs)
+PACKED_OUTPUTS = 16
+# the int4 pack's k-tiling (2 or more lets the kernel read two 16-byte vectors at once)
+_INNER_K_TILES = 2
 
 
-_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # (the overloads: no resolution per call)
+# (the overloads: no resolution per call)
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default
 
 
@@ -79,7 +83,8 @@ def q4q8_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     [N / 16, K / 32, 16] float16."""
     n, k = blocks.q.shape
     groups = k // Q4_GROUP
-    q = blocks.q.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups, 4, 2, 4)  # [block, output, group, vector, nibble, byte]
+    # [block, output, group, vector, nibble, byte]
+    q = blocks.q.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups, 4, 2, 4)
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups).permute(0, 2, 1).contiguous()

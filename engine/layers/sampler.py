@@ -48,15 +48,18 @@ _NEG_INF = float("-inf")
 class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw model distribution
-    rank: int  # 1 = most likely; ties share the worse rank (tokens at least as likely, itself included)
-    top: list[tuple[int, float]]  # params.logprobs most likely (token_id, logprob), most likely first
+    # 1 = most likely; ties share the worse rank (tokens at least as likely, itself included)
+    rank: int
+    # params.logprobs most likely (token_id, logprob), most likely first
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [rows] int64 on the logits' device; one sampled token per row
     num_logprobs: list[int | None]  # per row: params.logprobs (None = not asked)
-    logprob_table: torch.Tensor | None = None  # [rows asking, 3 + 2k] float64 on the device: see logprob_table
+    # [rows asking, 3 + 2k] float64 on the device: see logprob_table
+    logprob_table: torch.Tensor | None = None
 
     def logprobs(self) -> list[TokenLogprobs | None]:
         """Host read (syncs): per row, its TokenLogprobs or None where params.logprobs is None. Returns
@@ -85,10 +88,12 @@ class Sampler:
         t // 32 is set where token t may be sampled."""
         num_logprobs = [seq.params.logprobs for seq in seqs]
         if allowed is None and all(_is_plain_greedy(seq) for seq in seqs):
-            return SamplerOutput(logits.argmax(dim=-1), num_logprobs)  # the common decode step: one kernel
+            # the common decode step: one kernel
+            return SamplerOutput(logits.argmax(dim=-1), num_logprobs)
         vocab = logits.shape[-1]
         batch = BatchParams.build(seqs, eos_token_ids, vocab, logits.device)
-        work = logits.to(torch.float32, copy=True)  # changed in place below; the caller's logits are not
+        # changed in place below; the caller's logits are not
+        work = logits.to(torch.float32, copy=True)
         if allowed is not None:
             work.masked_fill_(~unpack_bitmask(allowed, vocab), _NEG_INF)
         raw = work.index_select(0, batch.logprob_rows).log_softmax(dim=-1) if batch.logprob_k is not None else None

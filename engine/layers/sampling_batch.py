@@ -26,7 +26,8 @@ class BatchParams:
     """The batch's parameters as device tensors. Rows are rows of the batch unless said otherwise."""
 
     vocab: int
-    logprob_k: int | None  # alternatives in the logprob table (most asked, at most vocab); None: none asked
+    # alternatives in the logprob table (most asked, at most vocab); None: none asked
+    logprob_k: int | None
     filters_top_k_top_p: bool  # some sampled row keeps fewer than all tokens by top-k or top-p
     filters_min_p: bool
     sampled_rows: torch.Tensor  # [S] rows that draw (not greedy)
@@ -42,7 +43,8 @@ class BatchParams:
     bias_rows: torch.Tensor  # logit_bias: bias_values[j] is added at (bias_rows[j], bias_ids[j])
     bias_ids: torch.Tensor
     bias_values: torch.Tensor
-    penalty_rows: torch.Tensor  # [P] rows with penalties; repetition, frequency, presence per penalty row
+    # [P] rows with penalties; repetition, frequency, presence per penalty row
+    penalty_rows: torch.Tensor
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor

@@ -166,14 +166,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = LlamaArgs.from_hf(hf_config)
         self.tp = parallel_state.current()
-        self.shard_args = self.args.sharded(self.tp.size)  # this rank's heads, kv heads, columns (its KV cache's)
+        # this rank's heads, kv heads, columns (its KV cache's)
+        self.shard_args = self.args.sharded(self.tp.size)
         self.model = LlamaModel(self.shard_args)
         if not self.args.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(self.args.hidden_size, self.model.embed_tokens.num_embeddings,
                                                 bias=False)
-        self.logits_weight: torch.Tensor | None = None  # a CPU-friendly layout of the output layer, if set
-        self.logits_head: nn.Module | None = None  # a quantized output layer (--cpu-weights), if set
-        self.cpu_decoder: LlamaCpuDecoder | None = None  # the lean pass over quantized layers, if set
+        # a CPU-friendly layout of the output layer, if set
+        self.logits_weight: torch.Tensor | None = None
+        # a quantized output layer (--cpu-weights), if set
+        self.logits_head: nn.Module | None = None
+        # the lean pass over quantized layers, if set
+        self.cpu_decoder: LlamaCpuDecoder | None = None
         # weights of the model as defined (quantized layers keep theirs in buffers of other sizes)
         self.num_parameters = sum(p.numel() for p in self.parameters())
 

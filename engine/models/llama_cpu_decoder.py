@@ -72,7 +72,8 @@ class LlamaCpuDecoder:
         # the projections' input type: float32 for the native Q4_1 x Q8 kernel, else bfloat16
         self.act_dtype = model.model.layers[0].self_attn.qkv_proj.input_dtype
         self.attention = [layer.self_attn.attn for layer in model.model.layers]
-        self.native_weights = self._native_weights(model) if native is not None else None  # (None: Python path)
+        # (None: Python path)
+        self.native_weights = self._native_weights(model) if native is not None else None
         # the step for the weights' layout: norms + 4 lists of Q4_1 x Q8 triples, or + 8 int4 pack/scale lists
         self.native_step = None if native is None or self.native_weights is None else (
             native.ops.decode_layers_q8 if len(self.native_weights) == 6 else native.ops.decode_layers)

@@ -54,8 +54,10 @@ class BeamSearch:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_generated: int = 0  # tokens each running beam has generated so far
-    running_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1))  # [live beams] float32
-    finished_scores: torch.Tensor = field(init=False)  # [width] float32, -1e9 where empty, best first
+    # [live beams] float32
+    running_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
+    # [width] float32, -1e9 where empty, best first
+    finished_scores: torch.Tensor = field(init=False)
     finished: list[Hypothesis | None] = field(init=False)
     improvement_possible: bool = True
     done: bool = False
@@ -65,7 +67,8 @@ class BeamSearch:
             raise ValueError("beam_width: must be >= 1")
         self.finished_scores = torch.full((self.width,), _NEG, dtype=torch.float32)
         self.finished = [None] * self.width
-        self.running_scores = torch.zeros(1, dtype=torch.float32)  # one beam (the prompt) to start from
+        # one beam (the prompt) to start from
+        self.running_scores = torch.zeros(1, dtype=torch.float32)
 
     @property
     def num_candidates(self) -> int:
@@ -146,7 +149,8 @@ class BeamGroup:
     search: BeamSearch
     beams: list[Sequence]
     num_live: int = 1  # the prompt's sequence, until the first step
-    collected: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
+    # seq_id -> next-token log-probs
+    collected: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def live(self) -> list[Sequence]:

@@ -86,7 +86,8 @@ class IncrementalDetokenizer:
         if not self._stop or len(self.text) == old_len:
             return None
         start = max(0, old_len - self._max_stop_len + 1)
-        best: tuple[int, int, str] | None = None  # (index, length, stop): earliest wins, then shortest
+        # (index, length, stop): earliest wins, then shortest
+        best: tuple[int, int, str] | None = None
         for stop in self._stop:
             index = self.text.find(stop, start)
             if index != -1 and (best is None or (index, len(stop)) < best[:2]):

@@ -91,7 +91,8 @@ class _Worker:
             assert self._conn is not None
             self._conn.send(spec)
             answered = await asyncio.to_thread(self._conn.poll, timeout_s)
-        except BaseException:  # (cancelled: the client left; its answer must not reach the next compile)
+        # (cancelled: the client left; its answer must not reach the next compile)
+        except BaseException:
             self.stop()
             raise
         if not answered:
@@ -99,7 +100,8 @@ class _Worker:
             raise ValueError(f"response_format: the schema did not compile within {timeout_s:.0f} s; simplify it")
         try:
             kind, value, rss = self._conn.recv()
-        except (EOFError, OSError):  # the worker died: its heap limit (an allocation the grammar library aborts on)
+        # the worker died: its heap limit (an allocation the grammar library aborts on)
+        except (EOFError, OSError):
             self.stop()
             raise ValueError(_OUT_OF_MEMORY) from None
         if rss > recycle_bytes:

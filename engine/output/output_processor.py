@@ -35,7 +35,8 @@ class SampleState:
     request: _RequestState
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[TokenLogprobs] | None  # handed out: only where the request asked for logprobs
-    token_ids: list[int] = field(default_factory=list)  # output ids so far (RequestOutputs view this list)
+    # output ids so far (RequestOutputs view this list)
+    token_ids: list[int] = field(default_factory=list)
     text: str = ""
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
@@ -165,7 +166,8 @@ class OutputProcessor:
         text_ids = ids
         if finish_reason == "stop" and ids and not (stop_token is not None and params.include_stop_str_in_output):
             text_ids = ids[:-1]
-        for i, token_id in enumerate(text_ids):  # one at a time: a stop string may end the output mid-delta
+        # one at a time: a stop string may end the output mid-delta
+        for i, token_id in enumerate(text_ids):
             if (matched := detok.update([token_id])) is not None:
                 return i + 1, matched
         return len(ids), None

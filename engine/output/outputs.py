@@ -18,12 +18,15 @@ class SampleDelta(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     index: int  # which sample of the request (n > 1, best_of, beam hypotheses)
     token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # per new token, where the sample's params ask for them
-    finish_reason: str | None = None  # stop (EOS, stop token) | length | abort | error; None while running
+    # per new token, where the sample's params ask for them
+    logprobs: list[TokenLogprobs] | None = None
+    # stop (EOS, stop token) | length | abort | error; None while running
+    finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     queue_time: float | None = None  # seconds from arrival to first scheduling
-    cumulative_logprob: float | None = None  # a beam hypothesis' score (sampled requests sum their logprobs)
+    # a beam hypothesis' score (sampled requests sum their logprobs)
+    cumulative_logprob: float | None = None
     error: str | None = None  # finish_reason "error": what went wrong with this sample
 
 
@@ -58,12 +61,16 @@ class RequestOutput:
     stop_reason: int | str | None  # the stop token id or stop string, when one ended the request
     num_prompt_tokens: int
     num_cached_tokens: int
-    queue_time: float | None = None  # seconds from arrival to first scheduling; None while still queued
-    error: str | None = None  # finish_reason "error": what went wrong with this request (the others run on)
+    # seconds from arrival to first scheduling; None while still queued
+    queue_time: float | None = None
+    # finish_reason "error": what went wrong with this request (the others run on)
+    error: str | None = None
     index: int = 0  # which of the request's samples (n > 1 or best_of): OpenAI's choices[i].index
-    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, where they were computed
+    # sum of the sampled tokens' logprobs, where they were computed
+    cumulative_logprob: float | None = None
     num_output_tokens: int = 0
-    _tokens: list[int] = field(default_factory=list, repr=False)  # the sample's output token ids (a live list)
+    # the sample's output token ids (a live list)
+    _tokens: list[int] = field(default_factory=list, repr=False)
     _hashes: Callable[[], list[str]] | None = field(default=None, repr=False)  # on final outputs
 
     @property

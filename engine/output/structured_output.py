@@ -29,7 +29,8 @@ from engine.core.sequence import Sequence
 
 _OBJECT_SCHEMA = '{"type": "object"}'
 CHECK_STEPS = 4  # grammar steps tried before a request is admitted
-MASK_BUDGET_S = 0.25  # a grammar whose next-token mask takes longer would stall every stream of the step
+# a grammar whose next-token mask takes longer would stall every stream of the step
+MASK_BUDGET_S = 0.25
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -61,7 +61,8 @@ class DecodeGraphs:
         start = time.perf_counter()
         for size in tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", leave=False):
             prepare_inputs(size)
-            decode_pass(size)  # warm-up outside the graph: Triton compiles, lazy buffers get allocated
+            # warm-up outside the graph: Triton compiles, lazy buffers get allocated
+            decode_pass(size)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -94,7 +95,8 @@ class DecodeGraphRunner:
         self.graphs: DecodeGraphs | None = None
         self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded size
         self.inputs: StepInputs | None = None
-        self.tables = torch.empty(0, dtype=torch.int32)  # [largest size, table width]: the static table rows
+        # [largest size, table width]: the static table rows
+        self.tables = torch.empty(0, dtype=torch.int32)
         self.logits = torch.empty(0)  # [largest size, vocab]: what a padded pass writes
 
     @property

@@ -53,13 +53,15 @@ def dummy_weights(hf_config: Any, seed: int, device: torch.device | str = "cpu"
     transformers implementation can be loaded with them for comparison."""
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    if not isinstance(hf_config, PretrainedConfig):  # a model directory's config.json, read as a namespace
+    # a model directory's config.json, read as a namespace
+    if not isinstance(hf_config, PretrainedConfig):
         fields = dict(vars(hf_config))
         hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)  # the embedding itself; a second tensor would overwrite it
+        # the embedding itself; a second tensor would overwrite it
+        shapes.pop("lm_head.weight", None)
     for name, shape in shapes.items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         tensor = torch.empty(shape, dtype=torch.float32, device=device)

@@ -14,17 +14,20 @@ class AttentionMetadata:
     """Per pass. Tokens are laid out sequence by sequence; the first ``num_decodes`` sequences contribute
     one token each (decode-shaped), the rest a chunk of prompt (prefill, possibly after a cached prefix)."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: slot = block_id * block_size + offset; -1 = padding
+    # [num_tokens] int64: slot = block_id * block_size + offset; -1 = padding
+    slot_mapping: torch.Tensor
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, rows padded with 0
     context_lens: torch.Tensor  # [num_seqs] int32: tokens with KV after this pass (prefix + chunk)
     num_decodes: int  # decode tokens are rows 0 .. num_decodes - 1
-    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, from row num_decodes: prefill b owns
+    # [num_prefills + 1] int32, from row num_decodes: prefill b owns
+    prefill_cu_seqlens_q: torch.Tensor
     #                                     rows num_decodes + cu[b] .. num_decodes + cu[b + 1] - 1
     # contiguous KV backend (vAttention): [num_seqs] int32 request slot of each sequence (its KV at
     # k[slot, position]); then block_tables is the same ids as a [num_seqs, 1] column and slot_mapping is
     # slot * max_len + position. None for the paged backend.
     slot_ids: torch.Tensor | None = None
-    max_context_len: int = 0  # host-known bound of context_lens (contiguous decode sizes split-K from it)
+    # host-known bound of context_lens (contiguous decode sizes split-K from it)
+    max_context_len: int = 0
     # values derived from the above once per pass and shared by every layer (the lean CPU path, kernels/cpu.py)
     memo: dict[str, Any] = field(default_factory=dict)
 

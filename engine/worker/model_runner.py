@@ -52,7 +52,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampling = StepSampler(config, workers is not None)
         self.k_caches = torch.empty(0)
-        self.host_k_caches = self.host_v_caches = torch.empty(0)  # swap space, when preemption may swap
+        # swap space, when preemption may swap
+        self.host_k_caches = self.host_v_caches = torch.empty(0)
         self.num_parameters = model.num_parameters  # (recompute cost estimates)
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
@@ -225,7 +226,8 @@ class ModelRunner:
         prepared = time.perf_counter()
         if pad is not None:
             logits = self.decode_graphs.run(step, pad, len(batch.seqs))
-            if num_rows != len(batch.seqs) or batch.forks:  # (some rows not sampled, or sampled twice)
+            # (some rows not sampled, or sampled twice)
+            if num_rows != len(batch.seqs) or batch.forks:
                 logits = logits[step.sample_rows]
         else:
             hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)

@@ -95,7 +95,8 @@ def ensure_default_model(cache_dir: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{_DEFAULT_DIR_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (parallel test workers, replicas)
+        # one converter at a time (parallel test workers, replicas)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "model.safetensors").is_file():
             _convert_gguf(_default_gguf_file(), target)
         if not (target / Q4_FILE).is_file():  # (a cache converted before q4 existed)
@@ -138,7 +139,8 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
         model.generation_config.save_pretrained(tmp)
         try:
             blocks = read_gguf_q4(gguf_file)  # the file's own 4-bit blocks (--cpu-weights q4)
-        except ValueError:  # not a Llama GGUF: no q4 blocks of its own (--cpu-weights rounds others)
+        # not a Llama GGUF: no q4 blocks of its own (--cpu-weights rounds others)
+        except ValueError:
             blocks = {}
         if blocks:
             save_q4(blocks, tmp / Q4_FILE)

@@ -289,7 +289,8 @@ def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(out: torch.Tensor, x: torch.Tensor) -> None:
-    gather = getattr(dist, "all_gather_single", None)  # (its newer name; all_gather_into_tensor before)
+    # (its newer name; all_gather_into_tensor before)
+    gather = getattr(dist, "all_gather_single", None)
     if gather is not None:
         gather(out, x)
     else:

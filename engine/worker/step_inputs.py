@@ -102,12 +102,14 @@ class StepInputs:
                  max_blocks_per_seq: int, kv: KVBackend) -> None:
         self.device = device
         self.kv = kv
-        self._cooling: deque[tuple[int, torch.cuda.Event | None]] = deque()  # (row, last step that may read it)
+        # (row, last step that may read it)
+        self._cooling: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._launched: torch.cuda.Event | None = None
         self.rows = np.zeros(0, dtype=np.int64)  # the latest step's table rows, one per sequence
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
-        self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)  # persistent, one row per seq
+        # persistent, one row per seq
+        self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
         self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
         self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
         capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
@@ -116,9 +118,11 @@ class StepInputs:
         # the inputs' home on the device (its head doubles as the CUDA graphs' static inputs)
         self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
         self._turn = 0
-        self.layout: StepLayout | None = None  # the latest step's, with ``packed``: its used host buffer
+        # the latest step's, with ``packed``: its used host buffer
+        self.layout: StepLayout | None = None
         self.packed = self._staging[0][:0]
-        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)  # (unpack's staging reuse)
+        # (unpack's staging reuse)
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
 
     # block-table rows ---------------------------------------------------------------------------------
 
@@ -167,7 +171,8 @@ class StepInputs:
         row, synced = entry
         table = seq.block_table
         n = len(table)
-        start = max(0, min(synced, n) - 1)  # re-copy the last synced entry: copy-on-write may have replaced it
+        # re-copy the last synced entry: copy-on-write may have replaced it
+        start = max(0, min(synced, n) - 1)
         if n - start == 1:
             self.table[row, start] = table[start]
         elif n > start:
@@ -237,7 +242,8 @@ class StepInputs:
             flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes)))
         ids_v[:num_tokens] = v.ids
         feed_v.fill(-1)
-        for i, seq in enumerate(batch.seqs[:batch.num_decodes]):  # a pending token is always a decode row's input
+        # a pending token is always a decode row's input
+        for i, seq in enumerate(batch.seqs[:batch.num_decodes]):
             if v.ids[i] == PENDING_TOKEN:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends

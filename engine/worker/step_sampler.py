@@ -25,12 +25,16 @@ class LaunchedStep:
 
     seqs: list[Sequence]  # the sampled sequences, in row order
     sampled: SamplerOutput | None  # None when no entry of the step reached its end
-    host_ids: torch.Tensor  # [rows] the sampled ids' host copy (pinned on CUDA), valid after ``event``
+    # [rows] the sampled ids' host copy (pinned on CUDA), valid after ``event``
+    host_ids: torch.Tensor
     event: torch.cuda.Event | None
     prepare_seconds: float  # host time packing inputs (the rest of execute() is launch time)
-    pending_indices: list[int] = field(default_factory=list)  # where each sequence holds its pending token
-    failures: dict[int, str] = field(default_factory=dict)  # row -> why its request failed (token is void)
-    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> log_softmax [vocab] (beams)
+    # where each sequence holds its pending token
+    pending_indices: list[int] = field(default_factory=list)
+    # row -> why its request failed (token is void)
+    failures: dict[int, str] = field(default_factory=dict)
+    # row -> log_softmax [vocab] (beams)
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def feed_rows(self) -> dict[int, int]:
         """seq_id -> row of its sampled id, for the next step's inputs."""
@@ -63,18 +67,21 @@ class StepSampler:
             return LaunchedStep([], None, self._host_ids[0][:0], None, prepare_seconds)
         beam_rows = [i for i, seq in enumerate(seqs) if seq.params.use_beam_search]
         beam_logprobs = {}
-        if beam_rows:  # float32 like transformers' beam search; the sampled token of these rows is not used
+        # float32 like transformers' beam search; the sampled token of these rows is not used
+        if beam_rows:
             log_probs = torch.log_softmax(logits[beam_rows].float(), dim=-1)
             beam_logprobs = dict(zip(beam_rows, log_probs))
         sampled, failures = self._sample_rows(logits, seqs)
         rows = len(seqs)
-        self.last_sampled[:rows].copy_(sampled.token_ids)  # the next step's pending inputs, read on the device
+        # the next step's pending inputs, read on the device
+        self.last_sampled[:rows].copy_(sampled.token_ids)
         if rows and self.broadcast:
             parallel_state.broadcast_from_driver(self.last_sampled[:rows])
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
                                 beam_logprobs=beam_logprobs)
-        host = self._host_ids[self._turn % 2][:rows]  # two buffers: the host may still read the previous one
+        # two buffers: the host may still read the previous one
+        host = self._host_ids[self._turn % 2][:rows]
         self._turn += 1
         host.copy_(sampled.token_ids, non_blocking=True)
         event = torch.cuda.Event()
@@ -87,7 +94,8 @@ class StepSampler:
         ends with an error) and the batch is sampled again with a plain greedy stand-in for it."""
         mask, failures = token_masks(seqs, logits.shape[-1])
         if mask is not None and self.device.type == "cuda":
-            mask = mask.pin_memory().to(self.device, non_blocking=True)  # from pageable memory it would sync
+            # from pageable memory it would sync
+            mask = mask.pin_memory().to(self.device, non_blocking=True)
         eos = self.eos_token_ids
         try:
             return self.sampler(logits, seqs, eos, mask), failures

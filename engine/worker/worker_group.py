@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0  # a rank loading its shard of a large model from a slow disk
 _LEAVE_TIMEOUT_S = 30.0  # leaving the process group at shutdown, before giving up on it
-_DEATH_GRACE_S = 10.0  # CUDA: how long rank 0's own collective may take to fail before the watcher ends it
+# CUDA: how long rank 0's own collective may take to fail before the watcher ends it
+_DEATH_GRACE_S = 10.0
 
 
 # rank 0 -> the other ranks -------------------------------------------------------------------------------
@@ -115,7 +116,8 @@ class WorkerSpec:
     commands: str  # its ZeroMQ address for rank 0's commands
     replies: str  # rank 0's address for replies
     log_level: int
-    all_reduce: str  # the group's all-reduce path, decided by rank 0 (every rank must take the same)
+    # the group's all-reduce path, decided by rank 0 (every rank must take the same)
+    all_reduce: str
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -191,7 +193,8 @@ class WorkerGroup:
             if payload is None:
                 socket.send(frame)
             else:
-                socket.send_multipart([frame, payload])  # (copied: the buffer is reused two steps later)
+                # (copied: the buffer is reused two steps later)
+                socket.send_multipart([frame, payload])
 
     def gather(self, command: Any) -> list[Any]:
         """Send ``command`` and return the workers' replies, by rank (1 .. N-1)."""
@@ -275,7 +278,8 @@ def run_worker(spec: WorkerSpec) -> None:
     name_process(f"pagedchat-tp{spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1)  # (kill -USR1: every thread's stack on stderr, for a rank that seems stuck)
+    # (kill -USR1: every thread's stack on stderr, for a rank that seems stuck)
+    faulthandler.register(signal.SIGUSR1)
     configure_logging(logging.getLevelName(spec.log_level), "text", f"tp rank {spec.rank}")
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
@@ -286,7 +290,8 @@ def run_worker(spec: WorkerSpec) -> None:
         device = rank_device(spec.config, spec.rank)
         parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S,
                                             spec.all_reduce)
-        config = spec.config  # (its device stays "cuda": the current device, this rank's, set by the group)
+        # (its device stays "cuda": the current device, this rank's, set by the group)
+        config = spec.config
         parallel_state.set_rank_threads(config.num_threads, spec.size, device)
         torch.manual_seed(config.seed)
         model, _ = load_model(config)
@@ -323,7 +328,8 @@ def _serve(runner: Any, commands: zmq.Socket, replies: zmq.Socket, rank: int) ->
             elif isinstance(command, MemoryInfo):
                 replies.send(pickle.dumps(Reply(rank, torch.cuda.mem_get_info(runner.device))))
             elif isinstance(command, Stop):
-                runner.release_graphs()  # (before the group goes: their captured collectives hold its communicator)
+                # (before the group goes: their captured collectives hold its communicator)
+                runner.release_graphs()
                 return
             else:
                 raise RuntimeError(f"unknown command {type(command).__name__}")

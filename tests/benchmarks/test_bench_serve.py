@@ -56,7 +56,8 @@ def test_engine_requests_outlast_the_prefill_and_the_timed_steps():
 def test_compare_offline_sends_c_requests_from_client_processes():
     args = parse_args(["--compare-offline", "--concurrency", "8", "--endpoint", "completions"])
     assert args.num_prompts == 8 and args.client_processes >= 1 and args.engine_steps == 40
-    assert parse_args(["--concurrency", "8"]).client_processes == 1  # the in-process client by default
+    # the in-process client by default
+    assert parse_args(["--concurrency", "8"]).client_processes == 1
 
 
 @pytest.mark.parametrize("extra", [
@@ -129,7 +130,8 @@ def test_the_steady_window_runs_from_the_last_first_token_to_the_first_last_toke
     assert steady_window([FAST, SLOW]) == (1.2, 1.4)
     # in (1.2, 1.4]: 1.3 and 1.4 of the fast one, 1.4 of the slow one (its 1.2 came from the prefill)
     assert tokens_between([FAST, SLOW], 1.2, 1.4) == 3
-    assert steady_window([_stream([1.0, 1.1], 1.1), _stream([1.5, 1.6], 1.6)]) is None  # never all streaming
+    # never all streaming
+    assert steady_window([_stream([1.0, 1.1], 1.1), _stream([1.5, 1.6], 1.6)]) is None
 
 
 def test_comparison_against_the_engine_step():

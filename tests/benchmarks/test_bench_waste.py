@@ -138,7 +138,8 @@ def test_a_head_that_does_not_fit_blocks_smaller_requests_behind_it():
     first, big, small = request(0, 40, 20), request(1, 100, 20), request(2, 5, 5)
     submit(scheduler, [first, big, small])
     step(scheduler)
-    assert scheduler.running == [first] and list(scheduler.waiting) == [big, small]  # FCFS, as the engine's
+    # FCFS, as the engine's
+    assert scheduler.running == [first] and list(scheduler.waiting) == [big, small]
 
 
 def test_blocks_taken_never_exceed_the_reservation():

@@ -89,7 +89,8 @@ def test_redis_is_redis_7_with_append_only_file_on_a_named_volume(compose: dict)
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     mounts = dict(volume.split(":")[:2] for volume in redis["volumes"])
-    assert mounts.get("redis-data") == "/data"  # the official image's working directory, where the AOF lives
+    # the official image's working directory, where the AOF lives
+    assert mounts.get("redis-data") == "/data"
     assert "redis-data" in compose["volumes"]
 
 
@@ -125,7 +126,8 @@ def test_app_publishes_the_port_it_serves(compose: dict) -> None:
     app = compose["services"]["app"]
     port = app["command"][app["command"].index("--port") + 1]
     published = [interpolate(p, {}) for p in app["ports"]]
-    assert published == [f"127.0.0.1:8000:{port}"]  # this machine only, unless the operator chooses otherwise
+    # this machine only, unless the operator chooses otherwise
+    assert published == [f"127.0.0.1:8000:{port}"]
     assert interpolate(app["ports"][0], {"PAGEDCHAT_PORT": "9000", "PAGEDCHAT_BIND": "0.0.0.0"}) == \
         f"0.0.0.0:9000:{port}"
 
@@ -206,8 +208,10 @@ def test_gpu_profile_runs_the_cuda_image_with_a_gpu_reserved(compose: dict) -> N
     assert gpu["image"] != compose["services"]["app"]["image"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] and device.get("driver") == "nvidia" for device in devices)
-    published = {interpolate(p, {}).split(":")[1] for p in gpu["ports"]}  # (address:host port:container port)
-    assert published and "8000" not in published  # `--profile gpu up` also starts the CPU app, which has 8000
+    # (address:host port:container port)
+    published = {interpolate(p, {}).split(":")[1] for p in gpu["ports"]}
+    # `--profile gpu up` also starts the CPU app, which has 8000
+    assert published and "8000" not in published
 
 
 def test_scale_profile_puts_nginx_in_front_of_the_replicas(compose: dict) -> None:

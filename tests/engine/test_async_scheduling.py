@@ -84,7 +84,8 @@ def test_abort_while_a_step_is_in_flight_frees_everything(prompt_ids):
     while engine.has_unfinished_requests():
         for out in engine.step():
             seen[out.request_id].append(out)
-    assert seen["dropped"] and not any(o.finished for o in seen["dropped"])  # nothing after the abort
+    # nothing after the abort
+    assert seen["dropped"] and not any(o.finished for o in seen["dropped"])
     kept = seen["kept"][-1]
     assert kept.finished and len(kept.token_ids) == 12
     _, (reference,) = run([prompt_ids[0]], params, async_scheduling=False)

@@ -135,7 +135,8 @@ def test_prefix_hit_stops_at_first_miss() -> None:
     bm = make_bm(8)
     run_prompt(bm, make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert hit_count(bm, [1, 2, 3, 4, 0, 6, 7, 8, 9]) == 1
-    assert hit_count(bm, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # block 1 alone never hits: it is chained
+    # block 1 alone never hits: it is chained
+    assert hit_count(bm, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
 
 
 def test_cache_salt_isolates_prefixes() -> None:
@@ -249,7 +250,8 @@ def test_pinned_blocks_survive_eviction_pressure_until_unpinned() -> None:
     check_pool(bm, [])
     assert bm.num_free_blocks == 2 and bm.stats().num_pinned_blocks == 2
     assert bm.stats().usage == 0.0  # pins alone are not requests' usage
-    other = make_seq(1, list(range(100, 108)))  # takes both free blocks; the pinned ones are untouchable
+    # takes both free blocks; the pinned ones are untouchable
+    other = make_seq(1, list(range(100, 108)))
     run_prompt(bm, other)
     assert set(other.block_table).isdisjoint({head, second})
     assert not bm.allocate(make_seq(2, [7]), 1)  # nothing left to evict
@@ -261,7 +263,8 @@ def test_pinned_blocks_survive_eviction_pressure_until_unpinned() -> None:
     bm.free(session)
     bm.unpin("preset:a")
     check_pool(bm, [])
-    assert bm.num_free_blocks == 4 and hit_count(bm, list(range(9))) == 2  # unpinned: cached, evictable
+    # unpinned: cached, evictable
+    assert bm.num_free_blocks == 4 and hit_count(bm, list(range(9))) == 2
 
 
 def test_pins_are_capped_and_stop_at_the_first_uncached_block() -> None:
@@ -274,7 +277,8 @@ def test_pins_are_capped_and_stop_at_the_first_uncached_block() -> None:
     assert bm.pin("b", chain[:1], max_pinned_blocks=3) == 0  # the cap counts every pin
     assert bm.pin("a", chain[:1], max_pinned_blocks=3) == 1  # re-pinning replaces a pin
     check_pool(bm, [running])
-    assert bm.pool.blocks[running.block_table[0]].ref_count == 2  # the sequence's reference and the pin's
+    # the sequence's reference and the pin's
+    assert bm.pool.blocks[running.block_table[0]].ref_count == 2
 
 
 # ---------------------------------------------------------------- allocation
@@ -352,7 +356,8 @@ def test_lookahead_takes_the_next_block_early_only_from_spare_blocks() -> None:
     assert len(other.block_table) == 2  # 7 of 8 free > 8 // 8 spare: one block ahead
     hog = make_seq(2, list(range(200, 220)))
     assert tight.allocate(hog, 20, tight.match_prefix(hog))
-    assert len(hog.block_table) == 5  # 1 block left free, not more than the spare: nothing taken early
+    # 1 block left free, not more than the spare: nothing taken early
+    assert len(hog.block_table) == 5
     third = make_seq(3, list(range(300, 302)))
     assert tight.allocate(third, 2, tight.match_prefix(third))
     assert len(third.block_table) == 1 and tight.num_free_blocks == 0
@@ -371,7 +376,8 @@ def test_copy_on_write_on_first_write_into_shared_block() -> None:
     assert bm.pool.blocks[full].ref_count == bm.pool.blocks[partial].ref_count == 2
     assert bm.take_pending_copies() == []
 
-    assert bm.allocate(parent, 1)  # token 6 goes into the shared partial block: parent gets its own copy
+    # token 6 goes into the shared partial block: parent gets its own copy
+    assert bm.allocate(parent, 1)
     (copy,) = bm.take_pending_copies()
     own = parent.block_table[1]
     assert copy == (partial, own) and own not in (full, partial)
@@ -435,7 +441,8 @@ def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
     assert len(admit(bm, b, num_new=1)) == 2  # hits 8 tokens, allocates a block for token 8
     s = bm.stats()
     assert (s.prefix_queries, s.prefix_hits) == (20, 8)
-    assert (s.allocated_slots, s.used_slots) == (16, 10)  # shared blocks count once; b's new block is empty
+    # shared blocks count once; b's new block is empty
+    assert (s.allocated_slots, s.used_slots) == (16, 10)
     compute(bm, b, 1)
     assert bm.stats().used_slots == 11
 
@@ -443,7 +450,8 @@ def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
     bm.free(b)
     s = bm.stats()
     assert (s.num_free_blocks, s.usage, s.allocated_slots, s.used_slots, s.evictions) == (8, 0.0, 0, 0, 0)
-    everything = make_seq(2, list(range(100, 132)))  # needs all 8 blocks: both cached ones are evicted
+    # needs all 8 blocks: both cached ones are evicted
+    everything = make_seq(2, list(range(100, 132)))
     assert not bm.match_prefix(everything)
     admit(bm, everything)
     s = bm.stats()
@@ -472,7 +480,8 @@ def test_host_hit_survives_the_store_its_own_restore_triggers() -> None:
     c = make_seq(2, [1, 2, 3, 4, 9])
     (hit,) = bm.match_prefix(c)
     assert isinstance(hit, HostHit)
-    assert bm.allocate(c, 1, [hit])  # the restore's fresh block evicts one of b's: its store needs a slot
+    # the restore's fresh block evicts one of b's: its store needs a slot
+    assert bm.allocate(c, 1, [hit])
     outs, ins = bm.take_pending_swaps()
     assert ins == [(hit.slot, c.block_table[0])]
     assert all(slot != hit.slot for _, slot in outs), "the restored slot was overwritten in the same step"
@@ -525,7 +534,8 @@ class Step:
 
 
 STEPS = st.builds(Step, resume=st.booleans(), running=CHOICES, waiting=CHOICES,
-                  preempt=st.one_of(st.none(), st.none(), st.none(), PICK),  # a victim in about 1 step of 4
+                  # a victim in about 1 step of 4
+                  preempt=st.one_of(st.none(), st.none(), st.none(), PICK),
                   swap=st.booleans(),
                   sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
 
@@ -549,10 +559,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.seqs: dict[int, Sequence] = {}  # live: waiting (empty table), running or swapped out
-        self.swapped: list[int] = []  # ids of swapped-out sequences (empty table, host blocks), in order
+        # ids of swapped-out sequences (empty table, host blocks), in order
+        self.swapped: list[int] = []
         self.pending: dict[int, int] = {}  # seq id -> tokens allocated for the coming forward pass
-        self.admitted: set[int] = set()  # ids admitted in the current step (never a victim: admission is last)
-        self.history: list[tuple[list[int], str | None]] = []  # tokens of sequences gone (finished, aborted)
+        # ids admitted in the current step (never a victim: admission is last)
+        self.admitted: set[int] = set()
+        # tokens of sequences gone (finished, aborted)
+        self.history: list[tuple[list[int], str | None]] = []
         self.next_id = 0
         self.queries = self.hits = self.evictions = self.host_hits = self.host_stores = 0
 
@@ -645,7 +658,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             event("allocation refused")
             assert snapshot(bm, list(self.seqs.values())) == before, "a failed allocation changed state"
             return False
-        offset = len(table) - len(hits)  # (hits follow the blocks seq already held: none on admission)
+        # (hits follow the blocks seq already held: none on admission)
+        offset = len(table) - len(hits)
         assert seq.num_computed_tokens == computed
         kept = [b for i, b in enumerate(seq.block_table[: len(table)]) if not (copies and i == first)]
         assert [b if table[i] is not None else None for i, b in enumerate(kept)] \
@@ -694,7 +708,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         commit; sample a token at the end (or finish, at MAX_TOKENS)."""
         outs, ins = self.bm.take_pending_swaps()
         copies = self.bm.take_pending_copies()
-        for pairs in (outs, copies, ins):  # one batched copy each: a duplicate destination has no defined winner
+        # one batched copy each: a duplicate destination has no defined winner
+        for pairs in (outs, copies, ins):
             assert len({dst for _, dst in pairs}) == len(pairs), f"duplicate copy destination in {pairs}"
         num_swap = self.bm.host.num_blocks
         self.host_stores += sum(1 for _, slot in outs if slot >= num_swap)
@@ -712,7 +727,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for (seq, _), token in zip(batch, sampled):
             if seq.num_uncomputed_tokens == 0 and seq.num_tokens < MAX_TOKENS:
                 seq.append_token(token)
-            elif seq.num_uncomputed_tokens == 0:  # finished by length: its blocks stay cached until reused
+            # finished by length: its blocks stay cached until reused
+            elif seq.num_uncomputed_tokens == 0:
                 self.bm.free(seq)
                 self.forget(seq)
         self.pending = {}
@@ -744,7 +760,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         event("swap out")
 
     def engine_step(self, step: Step) -> None:
-        if step.resume and self.swapped:  # swapped sequences come back in order, then run with the others
+        # swapped sequences come back in order, then run with the others
+        if step.resume and self.swapped:
             self.swap_in_seq(self.seqs[self.swapped[0]])
         for pick, size in step.running:
             if candidates := self.steppable():
@@ -753,7 +770,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pick, size in step.waiting:
             if candidates := self.waiting():
                 self.admit(candidates[pick % len(candidates)], size)
-        if step.preempt is not None and self.pending:  # a victim preempted after its allocation in this step
+        # a victim preempted after its allocation in this step
+        if step.preempt is not None and self.pending:
             victim = self.seqs[list(self.pending)[step.preempt % len(self.pending)]]
             del self.pending[victim.seq_id]
             # the scheduler preempts only while scheduling running (or swapped-in) sequences, before admissions
@@ -782,7 +800,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A conversation comes back: an earlier sequence's tokens (prompt and output), maybe more after them,
         long evicted from the device perhaps, but still in the host tier."""
         hc = self.bm.host_cache
-        offloaded = [self.ref.origin[h] for h in hc.entries] if hc is not None else []  # (salt, token prefix)
+        # (salt, token prefix)
+        offloaded = [self.ref.origin[h] for h in hc.entries] if hc is not None else []
         returning = self.history + [(list(tokens), salt) for salt, tokens in offloaded]
         if returning and len(self.seqs) < MAX_SEQS:
             tokens, salt = returning[pick % len(returning)]

@@ -41,7 +41,8 @@ class SlotKV:
                  interleaved: bool = False) -> None:
         gen = torch.Generator().manual_seed(seed)
         num_slots, max_len = len(lengths) + 3, max(lengths) + 21
-        self.kv = torch.randn(num_slots, max_len, 2, kv_heads, head_dim, generator=gen)  # stale data, never zeros
+        # stale data, never zeros
+        self.kv = torch.randn(num_slots, max_len, 2, kv_heads, head_dim, generator=gen)
         self.slot_ids = torch.randperm(num_slots, generator=gen)[: len(lengths)].to(torch.int32)
         self.context_lens = torch.tensor(lengths, dtype=torch.int32)
         self.used = torch.zeros(num_slots, max_len, dtype=torch.bool)

@@ -49,7 +49,8 @@ NEW_TOKENS = 64
 #   torch's int4 kernel, bfloat16 activations, where the CPU lacks AVX-512 VNNI: 16/16, 0.57, 0.12)
 # Floors leave room for other CPUs' kernels (a greedy prefix parts at the first near-tie); broken weights
 # (wrong rows, nibbles or scales) give different first tokens and logits off by whole units.
-FLOORS = {  # mode: (min first tokens equal, min mean identical-prefix share, max mean |logit diff| at step 1)
+# mode: (min first tokens equal, min mean identical-prefix share, max mean |logit diff| at step 1)
+FLOORS = {
     "bfloat16": (14, 0.25, 0.15),
     "int8": (14, 0.15, 0.6),
     "q4": (14, 0.15, 0.3),
@@ -212,7 +213,8 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
     gate, up); the logits head is int8 per channel."""
     model = engine("q4").engine.model
     native = cpu_native.load(Path(EngineConfig().cache_dir) / "native")
-    expect_q4q8 = native is not None and native.has_q4q8  # the native Q4_1 x Q8 kernel on x86 with AVX2 or more
+    # the native Q4_1 x Q8 kernel on x86 with AVX2 or more
+    expect_q4q8 = native is not None and native.has_q4q8
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         expected = {
@@ -224,7 +226,8 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
         for module, names in expected.items():
             assert isinstance(module, Q4Linear) and (module.q4q8 is not None) == expect_q4q8
             blocks = Q4Blocks.cat([gguf_blocks[name] for name in names])
-            if module.q4q8 is not None:  # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
+            # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
+            if module.q4q8 is not None:
                 codes, d, m = unpack_q4q8(*module.q4q8)
                 assert torch.equal(codes, blocks.q) and torch.equal(d, blocks.d) and torch.equal(m, blocks.m)
                 continue

@@ -154,7 +154,8 @@ def test_generation_stops_at_max_model_len():
 
 
 def test_prompt_too_large_for_the_pool_is_rejected_not_left_waiting():
-    llm = LLM(cpu_weights="float32", num_kv_blocks=4)  # 64 tokens in all: max_model_len is capped to the pool
+    # 64 tokens in all: max_model_len is capped to the pool
+    llm = LLM(cpu_weights="float32", num_kv_blocks=4)
     assert llm.engine.config.max_model_len == 64
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[5] * 100], greedy(max_tokens=4))

@@ -81,7 +81,8 @@ def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expect
               async_scheduling=True)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
-    assert llm.engine.runner.decode_graphs.padded_steps[16] > 0  # 9 decoding sequences ran as a batch of 16
+    # 9 decoding sequences ran as a batch of 16
+    assert llm.engine.runner.decode_graphs.padded_steps[16] > 0
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
 

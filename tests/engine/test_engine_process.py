@@ -79,7 +79,8 @@ async def test_killed_core_ends_every_stream_and_the_engine_turns_unhealthy(engi
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert "exited" in str(results[0])
-    assert time.monotonic() - killed_at < 1.0  # the front watches the process itself: no timeout involved
+    # the front watches the process itself: no timeout involved
+    assert time.monotonic() - killed_at < 1.0
     assert not engine.healthy
     with pytest.raises(EngineDeadError):
         engine.generate(prompt, LONG)
@@ -215,5 +216,6 @@ def test_sigterm_drains_open_streams_then_stops_the_core():
             server.process.send_signal(signal.SIGTERM)
             rest = list(events)
         assert rest[-1] == "[DONE]" and '"finish_reason":"length"' in rest[-2]
-        assert server.process.wait(30) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal once drained)
+        # (uvicorn re-raises the signal once drained)
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
         assert wait_until(lambda: process_gone(core_pid), 10)

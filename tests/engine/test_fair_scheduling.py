@@ -72,7 +72,8 @@ def heavy_and_light(scheduler: Scheduler, num_heavy: int) -> tuple[list[Sequence
     for seq in heavy + [light]:
         scheduler.add(seq)
     run_until_decoding(scheduler, heavy + [light])
-    return heavy, light  # (added together: their prompts run in one step, as decoding() would run them apart)
+    # (added together: their prompts run in one step, as decoding() would run them apart)
+    return heavy, light
 
 
 def accounting(scheduler: Scheduler) -> None:
@@ -161,7 +162,8 @@ def test_a_step_time_target_cuts_a_lone_tenants_prefill_but_not_its_decodes():
     scheduled = step(scheduler)
     assert all(seq in scheduled for seq in running)
     assert scheduled[long_prompt] == 20 - len(running)
-    scheduler.step_time_target_s = 0.001  # below the decode rows' own time: they run, with one block of prefill
+    # below the decode rows' own time: they run, with one block of prefill
+    scheduler.step_time_target_s = 0.001
     scheduled = step(scheduler)
     assert all(seq in scheduled for seq in running) and scheduled[long_prompt] == BLOCK
 
@@ -170,7 +172,8 @@ def test_a_new_request_gets_its_prefill_even_when_a_step_with_prefill_costs_many
     scheduler = make_scheduler(budget=256, num_blocks=1024)
     _, light = heavy_and_light(scheduler, 12)
     scheduler.shared_step_time_factor = 1.2
-    for tokens in (1, 8):  # a one-token step 1 ms (+10 us a token); a step with prefill costs 14 ms more
+    # a one-token step 1 ms (+10 us a token); a step with prefill costs 14 ms more
+    for tokens in (1, 8):
         scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)
     for _ in range(20):
         scheduler.step_cost.observe(20, 0.001 + 0.00001 * 20 + 0.014, prefill=True)
@@ -282,7 +285,8 @@ def test_beside_a_wide_request_a_light_tenant_steps_every_time_with_its_tokens_u
     ids = tokenizer.encode(PROMPT)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     options = dict(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="float32", async_scheduling=async_scheduling,
-                   shared_step_time_factor=0)  # token shares: the test sets a budget of 4 tokens a step
+                   # token shares: the test sets a budget of 4 tokens a step
+                   shared_step_time_factor=0)
     alone = LLMEngine(**options)
     alone.add_request("light", ids, greedy)
     expected = _finals(alone)["light"]

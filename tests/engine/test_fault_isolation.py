@@ -77,7 +77,8 @@ def test_detokenizer_fault_ends_only_that_request(tokenizer):
         def take_delta(self, finished):
             return ""
 
-    engine.processor._requests["r1"].samples[0].detokenizer = BrokenDetokenizer()  # the front's side
+    # the front's side
+    engine.processor._requests["r1"].samples[0].detokenizer = BrokenDetokenizer()
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

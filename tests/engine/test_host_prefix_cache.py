@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-SMALL = dict(num_kv_blocks=8, max_model_len=128)  # the first turn's blocks cannot survive the fillers
+# the first turn's blocks cannot survive the fillers
+SMALL = dict(num_kv_blocks=8, max_model_len=128)
 SYSTEM = ("You are a careful assistant. Answer in one short paragraph, cite no sources, and keep a friendly "
           "tone. The user is planning a trip through the mountains in late autumn and asks about weather, "
           "trails, and what to pack.")

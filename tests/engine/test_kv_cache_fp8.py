@@ -32,7 +32,8 @@ BUDGET_GIB = 0.01
 # float32 rounding (a greedy prefix parts at the first near-tie); a broken cache (a wrong scale, bytes read as
 # another type) parts at the first token and moves logprobs by whole units.
 QUALITY_PROMPTS, QUALITY_TOKENS = 8, 32
-QUALITY_FLOORS = (7, 0.3, 0.08)  # min first tokens equal, min mean identical-prefix share, max mean |logprob diff|
+# min first tokens equal, min mean identical-prefix share, max mean |logprob diff|
+QUALITY_FLOORS = (7, 0.3, 0.08)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,8 @@ def test_cpu_attention_over_fp8_takes_the_torch_references_not_the_lean_kernels(
     monkeypatch.setattr(kernels.ops, "paged_attention", lambda *args: (calls.append(args[2].dtype), paged(*args)))
     assert len(greedy(make_llm(model_dir, num_kv_blocks=64, kv_cache_dtype="fp8"), PROMPTS[:1])[0]) == 24
     assert calls and set(calls) == {FP8}
-    with pytest.raises(AssertionError, match="lean CPU kernels"):  # (the float cache does take them)
+    # (the float cache does take them)
+    with pytest.raises(AssertionError, match="lean CPU kernels"):
         greedy(make_llm(model_dir, num_kv_blocks=64), PROMPTS[:1])
 
 
@@ -174,7 +176,8 @@ def test_kv_cache_dtype_is_validated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"kv_cache_dtype: fp8 \(e4m3\) needs a GPU of compute capability 8.9"):
         EngineConfig(device="cuda", kv_cache_dtype="fp8")
-    assert EngineConfig(device="cuda").kv_cache_torch_dtype == torch.bfloat16  # auto: fine on any GPU
+    # auto: fine on any GPU
+    assert EngineConfig(device="cuda").kv_cache_torch_dtype == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert EngineConfig(device="cuda", kv_cache_dtype="fp8").kv_cache_torch_dtype == FP8
 

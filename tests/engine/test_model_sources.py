@@ -73,4 +73,5 @@ def test_what_is_neither_says_what_is_accepted(tmp_path):
         model_sources.resolve_model(str(tmp_path / "notes.txt"), tmp_path)
     with pytest.raises(ValueError, match="a local Hugging Face model directory, a .gguf file, or a hub id"):
         model_sources.resolve_model(str(tmp_path / "missing"), tmp_path)
-    assert model_sources.resolve_model(str(tmp_path), tmp_path) == tmp_path  # a directory is taken as it is
+    # a directory is taken as it is
+    assert model_sources.resolve_model(str(tmp_path), tmp_path) == tmp_path

@@ -82,7 +82,8 @@ def test_named_architectures_match_our_parameter_shapes(name: str):
     with torch.device("meta"):
         ours = model_class(config)(config)
         hf_tensors = AutoModelForCausalLM.from_config(config).state_dict()
-    ours.load_weights(hf_tensors.items())  # raises on unknown names, wrong shapes or missing tensors
+    # raises on unknown names, wrong shapes or missing tensors
+    ours.load_weights(hf_tensors.items())
     spec = DUMMY_ARCHITECTURES[name]
     assert ours.args.num_layers == spec["num_hidden_layers"] and ours.args.head_dim == spec["head_dim"]
 

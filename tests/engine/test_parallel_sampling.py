@@ -32,7 +32,8 @@ def drive(engine: LLMEngine) -> tuple[list, int, int]:
         computed += sum(n for n in batch.num_new_tokens if n > 1)
         check_pool(engine.core.block_manager, live_seqs(engine))
         stats = engine.stats()
-        peak = max(peak, stats.num_blocks - stats.num_free_blocks)  # blocks some sequence references
+        # blocks some sequence references
+        peak = max(peak, stats.num_blocks - stats.num_free_blocks)
     return outputs, computed, peak
 
 

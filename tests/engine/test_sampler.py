@@ -147,7 +147,8 @@ def test_presence_penalty_is_flat_whatever_the_count() -> None:
     logits = random_logits(1)
     logits[0, 10], logits[0, 11] = 10.0, 9.5
     many = make_seq(SamplingParams(temperature=0.0, presence_penalty=0.4), output=[10] * 5)
-    assert sample(logits, [many]).token_ids.tolist() == [10]  # 10 - 0.4 = 9.6 > 9.5, not 10 - 5 * 0.4
+    # 10 - 0.4 = 9.6 > 9.5, not 10 - 5 * 0.4
+    assert sample(logits, [many]).token_ids.tolist() == [10]
     once = make_seq(SamplingParams(temperature=0.0, presence_penalty=0.6), output=[10])
     assert sample(logits, [once]).token_ids.tolist() == [11]
     prompt_only = make_seq(SamplingParams(temperature=0.0, presence_penalty=2.0), prompt=[10])
@@ -188,7 +189,8 @@ def test_top_k_never_samples_outside_top_k() -> None:
     assert set(tokens) == largest  # only the five largest, and each of them does occur
 
 
-@pytest.mark.parametrize("top_p", [0.01, 5e-324])  # 5e-324 rounds to 0 in float32: the top token still stays
+# 5e-324 rounds to 0 in float32: the top token still stays
+@pytest.mark.parametrize("top_p", [0.01, 5e-324])
 def test_small_top_p_keeps_only_the_top_token(top_p: float) -> None:
     torch.manual_seed(0)
     row = random_logits(1, seed=4)[0]
@@ -199,9 +201,11 @@ def test_small_top_p_keeps_only_the_top_token(top_p: float) -> None:
 def test_top_p_keeps_the_smallest_prefix_reaching_top_p() -> None:
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    position = torch.randperm(4, generator=torch.Generator().manual_seed(5))  # where each prob lands
+    # where each prob lands
+    position = torch.randperm(4, generator=torch.Generator().manual_seed(5))
     row = torch.empty(4)
-    row[position] = probs.log() + torch.randn(1, generator=torch.Generator().manual_seed(6))  # shift-invariant
+    # shift-invariant
+    row[position] = probs.log() + torch.randn(1, generator=torch.Generator().manual_seed(6))
     ids = position.tolist()
     two = draw_many(row, SamplingParams(temperature=1.0, top_p=0.75), 4000)
     assert_matches_distribution(two, _at(ids, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]))
@@ -403,7 +407,8 @@ def test_min_tokens_gives_way_where_only_the_banned_ids_are_allowed() -> None:
     row of the same batch with other tokens allowed still has EOS masked."""
     params = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[20])
     logits = torch.cat([eos_favoured_logits(), eos_favoured_logits()])
-    allowed = torch.zeros(2, 1, dtype=torch.int32)  # bit t: token t may be sampled (VOCAB = 32: one word)
+    # bit t: token t may be sampled (VOCAB = 32: one word)
+    allowed = torch.zeros(2, 1, dtype=torch.int32)
     allowed[0, 0] = 1 << EOS  # row 0: only EOS
     allowed[1, 0] = (1 << EOS) | (1 << 13) | (1 << 20)  # row 1: EOS, 13 and the stop token 20
     out = Sampler()(logits, [make_seq(params, seq_id=0), make_seq(params, seq_id=1)], (EOS,), allowed)
@@ -478,7 +483,8 @@ def test_greedy_token_has_rank_one_and_tied_tokens_share_the_worse_rank() -> Non
     out = sample(logits, seqs)
     first, second = out.logprobs()
     assert first.rank == 1
-    assert out.token_ids.tolist()[1] == 4 and second.rank == 2  # 4 and 17 are both at least as likely
+    # 4 and 17 are both at least as likely
+    assert out.token_ids.tolist()[1] == 4 and second.rank == 2
 
 
 def test_logprobs_zero_gives_an_empty_top_list_and_none_gives_none() -> None:

@@ -13,7 +13,8 @@ import torch
 from engine.kv_backend.vattention import VAttentionKV
 from tests.fake_vmm_driver import FakeDriver
 
-LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 64  # bf16: 256 bytes per token per layer -> 8192 tokens per 2 MiB page
+# bf16: 256 bytes per token per layer -> 8192 tokens per 2 MiB page
+LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 64
 MAX_MODEL_LEN = 5 * 8192
 
 
@@ -178,7 +179,8 @@ def test_a_request_whose_first_block_a_free_slot_maps_takes_that_slot_and_maps_n
     kv.release_row(slot)
     assert kv.choose_slot(0) == slot and kv.choose_slot(11) is None  # (indexed by page 0 only)
     other = kv.choose_slot(1)
-    kv.claim_slot(other)  # a new request in a slot that mapped block 1: its page 0 now holds block 0 instead
+    # a new request in a slot that mapped block 1: its page 0 now holds block 0 instead
+    kv.claim_slot(other)
     map_all(kv, [other], [[0, 0, 0, 0, 0]], [1], pytest.fail)
     assert driver.unmap_calls == 2 * LAYERS and kv.choose_slot(0) == slot
     check(kv, driver, {other: [0]}, idle=False)

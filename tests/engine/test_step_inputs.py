@@ -12,7 +12,8 @@ from engine.core.sequence import Sequence
 from engine.worker.step_inputs import PADDING_ROW, StepInputs
 
 BLOCK = 4
-PAGED = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), BLOCK)  # (its slot math only: no memory allocated)
+# (its slot math only: no memory allocated)
+PAGED = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), BLOCK)
 
 
 def decoding(seq_id: int, tokens: list[int], blocks: list[int]) -> Sequence:

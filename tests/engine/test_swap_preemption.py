@@ -14,7 +14,8 @@ from tests.conftest import SMALL_KV_GIB
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours of the rainbow:"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-TIGHT = dict(num_kv_blocks=5, max_model_len=64)  # each request ends with 2-3 blocks: not all three fit
+# each request ends with 2-3 blocks: not all three fit
+TIGHT = dict(num_kv_blocks=5, max_model_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def expected(prompt_ids) -> list[list[int]]:
 
 def check_host_pool(engine: LLMEngine) -> None:
     manager, scheduler = engine.core.block_manager, engine.core.scheduler
-    held: dict[int, int] = {}  # slot -> sequences holding it (a request's sequences share their shared blocks)
+    # slot -> sequences holding it (a request's sequences share their shared blocks)
+    held: dict[int, int] = {}
     for seq in scheduler.swapped:
         assert len(set(seq.host_blocks)) == len(seq.host_blocks), "a host block twice in one sequence"
         for slot in seq.host_blocks:
@@ -62,7 +64,8 @@ def test_swap_and_recompute_give_the_roomy_pools_tokens(prompt_ids, expected, as
 
 
 def test_a_host_pool_too_small_falls_back_to_recompute(prompt_ids, expected):
-    tiny = LLM(preemption_mode="swap", swap_space_gib=1e-5, **TIGHT).engine  # fewer host blocks than a sequence
+    # fewer host blocks than a sequence
+    tiny = LLM(preemption_mode="swap", swap_space_gib=1e-5, **TIGHT).engine
     assert run_checked(tiny, prompt_ids, GREEDY) == expected
     assert tiny.scheduler.num_preemptions > 0 and tiny.scheduler.num_swap_outs == 0
 

@@ -53,7 +53,8 @@ def generate(path: Path, size: int, prompts: list[list[int]], params: SamplingPa
 
 @pytest.mark.parametrize("family", ["llama", "llama-bias-tied", "qwen3"])
 def test_two_ranks_give_the_single_rank_greedy_tokens_with_chunks_and_prefix_hits(model_dirs, family: str):
-    options = dict(num_kv_blocks=64, max_num_batched_tokens=32)  # the 60-token prompt comes in two chunks
+    # the 60-token prompt comes in two chunks
+    options = dict(num_kv_blocks=64, max_num_batched_tokens=32)
     single, single_cached = generate(model_dirs[family], 1, PROMPTS, **options)
     sharded, sharded_cached = generate(model_dirs[family], 2, PROMPTS, **options)
     assert sharded == single
@@ -68,7 +69,8 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_when_requests_are_preempte
     llm = LLM(model=str(model_dirs["llama"]), tensor_parallel_size=2, **options)
     try:
         sharded = [o.token_ids for o in llm.generate(prompts, params)]
-        assert llm.engine.core.stats().preemptions > 0  # 6 x 80 tokens do not fit 14 blocks of 16 at once
+        # 6 x 80 tokens do not fit 14 blocks of 16 at once
+        assert llm.engine.core.stats().preemptions > 0
     finally:
         llm.shutdown()
     alone = LLM(model=str(model_dirs["llama"]), num_kv_blocks=64)
@@ -94,10 +96,12 @@ def test_each_rank_reads_only_its_slice_of_each_tensor(model_dirs, monkeypatch: 
     monkeypatch.setattr(parallel_state, "_current", parallel_state.TensorParallel(1, 2))
     model = LlamaForCausalLM(AutoConfig.from_pretrained(path))
     sources = list(_safetensors_weights(path))
-    assert not any(isinstance(source, torch.Tensor) for _, source in sources)  # lazy slices, read when indexed
+    # lazy slices, read when indexed
+    assert not any(isinstance(source, torch.Tensor) for _, source in sources)
     model.load_weights(sources)
     layer = model.model.layers[1]
-    qkv = layer.self_attn.qkv_proj.weight  # 4 heads, 2 kv heads of 16: rank 1 has q heads 2-3, kv head 1
+    # 4 heads, 2 kv heads of 16: rank 1 has q heads 2-3, kv head 1
+    qkv = layer.self_attn.qkv_proj.weight
     hf = "model.layers.1.self_attn."
     assert torch.equal(qkv[:32], full[hf + "q_proj.weight"][32:64])
     assert torch.equal(qkv[32:48], full[hf + "k_proj.weight"][16:32])

@@ -92,7 +92,8 @@ def test_rms_norm_with_residual_writes_the_sum_into_residual_and_matches_referen
     expected_sum = x + residual
     expected, _ = reference.rms_norm(oracle(x, dtype), oracle(weight, dtype), EPS, oracle(residual, dtype))
     out, new_residual = rms_norm(x, weight, EPS, residual)
-    assert new_residual is residual and torch.equal(residual, expected_sum)  # one rounding, as torch's add
+    # one rounding, as torch's add
+    assert new_residual is residual and torch.equal(residual, expected_sum)
     assert_matches(out, expected, dtype)
 
 

@@ -96,7 +96,8 @@ def test_prefill_with_prefix_hits_and_chunks_matches_reference(dtype, block_size
 def test_store_kv_writes_slots_and_skips_padding(dtype):
     k_cache = torch.randn(64, 16, 8, 128, device="cuda").to(dtype)
     v_cache = torch.randn_like(k_cache)
-    fused = torch.randn(300, 3, 8, 128, device="cuda").to(dtype)  # strided views, as the attention layer passes
+    # strided views, as the attention layer passes
+    fused = torch.randn(300, 3, 8, 128, device="cuda").to(dtype)
     slots = torch.randperm(64 * 16, device="cuda")[:300]
     slots[::7] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()

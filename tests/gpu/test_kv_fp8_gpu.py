@@ -117,7 +117,8 @@ def test_contiguous_decode_and_prefill_read_fp8_with_bfloat16_queries():
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     contiguous_decode_attention(out, query.bfloat16(), k, v, slots, lens, HEAD_DIM ** -0.5, 2000, K_SCALE, V_SCALE)
     assert relative_error(out, expected) < 1e-2
-    cu = torch.tensor([0, 50, 350], dtype=torch.int32, device="cuda")  # 50 new after 1950 cached; a whole prompt
+    # 50 new after 1950 cached; a whole prompt
+    cu = torch.tensor([0, 50, 350], dtype=torch.int32, device="cuda")
     query = torch.randn(350, HEADS, HEAD_DIM, device="cuda")
     expected = torch.empty(query.shape, dtype=torch.float64, device="cuda")
     reference.contiguous_prefill_attention(expected, query.double(), *clean, slots, cu, lens, HEAD_DIM ** -0.5)
@@ -159,7 +160,9 @@ def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
         got += generate_checked(tight, [follow_up])
         assert tight.engine.stats().prefix_hits > 0
         assert sum(tight.engine.runner.decode_graphs.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
-    finally:  # (the engine's GPU memory goes with it, also when an assertion failed: the next test sizes a pool)
+    # (the engine's GPU memory goes with it, also when an assertion failed: the next test sizes a
+    # pool)
+    finally:
         tight.shutdown()
         del tight
     assert [g[0] for g in got] == [e[0] for e in expected], "every first token (the prompt's prefill) agrees"

@@ -48,7 +48,8 @@ def test_host_tier_restores_an_evicted_prefix_on_cuda(roomy):
     follow_up = prompts(4, [20])
     llm = LLM(num_kv_blocks=30, host_cache_gib=0.5, **BASE)
     first = generate_checked(llm, head)[0]
-    generate_checked(llm, fillers)  # the pool holds 480 tokens: the head's blocks are evicted to the host
+    # the pool holds 480 tokens: the head's blocks are evicted to the host
+    generate_checked(llm, fillers)
     second_prompt = head[0] + first + follow_up[0]
     (second,) = generate_checked(llm, [second_prompt])
     stats = llm.engine.stats()

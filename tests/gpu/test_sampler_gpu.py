@@ -22,7 +22,8 @@ def make_seq(params: SamplingParams, output: list[int] | None = None, seq_id: in
 
 def test_seeded_noise_is_the_same_on_cuda_and_cpu() -> None:
     keys = torch.tensor([draw_key(seed, position) for seed in (0, 1, 12345, 2**64 - 1) for position in (0, 7)])
-    assert torch.equal(splitmix64(keys.cuda(), 128256).cpu(), splitmix64(keys, 128256))  # integers: bit for bit
+    # integers: bit for bit
+    assert torch.equal(splitmix64(keys.cuda(), 128256).cpu(), splitmix64(keys, 128256))
     torch.testing.assert_close(exponential_noise(keys.cuda(), 4096).cpu(), exponential_noise(keys, 4096),
                                rtol=1e-6, atol=0)
 
@@ -53,7 +54,8 @@ def test_bf16_greedy_fast_path_is_the_float_argmax_without_a_float_copy() -> Non
     out = Sampler()(logits, seqs, (EOS,))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))  # bf16 -> float is exact; first of ties
+    # bf16 -> float is exact; first of ties
+    assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
     assert extra < rows * vocab * 4 // 16, f"{extra} bytes: a float32 copy of the logits is {rows * vocab * 4}"
 
 

@@ -58,7 +58,8 @@ def test_server_on_cuda_streams_the_offline_engines_greedy_tokens(fronts: int):
             thread.start()
         for thread in threads:
             thread.join(120)
-        assert sum(len(tokens) == 64 for tokens in results.values()) == 16 - 6  # i = 0, 3, ..., 15 stopped early
+        # i = 0, 3, ..., 15 stopped early
+        assert sum(len(tokens) == 64 for tokens in results.values()) == 16 - 6
         wait_until_idle(server)
     llm = LLM(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda", num_kv_blocks=512,
               max_model_len=2048, gpu_memory_utilization=0.5)

@@ -70,17 +70,20 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks
 
 def test_a_decode_only_batch_larger_than_one_replays_cuda_graphs_with_two_ranks():
     rng = random.Random(1)
-    prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 9, 12, 20)]  # one prefill step, then 4 decode
+    # one prefill step, then 4 decode
+    prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 9, 12, 20)]
     llm = LLM(model_config="llama-3.2-1b", tensor_parallel_size=2, **OPTIONS)
     try:
         graphs = llm.engine.runner.decode_graphs.graphs
         assert graphs is not None
         replayed: list[int] = []
         replay = graphs.replay
-        graphs.replay = lambda size: (replayed.append(size), replay(size))[1]  # (the sizes rank 0 replays)
+        # (the sizes rank 0 replays)
+        graphs.replay = lambda size: (replayed.append(size), replay(size))[1]
         outputs = llm.generate(prompts, GREEDY)
     finally:
         llm.shutdown()
     assert [len(o.token_ids) for o in outputs] == [NEW_TOKENS] * len(prompts)
     assert graphs.num_replays > 0
-    assert max(replayed) >= len(prompts)  # decode-only steps of all four sequences (padded to a captured size)
+    # decode-only steps of all four sequences (padded to a captured size)
+    assert max(replayed) >= len(prompts)

@@ -113,4 +113,5 @@ def test_free_returns_every_handle_and_range():
     free_before = torch.cuda.mem_get_info()[0]
     llm.engine.runner.kv.free()
     freed = torch.cuda.mem_get_info()[0] - free_before
-    assert freed >= 17 * llm.engine.runner.kv.bytes_per_block * 0.99  # 16 blocks + the scratch block
+    # 16 blocks + the scratch block
+    assert freed >= 17 * llm.engine.runner.kv.bytes_per_block * 0.99

@@ -8,13 +8,15 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton loads; the CPU has no other way to run it)
+# (before triton loads; the CPU has no other way to run it)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 all_reduce = pytest.importorskip("kernels.all_reduce", reason="Triton is not installed")
 
 
 def _emulate(parts: list[torch.Tensor], two_shot: bool, programs: int, block: int) -> list[torch.Tensor]:
     world, numel = len(parts), parts[0].numel()
-    stride = numel + 48  # (rank r's buffer starts r * stride elements into one tensor; 32-byte aligned)
+    # (rank r's buffer starts r * stride elements into one tensor; 32-byte aligned)
+    stride = numel + 48
     memory = torch.zeros(world * stride, dtype=parts[0].dtype)
     staged = [memory[r * stride:r * stride + numel] for r in range(world)]
     for r, part in enumerate(parts):

@@ -154,7 +154,8 @@ def q8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     rows, k = x.shape
     groups = x.view(rows, k // 32, 32).double()
     scale = groups.abs().amax(dim=-1, keepdim=True) / 127
-    codes = torch.where(scale > 0, groups / scale, torch.zeros_like(groups)).round()  # half to even, as nearbyint
+    # half to even, as nearbyint
+    codes = torch.where(scale > 0, groups / scale, torch.zeros_like(groups)).round()
     q = blocks.q.view(-1, k // 32, 32).double()
     dots = torch.einsum("rgi,ngi->rng", codes, q)
     scale = scale.squeeze(-1)[:, None, :]
@@ -182,7 +183,8 @@ def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, native):
     head = Q8Head(weight, native)
     codes = head.packed.permute(0, 3, 1, 2, 4).reshape(64, 96).double() - 128
     d = head.d.permute(0, 2, 1).reshape(64, 3).double()
-    half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502  # (+ fp16 scale)
+    # (+ fp16 scale)
+    half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502
     stored = (codes.view(64, 3, 32) * d[..., None]).view(64, 96)
     assert bool(((stored - weight).abs() <= half_step + 1e-6).all()), "each weight within half a step of its block"
     x = torch.randn(rows, 96) * torch.logspace(-1, 1, 96)
@@ -278,8 +280,10 @@ def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     kv_tolerance = 1e-4 if kernel != "int4" else 2 ** -7
     for p in recorder.passes:
         assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
-        assert p["kv_diff"] <= kv_tolerance * max(1.0, p["kv_written"]), p  # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
-        assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p  # measured: 0.0017 (int4), 4.7e-7 (q4q8)
+        # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
+        assert p["kv_diff"] <= kv_tolerance * max(1.0, p["kv_written"]), p
+        # measured: 0.0017 (int4), 4.7e-7 (q4q8)
+        assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p
 
 
 def test_lean_python_decoder_equals_the_modules_bit_for_bit(tmp_path: Path, kernel: str):

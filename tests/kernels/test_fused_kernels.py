@@ -31,7 +31,8 @@ TOKENS = [1, 7, 33]
 pytestmark = pytest.mark.usefixtures("poisoned_empty")  # tests/conftest.py
 
 EPS = 1e-6
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}  # relative error ‖out − expected‖ / ‖expected‖
+# relative error ‖out − expected‖ / ‖expected‖
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +118,8 @@ def test_rotary_rotates_strided_q_and_k_in_place_like_reference(tokens: int, hea
                                                                  positions_dtype: torch.dtype, dtype: torch.dtype):
     max_position = 300
     angles = torch.rand(max_position, head_dim // 2, generator=torch.Generator().manual_seed(0)) * 50
-    cos_cache = torch.cat((angles, angles), dim=-1).cos().to(dtype)  # first half == second half, as the layer's
+    # first half == second half, as the layer's
+    cos_cache = torch.cat((angles, angles), dim=-1).cos().to(dtype)
     sin_cache = torch.cat((angles, angles), dim=-1).sin().to(dtype)
     positions = torch.randperm(max_position, generator=torch.Generator().manual_seed(tokens))[:tokens]
     positions = positions.to(positions_dtype)
@@ -128,7 +130,8 @@ def test_rotary_rotates_strided_q_and_k_in_place_like_reference(tokens: int, hea
     rotary_embedding(positions.to(DEVICE), q, k, cos_cache.to(DEVICE), sin_cache.to(DEVICE))
     assert_matches(q, expected_q, dtype)
     assert_matches(k, expected_k, dtype)
-    assert torch.equal(v.cpu(), v_before)  # v shares the rows: the kernel writes only inside q and k
+    # v shares the rows: the kernel writes only inside q and k
+    assert torch.equal(v.cpu(), v_before)
 
 
 def test_rotary_reference_rotates_in_place_like_the_rotate_half_formula():
@@ -148,7 +151,8 @@ def test_rotary_reference_rotates_in_place_like_the_rotate_half_formula():
 @pytest.mark.parametrize("intermediate", [96, 1100])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_and_mul_matches_reference(tokens: int, intermediate: int, dtype: torch.dtype):
-    gate_up = randn(tokens, 2 * intermediate, dtype=dtype, seed=tokens) * 3  # silu's curved part and both tails
+    # silu's curved part and both tails
+    gate_up = randn(tokens, 2 * intermediate, dtype=dtype, seed=tokens) * 3
     expected = reference.silu_and_mul(oracle(gate_up, dtype))
     out = silu_and_mul(gate_up.to(DEVICE))
     assert out.shape == (tokens, intermediate) and out.dtype == dtype

@@ -31,7 +31,8 @@ FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 HEAD_DIM = 32
 K_SCALE, V_SCALE = 0.37, 2.5  # below and above 1.0, neither a power of two
-DECODE_CONFIG = DecodeConfig(tile_n=32, split_tile_n=32, min_partition=64)  # the 150-token context: 3 partitions
+# the 150-token context: 3 partitions
+DECODE_CONFIG = DecodeConfig(tile_n=32, split_tile_n=32, min_partition=64)
 PREFILL_CONFIG = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
@@ -145,7 +146,8 @@ def test_paged_decode_reads_fp8_times_scale(split, dtype, tolerance):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
 def test_prefill_with_cached_prefix_reads_fp8_times_scale(dtype, tolerance):
-    cases = [(0, 40), (32, 9), (16, 1)]  # (cached, chunk): a plain prompt, a prefix hit, a one-token chunk
+    # (cached, chunk): a plain prompt, a prefix hit, a one-token chunk
+    cases = [(0, 40), (32, 9), (16, 1)]
     kv = fp8_cache(PagedKV([cached + chunk for cached, chunk in cases], 16, 2, head_dim=HEAD_DIM, seed=7))
     cu = torch.tensor([0] + [chunk for _, chunk in cases]).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), 4, HEAD_DIM, generator=torch.Generator().manual_seed(8))
@@ -182,7 +184,8 @@ def test_contiguous_decode_and_prefill_read_fp8_times_scale():
     contiguous_decode_attention(out, query.to(DEVICE), poisoned_k, poisoned_v, slot_ids.to(DEVICE), lens.to(DEVICE),
                                 0.2, 150, K_SCALE, V_SCALE, split=True, config=DECODE_CONFIG)
     assert relative_error(out, expected) < 1e-5
-    cu = torch.tensor([0, 12, 32], dtype=torch.int32)  # 12 new tokens after 138 cached, then a whole prompt
+    # 12 new tokens after 138 cached, then a whole prompt
+    cu = torch.tensor([0, 12, 32], dtype=torch.int32)
     query = torch.randn(32, 4, HEAD_DIM, generator=gen)
     expected = torch.empty(query.shape, dtype=torch.float64)
     reference.contiguous_prefill_attention(expected, query.double(), *clean, slot_ids, cu, lens, 0.2)
@@ -203,7 +206,8 @@ def test_copy_and_swap_move_fp8_blocks_byte_for_byte(ops):
     for src, dst in ((1, 4), (2, 5)):
         expected_k[:, dst], expected_v[:, dst] = before_k[:, src], before_v[:, src]
     expected_host = before_host.clone()
-    for src, dst in ((4, 0), (0, 3), (5, 1)):  # swapped out after the copies: block 4 holds block 1's bytes
+    # swapped out after the copies: block 4 holds block 1's bytes
+    for src, dst in ((4, 0), (0, 3), (5, 1)):
         expected_host[:, dst] = expected_k[:, src]
     k, v = k.to(DEVICE), v.to(DEVICE)
     copy(k, v, torch.tensor([[1, 4], [2, 5]], device=DEVICE))

@@ -36,7 +36,8 @@ def scatter_to_blocks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def make_cache(num_blocks: int, block_size: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, HEAD_DIM)  # stale random data, never zeros
+    # stale random data, never zeros
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, HEAD_DIM)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, HEAD_DIM)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks)).tolist()
     return k_cache, v_cache, order

@@ -40,12 +40,14 @@ from kernels.skinny_gemm import (  # noqa: E402
 )
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}  # relative error ‖out − expected‖ / ‖expected‖
+# relative error ‖out − expected‖ / ‖expected‖
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 N, K = 48, 80
 CONFIGS = {  # K = 80: five tiles of 16 (unmasked loads), or 2.5 tiles of 32 (the last one masked)
     "one-pass": SkinnyConfig(block_n=32, block_k=32),
     "split-k": SkinnyConfig(block_n=16, block_k=16, split_k=3),  # splits of 2, 2 and 1 tiles
-    "split-k-ragged": SkinnyConfig(block_n=32, block_k=32, split_k=2),  # the second split: the masked tile
+    # the second split: the masked tile
+    "split-k-ragged": SkinnyConfig(block_n=32, block_k=32, split_k=2),
 }
 pytestmark = pytest.mark.usefixtures("poisoned_empty")  # tests/conftest.py
 
@@ -122,7 +124,8 @@ def test_out_is_written_in_place_through_its_row_stride():
     returned = skinny_gemm(x.to(DEVICE), weight.to(DEVICE), out, CONFIGS["split-k"])
     assert returned is out
     assert_matches(out, reference.skinny_gemm(x.double(), weight.double()), torch.float32)
-    assert torch.equal(buffer.cpu()[:, N:], before[:, N:])  # the columns past N are not the output's
+    # the columns past N are not the output's
+    assert torch.equal(buffer.cpu()[:, N:], before[:, N:])
 
 
 def test_split_k_counters_are_left_zero_for_the_next_launch():
@@ -155,7 +158,8 @@ def test_heuristic_splits_k_where_column_blocks_leave_sms_idle():
     for (n, k, op), split in expected.items():
         config = heuristic_config(1, n, k, op, sms=132)
         assert (config.block_n, config.block_k, config.split_k) == (64, 128, split), (n, k, op)
-    assert heuristic_config(1, 2048, 256, GEMM, sms=132).split_k == 1  # two tiles of K: too few to split
+    # two tiles of K: too few to split
+    assert heuristic_config(1, 2048, 256, GEMM, sms=132).split_k == 1
 
 
 def test_measured_table_is_keyed_by_rows_rounded_up_to_a_power_of_two(monkeypatch: pytest.MonkeyPatch):

@@ -115,13 +115,17 @@ def test_paged_decode_half_precision():
 def test_split_k_fills_the_gpu_only_when_needed():
     config = DecodeConfig(split_below_programs_per_sm=1, programs_per_sm=2, min_partition=512, split_tile_n=128)
     cpu = torch.device("cpu")  # the interpreter's stand-in for an H100/H200: 132 SMs
-    assert choose_partition(8 * 8, 2048, cpu, config, None) == 512  # 64 programs: 4 partitions, the most allowed
+    # 64 programs: 4 partitions, the most allowed
+    assert choose_partition(8 * 8, 2048, cpu, config, None) == 512
     assert choose_partition(1 * 8, 8192, cpu, config, None) == 512  # 8 programs: 16 partitions
-    assert choose_partition(4 * 8, 4096, cpu, config, None) == 512  # 32 programs: 8 partitions (wanted 9)
-    assert choose_partition(12 * 8, 8192, cpu, config, None) == 2816  # 96 programs: 3 partitions of 22 tiles
+    # 32 programs: 8 partitions (wanted 9)
+    assert choose_partition(4 * 8, 4096, cpu, config, None) == 512
+    # 96 programs: 3 partitions of 22 tiles
+    assert choose_partition(12 * 8, 8192, cpu, config, None) == 2816
     assert choose_partition(32 * 8, 8192, cpu, config, None) == 0  # 256 programs keep 132 SMs busy
     assert choose_partition(1 * 8, 300, cpu, config, None) == 0  # shorter than one partition
-    assert choose_partition(128 * 8, 8192, cpu, config, True) == 4096  # forced: at least two partitions
+    # forced: at least two partitions
+    assert choose_partition(128 * 8, 8192, cpu, config, True) == 4096
     assert choose_partition(1 * 8, 8192, cpu, config, False) == 0
 
 
@@ -169,7 +173,8 @@ def test_prefill_half_precision():
 
 def test_store_kv_writes_slots_and_skips_padding():
     kv = PagedKV([40], 16, 2)
-    fused = torch.randn(5, 3, 2, HEAD_DIM)  # key and value as strided views, as the attention layer passes them
+    # key and value as strided views, as the attention layer passes them
+    fused = torch.randn(5, 3, 2, HEAD_DIM)
     key, value = fused[:, 0], fused[:, 2]
     slots = torch.tensor([5, -1, 40, 17, -1])
     expected_k, expected_v = kv.k_cache.clone(), kv.v_cache.clone()
@@ -211,7 +216,8 @@ def test_swap_blocks_moves_blocks_between_caches():
     [(3, 0), (4, 1), (5, 2)],  # one run on both sides: one slice
     [(9, 4), (2, 5), (7, 6), (0, 1), (5, 2), (6, 3)],  # scattered device ids, two runs of host ids
     [(1, 1), (8, 0)],  # descending host ids: sorted into one run
-    [(2, 6), (7, 5), (4, 4), (0, 3)],  # stored tail first (as evictions and swap-outs go): one run once sorted
+    # stored tail first (as evictions and swap-outs go): one run once sorted
+    [(2, 6), (7, 5), (4, 4), (0, 3)],
 ])
 def test_swap_blocks_batched_paths_match_reference(to_host, pairs):
     """The staged copy (gather, one slice per layer and host run, scatter) equals the reference in both

@@ -64,13 +64,15 @@ def first_tokens_seen_by(front_pid: int) -> float:
 
     path = multiprocess_dir(front_pid) / f"histogram_{front_pid}.db"
     values = MmapedDict.read_all_values_from_file(str(path))
-    return sum(value for key, value, *_ in values  # (each bucket's own count: they are summed at scrape time)
+    # (each bucket's own count: they are summed at scrape time)
+    return sum(value for key, value, *_ in values
                if "time_to_first_token_seconds_bucket" in key)
 
 
 def chat_stream(server: RunningServer, max_tokens: int) -> list[dict]:
     body = {"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=120) as client:  # a connection of its own: the kernel hands it to either front
+    # a connection of its own: the kernel hands it to either front
+    with httpx.Client(timeout=120) as client:
         with client.stream("POST", server.url("/v1/chat/completions"), json=body) as response:
             assert response.status_code == 200
             return sse_chunks(sse_data(response.iter_lines()))
@@ -99,7 +101,8 @@ def test_two_fronts_serve_one_core_with_the_offline_engines_greedy_tokens(server
     texts = {"".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) for chunks in replies}
     assert texts == {expected}
     seen = {pid: first_tokens_seen_by(pid) - before[pid] for pid in fronts}
-    assert sum(seen.values()) == 24 and all(n >= 1 for n in seen.values()), seen  # both fronts served
+    # both fronts served
+    assert sum(seen.values()) == 24 and all(n >= 1 for n in seen.values()), seen
     # a scrape of either front sums both fronts' histograms
     total = server.metrics().value("pagedchat:time_to_first_token_seconds_count")
     assert total == sum(first_tokens_seen_by(pid) for pid in fronts)
@@ -174,7 +177,8 @@ def test_more_than_one_front_needs_a_shared_session_store():
     result = subprocess.run(server_command(8999, ["--api-server-count", "2", "--session-store", "memory"]),
                             cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "api_server_count" in result.stderr and "not memory" in result.stderr  # (before any model load)
+    # (before any model load)
+    assert "api_server_count" in result.stderr and "not memory" in result.stderr
 
 
 def test_two_fronts_share_sessions_in_the_default_sqlite_file(tmp_path):

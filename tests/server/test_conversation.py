@@ -63,7 +63,8 @@ def test_stored_ids_are_kept_even_when_retokenizing_the_reply_would_differ(token
     reply = {"role": "assistant", "content": " Paris"}
     ids = conversation.next_turn_ids(tokenizer, stored, [U1, reply], [U2], (eos_id(tokenizer),))
     assert ids[: len(stored)] == stored
-    assert ids != full(tokenizer, [U1, reply, U2])  # the stateless render drifts here; the session does not
+    # the stateless render drifts here; the session does not
+    assert ids != full(tokenizer, [U1, reply, U2])
 
 
 class _CountingTemplate:

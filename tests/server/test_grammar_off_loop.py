@@ -43,7 +43,8 @@ def test_the_event_loop_answers_while_a_large_schema_compiles(server: RunningSer
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
     assert len(choices) == 4
-    for choice in choices:  # (the enum is long: a reply may be cut before it closes; what is there is in it)
+    # (the enum is long: a reply may be cut before it closes; what is there is in it)
+    for choice in choices:
         text = choice["message"]["content"]
         assert text.startswith('{"x":"value-') or text.startswith('{"x": "value-'), text
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the schema compiled"

@@ -37,7 +37,8 @@ async def test_too_many_messages_are_refused_before_each_is_built():
     elapsed = time.perf_counter() - start
     assert refused.value.status == 400 and refused.value.param == "messages"
     assert f"at most {MAX_MESSAGES}" in refused.value.message
-    assert elapsed < 0.1, f"{elapsed * 1e3:.0f} ms on the event loop"  # (pydantic took ~280 ms to say so)
+    # (pydantic took ~280 ms to say so)
+    assert elapsed < 0.1, f"{elapsed * 1e3:.0f} ms on the event loop"
 
 
 async def test_the_most_messages_allowed_are_read():

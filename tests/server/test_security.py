@@ -79,7 +79,8 @@ def test_same_origin_browser_requests_pass(client: TestClient):
     own_page = client.post("/v1/sessions", json={"title": "from the UI"},
                            headers=auth(BOB, Origin="http://testserver"))
     assert own_page.status_code == 201, own_page.text
-    behind_a_proxy = client.post("/v1/sessions", json={"title": "via nginx"},  # Host rewritten, fetch metadata kept
+    # Host rewritten, fetch metadata kept
+    behind_a_proxy = client.post("/v1/sessions", json={"title": "via nginx"},
                                  headers=auth(BOB, Origin="https://chat.example", **{"Sec-Fetch-Site": "same-origin"}))
     assert behind_a_proxy.status_code == 201, behind_a_proxy.text
     same_site = client.post("/v1/sessions", json={"title": "x"},
@@ -124,7 +125,8 @@ def test_presets_belong_to_their_key_and_only_the_admin_shares_them(client: Test
                        headers=auth(ALICE)).status_code == 201
     assert names(BOB) == set()
     assert client.post("/v1/presets", json={"name": "mine", "system": "Bob's voice."},
-                       headers=auth(BOB)).status_code == 201  # names are per key: no clash, nothing learnt
+                       # names are per key: no clash, nothing learnt
+                       headers=auth(BOB)).status_code == 201
     assert_error(client.post("/v1/presets", json={"name": "house", "system": "x", "shared": True},
                              headers=auth(ALICE)), 403, "permission_denied")
     assert client.post("/v1/presets", json={"name": "house", "system": "The house style.", "shared": True},
@@ -145,8 +147,10 @@ def test_health_and_the_ui_need_no_key(client: TestClient):
     assert client.get("/health").status_code == 200
     assert client.get("/").status_code == 200
     assert_error(client.get("/v1/models"), 401, "invalid_api_key")
-    assert client.get("/v1/models", headers=auth(ADMIN)).status_code == 200  # the admin key is a key too
+    # the admin key is a key too
+    assert client.get("/v1/models", headers=auth(ADMIN)).status_code == 200
     assert client.get("/ping").status_code == 200 and client.get("/version").status_code == 200
     for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
-        assert_error(client.post(path, json=body), 401, "invalid_api_key")  # the tokenizer's work: keyed
+        # the tokenizer's work: keyed
+        assert_error(client.post(path, json=body), 401, "invalid_api_key")
         assert client.post(path, json=body, headers=auth(BOB)).status_code == 200

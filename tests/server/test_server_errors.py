@@ -270,7 +270,8 @@ def test_openapi_declares_path_parameters_and_metrics_as_text(api: httpx.Client)
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "201" in doc["paths"]["/v1/sessions"]["post"]["responses"]
     text = json.dumps(doc)
-    for keyword in ("ge", "gt", "le", "lt"):  # pydantic's names: a bound that did not become JSON Schema
+    # pydantic's names: a bound that did not become JSON Schema
+    for keyword in ("ge", "gt", "le", "lt"):
         assert f'"{keyword}":' not in text
     metrics = api.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -336,7 +337,8 @@ def test_dead_engine_answers_503_and_health_turns_503(in_process: TestClient):
     assert_engine_unavailable(in_process.post("/v1/chat/completions",
                                               json={"messages": HI, "max_tokens": 8, "stream": True}))
     assert_engine_unavailable(in_process.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8}))
-    assert in_process.get("/v1/models").status_code == 200  # what does not need the engine still answers
+    # what does not need the engine still answers
+    assert in_process.get("/v1/models").status_code == 200
 
 
 def test_non_streaming_request_in_flight_when_the_engine_dies_gets_503(in_process: TestClient):
@@ -405,7 +407,8 @@ def test_a_failed_request_ends_with_request_failed_and_the_server_keeps_serving(
     deadline = time.monotonic() + 10
     while in_process.app.state.server.engine.stats().kv_usage > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert in_process.app.state.server.engine.stats().kv_usage == 0  # the failed requests' blocks are free
+    # the failed requests' blocks are free
+    assert in_process.app.state.server.engine.stats().kv_usage == 0
 
 
 def test_client_gone_in_the_middle_of_its_body_is_one_log_line(in_process: TestClient,
@@ -429,7 +432,8 @@ def test_client_gone_in_the_middle_of_its_body_is_one_log_line(in_process: TestC
         in_process.portal.call(in_process.app, scope, receive, send)
     records = [r for r in caplog.records if r.levelno >= logging.INFO and r.name.startswith(("app", "starlette",
                                                                                               "uvicorn", "pagedchat"))]
-    assert len(records) == 1, [r.getMessage() for r in records]  # the access line: 499, no traceback
+    # the access line: 499, no traceback
+    assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].getMessage() == "POST /v1/chat/completions 499" and records[0].exc_info is None
     assert all(r.exc_info is None for r in caplog.records)
     assert sent[0]["status"] == 499

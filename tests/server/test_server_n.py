@@ -66,9 +66,11 @@ def test_chat_n3_greedy_gives_three_copies_of_the_single_answer_and_sums_their_t
     for choice in reply["choices"]:
         assert choice["message"] == {"role": "assistant", "content": expected.text}
         assert choice["finish_reason"] == expected.finish_reason
-        assert len(choice["logprobs"]["content"]) == len(expected.token_ids)  # each choice its own logprobs
+        # each choice its own logprobs
+        assert len(choice["logprobs"]["content"]) == len(expected.token_ids)
     usage = reply["usage"]
-    assert usage["prompt_tokens"] == len(offline_llm().chat_prompt_ids(SEA))  # once, not three times
+    # once, not three times
+    assert usage["prompt_tokens"] == len(offline_llm().chat_prompt_ids(SEA))
     assert usage["completion_tokens"] == 3 * len(expected.token_ids)
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 

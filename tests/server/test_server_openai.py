@@ -191,7 +191,8 @@ def test_json_schema_reply_parses_and_validates(client: openai.OpenAI, question:
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
                                                                 "strict": True}})
     choice = reply.choices[0]
-    assert choice.finish_reason == "stop", choice.message.content  # the grammar ended it, not max_tokens
+    # the grammar ended it, not max_tokens
+    assert choice.finish_reason == "stop", choice.message.content
     jsonschema.validate(json.loads(choice.message.content), CITY_SCHEMA)
 
 

@@ -84,7 +84,8 @@ def test_include_usage_adds_a_final_chunk_with_the_token_counts(server: RunningS
     chunks = stream_chunks(server, "/v1/chat/completions",
                            chat_body(SEA, stream_options={"include_usage": True}))
     *with_choices, last = chunks
-    assert all(c["choices"] and c["usage"] is None for c in with_choices)  # OpenAI: "usage": null until the end
+    # OpenAI: "usage": null until the end
+    assert all(c["choices"] and c["usage"] is None for c in with_choices)
     assert last["choices"] == []
     prompt_tokens, completion_tokens = num_chat_prompt_tokens(SEA), len(expected.token_ids)
     usage = last["usage"]
@@ -183,7 +184,8 @@ async def read_stream(client: httpx.AsyncClient, index: int, close_early: bool) 
         async for line in response.aiter_lines():
             lines.append(line)
             num_events = sum(x.startswith("data: ") for x in lines)
-            if close_early and num_events > CHUNKS_BEFORE_CLOSING:  # the role chunk, then content chunks
+            # the role chunk, then content chunks
+            if close_early and num_events > CHUNKS_BEFORE_CLOSING:
                 return {"closed": True}  # leaving the block closes the connection mid-stream
     return {"closed": False, "chunks": sse_chunks(sse_data(lines))}
 

@@ -133,7 +133,8 @@ def test_sessions_per_key_are_capped(client: TestClient):
     over = chat(client, "carol", [{"role": "user", "content": "Hi"}], "CarolsFourthSession001")
     assert_error(over, 429, "session_quota_exceeded")
     assert len(client.get("/v1/sessions", headers=auth("carol")).json()["data"]) == MAX_SESSIONS
-    assert client.post("/v1/sessions", json={}, headers=auth("erin")).status_code == 201  # each key its own cap
+    # each key its own cap
+    assert client.post("/v1/sessions", json={}, headers=auth("erin")).status_code == 201
 
 
 def test_a_full_session_takes_no_more_turns(client: TestClient):
@@ -148,7 +149,8 @@ def test_a_full_session_takes_no_more_turns(client: TestClient):
     assert_error(full, 400, "session_full", "session_id")
     assert str(MAX_SESSION_BYTES) in full.json()["error"]["message"]
     time.sleep(0.2)
-    assert len(stored(client, "frank", session_id, 2)["messages"]) == 2  # refused before anything was stored
+    # refused before anything was stored
+    assert len(stored(client, "frank", session_id, 2)["messages"]) == 2
     short = client.post(f"/v1/sessions/{session_id}/messages", json={"regenerate": True, "max_tokens": 2},
                         headers=auth("frank"))
     assert short.status_code == 200  # not locked by the refusal; a regeneration does not grow it
@@ -193,4 +195,5 @@ def test_default_max_tokens_is_capped_by_the_room_left(prompt_tokens: int, defau
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     assert body.sampling_params(prompt_tokens, MAX_MODEL_LEN, default).max_tokens == expected
     explicit = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
-    assert explicit.sampling_params(prompt_tokens, MAX_MODEL_LEN, default).max_tokens == 1  # given: not the default
+    # given: not the default
+    assert explicit.sampling_params(prompt_tokens, MAX_MODEL_LEN, default).max_tokens == 1

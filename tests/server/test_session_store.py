@@ -91,7 +91,8 @@ async def test_a_turn_finishing_after_its_id_was_taken_again_stores_nothing(stor
 async def test_a_stale_turn_cannot_overwrite_a_later_turn(store):
     session = Session(id=new_session_id())
     await store.create(session)
-    stale = await store.get(session.id, "")  # e.g. its lock expired while Redis was away, and another turn ran
+    # e.g. its lock expired while Redis was away, and another turn ran
+    stale = await store.get(session.id, "")
     later = await store.get(session.id, "")
     later.messages = [{"role": "user", "content": "later turn"}]
     assert await store.save_turn(later)
@@ -129,7 +130,8 @@ async def test_each_owner_keeps_at_most_its_cap_of_sessions(store):
         await store.create(Session(id=new_session_id(), owner="a"), max_sessions=3)
     with pytest.raises(SessionQuotaExceeded):
         await store.create_locked(Session(id=new_session_id(), owner="a"), lock_ttl_s=30, max_sessions=3)
-    assert await store.create(Session(id=new_session_id(), owner="b"), max_sessions=3)  # another owner's count
+    # another owner's count
+    assert await store.create(Session(id=new_session_id(), owner="b"), max_sessions=3)
     first = (await store.list("a", 10)).sessions[0]
     assert await store.delete(first.id, "a")
     assert await store.create(Session(id=new_session_id(), owner="a"), max_sessions=3)
@@ -175,7 +177,8 @@ async def test_presets_are_their_owners_or_shared(store):
                                                                         ("pirate", "a")]
     assert [(p.name, p.owner) for p in await store.list_presets("b")] == [("pirate", "")]
     assert len(await store.list_presets(None)) == 3
-    assert (await store.get_preset("pirate", "a")).system == "A's own pirate."  # its own before the shared one
+    # its own before the shared one
+    assert (await store.get_preset("pirate", "a")).system == "A's own pirate."
     assert (await store.get_preset("pirate", "b")).system == "Talk like a pirate."
     assert await store.get_preset("brief", "b") is None
     own = await store.get_preset("pirate", "a")
@@ -210,7 +213,8 @@ async def test_lost_redis_is_reported_and_recovered(redis_server: RedisServer):
         with pytest.raises(SessionStoreUnavailable):
             await store.ping()
         redis_server.start()
-        assert (await store.get(session.id, "")).title == "kept"  # AOF: nothing already stored is lost
+        # AOF: nothing already stored is lost
+        assert (await store.get(session.id, "")).title == "kept"
     finally:
         await store.close()
 
@@ -221,7 +225,8 @@ async def test_redis_cap_does_not_count_expired_sessions(redis_server: RedisServ
     try:
         kept, expiring = Session(id=new_session_id(), owner="a"), Session(id=new_session_id(), owner="a")
         assert await store.create(kept, max_sessions=2) and await store.create(expiring, max_sessions=2)
-        redis_server.client().delete(f"pagedchat:session:{expiring.id}")  # as if its TTL had run out
+        # as if its TTL had run out
+        redis_server.client().delete(f"pagedchat:session:{expiring.id}")
         assert await store.create(Session(id=new_session_id(), owner="a"), max_sessions=2)
         with pytest.raises(SessionQuotaExceeded):
             await store.create(Session(id=new_session_id(), owner="a"), max_sessions=2)
@@ -239,13 +244,15 @@ async def test_sqlite_sessions_survive_a_reopen_and_two_stores_on_one_file_share
     assert await first.save_turn(turn)
     await first.save_preset(Preset("terse", "Answer tersely."))
     await first.close()
-    second, third = SQLiteSessionStore(path, TTL_S), SQLiteSessionStore(path, TTL_S)  # (as two front processes)
+    # (as two front processes)
+    second, third = SQLiteSessionStore(path, TTL_S), SQLiteSessionStore(path, TTL_S)
     try:
         reopened = await second.get(session.id, "a")
         assert (reopened.title, reopened.messages, reopened.token_ids) == ("kept", turn.messages, [1, 2, 3])
         assert [p.name for p in await third.list_presets(None)] == ["terse"]
         token = await second.lock(session.id, 30)
-        assert token is not None and await third.lock(session.id, 30) is None  # one turn at a time, across both
+        # one turn at a time, across both
+        assert token is not None and await third.lock(session.id, 30) is None
         stale = await third.get(session.id, "a")
         assert await second.save_turn(reopened) and not await third.save_turn(stale)
     finally:

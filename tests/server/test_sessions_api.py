@@ -124,7 +124,8 @@ def test_preset_first_turn_hits_the_pinned_preset_blocks(server: RunningServer, 
     assert stored(server, session_id, 0)["system"] == system
     assert httpx.delete(server.url("/v1/presets/captain")).json()["deleted"] is True
     assert httpx.delete(server.url("/v1/presets/captain")).status_code == 404
-    assert say(server, session_id, "And ROM?")["choices"][0]["message"]["content"]  # sessions outlive presets
+    # sessions outlive presets
+    assert say(server, session_id, "And ROM?")["choices"][0]["message"]["content"]
 
 
 def test_chat_completions_with_a_session_header_keeps_history(server: RunningServer):
@@ -189,7 +190,8 @@ def test_reply_cut_by_the_client_is_stored_as_interrupted(server: RunningServer)
     assert reply["finish_reason"] == "abort"
     assert reply["content"].startswith(seen) and reply["usage"]["completion_tokens"] < 400
     wait_until_idle(server)
-    follow_up = say(server, session_id, "Go on.")  # unlocked, and the cut reply is part of the history
+    # unlocked, and the cut reply is part of the history
+    follow_up = say(server, session_id, "Go on.")
     assert follow_up["usage"]["prompt_tokens"] > reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]
 
 
@@ -198,7 +200,8 @@ def test_regenerate_answers_the_last_message_again_from_the_same_prompt(server: 
     first = say(server, session_id, "Give me a fruit.")
     stored(server, session_id, 2)
     again = post(server, f"/v1/sessions/{session_id}/messages", {"regenerate": True, **GREEDY}).json()
-    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]  # greedy
+    # greedy
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
     time.sleep(0.3)
     assert len(stored(server, session_id, 2)["messages"]) == 2
@@ -258,7 +261,8 @@ def test_bad_message_bodies_get_400_and_leave_the_session_usable(server: Running
     response = post(server, f"/v1/sessions/{session_id}/messages", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
-    assert say(server, session_id, "Hello", max_tokens=4)["usage"]["completion_tokens"] == 4  # not left locked
+    # not left locked
+    assert say(server, session_id, "Hello", max_tokens=4)["usage"]["completion_tokens"] == 4
 
 
 def test_redis_outage_gives_503_on_session_routes_only(server: RunningServer, redis_server: RedisServer):
@@ -291,7 +295,8 @@ def test_the_first_session_request_after_a_redis_restart_is_served(server: Runni
     session_id = new_session(server)
     stored(server, session_id, 0)
     redis_server.stop()
-    redis_server.start()  # the server's pooled connections are stale now: the first use of one fails
+    # the server's pooled connections are stale now: the first use of one fails
+    redis_server.start()
     assert httpx.get(server.url(f"/v1/sessions/{session_id}")).status_code == 200
     assert say(server, session_id, "Hi", max_tokens=2)["usage"]["completion_tokens"] == 2
 
@@ -306,7 +311,8 @@ def test_history_survives_a_server_restart_with_the_same_redis(redis_server: Red
         assert [m["content"] for m in body["messages"]] == ["What is the largest planet?",
                                                             first["choices"][0]["message"]["content"]]
         second = say(second_server, session_id, "And the smallest?")
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a cold cache after the restart
+        # a cold cache after the restart
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         stateless = stateless_second_turn(second_server, "What is the largest planet?", first, "And the smallest?")
         assert stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
 
@@ -315,7 +321,8 @@ def test_unreachable_redis_at_start_is_a_clear_error_and_a_non_zero_exit():
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     result = subprocess.run(server_command(free_port(), ["--redis-url", url]), env=server_env(), check=False,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2  # the operator's to fix, before the model loads (tests/server/test_startup_errors.py)
+    # the operator's to fix, before the model loads (tests/server/test_startup_errors.py)
+    assert result.returncode == 2
     assert f"no Redis answers at {url}" in result.stdout + result.stderr
 
 
@@ -340,7 +347,8 @@ def test_api_keys_are_tenants_for_sessions_and_prefix_blocks():
 
 def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server: RedisServer):
     client = redis_server.client()
-    huge = "You are a pirate who explains computers with long, colourful stories. " * 12  # ~170 tokens > 128
+    # ~170 tokens > 128
+    huge = "You are a pirate who explains computers with long, colourful stories. " * 12
     try:
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
             refused = post(server, "/v1/presets", {"name": "huge", "system": huge})
@@ -353,7 +361,8 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
         client.hset("pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"})
         client.sadd("pagedchat:presets", "huge")
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
-            deadline = time.monotonic() + 30  # (stored presets pin in the background after start-up, by name)
+            # (stored presets pin in the background after start-up, by name)
+            deadline = time.monotonic() + 30
             while "preset 'small': " not in server.log() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert "preset 'huge' skipped" in server.log() and "preset 'small': " in server.log()
@@ -395,14 +404,16 @@ def test_turn_end_with_redis_down_ends_normally_and_keeps_the_turn(redis_server:
             assert done - last_token < 4, "the answer ends within the write window, not when Redis returns"
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
             assert "kept in memory" in server.log()
-            shown = httpx.get(server.url(f"/v1/sessions/{session_id}"), timeout=30)  # Redis still away
+            # Redis still away
+            shown = httpx.get(server.url(f"/v1/sessions/{session_id}"), timeout=30)
             assert shown.status_code == 200 and shown.json()["turn_pending"] is True, "the session shows it pending"
             assert shown.json()["messages"][-1]["content"] == text
         finally:
             if redis_server.process is None:
                 redis_server.start()
 
-        kept = stored(server, session_id, 2)  # Redis is back: the kept turn is written (before it is read)
+        # Redis is back: the kept turn is written (before it is read)
+        kept = stored(server, session_id, 2)
         assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]
         assert kept["messages"][1]["content"] == text and kept["messages"][1]["usage"]["completion_tokens"] == 40
         follow_up = say(server, session_id, "Thanks.", max_tokens=4)  # the turn's lock was released
@@ -432,7 +443,8 @@ def test_start_up_never_waits_on_stored_presets_and_a_key_has_a_preset_quota(tmp
 
     async def store_many() -> None:
         store = SQLiteSessionStore(path, 3600)
-        for i in range(40):  # each is a prefill on the engine: tens of seconds in all on a small CPU
+        # each is a prefill on the engine: tens of seconds in all on a small CPU
+        for i in range(40):
             await store.save_preset(Preset(f"p{i}", f"You are helper number {i}. " + "Answer politely. " * 40))
         await store.close()
 

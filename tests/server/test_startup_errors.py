@@ -9,7 +9,8 @@ import pytest
 
 from tests.server_harness import REPO_ROOT, free_port, server_command, server_env
 
-LOADING = "Waiting for application startup"  # uvicorn's line as the lifespan (the model load) begins
+# uvicorn's line as the lifespan (the model load) begins
+LOADING = "Waiting for application startup"
 
 
 def start(*args: str, port: int | None = None) -> subprocess.CompletedProcess:

@@ -38,7 +38,8 @@ server = server_fixture()
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if reason := browser_missing():  # CI installs both (.ci/run, dev extras): missing is a failure, not a skip
+    # CI installs both (.ci/run, dev extras): missing is a failure, not a skip
+    if reason := browser_missing():
         pytest.fail(reason)
     with chromium() as browser:
         yield browser
@@ -87,7 +88,8 @@ def test_ui_is_served_at_root_without_a_build_step() -> None:
                  "/vendor/dompurify/purify.es.js"]:
         response = client.get(path)
         assert response.status_code == 200, path
-        assert response.headers["content-type"].startswith("text/javascript"), path  # module scripts need it
+        # module scripts need it
+        assert response.headers["content-type"].startswith("text/javascript"), path
     assert client.get("/style.css").headers["content-type"].startswith("text/css")
     for license_file in ["vendor/marked/LICENSE", "vendor/dompurify/LICENSE"]:
         assert (WEB_DIR / license_file).stat().st_size > 500
@@ -129,7 +131,8 @@ def test_markdown_rendering_never_yields_html_or_script(browser: Any, static_web
     page = browser.new_page()
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-    page.goto(static_web + "/index.html#no-app")  # a same-origin page from which to import the module
+    # a same-origin page from which to import the module
+    page.goto(static_web + "/index.html#no-app")
     result = page.evaluate("""async (text) => {
         const { renderInto } = await import('/markdown.js');
         const box = document.createElement('div');
@@ -194,7 +197,8 @@ def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(browser: Any
 
 
 def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(page: Any, server: RunningServer) -> None:
-    send_message(page, "Tell me a long story about a lighthouse keeper and the sea.")  # 16 tokens: it is cut
+    # 16 tokens: it is cut
+    send_message(page, "Tell me a long story about a lighthouse keeper and the sea.")
     reply = wait_for_reply(page)
     assert "cut at the token limit" in reply.locator(".stats").inner_text()
     assert reply.locator(".continue").is_visible()
@@ -234,7 +238,8 @@ def test_stop_ends_the_stream_keeps_the_partial_reply_and_frees_the_request(
 
     stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()["messages"][-1]
     assert stored["finish_reason"] == "abort"
-    assert stored["content"].startswith(partial)  # the server kept what was shown (and what it made meanwhile)
+    # the server kept what was shown (and what it made meanwhile)
+    assert stored["content"].startswith(partial)
     assert page.errors == []
     page.context.close()
 
@@ -252,7 +257,8 @@ def test_reload_brings_the_session_back_and_the_second_turn_hits_the_cache(page:
     assert session_id_of(page) == session_id
     assert page.locator("#messages .message.user .content").inner_text() == "Name three colours of the rainbow."
     assert page.locator("#messages .message.assistant .content").inner_text() == first
-    assert "prompt" in page.locator("#messages .message.assistant .stats").inner_text()  # from the stored usage
+    # from the stored usage
+    assert "prompt" in page.locator("#messages .message.assistant .stats").inner_text()
 
     send_message(page, "And three more?")
     second = wait_for_reply(page)
@@ -344,7 +350,8 @@ def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored
     assert any(all(n > 0 for n, _ in s) and any(busy for _, busy in s) for s in samples if len(s) == 3), samples
     boxes = [columns.nth(i).bounding_box() for i in range(3)]
     assert len({round(b["y"]) for b in boxes}) == 1 and boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"]
-    assert int(page.locator(".alternatives-usage").get_attribute("data-cached-tokens")) > 0  # the session's prompt
+    # the session's prompt
+    assert int(page.locator(".alternatives-usage").get_attribute("data-cached-tokens")) > 0
 
     ask = [r for r in requests if r.url.endswith("/v1/chat/completions")]
     assert len(ask) == 1 and "x-session-id" not in ask[0].headers
@@ -352,7 +359,8 @@ def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored
     assert body["n"] == 3 and body["stream"] is True
     assert body["messages"] == [{"role": "user", "content": "Name a fruit and say why you like it."}]
 
-    assert page.locator(".alternatives button", has_text="Keep").count() == 0  # the session API cannot store one
+    # the session API cannot store one
+    assert page.locator(".alternatives button", has_text="Keep").count() == 0
     stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()["messages"]
     assert [m["role"] for m in stored] == ["user", "assistant"]
     assert reply.locator(".content").inner_text() == shown

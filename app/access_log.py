@@ -5,6 +5,7 @@ reasons. The line is written when the response has ended, so a stream's line com
 The request id is the client's ``X-Request-ID`` when it is a plain token (letters, digits, ``._-``, at most 64),
 else a fresh one; it is sent back in ``X-Request-ID``. Health probes and scrapes are not logged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,17 +49,26 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", request_id.encode())]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", ()),
+                        (b"x-request-id", request_id.encode()),
+                    ],
+                }
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             if scope["path"] not in _QUIET and logger.isEnabledFor(logging.INFO):
-                fields = {"request_id": request_id, "status": status or 500,
-                          "ms": round(1000 * (time.monotonic() - start), 1), **generation_fields(state)}
-                logger.info('%s %s %d', scope["method"], scope["path"], status or 500, extra=fields)
+                fields = {
+                    "request_id": request_id,
+                    "status": status or 500,
+                    "ms": round(1000 * (time.monotonic() - start), 1),
+                    **generation_fields(state),
+                }
+                logger.info("%s %s %d", scope["method"], scope["path"], status or 500, extra=fields)
 
 
 def generation_fields(state: dict[str, Any]) -> dict[str, Any]:
@@ -68,8 +78,10 @@ def generation_fields(state: dict[str, Any]) -> dict[str, Any]:
         return {}
     ttfts = [s.first_token_time - s.arrival for s in streams if s.first_token_time is not None]
     reasons = sorted({r for s in streams for r in s.finish_reasons})
-    return {"prompt_tokens": sum(s.num_prompt_tokens for s in streams),
-            "cached_tokens": sum(s.num_cached_tokens for s in streams),
-            "completion_tokens": sum(s.num_completion_tokens for s in streams),
-            "ttft_ms": round(1000 * min(ttfts), 1) if ttfts else None,
-            "finish_reason": ",".join(reasons) if reasons else None}
+    return {
+        "prompt_tokens": sum(s.num_prompt_tokens for s in streams),
+        "cached_tokens": sum(s.num_cached_tokens for s in streams),
+        "completion_tokens": sum(s.num_completion_tokens for s in streams),
+        "ttft_ms": round(1000 * min(ttfts), 1) if ttfts else None,
+        "finish_reason": ",".join(reasons) if reasons else None,
+    }

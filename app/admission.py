@@ -2,6 +2,7 @@
 model's name, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full and 400 for a
 request the engine refuses; it says whose request it is (tenant, scheduling tenant, admin) and which prefix-cache
 salt it gets; and it hands the request to the engine, as a TimedStream that records its latencies."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,12 @@ class Admission:
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
-            raise APIError(404, f"model: {requested!r} is not served here (this server serves "
-                                f"{self.model_name!r})", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model: {requested!r} is not served here (this server serves {self.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
 
     @staticmethod
     def tenant(request: Request) -> str:
@@ -64,8 +69,15 @@ class Admission:
             return requested
         return f"{tenant}/{requested}" if requested is not None else tenant
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                     arrival: float, request: Request | None = None, priority: int = 0) -> TimedStream:
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        arrival: float,
+        request: Request | None = None,
+        priority: int = 0,
+    ) -> TimedStream:
         """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
         schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
         ``request``, the engine shares its steps fairly between the request's tenant and others
@@ -89,8 +101,9 @@ class Admission:
         # (again, with no await before the submission: the compile above took time)
         self._check_queue(tenant)
         try:
-            stream = self.engine.generate(prompt_ids, params, cache_salt=cache_salt, tenant=tenant,
-                                          priority=priority)
+            stream = self.engine.generate(
+                prompt_ids, params, cache_salt=cache_salt, tenant=tenant, priority=priority
+            )
         except EngineDeadError as exc:
             raise EngineUnavailable(f"the engine is not running: {exc}") from None
         except ValueError as exc:
@@ -104,8 +117,17 @@ class Admission:
         """429 when the queue (requests waiting for their first token) is full, or this tenant's part of it."""
         queued = self.engine.num_queued
         if queued >= self.max_queue:
-            raise APIError(429, f"the server is busy: {queued} requests are waiting; retry shortly",
-                           code="queue_full", headers={"Retry-After": _RETRY_AFTER_S})
+            raise APIError(
+                429,
+                f"the server is busy: {queued} requests are waiting; retry shortly",
+                code="queue_full",
+                headers={"Retry-After": _RETRY_AFTER_S},
+            )
         if self.engine.num_queued_for(tenant) >= self.max_queue_per_tenant:
-            raise APIError(429, f"too many of your requests are waiting ({self.max_queue_per_tenant}); retry once "
-                                "some have started", code="tenant_queue_full", headers={"Retry-After": _RETRY_AFTER_S})
+            raise APIError(
+                429,
+                f"too many of your requests are waiting ({self.max_queue_per_tenant}); retry once "
+                "some have started",
+                code="tenant_queue_full",
+                headers={"Retry-After": _RETRY_AFTER_S},
+            )

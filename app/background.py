@@ -1,5 +1,6 @@
 """Tasks the server starts and keeps referenced until they end (turns being stored after their stream, lock
 refreshes), so none is garbage-collected mid-way, and which shutdown waits for."""
+
 from __future__ import annotations
 
 import asyncio

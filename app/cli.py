@@ -6,6 +6,7 @@ described in app/engine_options.py and app/server_options.py (help, choices, uni
 tests/server/test_cli.py checks that every field of the dataclasses has its flag. Building the parser imports no
 torch, so ``--help`` and ``--version`` are instant; the dataclasses are imported when a command runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,25 @@ def _add_options(group: argparse._ArgumentGroup, options: tuple[Option, ...]) ->
     """Every flag defaults to None: a flag not given leaves the dataclass's default (or environment) in place."""
     for option in options:
         if option.kind == "bool":
-            group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None,
-                               help=option.help_text())
+            group.add_argument(
+                option.flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=option.help_text(),
+            )
         else:
-            group.add_argument(option.flag, type=_value_type(option), default=None, choices=option.choices,
-                               metavar="SIZE" if option.kind == "bytes" else None if option.choices else
-                               option.name.upper(), help=option.help_text())
+            group.add_argument(
+                option.flag,
+                type=_value_type(option),
+                default=None,
+                choices=option.choices,
+                metavar="SIZE"
+                if option.kind == "bytes"
+                else None
+                if option.choices
+                else option.name.upper(),
+                help=option.help_text(),
+            )
 
 
 def _value_type(option: Option) -> Any:
@@ -46,8 +60,11 @@ def _value_type(option: Option) -> Any:
         try:
             return convert(text.lower() if option.choices else text)
         except ValueError as exc:  # argparse prints it as "argument --flag: ..." and exits 2
-            raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if option.kind == "bytes" else
-                                             f"invalid {option.kind} value: {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {exc}"
+                if option.kind == "bytes"
+                else f"invalid {option.kind} value: {text!r}"
+            ) from None
 
     value.__name__ = option.kind
     return value
@@ -67,39 +84,70 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
     positional = getattr(args, "model_positional", None)
     if positional is not None:
         if args.model is not None and args.model != positional:
-            raise ValueError(f"model: given twice ({positional!r} and --model {args.model!r}); give one")
+            raise ValueError(
+                f"model: given twice ({positional!r} and --model {args.model!r}); give one"
+            )
         args.model = positional
-    return ServerSettings(engine=engine_config_from_args(args), **_given(args, ServerSettings, {"engine"}))
+    return ServerSettings(
+        engine=engine_config_from_args(args), **_given(args, ServerSettings, {"engine"})
+    )
 
 
 def _given(args: argparse.Namespace, cls: type, skip: set[str]) -> dict[str, Any]:
     import dataclasses
 
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-            if f.name not in skip and getattr(args, f.name, None) is not None}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and getattr(args, f.name, None) is not None
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedchat", description="Self-hosted LLM chat on a paged KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="pagedchat", description="Self-hosted LLM chat on a paged KV cache."
+    )
     parser.add_argument("--version", action="version", version=f"pagedchat {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible API, sessions, chat UI",
-                           description="The HTTP server: OpenAI-compatible API, sessions, chat UI. Sizes take "
-                                       "units (4MiB, 512KiB); a flag not given keeps its default, or its "
-                                       "environment variable where one is named.")
-    serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
-                       help="The model, as --model (a local Hugging Face directory, a .gguf file or a hub id). "
-                            "Default: the embedded SmolLM2-135M-Instruct.")
+    serve = sub.add_parser(
+        "serve",
+        help="the HTTP server: OpenAI-compatible API, sessions, chat UI",
+        description="The HTTP server: OpenAI-compatible API, sessions, chat UI. Sizes take "
+        "units (4MiB, 512KiB); a flag not given keeps its default, or its "
+        "environment variable where one is named.",
+    )
+    serve.add_argument(
+        "model_positional",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="The model, as --model (a local Hugging Face directory, a .gguf file or a hub id). "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )
     _add_options(serve.add_argument_group("server"), SERVER_OPTIONS)
     add_engine_options(serve)
-    chat = sub.add_parser("chat", help="stream a chat with the model in this terminal",
-                          description="A streaming chat with the model in this terminal (the engine, no server).")
+    chat = sub.add_parser(
+        "chat",
+        help="stream a chat with the model in this terminal",
+        description="A streaming chat with the model in this terminal (the engine, no server).",
+    )
     chat.add_argument("--system", default=None, help="The system prompt. Default: none.")
-    chat.add_argument("--max-tokens", type=int, default=256, help="Most tokens per reply. Default: 256.")
-    chat.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature (0: greedy). "
-                                                                     "Default: 0.7.")
-    chat.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
-                      help="How much is logged. Default: info.")
+    chat.add_argument(
+        "--max-tokens", type=int, default=256, help="Most tokens per reply. Default: 256."
+    )
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="Sampling temperature (0: greedy). Default: 0.7.",
+    )
+    chat.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="How much is logged. Default: info.",
+    )
     add_engine_options(chat)
     return parser
 
@@ -131,9 +179,12 @@ async def _stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> str:
         print(out.text_delta, end="", flush=True)
     elapsed = time.perf_counter() - start
     rate = len(out.token_ids) / (elapsed - (first - start)) if elapsed > first - start else 0.0
-    print(f"\n[{len(out.token_ids)} tokens, TTFT {1000 * (first - start):.0f} ms, {rate:.1f} tok/s, "
-          f"prompt {out.num_prompt_tokens} tokens of which {out.num_cached_tokens} cached, "
-          f"finish: {out.finish_reason}]", file=sys.stderr)
+    print(
+        f"\n[{len(out.token_ids)} tokens, TTFT {1000 * (first - start):.0f} ms, {rate:.1f} tok/s, "
+        f"prompt {out.num_prompt_tokens} tokens of which {out.num_cached_tokens} cached, "
+        f"finish: {out.finish_reason}]",
+        file=sys.stderr,
+    )
     return out.text
 
 

@@ -3,6 +3,7 @@
 Every failure the server reports goes through APIError, so clients (the openai package included) read one
 format; ``param`` names the offending field where there is one.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,17 +12,37 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "service_unavailable_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 # pydantic's wording for a broken bound, in the engine's ("must be >= 0"), with the bound from the error's context
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -30,8 +51,14 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -93,7 +120,11 @@ def _field_path(loc: tuple) -> list[str]:
 
 
 def _is_field_name(part: str) -> bool:
-    return part.isidentifier() and part.islower() and part not in {"str", "int", "float", "bool", "list", "dict"}
+    return (
+        part.isidentifier()
+        and part.islower()
+        and part not in {"str", "int", "float", "bool", "list", "dict"}
+    )
 
 
 class EngineUnavailable(APIError):
@@ -126,4 +157,6 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", None) or "error"
     headers = dict(getattr(exc, "headers", None) or {})
-    return APIError(status, f"{request.method} {request.url.path}: {detail}", headers=headers).response()
+    return APIError(
+        status, f"{request.method} {request.url.path}: {detail}", headers=headers
+    ).response()

@@ -5,6 +5,7 @@ the core and the fronts; each front attaches to the core as one of its clients a
 connections on the shared listening socket. What depends on the number of fronts is here: the share of the
 request queue each admits, and which one pins the stored presets at start-up.
 """
+
 from __future__ import annotations
 
 import math

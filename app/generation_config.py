@@ -1,6 +1,7 @@
 """The model's own sampling defaults (``generation_config.json``: temperature, top_p, top_k, min_p,
 repetition_penalty), applied to every request that does not set them, as vLLM does with
 ``--generation-config auto``; ``none`` keeps the OpenAI defaults (temperature 1, no truncation)."""
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,19 @@ def model_sampling_defaults(model_path: str | None) -> dict[str, Any]:
         value = config.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                or not valid(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not valid(value)
+        ):
             logger.warning("%s: %s=%r is out of range; not applied", path, name, value)
             continue
         defaults[name] = int(value) if name == "top_k" else float(value)
     if defaults:
-        logger.info("the model's sampling defaults apply to requests that do not set them: %s "
-                    "(--generation-config none: OpenAI's)", defaults)
+        logger.info(
+            "the model's sampling defaults apply to requests that do not set them: %s "
+            "(--generation-config none: OpenAI's)",
+            defaults,
+        )
     return defaults

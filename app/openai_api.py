@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions (streaming over SSE or not), /v1/models and
 /v1/models/{model}."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,14 @@ async def chat_completions(request: Request) -> Response:
         return await server.session_chat(request, server.sessions, body, session_id, arrival)
     replies, admission = server.replies, server.admission
     prompt_ids = await replies.render_chat(body.messages, body.chat_template_kwargs)
-    stream = await admission.submit(prompt_ids, replies.sampling_params(body, len(prompt_ids)),
-                                    admission.cache_salt(request, body.cache_salt), arrival, request, body.priority)
+    stream = await admission.submit(
+        prompt_ids,
+        replies.sampling_params(body, len(prompt_ids)),
+        admission.cache_salt(request, body.cache_salt),
+        arrival,
+        request,
+        body.priority,
+    )
     return await replies.answer_chat(request, body, stream)
 
 
@@ -57,26 +64,44 @@ async def completions(request: Request) -> Response:
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(await server.admission.submit(ids, p, salt, arrival, request, body.priority))
+            streams.append(
+                await server.admission.submit(ids, p, salt, arrival, request, body.priority)
+            )
     except APIError:
         for stream in streams:
             await stream.aclose()
         raise
     echoes = [await server.prompts.decode(ids) if body.echo else "" for ids in prompts]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    header = ResponseHeader.new("text_completion", server.model_name, "cmpl", include_usage and body.stream,
-                                body.return_token_ids)
+    header = ResponseHeader.new(
+        "text_completion",
+        server.model_name,
+        "cmpl",
+        include_usage and body.stream,
+        body.return_token_ids,
+    )
     if body.stream:
-        return sse_response(_completion_chunks(server.replies, header, streams, echoes, body.n, include_usage))
+        return sse_response(
+            _completion_chunks(server.replies, header, streams, echoes, body.n, include_usage)
+        )
     results = await cancel_on_disconnect(request, asyncio.gather(*(s.collect() for s in streams)))
     choices = []
     for prompt, finals in enumerate(results):
         kept = best_choices(finals, body.n) if body.best_of is not None else finals
         for out in kept:
             logprobs = await _completion_logprobs(server.replies, out.logprobs, len(echoes[prompt]))
-            choices.append(header.choice_ids(completion_choice(prompt * body.n + out.index, echoes[prompt] + out.text,
-                                                               out.finish_reason, logprobs, out.stop_reason),
-                                             out.token_ids))
+            choices.append(
+                header.choice_ids(
+                    completion_choice(
+                        prompt * body.n + out.index,
+                        echoes[prompt] + out.text,
+                        out.finish_reason,
+                        logprobs,
+                        out.stop_reason,
+                    ),
+                    out.token_ids,
+                )
+            )
     usage = sum_usage([samples_usage([out.usage for out in finals]) for finals in results])
     return JSONResponse(header.wrap(choices, usage))
 
@@ -85,8 +110,14 @@ async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
     return await server.prompts.encode(prompt) if isinstance(prompt, str) else prompt
 
 
-async def _completion_chunks(replies: ReplyWriter, header: ResponseHeader, streams: list[TimedStream],
-                             echoes: list[str], n: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _completion_chunks(
+    replies: ReplyWriter,
+    header: ResponseHeader,
+    streams: list[TimedStream],
+    echoes: list[str],
+    n: int,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
     """Choice ``prompt * n + sample`` (a streamed best_of equals n: protocol/completions.py), each one's chunks as
     they come."""
     offsets = [len(echoes[i // n]) for i in range(len(streams) * n)]  # per choice
@@ -99,16 +130,22 @@ async def _completion_chunks(replies: ReplyWriter, header: ResponseHeader, strea
         logprobs = await _completion_logprobs(replies, out.logprobs_delta, offsets[i])
         offsets[i] += len(out.text_delta)
         if replies.worth_a_chunk(header, out, logprobs):
-            choice = completion_choice(i, out.text_delta, out.finish_reason, logprobs, out.stop_reason)
+            choice = completion_choice(
+                i, out.text_delta, out.finish_reason, logprobs, out.stop_reason
+            )
             yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
         if out.finished:
             finals[i] = out
     if include_usage:
-        per_prompt = [[finals[i].usage for i in range(p * n, (p + 1) * n)] for p in range(len(streams))]
+        per_prompt = [
+            [finals[i].usage for i in range(p * n, (p + 1) * n)] for p in range(len(streams))
+        ]
         yield header.wrap([], sum_usage([samples_usage(usages) for usages in per_prompt]))
 
 
-async def _completion_logprobs(replies: ReplyWriter, entries: list | None, offset: int) -> dict[str, Any] | None:
+async def _completion_logprobs(
+    replies: ReplyWriter, entries: list | None, offset: int
+) -> dict[str, Any] | None:
     if not entries:
         return None
     return completion_logprobs(entries, await replies.token_texts(entries), offset)
@@ -168,8 +205,14 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 
 def _model_card(server: Serving) -> dict[str, Any]:
-    return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "pagedchat",
-            "root": server.engine.info.model_id, "max_model_len": server.max_model_len}
+    return {
+        "id": server.model_name,
+        "object": "model",
+        "created": server.started,
+        "owned_by": "pagedchat",
+        "root": server.engine.info.model_id,
+        "max_model_len": server.max_model_len,
+    }
 
 
 routes = [

@@ -6,20 +6,32 @@ This module imports nothing heavy (no torch), so ``pagedchat --help`` answers at
 checked where they are used, by EngineConfig and ServerSettings (whose defaults ``--help`` shows, as the
 ``default`` text here: tests/server/test_cli.py holds the two together, and checks that every field has an option).
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kib|kb|mib|mb|gib|gb)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1, "b": 1, "kib": 2**10, "kb": 10**3, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9}
+_UNITS = {
+    None: 1,
+    "b": 1,
+    "kib": 2**10,
+    "kb": 10**3,
+    "mib": 2**20,
+    "mb": 10**6,
+    "gib": 2**30,
+    "gb": 10**9,
+}
 
 
 def parse_bytes(text: str) -> int:
     """A size in bytes: a number with an optional unit (``4MiB``, ``512KiB``, ``1GB``, ``4096``)."""
     match = _SIZE.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a size (a number with an optional unit: B, KiB, MiB, GiB, KB, MB, GB)")
+        raise ValueError(
+            f"{text!r} is not a size (a number with an optional unit: B, KiB, MiB, GiB, KB, MB, GB)"
+        )
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower() or None])
 
 

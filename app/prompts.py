@@ -3,6 +3,7 @@
 The renderer owns a private copy of the tokenizer used from one worker thread only, so a long prompt never
 blocks the event loop and the engine thread's detokenizer never shares a (not thread-safe) Rust tokenizer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +31,9 @@ class PromptRenderer:
         """False for dummy weights: prompts must be token ids, and outputs have no text."""
         return self._tokenizer is not None
 
-    async def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ending with the assistant's
         generation prompt; ``template_kwargs`` are extra template variables (e.g. Qwen3's enable_thinking)."""
         self._require()
@@ -58,14 +61,18 @@ class PromptRenderer:
 
     def _require(self) -> Any:
         if self._tokenizer is None:
-            raise NoTokenizer("prompt: this model has no tokenizer (dummy weights); send token ids to "
-                              "/v1/completions")
+            raise NoTokenizer(
+                "prompt: this model has no tokenizer (dummy weights); send token ids to "
+                "/v1/completions"
+            )
         return self._tokenizer
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _render_chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+    def _render_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]
+    ) -> list[int]:
         return chat_prompt_ids(self._tokenizer, messages, **template_kwargs)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -1,6 +1,7 @@
 """Reading a request: a JSON body (415 for any other media type: a browser page on another site can send
 ``text/plain`` or a form without asking, but not ``application/json``), under a size cap, parsed into a pydantic
 model (413 / 400 otherwise); and running a handler's work only as long as its client is still connected."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,9 @@ async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
         raise APIError.bad_request("the request body must be a JSON object")
     top = _top_level_fields(body)
     _check_message_count(model, top)
-    schema, body = _set_schema_aside(top, body) if "response_format" in model.model_fields else (None, body)
+    schema, body = (
+        _set_schema_aside(top, body) if "response_format" in model.model_fields else (None, body)
+    )
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
@@ -50,9 +53,14 @@ def _set_schema_aside(top: dict[str, msgspec.Raw] | None, body: bytes) -> tuple[
     body as text, ``{}`` in its place: pydantic would build and check every value of it on the event loop (67 ms
     for 400,000 enum values), the grammar worker parses it anyway. Anything unexpected leaves the body as it is."""
     try:
-        response_format = _raw_object.decode(top["response_format"]) if top and "response_format" in top else None
-        spec = _raw_object.decode(response_format["json_schema"]) if response_format and \
-            "json_schema" in response_format else None
+        response_format = (
+            _raw_object.decode(top["response_format"]) if top and "response_format" in top else None
+        )
+        spec = (
+            _raw_object.decode(response_format["json_schema"])
+            if response_format and "json_schema" in response_format
+            else None
+        )
     except msgspec.DecodeError:
         return None, body
     raw = spec.get("schema") if spec else None
@@ -91,8 +99,9 @@ def _check_message_count(model: type[BaseModel], top: dict[str, msgspec.Raw] | N
     except msgspec.DecodeError:
         return  # (not a list: pydantic says so)
     if count > MAX_MESSAGES:
-        raise APIError.bad_request(f"messages: at most {MAX_MESSAGES} messages per request (got {count})",
-                                   param="messages")
+        raise APIError.bad_request(
+            f"messages: at most {MAX_MESSAGES} messages per request (got {count})", param="messages"
+        )
 
 
 def _note_unknown_fields(path: str, model: type[BaseModel], top: dict[str, msgspec.Raw]) -> None:
@@ -104,15 +113,21 @@ def _note_unknown_fields(path: str, model: type[BaseModel], top: dict[str, msgsp
     for name in top:
         if name not in known and (path, name) not in _WARNED and len(_WARNED) < _MAX_WARNED:
             _WARNED.add((path, name))
-            logger.warning("%s: the field %r is not supported and was ignored (logged once)", path, name[:64])
+            logger.warning(
+                "%s: the field %r is not supported and was ignored (logged once)", path, name[:64]
+            )
 
 
 def require_json(request: Request) -> None:
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         shown = media_type or "none"
-        raise APIError(415, f"Content-Type: the body must be application/json (got {shown})",
-                       param="Content-Type", code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"Content-Type: the body must be application/json (got {shown})",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -128,15 +143,22 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                 raise _too_large(max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
-        logger.debug("client went away while sending the body of %s %s (%d bytes read)", request.method,
-                    request.url.path, size)
+        logger.debug(
+            "client went away while sending the body of %s %s (%d bytes read)",
+            request.method,
+            request.url.path,
+            size,
+        )
         raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
 def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"request body: larger than the server's limit of {max_bytes} bytes",
-                    code="request_too_large")
+    return APIError(
+        413,
+        f"request body: larger than the server's limit of {max_bytes} bytes",
+        code="request_too_large",
+    )
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -10,6 +10,7 @@ state-changing requests that carry a foreign ``Origin`` are refused with 403 unl
 it (CORS, through Starlette's middleware, then lets that page read the answers). The UI's own requests are
 same-origin and pass.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,11 +40,20 @@ def security_middleware(settings: ServerSettings) -> list[Middleware]:
     origins = settings.origins
     middleware = []
     if origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
-                                     allow_headers=["Authorization", "Content-Type", "X-Session-ID"],
-                                     expose_headers=["X-Session-ID", "Retry-After"], max_age=600))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["*"],
+                allow_headers=["Authorization", "Content-Type", "X-Session-ID"],
+                expose_headers=["X-Session-ID", "Retry-After"],
+                max_age=600,
+            )
+        )
     middleware.append(Middleware(OriginGuard, allowed_origins=origins))
-    middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, admin_key=settings.admin_api_key))
+    middleware.append(
+        Middleware(ApiKeyMiddleware, keys=settings.api_keys, admin_key=settings.admin_api_key)
+    )
     return middleware
 
 
@@ -63,8 +73,12 @@ class ApiKeyMiddleware:
             return
         key, tenant = self._match(Headers(scope=scope).get("authorization", ""))
         if self._keys and tenant is None and scope["path"].startswith(KEYED_PATHS):
-            error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            error = APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await error.response()(scope, receive, send)
             return
         state = scope.setdefault("state", {})
@@ -101,9 +115,13 @@ class OriginGuard:
             headers = Headers(scope=scope)
             origin = headers.get("origin")
             if origin is not None and not self._same_or_allowed(origin, headers):
-                error = APIError(403, f"Origin: cross-origin requests from {origin!r} are refused (a browser page on "
-                                 "another site); start the server with --allowed-origins to allow it",
-                                 param="Origin", code="cross_origin_refused")
+                error = APIError(
+                    403,
+                    f"Origin: cross-origin requests from {origin!r} are refused (a browser page on "
+                    "another site); start the server with --allowed-origins to allow it",
+                    param="Origin",
+                    code="cross_origin_refused",
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -113,4 +131,6 @@ class OriginGuard:
             return True
         if headers.get("sec-fetch-site") == "same-origin":
             return True
-        return origin != "null" and urlsplit(origin).netloc.lower() == headers.get("host", "").lower()
+        return (
+            origin != "null" and urlsplit(origin).netloc.lower() == headers.get("host", "").lower()
+        )

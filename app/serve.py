@@ -13,6 +13,7 @@ app/server.py, attached to the core as client i and accepting on the shared sock
 - A front exits on its own (it failed to start, or crashed): the others are stopped, then the core.
 - This process is killed: the kernel ends the fronts and the core (PR_SET_PDEATHSIG).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,7 +78,9 @@ def preflight(settings: ServerSettings) -> None:
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
         if not (path / "config.json").is_file():
-            raise PreflightError(f"model: {engine.model} is not a Hugging Face model directory (no config.json)")
+            raise PreflightError(
+                f"model: {engine.model} is not a Hugging Face model directory (no config.json)"
+            )
     if settings.redis_url is not None:
         _check_redis(settings.redis_url)
 
@@ -88,13 +91,16 @@ def _check_redis(url: str) -> None:
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
     except ValueError as exc:
-        raise PreflightError(f"redis_url: {url!r} is not a Redis URL ({exc}); e.g. redis://localhost:6379/0") \
-            from None
+        raise PreflightError(
+            f"redis_url: {url!r} is not a Redis URL ({exc}); e.g. redis://localhost:6379/0"
+        ) from None
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise PreflightError(f"redis_url: no Redis answers at {url} ({exc}); start it, fix --redis-url, or leave "
-                             "it unset to keep sessions in memory") from None
+        raise PreflightError(
+            f"redis_url: no Redis answers at {url} ({exc}); start it, fix --redis-url, or leave "
+            "it unset to keep sessions in memory"
+        ) from None
     finally:
         client.close()
 
@@ -110,24 +116,35 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise PreflightError(f"port: cannot listen on {host}:{port} ({exc.strerror or exc}); another server may "
-                             "hold it: stop it or choose another --port") from None
+        raise PreflightError(
+            f"port: cannot listen on {host}:{port} ({exc.strerror or exc}); another server may "
+            "hold it: stop it or choose another --port"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
 
-def run_server(app: Any, settings: ServerSettings, sockets: list[socket.socket] | None = None) -> int:
+def run_server(
+    app: Any, settings: ServerSettings, sockets: list[socket.socket] | None = None
+) -> int:
     """Serve ``app`` with uvicorn until stopped (on ``sockets`` if given, else on host:port); the exit status: 0
     after a normal stop, CONFIG_ERROR when the engine refused its configuration at start-up (one line says why),
     START_FAILED when start-up failed otherwise, ENGINE_DIED when the engine failed (with
     ``exit_on_engine_death``)."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s, log_config=None,
-                            proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips,
-                            # (app/access_log.py writes one line per request, with its numbers)
-                            access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        log_config=None,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
+        # (app/access_log.py writes one line per request, with its numbers)
+        access_log=False,
+    )
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     try:
@@ -153,9 +170,14 @@ def run_api_servers(settings: ServerSettings, listener: socket.socket) -> int:
     level = logging.getLogger().getEffectiveLevel()
     core = launch_core(settings.engine, count, level, settings.log_format)
     spawn = multiprocessing.get_context("spawn")
-    fronts = [spawn.Process(target=run_front, name=f"pagedchat-api-server-{i}",
-                            args=(settings, Front(endpoint, i, count), listener, level))
-              for i, endpoint in enumerate(core.endpoints)]
+    fronts = [
+        spawn.Process(
+            target=run_front,
+            name=f"pagedchat-api-server-{i}",
+            args=(settings, Front(endpoint, i, count), listener, level),
+        )
+        for i, endpoint in enumerate(core.endpoints)
+    ]
     stopping = False
 
     def stop_fronts(signum: int | None = None, frame: Any = None) -> None:
@@ -173,8 +195,12 @@ def run_api_servers(settings: ServerSettings, listener: socket.socket) -> int:
         for front in fronts:
             front.start()
         listener.close()  # each front holds its own copy
-        logger.info("%d front processes (pids %s) over one engine core (pid %d)", count,
-                    ", ".join(str(f.pid) for f in fronts), core.process.pid)
+        logger.info(
+            "%d front processes (pids %s) over one engine core (pid %d)",
+            count,
+            ", ".join(str(f.pid) for f in fronts),
+            core.process.pid,
+        )
         statuses = _supervise(fronts, core.process, stop_fronts, lambda: stopping)
     finally:
         for sig, handler in previous.items():
@@ -201,13 +227,20 @@ def _supervise(fronts: list, core: Any, stop_fronts: Any, stopping: Any) -> list
         for sentinel in multiprocessing.connection.wait(watched):
             if sentinel == core.sentinel:
                 core_watched = False
-                logger.error("the engine core exited (status %s); the fronts end their streams", core.exitcode)
+                logger.error(
+                    "the engine core exited (status %s); the fronts end their streams",
+                    core.exitcode,
+                )
                 continue
             front = waiting.pop(sentinel)
             front.join()
             statuses.append(front.exitcode)
             if not stopping():
-                logger.error("front process %s exited (status %s); stopping the others", front.name, front.exitcode)
+                logger.error(
+                    "front process %s exited (status %s); stopping the others",
+                    front.name,
+                    front.exitcode,
+                )
                 stop_fronts()
     return statuses
 
@@ -220,7 +253,9 @@ def _stop_core(core: Any) -> None:
     core.join()
 
 
-def run_front(settings: ServerSettings, front: Front, listener: socket.socket, log_level: int) -> None:
+def run_front(
+    settings: ServerSettings, front: Front, listener: socket.socket, log_level: int
+) -> None:
     """A front process's entry point (spawned: picklable by name)."""
     os.setpgrp()  # a terminal's Ctrl-C goes to the runner, which passes it on once
     if sys.platform.startswith("linux"):  # the runner killed: this front ends too

@@ -1,5 +1,6 @@
 """create_app(settings) -> the Starlette application. Its lifespan starts the AsyncEngine (model load, KV
 sizing, a warm-up request) and the session store, and stops them on shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,16 +55,30 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 _WATCH_S = 0.5  # how often the engine's health is looked at
 
 OPERATIONS = [
-    Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
-    Operation("/v1/completions", "POST", "Text completion (OpenAI)", CompletionRequest, streams=True),
+    Operation(
+        "/v1/chat/completions",
+        "POST",
+        "Chat completion (OpenAI)",
+        ChatCompletionRequest,
+        streams=True,
+    ),
+    Operation(
+        "/v1/completions", "POST", "Text completion (OpenAI)", CompletionRequest, streams=True
+    ),
     Operation("/v1/models", "GET", "The served model"),
-    Operation("/v1/models/{model_id}", "GET", "The served model's card (404 for another name)",
-              path_params={"model_id": "the model's name"}),
+    Operation(
+        "/v1/models/{model_id}",
+        "GET",
+        "The served model's card (404 for another name)",
+        path_params={"model_id": "the model's name"},
+    ),
     Operation("/health", "GET", "200 while the engine runs, 503 once it failed"),
     Operation("/ping", "GET", "As /health"),
     Operation("/version", "GET", "The server's version"),
     *tokenize_api.OPERATIONS,
-    Operation("/metrics", "GET", "Prometheus metrics (text exposition format)", content_type="text/plain"),
+    Operation(
+        "/metrics", "GET", "Prometheus metrics (text exposition format)", content_type="text/plain"
+    ),
     *sessions_api.OPERATIONS,
     *presets.OPERATIONS,
 ]
@@ -88,15 +103,25 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
         routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
-    app = Starlette(routes=routes, middleware=[Middleware(OneLineStartupErrors), Middleware(AccessLog),
-                                               *security_middleware(settings)],
-                    lifespan=_lifespan,
-                    exception_handlers={
-                        APIError: api_error_handler, HTTPException: http_error_handler,
-                        EngineDeadError: engine_dead_handler, RequestFailedError: request_failed_handler,
-                        ClientDisconnected: client_gone_handler, NoTokenizer: _no_tokenizer_handler,
-                        SessionStoreUnavailable: sessions_api.store_unavailable_handler,
-                        SessionQuotaExceeded: sessions_api.quota_handler})
+    app = Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(OneLineStartupErrors),
+            Middleware(AccessLog),
+            *security_middleware(settings),
+        ],
+        lifespan=_lifespan,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_error_handler,
+            EngineDeadError: engine_dead_handler,
+            RequestFailedError: request_failed_handler,
+            ClientDisconnected: client_gone_handler,
+            NoTokenizer: _no_tokenizer_handler,
+            SessionStoreUnavailable: sessions_api.store_unavailable_handler,
+            SessionQuotaExceeded: sessions_api.quota_handler,
+        },
+    )
     app.state.settings = settings
     app.state.front = front or Front()
     app.state.engine_died = False
@@ -155,7 +180,9 @@ async def _watch_engine(app: Starlette, server: Serving) -> None:
         await asyncio.sleep(_WATCH_S)
     app.state.engine_died = True
     if not app.state.settings.exit_on_engine_death:
-        logger.critical("the engine failed; every request now gets 503 (--no-exit-on-engine-death: not exiting)")
+        logger.critical(
+            "the engine failed; every request now gets 503 (--no-exit-on-engine-death: not exiting)"
+        )
         return
     logger.critical("the engine failed; shutting down so that a supervisor restarts the server")
     if app.state.request_shutdown is not None:
@@ -172,7 +199,9 @@ async def _drain(server: Serving) -> None:
         with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
             await asyncio.wait_for(outbox.flush(), 5)
         if len(outbox):
-            logger.error("%d turns were never stored: the session store stayed unreachable", len(outbox))
+            logger.error(
+                "%d turns were never stored: the session store stayed unreachable", len(outbox)
+            )
     await server.sessions.store.close()
 
 
@@ -192,7 +221,11 @@ def _default_model_name(settings: ServerSettings) -> str:
     if not config.model:
         return f"dummy-{config.model_config}"
     path = Path(config.model)
-    if not path.expanduser().exists() and "/" in config.model and not config.model.startswith(("/", ".", "~")):
+    if (
+        not path.expanduser().exists()
+        and "/" in config.model
+        and not config.model.startswith(("/", ".", "~"))
+    ):
         return config.model
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
@@ -200,8 +233,11 @@ def _default_model_name(settings: ServerSettings) -> str:
 async def _warm_up(engine: EngineClient, request_id: str) -> None:
     """One tiny request through the whole path, so the first user does not pay for lazy initialisation."""
     start = time.perf_counter()
-    async for _ in engine.generate([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                                   request_id=request_id):
+    async for _ in engine.generate(
+        [1, 2, 3, 4],
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+        request_id=request_id,
+    ):
         pass
     logger.info("warm-up request done in %.2f s", time.perf_counter() - start)
 
@@ -223,7 +259,9 @@ class OneLineStartupErrors:
             return
 
         async def send_quietly(message: Message) -> None:
-            if message["type"] == "lifespan.startup.failed" and isinstance(sys.exc_info()[1], ValueError):
+            if message["type"] == "lifespan.startup.failed" and isinstance(
+                sys.exc_info()[1], ValueError
+            ):
                 message = {"type": message["type"], "message": ""}
             await send(message)
 
@@ -235,6 +273,8 @@ class WebMount(Mount):
     wrong method on an API route a 405, as for any other route (not the static app's answers)."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["method"] not in ("GET", "HEAD")):
+        if scope["type"] == "http" and (
+            scope["path"].startswith("/v1/") or scope["method"] not in ("GET", "HEAD")
+        ):
             return Match.NONE, {}
         return super().matches(scope)

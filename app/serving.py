@@ -8,6 +8,7 @@
   and preset routes; ``session_chat`` is their chat-in-a-session, which the stateless chat route hands a request
   with a session id to without importing the session routes.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,19 +53,53 @@ class Serving:
         return self.replies.prompts
 
 
-def build_serving(settings: ServerSettings, engine: EngineClient, front: Front, model_name: str,
-                  store: SessionStore, session_chat: SessionChat) -> Serving:
+def build_serving(
+    settings: ServerSettings,
+    engine: EngineClient,
+    front: Front,
+    model_name: str,
+    store: SessionStore,
+    session_chat: SessionChat,
+) -> Serving:
     """Every service, once: this front's share of the queue limits, the model's sampling defaults (with
     ``--generation-config auto``), the store's outbox."""
     metrics = ServerMetrics(model_name, engine.stats, multiprocess=front.shared)
     prompts = PromptRenderer(engine.tokenizer)
     background = BackgroundTasks()
-    admission = Admission(engine, metrics, model_name, max_queue=front.queue_share(settings.max_queue),
-                          max_queue_per_tenant=front.queue_share(settings.tenant_queue),
-                          tenant_salt_from_api_key=settings.tenant_salt_from_api_key)
-    defaults = model_sampling_defaults(engine.info.model_path) if settings.generation_config == "auto" else {}
-    replies = ReplyWriter(prompts, model_name, engine.info.max_model_len, settings.default_max_tokens, defaults)
-    sessions = SessionService(store, TurnOutbox(store, background.spawn), admission, replies, prompts, engine,
-                              SessionLimits.of(settings), background)
-    return Serving(engine, metrics, admission, replies, sessions, session_chat, background,
-                   settings.max_request_bytes, int(time.time()))
+    admission = Admission(
+        engine,
+        metrics,
+        model_name,
+        max_queue=front.queue_share(settings.max_queue),
+        max_queue_per_tenant=front.queue_share(settings.tenant_queue),
+        tenant_salt_from_api_key=settings.tenant_salt_from_api_key,
+    )
+    defaults = (
+        model_sampling_defaults(engine.info.model_path)
+        if settings.generation_config == "auto"
+        else {}
+    )
+    replies = ReplyWriter(
+        prompts, model_name, engine.info.max_model_len, settings.default_max_tokens, defaults
+    )
+    sessions = SessionService(
+        store,
+        TurnOutbox(store, background.spawn),
+        admission,
+        replies,
+        prompts,
+        engine,
+        SessionLimits.of(settings),
+        background,
+    )
+    return Serving(
+        engine,
+        metrics,
+        admission,
+        replies,
+        sessions,
+        session_chat,
+        background,
+        settings.max_request_bytes,
+        int(time.time()),
+    )

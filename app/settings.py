@@ -1,4 +1,5 @@
 """ServerSettings: the server's own options, beside the engine's (one flat dataclass, checked on creation)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,9 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the model directory's name
     api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_API_KEY") or None)
     # a key that may also create (and delete) shared presets; it is a tenant of its own for everything else
-    admin_api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_ADMIN_API_KEY") or None)
+    admin_api_key: str | None = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_ADMIN_API_KEY") or None
+    )
     # proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's option): the client address behind
     # them is the request's tenant when the server has no API keys; "*" believes any (only behind a proxy that
     # sets the header itself)
@@ -73,36 +76,70 @@ class ServerSettings:
         _check(0 < self.port < 65536, "port", "must be in [1, 65535]")
         _check(0 <= self.shutdown_timeout_s <= 3600, "shutdown_timeout_s", "must be in [0, 3600]")
         _check(self.max_queue >= 0, "max_queue", "must be >= 0")
-        _check(self.max_queue_per_tenant is None or self.max_queue_per_tenant >= 1, "max_queue_per_tenant",
-               "must be >= 1")
+        _check(
+            self.max_queue_per_tenant is None or self.max_queue_per_tenant >= 1,
+            "max_queue_per_tenant",
+            "must be >= 1",
+        )
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         _check(self.session_ttl_s >= 60, "session_ttl_s", "must be >= 60")
         _check(self.session_lock_s > 0, "session_lock_s", "must be > 0")
         _check(0 <= self.preset_pin_share <= 0.9, "preset_pin_share", "must be in [0, 0.9]")
-        _check(0 <= self.preset_pin_share_per_key <= self.preset_pin_share, "preset_pin_share_per_key",
-               "must be in [0, preset_pin_share]")
+        _check(
+            0 <= self.preset_pin_share_per_key <= self.preset_pin_share,
+            "preset_pin_share_per_key",
+            "must be in [0, preset_pin_share]",
+        )
         _check(self.max_presets_per_key >= 0, "max_presets_per_key", "must be >= 0")
-        _check(0 < self.session_write_timeout_s <= 5, "session_write_timeout_s", "must be in (0, 5]")
+        _check(
+            0 < self.session_write_timeout_s <= 5, "session_write_timeout_s", "must be in (0, 5]"
+        )
         _check(self.max_sessions_per_key >= 0, "max_sessions_per_key", "must be >= 0")
         _check(self.max_session_bytes >= 4096, "max_session_bytes", "must be >= 4096")
         _check(self.max_system_prompt_chars >= 1, "max_system_prompt_chars", "must be >= 1")
         _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
-        _check(self.admin_api_key is None or bool(self.admin_api_key.strip()) and "," not in self.admin_api_key,
-               "admin_api_key", "must be one non-empty key")
-        _check(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+        _check(
+            self.admin_api_key is None
+            or bool(self.admin_api_key.strip())
+            and "," not in self.admin_api_key,
+            "admin_api_key",
+            "must be one non-empty key",
+        )
+        _check(
+            self.log_level.lower() in LOG_LEVELS,
+            "log_level",
+            f"must be one of {', '.join(LOG_LEVELS)}",
+        )
         _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
-        _check(self.generation_config in ("auto", "none"), "generation_config", "must be auto or none")
+        _check(
+            self.generation_config in ("auto", "none"), "generation_config", "must be auto or none"
+        )
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
-        _check(self.session_store in SESSION_STORES, "session_store", f"must be one of {', '.join(SESSION_STORES)}")
-        _check(self.session_store != "redis" or self.redis_url is not None, "session_store",
-               "redis needs --redis-url (or REDIS_URL)")
-        _check(self.session_store not in ("sqlite", "memory") or self.redis_url is None, "session_store",
-               f"{self.session_store} and --redis-url contradict each other: give one")
-        _check(self.api_server_count == 1 or self.session_store != "memory", "api_server_count",
-               "more than one front process needs a session store they share: Redis or SQLite, not memory")
-        _check(self.served_model_name is None or bool(self.served_model_name.strip()),
-               "served_model_name", "must not be empty")
-
+        _check(
+            self.session_store in SESSION_STORES,
+            "session_store",
+            f"must be one of {', '.join(SESSION_STORES)}",
+        )
+        _check(
+            self.session_store != "redis" or self.redis_url is not None,
+            "session_store",
+            "redis needs --redis-url (or REDIS_URL)",
+        )
+        _check(
+            self.session_store not in ("sqlite", "memory") or self.redis_url is None,
+            "session_store",
+            f"{self.session_store} and --redis-url contradict each other: give one",
+        )
+        _check(
+            self.api_server_count == 1 or self.session_store != "memory",
+            "api_server_count",
+            "more than one front process needs a session store they share: Redis or SQLite, not memory",
+        )
+        _check(
+            self.served_model_name is None or bool(self.served_model_name.strip()),
+            "served_model_name",
+            "must not be empty",
+        )
 
     @property
     def resolved_session_store(self) -> str:

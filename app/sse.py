@@ -8,6 +8,7 @@ Each event costs one ``send``: the response runs two tasks per stream (the produ
 client leave and sends a keep-alive comment after a quiet spell), and nothing per event besides. (sse-starlette,
 used before, spent a sixth of the server's time at 128 streams on a cancel scope around every send.)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,24 +29,34 @@ logger = logging.getLogger(__name__)
 _PING_S = 15  # keeps proxies from closing a stream that is waiting in the queue
 
 
-def sse_response(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> EventStream:
-    return EventStream(_events(chunks), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                                 **(headers or {})})
+def sse_response(
+    chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None
+) -> EventStream:
+    return EventStream(
+        _events(chunks),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )
 
 
 class EventStream(StreamingResponse):
     """``text/event-stream`` from an async iterator of encoded events (StreamingResponse's headers, no length;
     its own way of sending)."""
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 ping_s: float = _PING_S) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        ping_s: float = _PING_S,
+    ) -> None:
         super().__init__(events, headers=headers, media_type="text/event-stream")
         self._events = events
         self._ping_s = ping_s
         self._last_sent = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(self._watch(receive, send))
         try:
@@ -74,7 +85,9 @@ class EventStream(StreamingResponse):
             except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
                 if loop.time() - self._last_sent >= self._ping_s:
                     self._last_sent = loop.time()
-                    await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
+                    )
                 continue
             if message["type"] == "http.disconnect":
                 return
@@ -91,7 +104,9 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
     except EngineDeadError as exc:
         yield _event(dumps(EngineUnavailable(f"the engine stopped: {exc}").body()))
     except RequestFailedError as exc:  # this request only: the engine and the other streams run on
-        yield _event(dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body()))
+        yield _event(
+            dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body())
+        )
     except Exception as exc:
         logger.exception("stream failed")
         yield _event(dumps(APIError(500, f"internal error: {exc!r}").body()))

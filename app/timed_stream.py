@@ -1,5 +1,6 @@
 """TimedStream: an engine stream as the server reads it, recording its latencies into the server's histograms and
 the numbers its access-log line and session turn need."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,14 @@ class TimedStream:
     time into the server's histograms. With several samples (n, best_of) the request's first token is its time
     to first token, intervals are measured within each sample, and the request ends with its last sample."""
 
-    def __init__(self, stream: RequestStream, metrics: ServerMetrics, arrival: float, num_samples: int = 1,
-                 num_prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        stream: RequestStream,
+        metrics: ServerMetrics,
+        arrival: float,
+        num_samples: int = 1,
+        num_prompt_tokens: int = 0,
+    ) -> None:
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0

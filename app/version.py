@@ -1,4 +1,5 @@
 """The installed package's version (``pagedchat --version``, ``GET /version``, the OpenAPI document)."""
+
 from __future__ import annotations
 
 from functools import cache

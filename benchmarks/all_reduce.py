@@ -16,6 +16,7 @@ Columns: rows, MiB (the message), NCCL us, then us for each ``PeerAllReduce`` me
 above the peer buffer's size) and the best method's time over NCCL's. Every method is measured at every size up to
 the buffer, also where the engine uses NCCL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ from engine.worker import parallel_state
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def captured(fn: Any, inputs: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+def captured(
+    fn: Any, inputs: list[torch.Tensor]
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """One graph of ``fn`` over every input (after one eager warm-up call each); the outputs it writes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -83,8 +86,11 @@ def measure(rank: int, args: argparse.Namespace, rows: int) -> dict[str, Any]:
     inputs = [torch.empty(rows, args.hidden, dtype=dtype, device=device) for _ in range(args.calls)]
     fill(inputs, seed=1000 * rank + rows)
     nccl_graph, nccl_out = captured(nccl, inputs)
-    result: dict[str, Any] = {"rows": rows, "mib": inputs[0].nbytes / 2**20,
-                              "nccl_us": replay_us(nccl_graph, args.calls, args.repeats)}
+    result: dict[str, Any] = {
+        "rows": rows,
+        "mib": inputs[0].nbytes / 2**20,
+        "nccl_us": replay_us(nccl_graph, args.calls, args.repeats),
+    }
     peer = parallel_state.peer_all_reduce()
     if peer is not None and inputs[0].nbytes <= peer.max_bytes:
         mismatches = 0
@@ -109,19 +115,30 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     peer = parallel_state.peer_all_reduce()
     if args.programs and peer is not None:
         if 2 * args.programs * args.ranks > peer.pad.numel():
-            raise SystemExit(f"--programs: at most {peer.pad.numel() // (2 * args.ranks)} (the signal pad's slots)")
+            raise SystemExit(
+                f"--programs: at most {peer.pad.numel() // (2 * args.ranks)} (the signal pad's slots)"
+            )
         peer.programs = args.programs
     results = [measure(rank, args, rows) for rows in args.rows]
     mismatches = torch.tensor([sum(r.get("mismatches", 0) for r in results)], device=device)
     dist.all_reduce(mismatches)
     if rank == 0:
-        report = {"environment": {"date": utc_now(), "command": command_line("benchmarks.all_reduce"),
-                                  "device": device_name(device), "ranks": args.ranks, "torch": torch.__version__,
-                                  "peer_buffer_mib": parallel_state.PEER_ALL_REDUCE_BYTES / 2**20,
-                                  "symmetric_memory": parallel_state.peer_all_reduce_active(),
-                                  "programs": peer.programs if peer is not None else None},
-                  "dtype": args.dtype, "hidden": args.hidden, "mismatches_all_ranks": int(mismatches.item()),
-                  "sizes": results}
+        report = {
+            "environment": {
+                "date": utc_now(),
+                "command": command_line("benchmarks.all_reduce"),
+                "device": device_name(device),
+                "ranks": args.ranks,
+                "torch": torch.__version__,
+                "peer_buffer_mib": parallel_state.PEER_ALL_REDUCE_BYTES / 2**20,
+                "symmetric_memory": parallel_state.peer_all_reduce_active(),
+                "programs": peer.programs if peer is not None else None,
+            },
+            "dtype": args.dtype,
+            "hidden": args.hidden,
+            "mismatches_all_ranks": int(mismatches.item()),
+            "sizes": results,
+        }
         print_report(report)
         if args.json:
             with open(args.json, "w") as f:
@@ -132,10 +149,14 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
 
 def print_report(report: dict[str, Any]) -> None:
     env = report["environment"]
-    print(f"## all-reduce: {env['ranks']} x {env['device']}, {report['dtype']} x {report['hidden']}, {env['date']}")
-    print(f"command: {env['command']}; symmetric memory active: {env['symmetric_memory']} (our kernel's programs: "
-          f"{env['programs']}); results differing from "
-          f"NCCL's on any rank: {report['mismatches_all_ranks']}\n")
+    print(
+        f"## all-reduce: {env['ranks']} x {env['device']}, {report['dtype']} x {report['hidden']}, {env['date']}"
+    )
+    print(
+        f"command: {env['command']}; symmetric memory active: {env['symmetric_memory']} (our kernel's programs: "
+        f"{env['programs']}); results differing from "
+        f"NCCL's on any rank: {report['mismatches_all_ranks']}\n"
+    )
     methods = parallel_state.PEER_METHODS
     print("| rows | MiB | NCCL us | " + " | ".join(f"{m} us" for m in methods) + " | best / NCCL |")
     print("|---:" * (len(methods) + 4) + "|")
@@ -144,19 +165,30 @@ def print_report(report: dict[str, Any]) -> None:
         cells = [f"{t:.1f}" if t else "-" for t in times]
         best = min((t for t in times if t), default=None)
         ratio = f"{best / r['nccl_us']:.2f}" if best else "-"
-        print(f"| {r['rows']} | {r['mib']:.3f} | {r['nccl_us']:.1f} | {' | '.join(cells)} | {ratio} |", flush=True)
+        print(
+            f"| {r['rows']} | {r['mib']:.3f} | {r['nccl_us']:.1f} | {' | '.join(cells)} | {ratio} |",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    )
     parser.add_argument("--calls", type=int, default=20, help="all-reduces in one captured graph")
     parser.add_argument("--repeats", type=int, default=20, help="timed replays")
-    parser.add_argument("--programs", type=int, help="our kernel's programs per rank (default: one per SM, as "
-                        "many as the signal pad holds)")
+    parser.add_argument(
+        "--programs",
+        type=int,
+        help="our kernel's programs per rank (default: one per SM, as "
+        "many as the signal pad holds)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:

@@ -1,5 +1,6 @@
 """What the in-process benchmarks (offline, prefix, waste) share: the engine options and the dummy-weights engine,
 greedy sampling, freeing an engine, the throughput result of one run, and where and when a run happened."""
+
 from __future__ import annotations
 
 import argparse
@@ -57,21 +58,38 @@ def greedy(output_len: int) -> SamplingParams:
 
 # engines --------------------------------------------------------------------------------------------------
 
+
 def add_engine_options(parser: argparse.ArgumentParser, model_config: str = "llama-3.2-1b") -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model-config", default=model_config, help="dummy architecture (llama-3.2-1b, qwen3-0.6b)")
+    group.add_argument(
+        "--model-config", default=model_config, help="dummy architecture (llama-3.2-1b, qwen3-0.6b)"
+    )
     group.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    group.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32",
+    )
     group.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: the engine's"
+    )
 
 
 def build_engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
     """A dummy-weights engine from the engine options in ``args`` (the limits only where given) plus
     ``options`` (EngineConfig fields)."""
-    limits = {name: getattr(args, name, None) for name in ("max_num_seqs", "max_num_batched_tokens")}
-    config = EngineConfig(load_format="dummy", model_config=args.model_config, device=args.device,
-                          dtype=args.dtype, **{k: v for k, v in limits.items() if v is not None}, **options)
+    limits = {
+        name: getattr(args, name, None) for name in ("max_num_seqs", "max_num_batched_tokens")
+    }
+    config = EngineConfig(
+        load_format="dummy",
+        model_config=args.model_config,
+        device=args.device,
+        dtype=args.dtype,
+        **{k: v for k, v in limits.items() if v is not None},
+        **options,
+    )
     return LLMEngine(config)
 
 
@@ -99,9 +117,14 @@ def release_memory(device: torch.device) -> None:
 
 # where and when -------------------------------------------------------------------------------------------
 
+
 def device_name(device: torch.device) -> str:
     """The device as torch reports it (the CPU: as the platform does)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
 
 
 def utc_now() -> str:
@@ -114,9 +137,15 @@ def command_line(script: str) -> str:
 
 def environment(device: torch.device, load_before: float, script: str) -> dict[str, Any]:
     """Where and when, with the machine's load average before and after the run."""
-    return {"date": utc_now(), "command": command_line(script), "device": device_name(device),
-            "torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0]}
+    return {
+        "date": utc_now(),
+        "command": command_line(script),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+    }
 
 
 def compiled_variants() -> dict[str, int]:
@@ -126,9 +155,15 @@ def compiled_variants() -> dict[str, int]:
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"kernels.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, triton.runtime.jit.JITFunction) and value.__module__ == module.__name__:
+            if (
+                isinstance(value, triton.runtime.jit.JITFunction)
+                and value.__module__ == module.__name__
+            ):
                 caches = getattr(value, "device_caches", {}) or {}
-                total = sum(len(entry[0]) if isinstance(entry, tuple) else len(entry) for entry in caches.values())
+                total = sum(
+                    len(entry[0]) if isinstance(entry, tuple) else len(entry)
+                    for entry in caches.values()
+                )
                 if total:
                     counts[f"{info.name}.{name}"] = total
     return counts

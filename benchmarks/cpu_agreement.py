@@ -5,6 +5,7 @@ to float32's before the first difference.
 
     python -m benchmarks.cpu_agreement [--modes bfloat16 int8 q4] [--no-llama-cpp] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ from tests.engine.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergenc
 
 def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:
     first = sum(a[0] == b[0] for a, b in zip(reference, outputs))
-    share = sum(first_divergence(a, b) / NEW_TOKENS for a, b in zip(reference, outputs)) / len(outputs)
+    share = sum(first_divergence(a, b) / NEW_TOKENS for a, b in zip(reference, outputs)) / len(
+        outputs
+    )
     return {"first_token_equal": first, "prompts": len(outputs), "identical_prefix_share": share}
 
 
@@ -41,7 +44,9 @@ def llama_cpp_tokens(prompts: list[list[int]], threads: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--modes", nargs="+", default=["bfloat16", "int8", "q4"])
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     parser.add_argument("--threads", type=int, default=2)
@@ -55,14 +60,21 @@ def main(argv: list[str] | None = None) -> None:
     reference = [o.token_ids for o in reference_llm.generate(prompts, params)]
     del reference_llm
     for mode in args.modes:
-        outputs = [o.token_ids for o in LLM(cpu_weights=mode, num_threads=args.threads).generate(prompts, params)]
+        outputs = [
+            o.token_ids
+            for o in LLM(cpu_weights=mode, num_threads=args.threads).generate(prompts, params)
+        ]
         results[f"pagedchat {mode}"] = agreement(reference, outputs)
     if args.llama_cpp:
-        results["llama.cpp (Q4_1 GGUF)"] = agreement(reference, llama_cpp_tokens(prompts, args.threads))
+        results["llama.cpp (Q4_1 GGUF)"] = agreement(
+            reference, llama_cpp_tokens(prompts, args.threads)
+        )
     print("\n| engine | first token equal to float32 | identical prefix, mean share |")
     print("|---|---:|---:|")
     for name, r in results.items():
-        print(f"| {name} | {r['first_token_equal']}/{r['prompts']} | {r['identical_prefix_share']:.2f} |")
+        print(
+            f"| {name} | {r['first_token_equal']}/{r['prompts']} | {r['identical_prefix_share']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

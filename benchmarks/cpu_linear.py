@@ -5,6 +5,7 @@ input of M rows (M = sequences decoding together). Effective bandwidth = weight 
 
     python -m benchmarks.cpu_linear [--threads 2] [--rows 1 8 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ def timed(fn: Callable[[torch.Tensor, int], torch.Tensor], rows: int, repeats: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
@@ -48,7 +51,9 @@ def main() -> None:
     for name, fn in layouts.items():
         rates = [weight_bytes / timed(fn, m) / 1e9 for m in args.rows]
         print(f"| {name} | {' | '.join(f'{r:.1f}' for r in rates)} |")
-    print(f"\n{args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n{args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the rest (attention, norms, rotary, glue, sampling, Python).
 
     python -m benchmarks.cpu_step [--threads 2] [--streams 8] [--steps 40] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,29 @@ from torch.profiler import ProfilerActivity, profile
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",
-              "aten::matmul", "aten::linear")
+MATMUL_OPS = (
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_weight_int8pack_mm",
+    "aten::mm",
+    "aten::addmm",
+    "aten::matmul",
+    "aten::linear",
+)
 NATIVE_MATMULS = ("::int8_linear", "::q4q8_linear", "::q8q8_linear")  # (pagedchat_cpu_<level>::...)
 
 
 def is_matmul(key: str) -> bool:
     return key in MATMUL_OPS or (key.startswith("pagedchat_cpu") and key.endswith(NATIVE_MATMULS))
+
+
 # path: (cpu_weights, native decode step kept); the 8-bit and 4-bit modes use the native packed int8 output layer
-PATHS = {"modules, float32": ("float32", True), "lean Python, bfloat16": ("bfloat16", True),
-         "lean Python, int8": ("int8", True), "lean Python, q4": ("q4", False), "native step, q4": ("q4", True)}
+PATHS = {
+    "modules, float32": ("float32", True),
+    "lean Python, bfloat16": ("bfloat16", True),
+    "lean Python, int8": ("int8", True),
+    "lean Python, q4": ("q4", False),
+    "native step, q4": ("q4", True),
+}
 QUESTION = "Write a short story about a lighthouse keeper."
 
 
@@ -52,9 +66,16 @@ class StepProfile:
 def start_streams(llm: LLM, streams: int, tag: str) -> None:
     prompt = llm.chat_prompt_ids([{"role": "user", "content": QUESTION}])
     for i in range(streams):
-        llm.engine.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True),
-                               cache_salt=tag)
-    while any(not seq.num_output_tokens for seq in llm.engine.scheduler.running) or llm.engine.scheduler.waiting:
+        llm.engine.add_request(
+            f"{tag}-{i}",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True),
+            cache_salt=tag,
+        )
+    while (
+        any(not seq.num_output_tokens for seq in llm.engine.scheduler.running)
+        or llm.engine.scheduler.waiting
+    ):
         llm.engine.step()  # past the prefill: every later step is decode-only
 
 
@@ -85,7 +106,9 @@ def measure(llm: LLM, path: str, streams: int, steps: int, repeats: int) -> Step
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
@@ -102,11 +125,15 @@ def main(argv: list[str] | None = None) -> None:
         for streams in (1, args.streams):
             results.append(measure(llm, path, streams, args.steps, args.repeats))
         del llm
-    print("\n| path | streams | ms / decode step | in weight matmuls (ms) | rest (ms) | rest, share |")
+    print(
+        "\n| path | streams | ms / decode step | in weight matmuls (ms) | rest (ms) | rest, share |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r.path} | {r.streams} | {r.wall_ms:.2f} | {r.matmul_ms:.2f} | {r.other_ms:.2f} | "
-              f"{r.other_share:.0%} |")
+        print(
+            f"| {r.path} | {r.streams} | {r.wall_ms:.2f} | {r.matmul_ms:.2f} | {r.other_ms:.2f} | "
+            f"{r.other_share:.0%} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**asdict(r), "other_share": r.other_share} for r in results], f, indent=2)

@@ -17,6 +17,7 @@ then reads a bfloat16 copy (its TB/s counts its own bytes), and ours/SDPA is the
 ``--sweep`` also times a grid of launch configurations (tiles, stages, when to split) per shape and reports
 the best next to the default.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,14 @@ from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
 SHAPES = [(32, 8192), (64, 8192), (128, 1024), (32, 2048)]
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 # the grid behind the defaults (docs/KERNELS_NOTES.md): tiles x stages x when to split
-SWEEP = [DecodeConfig(tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
-         for t, st, s, k in itertools.product([64, 128], [64, 128], [2, 3, 4], [2, 4, 8])]
-SWEEP += [DecodeConfig(min_partition=m, programs_per_sm=k) for m, k in itertools.product([1024, 2048], [2, 3])]
+SWEEP = [
+    DecodeConfig(tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
+    for t, st, s, k in itertools.product([64, 128], [64, 128], [2, 3, 4], [2, 4, 8])
+]
+SWEEP += [
+    DecodeConfig(min_partition=m, programs_per_sm=k)
+    for m, k in itertools.product([1024, 2048], [2, 3])
+]
 
 
 def bench(fn) -> float:
@@ -48,22 +54,41 @@ def bench(fn) -> float:
 def paged_inputs(batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE) -> dict:
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE).to(kv_dtype)
+    k_cache = torch.randn(
+        num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE
+    ).to(kv_dtype)
     v_cache = torch.randn(k_cache.shape, device="cuda", dtype=DTYPE).to(kv_dtype)
-    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
-    return dict(query=torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE), k_cache=k_cache,
-                v_cache=v_cache, block_tables=tables,
-                context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"))
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(
+        batch, blocks_per_seq
+    )
+    return dict(
+        query=torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+    )
 
 
-def run_ours(inputs: dict, config: DecodeConfig | None = None, split: bool | None = None
-             ) -> tuple[float, torch.Tensor]:
+def run_ours(
+    inputs: dict, config: DecodeConfig | None = None, split: bool | None = None
+) -> tuple[float, torch.Tensor]:
     out = torch.empty_like(inputs["query"])
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
 
     def call() -> None:
-        paged_attention(out, inputs["query"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
-                        inputs["context_lens"], scale, config=config, split=split)
+        paged_attention(
+            out,
+            inputs["query"],
+            inputs["k_cache"],
+            inputs["v_cache"],
+            inputs["block_tables"],
+            inputs["context_lens"],
+            scale,
+            config=config,
+            split=split,
+        )
+
     return bench(call), out
 
 
@@ -80,11 +105,27 @@ def run_sdpa(inputs: dict) -> tuple[float, torch.Tensor]:
     """The same K/V gathered once into contiguous [B, kv_heads, L, d] tensors (outside the timing)."""
     tables = inputs["block_tables"].long()
     batch = tables.shape[0]
-    k = inputs["k_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).to(DTYPE).contiguous()
-    v = inputs["v_cache"][tables].view(batch, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).to(DTYPE).contiguous()
+    k = (
+        inputs["k_cache"][tables]
+        .view(batch, -1, KV_HEADS, HEAD_DIM)
+        .transpose(1, 2)
+        .to(DTYPE)
+        .contiguous()
+    )
+    v = (
+        inputs["v_cache"][tables]
+        .view(batch, -1, KV_HEADS, HEAD_DIM)
+        .transpose(1, 2)
+        .to(DTYPE)
+        .contiguous()
+    )
     q = inputs["query"].unsqueeze(2)
-    ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True))
-    return ms, F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True).squeeze(2)
+    ms = bench(
+        lambda: F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
+    )
+    return ms, F.scaled_dot_product_attention(
+        q, k, v, scale=HEAD_DIM**-0.5, enable_gqa=True
+    ).squeeze(2)
 
 
 def copy_ceiling_tbps(nbytes: int) -> float:
@@ -96,23 +137,43 @@ def copy_ceiling_tbps(nbytes: int) -> float:
 
 def check(out: torch.Tensor, inputs: dict) -> float:
     ref = torch.empty_like(out, dtype=torch.float32)
-    reference.paged_attention(ref, inputs["query"].float(), inputs["k_cache"].float(), inputs["v_cache"].float(),
-                              inputs["block_tables"], inputs["context_lens"], HEAD_DIM ** -0.5)
+    reference.paged_attention(
+        ref,
+        inputs["query"].float(),
+        inputs["k_cache"].float(),
+        inputs["v_cache"].float(),
+        inputs["block_tables"],
+        inputs["context_lens"],
+        HEAD_DIM**-0.5,
+    )
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def measure(batch: int, context: int, block_size: int, sweep: list[DecodeConfig], kv_dtype: torch.dtype) -> dict:
+def measure(
+    batch: int, context: int, block_size: int, sweep: list[DecodeConfig], kv_dtype: torch.dtype
+) -> dict:
     inputs = paged_inputs(batch, context, block_size, kv_dtype)
     kv_bytes = 2 * inputs["k_cache"].numel() * inputs["k_cache"].element_size()
     ours_ms, out = run_ours(inputs)
-    row = dict(batch=batch, context=context, block_size=block_size, kv_gb=kv_bytes / 1e9, ours_ms=ours_ms,
-               ours_tbps=kv_bytes / ours_ms / 1e9, rel_err=check(out, inputs) if batch * context <= 2 ** 18 else None)
+    row = dict(
+        batch=batch,
+        context=context,
+        block_size=block_size,
+        kv_gb=kv_bytes / 1e9,
+        ours_ms=ours_ms,
+        ours_tbps=kv_bytes / ours_ms / 1e9,
+        rel_err=check(out, inputs) if batch * context <= 2**18 else None,
+    )
     row["one_pass_tbps"] = kv_bytes / run_ours(inputs, split=False)[0] / 1e9
     if sweep:
         timed = [(try_config(inputs, cfg), cfg) for cfg in sweep]
         best_ms, best = min(timed, key=lambda t: t[0])
-        row.update(best_ms=best_ms, best_tbps=kv_bytes / best_ms / 1e9, best_config=asdict(best),
-                   sweep=[(asdict(c), ms) for ms, c in timed])
+        row.update(
+            best_ms=best_ms,
+            best_tbps=kv_bytes / best_ms / 1e9,
+            best_config=asdict(best),
+            sweep=[(asdict(c), ms) for ms, c in timed],
+        )
     return row
 
 
@@ -120,9 +181,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-from", type=int, default=0, help="time only SWEEP[i:] (a shorter sweep)")
-    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES], help="BATCHxCONTEXT ...")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
+    parser.add_argument(
+        "--sweep-from", type=int, default=0, help="time only SWEEP[i:] (a shorter sweep)"
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES], help="BATCHxCONTEXT ..."
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -135,34 +202,56 @@ def main() -> None:
         del inputs
         copy_tbps = copy_ceiling_tbps(kv_bytes)
         for block_size in args.block_sizes:
-            row = measure(batch, context, block_size, SWEEP[args.sweep_from:] if args.sweep else [], kv_dtype)
-            row.update(sdpa_ms=sdpa_ms, sdpa_tbps=sdpa_bytes / sdpa_ms / 1e9, copy_tbps=copy_tbps,
-                       kv_dtype=str(kv_dtype).removeprefix("torch."))
+            row = measure(
+                batch, context, block_size, SWEEP[args.sweep_from :] if args.sweep else [], kv_dtype
+            )
+            row.update(
+                sdpa_ms=sdpa_ms,
+                sdpa_tbps=sdpa_bytes / sdpa_ms / 1e9,
+                copy_tbps=copy_tbps,
+                kv_dtype=str(kv_dtype).removeprefix("torch."),
+            )
             rows.append(row)
             torch.cuda.empty_cache()
     print_table(rows, args.sweep)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc)
-                           .isoformat(), default_config=asdict(CONFIG), rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    default_config=asdict(CONFIG),
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
 
 
 def print_table(rows: list[dict], sweep: bool) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n")
-    head = ("| batch x ctx | block | KV GB | ours ms | ours TB/s | SDPA TB/s | ours/SDPA | copy TB/s | rel err |"
-            " one-pass TB/s |")
+    print(
+        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n"
+    )
+    head = (
+        "| batch x ctx | block | KV GB | ours ms | ours TB/s | SDPA TB/s | ours/SDPA | copy TB/s | rel err |"
+        " one-pass TB/s |"
+    )
     print(head + (" best TB/s | best config |" if sweep else ""))
     print("|" + "---|" * (head.count("|") - 1 + (2 if sweep else 0)))
     for r in rows:
         err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-        line = (f"| {r['batch']}x{r['context']} | {r['block_size']} | {r['kv_gb']:.2f} | {r['ours_ms']:.3f} | "
-                f"{r['ours_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['sdpa_ms'] / r['ours_ms']:.2f} | "
-                f"{r['copy_tbps']:.2f} | {err} | {r['one_pass_tbps']:.2f} |")
+        line = (
+            f"| {r['batch']}x{r['context']} | {r['block_size']} | {r['kv_gb']:.2f} | {r['ours_ms']:.3f} | "
+            f"{r['ours_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['sdpa_ms'] / r['ours_ms']:.2f} | "
+            f"{r['copy_tbps']:.2f} | {err} | {r['one_pass_tbps']:.2f} |"
+        )
         if sweep:
             c = r["best_config"]
-            line += (f" {r['best_tbps']:.2f} | t{c['tile_n']} st{c['split_tile_n']} k{c['programs_per_sm']} "
-                     f"m{c['min_partition']} s{c['num_stages']} |")
+            line += (
+                f" {r['best_tbps']:.2f} | t{c['tile_n']} st{c['split_tile_n']} k{c['programs_per_sm']} "
+                f"m{c['min_partition']} s{c['num_stages']} |"
+            )
         print(line)
 
 

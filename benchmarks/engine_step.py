@@ -7,6 +7,7 @@ parser, so the in-process engine and the served one run the same configuration. 
 timed over at least ``min_steps`` consecutive steps. The engine is freed before returning, so that the server
 started next gets the GPU memory back.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,13 @@ def random_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[li
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
 
 
-def decode_step_seconds(config: EngineConfig, prompts: list[list[int]], output_len: int, min_steps: int = 40,
-                        warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+def decode_step_seconds(
+    config: EngineConfig,
+    prompts: list[list[int]],
+    output_len: int,
+    min_steps: int = 40,
+    warmup_steps: int = WARMUP_STEPS,
+) -> dict[str, Any]:
     """Wall seconds of one decode step at batch ``len(prompts)`` (mean and median), and what it implies: the
     engine's tok/s at that batch. The timed steps cover the contexts the served requests go through (from the
     end of the prefill to ``output_len`` tokens), and at least ``min_steps`` of them. The prompts are the
@@ -53,7 +59,9 @@ def decode_step_seconds(config: EngineConfig, prompts: list[list[int]], output_l
     device = engine.config.torch_device
     request_ids = [f"step-{i}" for i in range(len(prompts))]
     try:
-        result = _measure(engine, dict(zip(request_ids, prompts)), output_len, min_steps, warmup_steps)
+        result = _measure(
+            engine, dict(zip(request_ids, prompts)), output_len, min_steps, warmup_steps
+        )
         _abort(engine, request_ids)
         result |= same_arrivals_tpot(engine, prompts, output_len)
     finally:
@@ -83,12 +91,15 @@ def same_arrivals_tpot(engine: Any, prompts: list[list[int]], output_len: int) -
             times[out.request_id] += [now] * len(out.token_ids_delta)
     tpots = sorted((t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1)
     tpot = statistics.median(tpots) if tpots else None
-    logger.info("engine: TPOT p50 %.2f ms on the served run's arrivals, in process", tpot or float("nan"))
+    logger.info(
+        "engine: TPOT p50 %.2f ms on the served run's arrivals, in process", tpot or float("nan")
+    )
     return {"arrivals_tpot_ms_p50": tpot}
 
 
-def _measure(engine: Any, requests: dict[str, list[int]], output_len: int, min_steps: int, warmup_steps: int
-             ) -> dict[str, Any]:
+def _measure(
+    engine: Any, requests: dict[str, list[int]], output_len: int, min_steps: int, warmup_steps: int
+) -> dict[str, Any]:
     from benchmarks.common import greedy, synchronize
     from benchmarks.offline import time_steps
 
@@ -110,19 +121,42 @@ def _measure(engine: Any, requests: dict[str, list[int]], output_len: int, min_s
     if not full:
         logger.warning("the timed steps were not all full decode batches of %d: %s", batch, timed)
     step_s = timed["wall_ms_mean"] / 1e3
-    logger.info("engine: decode step at batch %d: %.2f ms mean, %.2f ms median over %d steps (%.0f tok/s)",
-                batch, timed["wall_ms_mean"], timed["wall_ms_median"], steps, batch / step_s)
-    return {"batch": batch, "input_len": len(prompts[0]), "max_tokens": max_tokens,
-            "prefill_steps": prefill_steps, "prefill_seconds": prefill_seconds, "warmup_steps": warmup_steps,
-            "steps": steps, "context_first": len(prompts[0]) + lead, "context_last": len(prompts[0]) + lead + steps,
-            "step_ms_mean": timed["wall_ms_mean"], "step_ms_median": timed["wall_ms_median"],
-            "tok_s": batch / step_s, "host_ms": timed["host_ms"], "full_batches": full,
-            "device": str(engine.config.torch_device), "dtype": str(engine.config.torch_dtype),
-            "model": engine.config.model_id}
+    logger.info(
+        "engine: decode step at batch %d: %.2f ms mean, %.2f ms median over %d steps (%.0f tok/s)",
+        batch,
+        timed["wall_ms_mean"],
+        timed["wall_ms_median"],
+        steps,
+        batch / step_s,
+    )
+    return {
+        "batch": batch,
+        "input_len": len(prompts[0]),
+        "max_tokens": max_tokens,
+        "prefill_steps": prefill_steps,
+        "prefill_seconds": prefill_seconds,
+        "warmup_steps": warmup_steps,
+        "steps": steps,
+        "context_first": len(prompts[0]) + lead,
+        "context_last": len(prompts[0]) + lead + steps,
+        "step_ms_mean": timed["wall_ms_mean"],
+        "step_ms_median": timed["wall_ms_median"],
+        "tok_s": batch / step_s,
+        "host_ms": timed["host_ms"],
+        "full_batches": full,
+        "device": str(engine.config.torch_device),
+        "dtype": str(engine.config.torch_dtype),
+        "model": engine.config.model_id,
+    }
 
 
-def engine_max_tokens(config: EngineConfig, prompts: list[list[int]], output_len: int, min_steps: int,
-                warmup_steps: int) -> int:
+def engine_max_tokens(
+    config: EngineConfig,
+    prompts: list[list[int]],
+    output_len: int,
+    min_steps: int,
+    warmup_steps: int,
+) -> int:
     """Enough that no request finishes before the timed steps end: during a prefill of P steps (the prompts'
     tokens over the step's token budget) the first request prefilled may produce up to P tokens already."""
     prefill_bound = math.ceil(sum(map(len, prompts)) / config.max_num_batched_tokens) + 1
@@ -140,7 +174,9 @@ def _step_until_decode_only(engine: Any, batch: int) -> int:
         if len(shape.seqs) == batch and shape.num_decodes == batch:
             return steps
         if not engine.has_unfinished_requests():
-            raise RuntimeError(f"the requests finished before a decode-only step of {batch} (max_tokens too small?)")
+            raise RuntimeError(
+                f"the requests finished before a decode-only step of {batch} (max_tokens too small?)"
+            )
 
 
 def _abort(engine: Any, request_ids: list[str]) -> None:
@@ -158,5 +194,8 @@ def _release_memory(device: Any) -> None:
     if device.type == "cuda":
         import torch
 
-        logger.info("engine freed: %.2f GiB still allocated on %s", torch.cuda.memory_allocated(device) / 2**30,
-                    device)
+        logger.info(
+            "engine freed: %.2f GiB still allocated on %s",
+            torch.cuda.memory_allocated(device) / 2**30,
+            device,
+        )

@@ -9,6 +9,7 @@ default model on the CPU.
     python -m benchmarks.fairness_engine                       # GPU: dummy llama-3.2-1b
     python -m benchmarks.fairness_engine --device cpu          # CPU: the default model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,21 +25,37 @@ from engine.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser)
     parser.add_argument("--light-tokens", type=int, default=128)
     parser.add_argument("--heavy-tokens", type=int, default=1000)
     parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--factor", type=float, default=None, help="shared_step_time_factor (default: the engine's)")
+    parser.add_argument(
+        "--factor", type=float, default=None, help="shared_step_time_factor (default: the engine's)"
+    )
     return parser.parse_args(argv)
 
 
-def light_intervals(engine: LLMEngine, prompt: list[int], tokens: int, heavy: bool, heavy_prompt: list[int],
-                    heavy_tokens: int) -> tuple[list[float], list[int]]:
+def light_intervals(
+    engine: LLMEngine,
+    prompt: list[int],
+    tokens: int,
+    heavy: bool,
+    heavy_prompt: list[int],
+    heavy_tokens: int,
+) -> tuple[list[float], list[int]]:
     """Seconds between the light request's tokens, and the rows of each step while it ran."""
     if heavy:
-        engine.add_request("heavy", heavy_prompt, SamplingParams(temperature=1.0, n=128, max_tokens=heavy_tokens,
-                                                                 ignore_eos=True, seed=1), tenant="heavy")
+        engine.add_request(
+            "heavy",
+            heavy_prompt,
+            SamplingParams(
+                temperature=1.0, n=128, max_tokens=heavy_tokens, ignore_eos=True, seed=1
+            ),
+            tenant="heavy",
+        )
         for _ in range(3):  # the heavy request runs: its prompt computed, its samples forked
             engine.step()
     engine.add_request("light", prompt, greedy(tokens), tenant="light")
@@ -66,15 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     rng = Random(0)
     prompt = [rng.randrange(100, 20_000) for _ in range(args.prompt_len)]
     heavy_prompt = [rng.randrange(100, 20_000) for _ in range(args.prompt_len)]
-    alone, _ = light_intervals(engine, prompt, args.light_tokens, False, heavy_prompt, args.heavy_tokens)
-    shared, rows = light_intervals(engine, prompt, args.light_tokens, True, heavy_prompt, args.heavy_tokens)
+    alone, _ = light_intervals(
+        engine, prompt, args.light_tokens, False, heavy_prompt, args.heavy_tokens
+    )
+    shared, rows = light_intervals(
+        engine, prompt, args.light_tokens, True, heavy_prompt, args.heavy_tokens
+    )
     device = torch.cuda.get_device_name() if engine.config.torch_device.type == "cuda" else "cpu"
-    print(f"device {device}; factor {engine.config.shared_step_time_factor}; "
-          f"prices {engine.core.scheduler.step_cost.prices()}")
+    print(
+        f"device {device}; factor {engine.config.shared_step_time_factor}; "
+        f"prices {engine.core.scheduler.step_cost.prices()}"
+    )
     print(f"light alone:      {statistics.median(alone) * 1e3:.3f} ms per token (median)")
-    print(f"beside n=128:     {statistics.median(shared) * 1e3:.3f} ms per token (median), "
-          f"{statistics.mean(shared) * 1e3:.3f} mean; rows per step median {statistics.median(rows)}, "
-          f"mean {statistics.mean(rows):.1f}")
+    print(
+        f"beside n=128:     {statistics.median(shared) * 1e3:.3f} ms per token (median), "
+        f"{statistics.mean(shared) * 1e3:.3f} mean; rows per step median {statistics.median(rows)}, "
+        f"mean {statistics.mean(rows):.1f}"
+    )
     print(f"ratio (median):   {statistics.median(shared) / statistics.median(alone):.2f}")
 
 

@@ -5,6 +5,7 @@ scheduling the host's work for step N+1 overlaps the device's step N, so the hos
 below the device time. This measures that host work on any machine (no GPU needed):
 ``python -m benchmarks.host_step --batch 256 --context 640``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,9 @@ from engine.kv_backend.paged import PagedKV
 from engine.worker.step_inputs import StepInputs
 
 
-def decode_ready(batch: int, context: int, block_size: int, seed: int) -> tuple[Scheduler, StepInputs]:
+def decode_ready(
+    batch: int, context: int, block_size: int, seed: int
+) -> tuple[Scheduler, StepInputs]:
     """``batch`` sequences with ``context`` computed tokens each and one new token to decode."""
     rng = random.Random(seed)
     blocks = batch * (context // block_size + 8)
@@ -40,8 +43,14 @@ def decode_ready(batch: int, context: int, block_size: int, seed: int) -> tuple[
     for seq in scheduler.running:
         seq.append_token(rng.randrange(10000))
     max_blocks = context // block_size + 64
-    return scheduler, StepInputs(torch.device("cpu"), block_size, max(2048, batch), batch + 1, max_blocks,
-                                  PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), block_size))
+    return scheduler, StepInputs(
+        torch.device("cpu"),
+        block_size,
+        max(2048, batch),
+        batch + 1,
+        max_blocks,
+        PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), block_size),
+    )
 
 
 def measure(batch: int, context: int, steps: int, pad: bool) -> dict[str, float]:
@@ -72,13 +81,17 @@ def main() -> None:
     rows = {batch: measure(batch, args.context, args.steps, pad=True) for batch in args.batch}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"context": args.context, "steps": args.steps, "median_ms": rows}, f, indent=2)
+            json.dump(
+                {"context": args.context, "steps": args.steps, "median_ms": rows}, f, indent=2
+            )
     print(f"\nhost work per decode step, context {args.context}, median of {args.steps} steps (ms)")
     print("| batch | schedule | prepare inputs | advance + append | total |")
     print("|---:|---:|---:|---:|---:|")
     for batch, row in rows.items():
-        print(f"| {batch} | {row['schedule']:.3f} | {row['prepare']:.3f} | {row['advance']:.3f} "
-              f"| {sum(row.values()):.3f} |")
+        print(
+            f"| {batch} | {row['schedule']:.3f} | {row['prepare']:.3f} | {row['advance']:.3f} "
+            f"| {sum(row.values()):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ subprocesses, one streamed request timed chunk by chunk, filler prompts, percent
 
 Nothing here imports the server: the benchmarks talk to it over real HTTP only, like any client.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ WORDS = tuple(_WORD_LIST.split())
 
 # prompts ---------------------------------------------------------------------------------------------------
 
+
 def int_range(text: str) -> tuple[int, int]:
     """argparse type: ``"128"`` or ``"120-160"`` (inclusive) as (low, high)."""
     low, _, high = text.partition("-")
@@ -72,6 +74,7 @@ def filler_text(rng: Random, num_words: int) -> str:
 
 
 # one streamed request --------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class StreamResult:
@@ -126,7 +129,9 @@ class StreamResult:
 def new_client(timeout_s: float) -> httpx.AsyncClient:
     """No connection cap (every simulated client gets its own connection); no proxies from the environment."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits, trust_env=False)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits, trust_env=False
+    )
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
@@ -136,7 +141,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
         async with client.stream("POST", url, json=body) as response:
             result.status = response.status_code
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                result.error = (
+                    f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                )
             else:
                 await _read_events(response, result)
     except (httpx.HTTPError, ValueError) as exc:  # ValueError: an event whose data is not JSON
@@ -202,6 +209,7 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 # statistics and report lines -------------------------------------------------------------------------------
 
+
 def percentile(values: list[float], p: float) -> float:
     """Linear interpolation between the two nearest ranks (numpy's default method)."""
     ordered = sorted(values)
@@ -211,7 +219,9 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def distribution_ms(seconds: list[float], percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float] | None:
+def distribution_ms(
+    seconds: list[float], percentiles: tuple[float, ...] = (50, 99)
+) -> dict[str, float] | None:
     """Mean and percentiles in milliseconds (keys ``mean``, ``p50``, ``p99``); None when there are no values."""
     if not seconds:
         return None
@@ -236,10 +246,16 @@ def row(label: str, value: float | str | None, decimals: int = 2) -> str:
 
 def environment(command: str, load_before: float, server_args: list[str] | None) -> dict[str, Any]:
     """Where the numbers were taken. The server's device is whatever it runs on: name it with the number."""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command, "server_args": server_args, "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0], "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "server_args": server_args,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -250,12 +266,21 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 
 # processes: the server under test, and Redis ---------------------------------------------------------------
 
+
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--base-url", help="a running server (e.g. http://127.0.0.1:8000); default: start one")
-    group.add_argument("--server-args", default="", help='extra `python -m app serve` flags, e.g. '
-                       '"--kv-cache-memory-gib 1" or "--load-format dummy --model-config llama-3.2-1b"')
-    group.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    group.add_argument(
+        "--base-url", help="a running server (e.g. http://127.0.0.1:8000); default: start one"
+    )
+    group.add_argument(
+        "--server-args",
+        default="",
+        help="extra `python -m app serve` flags, e.g. "
+        '"--kv-cache-memory-gib 1" or "--load-format dummy --model-config llama-3.2-1b"',
+    )
+    group.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for /health"
+    )
     group.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
 
 
@@ -266,12 +291,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_from_args(args: argparse.Namespace, extra_args: list[str] | None = None) -> Iterator[str]:
+def server_from_args(
+    args: argparse.Namespace, extra_args: list[str] | None = None
+) -> Iterator[str]:
     """The base URL of ``--base-url``, or of a server started here with ``--server-args`` (stopped at exit)."""
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    with local_server(shlex.split(args.server_args) + (extra_args or []), args.startup_timeout) as url:
+    with local_server(
+        shlex.split(args.server_args) + (extra_args or []), args.startup_timeout
+    ) as url:
         yield url
 
 
@@ -279,12 +308,29 @@ def server_from_args(args: argparse.Namespace, extra_args: list[str] | None = No
 def local_server(server_args: list[str], startup_timeout: float) -> Iterator[str]:
     """``python -m app serve`` on a free port, its output in a log file; yields once /health answers 200."""
     port = free_port()
-    command = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
-    with tempfile.NamedTemporaryFile("w", prefix="pagedchat-bench-server-", suffix=".log", delete=False) as log:
+    command = [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *server_args,
+    ]
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="pagedchat-bench-server-", suffix=".log", delete=False
+    ) as log:
         logger.info("starting the server: %s (log: %s)", shlex.join(command), log.name)
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   # our Ctrl-C must not reach it before we stop it
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # our Ctrl-C must not reach it before we stop it
+            start_new_session=True,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             wait_for_health(url, process, startup_timeout, log.name)
@@ -298,17 +344,23 @@ def wait_for_health(url: str, process: subprocess.Popen, timeout_s: float, log_p
     start = time.perf_counter()
     while time.perf_counter() - start < timeout_s:
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} during start-up; "
-                               f"last log lines:\n{tail(log_path)}")
+            raise RuntimeError(
+                f"the server exited with {process.returncode} during start-up; "
+                f"last log lines:\n{tail(log_path)}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
                 logger.info("server ready at %s after %.1f s", url, time.perf_counter() - start)
                 return
         time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s; log: {log_path}")
+    raise RuntimeError(
+        f"the server did not answer /health within {timeout_s:.0f} s; log: {log_path}"
+    )
 
 
-def stop_process(process: subprocess.Popen, sig: signal.Signals, name: str, grace_s: float = 30.0) -> None:
+def stop_process(
+    process: subprocess.Popen, sig: signal.Signals, name: str, grace_s: float = 30.0
+) -> None:
     """Signal our own child by its pid; kill it if it has not exited after ``grace_s``."""
     if process.poll() is not None:
         return
@@ -330,9 +382,20 @@ def tail(path: str, lines: int = 30) -> str:
 def local_redis(timeout_s: float = 20.0) -> Iterator[str]:
     """A throw-away redis-server on a free port (no snapshots, no AOF); yields its ``redis://`` URL."""
     port = free_port()
-    command = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    command = [
+        REDIS_SERVER,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         _wait_for_redis(port, process, timeout_s)
         logger.info("redis-server ready on port %d (pid %d)", port, process.pid)
@@ -346,7 +409,10 @@ def _wait_for_redis(port: int, process: subprocess.Popen, timeout_s: float) -> N
     while time.perf_counter() - start < timeout_s:
         if process.poll() is not None:
             raise RuntimeError(f"redis-server exited with {process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock,
+        ):
             sock.sendall(b"PING\r\n")
             if sock.recv(16).startswith(b"+PONG"):
                 return

@@ -6,6 +6,7 @@ Reads the JSON of ``python -m benchmarks.kv_backends --json PATH`` (run where th
 
     python -m benchmarks.kv_backends_chart PATH [--out docs/kv_backends.png]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def grouped_bars(axis: Any, groups: list[str], series: dict[str, list[float]], f
     axis.legend(fontsize=8)
 
 
-def nano_series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[str], dict[str, list[float]]]:
+def nano_series(
+    rows: list[dict[str, Any]], key: str, scale: float = 1.0
+) -> tuple[list[str], dict[str, list[float]]]:
     """Models (in their order) and, per backend, ``key`` of each model's row."""
     models = list(dict.fromkeys(r["model"] for r in rows))
     backends = list(dict.fromkeys(r["backend"] for r in rows))
@@ -38,7 +41,9 @@ def nano_series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tup
 
 def kernel_series(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
     shapes = [f"{r['batch']}x{r['context']}" for r in rows]
-    return shapes, {layout: [r[f"{layout}_gbps"] for r in rows] for layout in ("paged", "contiguous")}
+    return shapes, {
+        layout: [r[f"{layout}_gbps"] for r in rows] for layout in ("paged", "contiguous")
+    }
 
 
 def render(data: dict[str, Any], out: str) -> None:
@@ -52,12 +57,16 @@ def render(data: dict[str, Any], out: str) -> None:
     grouped_bars(axes[0], *nano_series(data["nano"], "tok_s"), fmt="%.0f")
     axes[0].set(ylabel="output tokens / s", title="nano throughput")
     grouped_bars(axes[1], *nano_series(data["nano"], "useful", scale=100), fmt="%.1f%%")
-    axes[1].set(ylabel="KV bytes holding tokens / reserved (%)", title="Useful KV memory (time average)")
+    axes[1].set(
+        ylabel="KV bytes holding tokens / reserved (%)", title="Useful KV memory (time average)"
+    )
     # headroom: the legend stays clear of 100% bars
     axes[1].set(ylim=(0, 120), yticks=range(0, 101, 20))
     if panels == 3:
         grouped_bars(axes[2], *kernel_series(data["kernel"]), fmt="%.0f")
-        axes[2].set(ylabel="K+V bytes / kernel time (GB/s)", xlabel="batch x context", title="Decode kernel")
+        axes[2].set(
+            ylabel="K+V bytes / kernel time (GB/s)", xlabel="batch x context", title="Decode kernel"
+        )
     fig.suptitle(caption(data), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=150)
@@ -66,12 +75,16 @@ def render(data: dict[str, Any], out: str) -> None:
 
 def caption(data: dict[str, Any]) -> str:
     workload, env = data["workload"], data["environment"]
-    return (f"KV backends: {workload['num_requests']} nano requests, dummy weights, max_model_len "
-            f"{workload['max_model_len']}; {env['device']}; {env['date'][:10]}")
+    return (
+        f"KV backends: {workload['num_requests']} nano requests, dummy weights, max_model_len "
+        f"{workload['max_model_len']}; {env['device']}; {env['date'][:10]}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("json", help="output of benchmarks.kv_backends --json")
     parser.add_argument("--out", default="docs/kv_backends.png")
     args = parser.parse_args(argv)

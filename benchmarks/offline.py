@@ -13,6 +13,7 @@ GPU kernel ms per step (torch.profiler) and the engine's host phases per step (`
         [--num-requests 256] [--enforce-eager] [--max-model-len N] [--no-split] [--json PATH]
     smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4 --no-peer --no-split
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,17 @@ PHASES = ("schedule", "prepare", "launch", "wait", "output")
 
 # ours ----------------------------------------------------------------------------------------------------
 
+
 def start_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     """The engine and the seconds its start took."""
     start = time.perf_counter()
-    engine = build_engine(args, seed=args.seed, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = build_engine(
+        args,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     return engine, time.perf_counter() - start
 
 
@@ -66,15 +73,20 @@ def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: boo
         engine.add_request(f"{prefix}-{i}", request.prompt, greedy(request.output_len))
     produced: dict[str, int] = {}
     streamed = 0  # the deltas' count: an independent tally of the same tokens
-    with tqdm(total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
+    with tqdm(
+        total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress
+    ) as bar:
         while engine.has_unfinished_requests():
             outputs = engine.step()
             step_tokens = sum(len(o.token_ids_delta) for o in outputs)
             streamed += step_tokens
             bar.update(step_tokens)
             produced.update((o.request_id, len(o.token_ids)) for o in outputs if o.finished)
-    wrong = [(i, produced.get(f"{prefix}-{i}"), r.output_len) for i, r in enumerate(requests)
-             if produced.get(f"{prefix}-{i}") != r.output_len]
+    wrong = [
+        (i, produced.get(f"{prefix}-{i}"), r.output_len)
+        for i, r in enumerate(requests)
+        if produced.get(f"{prefix}-{i}") != r.output_len
+    ]
     assert not wrong, f"{prefix}: (request, tokens produced, requested) differ: {wrong[:5]}"
     assert streamed == sum(produced.values()), (streamed, sum(produced.values()))
     return streamed
@@ -82,9 +94,15 @@ def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: boo
 
 def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -> Run:
     # short, from other draws: one-time costs (kernel compilation, allocator) fall outside the timing
-    warm = nano_workload(min(8, len(requests)), 1_000_003, capped(min(256, max(len(r.prompt) for r in requests))),
-                         capped(min(32, max(r.output_len for r in requests))))
-    run = Run("pagedchat", len(requests), sum(r.output_len for r in requests), start_seconds=start_seconds)
+    warm = nano_workload(
+        min(8, len(requests)),
+        1_000_003,
+        capped(min(256, max(len(r.prompt) for r in requests))),
+        capped(min(32, max(r.output_len for r in requests))),
+    )
+    run = Run(
+        "pagedchat", len(requests), sum(r.output_len for r in requests), start_seconds=start_seconds
+    )
     device = engine.config.torch_device
     start = time.perf_counter()
     drive(engine, warm, "warm-up")
@@ -99,13 +117,17 @@ def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -
     run.seconds = time.perf_counter() - start
     run.steps = counters.steps - steps_before
     run.phase_seconds = {p: getattr(counters, f"{p}_seconds") - before[p] for p in PHASES}
-    run.compiled = {k: n - compiled_before.get(k, 0) for k, n in compiled_variants().items()
-                    if n > compiled_before.get(k, 0)}
+    run.compiled = {
+        k: n - compiled_before.get(k, 0)
+        for k, n in compiled_variants().items()
+        if n > compiled_before.get(k, 0)
+    }
     assert run.output_tokens == run.requested_tokens, (run.output_tokens, run.requested_tokens)
     return run
 
 
 # per-step split at a steady decode batch -----------------------------------------------------------------
+
 
 def fill_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, seed: int) -> list[str]:
     """``batch`` requests whose prompts are all computed: each has produced at least one token."""
@@ -136,9 +158,13 @@ def time_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
     synchronize(device)
     total = time.perf_counter() - start
     phases = {p: (getattr(counters, f"{p}_seconds", 0.0) - before[p]) * 1e3 / steps for p in PHASES}
-    return {"wall_ms_mean": total * 1e3 / steps, "wall_ms_median": statistics.median(walls) * 1e3,
-            "host_ms": phases, "tokens_per_step": (counters.generation_tokens - tokens_before) / steps,
-            "finished_during": finished}
+    return {
+        "wall_ms_mean": total * 1e3 / steps,
+        "wall_ms_median": statistics.median(walls) * 1e3,
+        "host_ms": phases,
+        "tokens_per_step": (counters.generation_tokens - tokens_before) / steps,
+        "finished_during": finished,
+    }
 
 
 def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
@@ -155,10 +181,13 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
     per_step_ms = 1e-3 / steps
-    return {"gpu_all_ms": sum(e.time_range.elapsed_us() for e in events) * per_step_ms,
-            "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) * per_step_ms,
-            "gpu_busy_ms": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) * per_step_ms,
-            "kernels_per_step": len(kernels) / steps}
+    return {
+        "gpu_all_ms": sum(e.time_range.elapsed_us() for e in events) * per_step_ms,
+        "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) * per_step_ms,
+        "gpu_busy_ms": busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+        * per_step_ms,
+        "kernels_per_step": len(kernels) / steps,
+    }
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -175,11 +204,18 @@ def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]
     rids = fill_decode_batch(engine, args.split_batch, args.split_prompt_len, args.seed + 1)
     for _ in range(args.split_warmup):
         engine.step()
-    split = {"batch": args.split_batch, "prompt_len": args.split_prompt_len, "steps": args.split_steps,
-             "running": engine.stats().num_running, **time_steps(engine, args.split_steps)}
+    split = {
+        "batch": args.split_batch,
+        "prompt_len": args.split_prompt_len,
+        "steps": args.split_steps,
+        "running": engine.stats().num_running,
+        **time_steps(engine, args.split_steps),
+    }
     if engine.config.torch_device.type == "cuda":
         split.update(profile_steps(engine, args.split_steps))
-        split["wall_over_gpu"] = split["wall_ms_mean"] / split["gpu_busy_ms"] if split["gpu_busy_ms"] else None
+        split["wall_over_gpu"] = (
+            split["wall_ms_mean"] / split["gpu_busy_ms"] if split["gpu_busy_ms"] else None
+        )
     for rid in rids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -189,26 +225,37 @@ def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]
 
 # report --------------------------------------------------------------------------------------------------
 
+
 def environment(device: torch.device) -> dict[str, Any]:
     versions = {"torch": torch.__version__}
     for name in ("triton", "transformers"):
         with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-    return {"device": device_name(device), "date": utc_now(), "command": command_line("benchmarks.offline"),
-            **versions}
+    return {
+        "device": device_name(device),
+        "date": utc_now(),
+        "command": command_line("benchmarks.offline"),
+        **versions,
+    }
 
 
 def throughput_table(model: str, runs: list[Run]) -> str:
     ours, peer = runs[0], runs[1] if len(runs) > 1 else None
-    rows = ["| engine | model | requests | output tokens | seconds | out tok/s | ratio vs peer |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| engine | model | requests | output tokens | seconds | out tok/s | ratio vs peer |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for run in runs:
         ratio = f"{ours.tok_s / peer.tok_s:.2f}x" if run is ours and peer and peer.tok_s else "-"
         if run.error and not run.seconds:
-            rows.append(f"| {run.engine} | {model} | {run.requests} | - | - | failed: {run.error[:80]} | - |")
+            rows.append(
+                f"| {run.engine} | {model} | {run.requests} | - | - | failed: {run.error[:80]} | - |"
+            )
             continue
-        rows.append(f"| {run.engine} | {model} | {run.requests} | {run.output_tokens} | {run.seconds:.2f} | "
-                    f"{run.tok_s:.0f} | {ratio} |")
+        rows.append(
+            f"| {run.engine} | {model} | {run.requests} | {run.output_tokens} | {run.seconds:.2f} | "
+            f"{run.tok_s:.0f} | {ratio} |"
+        )
     return "\n".join(rows)
 
 
@@ -218,15 +265,21 @@ def split_table(split: dict[str, Any]) -> str:
 
     ratio = f"{split['wall_over_gpu']:.2f}" if split.get("wall_over_gpu") else "-"
     title = f"ours, decode batch {split['batch']} (prompt {split['prompt_len']}), {split['steps']} steps"
-    rows = [f"| {title} | ms/step |", "|---|---:|",
-            f"| wall, mean (median) | {ms('wall_ms_mean')} ({ms('wall_ms_median')}) |",
-            f"| GPU kernels (all device events) | {ms('gpu_kernel_ms')} ({ms('gpu_all_ms')}) |",
-            f"| GPU busy (kernel union) | {ms('gpu_busy_ms')} |", f"| wall / GPU busy | {ratio} |"]
+    rows = [
+        f"| {title} | ms/step |",
+        "|---|---:|",
+        f"| wall, mean (median) | {ms('wall_ms_mean')} ({ms('wall_ms_median')}) |",
+        f"| GPU kernels (all device events) | {ms('gpu_kernel_ms')} ({ms('gpu_all_ms')}) |",
+        f"| GPU busy (kernel union) | {ms('gpu_busy_ms')} |",
+        f"| wall / GPU busy | {ratio} |",
+    ]
     rows += [f"| host: {phase} | {split['host_ms'][phase]:.3f} |" for phase in PHASES]
     other = split["wall_ms_mean"] - sum(split["host_ms"].values())
     rows.append(f"| host: other (wall - phases) | {other:.3f} |")
-    rows.append(f"| tokens/step, running, kernels/step | {split['tokens_per_step']:.0f}, {split['running']}, "
-                f"{split.get('kernels_per_step', 0):.0f} |")
+    rows.append(
+        f"| tokens/step, running, kernels/step | {split['tokens_per_step']:.0f}, {split['running']}, "
+        f"{split.get('kernels_per_step', 0):.0f} |"
+    )
     return "\n".join(rows)
 
 
@@ -238,26 +291,37 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
 
 def print_report(args: argparse.Namespace, result: dict[str, Any], runs: list[Run]) -> None:
     env = result["environment"]
-    print(f"\n## nano: {args.model_config}, dummy weights, {result['dtype']}, {env['device']}, {env['date']}",
-          flush=True)
-    print(f"torch {env['torch']}, triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; "
-          f"command: {env['command']}")
+    print(
+        f"\n## nano: {args.model_config}, dummy weights, {result['dtype']}, {env['device']}, {env['date']}",
+        flush=True,
+    )
+    print(
+        f"torch {env['torch']}, triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; "
+        f"command: {env['command']}"
+    )
     for run in runs:
-        print(f"{run.engine}: start {run.start_seconds:.1f} s (weights, KV cache, CUDA graphs), warm-up "
-              f"{run.warmup_seconds:.1f} s" + (f"; error: {run.error}" if run.error else ""))
+        print(
+            f"{run.engine}: start {run.start_seconds:.1f} s (weights, KV cache, CUDA graphs), warm-up "
+            f"{run.warmup_seconds:.1f} s" + (f"; error: {run.error}" if run.error else "")
+        )
     if len(runs) > 1 and runs[1].requests < runs[0].requests:
-        print(f"NOTE: the peer ran a SUBSET: the first {runs[1].requests} of {runs[0].requests} requests")
+        print(
+            f"NOTE: the peer ran a SUBSET: the first {runs[1].requests} of {runs[0].requests} requests"
+        )
     print("\n" + throughput_table(args.model_config, runs), flush=True)
     ours = runs[0]
     if ours.steps:
         phases = ", ".join(f"{p} {1e3 * s / ours.steps:.2f}" for p, s in ours.phase_seconds.items())
-        print(f"\nours over the timed run: {ours.steps} steps, {1e3 * ours.seconds / ours.steps:.2f} ms/step; host "
-              f"ms/step: {phases}; Triton variants compiled inside it: {ours.compiled or 'none'}")
+        print(
+            f"\nours over the timed run: {ours.steps} steps, {1e3 * ours.seconds / ours.steps:.2f} ms/step; host "
+            f"ms/step: {phases}; Triton variants compiled inside it: {ours.compiled or 'none'}"
+        )
     if result.get("split"):
         print("\n" + split_table(result["split"]), flush=True)
 
 
 # main ----------------------------------------------------------------------------------------------------
+
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of a nano run and its steady decode step (``--split-*``), shared with the benchmarks that
@@ -272,19 +336,31 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths")
-    parser.add_argument("--max-output-len", type=int, help="smoke tests only: clip the output lengths")
+    parser.add_argument(
+        "--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths"
+    )
+    parser.add_argument(
+        "--max-output-len", type=int, help="smoke tests only: clip the output lengths"
+    )
     parser.add_argument("--json", metavar="PATH")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--peer-num-requests", type=int, help="run the peer on the first N requests (default all)")
-    parser.add_argument("--peer-attn", help="transformers attn_implementation (default: transformers' choice)")
-    parser.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds before the peer is given up")
+    parser.add_argument(
+        "--peer-num-requests", type=int, help="run the peer on the first N requests (default all)"
+    )
+    parser.add_argument(
+        "--peer-attn", help="transformers attn_implementation (default: transformers' choice)"
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=1200.0, help="seconds before the peer is given up"
+    )
     parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enforce-eager", action="store_true")
     add_run_options(parser)
@@ -297,14 +373,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    requests = nano_workload(args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len))
-    logger.info("%d requests: %d prompt tokens, %d output tokens", len(requests),
-                sum(len(r.prompt) for r in requests), sum(r.output_len for r in requests))
+    requests = nano_workload(
+        args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
+    )
+    logger.info(
+        "%d requests: %d prompt tokens, %d output tokens",
+        len(requests),
+        sum(len(r.prompt) for r in requests),
+        sum(r.output_len for r in requests),
+    )
     engine, start_seconds = start_engine(args)
     device, dtype = engine.config.torch_device, engine.config.torch_dtype
-    config = {f.name: str(getattr(engine.config, f.name)) for f in fields(engine.config) if f.name != "hf_config"}
-    result: dict[str, Any] = {"environment": environment(device), "model": args.model_config, "dtype": str(dtype),
-                              "engine_config": config}
+    config = {
+        f.name: str(getattr(engine.config, f.name))
+        for f in fields(engine.config)
+        if f.name != "hf_config"
+    }
+    result: dict[str, Any] = {
+        "environment": environment(device),
+        "model": args.model_config,
+        "dtype": str(dtype),
+        "engine_config": config,
+    }
     runs = [run_ours(engine, requests, start_seconds)]
     result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
     write_json(args.json, result)
@@ -314,9 +404,11 @@ def main(argv: list[str] | None = None) -> None:
     del engine
     release_memory(device)
     if device.type == "cuda":
-        logger.info("ours freed: %.2f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30)
+        logger.info(
+            "ours freed: %.2f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30
+        )
     if args.peer:
-        runs.append(run_peer(args, requests[:args.peer_num_requests or None], device, dtype))
+        runs.append(run_peer(args, requests[: args.peer_num_requests or None], device, dtype))
         result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
         if runs[1].tok_s:
             result["ratio_vs_peer"] = runs[0].tok_s / runs[1].tok_s

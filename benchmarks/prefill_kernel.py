@@ -9,6 +9,7 @@ a bottom-right causal mask (``causal_lower_right``) where the backend accepts it
 
     python -m benchmarks.prefill_kernel [--sweep] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from kernels.prefill_attention import CONFIG, PrefillConfig, prefill_attention
 
 CASES = [(1, 2048), (1, 4096), (1, 8192), (4, 2048)]  # (sequences, prompt tokens each)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
-SWEEP = [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
-         for m, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
+SWEEP = [
+    PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
+    for m, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])
+]
 
 
 def bench(fn) -> float:
@@ -43,20 +46,37 @@ def causal_flops(batch: int, prompt: int, cached: int) -> float:
 
 def make_inputs(batch: int, prompt: int, cached: int) -> dict:
     blocks = prompt // BLOCK_SIZE
-    k_cache = torch.randn(batch * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(
+        batch * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE
+    )
     chunk = prompt - cached
     return dict(
-        query=torch.randn(batch * chunk, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE), k_cache=k_cache,
+        query=torch.randn(batch * chunk, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE),
+        k_cache=k_cache,
         v_cache=torch.randn_like(k_cache),
-        block_tables=torch.randperm(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks),
+        block_tables=torch.randperm(batch * blocks, device="cuda", dtype=torch.int32).view(
+            batch, blocks
+        ),
         cu=torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * chunk,
-        context_lens=torch.full((batch,), prompt, device="cuda", dtype=torch.int32))
+        context_lens=torch.full((batch,), prompt, device="cuda", dtype=torch.int32),
+    )
 
 
 def run_ours(x: dict, config: PrefillConfig | None = None) -> float:
     out = torch.empty_like(x["query"])
-    return bench(lambda: prefill_attention(out, x["query"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"],
-                                           x["context_lens"], HEAD_DIM ** -0.5, config=config))
+    return bench(
+        lambda: prefill_attention(
+            out,
+            x["query"],
+            x["k_cache"],
+            x["v_cache"],
+            x["block_tables"],
+            x["cu"],
+            x["context_lens"],
+            HEAD_DIM**-0.5,
+            config=config,
+        )
+    )
 
 
 def try_config(x: dict, config: PrefillConfig) -> float:
@@ -78,11 +98,21 @@ def run_sdpa(x: dict, batch: int, prompt: int, cached: int) -> float | None:
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             if cached == 0:
-                return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=HEAD_DIM ** -0.5))
+                return bench(
+                    lambda: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=HEAD_DIM**-0.5
+                    )
+                )
             mask = causal_lower_right(prompt - cached, prompt)
-            return bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=HEAD_DIM ** -0.5))
+            return bench(
+                lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=HEAD_DIM**-0.5
+                )
+            )
     except RuntimeError as err:  # e.g. no flash kernel for a lower-right mask in this torch
-        print(f"SDPA flash unavailable for {batch}x{prompt} cached={cached}: {str(err).splitlines()[0]}")
+        print(
+            f"SDPA flash unavailable for {batch}x{prompt} cached={cached}: {str(err).splitlines()[0]}"
+        )
         return None
 
 
@@ -97,32 +127,51 @@ def main() -> None:
         x = make_inputs(batch, prompt, cached)
         flops = causal_flops(batch, prompt, cached)
         ours_ms, sdpa_ms = run_ours(x), run_sdpa(x, batch, prompt, cached)
-        row = dict(batch=batch, prompt=prompt, cached=cached, ours_ms=ours_ms, ours_tflops=flops / ours_ms / 1e9,
-                   sdpa_tflops=flops / sdpa_ms / 1e9 if sdpa_ms else None)
+        row = dict(
+            batch=batch,
+            prompt=prompt,
+            cached=cached,
+            ours_ms=ours_ms,
+            ours_tflops=flops / ours_ms / 1e9,
+            sdpa_tflops=flops / sdpa_ms / 1e9 if sdpa_ms else None,
+        )
         if args.sweep:
             timed = [(try_config(x, c), c) for c in SWEEP]
             best_ms, best = min(timed, key=lambda t: t[0])
-            row.update(best_tflops=flops / best_ms / 1e9, best_config=asdict(best),
-                       sweep=[(asdict(c), flops / ms / 1e9) for ms, c in timed])
+            row.update(
+                best_tflops=flops / best_ms / 1e9,
+                best_config=asdict(best),
+                sweep=[(asdict(c), flops / ms / 1e9) for ms, c in timed],
+            )
         rows.append(row)
     print_table(rows, args.sweep)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), default_config=asdict(CONFIG), rows=rows), f,
-                      indent=1)
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), default_config=asdict(CONFIG), rows=rows),
+                f,
+                indent=1,
+            )
 
 
 def print_table(rows: list[dict], sweep: bool) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n")
-    print("| seqs x prompt | cached | ours ms | ours TFLOP/s | SDPA flash TFLOP/s | ours/SDPA |"
-          + (" best TFLOP/s | best config |" if sweep else ""))
+    print(
+        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n"
+    )
+    print(
+        "| seqs x prompt | cached | ours ms | ours TFLOP/s | SDPA flash TFLOP/s | ours/SDPA |"
+        + (" best TFLOP/s | best config |" if sweep else "")
+    )
     print("|---|---|---|---|---|---|" + ("---|---|" if sweep else ""))
     for r in rows:
         sdpa = r["sdpa_tflops"]
-        line = (f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | "
-                f"{sdpa:.0f} | {r['ours_tflops'] / sdpa:.2f} |" if sdpa else
-                f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | - | - |")
+        line = (
+            f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | "
+            f"{sdpa:.0f} | {r['ours_tflops'] / sdpa:.2f} |"
+            if sdpa
+            else f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | - | - |"
+        )
         if sweep:
             c = r["best_config"]
             line += f" {r['best_tflops']:.0f} | m{c['block_m']} n{c['block_n']} w{c['num_warps']} s{c['num_stages']} |"

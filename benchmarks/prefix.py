@@ -20,6 +20,7 @@ One warm-up round per engine (its own cache salt, so the timed run cannot hit it
         [--output-len 256] [--request-rate R] [--model-config llama-3.2-1b] [--device auto] [--dtype auto]
         [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,7 @@ class ModeResult:
 
 # the run --------------------------------------------------------------------------------------------------
 
+
 def arrival_schedule(request_ids: list[str], rate: float, seed: int) -> list[tuple[float, str]]:
     """(seconds after the start, request id) in arrival order: all at 0 in the given order when ``rate`` is
     infinite, else a Poisson process of ``rate`` per second over a seeded shuffle of the ids."""
@@ -84,14 +86,21 @@ def arrival_schedule(request_ids: list[str], rate: float, seed: int) -> list[tup
     return schedule
 
 
-def run_mode(engine: LLMEngine, prompts: dict[str, list[int]], output_len: int,
-             schedule: list[tuple[float, str]]) -> ModeResult:
+def run_mode(
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    output_len: int,
+    schedule: list[tuple[float, str]],
+) -> ModeResult:
     before = engine.stats()
     first: dict[str, float] = {}
     arrived: dict[str, float] = {}
     produced = dict.fromkeys(prompts, 0)
-    bar = tqdm(total=len(prompts) * output_len, unit="tok",
-               desc=f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
+    bar = tqdm(
+        total=len(prompts) * output_len,
+        unit="tok",
+        desc=f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}",
+    )
     start = time.perf_counter()
     pending = 0  # index of the next arrival in schedule
     while pending < len(schedule) or engine.has_unfinished_requests():
@@ -116,31 +125,49 @@ def run_mode(engine: LLMEngine, prompts: dict[str, list[int]], output_len: int,
     check_lengths(produced, output_len)
     after = engine.stats()
     ttft_ms = np.array([first[r] - arrived[r] for r in prompts]) * 1e3
-    queries, hits = after.prefix_queries - before.prefix_queries, after.prefix_hits - before.prefix_hits
+    queries, hits = (
+        after.prefix_queries - before.prefix_queries,
+        after.prefix_hits - before.prefix_hits,
+    )
     total = sum(produced.values())
-    return ModeResult(prefix_caching=engine.config.enable_prefix_caching,
-                      ttft_p50_ms=float(np.percentile(ttft_ms, 50)), ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
-                      ttft_mean_ms=float(ttft_ms.mean()), wall_s=wall, output_tokens=total,
-                      output_tok_s=total / wall, prefix_queries=queries, prefix_hits=hits,
-                      prefix_hit_rate=hits / queries if queries else 0.0,
-                      preemptions=after.preemptions - before.preemptions)
+    return ModeResult(
+        prefix_caching=engine.config.enable_prefix_caching,
+        ttft_p50_ms=float(np.percentile(ttft_ms, 50)),
+        ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
+        ttft_mean_ms=float(ttft_ms.mean()),
+        wall_s=wall,
+        output_tokens=total,
+        output_tok_s=total / wall,
+        prefix_queries=queries,
+        prefix_hits=hits,
+        prefix_hit_rate=hits / queries if queries else 0.0,
+        preemptions=after.preemptions - before.preemptions,
+    )
 
 
 def check_lengths(produced: dict[str, int], output_len: int) -> None:
     wrong = {r: n for r, n in produced.items() if n != output_len}
     if wrong:
-        raise RuntimeError(f"{len(wrong)} requests produced other than {output_len} tokens, e.g. "
-                           f"{dict(list(wrong.items())[:3])}")
+        raise RuntimeError(
+            f"{len(wrong)} requests produced other than {output_len} tokens, e.g. "
+            f"{dict(list(wrong.items())[:3])}"
+        )
 
 
-def run_both(args: argparse.Namespace, prompts: dict[str, list[int]]) -> tuple[list[ModeResult], dict[str, Any]]:
+def run_both(
+    args: argparse.Namespace, prompts: dict[str, list[int]]
+) -> tuple[list[ModeResult], dict[str, Any]]:
     results, engine_info = [], {}
     for caching in (True, False):
         engine = build_engine(args, enable_prefix_caching=caching, num_kv_blocks=args.num_kv_blocks)
-        engine_info = {"num_kv_blocks": engine.core.block_manager.num_blocks, "block_size": engine.config.block_size,
-                       "max_num_seqs": engine.config.max_num_seqs,
-                       "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                       "async_scheduling": engine.config.async_scheduling, "dtype": str(engine.config.torch_dtype)}
+        engine_info = {
+            "num_kv_blocks": engine.core.block_manager.num_blocks,
+            "block_size": engine.config.block_size,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "async_scheduling": engine.config.async_scheduling,
+            "dtype": str(engine.config.torch_dtype),
+        }
         warm_up(engine, args.prefix_len + args.question_len)
         schedule = arrival_schedule(list(prompts), args.request_rate, args.seed)
         results.append(run_mode(engine, prompts, args.output_len, schedule))
@@ -154,29 +181,44 @@ def run_both(args: argparse.Namespace, prompts: dict[str, list[int]]) -> tuple[l
 
 # report ---------------------------------------------------------------------------------------------------
 
+
 def table(results: list[ModeResult]) -> str:
     on = next(r for r in results if r.prefix_caching)
-    rows = [("| prefix caching | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | wall (s) | prefix hit rate "
-             "| TTFT p50 / caching on |"),
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        (
+            "| prefix caching | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | wall (s) | prefix hit rate "
+            "| TTFT p50 / caching on |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        rows.append(f"| {'on' if r.prefix_caching else 'off'} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
-                    f"{r.output_tok_s:.1f} | {r.wall_s:.2f} | {r.prefix_hit_rate:.1%} | "
-                    f"{r.ttft_p50_ms / on.ttft_p50_ms:.2f}x |")
+        rows.append(
+            f"| {'on' if r.prefix_caching else 'off'} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
+            f"{r.output_tok_s:.1f} | {r.wall_s:.2f} | {r.prefix_hit_rate:.1%} | "
+            f"{r.ttft_p50_ms / on.ttft_p50_ms:.2f}x |"
+        )
     return "\n".join(rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--per-group", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--question-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second (default: inf, every request at once)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool (default: memory budget)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: inf, every request at once)",
+    )
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="fix the KV pool (default: memory budget)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     add_engine_options(parser)
     args = parser.parse_args(argv)
@@ -191,24 +233,47 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     load_before = os.getloadavg()[0]
-    prompts = shared_prefix_prompts(args.groups, args.per_group, args.prefix_len, args.question_len, args.seed)
+    prompts = shared_prefix_prompts(
+        args.groups, args.per_group, args.prefix_len, args.question_len, args.seed
+    )
     results, engine_info = run_both(args, prompts)
     env = environment(torch.device(engine_info["torch_device"]), load_before, "benchmarks.prefix")
     on, off = results
     ratio = off.ttft_p50_ms / on.ttft_p50_ms
     if args.json:
-        workload = {k: getattr(args, k) for k in ("groups", "per_group", "prefix_len", "question_len",
-                                                  "output_len", "seed", "model_config")}
+        workload = {
+            k: getattr(args, k)
+            for k in (
+                "groups",
+                "per_group",
+                "prefix_len",
+                "question_len",
+                "output_len",
+                "seed",
+                "model_config",
+            )
+        }
         workload["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
         with open(args.json, "w") as f:
-            json.dump({"workload": workload, "engine": engine_info, "environment": env,
-                       "modes": [asdict(r) for r in results], "ttft_p50_ratio_off_on": ratio}, f, indent=2)
-    print(f"\n## shared-prefix: {args.groups} groups x {args.per_group} requests, prefix {args.prefix_len} + "
-          f"question {args.question_len} tokens, {args.output_len} output tokens, "
-          f"{'all at once' if math.isinf(args.request_rate) else f'Poisson {args.request_rate:g} req/s'}; "
-          f"{args.model_config} dummy, "
-          f"{engine_info['dtype']}, {env['device']}, {engine_info['num_kv_blocks']} KV blocks x "
-          f"{engine_info['block_size']}")
+            json.dump(
+                {
+                    "workload": workload,
+                    "engine": engine_info,
+                    "environment": env,
+                    "modes": [asdict(r) for r in results],
+                    "ttft_p50_ratio_off_on": ratio,
+                },
+                f,
+                indent=2,
+            )
+    print(
+        f"\n## shared-prefix: {args.groups} groups x {args.per_group} requests, prefix {args.prefix_len} + "
+        f"question {args.question_len} tokens, {args.output_len} output tokens, "
+        f"{'all at once' if math.isinf(args.request_rate) else f'Poisson {args.request_rate:g} req/s'}; "
+        f"{args.model_config} dummy, "
+        f"{engine_info['dtype']}, {env['device']}, {engine_info['num_kv_blocks']} KV blocks x "
+        f"{engine_info['block_size']}"
+    )
     print(f"{env['date']}, torch {env['torch']}; command: {env['command']}")
     print(f"p50 TTFT off / on: {ratio:.2f}x\n")
     print(table(results))

@@ -5,6 +5,7 @@ calling thread, as the event loop runs them.
 
     python -m benchmarks.request_bodies
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,22 +29,41 @@ def request_with(body: bytes) -> Request:
         return next(messages, {"type": "http.disconnect"})
 
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers,
-                    "query_string": b""}, receive)
+    return Request(
+        {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": headers,
+            "query_string": b"",
+        },
+        receive,
+    )
 
 
 def bodies() -> dict[str, bytes]:
     def chat(**fields) -> bytes:
-        return json.dumps({"messages": [{"role": "user", "content": "Pick one."}], **fields}).encode()
+        return json.dumps(
+            {"messages": [{"role": "user", "content": "Pick one."}], **fields}
+        ).encode()
 
     schema = {"type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(390_000)]}}}
     return {
-        "one 4 MB message": json.dumps({"messages": [{"role": "user", "content": "x" * (LIMIT - 100)}]}).encode(),
-        "60,000 short messages": json.dumps({"messages": [{"role": "user", "content": "a"}] * 60_000}).encode(),
-        f"{MAX_MESSAGES} messages": json.dumps({"messages": [{"role": "user", "content": "hello " * 20}]
-                                                 * MAX_MESSAGES}).encode(),
-        "schema of 390,000 enum values": chat(response_format={"type": "json_schema", "json_schema": {
-            "name": "pick", "schema": schema}}),
+        "one 4 MB message": json.dumps(
+            {"messages": [{"role": "user", "content": "x" * (LIMIT - 100)}]}
+        ).encode(),
+        "60,000 short messages": json.dumps(
+            {"messages": [{"role": "user", "content": "a"}] * 60_000}
+        ).encode(),
+        f"{MAX_MESSAGES} messages": json.dumps(
+            {"messages": [{"role": "user", "content": "hello " * 20}] * MAX_MESSAGES}
+        ).encode(),
+        "schema of 390,000 enum values": chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "pick", "schema": schema},
+            }
+        ),
     }
 
 

@@ -23,6 +23,7 @@ Checked at the end (exit status 1 if any fails):
     python -m benchmarks.soak --duration 1800          # the 30-minute run (docs/BENCHMARKS.md)
     python -m benchmarks.soak --duration 120           # CI's run (tests/server/test_soak.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,9 +89,26 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.process = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "yes", "--appendfsync", "always", "--dir", self.directory],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+                self.directory,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _wait_for_redis(self.port, self.process, 20.0)
 
     def signal(self, sig: signal.Signals) -> None:
@@ -114,10 +132,21 @@ class Supervisor:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        command = [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     async def watch(self) -> None:
         while True:
@@ -138,7 +167,9 @@ class Supervisor:
         """The server and its children (the engine core, grammar workers)."""
         if self.process is None:
             return []
-        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        children = subprocess.run(
+            ["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True
+        ).stdout
         return [self.process.pid, *map(int, children.split())]
 
     def rss_bytes(self) -> int:
@@ -174,21 +205,34 @@ async def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
 
 # clients ---------------------------------------------------------------------------------------------------
 
+
 class Client:
     def __init__(self, url: str, key: str, tally: Tally, rng: Random) -> None:
         self.url, self.key, self.tally, self.rng = url, key, tally, rng
-        self.http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0),
-                                      headers={"Authorization": f"Bearer {key}"})
+        self.http = httpx.AsyncClient(
+            base_url=url,
+            timeout=httpx.Timeout(120.0, connect=10.0),
+            headers={"Authorization": f"Bearer {key}"},
+        )
 
-    async def stream(self, path: str, body: dict[str, Any], cut_after: int | None = None, slow: bool = False,
-                     timed: bool = True) -> dict[str, Any] | None:
+    async def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        cut_after: int | None = None,
+        slow: bool = False,
+        timed: bool = True,
+    ) -> dict[str, Any] | None:
         """POST a streamed request; its text, finish reason, token count and extension fields, or None when it
         failed (counted) or was cut here. ``timed``: its TPOT counts toward its tenant's (one choice, read at
         once)."""
         start, times, text, finish, tokens, extra = time.monotonic(), [], "", None, 0, {}
         try:
-            async with self.http.stream("POST", path, json={**body, "stream": True,
-                                                            "stream_options": {"include_usage": True}}) as reply:
+            async with self.http.stream(
+                "POST",
+                path,
+                json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            ) as reply:
                 if reply.status_code != 200:
                     self.tally.problem(start, f"HTTP {reply.status_code}")
                     await reply.aread()
@@ -227,7 +271,9 @@ class Client:
             return None
         self.tally.count("complete")
         if len(times) > 2 and timed and not slow:
-            self.tally.tpots.setdefault(self.key, []).append((times[-1] - times[0]) / (len(times) - 1))
+            self.tally.tpots.setdefault(self.key, []).append(
+                (times[-1] - times[0]) / (len(times) - 1)
+            )
         return {"text": text, "finish": finish, "tokens": tokens, **extra}
 
     async def sessions(self, stop: asyncio.Event, preset: str | None) -> None:
@@ -247,9 +293,15 @@ class Client:
             for turn in range(4):
                 if stop.is_set():
                     break
-                answer = await self.stream(f"/v1/sessions/{session_id}/messages", {
-                    "content": f"Turn {turn}: name a colour and a number.", "max_tokens": 12, "temperature": 0.7,
-                    "ignore_eos": True})
+                answer = await self.stream(
+                    f"/v1/sessions/{session_id}/messages",
+                    {
+                        "content": f"Turn {turn}: name a colour and a number.",
+                        "max_tokens": 12,
+                        "temperature": 0.7,
+                        "ignore_eos": True,
+                    },
+                )
                 if answer is None:
                     break  # (this session's history is now the server's word: start another)
                 self.tally.turns.append((self.key, session_id, answer["text"], answer["tokens"]))
@@ -260,22 +312,34 @@ class Client:
         while not stop.is_set():
             kind = kinds[i % len(kinds)]
             i += 1
-            body: dict[str, Any] = {"messages": [{"role": "user", "content": "Write one short sentence."}],
-                                    "max_tokens": 16, "temperature": 0.8}
+            body: dict[str, Any] = {
+                "messages": [{"role": "user", "content": "Write one short sentence."}],
+                "max_tokens": 16,
+                "temperature": 0.8,
+            }
             if kind == "n2":
                 body["n"] = 2
             elif kind == "beam":
                 body.update(use_beam_search=True, beam_width=2, temperature=0.0)
             elif kind == "json":
                 body["response_format"] = {"type": "json_object"}
-            await self.stream("/v1/chat/completions", body, cut_after=2 if kind == "cut" else None,
-                              slow=kind == "slow", timed=kind in ("plain", "json"))
+            await self.stream(
+                "/v1/chat/completions",
+                body,
+                cut_after=2 if kind == "cut" else None,
+                slow=kind == "slow",
+                timed=kind in ("plain", "json"),
+            )
 
     async def one_stream(self, count: int) -> list[float]:
         """TPOT of ``count`` plain streamed chats with nothing else running (reported, not checked)."""
         for _ in range(count):
-            body = {"messages": [{"role": "user", "content": "Write one short sentence."}], "max_tokens": 16,
-                    "temperature": 0.8, "ignore_eos": True}
+            body = {
+                "messages": [{"role": "user", "content": "Write one short sentence."}],
+                "max_tokens": 16,
+                "temperature": 0.8,
+                "ignore_eos": True,
+            }
             if await self.stream("/v1/chat/completions", body) is None:
                 raise RuntimeError("a warm-up request failed")
         return self.take_tpots()
@@ -284,7 +348,10 @@ class Client:
         """TPOT of this tenant's own workload (its session and stateless clients, as under the soak) for
         ``seconds`` with no other tenant's running: its unloaded TPOT. Its turns count like any other."""
         stop = asyncio.Event()
-        work = [asyncio.ensure_future(self.sessions(stop, preset)), asyncio.ensure_future(self.stateless(stop))]
+        work = [
+            asyncio.ensure_future(self.sessions(stop, preset)),
+            asyncio.ensure_future(self.stateless(stop)),
+        ]
         await asyncio.sleep(seconds)
         stop.set()
         await asyncio.gather(*work)
@@ -300,6 +367,7 @@ class Client:
 
 # faults ----------------------------------------------------------------------------------------------------
 
+
 async def inject(fault: str, redis: Redis, server: Supervisor, tally: Tally, url: str) -> None:
     start = time.monotonic()
     if fault == "redis_killed":
@@ -311,13 +379,20 @@ async def inject(fault: str, redis: Redis, server: Supervisor, tally: Tally, url
         await asyncio.sleep(3.0)
         redis.signal(signal.SIGCONT)
     elif fault == "storm":
+
         async def connect_and_drop(client: httpx.AsyncClient) -> None:
             with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
-                body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stream": True}
+                body = {
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 64,
+                    "stream": True,
+                }
                 async with client.stream("POST", "/v1/chat/completions", json=body):
                     await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=url, timeout=30.0,
-                                     headers={"Authorization": f"Bearer {KEYS[0]}"}) as client:
+
+        async with httpx.AsyncClient(
+            base_url=url, timeout=30.0, headers={"Authorization": f"Bearer {KEYS[0]}"}
+        ) as client:
             await asyncio.gather(*(connect_and_drop(client) for _ in range(100)))
     elif fault == "core_killed":
         pid = server.core_pid()
@@ -330,8 +405,14 @@ async def inject(fault: str, redis: Redis, server: Supervisor, tally: Tally, url
     print(f"  fault {fault}: {time.monotonic() - start:.1f} s", flush=True)
 
 
-async def faults(duration: float, redis: Redis, server: Supervisor, tally: Tally, url: str,
-                 memory: dict[str, int]) -> None:
+async def faults(
+    duration: float,
+    redis: Redis,
+    server: Supervisor,
+    tally: Tally,
+    url: str,
+    memory: dict[str, int],
+) -> None:
     begin = time.monotonic()
     for share, fault in FAULTS:
         await asyncio.sleep(max(begin + share * duration - time.monotonic(), 0))
@@ -343,6 +424,7 @@ async def faults(duration: float, redis: Redis, server: Supervisor, tally: Tally
 
 # the run ---------------------------------------------------------------------------------------------------
 
+
 async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dict[str, Any]:
     url, tally, stop = server.url, Tally(), asyncio.Event()
     watcher = asyncio.ensure_future(server.watch())
@@ -351,20 +433,32 @@ async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dic
     presets = {}
     for client in clients:
         name = f"soak-{client.key[-1]}"
-        reply = await client.http.post("/v1/presets", json={"name": name, "system": "You are terse."})
+        reply = await client.http.post(
+            "/v1/presets", json={"name": name, "system": "You are terse."}
+        )
         presets[client.key] = name if reply.status_code in (200, 201) else None
-    json_warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                 "response_format": {"type": "json_object"}}
+    json_warm = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_object"},
+    }
     await clients[0].http.post("/v1/chat/completions", json=json_warm)  # (grammar workers started)
-    one_stream = {client.key: statistics.median(await client.one_stream(args.warm_up)) for client in clients}
+    one_stream = {
+        client.key: statistics.median(await client.one_stream(args.warm_up)) for client in clients
+    }
     # (warm: every kind of request once)
     await clients[0].alone(args.alone_s / 2, presets[clients[0].key])
-    unloaded = {client.key: statistics.median(await client.alone(args.alone_s, presets[client.key]))
-                for client in clients}
+    unloaded = {
+        client.key: statistics.median(await client.alone(args.alone_s, presets[client.key]))
+        for client in clients
+    }
     memory = {"after_warm_up": server.rss_bytes()}
-    print(f"  warm: TPOT of one stream alone {', '.join(f'{v * 1e3:.1f}' for v in one_stream.values())} ms; "
-          f"of each tenant's workload alone {', '.join(f'{v * 1e3:.1f}' for v in unloaded.values())} ms; "
-          f"server {memory['after_warm_up'] >> 20} MiB", flush=True)
+    print(
+        f"  warm: TPOT of one stream alone {', '.join(f'{v * 1e3:.1f}' for v in one_stream.values())} ms; "
+        f"of each tenant's workload alone {', '.join(f'{v * 1e3:.1f}' for v in unloaded.values())} ms; "
+        f"server {memory['after_warm_up'] >> 20} MiB",
+        flush=True,
+    )
     work = [asyncio.ensure_future(c.sessions(stop, presets[c.key])) for c in clients]
     work += [asyncio.ensure_future(c.stateless(stop)) for c in clients]
     await faults(args.duration, redis, server, tally, url, memory)
@@ -378,10 +472,19 @@ async def run(args: argparse.Namespace, redis: Redis, server: Supervisor) -> dic
     for client in clients:
         await client.close()
     loaded = {key: statistics.median(v) if v else None for key, v in tally.tpots.items()}
-    return {"duration_s": args.duration, "statuses": tally.statuses, "unexpected": tally.unexpected,
-            "turns_seen_complete": len(tally.turns), "turns_missing": missing, "kv_usage_idle": idle,
-            "memory_bytes": memory, "restarts": server.restarts, "tpot_one_stream_s": one_stream,
-            "tpot_alone_s": unloaded, "tpot_loaded_s": loaded}
+    return {
+        "duration_s": args.duration,
+        "statuses": tally.statuses,
+        "unexpected": tally.unexpected,
+        "turns_seen_complete": len(tally.turns),
+        "turns_missing": missing,
+        "kv_usage_idle": idle,
+        "memory_bytes": memory,
+        "restarts": server.restarts,
+        "tpot_one_stream_s": one_stream,
+        "tpot_alone_s": unloaded,
+        "tpot_loaded_s": loaded,
+    }
 
 
 async def idle_kv_usage(url: str, timeout_s: float = 60.0) -> float:
@@ -415,8 +518,11 @@ async def missing_turns(tally: Tally, clients: list[Client]) -> list[str]:
             if reply.status_code == 200 and not reply.json().get("turn_pending"):
                 break
             await asyncio.sleep(1.0)
-        replies = [(m["content"], m.get("usage", {}).get("completion_tokens")) for m in stored
-                   if m["role"] == "assistant"]
+        replies = [
+            (m["content"], m.get("usage", {}).get("completion_tokens"))
+            for m in stored
+            if m["role"] == "assistant"
+        ]
         for _, text, tokens in turns:
             if (text, tokens) not in replies:
                 missing.append(f"{session_id}: {text[:40]!r}")
@@ -427,25 +533,43 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
     memory = result["memory_bytes"]
     growth = memory.get("before_core_killed", memory["after_warm_up"]) / memory["after_warm_up"] - 1
     result["memory_growth"] = growth
-    tpot_ok = all(loaded is not None and loaded <= 2 * result["tpot_alone_s"][key]
-                  for key, loaded in result["tpot_loaded_s"].items())
-    return {"every complete turn stored": not result["turns_missing"] and result["turns_seen_complete"] > 0,
-            "no 5xx or error event outside faults": not result["unexpected"],
-            "KV usage 0 at idle": result["kv_usage_idle"] == 0,
-            "memory within 5%": growth <= 0.05,
-            "each tenant's TPOT p50 within 2x alone": tpot_ok and len(result["tpot_loaded_s"]) == len(KEYS),
-            "the server came back after the core was killed": result["restarts"] >= 1}
+    tpot_ok = all(
+        loaded is not None and loaded <= 2 * result["tpot_alone_s"][key]
+        for key, loaded in result["tpot_loaded_s"].items()
+    )
+    return {
+        "every complete turn stored": not result["turns_missing"]
+        and result["turns_seen_complete"] > 0,
+        "no 5xx or error event outside faults": not result["unexpected"],
+        "KV usage 0 at idle": result["kv_usage_idle"] == 0,
+        "memory within 5%": growth <= 0.05,
+        "each tenant's TPOT p50 within 2x alone": tpot_ok
+        and len(result["tpot_loaded_s"]) == len(KEYS),
+        "the server came back after the core was killed": result["restarts"] >= 1,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load (faults at 20/40/60/80%%)")
-    parser.add_argument("--warm-up", type=int, default=3, help="plain requests per tenant alone (TPOT reported)")
-    parser.add_argument("--alone-s", type=float, default=8.0,
-                        help="seconds each tenant's workload runs alone, for its unloaded TPOT")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--duration", type=float, default=120.0, help="seconds of load (faults at 20/40/60/80%%)"
+    )
+    parser.add_argument(
+        "--warm-up", type=int, default=3, help="plain requests per tenant alone (TPOT reported)"
+    )
+    parser.add_argument(
+        "--alone-s",
+        type=float,
+        default=8.0,
+        help="seconds each tenant's workload runs alone, for its unloaded TPOT",
+    )
     parser.add_argument("--server-args", default="", help="extra `python -m app serve` flags")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--server-log", help="keep the server's log here (default: a temporary file)")
+    parser.add_argument(
+        "--server-log", help="keep the server's log here (default: a temporary file)"
+    )
     return parser.parse_args(argv)
 
 
@@ -455,8 +579,18 @@ def main(argv: list[str] | None = None) -> int:
         redis = Redis(directory)
         redis.start()
         log_path = args.server_log or os.path.join(directory, "server.log")
-        server = Supervisor(["--redis-url", redis.url, "--api-key", ",".join(KEYS), "--session-write-timeout-s", "1",
-                             *args.server_args.split()], log_path)
+        server = Supervisor(
+            [
+                "--redis-url",
+                redis.url,
+                "--api-key",
+                ",".join(KEYS),
+                "--session-write-timeout-s",
+                "1",
+                *args.server_args.split(),
+            ],
+            log_path,
+        )
         server.start()
         try:
             result = asyncio.run(run(args, redis, server))

@@ -10,6 +10,7 @@ blank lines). Every timestamp is ``time.monotonic()``: CLOCK_MONOTONIC, one cloc
 Each process also reports its own load (CPU seconds over wall seconds while sending): near 1 it was busy all
 the time, and its timings are suspect.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,17 +47,37 @@ class ClientLoad:
         return self.events / self.cpu_s if self.cpu_s else 0.0
 
 
-def run_clients(url: str, bodies: list[dict[str, Any]], offsets: list[float], concurrency: int | None,
-                processes: int, timeout_s: float) -> tuple[list[StreamResult], list[ClientLoad]]:
+def run_clients(
+    url: str,
+    bodies: list[dict[str, Any]],
+    offsets: list[float],
+    concurrency: int | None,
+    processes: int,
+    timeout_s: float,
+) -> tuple[list[StreamResult], list[ClientLoad]]:
     """Send ``bodies`` (each at its offset in seconds after the start, at most ``concurrency`` in flight in all)
     from ``processes`` spawned processes; the results in the order of ``bodies``, and each process's load."""
     processes = max(1, min(processes, len(bodies)))
     context = multiprocessing.get_context("spawn")
     start_line = context.Barrier(processes + 1)
     results: multiprocessing.Queue = context.Queue()
-    workers = [context.Process(target=_worker, daemon=True, args=(
-        i, url, bodies[i::processes], offsets[i::processes], concurrency_share(concurrency, i, processes), timeout_s,
-        start_line, results)) for i in range(processes)]
+    workers = [
+        context.Process(
+            target=_worker,
+            daemon=True,
+            args=(
+                i,
+                url,
+                bodies[i::processes],
+                offsets[i::processes],
+                concurrency_share(concurrency, i, processes),
+                timeout_s,
+                start_line,
+                results,
+            ),
+        )
+        for i in range(processes)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -80,8 +101,9 @@ def concurrency_share(concurrency: int | None, index: int, processes: int) -> in
     return max(1, concurrency // processes + (index < concurrency % processes))
 
 
-def _collect(results: multiprocessing.Queue, workers: list[Any], timeout_s: float
-             ) -> list[tuple[list[StreamResult], ClientLoad]]:
+def _collect(
+    results: multiprocessing.Queue, workers: list[Any], timeout_s: float
+) -> list[tuple[list[StreamResult], ClientLoad]]:
     shares: dict[int, tuple[list[StreamResult], ClientLoad]] = {}
     deadline = time.monotonic() + timeout_s
     while len(shares) < len(workers):
@@ -100,8 +122,17 @@ def _collect(results: multiprocessing.Queue, workers: list[Any], timeout_s: floa
 
 # one client process ----------------------------------------------------------------------------------------
 
-def _worker(index: int, url: str, bodies: list[dict[str, Any]], offsets: list[float], concurrency: int | None,
-            timeout_s: float, start_line: Any, results: multiprocessing.Queue) -> None:
+
+def _worker(
+    index: int,
+    url: str,
+    bodies: list[dict[str, Any]],
+    offsets: list[float],
+    concurrency: int | None,
+    timeout_s: float,
+    start_line: Any,
+    results: multiprocessing.Queue,
+) -> None:
     """Entry point of a spawned process: its share of the load, then (index, error, (results, load)) on the
     queue."""
     try:
@@ -109,15 +140,20 @@ def _worker(index: int, url: str, bodies: list[dict[str, Any]], offsets: list[fl
         start_line.wait(START_TIMEOUT_S)
         wall, cpu = time.monotonic(), time.process_time()
         share = asyncio.run(_send_all(url, payloads, offsets, concurrency, timeout_s))
-        load = ClientLoad(len(share), sum(len(r.token_times) for r in share), time.monotonic() - wall,
-                          time.process_time() - cpu)
+        load = ClientLoad(
+            len(share),
+            sum(len(r.token_times) for r in share),
+            time.monotonic() - wall,
+            time.process_time() - cpu,
+        )
         results.put((index, None, (share, load)))
     except BaseException as exc:  # noqa: BLE001 - the parent must hear of it rather than wait
         results.put((index, f"{type(exc).__name__}: {exc}", None))
 
 
-async def _send_all(url: str, payloads: list[bytes], offsets: list[float], concurrency: int | None,
-                    timeout_s: float) -> list[StreamResult]:
+async def _send_all(
+    url: str, payloads: list[bytes], offsets: list[float], concurrency: int | None, timeout_s: float
+) -> list[StreamResult]:
     """Each request at its offset after this process's start, at most ``concurrency`` in flight."""
     parts = urlsplit(url)
     if parts.scheme != "http":
@@ -138,7 +174,10 @@ async def _send_all(url: str, payloads: list[bytes], offsets: list[float], concu
 
 # the lean HTTP/1.1 client ----------------------------------------------------------------------------------
 
-async def stream_sse(host: str, port: int, path: str, payload: bytes, timeout_s: float) -> StreamResult:
+
+async def stream_sse(
+    host: str, port: int, path: str, payload: bytes, timeout_s: float
+) -> StreamResult:
     """POST ``payload`` (a JSON body with stream=true) and time its SSE events; errors are recorded on the
     result, not raised (as ``http_client.stream_request`` does, whose chunk parser this shares)."""
     result = StreamResult(sent_at=time.monotonic())
@@ -170,8 +209,10 @@ async def _exchange(host: str, port: int, path: str, payload: bytes, result: Str
 
 
 def _request_head(host: str, port: int, path: str, length: int) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Accept: text/event-stream\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -194,7 +235,9 @@ async def body_pieces(reader: asyncio.StreamReader, headers: dict[str, str]) -> 
             yield (await reader.readexactly(size + 2))[:-2]  # (the chunk's trailing CRLF)
         return
     remaining = int(headers.get("content-length", -1))
-    while remaining and (piece := await reader.read(65536 if remaining < 0 else min(remaining, 65536))):
+    while remaining and (
+        piece := await reader.read(65536 if remaining < 0 else min(remaining, 65536))
+    ):
         remaining -= len(piece) if remaining > 0 else 0
         yield piece
 
@@ -219,5 +262,7 @@ async def read_events(pieces: Any, result: StreamResult) -> None:
 
 def event_data(event: bytes) -> bytes | None:
     """The ``data`` of one event (several data lines joined by newlines); None when it has none."""
-    lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
     return b"\n".join(lines) if lines else None

@@ -6,6 +6,7 @@ one-time cost (a kernel compiled for a new specialization); one slow in every pa
     python -m benchmarks.step_trace --model-config llama-3.2-1b [--num-requests 256] [--passes 2] [--slow-ms 50]
     smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ class StepRecord:
 
 
 def run_pass(engine: LLMEngine, args: argparse.Namespace, label: str) -> list[StepRecord]:
-    requests = nano_workload(args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len))
+    requests = nano_workload(
+        args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
+    )
     for i, request in enumerate(requests):
         engine.add_request(f"{label}-{i}", request.prompt, greedy(request.output_len))
     records = []
@@ -66,8 +69,10 @@ def summarize(label: str, records: list[StepRecord], slow_ms: float) -> None:
     for name, group in (("with prompt tokens", mixed), ("decode only", decode)):
         if group:
             ms = [r.seconds * 1e3 for r in group]
-            print(f"- {name}: {len(group)} steps, {sum(ms) / 1e3:.2f} s, median {statistics.median(ms):.2f} ms, "
-                  f"max {max(ms):.1f} ms")
+            print(
+                f"- {name}: {len(group)} steps, {sum(ms) / 1e3:.2f} s, median {statistics.median(ms):.2f} ms, "
+                f"max {max(ms):.1f} ms"
+            )
     slow = [(i, r) for i, r in enumerate(records) if r.seconds * 1e3 >= slow_ms]
     print(f"- steps >= {slow_ms:g} ms: {len(slow)}, {sum(r.seconds for _, r in slow):.2f} s")
     print("\n| step | ms | seqs | prompt tokens | decode rows |\n|---:|---:|---:|---:|---:|")
@@ -76,7 +81,9 @@ def summarize(label: str, records: list[StepRecord], slow_ms: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--passes", type=int, default=2)
@@ -88,8 +95,10 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     engine = build_engine(args, seed=args.seed, enforce_eager=args.enforce_eager)
-    print(f"## step trace: {args.model_config}, {device_name(engine.config.torch_device)}, {utc_now()}\n"
-          f"command: {command_line('benchmarks.step_trace')}; engine start {time.perf_counter() - start:.1f} s")
+    print(
+        f"## step trace: {args.model_config}, {device_name(engine.config.torch_device)}, {utc_now()}\n"
+        f"command: {command_line('benchmarks.step_trace')}; engine start {time.perf_counter() - start:.1f} s"
+    )
     print(f"kernel variants after start: {compiled_variants()}")
     for p in range(args.passes):
         records = run_pass(engine, args, f"pass{p}")

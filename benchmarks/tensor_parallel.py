@@ -32,6 +32,7 @@ Columns of the table:
   all-reduce ms    rank 0's collective kernel time per decode step (the collectives above, and the one-shot
                    all-reduce's kernels, "one_shot"); share: of the GPU busy time of the same profiled steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,11 +68,18 @@ TOP_KERNELS = 15
 
 # one size ------------------------------------------------------------------------------------------------
 
+
 def start_engine(args: argparse.Namespace, size: int) -> tuple[LLMEngine, float]:
     """The engine of ``size`` ranks and the seconds its start took."""
     start = time.perf_counter()
-    engine = build_engine(args, seed=args.seed, tensor_parallel_size=size, max_model_len=args.max_model_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization, all_reduce=args.all_reduce)
+    engine = build_engine(
+        args,
+        seed=args.seed,
+        tensor_parallel_size=size,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        all_reduce=args.all_reduce,
+    )
     return engine, time.perf_counter() - start
 
 
@@ -86,17 +94,27 @@ def profile_collectives(engine: LLMEngine, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
         synchronize(engine.config.torch_device)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
     collective = [e for e in kernels if any(mark in e.name.lower() for mark in COLLECTIVE_MARKS)]
     all_reduce_ms = sum(e.time_range.elapsed_us() for e in collective) * 1e-3 / steps
     busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) * 1e-3 / steps
     by_name: dict[str, float] = {}
     for e in kernels:
-        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.elapsed_us() * 1e-3 / steps
+        by_name[e.name[:80]] = (
+            by_name.get(e.name[:80], 0.0) + e.time_range.elapsed_us() * 1e-3 / steps
+        )
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
-    return {"all_reduce_ms": all_reduce_ms, "busy_ms": busy_ms, "share": all_reduce_ms / busy_ms if busy_ms else 0.0,
-            "kernels_per_step": len(collective) / steps, "top_kernels_ms": dict(top)}
+    return {
+        "all_reduce_ms": all_reduce_ms,
+        "busy_ms": busy_ms,
+        "share": all_reduce_ms / busy_ms if busy_ms else 0.0,
+        "kernels_per_step": len(collective) / steps,
+        "top_kernels_ms": dict(top),
+    }
 
 
 def measure_collectives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float] | None:
@@ -125,8 +143,14 @@ def run_size(args: argparse.Namespace, size: int, requests: list[Request]) -> di
         logger.info("size %d: nano %.0f tok/s", size, run.tok_s)
         split = measure_split(engine, args)
         collectives = measure_collectives(engine, args)
-        result = {"size": size, "start_seconds": start_seconds, "dtype": str(engine.config.torch_dtype),
-                  "run": asdict(run) | {"tok_s": run.tok_s}, "split": split, "collectives": collectives}
+        result = {
+            "size": size,
+            "start_seconds": start_seconds,
+            "dtype": str(engine.config.torch_dtype),
+            "run": asdict(run) | {"tok_s": run.tok_s},
+            "split": split,
+            "collectives": collectives,
+        }
         # (before the shutdown)
         logger.info("size %d: decode step %s; collectives %s", size, split, collectives)
     finally:
@@ -134,11 +158,16 @@ def run_size(args: argparse.Namespace, size: int, requests: list[Request]) -> di
         del engine
         release_memory(device)
     if device.type == "cuda":
-        logger.info("size %d freed: %.2f GiB still allocated", size, torch.cuda.memory_allocated(device) / 2**30)
+        logger.info(
+            "size %d freed: %.2f GiB still allocated",
+            size,
+            torch.cuda.memory_allocated(device) / 2**30,
+        )
     return result
 
 
 # report --------------------------------------------------------------------------------------------------
+
 
 def ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x" if value and base else "-"
@@ -156,21 +185,29 @@ def size_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         split, coll = r["split"], r["collectives"] or {}
         share = f"{100 * coll['share']:.1f}%" if coll else "-"
-        rows.append(f"| {r['size']} | {r['start_seconds']:.1f} | {r['run']['tok_s']:.0f} | "
-                    f"{ratio(r['run']['tok_s'], base['run']['tok_s'])} | {ms(split['wall_ms_mean'])} "
-                    f"({ms(split['wall_ms_median'])}) | {ratio(split['wall_ms_mean'], base['split']['wall_ms_mean'])} "
-                    f"| {ms(split.get('gpu_busy_ms'))} | {ms(coll.get('all_reduce_ms'))} | {share} |")
+        rows.append(
+            f"| {r['size']} | {r['start_seconds']:.1f} | {r['run']['tok_s']:.0f} | "
+            f"{ratio(r['run']['tok_s'], base['run']['tok_s'])} | {ms(split['wall_ms_mean'])} "
+            f"({ms(split['wall_ms_median'])}) | {ratio(split['wall_ms_mean'], base['split']['wall_ms_mean'])} "
+            f"| {ms(split.get('gpu_busy_ms'))} | {ms(coll.get('all_reduce_ms'))} | {share} |"
+        )
     return "\n".join(rows)
 
 
 def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     env, sizes = result["environment"], result["sizes"]
     gpus = f" x {env['device_count']} visible" if sizes[0]["collectives"] is not None else ""
-    print(f"\n## tensor parallel: {args.model_config}, dummy weights, {sizes[0]['dtype']}, {env['device']}{gpus}, "
-          f"{env['date']}", flush=True)
+    print(
+        f"\n## tensor parallel: {args.model_config}, dummy weights, {sizes[0]['dtype']}, {env['device']}{gpus}, "
+        f"{env['date']}",
+        flush=True,
+    )
     print(f"torch {env['torch']}, triton {env.get('triton', '-')}; command: {env['command']}")
-    print(f"nano: {args.num_requests} requests; decode step: batch {args.split_batch} x {args.split_prompt_len}-token "
-          f"prompts, {args.split_steps} steps" + ("; GPU numbers are rank 0's (cuda:0)" if gpus else ""))
+    print(
+        f"nano: {args.num_requests} requests; decode step: batch {args.split_batch} x {args.split_prompt_len}-token "
+        f"prompts, {args.split_steps} steps"
+        + ("; GPU numbers are rank 0's (cuda:0)" if gpus else "")
+    )
     print("\n" + size_table(sizes), flush=True)
     for r in sizes:
         if r["collectives"]:
@@ -181,16 +218,34 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 # main ----------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-config", required=True, choices=sorted(DUMMY_ARCHITECTURES))
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes, run in order")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes, run in order"
+    )
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--all-reduce", choices=("auto", "nccl"), default="auto",
-                        help="EngineConfig.all_reduce: the symmetric-memory one shot for small all-reduces, or NCCL")
+    parser.add_argument(
+        "--all-reduce",
+        choices=("auto", "nccl"),
+        default="auto",
+        help="EngineConfig.all_reduce: the symmetric-memory one shot for small all-reduces, or NCCL",
+    )
     add_run_options(parser)  # (--max-prompt-len clips the split's prompts too)
     args = parser.parse_args(argv)
-    if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len, *args.sizes) < 1:
+    if (
+        min(
+            args.num_requests,
+            args.split_batch,
+            args.split_steps,
+            args.split_prompt_len,
+            *args.sizes,
+        )
+        < 1
+    ):
         parser.error("--sizes, --num-requests and --split-* must be >= 1")
     if args.max_prompt_len:
         args.split_prompt_len = min(args.split_prompt_len, args.max_prompt_len)
@@ -200,14 +255,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    requests = nano_workload(args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len))
-    logger.info("%d requests: %d prompt tokens, %d output tokens; sizes %s", len(requests),
-                sum(len(r.prompt) for r in requests), sum(r.output_len for r in requests), args.sizes)
+    requests = nano_workload(
+        args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
+    )
+    logger.info(
+        "%d requests: %d prompt tokens, %d output tokens; sizes %s",
+        len(requests),
+        sum(len(r.prompt) for r in requests),
+        sum(r.output_len for r in requests),
+        args.sizes,
+    )
     device = resolve_device(args.device)
-    result: dict[str, Any] = {"environment": environment(device) | {
-        "command": command_line("benchmarks.tensor_parallel"),
-        "device_count": torch.cuda.device_count() if device.type == "cuda" else 1}, "model": args.model_config,
-        "sizes": []}
+    result: dict[str, Any] = {
+        "environment": environment(device)
+        | {
+            "command": command_line("benchmarks.tensor_parallel"),
+            "device_count": torch.cuda.device_count() if device.type == "cuda" else 1,
+        },
+        "model": args.model_config,
+        "sizes": [],
+    }
     for size in args.sizes:
         result["sizes"].append(run_size(args, size, requests))
         write_json(args.json, result)

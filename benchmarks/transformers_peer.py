@@ -4,6 +4,7 @@
 request_id=..., max_new_tokens=n)`` per request, ``get_result()`` until all finish. Its failure is a result to
 report (``Run.error``), never fatal to the benchmark that runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 logger = logging.getLogger("benchmarks.offline")
 
 
-def build_peer(name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None) -> Any:
+def build_peer(
+    name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None
+) -> Any:
     """transformers' model of ``name`` holding the engine's dummy weights (the same seeded tensors)."""
     from transformers import AutoModelForCausalLM
 
@@ -58,22 +61,42 @@ def _cb_config(attn: str | None) -> Any:
 
 
 @contextlib.contextmanager
-def peer_manager(model: Any, gen_config: Any, requests: list[Request], attn: str | None) -> Iterator[Any]:
+def peer_manager(
+    model: Any, gen_config: Any, requests: list[Request], attn: str | None
+) -> Iterator[Any]:
     """A started ContinuousBatchingManager (context manager API, or init + start + stop on older 5.x)."""
     hints = None
     with contextlib.suppress(ImportError):
         from transformers.generation.continuous_batching.utils import WorkloadHints
-        hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
-                              max_generated_length=max(r.output_len for r in requests), num_requests=len(requests))
+
+        hints = WorkloadHints(
+            max_prompt_length=max(len(r.prompt) for r in requests),
+            max_generated_length=max(r.output_len for r in requests),
+            num_requests=len(requests),
+        )
     if hasattr(model, "continuous_batching_context_manager"):
         cm = model.continuous_batching_context_manager
-        with cm(**_accepted(cm, generation_config=gen_config, block=True, timeout=30, workload_hints=hints,
-                            continuous_batching_config=_cb_config(attn))) as manager:
+        with cm(
+            **_accepted(
+                cm,
+                generation_config=gen_config,
+                block=True,
+                timeout=30,
+                workload_hints=hints,
+                continuous_batching_config=_cb_config(attn),
+            )
+        ) as manager:
             yield manager
         return
     init = model.init_continuous_batching
-    manager = init(**_accepted(init, generation_config=gen_config, workload_hints=hints,
-                               continuous_batching_config=_cb_config(attn)))
+    manager = init(
+        **_accepted(
+            init,
+            generation_config=gen_config,
+            workload_hints=hints,
+            continuous_batching_config=_cb_config(attn),
+        )
+    )
     manager.start()
     try:
         yield manager
@@ -81,17 +104,28 @@ def peer_manager(model: Any, gen_config: Any, requests: list[Request], attn: str
         manager.stop(block=True, timeout=30)
 
 
-def peer_generate(manager: Any, requests: list[Request], prefix: str, deadline: float, progress: bool = False
-                  ) -> dict[str, int]:
+def peer_generate(
+    manager: Any, requests: list[Request], prefix: str, deadline: float, progress: bool = False
+) -> dict[str, int]:
     """Submit all, collect every finished result; request id -> generated tokens."""
-    eos = {"eos_token_id": -1} if "eos_token_id" in inspect.signature(manager.add_request).parameters else {}
+    eos = (
+        {"eos_token_id": -1}
+        if "eos_token_id" in inspect.signature(manager.add_request).parameters
+        else {}
+    )
     for i, request in enumerate(requests):
-        manager.add_request(request.prompt, request_id=f"{prefix}-{i}", max_new_tokens=request.output_len, **eos)
+        manager.add_request(
+            request.prompt, request_id=f"{prefix}-{i}", max_new_tokens=request.output_len, **eos
+        )
     produced: dict[str, int] = {}
-    with tqdm(total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress) as bar:
+    with tqdm(
+        total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress
+    ) as bar:
         while len(produced) < len(requests):
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"{prefix}: {len(produced)} of {len(requests)} requests finished in time")
+                raise TimeoutError(
+                    f"{prefix}: {len(produced)} of {len(requests)} requests finished in time"
+                )
             result = manager.get_result(timeout=1)
             if result is None:
                 if not manager.is_running():
@@ -105,21 +139,32 @@ def peer_generate(manager: Any, requests: list[Request], prefix: str, deadline: 
     return produced
 
 
-def run_peer(args: argparse.Namespace, requests: list[Request], device: torch.device, dtype: torch.dtype) -> Run:
+def run_peer(
+    args: argparse.Namespace, requests: list[Request], device: torch.device, dtype: torch.dtype
+) -> Run:
     from transformers import GenerationConfig
 
     run = Run("transformers CB", len(requests), sum(r.output_len for r in requests))
     try:
         start = time.perf_counter()
         model = build_peer(args.model_config, device, dtype, args.seed, args.peer_attn)
-        gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
-                                      eos_token_id=None, pad_token_id=0)
+        gen_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(r.output_len for r in requests),
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         model.generation_config = gen_config
         deadline = time.perf_counter() + args.peer_timeout
         with peer_manager(model, gen_config, requests, args.peer_attn) as manager:
             run.start_seconds = time.perf_counter() - start
             start = time.perf_counter()
-            peer_generate(manager, nano_workload(2, 1_000_003, capped(64), capped(16)), "peer-warm-up", deadline)
+            peer_generate(
+                manager,
+                nano_workload(2, 1_000_003, capped(64), capped(16)),
+                "peer-warm-up",
+                deadline,
+            )
             synchronize(device)
             run.warmup_seconds = time.perf_counter() - start
             start = time.perf_counter()

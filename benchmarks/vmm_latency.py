@@ -8,6 +8,7 @@ Last, all pages mapped and unmapped by 1, 2, 4 and 8 threads: does the driver ru
 
     python -m benchmarks.vmm_latency [--pages 512] [--busy-ms 50] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,16 @@ def timed_us(fn, items: list) -> list[float]:
     return times
 
 
-def calls_while_busy(driver: CudaDriver, base: int, handle: object, page: int, busy_ms: float) -> dict:
+def calls_while_busy(
+    driver: CudaDriver, base: int, handle: object, page: int, busy_ms: float
+) -> dict:
     """Seconds a map and an unmap take while a kernel of ``busy_ms`` runs (``busy_ms`` = they wait for it)."""
     cycles_per_ms = torch.cuda.get_device_properties(0).clock_rate  # kHz = cycles per ms
     result = {}
-    for name, call in (("map_us_while_busy", lambda: driver.map(base, page, handle, 0)),
-                       ("unmap_us_while_busy", lambda: driver.unmap(base, page))):
+    for name, call in (
+        ("map_us_while_busy", lambda: driver.map(base, page, handle, 0)),
+        ("unmap_us_while_busy", lambda: driver.unmap(base, page)),
+    ):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(busy_ms * cycles_per_ms))
         start = time.perf_counter()
@@ -46,17 +51,23 @@ def calls_while_busy(driver: CudaDriver, base: int, handle: object, page: int, b
     return result
 
 
-def threaded_us_per_page(driver: CudaDriver, base: int, handles: list, page: int, threads: int) -> dict:
+def threaded_us_per_page(
+    driver: CudaDriver, base: int, handles: list, page: int, threads: int
+) -> dict:
     """Wall µs per page to map, then unmap, every page with ``threads`` threads splitting the pages: whether
     the driver runs VA operations concurrently (the calls release the GIL if this scales)."""
     chunks = [list(range(i, len(handles), threads)) for i in range(threads)]
     result = {}
-    for name, call in (("map", lambda i: driver.map(base + i * page, page, handles[i], 0)),
-                       ("unmap", lambda i: driver.unmap(base + i * page, page))):
+    for name, call in (
+        ("map", lambda i: driver.map(base + i * page, page, handles[i], 0)),
+        ("unmap", lambda i: driver.unmap(base + i * page, page)),
+    ):
         start = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda chunk: [call(i) for i in chunk], chunks))
-        result[f"{name}_us_per_page_{threads}_threads"] = (time.perf_counter() - start) * 1e6 / len(handles)
+        result[f"{name}_us_per_page_{threads}_threads"] = (
+            (time.perf_counter() - start) * 1e6 / len(handles)
+        )
     return result
 
 
@@ -74,13 +85,23 @@ def measure(pages: int, busy_ms: float) -> dict:
     for handle in handles:
         driver.release(handle)
     driver.free_address(base, (pages + 1) * page)
-    return {"device": device_name(torch.device("cuda")), "date": utc_now(), "page_bytes": page, "pages": pages,
-            "create_us_median": statistics.median(create), "map_us_median": statistics.median(maps),
-            "unmap_us_median": statistics.median(unmaps), "busy_ms": busy_ms, **busy}
+    return {
+        "device": device_name(torch.device("cuda")),
+        "date": utc_now(),
+        "page_bytes": page,
+        "pages": pages,
+        "create_us_median": statistics.median(create),
+        "map_us_median": statistics.median(maps),
+        "unmap_us_median": statistics.median(unmaps),
+        "busy_ms": busy_ms,
+        **busy,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pages", type=int, default=512)
     parser.add_argument("--busy-ms", type=float, default=50.0)
     parser.add_argument("--json", metavar="PATH")
@@ -90,10 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("create", "map", "unmap"):
         print(f"| {key} | {result[f'{key}_us_median']:.1f} |")
     print(f"| map while a {args.busy_ms:.0f} ms kernel runs | {result['map_us_while_busy']:.1f} |")
-    print(f"| unmap while a {args.busy_ms:.0f} ms kernel runs | {result['unmap_us_while_busy']:.1f} |")
+    print(
+        f"| unmap while a {args.busy_ms:.0f} ms kernel runs | {result['unmap_us_while_busy']:.1f} |"
+    )
     for threads in (1, 2, 4, 8):
-        print(f"| map / unmap, {threads} threads (wall per page) | {result[f'map_us_per_page_{threads}_threads']:.1f}"
-              f" / {result[f'unmap_us_per_page_{threads}_threads']:.1f} |")
+        print(
+            f"| map / unmap, {threads} threads (wall per page) | {result[f'map_us_per_page_{threads}_threads']:.1f}"
+            f" / {result[f'unmap_us_per_page_{threads}_threads']:.1f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

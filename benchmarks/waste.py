@@ -25,6 +25,7 @@ inside the wall time; ``sample_seconds`` in the JSON, and a warning above 5% of 
         [--num-kv-blocks 8192] [--max-model-len 2048] [--model-config llama-3.2-1b] [--json PATH]
     python -m benchmarks.waste_chart PATH      # the PNG, wherever matplotlib is
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ MODES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 
 # reservations ---------------------------------------------------------------------------------------------
 
+
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -80,8 +82,14 @@ class ReservingScheduler(Scheduler):
     reservation to fit in the pool left by the running requests' reservations, each counted in whole blocks.
     A reservation is released when its sequence leaves ``running`` (finished or preempted)."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 mode: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        mode: str,
+        max_model_len: int,
+    ) -> None:
         super().__init__(block_manager, max_num_seqs, max_num_batched_tokens)
         reservation_slots(mode, 1, 1, max_model_len)  # ValueError for an unknown mode
         self.mode = mode
@@ -100,15 +108,22 @@ class ReservingScheduler(Scheduler):
         """The engine's admission, run on the head of the queue whose reservations fit: the first request
         that does not fit blocks those behind it, as the engine's own FCFS does on free blocks."""
         running = {seq.seq_id for seq in self.running}
-        self.reservations = {sid: slots for sid, slots in self.reservations.items() if sid in running}
-        free = self.block_manager.num_blocks - sum(map(self.block_manager.blocks_needed, self.reservations.values()))
+        self.reservations = {
+            sid: slots for sid, slots in self.reservations.items() if sid in running
+        }
+        free = self.block_manager.num_blocks - sum(
+            map(self.block_manager.blocks_needed, self.reservations.values())
+        )
         fitting = 0
         for seq in self.waiting:
             free -= self.block_manager.blocks_needed(self.reservation(seq))
             if free < 0:
                 break
             fitting += 1
-        head, tail = deque(itertools.islice(self.waiting, fitting)), list(itertools.islice(self.waiting, fitting, None))
+        head, tail = (
+            deque(itertools.islice(self.waiting, fitting)),
+            list(itertools.islice(self.waiting, fitting, None)),
+        )
         self.waiting = head
         try:
             super()._admit_waiting(budget, chosen)
@@ -123,15 +138,22 @@ def install_scheduler(engine: LLMEngine, mode: str) -> None:
     """A fresh scheduler of ``mode`` over the engine's block manager (call with no request in the engine)."""
     config = engine.config
     args = (engine.core.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-    engine.core.scheduler = Scheduler(*args) if mode == "paged" else ReservingScheduler(*args, mode, config.max_model_len)
+    engine.core.scheduler = (
+        Scheduler(*args)
+        if mode == "paged"
+        else ReservingScheduler(*args, mode, config.max_model_len)
+    )
 
 
 def reserved_slots(engine: LLMEngine, allocated_slots: int) -> int:
     scheduler = engine.core.scheduler
-    return scheduler.reserved_slots if isinstance(scheduler, ReservingScheduler) else allocated_slots
+    return (
+        scheduler.reserved_slots if isinstance(scheduler, ReservingScheduler) else allocated_slots
+    )
 
 
 # the run --------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class ModeResult:
@@ -164,9 +186,14 @@ class ModeResult:
         return self.output_tokens / self.wall_s
 
     def summary(self) -> dict:
-        return {**asdict(self), "useful": self.useful, "mean_running": self.mean_running,
-                "output_tok_s": self.output_tok_s, "mean_used_slots": self.used_slot_s / self.sampled_s,
-                "mean_reserved_slots": self.reserved_slot_s / self.sampled_s}
+        return {
+            **asdict(self),
+            "useful": self.useful,
+            "mean_running": self.mean_running,
+            "output_tok_s": self.output_tok_s,
+            "mean_used_slots": self.used_slot_s / self.sampled_s,
+            "mean_reserved_slots": self.reserved_slot_s / self.sampled_s,
+        }
 
 
 @dataclass(slots=True, frozen=True)
@@ -182,8 +209,13 @@ def sample(engine: LLMEngine) -> Sample:
     """The state between two steps, stamped with the time it was taken from."""
     now = time.perf_counter()
     blocks = engine.core.block_manager.stats()
-    return Sample(now, blocks.used_slots, reserved_slots(engine, blocks.allocated_slots),
-                  blocks.allocated_slots, len(engine.core.scheduler.running))
+    return Sample(
+        now,
+        blocks.used_slots,
+        reserved_slots(engine, blocks.allocated_slots),
+        blocks.allocated_slots,
+        len(engine.core.scheduler.running),
+    )
 
 
 def account(result: ModeResult, taken: Sample, seconds: float) -> None:
@@ -197,14 +229,18 @@ def account(result: ModeResult, taken: Sample, seconds: float) -> None:
     result.samples += 1
 
 
-def run_mode(engine: LLMEngine, mode: str, requests: list[Request], sample_every: int) -> ModeResult:
+def run_mode(
+    engine: LLMEngine, mode: str, requests: list[Request], sample_every: int
+) -> ModeResult:
     install_scheduler(engine, mode)
     result, before = ModeResult(mode), engine.stats()
     produced = [0] * len(requests)
     bar = tqdm(total=sum(r.output_len for r in requests), unit="tok", desc=mode)
     start = time.perf_counter()
     for i, request in enumerate(requests):
-        engine.add_request(f"{mode}-{i}", request.prompt, greedy(request.output_len), cache_salt=f"waste-{mode}")
+        engine.add_request(
+            f"{mode}-{i}", request.prompt, greedy(request.output_len), cache_salt=f"waste-{mode}"
+        )
     last_time = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -222,11 +258,17 @@ def run_mode(engine: LLMEngine, mode: str, requests: list[Request], sample_every
     result.wall_s = time.perf_counter() - start
     bar.close()
     if result.sample_seconds > 0.05 * result.wall_s:
-        logger.warning("%s: sampling took %.1f of %.1f s; consider --sample-every", mode, result.sample_seconds,
-                       result.wall_s)
+        logger.warning(
+            "%s: sampling took %.1f of %.1f s; consider --sample-every",
+            mode,
+            result.sample_seconds,
+            result.wall_s,
+        )
     wrong = [i for i, (n, r) in enumerate(zip(produced, requests)) if n != r.output_len]
     if wrong:
-        raise RuntimeError(f"{mode}: {len(wrong)} requests produced a wrong number of tokens (e.g. #{wrong[0]})")
+        raise RuntimeError(
+            f"{mode}: {len(wrong)} requests produced a wrong number of tokens (e.g. #{wrong[0]})"
+        )
     after = engine.stats()
     result.output_tokens = sum(produced)
     result.preemptions = after.preemptions  # the scheduler (and its counter) is new for this mode
@@ -236,11 +278,17 @@ def run_mode(engine: LLMEngine, mode: str, requests: list[Request], sample_every
 
 # report ---------------------------------------------------------------------------------------------------
 
+
 def table(results: list[ModeResult]) -> str:
-    rows = ["| mode | useful KV % | mean running | tok/s | max running | preemptions |",
-            "|---|---:|---:|---:|---:|---:|"]
-    rows += [f"| {r.mode} | {r.useful:.1%} | {r.mean_running:.1f} | {r.output_tok_s:.1f} | {r.max_running} | "
-             f"{r.preemptions} |" for r in results]
+    rows = [
+        "| mode | useful KV % | mean running | tok/s | max running | preemptions |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows += [
+        f"| {r.mode} | {r.useful:.1%} | {r.mean_running:.1f} | {r.output_tok_s:.1f} | {r.max_running} | "
+        f"{r.preemptions} |"
+        for r in results
+    ]
     return "\n".join(rows)
 
 
@@ -253,16 +301,28 @@ def int_range(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int_range, default=NANO_LENGTHS, metavar="LOW-HIGH")
     parser.add_argument("--output-len", type=int_range, default=NANO_LENGTHS, metavar="LOW-HIGH")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--num-kv-blocks", type=int, default=8192, help="the KV pool of every mode, in blocks of 16")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="what reserve-max reserves per request")
-    parser.add_argument("--sample-every", type=int, default=1, help="sample the KV use every k steps")
-    parser.add_argument("--json", metavar="PATH", help="also write the numbers here (input of benchmarks.waste_chart)")
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=8192, help="the KV pool of every mode, in blocks of 16"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="what reserve-max reserves per request"
+    )
+    parser.add_argument(
+        "--sample-every", type=int, default=1, help="sample the KV use every k steps"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the numbers here (input of benchmarks.waste_chart)",
+    )
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if min(args.num_requests, args.num_kv_blocks, args.sample_every) < 1:
@@ -270,7 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prompt_len[1] + args.output_len[1] > args.max_model_len:
         parser.error("the longest prompt + output must fit in --max-model-len")
     if args.max_model_len > args.num_kv_blocks * 16:
-        parser.error("--max-model-len must fit in the KV pool (--num-kv-blocks x 16), or reserve-max admits nothing")
+        parser.error(
+            "--max-model-len must fit in the KV pool (--num-kv-blocks x 16), or reserve-max admits nothing"
+        )
     return args
 
 
@@ -287,19 +349,41 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_mode(engine, mode, requests, args.sample_every))
         logger.info("%s: %s", mode, results[-1].summary())
     env = environment(config.torch_device, load_before, "benchmarks.waste")
-    pool = {"num_kv_blocks": engine.core.block_manager.num_blocks, "block_size": config.block_size,
-            "pool_slots": engine.core.block_manager.num_blocks * config.block_size, "max_model_len": config.max_model_len,
-            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "async_scheduling": config.async_scheduling, "dtype": str(config.torch_dtype)}
+    pool = {
+        "num_kv_blocks": engine.core.block_manager.num_blocks,
+        "block_size": config.block_size,
+        "pool_slots": engine.core.block_manager.num_blocks * config.block_size,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "async_scheduling": config.async_scheduling,
+        "dtype": str(config.torch_dtype),
+    }
     if args.json:
-        workload = {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                    "seed": args.seed, "model_config": args.model_config, "sample_every": args.sample_every}
+        workload = {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "model_config": args.model_config,
+            "sample_every": args.sample_every,
+        }
         with open(args.json, "w") as f:
-            json.dump({"workload": workload, "engine": pool, "environment": env,
-                       "modes": [r.summary() for r in results]}, f, indent=2)
-    print(f"\n## waste: nano workload, {args.num_requests} requests; {args.model_config} dummy, {pool['dtype']}, "
-          f"{env['device']}; KV pool {pool['num_kv_blocks']} blocks x {pool['block_size']} = {pool['pool_slots']} "
-          f"slots, max_model_len {pool['max_model_len']}")
+            json.dump(
+                {
+                    "workload": workload,
+                    "engine": pool,
+                    "environment": env,
+                    "modes": [r.summary() for r in results],
+                },
+                f,
+                indent=2,
+            )
+    print(
+        f"\n## waste: nano workload, {args.num_requests} requests; {args.model_config} dummy, {pool['dtype']}, "
+        f"{env['device']}; KV pool {pool['num_kv_blocks']} blocks x {pool['block_size']} = {pool['pool_slots']} "
+        f"slots, max_model_len {pool['max_model_len']}"
+    )
     print(f"{env['date']}, torch {env['torch']}; command: {env['command']}\n")
     print(table(results))
 

@@ -3,6 +3,7 @@
 Prompt ids are drawn uniformly from [0, VOCAB) by ``random.Random(seed)``, in the order the page gives, so that
 every script (and every peer) runs the very same requests for a seed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,12 @@ class Request:
     output_len: int  # EOS is ignored, so this is both max_tokens and the tokens produced
 
 
-def nano_workload(num_requests: int, seed: int = 0, prompt_len: tuple[int, int] = NANO_LENGTHS,
-                  output_len: tuple[int, int] = NANO_LENGTHS) -> list[Request]:
+def nano_workload(
+    num_requests: int,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = NANO_LENGTHS,
+    output_len: tuple[int, int] = NANO_LENGTHS,
+) -> list[Request]:
     """Per request, in this order: the prompt length, its ids, the output length (bounds inclusive)."""
     rng = Random(seed)
     requests = []
@@ -34,8 +39,9 @@ def capped(cap: int | None, bounds: tuple[int, int] = NANO_LENGTHS) -> tuple[int
     return (min(bounds[0], cap or bounds[0]), min(bounds[1], cap or bounds[1]))
 
 
-def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int = 0
-                          ) -> dict[str, list[int]]:
+def shared_prefix_prompts(
+    groups: int, per_group: int, prefix_len: int, question_len: int, seed: int = 0
+) -> dict[str, list[int]]:
     """Request id -> prompt ids, in group order: one drawn prefix per group, one drawn question per request."""
     rng = Random(seed)
     prompts: dict[str, list[int]] = {}

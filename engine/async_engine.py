@@ -13,6 +13,7 @@ processes share one core, started by the process that runs them), it attaches to
 instead: the core's life is then its starter's, and this side only watches it (a pidfd: its exit is seen at once).
 The sockets and the process are core_connection.py's; the requests, their streams and the core's outputs are here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, endpoint: CoreEndpoint | None = None,
-                 log_format: str = "text", **options: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        endpoint: CoreEndpoint | None = None,
+        log_format: str = "text",
+        **options: Any,
+    ) -> None:
         self.config = config or EngineConfig(**options)
         self.tokenizer: Any | None = None
         self.info: CoreInfo | None = None
@@ -122,8 +128,13 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return (self._error is None and not self._stopping and self._core.process is not None
-                and self._processor is not None and self._core.process.is_alive())
+        return (
+            self._error is None
+            and not self._stopping
+            and self._core.process is not None
+            and self._processor is not None
+            and self._core.process.is_alive()
+        )
 
     @property
     def core_pid(self) -> int | None:
@@ -165,13 +176,20 @@ class AsyncEngine:
         compiled, takes too long or too much memory."""
         self._check_alive()
         if self._grammar_workers is None:
-            self._grammar_workers = GrammarWorkers(WorkerSetup(self.info.model_path, self.info.vocab_size,
-                                                               self.info.eos_token_ids))
+            self._grammar_workers = GrammarWorkers(
+                WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids)
+            )
         return await self._grammar_workers.compile(spec, GRAMMAR_TIMEOUT_S)
 
-    def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                 request_id: str | None = None, cache_salt: str | None = None, tenant: str = "",
-                 priority: int = 0) -> RequestStream:
+    def generate(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> RequestStream:
         """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
         outputs (deltas; with n > 1 or best_of, every sample's, told apart by ``index``) until each sample's
         has ``finished``. Closing the stream early aborts the request. ``tenant``: who sent it (the core shares
@@ -182,13 +200,23 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
-        stream = RequestStream(request_id, self._processor.take, self._release, self._loop, params.num_samples,
-                               self.config.stream_interval)
+        stream = RequestStream(
+            request_id,
+            self._processor.take,
+            self._release,
+            self._loop,
+            params.num_samples,
+            self.config.stream_interval,
+        )
         self._processor.add_request(request_id, prompt, params, cache_salt)
         self._streams[request_id] = stream
         self._queued[request_id] = tenant
         self._queued_by_tenant[tenant] += 1
-        self._core.send(AddRequest(request_id, prompt, params, cache_salt, self._core.endpoint.client, tenant, priority))
+        self._core.send(
+            AddRequest(
+                request_id, prompt, params, cache_salt, self._core.endpoint.client, tenant, priority
+            )
+        )
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -196,16 +224,29 @@ class AsyncEngine:
         if self.healthy:
             self._core.send(AbortRequest(request_id))
 
-    async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
-                         share: float = 1.0, group: str | None = None, group_share: float = 1.0) -> int:
+    async def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
         """Compute ``token_ids`` once (a one-token request) and pin their full blocks against eviction, so
         every later request starting with them hits the cache; returns the number of blocks pinned. The caps:
         EngineCore.pin_prefix (``share`` of the KV pool for all pins, ``group_share`` for one group's)."""
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in self.generate(token_ids, params, request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
-                                     cache_salt=cache_salt):
+        async for _ in self.generate(
+            token_ids,
+            params,
+            request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
+            cache_salt=cache_salt,
+        ):
             pass
-        return await self.call("pin_prefix", pin_id, list(token_ids), cache_salt, share, group, group_share)
+        return await self.call(
+            "pin_prefix", pin_id, list(token_ids), cache_salt, share, group, group_share
+        )
 
     async def unpin_prefix(self, pin_id: str) -> None:
         await self.call("unpin_prefix", pin_id)
@@ -222,7 +263,9 @@ class AsyncEngine:
         future: asyncio.Future[T] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            self._core.send(UtilityCall(call_id, pickle.dumps((target, args)), self._core.endpoint.client))
+            self._core.send(
+                UtilityCall(call_id, pickle.dumps((target, args)), self._core.endpoint.client)
+            )
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -246,7 +289,9 @@ class AsyncEngine:
         if self._grammars is None:
             from engine.output.structured_output import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+            )
         return self._grammars
 
     # the core's messages ---------------------------------------------------------------------------
@@ -268,7 +313,11 @@ class AsyncEngine:
             if message.deltas:
                 self._deliver(message)
         elif isinstance(message, AddFailed):
-            error = ValueError(message.message) if message.invalid else RequestFailedError(message.message)
+            error = (
+                ValueError(message.message)
+                if message.invalid
+                else RequestFailedError(message.message)
+            )
             self._processor.abort_request(message.request_id)
             if (stream := self._streams.get(message.request_id)) is not None:
                 stream.fail(error)
@@ -320,4 +369,3 @@ class AsyncEngine:
         for future in list(self._calls.values()):
             if not future.done():
                 future.set_exception(error)
-

@@ -3,6 +3,7 @@
 User-facing fields come first; the fields after ``# derived`` are filled by the engine at start
 (model config, dtype, device, KV pool size) so that every part reads one resolved value.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,9 +57,13 @@ class EngineConfig:
     step_time_target_s: float | None = None
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # sha256 | xxh128
-    prefix_cache_seed: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", ""))
+    prefix_cache_seed: str = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", "")
+    )
     cache_dir: str = field(
-        default_factory=lambda: os.environ.get("PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat"))
+        default_factory=lambda: os.environ.get(
+            "PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat")
+        )
     )
     num_threads: int | None = None  # torch CPU threads; None keeps torch's choice
     # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
@@ -118,43 +123,88 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
-        _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {tuple(DTYPES)}")
+        _check(
+            self.dtype == "auto" or self.dtype in DTYPES,
+            "dtype",
+            f"must be auto or one of {tuple(DTYPES)}",
+        )
         _check(self.prefix_hash in PREFIX_HASHES, "prefix_hash", f"must be one of {PREFIX_HASHES}")
-        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-               "block_size", "must be a positive power of two")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        _check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            "must be a positive power of two",
+        )
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1"
+        )
         _check(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-               "must be >= 1")
-        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
-        _check(self.max_seqs_per_tenant is None or self.max_seqs_per_tenant >= 1, "max_seqs_per_tenant",
-               "must be >= 1")
-        _check(self.shared_step_time_factor in (None, 0) or 1 <= self.shared_step_time_factor <= 100,
-               "shared_step_time_factor", "must be 0 (share tokens) or in [1, 100]")
-        _check(self.step_time_target_s is None or 0 <= self.step_time_target_s <= 60, "step_time_target_s",
-               "must be in [0, 60] (0: off)")
-        _check(self.load_format != "dummy" or self.model_config is not None or self.model is not None,
-               "model_config", "load_format=dummy needs a named architecture (model_config) or a model dir")
+        _check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"
+        )
+        _check(
+            self.max_seqs_per_tenant is None or self.max_seqs_per_tenant >= 1,
+            "max_seqs_per_tenant",
+            "must be >= 1",
+        )
+        _check(
+            self.shared_step_time_factor in (None, 0) or 1 <= self.shared_step_time_factor <= 100,
+            "shared_step_time_factor",
+            "must be 0 (share tokens) or in [1, 100]",
+        )
+        _check(
+            self.step_time_target_s is None or 0 <= self.step_time_target_s <= 60,
+            "step_time_target_s",
+            "must be in [0, 60] (0: off)",
+        )
+        _check(
+            self.load_format != "dummy" or self.model_config is not None or self.model is not None,
+            "model_config",
+            "load_format=dummy needs a named architecture (model_config) or a model dir",
+        )
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
-        _check(self.max_graph_batch_size is None or self.max_graph_batch_size >= 0, "max_graph_batch_size",
-               "must be >= 0")
-        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        _check(
+            self.max_graph_batch_size is None or self.max_graph_batch_size >= 0,
+            "max_graph_batch_size",
+            "must be >= 0",
+        )
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            f"must be one of {PREEMPTION_MODES}",
+        )
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
         _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
-        _check(0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]")
+        _check(
+            0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]"
+        )
         _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
-        _check(self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS, "cpu_weights",
-               f"must be auto or one of {CPU_WEIGHTS}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}",
+        )
+        _check(
+            self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS,
+            "cpu_weights",
+            f"must be auto or one of {CPU_WEIGHTS}",
+        )
         resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
         self.torch_device = resolve_device(self.device)
         _check_tensor_parallel(self)
         _check_kv_cache_dtype(self)
-        _check(self.kv_backend != "vattention" or self.torch_device.type == "cuda", "kv_backend",
-               "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU")
+        _check(
+            self.kv_backend != "vattention" or self.torch_device.type == "cuda",
+            "kv_backend",
+            "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU",
+        )
         large = is_large_gpu(self.torch_device)
         if self.max_num_seqs is None:
             self.max_num_seqs = 1024 if large else 256
@@ -173,10 +223,16 @@ class EngineConfig:
         else:
             self.torch_dtype = DTYPES[self.dtype]
         quantized = self.cpu_weights not in ("auto", "float32")
-        _check(not quantized or self.torch_device.type == "cpu", "cpu_weights",
-               f"{self.cpu_weights} is for the CPU; on CUDA the weights are in the model dtype")
-        _check(not quantized or self.torch_dtype == torch.float32, "cpu_weights",
-               f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)")
+        _check(
+            not quantized or self.torch_device.type == "cpu",
+            "cpu_weights",
+            f"{self.cpu_weights} is for the CPU; on CUDA the weights are in the model dtype",
+        )
+        _check(
+            not quantized or self.torch_dtype == torch.float32,
+            "cpu_weights",
+            f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)",
+        )
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
@@ -192,17 +248,32 @@ class EngineConfig:
 def _check_tensor_parallel(config: EngineConfig) -> None:
     size, device = config.tensor_parallel_size, config.torch_device
     _check(1 <= size <= 64, "tensor_parallel_size", "must be in [1, 64]")
-    _check(config.all_reduce in ALL_REDUCE_CHOICES, "all_reduce", f"must be one of {', '.join(ALL_REDUCE_CHOICES)}")
+    _check(
+        config.all_reduce in ALL_REDUCE_CHOICES,
+        "all_reduce",
+        f"must be one of {', '.join(ALL_REDUCE_CHOICES)}",
+    )
     if size == 1:
         return
     if device.type == "cuda":
         count = torch.cuda.device_count()
-        _check(size <= count, "tensor_parallel_size", f"{size} exceeds the {count} visible CUDA devices")
-        _check(device.index in (None, 0), "device", "with tensor parallelism the ranks take cuda:0 .. N-1: "
-               "give cuda (choose the devices with CUDA_VISIBLE_DEVICES)")
+        _check(
+            size <= count,
+            "tensor_parallel_size",
+            f"{size} exceeds the {count} visible CUDA devices",
+        )
+        _check(
+            device.index in (None, 0),
+            "device",
+            "with tensor parallelism the ranks take cuda:0 .. N-1: "
+            "give cuda (choose the devices with CUDA_VISIBLE_DEVICES)",
+        )
     _check(config.kv_backend == "paged", "kv_backend", "tensor parallelism needs the paged backend")
-    _check(config.cpu_weights in ("auto", "float32"), "cpu_weights",
-           "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)")
+    _check(
+        config.cpu_weights in ("auto", "float32"),
+        "cpu_weights",
+        "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)",
+    )
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -210,9 +281,12 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     if config.kv_cache_dtype != "fp8" or config.torch_device.type != "cuda":
         return
     capability = tuple(torch.cuda.get_device_capability(config.torch_device))
-    _check(capability >= FP8_MIN_CAPABILITY, "kv_cache_dtype",
-           f"fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
-           f"{capability[0]}.{capability[1]}: use auto")
+    _check(
+        capability >= FP8_MIN_CAPABILITY,
+        "kv_cache_dtype",
+        f"fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+        f"{capability[0]}.{capability[1]}: use auto",
+    )
 
 
 def resolve_device(device: str) -> torch.device:

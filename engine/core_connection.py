@@ -6,6 +6,7 @@ core -> front: a PULL socket, read on the event loop. By default the connection 
 runs them), it attaches to that core as one of its clients instead: the core's life is then its starter's, and
 this side only watches it (a pidfd: its exit is seen at once).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ class EngineStartError(RuntimeError):
 class CoreConnection:
     """The sockets to one engine core and its process: launched by ``open`` (no endpoint given) or attached to."""
 
-    def __init__(self, config: EngineConfig, endpoint: CoreEndpoint | None, log_format: str = "text") -> None:
+    def __init__(
+        self, config: EngineConfig, endpoint: CoreEndpoint | None, log_format: str = "text"
+    ) -> None:
         self._config = config
         self._log_format = log_format  # of the core this connection launches (text | json)
         # a core started elsewhere, or None until ``open`` launches our own
@@ -66,7 +69,9 @@ class CoreConnection:
         mistake, EngineStartError for anything else."""
         while not await self._outputs.poll(_START_POLL_MS):
             if not self.process.is_alive():
-                raise EngineStartError(f"{self.exited()} before it was ready; its log above says why")
+                raise EngineStartError(
+                    f"{self.exited()} before it was ready; its log above says why"
+                )
         message = from_core_decoder.decode(await self._outputs.recv())
         if isinstance(message, StartFailed):
             raise (ValueError if message.config_error else EngineStartError)(message.message)
@@ -95,7 +100,9 @@ class CoreConnection:
             self.send(Shutdown())
         await asyncio.to_thread(self.process.join, _STOP_TIMEOUT_S)
         if self.process.is_alive():
-            logger.warning("the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
+            logger.warning(
+                "the engine core did not stop within %.0f s; killing it", _STOP_TIMEOUT_S
+            )
             self.process.kill()
             await asyncio.to_thread(self.process.join)
 
@@ -115,7 +122,9 @@ class CoreConnection:
     def exited(self) -> str:
         # (None for a core this process did not start: its parent reaps it)
         status = self.process.exitcode
-        return "the engine core process exited" + (f" (status {status})" if status is not None else "")
+        return "the engine core process exited" + (
+            f" (status {status})" if status is not None else ""
+        )
 
 
 class AttachedProcess:

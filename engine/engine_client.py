@@ -1,6 +1,7 @@
 """EngineClient: the front's view of a running engine core, as a typed interface. The server (app/) is written
 against it; AsyncEngine (async_engine.py: the core in its own process) is the implementation, and a test holds
 the two together."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
@@ -43,15 +44,29 @@ class EngineClient(Protocol):
     async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
         """A response_format's grammar compiled off the event loop (ValueError when it cannot be)."""
 
-    def generate(self, prompt_token_ids: SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                 cache_salt: str | None = None, tenant: str = "", priority: int = 0) -> RequestStream:
+    def generate(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> RequestStream:
         """Submit a request now; its stream of outputs (closing it early aborts the request)."""
 
     async def abort(self, request_id: str) -> None:
         """End a request now; its blocks are free at the core's next step."""
 
-    async def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None = None,
-                         share: float = 1.0, group: str | None = None, group_share: float = 1.0) -> int:
+    async def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
         """Compute ``token_ids`` once and pin their full blocks (caps: shares of the KV pool); blocks pinned."""
 
     async def unpin_prefix(self, pin_id: str) -> None:

@@ -1,6 +1,7 @@
 """LLMEngine: the engine core and the output processor in one process, one ``step()`` at a time: requests in,
 RequestOutputs out. The offline ``LLM`` (llm.py), the benchmarks and the engine's tests drive it; the server runs
 the same core in a process of its own (async_engine.py), with the output processor in the server's process."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,15 @@ class LLMEngine:
     def last_batch(self) -> ScheduledBatch | None:
         return self.core.last_batch
 
-    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, tenant: str = "", priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> None:
         params = params or SamplingParams()
         self.core.add_request(request_id, prompt_token_ids, params, cache_salt, tenant, priority)
         self.processor.add_request(request_id, prompt_token_ids, params, cache_salt)
@@ -94,8 +102,15 @@ class LLMEngine:
             self.core.abort_request(stop.request_id, stop.index, stop.reason)
         return [self.processor.take(sample) for sample in updated]
 
-    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
-                   group: str | None = None, group_share: float = 1.0) -> int:
+    def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
         """EngineCore.pin_prefix (the prefix must be cached already)."""
         return self.core.pin_prefix(pin_id, token_ids, cache_salt, share, group, group_share)
 

@@ -4,6 +4,7 @@
 ``json``: one JSON object per line (time, level, logger, message, and the fields a record carries in ``extra``,
 such as the access log's), for log collectors; ``text``: the usual line, with those fields as key=value.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,11 @@ from typing import Any
 
 LOG_FORMATS = ("text", "json")
 # what a LogRecord has of its own: anything else on it came in ``extra``
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 def configure_logging(level: str, fmt: str = "text", tag: str = "") -> None:
@@ -33,7 +38,9 @@ def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
 
 class TextFormatter(logging.Formatter):
     def __init__(self, tag: str = "") -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s" + (f" [{tag}]" if tag else "") + ": %(message)s")
+        super().__init__(
+            "%(asctime)s %(levelname)s %(name)s" + (f" [{tag}]" if tag else "") + ": %(message)s"
+        )
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -48,8 +55,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if self._tag:
             entry["process"] = self._tag
         entry.update(extra_fields(record))

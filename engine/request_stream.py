@@ -1,4 +1,5 @@
 """RequestStream: one request's outputs as an async iterator, fed by the engine on the event loop (async_engine.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,9 +24,15 @@ class RequestStream:
     last read, so a reader that is behind gets several steps' tokens in one output. ``stream_interval`` > 1: the
     reader is woken once that many tokens are ready (or a sample's first, or its end), for fewer, larger events."""
 
-    def __init__(self, request_id: str, take: Callable[[SampleState], RequestOutput],
-                 release: Callable[[str, bool], None], loop: asyncio.AbstractEventLoop | None,
-                 num_samples: int = 1, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        take: Callable[[SampleState], RequestOutput],
+        release: Callable[[str, bool], None],
+        loop: asyncio.AbstractEventLoop | None,
+        num_samples: int = 1,
+        stream_interval: int = 1,
+    ) -> None:
         """``take``: the output processor's (a sample's news as one RequestOutput); ``release(request_id,
         finished)``: the engine's, called once when the stream ends (not finished: the request is aborted);
         ``loop``: the event loop the engine runs on (a stream collected elsewhere releases through it)."""
@@ -64,7 +71,9 @@ class RequestStream:
             waiter.set_result(None)
 
     def _readable(self) -> bool:
-        return bool(self._pending) and (self._interval <= 1 or self._urgent or self._unread_tokens >= self._interval)
+        return bool(self._pending) and (
+            self._interval <= 1 or self._urgent or self._unread_tokens >= self._interval
+        )
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -85,8 +94,14 @@ class RequestStream:
         item = self._pending.popleft()
         pending = self._pending
         self._unread_tokens = 0
-        self._urgent = any(isinstance(i, BaseException) or i.num_taken == 0 or i.finish_reason is not None
-                           for i in pending) if pending else False
+        self._urgent = (
+            any(
+                isinstance(i, BaseException) or i.num_taken == 0 or i.finish_reason is not None
+                for i in pending
+            )
+            if pending
+            else False
+        )
         if not isinstance(item, BaseException):
             item.queued = False
             output = self._take(item)

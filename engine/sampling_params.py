@@ -1,4 +1,5 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM semantics)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,9 +29,16 @@ class StructuredOutput:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.kind in STRUCTURED_KINDS, "response_format", f"type must be one of {STRUCTURED_KINDS}")
-        _check((self.schema is not None) == (self.kind == "json_schema"), "response_format",
-               "json_schema needs a schema; json_object takes none")
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            "response_format",
+            f"type must be one of {STRUCTURED_KINDS}",
+        )
+        _check(
+            (self.schema is not None) == (self.kind == "json_schema"),
+            "response_format",
+            "json_schema needs a schema; json_object takes none",
+        )
 
 
 @dataclass(slots=True)
@@ -69,59 +77,123 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]")
-        _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
-               "best_of", f"must be in [n, {MAX_SAMPLES}]")
+        _check(
+            _is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]"
+        )
+        _check(
+            self.best_of is None
+            or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
+            "best_of",
+            f"must be in [n, {MAX_SAMPLES}]",
+        )
         # (above ~100 the logits are flat anyway; far above, 1 / temperature underflows float32 to noise)
-        _check(_is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
-               f"must be in [0, {MAX_TEMPERATURE}]")
+        _check(
+            _is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE}]",
+        )
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(_is_int(self.top_k) and -1 <= self.top_k < _INT32, "top_k",
-               "must be -1, 0 (off) or a positive integer (at most the vocabulary size)")
+        _check(
+            _is_int(self.top_k) and -1 <= self.top_k < _INT32,
+            "top_k",
+            "must be -1, 0 (off) or a positive integer (at most the vocabulary size)",
+        )
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
-               "must be a 64-bit integer")
-        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-               "presence_penalty", "must be in [-2, 2]")
-        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-               "frequency_penalty", "must be in [-2, 2]")
-        _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
-               "repetition_penalty", "must be in [0.01, 100]")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < _INT32),
-               "max_tokens", "must be >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be >= 0")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               "min_tokens", "must not exceed max_tokens")
-        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
-               and len(self.stop) <= MAX_STOP_STRINGS, "stop",
-               f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
-        _check(all(_is_int(t) and 0 <= t < _INT32 for t in self.stop_token_ids)
-               and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-               f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        _check(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            "must be a 64-bit integer",
+        )
+        _check(
+            _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+            "repetition_penalty",
+            "must be in [0.01, 100]",
+        )
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < _INT32),
+            "max_tokens",
+            "must be >= 1",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be >= 0"
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must not exceed max_tokens",
+        )
+        _check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
+            and len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _check(
+            all(_is_int(t) and 0 <= t < _INT32 for t in self.stop_token_ids)
+            and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids",
+        )
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias)
-            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS
-                   and all(_is_int(t) and 0 <= t < _INT32 for t in self.logit_bias)
-                   and all(_is_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
-                   f"at most {MAX_LOGIT_BIAS} token ids mapped to biases in [-100, 100]")
-        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
-               "response_format", "must be a StructuredOutput")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+            _check(
+                len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(_is_int(t) and 0 <= t < _INT32 for t in self.logit_bias)
+                and all(_is_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS} token ids mapped to biases in [-100, 100]",
+            )
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            "response_format",
+            "must be a StructuredOutput",
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
         _check(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
-        _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_SAMPLES, "beam_width",
-               f"must be in [1, {MAX_SAMPLES}]")
-        _check(_is_num(self.length_penalty) and -10 <= self.length_penalty <= 10, "length_penalty",
-               "must be in [-10, 10]")
-        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
-               'must be true, false or "never"')
+        _check(
+            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_SAMPLES,
+            "beam_width",
+            f"must be in [1, {MAX_SAMPLES}]",
+        )
+        _check(
+            _is_num(self.length_penalty) and -10 <= self.length_penalty <= 10,
+            "length_penalty",
+            "must be in [-10, 10]",
+        )
+        _check(
+            isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+            "early_stopping",
+            'must be true, false or "never"',
+        )
         if self.use_beam_search:
-            _check(self.n <= self.beam_width, "n", "must not exceed beam_width with use_beam_search")
-            for name, unsupported in (("best_of", self.best_of is not None), ("logprobs", self.logprobs is not None),
-                                      ("stop", bool(self.stop)), ("stop_token_ids", bool(self.stop_token_ids)),
-                                      ("min_tokens", self.min_tokens > 0), ("logit_bias", bool(self.logit_bias)),
-                                      ("response_format", self.structured_output is not None),
-                                      ("presence_penalty", self.uses_penalties)):
+            _check(
+                self.n <= self.beam_width, "n", "must not exceed beam_width with use_beam_search"
+            )
+            for name, unsupported in (
+                ("best_of", self.best_of is not None),
+                ("logprobs", self.logprobs is not None),
+                ("stop", bool(self.stop)),
+                ("stop_token_ids", bool(self.stop_token_ids)),
+                ("min_tokens", self.min_tokens > 0),
+                ("logit_bias", bool(self.logit_bias)),
+                ("response_format", self.structured_output is not None),
+                ("presence_penalty", self.uses_penalties),
+            ):
                 _check(not unsupported, name, "is not supported with use_beam_search")
 
     @property
@@ -130,7 +202,11 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def num_samples(self) -> int:

@@ -10,6 +10,7 @@ on first use, so a CPU-only install runs without it and ``TRITON_INTERPRET`` is 
 The dispatchers live in ``kernels.ops`` (``kernels.ops.paged_attention(...)``), not as package attributes:
 importing the submodule ``kernels.paged_attention`` rebinds the package attribute of that name to the module.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,11 +27,18 @@ _CHOICE = os.environ.get("PAGEDCHAT_KERNELS", "auto")
 if _CHOICE not in ("auto", "reference", "triton"):
     raise ValueError(f"PAGEDCHAT_KERNELS: must be auto, reference or triton, not {_CHOICE!r}")
 
-_TRITON_MODULE = {"store_kv": "cache_ops", "copy_blocks": "cache_ops", "swap_blocks": "cache_ops",
-                  "paged_attention": "paged_attention", "prefill_attention": "prefill_attention",
-                  "contiguous_decode_attention": "contiguous_attention",
-                  "contiguous_prefill_attention": "contiguous_attention",
-                  "rms_norm": "rms_norm", "rotary_embedding": "rotary", "silu_and_mul": "activation"}
+_TRITON_MODULE = {
+    "store_kv": "cache_ops",
+    "copy_blocks": "cache_ops",
+    "swap_blocks": "cache_ops",
+    "paged_attention": "paged_attention",
+    "prefill_attention": "prefill_attention",
+    "contiguous_decode_attention": "contiguous_attention",
+    "contiguous_prefill_attention": "contiguous_attention",
+    "rms_norm": "rms_norm",
+    "rotary_embedding": "rotary",
+    "silu_and_mul": "activation",
+}
 
 
 @functools.cache
@@ -49,6 +57,7 @@ def _dispatch(name: str) -> Callable:
     def kernel(*args: object) -> object:  # positional only: call sites pass every argument in order
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         return (_triton_kernel(name) if _CHOICE == "triton" or on_cuda else ref)(*args)
+
     return kernel
 
 

@@ -3,6 +3,7 @@
 Contract (that of ``reference.silu_and_mul``): ``gate_up`` ``[T, 2I]`` in, a fresh ``[T, I]`` out. Rounding
 follows torch's two ops: silu in float32 rounded to the input dtype, then the product rounded again.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTERMEDIATE: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr
+):
     """Program (token, column block): ``out[t, c] = silu(gate_up[t, c]) * gate_up[t, I + c]``."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -36,6 +38,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, width // 2, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         grid = (num_tokens, triton.cdiv(width // 2, _BLOCK))
-        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), INTERMEDIATE=width // 2,
-                                   BLOCK=_BLOCK, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            INTERMEDIATE=width // 2,
+            BLOCK=_BLOCK,
+            num_warps=4,
+        )
     return out

@@ -25,6 +25,7 @@ Two schedules (``TWO_SHOT``):
 ``SYNC=False`` drops the barriers and ``PHASE`` runs one half of the two shot: the CPU tests emulate the ranks one
 after another in Triton's interpreter that way (one process, no peers to wait for).
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,14 +53,29 @@ def _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD: tl.constexpr, BLO
     """Every rank's copy of ``offs`` added in float32, rounded once to the buffer's dtype."""
     acc = tl.zeros([BLOCK], tl.float32)
     for r in tl.static_range(WORLD):
-        acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+        acc += tl.load(buf_ptr + buffer_deltas[r] + offs, mask=mask, cache_modifier=".cg").to(
+            tl.float32
+        )
     return acc.to(buf_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, numel, shard, chunk,
-                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr,
-                       SYNC: tl.constexpr, PHASE: tl.constexpr):
+def _all_reduce_kernel(
+    buf_ptr,
+    out_ptr,
+    pad_ptr,
+    buffer_deltas,
+    pad_deltas,
+    numel,
+    shard,
+    chunk,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    SYNC: tl.constexpr,
+    PHASE: tl.constexpr,
+):
     pid = tl.program_id(0)
     if SYNC:
         _barrier(pad_ptr, pad_deltas, 0, RANK, WORLD)
@@ -85,21 +101,39 @@ def _all_reduce_kernel(buf_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas, num
                     for start in range(first, end, BLOCK):
                         offs = start + tl.arange(0, BLOCK)
                         mask = offs < end
-                        tl.store(out_ptr + offs, tl.load(buf_ptr + offs, mask=mask, cache_modifier=".cg"), mask=mask)
+                        tl.store(
+                            out_ptr + offs,
+                            tl.load(buf_ptr + offs, mask=mask, cache_modifier=".cg"),
+                            mask=mask,
+                        )
     else:
         first = pid * chunk
         end = tl.minimum(first + chunk, numel)
         for start in range(first, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < end
-            tl.store(out_ptr + offs, _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD, BLOCK), mask=mask)
+            tl.store(
+                out_ptr + offs,
+                _sum_over_ranks(buf_ptr, buffer_deltas, offs, mask, WORLD, BLOCK),
+                mask=mask,
+            )
         if SYNC:
             _barrier(pad_ptr, pad_deltas, 1, RANK, WORLD)
 
 
-def all_reduce_staged(staged: torch.Tensor, out: torch.Tensor, pad: torch.Tensor, buffer_deltas: tuple[int, ...],
-                      pad_deltas: tuple[int, ...], rank: int, programs: int, two_shot: bool = True,
-                      block: int = 2048, sync: bool = True, phase: int = 0) -> torch.Tensor:
+def all_reduce_staged(
+    staged: torch.Tensor,
+    out: torch.Tensor,
+    pad: torch.Tensor,
+    buffer_deltas: tuple[int, ...],
+    pad_deltas: tuple[int, ...],
+    rank: int,
+    programs: int,
+    two_shot: bool = True,
+    block: int = 2048,
+    sync: bool = True,
+    phase: int = 0,
+) -> torch.Tensor:
     """``out`` = the sum over ranks of ``staged`` (this rank's part, inside its symmetric buffer, at the same
     offset on every rank). ``pad``: this rank's int32 signal pad, 0 everywhere, with room for
     ``2 * programs * world`` slots; ``buffer_deltas[r]`` (elements of ``staged``'s dtype) and ``pad_deltas[r]``
@@ -112,14 +146,30 @@ def all_reduce_staged(staged: torch.Tensor, out: torch.Tensor, pad: torch.Tensor
     shard = triton.cdiv(numel, world) if two_shot else numel
     shard = triton.cdiv(shard, 16) * 16  # (shards start 32-byte aligned: vector loads)
     chunk = triton.cdiv(triton.cdiv(shard, programs), block) * block
-    _all_reduce_kernel[(programs,)](staged, out, pad, tuple(buffer_deltas), tuple(pad_deltas), numel, shard, chunk,
-                                    RANK=rank, WORLD=world, BLOCK=block, TWO_SHOT=two_shot, SYNC=sync, PHASE=phase,
-                                    num_warps=8)
+    _all_reduce_kernel[(programs,)](
+        staged,
+        out,
+        pad,
+        tuple(buffer_deltas),
+        tuple(pad_deltas),
+        numel,
+        shard,
+        chunk,
+        RANK=rank,
+        WORLD=world,
+        BLOCK=block,
+        TWO_SHOT=two_shot,
+        SYNC=sync,
+        PHASE=phase,
+        num_warps=8,
+    )
     return out
 
 
 @triton.jit
-def _add_rms_norm_row(total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps, HIDDEN: tl.constexpr):
+def _add_rms_norm_row(
+    total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps, HIDDEN: tl.constexpr
+):
     """kernels/rms_norm.py's arithmetic for one row: the sum rounded to the input dtype, the norm in float32."""
     residual = tl.load(residual_ptr + row * HIDDEN + cols, mask=mask, other=0.0)
     x = (total.to(tl.float32) + residual.to(tl.float32)).to(total.dtype)
@@ -128,14 +178,30 @@ def _add_rms_norm_row(total, row, residual_ptr, weight_ptr, out_ptr, cols, mask,
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     normed = (h * rstd).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * HIDDEN + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * HIDDEN + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
-def _all_reduce_rms_norm_kernel(buf_ptr, residual_ptr, weight_ptr, out_ptr, pad_ptr, buffer_deltas, pad_deltas,
-                                num_rows, shard_rows, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SYNC: tl.constexpr,
-                                PHASE: tl.constexpr):
+def _all_reduce_rms_norm_kernel(
+    buf_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    pad_ptr,
+    buffer_deltas,
+    pad_deltas,
+    num_rows,
+    shard_rows,
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SYNC: tl.constexpr,
+    PHASE: tl.constexpr,
+):
     """The two shot by whole rows (rank r sums rows ``r * shard_rows ..``), each summed row then added to the
     residual and normed in registers, as the next layer's RMSNorm would: no separate norm kernel."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -151,7 +217,9 @@ def _all_reduce_rms_norm_kernel(buf_ptr, residual_ptr, weight_ptr, out_ptr, pad_
             for r in tl.static_range(WORLD):
                 if r != RANK:
                     tl.store(buf_ptr + buffer_deltas[r] + offs, total, mask=mask)
-            _add_rms_norm_row(total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps, HIDDEN)
+            _add_rms_norm_row(
+                total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps, HIDDEN
+            )
     if SYNC:
         _barrier(pad_ptr, pad_deltas, 1, RANK, WORLD)
     if PHASE != 1:
@@ -160,14 +228,25 @@ def _all_reduce_rms_norm_kernel(buf_ptr, residual_ptr, weight_ptr, out_ptr, pad_
                 end = tl.minimum(s * shard_rows + shard_rows, num_rows)
                 for row in range(s * shard_rows + pid, end, programs):
                     total = tl.load(buf_ptr + row * HIDDEN + cols, mask=mask, cache_modifier=".cg")
-                    _add_rms_norm_row(total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps,
-                                      HIDDEN)
+                    _add_rms_norm_row(
+                        total, row, residual_ptr, weight_ptr, out_ptr, cols, mask, eps, HIDDEN
+                    )
 
 
-def all_reduce_rms_norm_staged(staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                               pad: torch.Tensor, buffer_deltas: tuple[int, ...], pad_deltas: tuple[int, ...],
-                               rank: int, programs: int, sync: bool = True, phase: int = 0,
-                               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_rms_norm_staged(
+    staged: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pad: torch.Tensor,
+    buffer_deltas: tuple[int, ...],
+    pad_deltas: tuple[int, ...],
+    rank: int,
+    programs: int,
+    sync: bool = True,
+    phase: int = 0,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/rms_norm.py's contract applied to the sum over ranks of ``staged`` ``[rows, hidden]`` (staged as
     for ``all_reduce_staged``): the sum plus ``residual`` is written into ``residual`` in place, and
     ``(weight * norm(sum + residual), residual)`` is returned. The two shot's barriers and addresses."""
@@ -176,10 +255,29 @@ def all_reduce_rms_norm_staged(staged: torch.Tensor, residual: torch.Tensor, wei
     assert staged.is_contiguous() and residual.is_contiguous() and residual.shape == staged.shape
     assert pad.dtype == torch.int32 and pad.numel() >= 2 * programs * world, "signal pad too small"
     if out is None:
-        out = torch.empty(staged.shape, dtype=torch.promote_types(weight.dtype, staged.dtype), device=staged.device)
+        out = torch.empty(
+            staged.shape,
+            dtype=torch.promote_types(weight.dtype, staged.dtype),
+            device=staged.device,
+        )
     block_h = triton.next_power_of_2(hidden)
-    _all_reduce_rms_norm_kernel[(programs,)](staged, residual, weight, out, pad, tuple(buffer_deltas),
-                                             tuple(pad_deltas), rows, triton.cdiv(rows, world), eps, RANK=rank,
-                                             WORLD=world, HIDDEN=hidden, BLOCK_H=block_h, SYNC=sync, PHASE=phase,
-                                             num_warps=min(16, max(4, block_h // 512)))
+    _all_reduce_rms_norm_kernel[(programs,)](
+        staged,
+        residual,
+        weight,
+        out,
+        pad,
+        tuple(buffer_deltas),
+        tuple(pad_deltas),
+        rows,
+        triton.cdiv(rows, world),
+        eps,
+        RANK=rank,
+        WORLD=world,
+        HIDDEN=hidden,
+        BLOCK_H=block_h,
+        SYNC=sync,
+        PHASE=phase,
+        num_warps=min(16, max(4, block_h // 512)),
+    )
     return out, residual

@@ -5,6 +5,7 @@ Layout (see kernels/reference.py): per layer ``[num_blocks, block_size, num_kv_h
 ``[num_layers, num_blocks, ...]`` for the whole cache; ``slot = block_id * block_size + offset``. An FP8 cache
 (float8_e4m3fn) is written quantized (``quantize_e4m3``) and copied and swapped as bytes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,10 +35,28 @@ def quantize_e4m3(x, scale):
 
 
 @triton.jit(**per_step("slot_ptr"))
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale, stride_kt,
-                     stride_kh, stride_vt, stride_vh, stride_block, stride_token, stride_head,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale,
+    v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_block,
+    stride_token,
+    stride_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """One program per token: copies its ``[kv_heads, head_dim]`` K and V rows into slot ``slot_mapping[t]``
     (KV_FP8: quantized with ``k_scale`` / ``v_scale``)."""
     token = tl.program_id(0).to(tl.int64)
@@ -46,7 +65,12 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_s
         heads = tl.arange(0, HEADS_PAD)[:, None]
         dims = tl.arange(0, HEAD_PAD)[None, :]
         mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
-        dst = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token + heads * stride_head + dims
+        dst = (
+            (slot // BLOCK_SIZE) * stride_block
+            + (slot % BLOCK_SIZE) * stride_token
+            + heads * stride_head
+            + dims
+        )
         key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
         if KV_FP8:
@@ -56,26 +80,59 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_s
         tl.store(v_cache_ptr + dst, value, mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Same contract as ``reference.store_kv``; padding slots (-1) are skipped on the device, no host check."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, (
+        "K and V: same layout, dim contiguous"
+    )
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], KV_FP8=k_cache.dtype == FP8,
-        num_warps=4)
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        KV_FP8=k_cache.dtype == FP8,
+        num_warps=4,
+    )
 
 
 @triton.jit
-def _copy_blocks_kernel(k_ptr, v_ptr, mapping_ptr, stride_layer, stride_block, BLOCK_NUMEL: tl.constexpr,
-                        CHUNK: tl.constexpr):
+def _copy_blocks_kernel(
+    k_ptr,
+    v_ptr,
+    mapping_ptr,
+    stride_layer,
+    stride_block,
+    BLOCK_NUMEL: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Program (pair, layer, chunk): copies CHUNK elements of block ``src`` into block ``dst`` in K and V."""
     pair, layer, chunk = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     src = tl.load(mapping_ptr + 2 * pair).to(tl.int64)
@@ -88,7 +145,9 @@ def _copy_blocks_kernel(k_ptr, v_ptr, mapping_ptr, stride_layer, stride_block, B
     tl.store(v_ptr + dst_offs, tl.load(v_ptr + src_offs, mask=mask), mask=mask)
 
 
-def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def copy_blocks(
+    k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor
+) -> None:
     """Same contract as ``reference.copy_blocks`` for copy-on-write, where no destination block is also a
     source (fresh blocks): pairs run in parallel, so a chain src -> dst -> dst2 would race."""
     if block_mapping.shape[0] == 0:
@@ -103,12 +162,21 @@ def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: t
     mapping = block_mapping.to(device=k_caches.device, dtype=torch.int64).contiguous()
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (mapping.shape[0], k_caches.shape[0], triton.cdiv(block_numel, chunk))
-    _copy_blocks_kernel[grid](k_caches, v_caches, mapping, k_caches.stride(0), k_caches.stride(1),
-                              BLOCK_NUMEL=block_numel, CHUNK=chunk, num_warps=4)
+    _copy_blocks_kernel[grid](
+        k_caches,
+        v_caches,
+        mapping,
+        k_caches.stride(0),
+        k_caches.stride(1),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=chunk,
+        num_warps=4,
+    )
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, to_host: bool | None = None
-                ) -> None:
+def swap_blocks(
+    src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, to_host: bool | None = None
+) -> None:
     """Same contract as ``reference.swap_blocks``: copies block ``(src_id, dst_id)`` pairs of every layer
     between a device cache and a host cache (``[num_layers, num_blocks, ...]`` each).
 
@@ -140,20 +208,27 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         s0, d0 = pairs[0]
         dst[:, d0 : d0 + len(pairs)].copy_(src[:, s0 : s0 + len(pairs)], non_blocking=True)
         return
-    device_ids = torch.tensor([s for s, _ in pairs] if to_host else [d for _, d in pairs],
-                              dtype=torch.int64).to(device_side.device, non_blocking=True)
+    device_ids = torch.tensor(
+        [s for s, _ in pairs] if to_host else [d for _, d in pairs], dtype=torch.int64
+    ).to(device_side.device, non_blocking=True)
     if to_host:
         staging = src.index_select(1, device_ids)
         for begin, end in _runs([(h, h) for h in host_ids], both=False):
             h0 = host_ids[begin]
             for layer in range(src.shape[0]):
-                dst[layer, h0 : h0 + end - begin].copy_(staging[layer, begin:end], non_blocking=True)
+                dst[layer, h0 : h0 + end - begin].copy_(
+                    staging[layer, begin:end], non_blocking=True
+                )
     else:
-        staging = torch.empty((dst.shape[0], len(pairs), *dst.shape[2:]), dtype=dst.dtype, device=dst.device)
+        staging = torch.empty(
+            (dst.shape[0], len(pairs), *dst.shape[2:]), dtype=dst.dtype, device=dst.device
+        )
         for begin, end in _runs([(h, h) for h in host_ids], both=False):
             h0 = host_ids[begin]
             for layer in range(dst.shape[0]):
-                staging[layer, begin:end].copy_(src[layer, h0 : h0 + end - begin], non_blocking=True)
+                staging[layer, begin:end].copy_(
+                    src[layer, h0 : h0 + end - begin], non_blocking=True
+                )
         dst.index_copy_(1, device_ids, staging)
 
 

@@ -11,6 +11,7 @@ computed in int64 (one slot's start can pass 2^31 elements). These are the paged
 (paged_attention.py, prefill_attention.py) compiled with ``CONTIGUOUS=True``: the slot id is passed as the
 sequence's one-entry "block table", so grid, tiling, split-K and causal alignment are the same code.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,20 +20,66 @@ from kernels.paged_attention import DecodeConfig, launch_decode
 from kernels.prefill_attention import PrefillConfig, launch_prefill
 
 
-def contiguous_decode_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
-                                v_slots: torch.Tensor, slot_ids: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float, max_context: int, k_scale: float = 1.0, v_scale: float = 1.0, *,
-                                split: bool | None = None, config: DecodeConfig | None = None) -> None:
+def contiguous_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    split: bool | None = None,
+    config: DecodeConfig | None = None,
+) -> None:
     """Same contract as ``reference.contiguous_decode_attention``; ``split`` forces split-K on/off (None:
     automatic). Split-K partitions are sized from ``max_context``, the host-known bound of ``context_lens``."""
-    launch_decode(out, query, k_slots, v_slots, slot_ids, context_lens, scale, k_scale, v_scale, contiguous=True,
-                  split=split, config=config, max_context=max_context)
+    launch_decode(
+        out,
+        query,
+        k_slots,
+        v_slots,
+        slot_ids,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
+        contiguous=True,
+        split=split,
+        config=config,
+        max_context=max_context,
+    )
 
 
-def contiguous_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
-                                 v_slots: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                 context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                                 v_scale: float = 1.0, *, config: PrefillConfig | None = None) -> None:
+def contiguous_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    config: PrefillConfig | None = None,
+) -> None:
     """Same contract as ``reference.contiguous_prefill_attention``; no device sync."""
-    launch_prefill(out, query, k_slots, v_slots, slot_ids, cu_seqlens_q, context_lens, scale, k_scale, v_scale,
-                   contiguous=True, config=config)
+    launch_prefill(
+        out,
+        query,
+        k_slots,
+        v_slots,
+        slot_ids,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
+        contiguous=True,
+        config=config,
+    )

@@ -21,6 +21,7 @@ x86-64-v4-vnni), so a cache shared between CPUs or torch versions never loads a 
 it in well under a second. Without a compiler, or if the build fails, ``load`` returns None and the caller keeps
 the Python path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -85,14 +86,18 @@ def resolve_isa(requested: str) -> str:
     """``requested`` (one of CPU_ISA_CHOICES) as the level to build: auto -> the highest this CPU has (generic
     where none); raises ValueError naming ``cpu_isa`` for an unknown value or a level this CPU lacks."""
     if requested not in CPU_ISA_CHOICES:
-        raise ValueError(f"cpu_isa: must be one of {', '.join(CPU_ISA_CHOICES)} (got {requested!r})")
+        raise ValueError(
+            f"cpu_isa: must be one of {', '.join(CPU_ISA_CHOICES)} (got {requested!r})"
+        )
     levels = supported_levels()
     if requested == "auto":
         return levels[-1] if levels else "generic"
     if requested not in levels:
         missing = sorted(_NEEDS[requested] - _cpu_flags())
-        raise ValueError(f"cpu_isa: this CPU cannot run {requested} code (it lacks {', '.join(missing)}); "
-                         f"levels it can run: {', '.join(['auto', *levels])}")
+        raise ValueError(
+            f"cpu_isa: this CPU cannot run {requested} code (it lacks {', '.join(missing)}); "
+            f"levels it can run: {', '.join(['auto', *levels])}"
+        )
     return requested
 
 
@@ -113,24 +118,43 @@ def _build(build_root: Path, level: str) -> CpuKernels | None:
     build_dir = build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}"
     start = time.perf_counter()
     # the ninja that pip installed beside this Python (on PATH only in an activated virtual environment)
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    os.environ["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )
     try:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
-            logger.info("building the native CPU kernels for %s (once per machine, ~30 s): %s", level, build_dir)
-        build(name, [str(source) for source in _SOURCES], build_directory=str(build_dir),
-              extra_include_paths=[str(_SOURCES[0].parent)], is_python_module=False,
-              extra_cflags=["-O3", "-fopenmp", f"-DPAGEDCHAT_CPU_NS={name}", *arch], extra_ldflags=["-fopenmp"],
-              verbose=False)
+            logger.info(
+                "building the native CPU kernels for %s (once per machine, ~30 s): %s",
+                level,
+                build_dir,
+            )
+        build(
+            name,
+            [str(source) for source in _SOURCES],
+            build_directory=str(build_dir),
+            extra_include_paths=[str(_SOURCES[0].parent)],
+            is_python_module=False,
+            extra_cflags=["-O3", "-fopenmp", f"-DPAGEDCHAT_CPU_NS={name}", *arch],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as exc:  # no compiler, no headers, a failed build: the Python path still works
-        logger.warning("native CPU kernels unavailable (%s: %s); using the Python path",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning(
+            "native CPU kernels unavailable (%s: %s); using the Python path",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         return None
     ops = getattr(torch.ops, name)
     built = str(ops.isa())
     if built != level:  # a compiler that ignored the flags: the level's promise would not hold
-        raise RuntimeError(f"the native CPU kernels for {level} were compiled as {built} ({build_dir})")
-    logger.info("native CPU kernels loaded in %.2f s (%s, %s)", time.perf_counter() - start, level, tag)
+        raise RuntimeError(
+            f"the native CPU kernels for {level} were compiled as {built} ({build_dir})"
+        )
+    logger.info(
+        "native CPU kernels loaded in %.2f s (%s, %s)", time.perf_counter() - start, level, tag
+    )
     return CpuKernels(level, ops, bool(ops.has_q4q8()))

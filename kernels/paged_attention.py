@@ -23,6 +23,7 @@ Design, and why:
   for that dtype, and the scales are applied outside the loop: ``k_scale`` folded into the softmax scale on the
   host, ``v_scale`` once on the accumulated output (attention is linear in V).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,18 @@ CONFIG = DecodeConfig()
 
 
 @triton.jit
-def kv_tile_offsets(table_row_ptr, pos, kv_head, dims, stride_block, stride_token, stride_head,
-                    BLOCK_SIZE: tl.constexpr, mask, CONTIGUOUS: tl.constexpr):
+def kv_tile_offsets(
+    table_row_ptr,
+    pos,
+    kv_head,
+    dims,
+    stride_block,
+    stride_token,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    mask,
+    CONTIGUOUS: tl.constexpr,
+):
     """Element offsets ``[len(pos), len(dims)]`` of positions ``pos`` of one sequence for one KV head.
     Paged: ``block_id * stride_block + (pos % block_size) * stride_token + kv_head * stride_head + dim``.
     CONTIGUOUS: ``pos * stride_token + kv_head * stride_head + dim`` from the sequence's slot base (see
@@ -81,15 +92,55 @@ def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.conste
     return k_ptr, v_ptr
 
 
-@triton.jit(**per_step("table_ptr", "ctx_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "stride_table",
-                       "num_parts", "partition"))
-def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-                   counter_ptr, scale_log2, v_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_block,
-                   stride_token, stride_head, stride_table, num_kv_heads, num_parts, partition,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
-                   MERGE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr,
-                   KV_FP8: tl.constexpr):
+@triton.jit(
+    **per_step(
+        "table_ptr",
+        "ctx_ptr",
+        "part_max_ptr",
+        "part_sum_ptr",
+        "counter_ptr",
+        "stride_table",
+        "num_parts",
+        "partition",
+    )
+)
+def _decode_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    ctx_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    counter_ptr,
+    scale_log2,
+    v_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_table,
+    num_kv_heads,
+    num_parts,
+    partition,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
@@ -102,13 +153,33 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
     q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
+    )
     table_row = table_ptr + seq.to(tl.int64) * stride_table
     k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
-    row_max, row_sum, acc = _attend_range(q, k_seq, v_seq, table_row, start, end,
-                                          kv_head, dims, scale_log2, stride_block, stride_token, stride_head,
-                                          GROUP_PAD, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, CONTIGUOUS,
-                                          KV_FP8)
+    row_max, row_sum, acc = _attend_range(
+        q,
+        k_seq,
+        v_seq,
+        table_row,
+        start,
+        end,
+        kv_head,
+        dims,
+        scale_log2,
+        stride_block,
+        stride_token,
+        stride_head,
+        GROUP_PAD,
+        HEAD_DIM,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        DOT_PRECISION,
+        CONTIGUOUS,
+        KV_FP8,
+    )
     if KV_FP8:
         acc = acc * v_scale  # (before split-K's partials: the merge is linear in them)
     if SPLIT:
@@ -118,26 +189,66 @@ def _decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_max_pt
             slot = (seq * num_heads + heads) * num_parts + part  # partials [seq, head, part(, dim)]
             tl.store(part_max_ptr + slot, row_max, mask=rows < GROUP)
             tl.store(part_sum_ptr + slot, row_sum, mask=rows < GROUP)
-            tl.store(part_acc_ptr + slot[:, None] * HEAD_PAD + dims[None, :], acc, mask=(rows < GROUP)[:, None])
+            tl.store(
+                part_acc_ptr + slot[:, None] * HEAD_PAD + dims[None, :],
+                acc,
+                mask=(rows < GROUP)[:, None],
+            )
             tl.debug_barrier()  # every thread's partials are written before the release below
             counter = counter_ptr + seq * num_kv_heads + kv_head
             finished = tl.atomic_add(counter, 1, sem="acq_rel")
             # the last partition merges all of them, then re-arms the counter
             if finished == used - 1:
                 tl.store(counter, 0)
-                _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used,
-                                  num_heads, num_parts, stride_ob, stride_oh, GROUP, GROUP_POW2, HEAD_DIM,
-                                  HEAD_PAD, MERGE_CHUNK)
+                _merge_partitions(
+                    out_ptr,
+                    part_max_ptr,
+                    part_sum_ptr,
+                    part_acc_ptr,
+                    seq,
+                    kv_head,
+                    used,
+                    num_heads,
+                    num_parts,
+                    stride_ob,
+                    stride_oh,
+                    GROUP,
+                    GROUP_POW2,
+                    HEAD_DIM,
+                    HEAD_PAD,
+                    MERGE_CHUNK,
+                )
     else:
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
 
 
 @triton.jit
-def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_log2, stride_block, stride_token,
-                  stride_head, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
+def _attend_range(
+    q,
+    k_ptr,
+    v_ptr,
+    table_row,
+    start,
+    end,
+    kv_head,
+    dims,
+    scale_log2,
+    stride_block,
+    stride_token,
+    stride_head,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """Online softmax of the query rows ``q`` over key positions ``start .. end - 1``: returns (row max, row
     sum, unnormalized output), all in base 2. KV_FP8: K and V widened to ``q``'s dtype, scales applied by the
     caller."""
@@ -147,8 +258,18 @@ def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_l
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < end
-        offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head,
-                               BLOCK_SIZE, valid, CONTIGUOUS)
+        offs = kv_tile_offsets(
+            table_row,
+            pos,
+            kv_head,
+            dims,
+            stride_block,
+            stride_token,
+            stride_head,
+            BLOCK_SIZE,
+            valid,
+            CONTIGUOUS,
+        )
         if HEAD_DIM == HEAD_PAD:
             kv_mask = valid[:, None]  # row-only mask keeps the loads 16 bytes wide
         else:
@@ -171,9 +292,24 @@ def _attend_range(q, k_ptr, v_ptr, table_row, start, end, kv_head, dims, scale_l
 
 
 @triton.jit
-def _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv_head, used, num_heads, num_parts,
-                      stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _merge_partitions(
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    seq,
+    kv_head,
+    used,
+    num_heads,
+    num_parts,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p over the ``used`` partitions (M = max_p m_p),
     CHUNK partitions at a time with the same online rescaling as the main loop. Loads bypass L1 (``.cg``):
     the partials were written by other programs."""
@@ -191,23 +327,33 @@ def _merge_partitions(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq, kv
         idx = base[:, None] + parts[None, :]
         maxes = tl.load(part_max_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         sums = tl.load(part_sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        accs = tl.load(part_acc_ptr + idx[:, :, None] * HEAD_PAD + dims[None, None, :], mask=ok[:, :, None],
-                       other=0.0, cache_modifier=".cg")
+        accs = tl.load(
+            part_acc_ptr + idx[:, :, None] * HEAD_PAD + dims[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         new_max = tl.maximum(total_max, tl.max(maxes, axis=1))
         alpha = tl.exp2(total_max - new_max)
         weights = tl.exp2(maxes - new_max[:, None])  # missing partitions: 2^-inf = 0
         total_sum = total_sum * alpha + tl.sum(weights * sums, axis=1)
         acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * accs, axis=1)
         total_max = new_max
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             (acc / total_sum[:, None]).to(out_ptr.dtype.element_ty),
-             mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :])
+    tl.store(
+        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+        (acc / total_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (host-side property; the interpreter gets a Hopper-like 132)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -215,14 +361,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def choose_partition(programs: int, max_tokens: int, device: torch.device, config: DecodeConfig,
-                     split: bool | None) -> int:
+def choose_partition(
+    programs: int, max_tokens: int, device: torch.device, config: DecodeConfig, split: bool | None
+) -> int:
     """Positions per split-K partition, or 0 for the one-pass kernel. ``max_tokens`` bounds every context
     (block-table width x block size, or a contiguous slot's length), so the choice needs no device sync.
     Split only when the one-pass grid leaves SMs idle (measured on an H200: at 256 programs one-pass already
     matches SDPA); then enough partitions for ``programs_per_sm`` programs per SM, none shorter than
     ``min_partition``, each a multiple of the tile."""
-    if split is False or (split is None and programs >= config.split_below_programs_per_sm * num_sms(device)):
+    if split is False or (
+        split is None and programs >= config.split_below_programs_per_sm * num_sms(device)
+    ):
         return 0
     wanted = math.ceil(config.programs_per_sm * num_sms(device) / programs)
     parts = min(wanted, math.ceil(max_tokens / config.min_partition))
@@ -235,10 +384,14 @@ def choose_partition(programs: int, max_tokens: int, device: torch.device, confi
 SHARED_MEMORY_BYTES = 227 * 1024  # per program on Hopper (H100/H200)
 
 
-def fit_shared_memory(tile: int, stages: int, fixed_rows: int, head_pad: int, itemsize: int) -> tuple[int, int]:
+def fit_shared_memory(
+    tile: int, stages: int, fixed_rows: int, head_pad: int, itemsize: int
+) -> tuple[int, int]:
     """Shrink (key tile, pipeline stages) until ``stages`` K+V tiles plus ``fixed_rows`` query rows fit in
     shared memory: the tuned tiles are for half types and head 128; fp32 or head 256 need smaller ones."""
-    while (2 * stages * tile + fixed_rows) * head_pad * itemsize > SHARED_MEMORY_BYTES and tile > 16:
+    while (
+        2 * stages * tile + fixed_rows
+    ) * head_pad * itemsize > SHARED_MEMORY_BYTES and tile > 16:
         if stages > 2:
             stages -= 1
         else:
@@ -258,17 +411,53 @@ def split_counters(device: torch.device, size: int) -> torch.Tensor:
     return buffers[-1]
 
 
-def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0, *, split: bool | None = None, config: DecodeConfig | None = None) -> None:
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    split: bool | None = None,
+    config: DecodeConfig | None = None,
+) -> None:
     """Same contract as ``reference.paged_attention``; ``split`` forces split-K on/off (None: automatic)."""
-    launch_decode(out, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                  contiguous=False, split=split, config=config)
+    launch_decode(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
+        contiguous=False,
+        split=split,
+        config=config,
+    )
 
 
-def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  table: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, *,
-                  contiguous: bool, split: bool | None, config: DecodeConfig | None, max_context: int = 0) -> None:
+def launch_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    *,
+    contiguous: bool,
+    split: bool | None,
+    config: DecodeConfig | None,
+    max_context: int = 0,
+) -> None:
     """Launch ``_decode_kernel`` over either layout. Paged: ``table`` is the block tables ``[B, width]`` of a
     ``[num_blocks, block_size, ...]`` cache. Contiguous: ``table`` is the slot ids ``[B]`` of a
     ``[num_slots, max_len, ...]`` cache, and ``max_context`` the host-known bound on every context, rounded
@@ -279,32 +468,83 @@ def launch_decode(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads = k_cache.shape[2]
     if batch == 0:
         return
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
-    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, "a slot's offsets are int32"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, (
+        "K and V: same layout, dim contiguous"
+    )
+    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, (
+        "a slot's offsets are int32"
+    )
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     # a constexpr the contiguous path never reads
     block_size = 1 if contiguous else k_cache.shape[1]
-    max_tokens = min(-(-max_context // 16) * 16, k_cache.shape[1]) if contiguous else table.shape[1] * block_size
+    max_tokens = (
+        min(-(-max_context // 16) * 16, k_cache.shape[1])
+        if contiguous
+        else table.shape[1] * block_size
+    )
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
     partition = choose_partition(batch * num_kv_heads, max_tokens, query.device, config, split)
     parts = triton.cdiv(max_tokens, partition) if partition else 1
     group_pad = max(16, triton.next_power_of_2(group))
-    tile, stages = fit_shared_memory(config.split_tile_n if partition else config.tile_n, config.num_stages,
-                                     group_pad, head_pad, query.element_size())
+    tile, stages = fit_shared_memory(
+        config.split_tile_n if partition else config.tile_n,
+        config.num_stages,
+        group_pad,
+        head_pad,
+        query.element_size(),
+    )
     # placeholders: never touched by the one-pass kernel
     part_max = part_sum = part_acc = counters = out
     if partition:  # one allocation for all partials: host time matters at small batch sizes
-        partials = torch.empty(batch * num_heads * parts * (head_pad + 2), dtype=torch.float32, device=query.device)
-        part_acc, part_max, part_sum = partials.split([partials.numel() - 2 * parts * batch * num_heads,
-                                                       parts * batch * num_heads, parts * batch * num_heads])
+        partials = torch.empty(
+            batch * num_heads * parts * (head_pad + 2), dtype=torch.float32, device=query.device
+        )
+        part_acc, part_max, part_sum = partials.split(
+            [
+                partials.numel() - 2 * parts * batch * num_heads,
+                parts * batch * num_heads,
+                parts * batch * num_heads,
+            ]
+        )
         counters = split_counters(query.device, batch * num_kv_heads)
     kv_fp8 = k_cache.dtype == FP8
     _decode_kernel[(num_kv_heads, batch, parts)](
-        out, query, k_cache, v_cache, table, context_lens, part_max, part_sum, part_acc, counters,
-        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, query.stride(0), query.stride(1), out.stride(0),
-        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_kv_heads, parts,
-        partition, GROUP=group, GROUP_PAD=group_pad, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=partition > 0, MERGE_CHUNK=8,
-        DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous, KV_FP8=kv_fp8, num_warps=config.num_warps,
-        num_stages=stages)
+        out,
+        query,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        counters,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        table.stride(0),
+        num_kv_heads,
+        parts,
+        partition,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        GROUP_POW2=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile,
+        SPLIT=partition > 0,
+        MERGE_CHUNK=8,
+        DOT_PRECISION=dot_precision(query.dtype),
+        CONTIGUOUS=contiguous,
+        KV_FP8=kv_fp8,
+        num_warps=config.num_warps,
+        num_stages=stages,
+    )

@@ -19,6 +19,7 @@ Per tile, keys before ``prefix + first row`` are visible to every row and run un
 An FP8 cache (``KV_FP8``) is read as in the decode kernel (paged_attention.py): tiles widened to the query's
 dtype, ``k_scale`` folded into the softmax scale, ``v_scale`` applied to the output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, dot_precision, fit_shared_memory, kv_tile_offsets, sequence_kv
+from kernels.paged_attention import (
+    LOG2E,
+    dot_precision,
+    fit_shared_memory,
+    kv_tile_offsets,
+    sequence_kv,
+)
 from kernels.reference import FP8
 from kernels.specialization import per_step
 
@@ -59,15 +66,47 @@ def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, prefix, ctx, kv_head, dims,
-                 stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE: tl.constexpr,
-                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
+def _attend_tile(
+    q,
+    row_max,
+    row_sum,
+    acc,
+    k_ptr,
+    v_ptr,
+    table_row,
+    pos,
+    rows,
+    prefix,
+    ctx,
+    kv_head,
+    dims,
+    stride_block,
+    stride_token,
+    stride_head,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
     ``<= prefix + r`` and no key at or past ``ctx`` is loaded."""
     in_context = pos < ctx
-    offs = kv_tile_offsets(table_row, pos, kv_head, dims, stride_block, stride_token, stride_head, BLOCK_SIZE,
-                           in_context, CONTIGUOUS)
+    offs = kv_tile_offsets(
+        table_row,
+        pos,
+        kv_head,
+        dims,
+        stride_block,
+        stride_token,
+        stride_head,
+        BLOCK_SIZE,
+        in_context,
+        CONTIGUOUS,
+    )
     if MASKED:
         kv_mask = in_context[:, None]
         if HEAD_DIM != HEAD_PAD:
@@ -95,12 +134,36 @@ def _attend_tile(q, row_max, row_sum, acc, k_ptr, v_ptr, table_row, pos, rows, p
 
 
 @triton.jit(**per_step("table_ptr", "cu_ptr", "ctx_ptr", "stride_table", "num_seqs", "num_tiles"))
-def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, scale_log2, v_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_token, stride_head,
-                    stride_table, num_seqs, num_tiles,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    CONTIGUOUS: tl.constexpr, KV_FP8: tl.constexpr):
+def _prefill_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    cu_ptr,
+    ctx_ptr,
+    scale_log2,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_table,
+    num_seqs,
+    num_tiles,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     head = tl.program_id(0)
     tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
     seq = _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M)
@@ -115,8 +178,14 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, sc
         row_ok = rows < q_len
         dims = tl.arange(0, HEAD_PAD)
         io_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
-                    mask=io_mask, other=0.0)
+        q = tl.load(
+            q_ptr
+            + (seq_start + rows)[:, None].to(tl.int64) * stride_qt
+            + head * stride_qh
+            + dims[None, :],
+            mask=io_mask,
+            other=0.0,
+        )
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -126,36 +195,120 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, ctx_ptr, sc
         for start in range(0, unmasked_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             row_max, row_sum, acc = _attend_tile(
-                q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
-                stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, False, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION, CONTIGUOUS, KV_FP8)
+                q,
+                row_max,
+                row_sum,
+                acc,
+                k_seq,
+                v_seq,
+                table_row,
+                pos,
+                rows,
+                prefix,
+                ctx,
+                kv_head,
+                dims,
+                stride_block,
+                stride_token,
+                stride_head,
+                scale_log2,
+                BLOCK_SIZE,
+                False,
+                HEAD_DIM,
+                HEAD_PAD,
+                DOT_PRECISION,
+                CONTIGUOUS,
+                KV_FP8,
+            )
         diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
         for start in range(unmasked_end, diagonal_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             row_max, row_sum, acc = _attend_tile(
-                q, row_max, row_sum, acc, k_seq, v_seq, table_row, pos, rows, prefix, ctx, kv_head, dims,
-                stride_block, stride_token, stride_head, scale_log2, BLOCK_SIZE, True, HEAD_DIM, HEAD_PAD,
-                DOT_PRECISION, CONTIGUOUS, KV_FP8)
+                q,
+                row_max,
+                row_sum,
+                acc,
+                k_seq,
+                v_seq,
+                table_row,
+                pos,
+                rows,
+                prefix,
+                ctx,
+                kv_head,
+                dims,
+                stride_block,
+                stride_token,
+                stride_head,
+                scale_log2,
+                BLOCK_SIZE,
+                True,
+                HEAD_DIM,
+                HEAD_PAD,
+                DOT_PRECISION,
+                CONTIGUOUS,
+                KV_FP8,
+            )
         out = acc / row_sum[:, None]
         if KV_FP8:
             out = out * v_scale
-        tl.store(out_ptr + (seq_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(
+            out_ptr
+            + (seq_start + rows)[:, None].to(tl.int64) * stride_ot
+            + head * stride_oh
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
 
 
-def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
-                      config: PrefillConfig | None = None) -> None:
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    config: PrefillConfig | None = None,
+) -> None:
     """Same contract as ``reference.prefill_attention``. No device sync: the grid is sized from the number
     of query tokens and sequences, both known on the host."""
-    launch_prefill(out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scale, v_scale,
-                   contiguous=False, config=config)
+    launch_prefill(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
+        contiguous=False,
+        config=config,
+    )
 
 
-def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   table: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   k_scale: float, v_scale: float, *, contiguous: bool, config: PrefillConfig | None) -> None:
+def launch_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    *,
+    contiguous: bool,
+    config: PrefillConfig | None,
+) -> None:
     """Launch ``_prefill_kernel`` over either layout: ``table`` is the block tables ``[num_seqs, width]``
     (paged) or the slot ids ``[num_seqs]`` of a ``[num_slots, max_len, ...]`` cache (contiguous). The scales
     apply to an FP8 cache only."""
@@ -165,21 +318,49 @@ def launch_prefill(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K and V: same layout, dim contiguous"
-    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, "a slot's offsets are int32"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, (
+        "K and V: same layout, dim contiguous"
+    )
+    assert not contiguous or k_cache.shape[1] * k_cache.stride(1) < 2**31, (
+        "a slot's offsets are int32"
+    )
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     num_tiles = num_tokens // config.block_m + num_seqs
     head_pad = triton.next_power_of_2(head_dim)
-    block_n, stages = fit_shared_memory(config.block_n, config.num_stages, config.block_m, head_pad,
-                                        query.element_size())
+    block_n, stages = fit_shared_memory(
+        config.block_n, config.num_stages, config.block_m, head_pad, query.element_size()
+    )
     kv_fp8 = k_cache.dtype == FP8
     _prefill_kernel[(num_heads, num_tiles)](
-        out, query, k_cache, v_cache, table, cu_seqlens_q, context_lens, scale * LOG2E * (k_scale if kv_fp8 else 1.0),
+        out,
+        query,
+        k_cache,
+        v_cache,
+        table,
+        cu_seqlens_q,
+        context_lens,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), num_seqs, num_tiles,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        table.stride(0),
+        num_seqs,
+        num_tiles,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
         # a constexpr the contiguous path never reads
         BLOCK_SIZE=1 if contiguous else k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype), CONTIGUOUS=contiguous,
-        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=stages)
+        BLOCK_M=config.block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        CONTIGUOUS=contiguous,
+        KV_FP8=kv_fp8,
+        num_warps=config.num_warps,
+        num_stages=stages,
+    )

@@ -12,6 +12,7 @@ rounded to the nearest e4m3 value (ties to even), and attention reads ``stored.t
 and one V scale per layer (``k_scale``, ``v_scale``; 1.0 unless calibrated). A cache of any other dtype ignores
 the scales. Block copies move bytes and do not care.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,15 @@ def select_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return as_bytes(cache).index_select(0, index).view(cache.dtype)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into their slots; slot -1 (padding) is skipped. An FP8
     cache gets ``quantize_kv(key, k_scale)`` and ``quantize_kv(value, v_scale)``."""
     if bool((slot_mapping < 0).any()):
@@ -58,9 +66,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     as_bytes(v_cache).view(-1, *v_cache.shape[2:])[slot_mapping] = as_bytes(value)
 
 
-def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> None:
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Decode: one query token per sequence ``[B, heads, head_dim]`` attends to its first
     ``context_lens[b]`` cached tokens (its own token included, already stored)."""
     batch, num_heads, head_dim = query.shape
@@ -72,14 +88,29 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
     values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=query.device)[None, :] < context_lens[:, None]
-    result = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
-                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
+    result = F.scaled_dot_product_attention(
+        query.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
     out.copy_(result.squeeze(2))
 
 
-def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Causal attention for variable-length query chunks ``[T, heads, head_dim]`` (sequence b owns rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). Keys are the sequence's first ``context_lens[b]`` cached tokens:
     a cached prefix, earlier chunks, and this chunk (already stored). The chunk's last query sits at
@@ -92,7 +123,10 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
         table = block_tables[b, : -(-ctx // block_size)].long()
         keys = select_rows(k_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
         values = select_rows(v_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
-        keys, values = dequantize_kv(keys, k_scale, query.dtype), dequantize_kv(values, v_scale, query.dtype)
+        keys, values = (
+            dequantize_kv(keys, k_scale, query.dtype),
+            dequantize_kv(values, v_scale, query.dtype),
+        )
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
@@ -100,14 +134,30 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
         if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
             rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
             mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
 
 
-def contiguous_decode_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
-                                v_slots: torch.Tensor, slot_ids: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float, max_context: int, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def contiguous_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """``paged_attention`` over the contiguous layout: query ``[B, heads, head_dim]`` attends to the first
     ``context_lens[b]`` positions of slot ``slot_ids[b]``. ``max_context`` (a host-known bound of
     ``context_lens``, which the Triton kernel sizes split-K with) is not needed here."""
@@ -115,18 +165,36 @@ def contiguous_decode_attention(out: torch.Tensor, query: torch.Tensor, k_slots:
     max_len = int(context_lens.max())
     slots = slot_ids.long()
     # [B, kvh, L, d]
-    keys = dequantize_kv(select_rows(k_slots[:, :max_len], slots), k_scale, query.dtype).transpose(1, 2)
-    values = dequantize_kv(select_rows(v_slots[:, :max_len], slots), v_scale, query.dtype).transpose(1, 2)
+    keys = dequantize_kv(select_rows(k_slots[:, :max_len], slots), k_scale, query.dtype).transpose(
+        1, 2
+    )
+    values = dequantize_kv(
+        select_rows(v_slots[:, :max_len], slots), v_scale, query.dtype
+    ).transpose(1, 2)
     visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
-    result = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
-                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
+    result = F.scaled_dot_product_attention(
+        query.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
     out.copy_(result.squeeze(2))
 
 
-def contiguous_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_slots: torch.Tensor,
-                                 v_slots: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                 context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                                 v_scale: float = 1.0) -> None:
+def contiguous_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """``prefill_attention`` over the contiguous layout: sequence b's chunk (query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sees the first ``context_lens[b]`` positions of slot
     ``slot_ids[b]``, causal aligned to the bottom-right (query i of a chunk of q sees keys ``0 .. ctx - q + i``)."""
@@ -135,18 +203,35 @@ def contiguous_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_slots
     for b, ctx in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
-        k = dequantize_kv(k_slots[slots[b], :ctx], k_scale, query.dtype).transpose(0, 1).unsqueeze(0)
-        v = dequantize_kv(v_slots[slots[b], :ctx], v_scale, query.dtype).transpose(0, 1).unsqueeze(0)
+        k = (
+            dequantize_kv(k_slots[slots[b], :ctx], k_scale, query.dtype)
+            .transpose(0, 1)
+            .unsqueeze(0)
+        )
+        v = (
+            dequantize_kv(v_slots[slots[b], :ctx], v_scale, query.dtype)
+            .transpose(0, 1)
+            .unsqueeze(0)
+        )
         mask = None
         if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
             rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
             mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
 
 
-def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def copy_blocks(
+    k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor
+) -> None:
     """Copy-on-write: for each row (src, dst) of ``block_mapping``, copy block src into block dst in every
     layer of ``[num_layers, num_blocks, ...]`` caches."""
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
@@ -162,8 +247,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     as_bytes(dst)[:, dst_ids] = as_bytes(src)[:, src_ids].to(dst.device)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * x / sqrt(mean(x², last dim) + eps)``, computed in float32 and rounded back to ``x``'s dtype
     before the weight multiplies (as transformers does). With ``residual``: ``s = x + residual`` is written
     into ``residual`` in place and ``(weight * norm(s), s)`` returned (``s`` is ``residual`` itself)."""
@@ -175,8 +261,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, residual)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor) -> None:
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
     """Rotate ``q`` ``[T, heads, head_dim]`` and ``k`` ``[T, kv_heads, head_dim]`` in place by their positions
     (rotate-half layout): ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` and
     cos/sin rows ``[max_position, head_dim]`` gathered at ``positions``."""
@@ -196,16 +287,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                config: object | None = None) -> torch.Tensor:
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+) -> torch.Tensor:
     """``x @ weight.T`` (x ``[M, K]``, weight ``[N, K]`` as nn.Linear's), into ``out`` when given. ``config``
     (the Triton kernel's launch parameters) is ignored."""
     result = x @ weight.T
     return result if out is None else out.copy_(result)
 
 
-def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                             config: object | None = None) -> torch.Tensor:
+def skinny_gemm_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+) -> torch.Tensor:
     """The MLP's gate/up projection and its activation: ``silu_and_mul(x @ weight.T)`` (weight ``[2I, K]``, gate
     rows first), into ``out`` when given. ``config`` is ignored."""
     result = silu_and_mul(x @ weight.T)

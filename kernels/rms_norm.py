@@ -14,6 +14,7 @@ fused qkv output, and copying them contiguous first would read and write every e
 Rounding follows torch's op order: the sum is rounded to the input dtype, the norm is computed in float32
 and rounded to the input dtype, then multiplied by the weight and rounded to the output dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,23 @@ _ELEMENTS_PER_PROGRAM = 2048  # rows per program: enough work per program for sh
 
 
 @triton.jit(**per_step("num_rows"))
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads, stride_xt, stride_xh, stride_rt,
-                     stride_rh, eps, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    num_rows,
+    heads,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    stride_rh,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     """Program p normalizes flat rows ``p * ROWS ..`` (row ``r`` is token ``r // heads``, head ``r % heads``)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
@@ -49,13 +64,18 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads, 
     tl.store(out_ptr + rows[:, None] * HIDDEN + dims[None, :], out, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.rms_norm``: normalizes over the last dim of a 2-D or 3-D ``x``."""
     if x.dim() not in (2, 3):
-        raise ValueError(f"rms_norm: x must be [T, hidden] or [T, heads, head_dim], not {tuple(x.shape)}")
+        raise ValueError(
+            f"rms_norm: x must be [T, hidden] or [T, heads, head_dim], not {tuple(x.shape)}"
+        )
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError("rms_norm: residual must have x's shape and a contiguous last dim (written in place)")
+        raise ValueError(
+            "rms_norm: residual must have x's shape and a contiguous last dim (written in place)"
+        )
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     hidden, heads = x.shape[-1], x.shape[1] if x.dim() == 3 else 1
@@ -65,9 +85,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         rows = max(1, _ELEMENTS_PER_PROGRAM // block_d)
         r = residual if residual is not None else x  # any pointer: not read without HAS_RESIDUAL
         _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-            x, r, weight, out, num_rows, heads, x.stride(0), _head_stride(x), r.stride(0), _head_stride(r), eps,
-            HIDDEN=hidden, BLOCK_D=block_d, ROWS=rows, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, rows * block_d // 512)))
+            x,
+            r,
+            weight,
+            out,
+            num_rows,
+            heads,
+            x.stride(0),
+            _head_stride(x),
+            r.stride(0),
+            _head_stride(r),
+            eps,
+            HIDDEN=hidden,
+            BLOCK_D=block_d,
+            ROWS=rows,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(1, rows * block_d // 512)),
+        )
     return out if residual is None else (out, residual)
 
 

@@ -24,6 +24,7 @@ Design, and why:
 - Launch parameters per (op, M rounded up to a power of two, N, K) come from ``TABLE``, else from
   ``heuristic_config``; ``python -m benchmarks.skinny_gemm`` measures both against a sweep and prints entries.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,7 +68,11 @@ TABLE: dict[tuple[str, int, int, int], SkinnyConfig] = {}
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (the interpreter gets a Hopper-like 132)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
 
 
 def row_bucket(m: int) -> int:
@@ -89,9 +94,24 @@ def choose_config(m: int, n: int, k: int, op: str, device: torch.device) -> Skin
 
 
 @triton.jit
-def _column_block_product(x_ptr, w_ptr, rows, cols, k_start, k_stop, M, N, K, stride_xm, stride_wn,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+def _column_block_product(
+    x_ptr,
+    w_ptr,
+    rows,
+    cols,
+    k_start,
+    k_stop,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T)."""
     ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
@@ -124,13 +144,25 @@ def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.cons
         value = (silu * up.to(element).to(tl.float32)).to(element)
     else:
         value = gate.to(element)
-    tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], value,
-             mask=(cols < N)[:, None] & (rows < M)[None, :])
+    tl.store(
+        out_ptr + rows[None, :] * stride_om + cols[:, None],
+        value,
+        mask=(cols < N)[:, None] & (rows < M)[None, :],
+    )
 
 
 @triton.jit
-def _sum_partials(part_ptr, rows, cols, M, N, num_splits, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+def _sum_partials(
+    part_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    num_splits,
+    SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Partials ``[num_splits, M, width]`` (width ``2N`` with SILU_MUL: gate, then up) added in split order.
     Loads bypass L1 (``.cg``): other programs wrote them."""
     width = N * 2 if SILU_MUL else N
@@ -148,10 +180,28 @@ def _sum_partials(part_ptr, rows, cols, M, N, num_splits, SILU_MUL: tl.constexpr
 
 # the batch's row count changes every step: one variant for all M of a BLOCK_M
 @triton.jit(**per_step("M"))
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, num_splits,
-                   stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program (column block, split): output columns ``cols`` (with SILU_MUL: gate rows ``cols``, up rows
     ``N + cols`` of the weight) over ``K`` range ``[split * k_per_split, (split + 1) * k_per_split)``."""
     block, split = tl.program_id(0), tl.program_id(1)
@@ -159,12 +209,44 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    gate = _column_block_product(x_ptr, w_ptr, rows, cols, k_start, k_stop, M, N, K, stride_xm, stride_wn,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+    gate = _column_block_product(
+        x_ptr,
+        w_ptr,
+        rows,
+        cols,
+        k_start,
+        k_stop,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        DOT_PRECISION,
+    )
     up = gate
     if SILU_MUL:
-        up = _column_block_product(x_ptr, w_ptr + N * stride_wn, rows, cols, k_start, k_stop, M, N, K, stride_xm,
-                                   stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        up = _column_block_product(
+            x_ptr,
+            w_ptr + N * stride_wn,
+            rows,
+            cols,
+            k_start,
+            k_stop,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_wn,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            DOT_PRECISION,
+        )
     if SPLIT:
         width = N * 2 if SILU_MUL else N
         part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
@@ -177,7 +259,9 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_
         # the last split merges, re-arms
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
-            total_gate, total_up = _sum_partials(part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N)
+            total_gate, total_up = _sum_partials(
+                part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N
+            )
             _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)
     else:
         _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
@@ -190,18 +274,28 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
     """Zeroed int32 counters, one per column block, kept per device (each launch leaves them zero)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < blocks:
-        counters = _COUNTERS[device] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        counters = _COUNTERS[device] = torch.zeros(
+            max(blocks, 4096), dtype=torch.int32, device=device
+        )
     return counters
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
     """Same contract as ``reference.skinny_gemm``: ``x @ weight.T`` into ``out`` (or a fresh tensor)."""
     return _launch(x, weight, out, config, GEMM)
 
 
-def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                             config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_gemm_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
     """Same contract as ``reference.skinny_gemm_silu_and_mul``: ``silu_and_mul(x @ weight.T)``, fused."""
     return _launch(x, weight, out, config, SILU_AND_MUL)
 
@@ -209,7 +303,9 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.T
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: str) -> int:
     """Validate the arguments; returns the output width."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"{op}: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"{op}: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{op}: at most {MAX_ROWS} rows of x, not {x.shape[0]}")
     if x.dtype != weight.dtype:
@@ -217,13 +313,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: 
     if op == SILU_AND_MUL and weight.shape[0] % 2:
         raise ValueError(f"{op}: weight rows must be 2 * intermediate, not {weight.shape[0]}")
     width = weight.shape[0] // 2 if op == SILU_AND_MUL else weight.shape[0]
-    if out is not None and (out.shape != (x.shape[0], width) or out.dtype != x.dtype or out.stride(-1) != 1):
-        raise ValueError(f"{op}: out must be [{x.shape[0]}, {width}] {x.dtype} with unit column stride")
+    if out is not None and (
+        out.shape != (x.shape[0], width) or out.dtype != x.dtype or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"{op}: out must be [{x.shape[0]}, {width}] {x.dtype} with unit column stride"
+        )
     return width
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, config: SkinnyConfig | None,
-            op: str) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    op: str,
+) -> torch.Tensor:
     n = _check(x, weight, out, op)
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -236,12 +341,34 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, con
     per_split = triton.cdiv(chunks, min(config.split_k, chunks))
     splits = triton.cdiv(chunks, per_split)  # no split left without K
     blocks = triton.cdiv(n, config.block_n)
-    part = torch.empty(splits, m, weight.shape[0], dtype=torch.float32, device=x.device) if splits > 1 else out
+    part = (
+        torch.empty(splits, m, weight.shape[0], dtype=torch.float32, device=x.device)
+        if splits > 1
+        else out
+    )
     counters = _counters(x.device, blocks) if splits > 1 else out
     _skinny_kernel[(blocks, splits)](
-        x, weight, out, part, counters, m, n, k, per_split * config.block_k, splits, x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=max(16, row_bucket(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, SILU_MUL=op == SILU_AND_MUL,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        x,
+        weight,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        per_split * config.block_k,
+        splits,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=max(16, row_bucket(m)),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0,
+        SPLIT=splits > 1,
+        SILU_MUL=op == SILU_AND_MUL,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out

@@ -8,6 +8,7 @@ variant (~0.5-1 s) in the middle of serving: 8 of them inside one timed nano run
 (``benchmarks.step_trace``). These arguments are loaded as scalars or short index vectors, where the
 specialization buys nothing measurable.
 """
+
 from __future__ import annotations
 
 import inspect

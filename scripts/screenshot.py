@@ -5,6 +5,7 @@ the default model (a server started here on a free port, with a small KV pool).
 
 Needs ``pip install playwright`` and ``apt-get install -y chromium`` (tests/web_harness.py says why).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ def main() -> int:
         print(f"screenshot: {reason}", file=sys.stderr)
         return 1
     with running_server() as server, chromium() as browser:
-        context = browser.new_context(viewport={"width": 1200, "height": 760},
-                                      color_scheme="dark" if args.dark else "light")
+        context = browser.new_context(
+            viewport={"width": 1200, "height": 760}, color_scheme="dark" if args.dark else "light"
+        )
         preset_settings(context, temperature=0.0, maxTokens=args.max_tokens, apiKey="")
         page = context.new_page()
         page.goto(server.url("/"))
@@ -50,7 +52,9 @@ def main() -> int:
             send_message(page, text)
             wait_for_reply(page, timeout_ms=180_000)
         page.wait_for_timeout(300)  # the sidebar refresh after the turn
-        page.evaluate("() => { document.activeElement.blur(); document.getElementById('messages').scrollTop = 0; }")
+        page.evaluate(
+            "() => { document.activeElement.blur(); document.getElementById('messages').scrollTop = 0; }"
+        )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(args.out))
     print(f"screenshot: {args.out} ({args.out.stat().st_size // 1024} KiB)")

@@ -1,4 +1,5 @@
 """Shared fixtures: the default model (converted once into the cache dir) and its transformers twin."""
+
 from __future__ import annotations
 
 import os
@@ -87,4 +88,5 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     def nan_empty(*args, **kwargs) -> torch.Tensor:
         out = empty(*args, **kwargs)
         return out.fill_(float("nan")) if out.is_floating_point() else out
+
     monkeypatch.setattr(torch, "empty", nan_empty)

@@ -1,5 +1,6 @@
 """Faults injected into a running engine core (in the core's own process, through ``AsyncEngine.call``), and
 checks run there: each function takes the EngineCore first and is pickled by name, so it lives in a module."""
+
 from __future__ import annotations
 
 import asyncio

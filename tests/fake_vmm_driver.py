@@ -1,5 +1,6 @@
 """A stand-in for engine/kv_backend/cuda_vmm.py's ``CudaDriver`` on the CPU: no memory, only the rules of
 the CUDA virtual-memory API, checked on every call (what the real driver would refuse, this raises)."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,7 +19,9 @@ class FakeDriver:
         self._ids = itertools.count(1)
 
     def _aligned(self, *values: int) -> None:
-        assert all(v % self.granularity == 0 for v in values), f"not aligned to the granularity: {values}"
+        assert all(v % self.granularity == 0 for v in values), (
+            f"not aligned to the granularity: {values}"
+        )
 
     def reserve(self, size: int) -> int:
         self._aligned(size)
@@ -28,8 +31,12 @@ class FakeDriver:
         return address
 
     def free_address(self, address: int, size: int) -> None:
-        assert self.reserved.get(address) == size, "cuMemAddressFree of a range that was not reserved"
-        assert not any(address <= a < address + size for a in self.mappings), "freeing a range still mapped"
+        assert self.reserved.get(address) == size, (
+            "cuMemAddressFree of a range that was not reserved"
+        )
+        assert not any(address <= a < address + size for a in self.mappings), (
+            "freeing a range still mapped"
+        )
         del self.reserved[address]
 
     def create(self, size: int) -> int:
@@ -40,21 +47,30 @@ class FakeDriver:
 
     def release(self, handle: int) -> None:
         assert handle in self.handles, "cuMemRelease of an unknown handle"
-        assert not any(h == handle for _, h, _ in self.mappings.values()), "releasing a handle still mapped"
+        assert not any(h == handle for _, h, _ in self.mappings.values()), (
+            "releasing a handle still mapped"
+        )
         del self.handles[handle]
 
     def map(self, address: int, size: int, handle: int, offset: int) -> None:
         self._aligned(address, size, offset)
-        assert any(a <= address and address + size <= a + s for a, s in self.reserved.items()), "outside reservations"
-        assert offset == 0, "cuMemMap at an offset into a handle: CUDA_ERROR_NOT_SUPPORTED (seen on an H200)"
+        assert any(a <= address and address + size <= a + s for a, s in self.reserved.items()), (
+            "outside reservations"
+        )
+        assert offset == 0, (
+            "cuMemMap at an offset into a handle: CUDA_ERROR_NOT_SUPPORTED (seen on an H200)"
+        )
         assert handle in self.handles and size <= self.handles[handle], "bad handle or size"
-        assert not any(a < address + size and address < a + s for a, (s, _, _) in self.mappings.items()), \
-            "cuMemMap over a mapped range"
+        assert not any(
+            a < address + size and address < a + s for a, (s, _, _) in self.mappings.items()
+        ), "cuMemMap over a mapped range"
         self.mappings[address] = (size, handle, offset)
         self.map_calls += 1
 
     def unmap(self, address: int, size: int) -> None:
-        assert address in self.mappings and self.mappings[address][0] == size, "cuMemUnmap of a range not mapped whole"
+        assert address in self.mappings and self.mappings[address][0] == size, (
+            "cuMemUnmap of a range not mapped whole"
+        )
         del self.mappings[address]
         self.unmap_calls += 1
 

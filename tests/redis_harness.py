@@ -3,6 +3,7 @@
 ``RedisServer`` can be stopped and started again on the same port with the same data directory, which is how
 the tests take Redis away from a running pagedchat server and bring it back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,9 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 class RedisServer:
     def __init__(self) -> None:
         if not Path(REDIS_SERVER).exists():
-            pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+            pytest.fail(
+                "redis-server is not installed (apt-get install redis-server; .ci/run does it)"
+            )
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="pagedchat-redis-"))
         self.process: subprocess.Popen | None = None
@@ -35,9 +38,24 @@ class RedisServer:
     def start(self) -> None:
         # append-only file on, so a stop/start keeps the data as the compose deployment does
         self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while not self._answers():
             if time.monotonic() > deadline or self.process.poll() is not None:

@@ -10,6 +10,7 @@ a module-scoped pytest fixture, so a few servers serve a whole test file::
 Also: the Prometheus text parsed into numbers, SSE parsing, and the offline engine (the oracle for greedy
 outputs) loaded once per test process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,14 +67,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(port: int, extra_args: Iterable[str] = (), sessions_path: Path | None = None) -> list[str]:
+def server_command(
+    port: int, extra_args: Iterable[str] = (), sessions_path: Path | None = None
+) -> list[str]:
     """The small test defaults come first: an option repeated in ``extra_args`` wins (argparse keeps the
     last), e.g. ``--kv-cache-memory-gib 0.5``. Sessions go to a SQLite file of this server's own (the default
     store; ``sessions_path``, else a fresh temporary file), so no two test servers share one by accident."""
     if sessions_path is None:
-        sessions_path = Path(tempfile.gettempdir()) / f"pagedchat-test-sessions-{port}-{os.getpid()}.sqlite3"
-    return [sys.executable, "-m", "app", "serve", "--port", str(port), "--kv-cache-memory-gib", SMALL_KV_GIB,
-            "--num-threads", "1", "--log-level", "info", "--session-db-path", str(sessions_path), *extra_args]
+        sessions_path = (
+            Path(tempfile.gettempdir()) / f"pagedchat-test-sessions-{port}-{os.getpid()}.sqlite3"
+        )
+    return [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--port",
+        str(port),
+        "--kv-cache-memory-gib",
+        SMALL_KV_GIB,
+        "--num-threads",
+        "1",
+        "--log-level",
+        "info",
+        "--session-db-path",
+        str(sessions_path),
+        *extra_args,
+    ]
 
 
 def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -88,8 +108,11 @@ def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_server(*extra_args: str, env: Mapping[str, str] | None = None,
-                   startup_timeout: float = STARTUP_TIMEOUT_S) -> Iterator[RunningServer]:
+def running_server(
+    *extra_args: str,
+    env: Mapping[str, str] | None = None,
+    startup_timeout: float = STARTUP_TIMEOUT_S,
+) -> Iterator[RunningServer]:
     """Start ``pagedchat serve`` with ``extra_args`` (and ``env`` added to the environment); yield it once
     /health is 200; stop it at exit. A server that dies or never gets healthy fails with its log, and one
     that dies while in use prints its log (pytest shows it with the failing test)."""
@@ -100,8 +123,10 @@ def running_server(*extra_args: str, env: Mapping[str, str] | None = None,
         died = server.process.poll() is not None
         stop_server(server)
         if died:
-            sys.stderr.write(f"the server exited with {server.process.returncode} while in use; its log:\n"
-                             f"{server.log()}")
+            sys.stderr.write(
+                f"the server exited with {server.process.returncode} while in use; its log:\n"
+                f"{server.log()}"
+            )
         server.log_path.unlink(missing_ok=True)
         _remove_sessions_file(server)
 
@@ -115,16 +140,23 @@ def _remove_sessions_file(server: RunningServer) -> None:
             Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
-def _start(extra_args: list[str], env: Mapping[str, str] | None, startup_timeout: float,
-           attempts: int = 3) -> RunningServer:
+def _start(
+    extra_args: list[str], env: Mapping[str, str] | None, startup_timeout: float, attempts: int = 3
+) -> RunningServer:
     """Another process may take the free port before the server binds it: then try another port."""
     for attempt in range(attempts):
         port = free_port()
         fd, name = tempfile.mkstemp(prefix=f"pagedchat-server-{port}-", suffix=".log")
         # a file, not a pipe: a chatty server never blocks on a full pipe
         with os.fdopen(fd, "wb") as log_file:
-            process = subprocess.Popen(server_command(port, extra_args), cwd=REPO_ROOT, env=server_env(env),
-                                       stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                server_command(port, extra_args),
+                cwd=REPO_ROOT,
+                env=server_env(env),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         server = RunningServer(f"http://127.0.0.1:{port}", process, Path(name), extra_args)
         problem = _wait_until_healthy(server, startup_timeout)
         if problem is None:
@@ -162,8 +194,9 @@ def stop_server(server: RunningServer) -> None:
             process.wait(timeout=STOP_TIMEOUT_S)
 
 
-def server_fixture(*extra_args: str, env: Mapping[str, str] | None = None,
-                   scope: str = "module") -> Callable[..., Any]:
+def server_fixture(
+    *extra_args: str, env: Mapping[str, str] | None = None, scope: str = "module"
+) -> Callable[..., Any]:
     """A pytest fixture (module scope by default) yielding a RunningServer started with these options;
     assign it to a name in the test module."""
 
@@ -196,7 +229,9 @@ class Metrics:
 
     def value(self, name: str, default: float | None = None, **labels: str) -> float:
         """The one sample called ``name`` whose labels include ``labels`` (``default`` when there is none)."""
-        found = [v for (n, ls), v in self.samples.items() if n == name and set(labels.items()) <= ls]
+        found = [
+            v for (n, ls), v in self.samples.items() if n == name and set(labels.items()) <= ls
+        ]
         if not found and default is not None:
             return default
         assert len(found) == 1, f"{len(found)} samples of {name} {labels}"
@@ -218,8 +253,9 @@ class Metrics:
         return self.value("pagedchat:kv_cache_usage_perc")
 
 
-def wait_for_metrics(server: RunningServer, condition: Callable[[Metrics], bool], what: str,
-                     timeout: float = 30.0) -> Metrics:
+def wait_for_metrics(
+    server: RunningServer, condition: Callable[[Metrics], bool], what: str, timeout: float = 30.0
+) -> Metrics:
     """Poll /metrics until ``condition`` holds (the engine's numbers are snapshots taken between steps, and
     aborted requests' blocks are freed at the next step); fail with the last numbers otherwise."""
     deadline = time.monotonic() + timeout
@@ -228,15 +264,18 @@ def wait_for_metrics(server: RunningServer, condition: Callable[[Metrics], bool]
         if condition(metrics):
             return metrics
         if time.monotonic() > deadline:
-            pytest.fail(f"not {what} after {timeout:.0f} s: running={metrics.running} waiting={metrics.waiting} "
-                        f"kv_usage={metrics.kv_usage}")
+            pytest.fail(
+                f"not {what} after {timeout:.0f} s: running={metrics.running} waiting={metrics.waiting} "
+                f"kv_usage={metrics.kv_usage}"
+            )
         time.sleep(0.1)
 
 
 def wait_until_idle(server: RunningServer, timeout: float = 30.0) -> Metrics:
     """Nothing running or waiting, and no KV block held by a request."""
-    return wait_for_metrics(server, lambda m: m.running == 0 and m.waiting == 0 and m.kv_usage == 0, "idle",
-                            timeout)
+    return wait_for_metrics(
+        server, lambda m: m.running == 0 and m.waiting == 0 and m.kv_usage == 0, "idle", timeout
+    )
 
 
 # SSE ------------------------------------------------------------------------------------------------

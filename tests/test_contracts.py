@@ -1,6 +1,7 @@
 """The typed contracts between parts: the KV backends implement KVBackend (engine/kv_backend/base.py) in full,
 the paged one keeps block-addressed caches of the documented shape, and AsyncEngine has every member of the
 EngineClient the server is written against (engine/engine_client.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,12 +33,21 @@ def test_the_paged_backend_keeps_block_addressed_caches():
     assert kv.k_caches.numel() == 0
 
 
-def test_the_cpu_gets_the_lean_paged_backend_with_the_default_kernels_and_the_plain_one_otherwise(monkeypatch):
+def test_the_cpu_gets_the_lean_paged_backend_with_the_default_kernels_and_the_plain_one_otherwise(
+    monkeypatch,
+):
     import kernels
+
     args = LlamaArgs.from_hf(dummy_hf_config("qwen3-0.6b"))
-    assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is LeanCpuPagedKV
+    assert (
+        type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8))
+        is LeanCpuPagedKV
+    )
     monkeypatch.setattr(kernels, "_CHOICE", "reference")
-    assert type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8)) is PagedKV
+    assert (
+        type(make_kv_backend("paged", args, torch.float32, torch.device("cpu"), 16, 1024, 8))
+        is PagedKV
+    )
 
 
 def test_the_paged_backend_addresses_a_token_by_its_block_and_packs_each_block_table_row():
@@ -45,7 +55,12 @@ def test_the_paged_backend_addresses_a_token_by_its_block_and_packs_each_block_t
     # the step inputs' rows: one per live sequence
     table = np.array([[7, 2, 0], [5, 9, 3]], dtype=np.int32)
     token_rows, positions = np.array([1, 1, 0, 1]), np.array([0, 5, 6, 11])
-    assert kv.slot_mapping(table, token_rows, positions).tolist() == [5 * 4, 9 * 4 + 1, 2 * 4 + 2, 3 * 4 + 3]
+    assert kv.slot_mapping(table, token_rows, positions).tolist() == [
+        5 * 4,
+        9 * 4 + 1,
+        2 * 4 + 2,
+        3 * 4 + 3,
+    ]
     assert kv.table_shape(2, 8, 3) == (2, 3)  # (graph padding rows need no table row)
     out = np.full((2, 2), -1, dtype=np.int32)
     kv.pack_tables(out, table, np.array([1, 0]))
@@ -58,8 +73,11 @@ def test_the_contiguous_backend_addresses_a_token_in_its_request_slot_and_packs_
     # (block ids do not address a contiguous slot)
     table = np.array([[7, 2], [5, 9], [4, 4]], dtype=np.int32)
     token_rows, positions = np.array([2, 2, 1]), np.array([0, 300, 9])
-    assert kv.slot_mapping(table, token_rows, positions).tolist() == [2 * kv.max_len, 2 * kv.max_len + 300,
-                                                                      kv.max_len + 9]
+    assert kv.slot_mapping(table, token_rows, positions).tolist() == [
+        2 * kv.max_len,
+        2 * kv.max_len + 300,
+        kv.max_len + 9,
+    ]
     assert kv.table_shape(2, 4, 7) == (4, 1)  # padding rows read the scratch slot
     out = np.full((4, 1), -1, dtype=np.int32)
     kv.pack_tables(out, table, np.array([2, 1]))

@@ -9,10 +9,15 @@
 - No module over ~400 lines and no function over ~40 lines without a reason (STYLE.md). Modules are held to
   MAX_MODULE_LINES; functions on the hot path (the scheduler/runner/model step) to MAX_FUNCTION_LINES, since
   those are the ones read most often when chasing latency or correctness bugs.
+- Every Python file is as `ruff format` writes it at 100 columns (pyproject.toml).
 """
+
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -25,9 +30,18 @@ MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 50
 SIZE_CHECKED = ("engine", "app")
 HOT_PATH = (
-    "engine/core/scheduler.py", "engine/core/block_manager.py", "engine/core/block_pool.py", "engine/worker/model_runner.py",
-    "engine/worker/step_inputs.py", "engine/core/engine_core.py", "engine/output/output_processor.py", "engine/output/detokenizer.py",
-    "engine/layers/*.py", "engine/models/*.py", "engine/kv_backend/*.py", "engine/worker/cuda_graphs.py",
+    "engine/core/scheduler.py",
+    "engine/core/block_manager.py",
+    "engine/core/block_pool.py",
+    "engine/worker/model_runner.py",
+    "engine/worker/step_inputs.py",
+    "engine/core/engine_core.py",
+    "engine/output/output_processor.py",
+    "engine/output/detokenizer.py",
+    "engine/layers/*.py",
+    "engine/models/*.py",
+    "engine/kv_backend/*.py",
+    "engine/worker/cuda_graphs.py",
     "engine/core/core_process.py",
 )
 
@@ -58,7 +72,9 @@ def base_of(module: str, node: ast.ImportFrom) -> str:
     """The absolute module named by `from <base> import ...` in `module` (relative levels resolved)."""
     if not node.level:
         return node.module or ""
-    package = module.split(".") if modules()[module].name == "__init__.py" else module.split(".")[:-1]
+    package = (
+        module.split(".") if modules()[module].name == "__init__.py" else module.split(".")[:-1]
+    )
     package = package[: len(package) - (node.level - 1)]
     return ".".join(package + ([node.module] if node.module else []))
 
@@ -82,7 +98,8 @@ def most_specific(name: str) -> str | None:
 
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def import_time_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -111,7 +128,9 @@ def test_no_upward_imports() -> None:
                 for name in imported(module, node):
                     top = name.split(".")[0]
                     if top in LAYERS and LAYERS.index(top) > rank:
-                        offenders.append(f"{rel(path)}:{node.lineno} -> {most_specific(name) or name}")
+                        offenders.append(
+                            f"{rel(path)}:{node.lineno} -> {most_specific(name) or name}"
+                        )
     assert not offenders, "imports must go kernels <- engine <- app only:\n" + "\n".join(offenders)
 
 
@@ -126,8 +145,11 @@ def test_the_stateless_routes_import_nothing_of_the_session_routes() -> None:
         path = modules()[module]
         for node in ast.walk(parse(path)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                offenders += [f"{rel(path)}:{node.lineno} -> {name}" for name in imported(module, node)
-                              if name.startswith("app.sessions")]
+                offenders += [
+                    f"{rel(path)}:{node.lineno} -> {name}"
+                    for name in imported(module, node)
+                    if name.startswith("app.sessions")
+                ]
     assert not offenders, "\n".join(offenders)
 
 
@@ -184,19 +206,27 @@ def test_no_import_cycles_among_modules() -> None:
                 target = most_specific(name)
                 if target is not None and target != module:
                     graph[module].add(target)
-    cycles = [" -> ".join(cycle_in(c, graph)) + f"   (component: {', '.join(c)})"
-              for c in strongly_connected(graph) if len(c) > 1]
+    cycles = [
+        " -> ".join(cycle_in(c, graph)) + f"   (component: {', '.join(c)})"
+        for c in strongly_connected(graph)
+        if len(c) > 1
+    ]
     assert not cycles, "import cycles at import time:\n" + "\n".join(cycles)
 
 
 def test_no_module_over_400_lines_in_engine_and_app() -> None:
-    counts = {rel(p): len(p.read_text(encoding="utf-8").splitlines())
-              for layer in SIZE_CHECKED for p in sorted((ROOT / layer).rglob("*.py"))}
+    counts = {
+        rel(p): len(p.read_text(encoding="utf-8").splitlines())
+        for layer in SIZE_CHECKED
+        for p in sorted((ROOT / layer).rglob("*.py"))
+    }
     offenders = [f"{name}: {n} lines" for name, n in counts.items() if n > MAX_MODULE_LINES]
     assert not offenders, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(offenders)
 
 
-def functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+def functions(
+    tree: ast.AST, prefix: str = ""
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """Every function and method, nested ones included, with a qualified name (Class.method, f.inner)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -218,4 +248,24 @@ def test_no_function_over_50_lines_on_the_hot_path() -> None:
             length = node.end_lineno - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
                 offenders.append(f"{rel(path)}:{name}: {length} lines")
-    assert not offenders, f"hot-path functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+    assert not offenders, f"hot-path functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
+        offenders
+    )
+
+
+FORMATTED = ("engine", "app", "kernels", "tests", "benchmarks", "scripts")
+
+
+def test_the_code_is_as_ruff_format_writes_it() -> None:
+    """Every Python file is as `ruff format` writes it at pyproject.toml's line length (100): one style, and no
+    review spent on it. Run `ruff format` to fix a failure."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff is not None, "ruff (a dev dependency) is not installed beside this Python"
+    result = subprocess.run(
+        [ruff, "format", "--check", *FORMATTED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

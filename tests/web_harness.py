@@ -5,6 +5,7 @@ CI installs ``apt-get install -y chromium`` and ``pip install playwright``; with
 with the reason. The flags keep headless Chromium from reaching out (without the background-networking ones its
 connections get refused in a sandbox without network).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,16 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # web/api.js keeps the UI's settings under this localStorage key
 SETTINGS_KEY = "pagedchat.settings"
 REPLY_TIMEOUT_MS = 90_000
@@ -50,7 +59,9 @@ def chromium() -> Iterator[Any]:
 
 def preset_settings(context: Any, **settings: Any) -> None:
     """Store the UI's settings (temperature, maxTokens, apiKey) before any page of ``context`` loads."""
-    context.add_init_script(f"localStorage.setItem({json.dumps(SETTINGS_KEY)}, {json.dumps(json.dumps(settings))})")
+    context.add_init_script(
+        f"localStorage.setItem({json.dumps(SETTINGS_KEY)}, {json.dumps(json.dumps(settings))})"
+    )
 
 
 def send_message(page: Any, text: str) -> None:
@@ -62,8 +73,10 @@ def send_message(page: Any, text: str) -> None:
 
 def mark_replies_seen(page: Any) -> None:
     """Tag the replies on the page now, so wait_for_reply waits for a new one (not one already there)."""
-    page.evaluate("() => document.querySelectorAll('#messages .message.assistant')"
-                  ".forEach((r) => { r.dataset.seenByTest = '1'; })")
+    page.evaluate(
+        "() => document.querySelectorAll('#messages .message.assistant')"
+        ".forEach((r) => { r.dataset.seenByTest = '1'; })"
+    )
 
 
 def wait_for_reply(page: Any, timeout_ms: int = REPLY_TIMEOUT_MS) -> Any:
@@ -73,7 +86,8 @@ def wait_for_reply(page: Any, timeout_ms: int = REPLY_TIMEOUT_MS) -> Any:
         "() => { const r = [...document.querySelectorAll('#messages .message.assistant')].pop();"
         " return r && !r.dataset.seenByTest && !r.classList.contains('streaming')"
         " && r.querySelector('.stats').textContent !== ''; }",
-        timeout=timeout_ms)
+        timeout=timeout_ms,
+    )
     return page.locator("#messages .message.assistant").last
 
 

@@ -1,5 +1,6 @@
 """The field types request bodies share: numbers in the engine's ranges, strings, logit bias, and RequestModel,
 the strict base of every body (``"0.5"`` is not a number; unknown fields are ignored)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -23,7 +24,7 @@ def _integral(value: Any) -> Any:
 TokenId = Annotated[int, Field(ge=0, lt=_INT32), BeforeValidator(_integral)]
 Count = Annotated[int, Field(ge=1, lt=_INT32), BeforeValidator(_integral)]
 TopK = Annotated[int, Field(ge=-1, lt=_INT32), BeforeValidator(_integral)]
-Seed = Annotated[int, Field(ge=-2**63, lt=2**64), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), BeforeValidator(_integral)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
 NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(_integral)]
 # of one request (a body of tens of thousands costs the event loop ~5 us each to check)
@@ -33,9 +34,13 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 Salt = Annotated[str, Field(max_length=256)]
 Text = Annotated[str, Field(min_length=1)]
 # OpenAI's shape: token ids as decimal strings -> a bias added to the logit
-LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                           Annotated[float, Field(ge=-100, le=100)]],
-                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+        Annotated[float, Field(ge=-100, le=100)],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
+]
 
 
 class RequestModel(BaseModel):

@@ -1,4 +1,5 @@
 """Chat messages: a request's conversation (system, developer, user and assistant messages; text parts joined)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -49,6 +50,11 @@ def _message_tag(value: Any) -> str | None:
 
 
 ChatMessage = Annotated[
-    Annotated[InputMessage, Tag("InputMessage")] | Annotated[AssistantMessage, Tag("AssistantMessage")],
-    Discriminator(_message_tag, custom_error_type="invalid_role",
-                  custom_error_message=f"role: must be one of {', '.join(_ROLES)}")]
+    Annotated[InputMessage, Tag("InputMessage")]
+    | Annotated[AssistantMessage, Tag("AssistantMessage")],
+    Discriminator(
+        _message_tag,
+        custom_error_type="invalid_role",
+        custom_error_message=f"role: must be one of {', '.join(_ROLES)}",
+    ),
+]

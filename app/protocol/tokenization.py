@@ -1,4 +1,5 @@
 """The bodies of /tokenize and /detokenize (vLLM's)."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -14,8 +15,12 @@ class TokenizeRequest(RequestModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    add_special_tokens: bool = Field(default=True, description="with prompt: the tokenizer's BOS and the like")
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    add_special_tokens: bool = Field(
+        default=True, description="with prompt: the tokenizer's BOS and the like"
+    )
     return_token_strs: bool = Field(default=False, description="also each token's text")
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ turns hit the prefix cache): started, listed, shown, renamed and deleted here, t
 Every path that touches a session checks its owner: another tenant's session is answered exactly as one that does
 not exist (404). Session routes answer 503 while the session store is unreachable; the stateless routes keep
 serving."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,15 @@ from app.settings import ServerSettings
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
 from app.sessions.sqlite_store import SQLiteSessionStore
-from app.sessions.store import (InMemorySessionStore, Session, SessionStore, SessionStoreUnavailable, UnknownCursor,
-                                is_session_id, new_session_id)
+from app.sessions.store import (
+    InMemorySessionStore,
+    Session,
+    SessionStore,
+    SessionStoreUnavailable,
+    UnknownCursor,
+    is_session_id,
+    new_session_id,
+)
 from app.sessions.turn_api import post_message, requested_session
 
 logger = logging.getLogger(__name__)
@@ -63,8 +71,14 @@ async def create_session(request: Request) -> JSONResponse:
         system = preset.system
     elif system is not None:
         await check_system(service, system, "system")
-    session = Session(id=new_session_id(), owner=tenant, title=body.title or "", system=system,
-                      preset=body.preset, cache_salt=body.cache_salt)
+    session = Session(
+        id=new_session_id(),
+        owner=tenant,
+        title=body.title or "",
+        system=system,
+        preset=body.preset,
+        cache_salt=body.cache_salt,
+    )
     if not await service.store.create(session, service.limits.max_sessions_per_key):
         # 128 random bits: never
         raise APIError(409, "session id collision; retry", code="session_exists")
@@ -75,16 +89,27 @@ async def list_sessions(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     limit, after = request.query_params.get("limit", "50"), request.query_params.get("after")
     if not limit.isdigit() or not _LIST_LIMIT[0] <= int(limit) <= _LIST_LIMIT[1]:
-        raise APIError.bad_request(f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit")
+        raise APIError.bad_request(
+            f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit"
+        )
     if after is not None and not is_session_id(after):
-        raise APIError.bad_request("after: must be a session id (the last id of the previous page)", "after")
+        raise APIError.bad_request(
+            "after: must be a session id (the last id of the previous page)", "after"
+        )
     try:
         page = await service.store.list(service.admission.tenant(request), int(limit), after)
     except UnknownCursor as exc:
         raise APIError.from_value_error(exc) from None
     data = [s.summary() for s in page.sessions]
-    return JSONResponse({"object": "list", "data": data, "has_more": page.has_more,
-                         "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": page.has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 async def sessions_root(request: Request) -> Response:
@@ -98,7 +123,9 @@ async def get_session(request: Request) -> JSONResponse:
     try:
         return JSONResponse((await requested_session(request, service)).public())
     except SessionStoreUnavailable:
-        kept = service.outbox.kept(request.path_params["session_id"], service.admission.tenant(request))
+        kept = service.outbox.kept(
+            request.path_params["session_id"], service.admission.tenant(request)
+        )
         if kept is None:
             raise
         return JSONResponse({**kept.public(), "turn_pending": True})
@@ -126,13 +153,21 @@ async def session_item(request: Request) -> Response:
 
 
 async def store_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(503, f"sessions are unavailable: {exc}", code="session_store_unavailable",
-                    headers={"Retry-After": "5"}).response()
+    return APIError(
+        503,
+        f"sessions are unavailable: {exc}",
+        code="session_store_unavailable",
+        headers={"Retry-After": "5"},
+    ).response()
 
 
 async def quota_handler(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(429, f"session_id: {exc} (--max-sessions-per-key); delete some first", param="session_id",
-                    code="session_quota_exceeded").response()
+    return APIError(
+        429,
+        f"session_id: {exc} (--max-sessions-per-key); delete some first",
+        param="session_id",
+        code="session_quota_exceeded",
+    ).response()
 
 
 routes = [
@@ -143,15 +178,47 @@ routes = [
 _SESSION_ID = {"session_id": "22 URL-safe characters"}
 OPERATIONS = [
     Operation("/v1/sessions", "POST", "Start a session", CreateSessionRequest, status=201),
-    Operation("/v1/sessions", "GET", "Sessions, most recently updated first, a page at a time",
-              query=[QueryParam("limit", {"type": "integer", "minimum": _LIST_LIMIT[0], "maximum": _LIST_LIMIT[1],
-                                          "default": 50}),
-                     QueryParam("after", {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
-                                "the last id of the previous page")]),
-    Operation("/v1/sessions/{session_id}", "GET", "A session's messages and stats", path_params=_SESSION_ID),
-    Operation("/v1/sessions/{session_id}", "PATCH", "Rename a session", UpdateSessionRequest,
-              path_params=_SESSION_ID),
+    Operation(
+        "/v1/sessions",
+        "GET",
+        "Sessions, most recently updated first, a page at a time",
+        query=[
+            QueryParam(
+                "limit",
+                {
+                    "type": "integer",
+                    "minimum": _LIST_LIMIT[0],
+                    "maximum": _LIST_LIMIT[1],
+                    "default": 50,
+                },
+            ),
+            QueryParam(
+                "after",
+                {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
+                "the last id of the previous page",
+            ),
+        ],
+    ),
+    Operation(
+        "/v1/sessions/{session_id}",
+        "GET",
+        "A session's messages and stats",
+        path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/{session_id}",
+        "PATCH",
+        "Rename a session",
+        UpdateSessionRequest,
+        path_params=_SESSION_ID,
+    ),
     Operation("/v1/sessions/{session_id}", "DELETE", "Delete a session", path_params=_SESSION_ID),
-    Operation("/v1/sessions/{session_id}/messages", "POST", "Send a message; the reply as chat.completion(.chunk)",
-              SessionMessageRequest, streams=True, path_params=_SESSION_ID),
+    Operation(
+        "/v1/sessions/{session_id}/messages",
+        "POST",
+        "Send a message; the reply as chat.completion(.chunk)",
+        SessionMessageRequest,
+        streams=True,
+        path_params=_SESSION_ID,
+    ),
 ]

@@ -14,6 +14,7 @@ first, so its blocks are the same for every session that starts with it.
 
 All functions here run on the PromptRenderer's thread (they take its tokenizer).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,11 +44,18 @@ def system_prefix_ids(tokenizer: Any, system: str) -> list[int]:
 
 def first_turn_ids(tokenizer: Any, system: str | None, new: list[dict[str, str]]) -> list[int]:
     head = [{"role": "system", "content": system}] if system is not None else []
-    return encode(tokenizer, render(tokenizer, head, False)) + encode(tokenizer, _delta(tokenizer, head, head + new))
+    return encode(tokenizer, render(tokenizer, head, False)) + encode(
+        tokenizer, _delta(tokenizer, head, head + new)
+    )
 
 
-def next_turn_ids(tokenizer: Any, stored_ids: list[int], history: list[dict[str, str]], new: list[dict[str, str]],
-                  eos_token_ids: tuple[int, ...]) -> list[int]:
+def next_turn_ids(
+    tokenizer: Any,
+    stored_ids: list[int],
+    history: list[dict[str, str]],
+    new: list[dict[str, str]],
+    eos_token_ids: tuple[int, ...],
+) -> list[int]:
     """``history`` (system first, ending with an assistant reply) is what ``stored_ids`` hold."""
     closure = _assistant_closure(tokenizer, history)
     if stored_ids and stored_ids[-1] in eos_token_ids:
@@ -64,8 +72,10 @@ def full_render_ids(tokenizer: Any, conversation: list[dict[str, str]]) -> list[
 def _delta(tokenizer: Any, history: list[dict[str, str]], longer: list[dict[str, str]]) -> str:
     before, after = render(tokenizer, history, False), render(tokenizer, longer, True)
     if not after.startswith(before):
-        raise NotAnExtension("the chat template renders the history differently once a turn is added")
-    return after[len(before):]
+        raise NotAnExtension(
+            "the chat template renders the history differently once a turn is added"
+        )
+    return after[len(before) :]
 
 
 def _assistant_closure(tokenizer: Any, history: list[dict[str, str]]) -> str:
@@ -76,4 +86,4 @@ def _assistant_closure(tokenizer: Any, history: list[dict[str, str]]) -> str:
     closed = render(tokenizer, history, False)
     if not closed.startswith(opened):
         raise NotAnExtension("the chat template rewrites assistant replies")
-    return closed[len(opened):]
+    return closed[len(opened) :]

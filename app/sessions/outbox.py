@@ -4,6 +4,7 @@ A turn is written under the same rule as always (the session still exists, at th
 from), so a late write can never overwrite a later turn. The outbox is bounded (turns and bytes): when full, the
 oldest turn is dropped with an error in the log. Nothing here survives the process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ class _Pending:
 
 
 class TurnOutbox:
-    def __init__(self, store: SessionStore, spawn: Callable[..., asyncio.Task], max_turns: int = MAX_TURNS,
-                 max_bytes: int = MAX_BYTES) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        spawn: Callable[..., asyncio.Task],
+        max_turns: int = MAX_TURNS,
+        max_bytes: int = MAX_BYTES,
+    ) -> None:
         self._store = store
         self._spawn = spawn
         self._max_turns = max_turns
@@ -53,11 +59,16 @@ class TurnOutbox:
         size = session.stored_bytes()
         self._pending[session.id] = _Pending(session, lock_token, size)
         self._bytes += size
-        while len(self._pending) > self._max_turns or (self._bytes > self._max_bytes and len(self._pending) > 1):
+        while len(self._pending) > self._max_turns or (
+            self._bytes > self._max_bytes and len(self._pending) > 1
+        ):
             lost = next(iter(self._pending))
             self._drop(lost)
-            logger.error("session %s: turn lost, the outbox of unsaved turns is full (%d turns)", lost,
-                         self._max_turns)
+            logger.error(
+                "session %s: turn lost, the outbox of unsaved turns is full (%d turns)",
+                lost,
+                self._max_turns,
+            )
         if self._flusher is None or self._flusher.done():
             self._flusher = self._spawn(self._flush_until_empty())
 
@@ -96,10 +107,15 @@ class TurnOutbox:
             saved = await self._store.save_turn(session)
             self._drop(session.id)
         if saved:
-            logger.info("session %s: the turn kept while the session store was away is now stored", session.id)
+            logger.info(
+                "session %s: the turn kept while the session store was away is now stored",
+                session.id,
+            )
         else:
-            logger.warning("session %s changed or was deleted while the store was away; its kept turn is dropped",
-                           session.id)
+            logger.warning(
+                "session %s changed or was deleted while the store was away; its kept turn is dropped",
+                session.id,
+            )
         with contextlib.suppress(SessionStoreUnavailable):
             await self._store.unlock(session.id, pending.lock_token)
 

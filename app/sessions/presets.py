@@ -7,6 +7,7 @@ tenant sees. A preset is checked (its length against the context, and a real pre
 stored one that cannot be prefilled any more (a smaller ``--max-model-len`` since) is skipped at start-up with a
 log line: nothing stored can stop the server from starting.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,14 +34,20 @@ async def check_system(service: SessionService, system: str, param: str) -> list
     a model without a tokenizer)."""
     cap = service.limits.max_system_prompt_chars
     if len(system) > cap:
-        raise APIError.bad_request(f"{param}: the system prompt has {len(system)} characters, over this server's cap "
-                                   f"of {cap} (--max-system-prompt-chars)", param)
+        raise APIError.bad_request(
+            f"{param}: the system prompt has {len(system)} characters, over this server's cap "
+            f"of {cap} (--max-system-prompt-chars)",
+            param,
+        )
     if not service.prompts.has_tokenizer:
         return None
     ids = await service.prompts.in_thread(conversation.system_prefix_ids, system)
     if len(ids) >= service.max_model_len:
-        raise APIError.bad_request(f"{param}: the system prompt is {len(ids)} tokens; this model's maximum context "
-                                   f"length is {service.max_model_len} tokens, and a turn needs room after it", param)
+        raise APIError.bad_request(
+            f"{param}: the system prompt is {len(ids)} tokens; this model's maximum context "
+            f"length is {service.max_model_len} tokens, and a turn needs room after it",
+            param,
+        )
     return ids
 
 
@@ -51,7 +58,9 @@ async def visible_preset(service: SessionService, name: str, tenant: str, param:
     return preset
 
 
-async def pin_preset(service: SessionService, preset: Preset, param: str = "system") -> tuple[int, int]:
+async def pin_preset(
+    service: SessionService, preset: Preset, param: str = "system"
+) -> tuple[int, int]:
     """Prefill the preset's system prompt once on this replica and pin its full blocks (capped at
     ``preset_pin_share`` of the pool); returns (prompt tokens, pinned blocks). 400 when it cannot be prefilled."""
     pin_id = _pin_id(preset)
@@ -65,10 +74,17 @@ async def pin_preset(service: SessionService, preset: Preset, param: str = "syst
     # all pins hold at most preset_pin_share of the KV pool, one key's own presets preset_pin_share_per_key
     group = None if preset.shared else f"key:{preset.owner}"
     try:
-        pinned = await service.engine.pin_prefix(pin_id, ids, None, limits.preset_pin_share, group,
-                                                limits.preset_pin_share_per_key) if len(ids) > 1 else 0
+        pinned = (
+            await service.engine.pin_prefix(
+                pin_id, ids, None, limits.preset_pin_share, group, limits.preset_pin_share_per_key
+            )
+            if len(ids) > 1
+            else 0
+        )
     except ValueError as exc:
-        raise APIError.bad_request(f"{param}: the engine refused the preset: {exc}", param) from None
+        raise APIError.bad_request(
+            f"{param}: the engine refused the preset: {exc}", param
+        ) from None
     logger.info("preset %r: %d tokens, %d blocks pinned", preset.key, len(ids), pinned)
     return len(ids), pinned
 
@@ -76,7 +92,9 @@ async def pin_preset(service: SessionService, preset: Preset, param: str = "syst
 def pin_stored_presets_later(service: SessionService) -> asyncio.Task:
     """At start-up, in the background: the server answers at once, however many presets are stored (each also
     pins on its first use, in pin_preset). The caller cancels the task at shutdown."""
-    return asyncio.get_running_loop().create_task(pin_stored_presets(service), name="pagedchat-preset-pins")
+    return asyncio.get_running_loop().create_task(
+        pin_stored_presets(service), name="pagedchat-preset-pins"
+    )
 
 
 async def pin_stored_presets(service: SessionService) -> None:
@@ -110,23 +128,38 @@ async def create_preset(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     body = await read_model(request, CreatePresetRequest, service.limits.max_request_bytes)
     if body.shared and not service.admission.is_admin(request):
-        raise APIError(403, "shared: only the admin key (--admin-api-key) creates shared presets", param="shared",
-                       code="permission_denied")
-    preset = Preset(body.name, body.system, owner="" if body.shared else service.admission.tenant(request))
+        raise APIError(
+            403,
+            "shared: only the admin key (--admin-api-key) creates shared presets",
+            param="shared",
+            code="permission_denied",
+        )
+    preset = Preset(
+        body.name, body.system, owner="" if body.shared else service.admission.tenant(request)
+    )
     cap = service.limits.max_presets_per_key
     if cap and not preset.shared:
         own = sum(p.owner == preset.owner for p in await service.store.list_presets(preset.owner))
         if own >= cap:
-            raise APIError(429, f"name: this API key already has {own} presets (--max-presets-per-key {cap}); "
-                                "delete some first", param="name", code="preset_quota_exceeded")
+            raise APIError(
+                429,
+                f"name: this API key already has {own} presets (--max-presets-per-key {cap}); "
+                "delete some first",
+                param="name",
+                code="preset_quota_exceeded",
+            )
     existing = await service.store.get_preset(preset.name, preset.owner)
     if existing is not None and existing.key == preset.key:
-        raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")
+        raise APIError(
+            409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists"
+        )
     # checked (and prefilled) before it is stored
     num_tokens, pinned = await pin_preset(service, preset)
     if not await service.store.save_preset(preset):
         await _unpin(service, preset)
-        raise APIError(409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists")
+        raise APIError(
+            409, f"preset {body.name!r} exists; delete it first", param="name", code="preset_exists"
+        )
     return JSONResponse(preset.public(num_tokens, pinned), status_code=201)
 
 
@@ -134,8 +167,9 @@ async def list_presets(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     presets = await service.store.list_presets(service.admission.tenant(request))
     pins = await service.engine.pins()
-    return JSONResponse({"object": "list",
-                         "data": [p.public(*pins.get(_pin_id(p), (None, None))) for p in presets]})
+    return JSONResponse(
+        {"object": "list", "data": [p.public(*pins.get(_pin_id(p), (None, None))) for p in presets]}
+    )
 
 
 async def presets_root(request: Request) -> Response:
@@ -145,12 +179,20 @@ async def presets_root(request: Request) -> Response:
 async def delete_preset(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     name = request.path_params["name"]
-    preset = await service.store.get_preset(name, service.admission.tenant(request)) if is_preset_name(name) else None
+    preset = (
+        await service.store.get_preset(name, service.admission.tenant(request))
+        if is_preset_name(name)
+        else None
+    )
     if preset is None:
         raise APIError(404, f"preset {name!r} not found", param="name", code="preset_not_found")
     if preset.shared and not service.admission.is_admin(request):
-        raise APIError(403, f"preset {name!r} is shared: only the admin key deletes it", param="name",
-                       code="permission_denied")
+        raise APIError(
+            403,
+            f"preset {name!r} is shared: only the admin key deletes it",
+            param="name",
+            code="permission_denied",
+        )
     await service.store.delete_preset(preset)
     await _unpin(service, preset)
     return JSONResponse({"name": name, "object": "preset.deleted", "deleted": True})
@@ -161,8 +203,15 @@ routes = [
     Route("/v1/presets/{name}", delete_preset, methods=["DELETE"]),
 ]
 OPERATIONS = [
-    Operation("/v1/presets", "POST", "Create a preset (a system prompt, pinned in the KV cache)",
-              CreatePresetRequest, status=201),
+    Operation(
+        "/v1/presets",
+        "POST",
+        "Create a preset (a system prompt, pinned in the KV cache)",
+        CreatePresetRequest,
+        status=201,
+    ),
     Operation("/v1/presets", "GET", "Presets: this key's own and the shared ones"),
-    Operation("/v1/presets/{name}", "DELETE", "Delete a preset", path_params={"name": "the preset's name"}),
+    Operation(
+        "/v1/presets/{name}", "DELETE", "Delete a preset", path_params={"name": "the preset's name"}
+    ),
 ]

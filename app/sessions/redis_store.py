@@ -12,6 +12,7 @@ Layout, all keys under ``pagedchat:``:
 Creating a session (with its lock, and the owner's quota checked) and storing a turn are each one Lua script, so
 no other client ever sees half of either.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,9 +50,15 @@ class RedisSessionStore:
 
         # a connection Redis closed (it restarted) fails on its first use: one retry on a fresh connection, so
         # the first request after a restart does not get a 503 (only connection errors: a timeout may have run)
-        self._redis = Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5,
-                                     health_check_interval=10, retry=Retry(NoBackoff(), 1),
-                                     retry_on_error=[RedisConnectionError])
+        self._redis = Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=2,
+            socket_timeout=5,
+            health_check_interval=10,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+        )
         self._reachable = True
         self._ttl_ms = int(ttl_s * 1000)
         self._p = prefix
@@ -70,7 +77,9 @@ class RedisSessionStore:
         except SessionStoreUnavailable as exc:
             if self._reachable:
                 self._reachable = False
-                logger.warning("session store: %s (session routes answer 503 until it is back)", exc)
+                logger.warning(
+                    "session store: %s (session routes answer 503 until it is back)", exc
+                )
             raise
         if not self._reachable:
             self._reachable = True
@@ -92,15 +101,26 @@ class RedisSessionStore:
     async def create(self, session: Session, max_sessions: int = 0) -> bool:
         return await self._create_session(session, "", 0, max_sessions) is not None
 
-    async def create_locked(self, session: Session, lock_ttl_s: float, max_sessions: int = 0) -> str | None:
+    async def create_locked(
+        self, session: Session, lock_ttl_s: float, max_sessions: int = 0
+    ) -> str | None:
         return await self._create_session(session, secrets.token_hex(8), lock_ttl_s, max_sessions)
 
-    async def _create_session(self, session: Session, lock_token: str, lock_ttl_s: float,
-                              max_sessions: int) -> str | None:
+    async def _create_session(
+        self, session: Session, lock_token: str, lock_ttl_s: float, max_sessions: int
+    ) -> str | None:
         fields = [part for item in session_to_fields(session).items() for part in item]
         keys = [self._key(session.id), self._index(session.owner), f"{self._key(session.id)}:lock"]
-        args = [self._ttl_ms, session.id, session.updated_at, max_sessions, f"{self._p}session:", lock_token,
-                max(int(lock_ttl_s * 1000), 1), *fields]
+        args = [
+            self._ttl_ms,
+            session.id,
+            session.updated_at,
+            max_sessions,
+            f"{self._p}session:",
+            lock_token,
+            max(int(lock_ttl_s * 1000), 1),
+            *fields,
+        ]
         created = await self._guard(self._create(keys=keys, args=args))
         if created == -1:
             raise SessionQuotaExceeded(f"this API key already has {max_sessions} sessions")
@@ -144,7 +164,9 @@ class RedisSessionStore:
         return SessionPage(sessions, has_more)
 
     async def set_title(self, session_id: str, owner: str, title: str) -> bool:
-        return bool(await self._guard(self._set_title(keys=[self._key(session_id)], args=[owner, title])))
+        return bool(
+            await self._guard(self._set_title(keys=[self._key(session_id)], args=[owner, title]))
+        )
 
     async def delete(self, session_id: str, owner: str) -> bool:
         if await self.get(session_id, owner) is None:
@@ -159,8 +181,15 @@ class RedisSessionStore:
         fields = session_to_fields(session)
         revision = secrets.token_hex(8)
         keys = [self._key(session.id), self._index(session.owner)]
-        args = [self._ttl_ms, session.id, session.updated_at, fields["num_messages"],
-                *(fields[k] for k in ("updated_at", *JSON_FIELDS)), session.revision, revision]
+        args = [
+            self._ttl_ms,
+            session.id,
+            session.updated_at,
+            fields["num_messages"],
+            *(fields[k] for k in ("updated_at", *JSON_FIELDS)),
+            session.revision,
+            revision,
+        ]
         saved = bool(await self._guard(self._save_turn(keys=keys, args=args)))
         if saved:
             session.revision = revision
@@ -168,8 +197,9 @@ class RedisSessionStore:
 
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
         token = secrets.token_hex(8)
-        ok = await self._guard(self._redis.set(f"{self._key(session_id)}:lock", token, nx=True,
-                                                         px=int(ttl_s * 1000)))
+        ok = await self._guard(
+            self._redis.set(f"{self._key(session_id)}:lock", token, nx=True, px=int(ttl_s * 1000))
+        )
         return token if ok else None
 
     async def refresh_lock(self, session_id: str, token: str, ttl_s: float) -> bool:
@@ -208,8 +238,11 @@ class RedisSessionStore:
             for key in keys:
                 pipe.hmget(f"{self._p}preset:{key}", _PRESET_FIELDS)
             rows = await self._guard(pipe.execute())
-        return [Preset(name, system or "", owner or "", float(created or 0))
-                for name, system, owner, created in rows if name is not None]
+        return [
+            Preset(name, system or "", owner or "", float(created or 0))
+            for name, system, owner, created in rows
+            if name is not None
+        ]
 
 
 # KEYS: session hash, owner index, lock. ARGV: ttl ms, id, score, max sessions (0: no cap), session key prefix,

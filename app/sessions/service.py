@@ -2,6 +2,7 @@
 turns waiting for it, the admission gate and reply writer the stateless routes use too, the prompt renderer, the
 engine client (for preset pins and the model's end-of-sequence ids) and the session limits. The routes
 (app/sessions/api.py, turn_api.py, presets.py) and a turn's recorder (turns.py) are written against it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -64,4 +65,6 @@ class SessionService:
 
 # a chat completion in a session (app/sessions/turn_api.py's chat_in_session): the stateless route hands it over
 # through Serving without importing the session routes
-SessionChat = Callable[[Request, SessionService, ChatCompletionRequest, str, float], Awaitable[Response]]
+SessionChat = Callable[
+    [Request, SessionService, ChatCompletionRequest, str, float], Awaitable[Response]
+]

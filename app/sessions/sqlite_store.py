@@ -7,6 +7,7 @@ transaction, and expiry times are wall-clock seconds: several front processes of
 (``--api-server-count``) may share the file (WAL mode). Expired sessions and locks are treated as absent at once
 and deleted by the next write that meets them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.sessions.store import (JSON_FIELDS, Preset, Session, SessionPage, SessionQuotaExceeded,
-                                SessionStoreUnavailable, UnknownCursor, sorted_presets, visible_preset)
+from app.sessions.store import (
+    JSON_FIELDS,
+    Preset,
+    Session,
+    SessionPage,
+    SessionQuotaExceeded,
+    SessionStoreUnavailable,
+    UnknownCursor,
+    sorted_presets,
+    visible_preset,
+)
 
 T = TypeVar("T")
 
@@ -35,8 +45,19 @@ CREATE TABLE IF NOT EXISTS locks (session_id TEXT PRIMARY KEY, token TEXT NOT NU
 CREATE TABLE IF NOT EXISTS presets (
     key TEXT PRIMARY KEY, name TEXT NOT NULL, system TEXT NOT NULL, owner TEXT NOT NULL, created_at REAL NOT NULL);
 """
-_COLUMNS = ("id", "owner", "title", "system", "preset", "cache_salt", "created_at", "updated_at", "revision",
-            "num_messages", *JSON_FIELDS)
+_COLUMNS = (
+    "id",
+    "owner",
+    "title",
+    "system",
+    "preset",
+    "cache_salt",
+    "created_at",
+    "updated_at",
+    "revision",
+    "num_messages",
+    *JSON_FIELDS,
+)
 _SUMMARY = "id, owner, title, preset, created_at, updated_at, num_messages"
 
 
@@ -63,7 +84,9 @@ class SQLiteSessionStore:
             return fn(self._db, *args)
         # a locked or unreadable file: the store is away
         except (sqlite3.OperationalError, OSError) as exc:
-            raise SessionStoreUnavailable(f"the session database {self.path} cannot be used: {exc}") from exc
+            raise SessionStoreUnavailable(
+                f"the session database {self.path} cannot be used: {exc}"
+            ) from exc
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,27 +125,38 @@ class SQLiteSessionStore:
     async def create(self, session: Session, max_sessions: int = 0) -> bool:
         return await self._run(self._create, session, max_sessions, None) is not None
 
-    async def create_locked(self, session: Session, lock_ttl_s: float, max_sessions: int = 0) -> str | None:
+    async def create_locked(
+        self, session: Session, lock_ttl_s: float, max_sessions: int = 0
+    ) -> str | None:
         return await self._run(self._create, session, max_sessions, lock_ttl_s)
 
-    def _create(self, db: sqlite3.Connection, session: Session, max_sessions: int,
-                lock_ttl_s: float | None) -> str | None:
+    def _create(
+        self, db: sqlite3.Connection, session: Session, max_sessions: int, lock_ttl_s: float | None
+    ) -> str | None:
         def create() -> str | None:
             now = time.time()
             db.execute("DELETE FROM sessions WHERE id = ? AND expires_at <= ?", (session.id, now))
             if db.execute("SELECT 1 FROM sessions WHERE id = ?", (session.id,)).fetchone():
                 return None
             if max_sessions:
-                (count,) = db.execute("SELECT COUNT(*) FROM sessions WHERE owner = ? AND expires_at > ?",
-                                      (session.owner, now)).fetchone()
+                (count,) = db.execute(
+                    "SELECT COUNT(*) FROM sessions WHERE owner = ? AND expires_at > ?",
+                    (session.owner, now),
+                ).fetchone()
                 if count >= max_sessions:
                     raise SessionQuotaExceeded(f"this API key already has {max_sessions} sessions")
-            db.execute(f"INSERT INTO sessions ({', '.join(_COLUMNS)}, expires_at) "
-                       f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})", (*_row(session), now + self._ttl_s))
+            db.execute(
+                f"INSERT INTO sessions ({', '.join(_COLUMNS)}, expires_at) "
+                f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
+                (*_row(session), now + self._ttl_s),
+            )
             if lock_ttl_s is None:
                 return ""
             token = secrets.token_hex(8)
-            db.execute("INSERT OR REPLACE INTO locks VALUES (?, ?, ?)", (session.id, token, now + lock_ttl_s))
+            db.execute(
+                "INSERT OR REPLACE INTO locks VALUES (?, ?, ?)",
+                (session.id, token, now + lock_ttl_s),
+            )
             return token
 
         return self._transaction(db, create)
@@ -132,46 +166,78 @@ class SQLiteSessionStore:
 
     def _get(self, db: sqlite3.Connection, session_id: str, owner: str) -> Session | None:
         now = time.time()
-        row = db.execute(f"SELECT {', '.join(_COLUMNS)} FROM sessions WHERE id = ? AND owner = ? AND "
-                         "expires_at > ?", (session_id, owner, now)).fetchone()
+        row = db.execute(
+            f"SELECT {', '.join(_COLUMNS)} FROM sessions WHERE id = ? AND owner = ? AND "
+            "expires_at > ?",
+            (session_id, owner, now),
+        ).fetchone()
         if row is None:
             return None
         # on use
-        db.execute("UPDATE sessions SET expires_at = ? WHERE id = ?", (now + self._ttl_s, session_id))
+        db.execute(
+            "UPDATE sessions SET expires_at = ? WHERE id = ?", (now + self._ttl_s, session_id)
+        )
         return _session(row)
 
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage:
         return await self._run(self._list, owner, limit, after)
 
-    def _list(self, db: sqlite3.Connection, owner: str, limit: int, after: str | None) -> SessionPage:
+    def _list(
+        self, db: sqlite3.Connection, owner: str, limit: int, after: str | None
+    ) -> SessionPage:
         now = time.time()
         where, args = "owner = ? AND expires_at > ?", [owner, now]
         if after is not None:
-            cursor = db.execute("SELECT updated_at, id FROM sessions WHERE id = ? AND owner = ? AND expires_at > ?",
-                                (after, owner, now)).fetchone()
+            cursor = db.execute(
+                "SELECT updated_at, id FROM sessions WHERE id = ? AND owner = ? AND expires_at > ?",
+                (after, owner, now),
+            ).fetchone()
             if cursor is None:
                 raise UnknownCursor(f"after: no session {after!r} in this listing")
             where += " AND (updated_at < ? OR (updated_at = ? AND id < ?))"
             args += [cursor[0], cursor[0], cursor[1]]
-        rows = db.execute(f"SELECT {_SUMMARY} FROM sessions WHERE {where} ORDER BY updated_at DESC, id DESC "
-                          "LIMIT ?", (*args, limit + 1)).fetchall()
+        rows = db.execute(
+            f"SELECT {_SUMMARY} FROM sessions WHERE {where} ORDER BY updated_at DESC, id DESC "
+            "LIMIT ?",
+            (*args, limit + 1),
+        ).fetchall()
         summaries = []
-        for session_id, row_owner, title, preset, created_at, updated_at, num_messages in rows[:limit]:
-            summary = Session(id=session_id, owner=row_owner, title=title, preset=preset, created_at=created_at,
-                              updated_at=updated_at)
+        for session_id, row_owner, title, preset, created_at, updated_at, num_messages in rows[
+            :limit
+        ]:
+            summary = Session(
+                id=session_id,
+                owner=row_owner,
+                title=title,
+                preset=preset,
+                created_at=created_at,
+                updated_at=updated_at,
+            )
             summary.messages = [{}] * num_messages  # the summary only counts them
             summaries.append(summary)
         return SessionPage(summaries, len(rows) > limit)
 
     async def set_title(self, session_id: str, owner: str, title: str) -> bool:
-        return await self._run(lambda db: db.execute(
-            "UPDATE sessions SET title = ? WHERE id = ? AND owner = ? AND expires_at > ?",
-            (title, session_id, owner, time.time())).rowcount > 0)
+        return await self._run(
+            lambda db: (
+                db.execute(
+                    "UPDATE sessions SET title = ? WHERE id = ? AND owner = ? AND expires_at > ?",
+                    (title, session_id, owner, time.time()),
+                ).rowcount
+                > 0
+            )
+        )
 
     async def delete(self, session_id: str, owner: str) -> bool:
-        return await self._run(lambda db: db.execute(
-            "DELETE FROM sessions WHERE id = ? AND owner = ? AND expires_at > ?",
-            (session_id, owner, time.time())).rowcount > 0)
+        return await self._run(
+            lambda db: (
+                db.execute(
+                    "DELETE FROM sessions WHERE id = ? AND owner = ? AND expires_at > ?",
+                    (session_id, owner, time.time()),
+                ).rowcount
+                > 0
+            )
+        )
 
     async def save_turn(self, session: Session) -> bool:
         return await self._run(self._save_turn, session)
@@ -179,16 +245,23 @@ class SQLiteSessionStore:
     def _save_turn(self, db: sqlite3.Connection, session: Session) -> bool:
         def save() -> bool:
             now = time.time()
-            if db.execute("SELECT 1 FROM sessions WHERE id = ? AND revision = ? AND expires_at > ?",
-                          (session.id, session.revision, now)).fetchone() is None:
+            if (
+                db.execute(
+                    "SELECT 1 FROM sessions WHERE id = ? AND revision = ? AND expires_at > ?",
+                    (session.id, session.revision, now),
+                ).fetchone()
+                is None
+            ):
                 # deleted (perhaps taken again) or a later turn was stored: nothing is written
                 return False
             revision = secrets.token_hex(8)
             row = dict(zip(_COLUMNS, _row(session)))
             row["revision"] = revision
             del row["id"], row["title"]  # a rename during the turn wins over the turn's stale copy
-            db.execute(f"UPDATE sessions SET {', '.join(f'{k} = ?' for k in row)}, expires_at = ? WHERE id = ?",
-                       (*row.values(), now + self._ttl_s, session.id))
+            db.execute(
+                f"UPDATE sessions SET {', '.join(f'{k} = ?' for k in row)}, expires_at = ? WHERE id = ?",
+                (*row.values(), now + self._ttl_s, session.id),
+            )
             session.revision = revision
             return True
 
@@ -199,51 +272,84 @@ class SQLiteSessionStore:
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
         def lock(db: sqlite3.Connection) -> str | None:
             now, token = time.time(), secrets.token_hex(8)
-            taken = db.execute("INSERT INTO locks VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-                               "token = excluded.token, expires_at = excluded.expires_at "
-                               "WHERE locks.expires_at <= ?", (session_id, token, now + ttl_s, now)).rowcount
+            taken = db.execute(
+                "INSERT INTO locks VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+                "token = excluded.token, expires_at = excluded.expires_at "
+                "WHERE locks.expires_at <= ?",
+                (session_id, token, now + ttl_s, now),
+            ).rowcount
             return token if taken else None
 
         return await self._run(lock)
 
     async def refresh_lock(self, session_id: str, token: str, ttl_s: float) -> bool:
-        return await self._run(lambda db: db.execute(
-            "UPDATE locks SET expires_at = ? WHERE session_id = ? AND token = ? AND expires_at > ?",
-            (time.time() + ttl_s, session_id, token, time.time())).rowcount > 0)
+        return await self._run(
+            lambda db: (
+                db.execute(
+                    "UPDATE locks SET expires_at = ? WHERE session_id = ? AND token = ? AND expires_at > ?",
+                    (time.time() + ttl_s, session_id, token, time.time()),
+                ).rowcount
+                > 0
+            )
+        )
 
     async def unlock(self, session_id: str, token: str) -> None:
-        await self._run(lambda db: db.execute("DELETE FROM locks WHERE session_id = ? AND token = ?",
-                                              (session_id, token)))
+        await self._run(
+            lambda db: db.execute(
+                "DELETE FROM locks WHERE session_id = ? AND token = ?", (session_id, token)
+            )
+        )
 
     # presets -----------------------------------------------------------------------------------------
 
     async def save_preset(self, preset: Preset) -> bool:
-        return await self._run(lambda db: db.execute(
-            "INSERT OR IGNORE INTO presets VALUES (?, ?, ?, ?, ?)",
-            (preset.key, preset.name, preset.system, preset.owner, preset.created_at)).rowcount > 0)
+        return await self._run(
+            lambda db: (
+                db.execute(
+                    "INSERT OR IGNORE INTO presets VALUES (?, ?, ?, ?, ?)",
+                    (preset.key, preset.name, preset.system, preset.owner, preset.created_at),
+                ).rowcount
+                > 0
+            )
+        )
 
     async def get_preset(self, name: str, owner: str) -> Preset | None:
         def get(db: sqlite3.Connection) -> Preset | None:
-            rows = db.execute("SELECT name, system, owner, created_at FROM presets WHERE name = ? AND owner IN "
-                              "('', ?)", (name, owner)).fetchall()
+            rows = db.execute(
+                "SELECT name, system, owner, created_at FROM presets WHERE name = ? AND owner IN "
+                "('', ?)",
+                (name, owner),
+            ).fetchall()
             return visible_preset({p.key: p for p in (Preset(*row) for row in rows)}, name, owner)
 
         return await self._run(get)
 
     async def list_presets(self, owner: str | None) -> list[Preset]:
-        rows = await self._run(lambda db: db.execute(
-            "SELECT name, system, owner, created_at FROM presets").fetchall())
+        rows = await self._run(
+            lambda db: db.execute("SELECT name, system, owner, created_at FROM presets").fetchall()
+        )
         return sorted_presets([Preset(*row) for row in rows], owner)
 
     async def delete_preset(self, preset: Preset) -> bool:
-        return await self._run(lambda db: db.execute("DELETE FROM presets WHERE key = ?",
-                                                     (preset.key,)).rowcount > 0)
+        return await self._run(
+            lambda db: db.execute("DELETE FROM presets WHERE key = ?", (preset.key,)).rowcount > 0
+        )
 
 
 def _row(session: Session) -> tuple:
-    return (session.id, session.owner, session.title, session.system, session.preset, session.cache_salt,
-            session.created_at, session.updated_at, session.revision, len(session.messages),
-            *(json.dumps(getattr(session, k)) for k in JSON_FIELDS))
+    return (
+        session.id,
+        session.owner,
+        session.title,
+        session.system,
+        session.preset,
+        session.cache_salt,
+        session.created_at,
+        session.updated_at,
+        session.revision,
+        len(session.messages),
+        *(json.dumps(getattr(session, k)) for k in JSON_FIELDS),
+    )
 
 
 def _session(row: tuple) -> Session:

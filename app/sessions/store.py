@@ -14,6 +14,7 @@ server; ``InMemorySessionStore`` here when asked for (lost on restart). All keep
   turn cannot overwrite a later one);
 - listing reads summaries only (never whole histories), newest first, a page at a time.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,16 +74,31 @@ class Session:
         self.updated_at = self.updated_at or self.created_at
 
     def summary(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "session", "title": self.title, "preset": self.preset,
-                "created_at": self.created_at, "updated_at": self.updated_at, "num_messages": len(self.messages)}
+        return {
+            "id": self.id,
+            "object": "session",
+            "title": self.title,
+            "preset": self.preset,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "num_messages": len(self.messages),
+        }
 
     def public(self) -> dict[str, Any]:
-        return {**self.summary(), "system": self.system, "messages": self.messages, "stats": self.stats}
+        return {
+            **self.summary(),
+            "system": self.system,
+            "messages": self.messages,
+            "stats": self.stats,
+        }
 
     def stored_bytes(self) -> int:
         """About what the session takes in the store (its JSON fields and system prompt), for the size cap."""
-        return sum(len(json.dumps(getattr(self, k), ensure_ascii=False)) for k in JSON_FIELDS) + \
-            len((self.system or "").encode()) + len(self.title.encode())
+        return (
+            sum(len(json.dumps(getattr(self, k), ensure_ascii=False)) for k in JSON_FIELDS)
+            + len((self.system or "").encode())
+            + len(self.title.encode())
+        )
 
 
 @dataclass(slots=True)
@@ -102,9 +118,18 @@ class Preset:
     def shared(self) -> bool:
         return not self.owner
 
-    def public(self, num_tokens: int | None = None, pinned_blocks: int | None = None) -> dict[str, Any]:
-        return {"name": self.name, "object": "preset", "system": self.system, "created_at": self.created_at,
-                "shared": self.shared, "num_tokens": num_tokens, "pinned_blocks": pinned_blocks}
+    def public(
+        self, num_tokens: int | None = None, pinned_blocks: int | None = None
+    ) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "object": "preset",
+            "system": self.system,
+            "created_at": self.created_at,
+            "shared": self.shared,
+            "num_tokens": num_tokens,
+            "pinned_blocks": pinned_blocks,
+        }
 
 
 @dataclass(slots=True)
@@ -121,7 +146,9 @@ class SessionStore(Protocol):
     async def ping(self) -> None: ...
     async def close(self) -> None: ...
     async def create(self, session: Session, max_sessions: int = 0) -> bool: ...
-    async def create_locked(self, session: Session, lock_ttl_s: float, max_sessions: int = 0) -> str | None: ...
+    async def create_locked(
+        self, session: Session, lock_ttl_s: float, max_sessions: int = 0
+    ) -> str | None: ...
     async def get(self, session_id: str, owner: str) -> Session | None: ...
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage: ...
     async def set_title(self, session_id: str, owner: str, title: str) -> bool: ...
@@ -170,12 +197,17 @@ class InMemorySessionStore:
         self._forget_expired()
         if session.id in self._sessions:
             return False
-        if max_sessions and sum(s.owner == session.owner for s, _ in self._sessions.values()) >= max_sessions:
+        if (
+            max_sessions
+            and sum(s.owner == session.owner for s, _ in self._sessions.values()) >= max_sessions
+        ):
             raise SessionQuotaExceeded(f"this API key already has {max_sessions} sessions")
         self._sessions[session.id] = (_copy(session), time.monotonic() + self._ttl_s)
         return True
 
-    async def create_locked(self, session: Session, lock_ttl_s: float, max_sessions: int = 0) -> str | None:
+    async def create_locked(
+        self, session: Session, lock_ttl_s: float, max_sessions: int = 0
+    ) -> str | None:
         if not await self.create(session, max_sessions):
             return None
         return await self.lock(session.id, lock_ttl_s)
@@ -189,15 +221,18 @@ class InMemorySessionStore:
 
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage:
         self._forget_expired()
-        mine = sorted((s for s, _ in self._sessions.values() if s.owner == owner),
-                      key=lambda s: (s.updated_at, s.id), reverse=True)
+        mine = sorted(
+            (s for s, _ in self._sessions.values() if s.owner == owner),
+            key=lambda s: (s.updated_at, s.id),
+            reverse=True,
+        )
         start = 0
         if after is not None:
             ids = [s.id for s in mine]
             if after not in ids:
                 raise UnknownCursor(f"after: no session {after!r} in this listing")
             start = ids.index(after) + 1
-        page = mine[start:start + limit]
+        page = mine[start : start + limit]
         summaries = [_summary_copy(s) for s in page]
         return SessionPage(summaries, start + limit < len(mine))
 
@@ -269,8 +304,14 @@ def _copy(session: Session) -> Session:
 
 
 def _summary_copy(session: Session) -> Session:
-    summary = Session(id=session.id, owner=session.owner, title=session.title, preset=session.preset,
-                      created_at=session.created_at, updated_at=session.updated_at)
+    summary = Session(
+        id=session.id,
+        owner=session.owner,
+        title=session.title,
+        preset=session.preset,
+        created_at=session.created_at,
+        updated_at=session.updated_at,
+    )
     summary.messages = [{}] * len(session.messages)  # the summary only counts them
     return summary
 
@@ -289,9 +330,14 @@ def session_to_fields(session: Session) -> dict[str, str]:
 
 def session_from_fields(session_id: str, fields: dict[str, str]) -> Session:
     return Session(
-        id=session_id, owner=fields.get("owner", ""), title=fields.get("title", ""), system=fields.get("system"),
-        preset=fields.get("preset"), cache_salt=fields.get("cache_salt"),
-        created_at=float(fields.get("created_at", 0)), updated_at=float(fields.get("updated_at", 0)),
+        id=session_id,
+        owner=fields.get("owner", ""),
+        title=fields.get("title", ""),
+        system=fields.get("system"),
+        preset=fields.get("preset"),
+        cache_salt=fields.get("cache_salt"),
+        created_at=float(fields.get("created_at", 0)),
+        updated_at=float(fields.get("updated_at", 0)),
         revision=fields.get("revision", ""),  # "": stored before revisions existed
         **{k: json.loads(fields[k]) for k in JSON_FIELDS if k in fields},
     )

@@ -2,6 +2,7 @@
 (chat_in_session). The turn is checked before the session is touched, holds the session's lock, and is planned on
 the session as stored, submitted and recorded when its stream ends (run_turn); also finding a tenant's own session,
 which every session route does first."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,12 +26,18 @@ _TITLE_CHARS = 60
 
 
 def not_found(session_id: str) -> APIError:
-    return APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
+    return APIError(
+        404, f"session {session_id!r} not found", param="session_id", code="session_not_found"
+    )
 
 
 def busy(session_id: str) -> APIError:
-    return APIError(409, f"session {session_id!r} is answering another message; retry when it is done",
-                    param="session_id", code="session_busy")
+    return APIError(
+        409,
+        f"session {session_id!r} is answering another message; retry when it is done",
+        param="session_id",
+        code="session_busy",
+    )
 
 
 async def own_session(service: SessionService, session_id: str, owner: str) -> Session | None:
@@ -61,8 +68,13 @@ async def post_message(request: Request) -> Response:
     return await run_turn(request, service, session, new, body, arrival, token)
 
 
-async def chat_in_session(request: Request, service: SessionService, body: ChatCompletionRequest, session_id: str,
-                          arrival: float) -> Response:
+async def chat_in_session(
+    request: Request,
+    service: SessionService,
+    body: ChatCompletionRequest,
+    session_id: str,
+    arrival: float,
+) -> Response:
     """/v1/chat/completions with ``session_id`` (or X-Session-ID): the request's messages are this turn's new
     messages; the server supplies the history. A well-formed id nobody has starts a new session, atomically: of
     concurrent first turns one creates it, the others find it busy (409)."""
@@ -70,8 +82,12 @@ async def chat_in_session(request: Request, service: SessionService, body: ChatC
     owner = service.admission.tenant(request)
     new = [m.as_template_message() for m in body.messages]
     if not is_session_id(session_id):
-        raise APIError(404, f"session {session_id!r} not found: ids are 22 URL-safe characters",
-                       param="session_id", code="session_not_found")
+        raise APIError(
+            404,
+            f"session {session_id!r} not found: ids are 22 URL-safe characters",
+            param="session_id",
+            code="session_not_found",
+        )
     session = await own_session(service, session_id, owner)
     if session is not None:
         token = await _lock(service, session_id)
@@ -83,28 +99,40 @@ async def chat_in_session(request: Request, service: SessionService, body: ChatC
         if system is not None:
             await check_system(service, system, "messages")
         session = Session(id=session_id, owner=owner, system=system, cache_salt=body.cache_salt)
-        token = await service.store.create_locked(session, service.limits.session_lock_s,
-                                                    service.limits.max_sessions_per_key)
+        token = await service.store.create_locked(
+            session, service.limits.session_lock_s, service.limits.max_sessions_per_key
+        )
         # taken meanwhile: by a concurrent first turn of this tenant, or by another tenant
         if token is None:
-            raise busy(session_id) if await service.store.get(session_id, owner) else not_found(session_id)
+            raise (
+                busy(session_id)
+                if await service.store.get(session_id, owner)
+                else not_found(session_id)
+            )
     return await run_turn(request, service, session, new, body, arrival, token)
 
 
 def _check_one_reply(body: SamplingFields) -> None:
     """Checked before the session is looked up, locked or created: a refused turn leaves no trace."""
     if body.n != 1:
-        raise APIError.bad_request("n: a session turn stores one reply, so n must be 1 (for several choices, ask "
-                                   "/v1/chat/completions without a session)", "n")
+        raise APIError.bad_request(
+            "n: a session turn stores one reply, so n must be 1 (for several choices, ask "
+            "/v1/chat/completions without a session)",
+            "n",
+        )
     if getattr(body, "chat_template_kwargs", None):
-        raise APIError.bad_request("chat_template_kwargs: not supported in a session (its turns extend the stored "
-                                   "tokens exactly; the template renders each turn the same way)",
-                                   "chat_template_kwargs")
+        raise APIError.bad_request(
+            "chat_template_kwargs: not supported in a session (its turns extend the stored "
+            "tokens exactly; the template renders each turn the same way)",
+            "chat_template_kwargs",
+        )
 
 
 def _check_turn_messages(new: list[dict[str, Any]]) -> None:
     if any(m["role"] == "system" for m in new):
-        raise APIError.bad_request("messages: a session's system prompt is set when the session starts", "messages")
+        raise APIError.bad_request(
+            "messages: a session's system prompt is set when the session starts", "messages"
+        )
     if not new or new[-1]["role"] != "user":
         raise APIError.bad_request("messages: must end with the user's new message", "messages")
 
@@ -131,8 +159,15 @@ async def _unlock_quietly(service: SessionService, session_id: str, token: str) 
         await service.store.unlock(session_id, token)
 
 
-async def run_turn(request: Request, service: SessionService, session: Session, new: list[dict[str, Any]] | None,
-                   body: SamplingFields, arrival: float, token: str) -> Response:
+async def run_turn(
+    request: Request,
+    service: SessionService,
+    session: Session,
+    new: list[dict[str, Any]] | None,
+    body: SamplingFields,
+    arrival: float,
+    token: str,
+) -> Response:
     """The turn, holding the session's lock (``token``): planned on the session as stored now, submitted, and
     recorded when its stream ends."""
     try:
@@ -144,26 +179,41 @@ async def run_turn(request: Request, service: SessionService, session: Session, 
         plan = await _plan(service, session, new)
         params = service.replies.sampling_params(body, len(plan.prompt_ids))
         admission = service.admission
-        stream = await admission.submit(plan.prompt_ids, params, admission.cache_salt(request, session.cache_salt),
-                                        arrival, request, body.priority)
+        stream = await admission.submit(
+            plan.prompt_ids,
+            params,
+            admission.cache_salt(request, session.cache_salt),
+            arrival,
+            request,
+            body.priority,
+        )
     except BaseException:
         await _unlock_quietly(service, session.id, token)
         raise
     if not session.title and new:
         await service.store.set_title(session.id, session.owner, _title(new[-1]["content"]))
     TurnRecorder(service, session, plan, token).start(stream)
-    return await service.replies.answer_chat(request, body, stream, headers={"X-Session-ID": session.id})
+    return await service.replies.answer_chat(
+        request, body, stream, headers={"X-Session-ID": session.id}
+    )
 
 
 def _check_size(service: SessionService, session: Session, new: list[dict[str, Any]]) -> None:
     cap = service.limits.max_session_bytes
     size = session.stored_bytes() + sum(len(m["content"].encode()) for m in new)
     if size > cap:
-        raise APIError(400, f"session_id: the session holds {size} bytes, over this server's cap of {cap} "
-                       "(--max-session-bytes); start a new session", param="session_id", code="session_full")
+        raise APIError(
+            400,
+            f"session_id: the session holds {size} bytes, over this server's cap of {cap} "
+            "(--max-session-bytes); start a new session",
+            param="session_id",
+            code="session_full",
+        )
 
 
-async def _plan(service: SessionService, session: Session, new: list[dict[str, Any]] | None) -> TurnPlan:
+async def _plan(
+    service: SessionService, session: Session, new: list[dict[str, Any]] | None
+) -> TurnPlan:
     if new is not None:
         return await plan_turn(service, session, new)
     try:

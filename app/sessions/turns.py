@@ -6,6 +6,7 @@ Storing is retried for ``--session-write-timeout-s``; a turn still unsaved then 
 the store is back) and the answer ends normally, saying so in an extension field (``"session_turn": "pending"``,
 TimedStream.turn_pending), instead of waiting for the store.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,20 +39,28 @@ def template_history(session: Session) -> list[dict[str, str]]:
     return head + [{"role": m["role"], "content": m["content"]} for m in session.messages]
 
 
-async def plan_turn(service: SessionService, session: Session, new: list[dict[str, Any]]) -> TurnPlan:
+async def plan_turn(
+    service: SessionService, session: Session, new: list[dict[str, Any]]
+) -> TurnPlan:
     """The prompt for ``new`` messages (ending with a user message) after the session's history."""
     new_template = [{"role": m["role"], "content": m["content"]} for m in new]
     eos = service.engine.info.eos_token_ids
     history = template_history(session)
     try:
         if not session.token_ids:
-            ids = await service.prompts.in_thread(conversation.first_turn_ids, session.system, new_template)
+            ids = await service.prompts.in_thread(
+                conversation.first_turn_ids, session.system, new_template
+            )
         else:
-            ids = await service.prompts.in_thread(conversation.next_turn_ids, session.token_ids, history,
-                                                 new_template, eos)
+            ids = await service.prompts.in_thread(
+                conversation.next_turn_ids, session.token_ids, history, new_template, eos
+            )
     except conversation.NotAnExtension as exc:
-        logger.warning("session %s: %s; re-rendering the whole conversation (fewer prefix-cache hits)",
-                       session.id, exc)
+        logger.warning(
+            "session %s: %s; re-rendering the whole conversation (fewer prefix-cache hits)",
+            session.id,
+            exc,
+        )
         ids = await service.prompts.in_thread(conversation.full_render_ids, history + new_template)
     now = time.time()
     return TurnPlan(ids, session.messages + [{**m, "created_at": now} for m in new])
@@ -109,13 +118,17 @@ class TurnRecorder:
         saved = await self._save_within(session, self.service.limits.session_write_timeout_s)
         if saved is None:
             self.service.outbox.put(session, self.lock_token)
-            logger.error("session %s: the session store is unreachable; the turn is kept in memory until it is back",
-                         session.id)
+            logger.error(
+                "session %s: the session store is unreachable; the turn is kept in memory until it is back",
+                session.id,
+            )
             stream.turn_pending = True
             return
         if not saved:
-            logger.warning("session %s was deleted, or changed since this turn began; the turn is dropped",
-                           session.id)
+            logger.warning(
+                "session %s was deleted, or changed since this turn began; the turn is dropped",
+                session.id,
+            )
         with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
             await asyncio.wait_for(self._store.unlock(session.id, self.lock_token), 1.0)
 
@@ -124,11 +137,17 @@ class TurnRecorder:
         deadline, delay = time.monotonic() + timeout_s, _FIRST_RETRY_S
         while True:
             try:
-                return await asyncio.wait_for(self._store.save_turn(session), max(deadline - time.monotonic(), 0))
+                return await asyncio.wait_for(
+                    self._store.save_turn(session), max(deadline - time.monotonic(), 0)
+                )
             except (SessionStoreUnavailable, asyncio.TimeoutError) as exc:
                 if time.monotonic() + delay >= deadline:
                     return None
-                logger.warning("session %s: storing the turn failed (%s); retrying", session.id, exc or "timeout")
+                logger.warning(
+                    "session %s: storing the turn failed (%s); retrying",
+                    session.id,
+                    exc or "timeout",
+                )
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
@@ -137,11 +156,18 @@ class TurnRecorder:
         finished = out is not None and out.finished
         completion = out.token_ids if out is not None else []
         cut = "error" if stream.failure is not None else "abort"
-        reply = {"role": "assistant", "content": out.text if out is not None else "", "created_at": now,
-                 "finish_reason": out.finish_reason if finished else cut,
-                 "usage": {"prompt_tokens": len(self.plan.prompt_ids), "completion_tokens": len(completion),
-                           "cached_tokens": out.num_cached_tokens if out is not None else 0},
-                 "timing": _timing(stream, len(completion))}
+        reply = {
+            "role": "assistant",
+            "content": out.text if out is not None else "",
+            "created_at": now,
+            "finish_reason": out.finish_reason if finished else cut,
+            "usage": {
+                "prompt_tokens": len(self.plan.prompt_ids),
+                "completion_tokens": len(completion),
+                "cached_tokens": out.num_cached_tokens if out is not None else 0,
+            },
+            "timing": _timing(stream, len(completion)),
+        }
         session = self.session
         session.messages = self.plan.messages + [reply]
         session.token_ids = self.plan.prompt_ids + completion
@@ -158,14 +184,20 @@ def _timing(stream: TimedStream, num_tokens: int) -> dict[str, float | None]:
         return {"ttft_s": None, "decode_tokens_per_s": None}
     elapsed = (stream.last_token_time or first) - first
     rate = (num_tokens - 1) / elapsed if num_tokens > 1 and elapsed > 0 else None
-    return {"ttft_s": round(first - stream.arrival, 4), "decode_tokens_per_s": round(rate, 2) if rate else None}
+    return {
+        "ttft_s": round(first - stream.arrival, 4),
+        "decode_tokens_per_s": round(rate, 2) if rate else None,
+    }
 
 
 def _stats(messages: list[dict[str, Any]]) -> dict[str, int]:
     replies = [m for m in messages if m.get("role") == "assistant" and "usage" in m]
     usage = [m["usage"] for m in replies]
     last = usage[-1] if usage else {"prompt_tokens": 0, "completion_tokens": 0}
-    return {"num_turns": len(replies), "num_tokens": last["prompt_tokens"] + last["completion_tokens"],
-            "prompt_tokens": sum(u["prompt_tokens"] for u in usage),
-            "cached_tokens": sum(u["cached_tokens"] for u in usage),
-            "completion_tokens": sum(u["completion_tokens"] for u in usage)}
+    return {
+        "num_turns": len(replies),
+        "num_tokens": last["prompt_tokens"] + last["completion_tokens"],
+        "prompt_tokens": sum(u["prompt_tokens"] for u in usage),
+        "cached_tokens": sum(u["cached_tokens"] for u in usage),
+        "completion_tokens": sum(u["completion_tokens"] for u in usage),
+    }

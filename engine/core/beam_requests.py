@@ -7,6 +7,7 @@ row, the beam step picks the next beams, and each continues one of the current b
 copy-on-write) with one more token. A recomputed beam gives its log-probs again; a swapped one keeps them, and a
 step whose beams are all swapped out waits for their swap-in (``deferred_steps``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,9 +23,15 @@ from engine.core.sequence import Sequence, SequenceStatus
 
 
 class BeamRequests:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, counters: EngineCounters,
-                 forget: Callable[[Sequence], None], finish: Callable[[Sequence, SequenceStatus], None],
-                 end_request: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        counters: EngineCounters,
+        forget: Callable[[Sequence], None],
+        finish: Callable[[Sequence, SequenceStatus], None],
+        end_request: Callable[[str], int],
+    ) -> None:
         """``forget(seq)``: the runner drops the sequence's input rows; ``finish(seq, status)``: the core ends a
         sequence; ``end_request(request_id)``: the core forgets the request, returning its ``n``."""
         self.scheduler, self.block_manager, self.counters = scheduler, block_manager, counters
@@ -38,7 +45,9 @@ class BeamRequests:
     def preempted(self, seqs: list[Sequence]) -> None:
         """A recomputed beam computes its log-probs again; a swapped one keeps them."""
         for seq in seqs:
-            if (group := self.groups.get(seq.seq_id)) is not None and seq.status is not SequenceStatus.SWAPPED:
+            if (
+                group := self.groups.get(seq.seq_id)
+            ) is not None and seq.status is not SequenceStatus.SWAPPED:
                 group.collected.pop(seq.seq_id, None)
 
     def collect(self, seq: Sequence, log_probs: torch.Tensor) -> list[SampleDelta]:
@@ -94,10 +103,25 @@ class BeamRequests:
             if not seq.is_finished:
                 self._finish(seq, status or SequenceStatus.FINISHED_STOPPED)
             self.groups.pop(seq.seq_id, None)
-        queued = None if first.first_scheduled_time is None else first.first_scheduled_time - first.arrival_time
+        queued = (
+            None
+            if first.first_scheduled_time is None
+            else first.first_scheduled_time - first.arrival_time
+        )
         deltas = []
         for index, (ids, logprob, reason) in enumerate(group.results(n, status is not None)):
             self.counters.finished[reason] += 1
-            deltas.append(SampleDelta(first.request_id, index, ids, None, reason, None,
-                                      max(first.num_cached_tokens, 0), queued, logprob))
+            deltas.append(
+                SampleDelta(
+                    first.request_id,
+                    index,
+                    ids,
+                    None,
+                    reason,
+                    None,
+                    max(first.num_cached_tokens, 0),
+                    queued,
+                    logprob,
+                )
+            )
         return deltas

@@ -6,6 +6,7 @@ with the root derived from the model id and a secret seed (stable across restart
 deployment), and ``("salt", cache_salt)`` as block 0's extra key. H is sha256 by default (a collision would leak
 one tenant's text to another), xxh128 as an option.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,9 @@ class BlockHasher:
             h.update(repr(extra_keys).encode())
         return h.digest()
 
-    def extend(self, hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None) -> None:
+    def extend(
+        self, hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None
+    ) -> None:
         """Extend ``hashes`` (the chain so far) to every full block of ``token_ids``: hash(block i) =
         H(hash(block i-1), tokens of block i, extra keys), block 0's parent the root, its extra key the salt."""
         for i in range(len(hashes), len(token_ids) // block_size):

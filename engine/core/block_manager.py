@@ -7,6 +7,7 @@ Prefix caching: every full block of tokens has a chained hash (engine/core/block
 map once its KV is written; a freed block keeps its hash in the free queue (LRU, O(1) removal on a hit) until it
 is reused for other tokens.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,9 +29,17 @@ class HostHit:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hasher: BlockHasher,
-                 num_host_blocks: int = 0, num_host_cache_blocks: int = 0, lookahead_tokens: int = 0,
-                 max_blocks_per_seq: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hasher: BlockHasher,
+        num_host_blocks: int = 0,
+        num_host_cache_blocks: int = 0,
+        lookahead_tokens: int = 0,
+        max_blocks_per_seq: int | None = None,
+    ) -> None:
         """``num_host_blocks`` host slots for swapped-out sequences (slots 0 ..), then ``num_host_cache_blocks``
         for the host tier of the prefix cache (with prefix caching only). ``lookahead_tokens``: a sequence gets
         the block it grows into that many tokens early, while free blocks are plentiful (the vattention
@@ -76,7 +85,9 @@ class BlockManager:
         block holding a token still pending on the device is hashed once that token is resolved)."""
         known = seq.num_known_tokens
         if known // self.block_size > len(seq.block_hashes):
-            self.hasher.extend(seq.block_hashes, seq.token_ids[:known], self.block_size, seq.cache_salt)
+            self.hasher.extend(
+                seq.block_hashes, seq.token_ids[:known], self.block_size, seq.cache_salt
+            )
 
     def match_prefix(self, seq: Sequence) -> list[Block | HostHit]:
         """Longest run of cached blocks at the head of ``seq`` (each on the device, or else in the host tier),
@@ -97,14 +108,19 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block | HostHit] | None = None
-                 ) -> bool:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, prefix_hits: list[Block | HostHit] | None = None
+    ) -> bool:
         """Give ``seq`` the cached ``prefix_hits`` (on admission) and slots for ``num_new_tokens`` more
         tokens after them. All or nothing: False (and no change) when the free blocks do not suffice."""
         table, start = seq.block_table, seq.num_computed_tokens
         ahead = self.lookahead_tokens if self.pool.num_free > self.lookahead_reserve else 0
-        if num_new_tokens and not prefix_hits and start + num_new_tokens + ahead <= len(table) * self.block_size \
-                and self.pool.blocks[table[start // self.block_size]].ref_count == 1:
+        if (
+            num_new_tokens
+            and not prefix_hits
+            and start + num_new_tokens + ahead <= len(table) * self.block_size
+            and self.pool.blocks[table[start // self.block_size]].ref_count == 1
+        ):
             return True  # the common decode step: its slots are in blocks it owns alone
         prefix_hits = prefix_hits or []
         num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
@@ -113,7 +129,9 @@ class BlockManager:
         # hits sitting in the free queue, and host hits (each needs a fresh block to be copied into)
         num_revived = sum(1 for b in prefix_hits if isinstance(b, HostHit) or b.ref_count == 0)
         write_block = num_computed // self.block_size
-        needs_copy = write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
+        needs_copy = (
+            write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
+        )
         if num_fresh + num_revived + needs_copy > self.pool.num_free:
             return False
         self._take_hits(seq, prefix_hits)
@@ -122,9 +140,14 @@ class BlockManager:
         if needs_copy:
             self._copy_on_write(seq, write_block)
         seq.block_table.extend(self.pool.take().block_id for _ in range(num_fresh))
-        if ahead and self.pool.num_free > self.lookahead_reserve \
-                and len(seq.block_table) < min(self.blocks_needed(num_computed + num_new_tokens + ahead),
-                                               self.max_blocks_per_seq):
+        if (
+            ahead
+            and self.pool.num_free > self.lookahead_reserve
+            and len(seq.block_table)
+            < min(
+                self.blocks_needed(num_computed + num_new_tokens + ahead), self.max_blocks_per_seq
+            )
+        ):
             seq.block_table.append(self.pool.take().block_id)
         if seq.block_table:
             self.holders[seq.seq_id] = seq
@@ -144,10 +167,15 @@ class BlockManager:
             else:
                 restores[hit.block_hash] = self.host_cache.restore(hit.block_hash)
         for hit in prefix_hits:
-            seq.block_table.append(hit.block_id if isinstance(hit, Block)
-                                   else self._restore(hit.block_hash, restores[hit.block_hash]))
+            seq.block_table.append(
+                hit.block_id
+                if isinstance(hit, Block)
+                else self._restore(hit.block_hash, restores[hit.block_hash])
+            )
 
-    def _block_of(self, seq: Sequence, prefix_hits: list[Block | HostHit], index: int) -> Block | HostHit:
+    def _block_of(
+        self, seq: Sequence, prefix_hits: list[Block | HostHit], index: int
+    ) -> Block | HostHit:
         if index < len(seq.block_table):
             return self.pool.blocks[seq.block_table[index]]
         return prefix_hits[index - len(seq.block_table)]
@@ -204,8 +232,15 @@ class BlockManager:
         """Beam search: each ``seqs[i]`` continues ``sources[i]`` (a beam of the same request, maybe itself,
         maybe the source of several): it drops its own blocks and shares the source's (state as of the call;
         a shared block is copied on the next write into it). Sources are read before any sequence changes."""
-        snapshots = [(list(src.block_table), list(src.block_hashes), src.num_computed_tokens,
-                      src.num_registered_blocks) for src in sources]
+        snapshots = [
+            (
+                list(src.block_table),
+                list(src.block_hashes),
+                src.num_computed_tokens,
+                src.num_registered_blocks,
+            )
+            for src in sources
+        ]
         # references first: a block both dropped and kept never reaches the free queue
         for table, *_ in snapshots:
             for block_id in table:
@@ -277,8 +312,11 @@ class BlockManager:
         # slots whose copy back runs this step (not host-tier ones)
         swapped_in = set(self.host.freed_this_step)
         filling = {dst for src, dst in self.pending_swap_in if src not in swapped_in}
-        return (all(self._computed_blocks(seq) for seq in seqs) and blocks.isdisjoint(filling)
-                and len(blocks) <= self.host.num_free)
+        return (
+            all(self._computed_blocks(seq) for seq in seqs)
+            and blocks.isdisjoint(filling)
+            and len(blocks) <= self.host.num_free
+        )
 
     def swap_out(self, *seqs: Sequence) -> None:
         """Copy the blocks of ``seqs`` holding computed tokens to the host pool, all or nothing (check
@@ -301,7 +339,9 @@ class BlockManager:
                         self.pending_swap_in.remove((swap_source[block_id], block_id))
                     else:
                         slots[block_id] = self.host.free.pop()
-                        self.pending_swap_out.append((cow_source.get(block_id, block_id), slots[block_id]))
+                        self.pending_swap_out.append(
+                            (cow_source.get(block_id, block_id), slots[block_id])
+                        )
                 slot = slots[block_id]
                 self.host.refs[slot] = self.host.refs.get(slot, 0) + 1
             seq.host_blocks = [slots[b] for b in computed]

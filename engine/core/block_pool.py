@@ -3,6 +3,7 @@
 A freed block keeps its hash in the free queue (LRU, O(1) removal on a hit) until it is reused for other tokens;
 the block manager (engine/core/block_manager.py) decides which blocks a sequence holds.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -1,6 +1,7 @@
 """What the KV block books hold, counted: free, cached, pinned and used blocks, the prefix cache's queries and hits,
 the host tier, and the slots that hold a token's KV (against the slots allocated: the pool's waste).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

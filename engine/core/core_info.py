@@ -1,6 +1,7 @@
 """CoreInfo: what the front needs to know of a started engine core (resolved at model load), and the request
 checks both sides run with it: the front refuses a bad request at submission (a 400 before any IPC), the core
 again at admission (its own guard)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
@@ -29,9 +30,19 @@ class CoreInfo(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, config: EngineConfig, vocab_size: int, num_blocks: int) -> CoreInfo:
-        return cls(config.model_id, config.model_path, vocab_size, config.max_model_len, config.max_num_seqs,
-                   tuple(config.eos_token_ids), config.block_size, num_blocks, config.prefix_hash,
-                   config.prefix_cache_seed, config.torch_device.type)
+        return cls(
+            config.model_id,
+            config.model_path,
+            vocab_size,
+            config.max_model_len,
+            config.max_num_seqs,
+            tuple(config.eos_token_ids),
+            config.block_size,
+            num_blocks,
+            config.prefix_hash,
+            config.prefix_cache_seed,
+            config.torch_device.type,
+        )
 
     def apply_to(self, config: EngineConfig) -> None:
         """Fill a front-side config's derived fields with the core's resolved values."""
@@ -39,8 +50,9 @@ class CoreInfo(msgspec.Struct, frozen=True):
         config.max_model_len, config.eos_token_ids = self.max_model_len, self.eos_token_ids
 
 
-def check_request(info: CoreInfo, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                  grammars: Any | None) -> None:
+def check_request(
+    info: CoreInfo, prompt_token_ids: SequenceOf[int], params: SamplingParams, grammars: Any | None
+) -> None:
     """ValueError naming the field when the request can never run. ``grammars``: a GrammarCompiler that checks
     a structured-output spec (None: not checked here)."""
     if not isinstance(params, SamplingParams):
@@ -51,8 +63,10 @@ def check_request(info: CoreInfo, prompt_token_ids: SequenceOf[int], params: Sam
     if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
         raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
     if len(prompt_token_ids) >= info.max_model_len:
-        raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                         f"max_model_len={info.max_model_len}")
+        raise ValueError(
+            f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+            f"max_model_len={info.max_model_len}"
+        )
     if params.top_k > vocab:
         raise ValueError(f"top_k: must be at most the vocabulary size ({vocab}), or -1 / 0 for off")
     if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -60,10 +74,20 @@ def check_request(info: CoreInfo, prompt_token_ids: SequenceOf[int], params: Sam
     if params.structured_output is not None and grammars is not None:
         grammars.validate(params.structured_output)
     if params.num_sequences > info.max_num_seqs:
-        field_name = "beam_width" if params.use_beam_search else "best_of" if params.best_of else "n"
-        raise ValueError(f"{field_name}: {params.num_sequences} sequences exceed max_num_seqs={info.max_num_seqs}")
+        field_name = (
+            "beam_width" if params.use_beam_search else "best_of" if params.best_of else "n"
+        )
+        raise ValueError(
+            f"{field_name}: {params.num_sequences} sequences exceed max_num_seqs={info.max_num_seqs}"
+        )
 
 
 def check_priority(priority: int) -> None:
-    if not isinstance(priority, int) or isinstance(priority, bool) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs first)")
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not -MAX_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise ValueError(
+            f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs first)"
+        )

@@ -7,6 +7,7 @@ numbered from 0; requests and calls name theirs, and the core sends each one's a
 carry a pickled callable (a core method's name, or a module-level function taking the core): they are rare (pins,
 tests), and the sockets are private to the two processes (a 0700 directory).
 """
+
 from __future__ import annotations
 
 import msgspec

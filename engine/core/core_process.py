@@ -8,6 +8,7 @@ submitted. Its life is tied to its parent's (the front, or the process that runs
 (PR_SET_PDEATHSIG on Linux, and a parent check whenever it is idle), ignores Ctrl-C and SIGTERM (the fronts drain,
 then it is stopped), and a failed step is reported as ``CoreFailed`` to every front before it exits non-zero.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -76,8 +77,12 @@ class LaunchedCore:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | None = None,
-                log_format: str = "text") -> LaunchedCore:
+def launch_core(
+    config: EngineConfig,
+    num_clients: int = 1,
+    log_level: int | None = None,
+    log_format: str = "text",
+) -> LaunchedCore:
     """Start a core process for ``num_clients`` fronts (it loads the model meanwhile: a front learns the outcome
     from its first message, ``Ready`` or ``StartFailed``). The sockets live in a fresh 0700 directory, so only
     this user reaches them."""
@@ -88,15 +93,23 @@ def launch_core(config: EngineConfig, num_clients: int = 1, log_level: int | Non
     outputs = [f"ipc://{ipc_dir}/outputs-{i}" for i in range(num_clients)]
     level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
     process = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="pagedchat-engine-core", daemon=True,
-        args=(config, inputs, outputs, level, log_format))
+        target=run_engine_core,
+        name="pagedchat-engine-core",
+        daemon=True,
+        args=(config, inputs, outputs, level, log_format),
+    )
     process.start()
     endpoints = [CoreEndpoint(inputs, address, i, process.pid) for i, address in enumerate(outputs)]
     return LaunchedCore(process, endpoints, ipc_dir)
 
 
-def run_engine_core(config: EngineConfig, inputs_address: str, outputs_addresses: list[str], log_level: int,
-                    log_format: str = "text") -> None:
+def run_engine_core(
+    config: EngineConfig,
+    inputs_address: str,
+    outputs_addresses: list[str],
+    log_level: int,
+    log_format: str = "text",
+) -> None:
     """The process's entry point (picklable: spawn imports it by name)."""
     parent = os.getppid()
     die_with_parent()
@@ -181,8 +194,14 @@ class CoreLoop:
     """Drain inputs -> step -> push outputs. With several fronts, each step's deltas are split by the front that
     submitted each request (one message per front and step); with one, they go out as they come."""
 
-    def __init__(self, core: Any, inputs: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int,
-                 step_log: StepLog | None = None) -> None:
+    def __init__(
+        self,
+        core: Any,
+        inputs: zmq.Socket,
+        outputs: list[zmq.Socket],
+        parent_pid: int,
+        step_log: StepLog | None = None,
+    ) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
@@ -250,8 +269,14 @@ class CoreLoop:
     def _add(self, message: AddRequest) -> None:
         request_id, client = message.request_id, message.client
         try:
-            self.core.add_request(request_id, message.prompt_token_ids, message.params, message.cache_salt,
-                                  message.tenant, message.priority)
+            self.core.add_request(
+                request_id,
+                message.prompt_token_ids,
+                message.params,
+                message.cache_salt,
+                message.tenant,
+                message.priority,
+            )
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
             self._send(client, AddFailed(request_id, str(exc), True))
             return
@@ -265,7 +290,11 @@ class CoreLoop:
     def _call(self, message: UtilityCall) -> None:
         try:
             target, args = pickle.loads(message.payload)
-            result = getattr(self.core, target)(*args) if isinstance(target, str) else target(self.core, *args)
+            result = (
+                getattr(self.core, target)(*args)
+                if isinstance(target, str)
+                else target(self.core, *args)
+            )
             reply = UtilityResult(message.call_id, True, pickle.dumps(result))
         except Exception as exc:  # noqa: BLE001 - the caller's problem, raised in the caller
             reply = UtilityResult(message.call_id, False, _pickled_error(exc))
@@ -332,7 +361,12 @@ class StepLog:
         now = time.monotonic()
         # the first step after start-up or an idle spell
         if now - self._last_step > self.interval_s:
-            self._since, self._steps, self._step_s, self._start_stats = now - seconds, 0, 0.0, core.stats()
+            self._since, self._steps, self._step_s, self._start_stats = (
+                now - seconds,
+                0,
+                0.0,
+                core.stats(),
+            )
         self._last_step = now
         self._steps += 1
         self._step_s += seconds
@@ -344,14 +378,22 @@ class StepLog:
     def _log(self, first: Any, stats: Any, wall_s: float) -> None:
         queries = stats.prefix_queries - first.prefix_queries
         hits = stats.prefix_hits - first.prefix_hits
-        logger.info("engine: %.1f steps/s, %.2f ms per step (stepping %.0f%% of the time); prompt %.0f tok/s, "
-                    "generation %.0f tok/s; running %d, waiting %d, swapped %d; KV usage %.1f%%; prefix cache hit "
-                    "rate %.1f%%; preemptions %d",
-                    self._steps / wall_s, 1000 * self._step_s / self._steps, 100 * self._step_s / wall_s,
-                    (stats.prompt_tokens - first.prompt_tokens) / wall_s,
-                    (stats.generation_tokens - first.generation_tokens) / wall_s, stats.num_running,
-                    stats.num_waiting, stats.num_swapped, 100 * stats.kv_usage,
-                    100 * hits / queries if queries else 0.0, stats.preemptions - first.preemptions)
+        logger.info(
+            "engine: %.1f steps/s, %.2f ms per step (stepping %.0f%% of the time); prompt %.0f tok/s, "
+            "generation %.0f tok/s; running %d, waiting %d, swapped %d; KV usage %.1f%%; prefix cache hit "
+            "rate %.1f%%; preemptions %d",
+            self._steps / wall_s,
+            1000 * self._step_s / self._steps,
+            100 * self._step_s / wall_s,
+            (stats.prompt_tokens - first.prompt_tokens) / wall_s,
+            (stats.generation_tokens - first.generation_tokens) / wall_s,
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            100 * stats.kv_usage,
+            100 * hits / queries if queries else 0.0,
+            stats.preemptions - first.preemptions,
+        )
 
 
 def _pickled_error(exc: Exception) -> bytes:

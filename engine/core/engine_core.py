@@ -6,6 +6,7 @@ building RequestOutputs belong to the output processor (output_processor.py), wh
 (llm_engine.py) or in the server's process (async_engine.py, with the core in a process of its own). A stop
 string found there ends the sample here through ``abort_request(request_id, index, "stop")``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,31 +43,50 @@ from engine.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-_FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "abort": SequenceStatus.FINISHED_ABORTED,
-                  "error": SequenceStatus.FINISHED_FAILED}
+_FINISH_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+    "error": SequenceStatus.FINISHED_FAILED,
+}
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
         self.config = config = config or EngineConfig(**options)
         # (restored by shutdown: ranks on the CPU share the cores)
-        self._threads_before = set_rank_threads(config.num_threads, config.tensor_parallel_size, config.torch_device)
+        self._threads_before = set_rank_threads(
+            config.num_threads, config.tensor_parallel_size, config.torch_device
+        )
         torch.manual_seed(config.seed)
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         num_blocks = self._load()
-        self.grammars = GrammarCompiler(self.tokenizer, self.model.args.vocab_size, config.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self._hasher(), *self.runner.allocate_host_pools(),
-                                          self.runner.kv.lookahead_tokens, config.max_blocks_per_seq)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self._hasher(),
+            *self.runner.allocate_host_pools(),
+            self.runner.kv.lookahead_tokens,
+            config.max_blocks_per_seq,
+        )
         self.scheduler = self._new_scheduler()
         self.counters = EngineCounters()
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, Request] = {}
         self.prefix_pins = PrefixPins(self.block_manager)
         self._samples: dict[int, Sample] = {}  # seq_id -> its sample, for every unfinished one
-        self.beams = BeamRequests(self.scheduler, self.block_manager, self.counters, self.runner.forget,
-                                  self._finish, lambda request_id: self._requests.pop(request_id).group.params.n)
+        self.beams = BeamRequests(
+            self.scheduler,
+            self.block_manager,
+            self.counters,
+            self.runner.forget,
+            self._finish,
+            lambda request_id: self._requests.pop(request_id).group.params.n,
+        )
         self._seq_ids = itertools.count()
         # launched, sampled ids not read yet (async scheduling)
         self._in_flight: LaunchedStep | None = None
@@ -90,12 +110,21 @@ class EngineCore:
 
     def _new_scheduler(self) -> Scheduler:
         config, runner = self.config, self.runner
-        swap = SwapPolicy(config.preemption_mode, config.torch_device.type, runner.bytes_per_block,
-                          runner.num_parameters)
-        return Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap=swap,
-                         max_seqs_per_tenant=config.max_seqs_per_tenant,
-                         shared_step_time_factor=config.shared_step_time_factor,
-                         step_time_target_s=config.step_time_target_s)
+        swap = SwapPolicy(
+            config.preemption_mode,
+            config.torch_device.type,
+            runner.bytes_per_block,
+            runner.num_parameters,
+        )
+        return Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            prefer_swap=swap,
+            max_seqs_per_tenant=config.max_seqs_per_tenant,
+            shared_step_time_factor=config.shared_step_time_factor,
+            step_time_target_s=config.step_time_target_s,
+        )
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
@@ -106,15 +135,24 @@ class EngineCore:
             torch.set_num_threads(self._threads_before)
 
     def _hasher(self) -> BlockHasher:
-        return BlockHasher(self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed)
+        return BlockHasher(
+            self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed
+        )
 
     # requests -----------------------------------------------------------------------------------------
 
     def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
         check_request(self.info, prompt_token_ids, params, self.grammars)
 
-    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, tenant: str = "", priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> None:
         """``tenant``: who sent it (steps are shared fairly among tenants with work); ``priority``: its rank among
         that tenant's requests, lower first."""
         params = params or SamplingParams()
@@ -124,13 +162,23 @@ class EngineCore:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt = list(prompt_token_ids)
         # one matcher built (a large grammar's takes tens of milliseconds), copied for the other samples
-        grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
-        seqs = new_sequences(self._seq_ids, request_id, prompt, params, grammar, cache_salt, tenant, priority)
+        grammar = (
+            self.grammars.matcher(params.structured_output)
+            if params.structured_output is not None
+            else None
+        )
+        seqs = new_sequences(
+            self._seq_ids, request_id, prompt, params, grammar, cache_salt, tenant, priority
+        )
         group = SequenceGroup(request_id, seqs, params)
         if params.use_beam_search:
             eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
-            request = Request(group, [], 0, beam=new_beam_group(seqs, params, self.config.max_model_len - len(prompt),
-                                                                 eos))
+            request = Request(
+                group,
+                [],
+                0,
+                beam=new_beam_group(seqs, params, self.config.max_model_len - len(prompt), eos),
+            )
         else:
             request = Request(group, [Sample(seq) for seq in seqs], len(seqs))
         # nothing is registered before this point: a failure above leaves the engine as it was
@@ -141,7 +189,9 @@ class EngineCore:
         self.counters.prompt_tokens += len(prompt)
         self.scheduler.add(seqs[0])
 
-    def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort") -> list[SampleDelta]:
+    def abort_request(
+        self, request_id: str, index: int | None = None, reason: str = "abort"
+    ) -> list[SampleDelta]:
         """End a request now (or only its sample ``index``); returns the final delta (finish_reason ``reason``)
         of each sample not finished yet (none if the request is unknown or done). ``reason`` "stop": the output
         processor found a stop string, and has already ended the sample."""
@@ -198,24 +248,34 @@ class EngineCore:
             in_flight = None
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
-        self.counters.launch_seconds += time.perf_counter() - launch_start - launched.prepare_seconds
+        self.counters.launch_seconds += (
+            time.perf_counter() - launch_start - launched.prepare_seconds
+        )
         self.beams.preempted(batch.preempted)
         # a beam's next token comes from its request's beam step, not from its own sampled row
-        launched.pending_indices = [-1 if seq.params.use_beam_search else seq.append_pending()
-                                    for seq in launched.seqs]
+        launched.pending_indices = [
+            -1 if seq.params.use_beam_search else seq.append_pending() for seq in launched.seqs
+        ]
         for seq in launched.seqs:
             if seq.params.use_beam_search:
                 seq.awaiting_beam_step = True
             else:
-                seq.awaiting_last_token = reaches_length_limit(seq, seq.num_tokens, self.config.max_model_len)
+                seq.awaiting_last_token = reaches_length_limit(
+                    seq, seq.num_tokens, self.config.max_model_len
+                )
         if in_flight is not None:
             deltas += self._process(in_flight)
-        self.scheduler.advance([(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                if not seq.is_finished], batch.forks)
+        self.scheduler.advance(
+            [(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens) if not seq.is_finished],
+            batch.forks,
+        )
         self.counters.steps += 1
         # (with async scheduling this step's time is mostly the wait for the one before: the same shape, steadily)
-        self.scheduler.step_cost.observe(sum(batch.num_new_tokens), time.perf_counter() - start,
-                                         batch.num_decodes < len(batch.seqs))
+        self.scheduler.step_cost.observe(
+            sum(batch.num_new_tokens),
+            time.perf_counter() - start,
+            batch.num_decodes < len(batch.seqs),
+        )
         if self.config.async_scheduling:
             self._in_flight = launched
         else:
@@ -224,7 +284,9 @@ class EngineCore:
                 self.runner.settle()
         return deltas
 
-    def _idle_step(self, in_flight: LaunchedStep | None, batch: ScheduledBatch) -> list[SampleDelta]:
+    def _idle_step(
+        self, in_flight: LaunchedStep | None, batch: ScheduledBatch
+    ) -> list[SampleDelta]:
         """Nothing to run: read the step still in flight, or tell a scheduler that can never run anything."""
         if in_flight is not None:
             deltas = self._process(in_flight)
@@ -238,7 +300,9 @@ class EngineCore:
 
     def _needs_known_history(self, batch: ScheduledBatch) -> bool:
         """Penalties and grammars read the values of earlier output tokens: those must be known first."""
-        return any(seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs)
+        return any(
+            seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs
+        )
 
     def _process(self, launched: LaunchedStep) -> list[SampleDelta]:
         """Read a launched step's sampled ids and hand them to their requests."""
@@ -248,7 +312,9 @@ class EngineCore:
         self.counters.wait_seconds += read - start
         deltas = []
         samples = self._samples
-        for row, (seq, index, token_id) in enumerate(zip(launched.seqs, launched.pending_indices, token_ids)):
+        for row, (seq, index, token_id) in enumerate(
+            zip(launched.seqs, launched.pending_indices, token_ids)
+        ):
             if index < 0:  # a beam: its row's log-probs go to its request's next beam step
                 deltas += self.beams.collect(seq, launched.beam_logprobs[row])
                 continue
@@ -266,7 +332,9 @@ class EngineCore:
         self.counters.output_seconds += time.perf_counter() - read
         return deltas
 
-    def _accept(self, sample: Sample, token_id: int, token_logprobs: TokenLogprobs | None) -> SampleDelta:
+    def _accept(
+        self, sample: Sample, token_id: int, token_logprobs: TokenLogprobs | None
+    ) -> SampleDelta:
         seq = sample.seq
         accept_grammar(seq, token_id)
         status = stop_status(seq, token_id, self.config.eos_token_ids, self.config.max_model_len)
@@ -277,7 +345,9 @@ class EngineCore:
     def _fail(self, sample: Sample, exc: Exception) -> SampleDelta:
         """End one sample because of an error of its own; its final delta carries the error."""
         seq = sample.seq
-        logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        logger.error(
+            "request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc
+        )
         sample.error = f"{type(exc).__name__}: {exc}"
         if seq.is_finished:
             seq.status = SequenceStatus.FINISHED_FAILED
@@ -306,8 +376,15 @@ class EngineCore:
 
     # pinned prefixes (prefix_pins.py) -----------------------------------------------------------------
 
-    def pin_prefix(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
-                   group: str | None = None, group_share: float = 1.0) -> int:
+    def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
         return self.prefix_pins.pin(pin_id, token_ids, cache_salt, share, group, group_share)
 
     def unpin_prefix(self, pin_id: str) -> None:

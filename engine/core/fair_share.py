@@ -12,6 +12,7 @@ work gets at least one token per step whatever its share, and the least recently
 (running sequences, ``max_num_seqs``) are shared the same way: a tenant at or over ``max_num_seqs / tenants``
 admits nothing more while others have work (shared_step.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

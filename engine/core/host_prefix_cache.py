@@ -11,6 +11,7 @@ A slot read or written by a copy of the current step is not given to another has
 run later, in order on one stream (device-to-host copies first, host-to-device after), so a slot reused within
 the step could hand a restore the wrong block.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

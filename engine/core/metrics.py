@@ -1,4 +1,5 @@
 """Engine counters and the EngineStats snapshot (no HTTP here: the app exports them)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -53,19 +54,33 @@ class EngineStats:
     num_swapped: int = 0  # sequences swapped out to host memory, waiting to come back
 
     @classmethod
-    def collect(cls, blocks: BlockStats, scheduler: Scheduler, counters: EngineCounters) -> EngineStats:
+    def collect(
+        cls, blocks: BlockStats, scheduler: Scheduler, counters: EngineCounters
+    ) -> EngineStats:
         """The snapshot of a core's block manager, scheduler and counters."""
         return cls(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_usage=blocks.usage,
-            num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
-            num_cached_blocks=blocks.num_cached_blocks, num_pinned_blocks=blocks.num_pinned_blocks,
-            prefix_queries=blocks.prefix_queries, prefix_hits=blocks.prefix_hits,
-            prefix_host_hits=blocks.prefix_host_hits, num_host_cached_blocks=blocks.num_host_cached_blocks,
-            host_cache_stores=blocks.host_cache_stores, evictions=blocks.evictions,
-            preemptions=scheduler.num_preemptions, kv_allocated_slots=blocks.allocated_slots,
-            kv_used_slots=blocks.used_slots, prompt_tokens=counters.prompt_tokens,
-            generation_tokens=counters.generation_tokens, steps=counters.steps, finished=dict(counters.finished),
-            num_swapped=len(scheduler.swapped))
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_usage=blocks.usage,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=blocks.num_cached_blocks,
+            num_pinned_blocks=blocks.num_pinned_blocks,
+            prefix_queries=blocks.prefix_queries,
+            prefix_hits=blocks.prefix_hits,
+            prefix_host_hits=blocks.prefix_host_hits,
+            num_host_cached_blocks=blocks.num_host_cached_blocks,
+            host_cache_stores=blocks.host_cache_stores,
+            evictions=blocks.evictions,
+            preemptions=scheduler.num_preemptions,
+            kv_allocated_slots=blocks.allocated_slots,
+            kv_used_slots=blocks.used_slots,
+            prompt_tokens=counters.prompt_tokens,
+            generation_tokens=counters.generation_tokens,
+            steps=counters.steps,
+            finished=dict(counters.finished),
+            num_swapped=len(scheduler.swapped),
+        )
 
     @property
     def prefix_device_hits(self) -> int:

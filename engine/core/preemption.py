@@ -6,6 +6,7 @@ sequences (the paper's rule: they share their history, and the host keeps one co
 otherwise the cheaper of the copy out and back over the host link and the recompute of its tokens, by rough
 device rates. Where the host pool has no room, the scheduler recomputes the victim anyway.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ together hold at most ``share`` of the KV pool, and the pins of one group (an AP
 pinned blocks; this book keeps what each pin asked for (its tokens and group), so ``pins()`` also shows pins
 that hold no block now (over the cap, or released to make room: the scheduler drops pins before it preempts).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
@@ -21,19 +22,40 @@ class PrefixPins:
         self._tokens: dict[str, int] = {}  # pin id -> tokens of its prefix
         self._groups: dict[str, str | None] = {}  # pin id -> its group (whose pins share a cap)
 
-    def pin(self, pin_id: str, token_ids: SequenceOf[int], cache_salt: str | None, share: float = 1.0,
-            group: str | None = None, group_share: float = 1.0) -> int:
+    def pin(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
         """Pin the cached full blocks of ``token_ids`` against eviction, all or none; returns how many were
         pinned (0 when caching is off, they were evicted, or over the cap)."""
-        probe = Sequence(seq_id=-1, request_id=pin_id, token_ids=list(token_ids), params=SamplingParams(),
-                         cache_salt=cache_salt)
+        probe = Sequence(
+            seq_id=-1,
+            request_id=pin_id,
+            token_ids=list(token_ids),
+            params=SamplingParams(),
+            cache_salt=cache_salt,
+        )
         blocks = self.block_manager
         blocks.update_block_hashes(probe)
         self._tokens[pin_id] = len(probe.token_ids)
         self._groups[pin_id] = group
-        group_pins = {other: len(held) for other, held in blocks.pins.items()
-                      if other != pin_id and group is not None and self._groups.get(other) == group}
-        cap = pin_cap(blocks.num_blocks, blocks.num_pinned_blocks, share, group_pins if group else None, group_share)
+        group_pins = {
+            other: len(held)
+            for other, held in blocks.pins.items()
+            if other != pin_id and group is not None and self._groups.get(other) == group
+        }
+        cap = pin_cap(
+            blocks.num_blocks,
+            blocks.num_pinned_blocks,
+            share,
+            group_pins if group else None,
+            group_share,
+        )
         return blocks.pin(pin_id, probe.block_hashes, cap)
 
     def unpin(self, pin_id: str) -> None:
@@ -44,11 +66,18 @@ class PrefixPins:
     def pins(self) -> dict[str, tuple[int, int]]:
         """Every pin asked for and not unpinned: pin id -> (its tokens, blocks pinned now)."""
         held = self.block_manager.pins
-        return {pin_id: (tokens, len(held.get(pin_id, ()))) for pin_id, tokens in self._tokens.items()}
+        return {
+            pin_id: (tokens, len(held.get(pin_id, ()))) for pin_id, tokens in self._tokens.items()
+        }
 
 
-def pin_cap(num_blocks: int, num_pinned: int, share: float, group_pins: dict[str, int] | None,
-            group_share: float) -> int:
+def pin_cap(
+    num_blocks: int,
+    num_pinned: int,
+    share: float,
+    group_pins: dict[str, int] | None,
+    group_share: float,
+) -> int:
     """The cap ``BlockManager.pin`` holds all pins to (``num_pinned + new <= cap``) for a new pin: ``share`` of
     the pool, and for a pin of a group (an API key's presets) also what the group's other pins (``group_pins``:
     pin id -> blocks) left of its ``group_share``."""

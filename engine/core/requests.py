@@ -12,6 +12,7 @@ A sample stops at EOS (unless ``ignore_eos``; the sampler masks EOS until ``min_
 tokens, or at its length limit (``max_tokens`` output tokens, or ``max_model_len`` in all). Stop strings are the
 output processor's: it sees text.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,13 +40,29 @@ class Sample:
         """The sample's output tokens known and not sent yet (now counted as sent), and how it ended if it has:
         its next delta (``logprobs``: the new tokens', where asked for)."""
         seq = self.seq
-        first_output, num_output = seq.num_prompt_tokens, seq.num_known_tokens - seq.num_prompt_tokens
+        first_output, num_output = (
+            seq.num_prompt_tokens,
+            seq.num_known_tokens - seq.num_prompt_tokens,
+        )
         new_ids = seq.token_ids[first_output + self.num_sent : first_output + num_output]
         self.num_sent = num_output
-        queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
-        return SampleDelta(seq.request_id, seq.index, new_ids, logprobs, seq.status.finish_reason,
-                           seq.stop_reason if isinstance(seq.stop_reason, int) else None,
-                           max(seq.num_cached_tokens, 0), queued, None, self.error)
+        queued = (
+            None
+            if seq.first_scheduled_time is None
+            else seq.first_scheduled_time - seq.arrival_time
+        )
+        return SampleDelta(
+            seq.request_id,
+            seq.index,
+            new_ids,
+            logprobs,
+            seq.status.finish_reason,
+            seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+            max(seq.num_cached_tokens, 0),
+            queued,
+            None,
+            self.error,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -56,24 +73,56 @@ class Request:
     beam: BeamGroup | None = None
 
 
-def new_sequences(seq_ids: itertools.count, request_id: str, prompt: list[int], params: SamplingParams,
-                  grammar: Any | None, cache_salt: str | None, tenant: str, priority: int) -> list[Sequence]:
+def new_sequences(
+    seq_ids: itertools.count,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    grammar: Any | None,
+    cache_salt: str | None,
+    tenant: str,
+    priority: int,
+) -> list[Sequence]:
     """The request's sequences, one per sample (or beam); the first computes the prompt, the others fork from
     it (a beam search's hold their places until the prompt's step)."""
     if params.use_beam_search:
-        seqs = [Sequence(seq_id=next(seq_ids), request_id=request_id, token_ids=list(prompt), params=params,
-                         cache_salt=cache_salt, tenant=tenant, priority=priority, index=i)
-                for i in range(params.beam_width)]
+        seqs = [
+            Sequence(
+                seq_id=next(seq_ids),
+                request_id=request_id,
+                token_ids=list(prompt),
+                params=params,
+                cache_salt=cache_salt,
+                tenant=tenant,
+                priority=priority,
+                index=i,
+            )
+            for i in range(params.beam_width)
+        ]
         seqs[0].unforked = seqs[1:]
         return seqs
-    seq_params = params if params.best_of is None or params.logprobs is not None else \
-        dataclasses.replace(params, logprobs=0)
+    seq_params = (
+        params
+        if params.best_of is None or params.logprobs is not None
+        else dataclasses.replace(params, logprobs=0)
+    )
     seqs = []
     for index in range(params.num_sequences):
-        own = seq_params if index == 0 or params.seed is None else \
-            dataclasses.replace(seq_params, seed=params.sample_seed(index))
-        seq = Sequence(seq_id=next(seq_ids), request_id=request_id, token_ids=list(prompt), params=own,
-                       cache_salt=cache_salt, tenant=tenant, priority=priority, index=index)
+        own = (
+            seq_params
+            if index == 0 or params.seed is None
+            else dataclasses.replace(seq_params, seed=params.sample_seed(index))
+        )
+        seq = Sequence(
+            seq_id=next(seq_ids),
+            request_id=request_id,
+            token_ids=list(prompt),
+            params=own,
+            cache_salt=cache_salt,
+            tenant=tenant,
+            priority=priority,
+            index=index,
+        )
         if grammar is not None:
             seq.grammar = grammar if index == 0 else grammar.deep_copy()
         seqs.append(seq)
@@ -88,8 +137,9 @@ def reaches_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> 
     return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= max_model_len
 
 
-def stop_status(seq: Sequence, token_id: int, eos_token_ids: Collection[int],
-                max_model_len: int) -> SequenceStatus | None:
+def stop_status(
+    seq: Sequence, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+) -> SequenceStatus | None:
     """How ``seq`` stops now that it has ``token_id`` (None: it goes on): EOS, a stop token, or its length."""
     params = seq.params
     if token_id in eos_token_ids and not params.ignore_eos:

@@ -5,6 +5,7 @@ then prefill chunks; the block moves that run before the pass (swap-outs, copy-o
 order on one stream); the sequences preempted to make room; and the samples forked from a parent whose prompt
 the pass completes. ``sampling_seqs`` is fixed here, before the pass advances ``num_computed_tokens``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,8 +34,11 @@ class ScheduledBatch:
     sampling_seqs: list[Sequence] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sampling_seqs = [seq for seq, n in zip(self.seqs, self.num_new_tokens)
-                              if seq.num_computed_tokens + n == seq.num_tokens]
+        self.sampling_seqs = [
+            seq
+            for seq, n in zip(self.seqs, self.num_new_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
         self.sampling_seqs += [child for _, child in self.forks]
 
     @property

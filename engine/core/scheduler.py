@@ -13,6 +13,7 @@ tenant's rows take turns across steps; seats are shared too (a tenant over its s
 nothing more, and gives seats back, newest first, to a tenant under its share); the victim of a block shortage is
 the newest sequence of the tenant running the most.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,16 @@ MAX_DEFERRED_PER_STEP = 256
 
 
 class Scheduler(SharedStep):
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefer_swap: Callable[[Sequence], bool] | None = None, max_seqs_per_tenant: int | None = None,
-                 shared_step_time_factor: float = 0.0, step_time_target_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefer_swap: Callable[[Sequence], bool] | None = None,
+        max_seqs_per_tenant: int | None = None,
+        shared_step_time_factor: float = 0.0,
+        step_time_target_s: float = 0.0,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -98,7 +106,11 @@ class Scheduler(SharedStep):
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_last_token or seq.awaiting_beam_step:
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.awaiting_last_token
+                or seq.awaiting_beam_step
+            ):
                 continue  # preempted as a victim earlier in this loop, or done computing
             budget = self._schedule_running(seq, budget, chosen, preempted)
         if not preempted:
@@ -112,8 +124,10 @@ class Scheduler(SharedStep):
         if not self.step_time_target_s or (prices := self.step_cost.prices()) is None:
             return self.max_num_batched_tokens
         decodes = sum(seq.num_uncomputed_tokens == 1 for seq in self.running)
-        tokens = max(prices.tokens_within(self.step_time_target_s, prefill=True),
-                     decodes + self.block_manager.block_size)
+        tokens = max(
+            prices.tokens_within(self.step_time_target_s, prefill=True),
+            decodes + self.block_manager.block_size,
+        )
         return min(self.max_num_batched_tokens, tokens)
 
     def _victim(self) -> Sequence:
@@ -140,8 +154,11 @@ class Scheduler(SharedStep):
                     break
                 if manager.pins:  # nothing else runs: pins give way, as for a waiting request
                     released = manager.unpin_all()
-                    logger.warning("released %d pinned preset blocks under memory pressure (for %s)",
-                                   released, group[0].request_id)
+                    logger.warning(
+                        "released %d pinned preset blocks under memory pressure (for %s)",
+                        released,
+                        group[0].request_id,
+                    )
                     continue
                 if not manager.can_swap_in(*group):
                     break
@@ -152,7 +169,9 @@ class Scheduler(SharedStep):
                 self.running.append(seq)
                 self.num_unforked += len(seq.unforked)
             for seq in group:
-                if seq.status is SequenceStatus.RUNNING and not (seq.awaiting_last_token or seq.awaiting_beam_step):
+                if seq.status is SequenceStatus.RUNNING and not (
+                    seq.awaiting_last_token or seq.awaiting_beam_step
+                ):
                     budget = self._schedule_running(seq, budget, chosen, preempted)
             if preempted:
                 break
@@ -162,7 +181,11 @@ class Scheduler(SharedStep):
         """Parents whose prompt this pass completes release their samples into the running batch."""
         forks = []
         for seq, n in entries:
-            if seq.unforked and not seq.params.use_beam_search and seq.num_computed_tokens + n == seq.num_tokens:
+            if (
+                seq.unforked
+                and not seq.params.use_beam_search
+                and seq.num_computed_tokens + n == seq.num_tokens
+            ):
                 for child in seq.unforked:
                     child.status = SequenceStatus.RUNNING
                     child.first_scheduled_time = seq.first_scheduled_time
@@ -172,8 +195,14 @@ class Scheduler(SharedStep):
                 seq.unforked = []
         return forks
 
-    def _schedule_running(self, seq: Sequence, budget: int, chosen: dict[Sequence, int],
-                          preempted: list[Sequence], limit: int | None = None) -> int:
+    def _schedule_running(
+        self,
+        seq: Sequence,
+        budget: int,
+        chosen: dict[Sequence, int],
+        preempted: list[Sequence],
+        limit: int | None = None,
+    ) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget, limit or budget)
         if num_new == 0:
             # (the step's budget is spent: it runs next step; an entry of 0 tokens is no row)
@@ -206,11 +235,20 @@ class Scheduler(SharedStep):
     def _blocks_in_progress(self) -> set[bytes]:
         """Hashes of the full blocks that running sequences still have to compute (prefix caching only)."""
         size = self.block_manager.block_size
-        return {h for seq in self.running if seq.num_uncomputed_tokens > 1
-                for h in seq.block_hashes[seq.num_computed_tokens // size :]}
+        return {
+            h
+            for seq in self.running
+            if seq.num_uncomputed_tokens > 1
+            for h in seq.block_hashes[seq.num_computed_tokens // size :]
+        }
 
-    def _admit_in_order(self, budget: int, chosen: dict[Sequence, int], in_progress: set[bytes],
-                        deferred: list[Sequence]) -> None:
+    def _admit_in_order(
+        self,
+        budget: int,
+        chosen: dict[Sequence, int],
+        in_progress: set[bytes],
+        deferred: list[Sequence],
+    ) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) + self.num_unforked + 1 + len(seq.unforked) > self.max_num_seqs:
@@ -230,15 +268,24 @@ class Scheduler(SharedStep):
                 # nothing runs and pinned presets hold the blocks it needs: they become ordinary cached blocks
                 # (evictable, still hittable) rather than stall the engine for good
                 released = self.block_manager.unpin_all()
-                logger.warning("released %d pinned preset blocks under memory pressure (for %s)",
-                               released, seq.request_id)
+                logger.warning(
+                    "released %d pinned preset blocks under memory pressure (for %s)",
+                    released,
+                    seq.request_id,
+                )
                 continue
             self.waiting.popleft()
             self._start(seq, num_new, len(hits), chosen, in_progress)
             budget -= num_new
 
-    def _start(self, seq: Sequence, num_new: int, num_hits: int, chosen: dict[Sequence, int],
-               in_progress: set[bytes]) -> None:
+    def _start(
+        self,
+        seq: Sequence,
+        num_new: int,
+        num_hits: int,
+        chosen: dict[Sequence, int],
+        in_progress: set[bytes],
+    ) -> None:
         """An admitted request joins the running batch with ``num_new`` tokens this step."""
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -274,9 +321,13 @@ class Scheduler(SharedStep):
                 self.block_manager.swap_out(*group)
                 self.num_preemptions += len(group)
                 self.num_swap_outs += len(group)
-                logger.info("preempted %s (%d sequences swapped out, %d host blocks; %d free)", seq.request_id,
-                            len(group), len({b for v in group for b in v.host_blocks}),
-                            self.block_manager.num_free_blocks)
+                logger.info(
+                    "preempted %s (%d sequences swapped out, %d host blocks; %d free)",
+                    seq.request_id,
+                    len(group),
+                    len({b for v in group for b in v.host_blocks}),
+                    self.block_manager.num_free_blocks,
+                )
                 return group
         self.running.remove(seq)
         self.num_unforked -= len(seq.unforked)  # they wait with their parent
@@ -286,11 +337,17 @@ class Scheduler(SharedStep):
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        logger.info("preempted %s (recompute of %d tokens; %d free blocks)",
-                    seq.request_id, seq.num_tokens, self.block_manager.num_free_blocks)
+        logger.info(
+            "preempted %s (recompute of %d tokens; %d free blocks)",
+            seq.request_id,
+            seq.num_tokens,
+            self.block_manager.num_free_blocks,
+        )
         return [seq]
 
-    def advance(self, entries: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]] = ()) -> None:
+    def advance(
+        self, entries: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]] = ()
+    ) -> None:
         """After the forward pass: each entry's ``n`` tokens now have KV; register newly full blocks; forked
         samples share their parent's blocks (the partly filled last one is copied on their first write)."""
         for seq, n in entries:

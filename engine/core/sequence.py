@@ -1,4 +1,5 @@
 """Sequence (one stream of tokens with its KV blocks) and SequenceGroup (one request's sequences)."""
+
 from __future__ import annotations
 
 import enum
@@ -112,8 +113,11 @@ class Sequence:
     def is_finished(self) -> bool:
         # WAITING, RUNNING and SWAPPED are the only unfinished states
         status = self.status
-        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING \
+        return (
+            status is not SequenceStatus.RUNNING
+            and status is not SequenceStatus.WAITING
             and status is not SequenceStatus.SWAPPED
+        )
 
     @property
     def num_known_tokens(self) -> int:
@@ -140,7 +144,7 @@ class Sequence:
     def drop_pending(self) -> None:
         """Finished while tokens were still in flight: they are not part of its output."""
         if self.num_pending_tokens:
-            del self.token_ids[-self.num_pending_tokens:]
+            del self.token_ids[-self.num_pending_tokens :]
             self.num_pending_tokens = 0
 
 

@@ -11,6 +11,7 @@ recomputed later) to a tenant under its share.
 A mixin of Scheduler: it uses the scheduler's queues and its mechanics (``_schedule_running``, ``_swap_in``,
 ``_start``, ``_preempt``, ``_blocks_in_progress``).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -53,13 +54,17 @@ MAX_CREDIT_STEPS = 8
 class SharedStep:
     """The shared-step half of Scheduler."""
 
-    def _schedule_shared(self: Scheduler, chosen: dict[Sequence, int], preempted: list[Sequence]) -> None:
+    def _schedule_shared(
+        self: Scheduler, chosen: dict[Sequence, int], preempted: list[Sequence]
+    ) -> None:
         """Several tenants have work: swapped-out requests come back first, then each tenant, least recently
         served first, spends its fair share of the step (fair_share.py) on its decode rows (by priority, then
         those that waited longest), its prefill chunks, then its waiting requests (by priority, then arrival)."""
         work = self._work_by_tenant()
-        prefill_wanted = any(w.waiting or any(seq.num_uncomputed_tokens > 1 for seq in w.runnable)
-                             for w in work.values())
+        prefill_wanted = any(
+            w.waiting or any(seq.num_uncomputed_tokens > 1 for seq in w.runnable)
+            for w in work.values()
+        )
         streaming = any(seq.num_uncomputed_tokens == 1 for w in work.values() for seq in w.runnable)
         if streaming:
             tokens, prefill = self._shared_budget(len(work), prefill_wanted)
@@ -74,8 +79,16 @@ class SharedStep:
             if tokens == 0 or preempted:
                 break
             before = tokens
-            tokens = self._serve_tenant(work[tenant], int(shares[tenant]), tokens, prefill, seat_share, chosen,
-                                        preempted, in_progress)
+            tokens = self._serve_tenant(
+                work[tenant],
+                int(shares[tenant]),
+                tokens,
+                prefill,
+                seat_share,
+                chosen,
+                preempted,
+                in_progress,
+            )
             spent[tenant] = before - tokens
         for seq in chosen:
             seq.last_step = self.num_steps
@@ -90,20 +103,35 @@ class SharedStep:
         for seq in self.running:
             entry = work[seq.tenant]
             entry.seats += 1 + len(seq.unforked)
-            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_last_token or seq.awaiting_beam_step:
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.awaiting_last_token
+                or seq.awaiting_beam_step
+            ):
                 continue
             entry.runnable.append(seq)
         for seq in self.waiting:
             work[seq.tenant].waiting.append(seq)
         for entry in work.values():
             # decode rows first (a stream steps every time), those that waited longest first; then prefill chunks
-            entry.runnable.sort(key=lambda seq: (seq.num_uncomputed_tokens > 1, seq.priority, seq.last_step))
+            entry.runnable.sort(
+                key=lambda seq: (seq.num_uncomputed_tokens > 1, seq.priority, seq.last_step)
+            )
             # (stable: arrival order within a priority)
             entry.waiting.sort(key=lambda seq: seq.priority)
         return work
 
-    def _serve_tenant(self: Scheduler, work: _TenantWork, share: int, tokens: int, prefill: bool, seat_share: int,
-                      chosen: dict[Sequence, int], preempted: list[Sequence], in_progress: set[bytes]) -> int:
+    def _serve_tenant(
+        self: Scheduler,
+        work: _TenantWork,
+        share: int,
+        tokens: int,
+        prefill: bool,
+        seat_share: int,
+        chosen: dict[Sequence, int],
+        preempted: list[Sequence],
+        in_progress: set[bytes],
+    ) -> int:
         """One tenant's part of a shared step (up to ``share`` tokens, at least one; prefill chunks and new
         requests only where ``prefill``); returns the step's tokens left."""
         left = min(max(share, 1), tokens)
@@ -141,7 +169,9 @@ class SharedStep:
         pace = self.shared_step_time_factor * prices.one_token_step()
         least = num_tokens_for_prefill(num_tenants, self.block_manager.block_size)
         # (the bank holds at least the cheapest step with prefill: whatever its price, prefill gets its turn)
-        self._credit = min(self._credit + pace, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True)))
+        self._credit = min(
+            self._credit + pace, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True))
+        )
         if prefill_wanted:
             tokens = prices.tokens_within(self._credit, prefill=True)
             if tokens >= least:
@@ -149,8 +179,15 @@ class SharedStep:
             pace = (pace + prices.one_token_step()) / 2
         return min(self.max_num_batched_tokens, max(prices.tokens_within(pace), num_tenants)), False
 
-    def _admit_one(self: Scheduler, seq: Sequence, limit: int, seat_share: int, chosen: dict[Sequence, int],
-                   preempted: list[Sequence], in_progress: set[bytes]) -> int | None:
+    def _admit_one(
+        self: Scheduler,
+        seq: Sequence,
+        limit: int,
+        seat_share: int,
+        chosen: dict[Sequence, int],
+        preempted: list[Sequence],
+        in_progress: set[bytes],
+    ) -> int | None:
         """Admit one waiting request of a shared step with up to ``limit`` tokens: 0 when it waits for a prefix
         block in progress (the next of its tenant may go), None when it cannot run now (nor those behind it)."""
         need = 1 + len(seq.unforked)
@@ -167,8 +204,14 @@ class SharedStep:
         self._start(seq, num_new, len(hits), chosen, in_progress)
         return num_new
 
-    def _yield_seats(self: Scheduler, need: int, tenant: str, seat_share: int, chosen: dict[Sequence, int],
-                     preempted: list[Sequence]) -> bool:
+    def _yield_seats(
+        self: Scheduler,
+        need: int,
+        tenant: str,
+        seat_share: int,
+        chosen: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> bool:
         """Seats for a tenant under its share: the newest sequences of the tenant holding the most seats, over
         its share, are preempted (recompute) until ``need`` seats are free. False when no tenant is over."""
         while len(self.running) + self.num_unforked + need > self.max_num_seqs:

@@ -19,6 +19,7 @@ long run at one batch size does not wash the others out; p is an exponential ave
 took beyond the line. Until decode-only steps fill two buckets, a line through every step's buckets stands in
 (without p); before that there is no fit (``prices`` is None) and the scheduler shares tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ which block; a backend owns the memory behind the blocks and says how attention 
 Every backend keeps block-addressed ``k_caches``/``v_caches`` (``[layers, blocks, block_size, kv_heads,
 head_dim]``), through which copy-on-write, swap and the host tier move whole blocks, whatever the backend.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -38,9 +39,18 @@ class KVBackend(ABC):
         """What the attention layer ``layer`` reads and writes: its K and V."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """One attention layer's pass over its caches (``layer_caches``): store this pass's ``k``/``v``
         ``[T, kv_heads, head_dim]`` at their slots, then attend each row of ``q`` ``[T, heads, head_dim]`` over its
         sequence's KV, the decode rows (the first ``meta.num_decodes``) and the prefill chunks after them each by
@@ -48,7 +58,9 @@ class KVBackend(ABC):
 
     # where a step's tokens live: the step inputs' slot math (engine/worker/step_inputs.py) ------------------
 
-    def slot_mapping(self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def slot_mapping(
+        self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
         """Each token's KV slot, where ``store`` writes it: ``token_rows[i]`` is the row of the step inputs' table
         ``table`` that holds token i's sequence, ``positions[i]`` the token's position. Block-addressed: the
         slot of its block's first token plus its offset in the block."""
@@ -64,7 +76,7 @@ class KVBackend(ABC):
     def pack_tables(self, out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
         """A step's tables into ``out`` (``table_shape``): each sequence's block-table row, ``rows`` giving
         its row of ``table``."""
-        out[:] = table[rows, :out.shape[1]]
+        out[:] = table[rows, : out.shape[1]]
 
     def slot_ids(self, tables: torch.Tensor) -> torch.Tensor | None:
         """What the kernels address a sequence's KV by, beside its block table (None: the table itself)."""
@@ -84,8 +96,14 @@ class KVBackend(ABC):
     def claim_slot(self, slot: int) -> None:
         """Row ``slot`` gets a new sequence."""
 
-    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
-                 wait_in_flight: Callable[[], None]) -> None:
+    def map_rows(
+        self,
+        rows: np.ndarray,
+        tables: np.ndarray,
+        widths: np.ndarray,
+        ends: np.ndarray,
+        wait_in_flight: Callable[[], None],
+    ) -> None:
         """Before a step: make each row's blocks (its ``tables[i, :widths[i]]``) addressable up to ``ends``;
         ``wait_in_flight`` waits for the step the device still runs. Nothing to do where kernels read tables."""
 

@@ -10,6 +10,7 @@ package (``cuda.bindings.driver``), imported on first use so that CPU installs n
 
 ``FakeDriver`` (engine/kv_backend/fake_driver.py) has the same methods and checks the same rules on the CPU.
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,11 +30,15 @@ class CudaDriver:
         from cuda.bindings import driver  # noqa: PLC0415 - CUDA installs only
 
         self._d = driver
-        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device_index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
         torch.cuda.init()
         self._check(driver.cuInit(0), "cuInit")
         self._cu_device = self._check(driver.cuDeviceGet(self.device_index), "cuDeviceGet")
-        self._context = self._check(driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain")
+        self._context = self._check(
+            driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain"
+        )
         self._thread_bound = threading.local()
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -47,7 +52,9 @@ class CudaDriver:
         self._access = [access]
         self._bind()
         flag = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        self.granularity = int(self._check(driver.cuMemGetAllocationGranularity(prop, flag), "granularity"))
+        self.granularity = int(
+            self._check(driver.cuMemGetAllocationGranularity(prop, flag), "granularity")
+        )
 
     def _check(self, result: tuple, call: str) -> Any:
         err, *values = result if isinstance(result, tuple) else (result,)
@@ -64,7 +71,11 @@ class CudaDriver:
 
     def reserve(self, size: int) -> int:
         self._bind()
-        return int(self._check(self._d.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
+        return int(
+            self._check(
+                self._d.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"
+            )
+        )
 
     def free_address(self, address: int, size: int) -> None:
         self._check(self._d.cuMemAddressFree(address, size), "cuMemAddressFree")
@@ -96,11 +107,18 @@ class _DeviceArray:
     _TYPESTR = {1: "|u1", 2: "<i2", 4: "<f4", 8: "<f8"}
 
     def __init__(self, address: int, shape: tuple[int, ...], itemsize: int) -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": self._TYPESTR[itemsize], "data": (address, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": self._TYPESTR[itemsize],
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
-def tensor_at(address: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def tensor_at(
+    address: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """A torch tensor over memory the engine manages itself (torch neither owns nor frees it)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = torch.as_tensor(_DeviceArray(address, shape, itemsize), device=device)

@@ -5,6 +5,7 @@ slot's pages now waits for that slot's job alone (the worker's order makes the s
 Jobs not known done are kept with their function and arguments: at collection, a job the worker never started
 is run on the spot, so no mapping is left half done when the driver's memory is given back.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor

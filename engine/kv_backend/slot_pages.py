@@ -14,6 +14,7 @@ Rules the tests check with a fake driver (tests/engine/test_slot_pages.py):
 - ``clear`` unmaps every page of a slot (``forget`` hands them to the caller to unmap); after all slots are
   cleared the driver holds no slot mapping.
 """
+
 from __future__ import annotations
 
 from typing import Protocol, Sequence
@@ -45,7 +46,7 @@ class SlotPages:
         """Pages of ``slot`` that must change to map ``blocks`` at pages 0..len-1, and whether any of them
         replaces a mapped page (which a step in flight may read: the caller waits for it first)."""
         want = np.asarray(blocks, dtype=np.int64)
-        have = self.mapped[slot, :len(want)]
+        have = self.mapped[slot, : len(want)]
         pages = np.flatnonzero(have != want)
         return pages, bool((have[pages] >= 0).any())
 
@@ -53,7 +54,9 @@ class SlotPages:
         """Map ``blocks[page]`` at each of ``pages`` of ``slot`` (unmapping what was there)."""
         self.execute(slot, self.plan(slot, blocks, pages))
 
-    def plan(self, slot: int, blocks: Sequence[int] | np.ndarray, pages: np.ndarray) -> list[tuple[int, bool, int]]:
+    def plan(
+        self, slot: int, blocks: Sequence[int] | np.ndarray, pages: np.ndarray
+    ) -> list[tuple[int, bool, int]]:
         """The bookkeeping of ``apply`` now; the driver calls, (page, unmap first, block) each, for ``execute``
         (which may run later on another thread, before anything else touches these pages)."""
         calls = []

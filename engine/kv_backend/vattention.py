@@ -16,6 +16,7 @@ allocates, shares (prefix cache) and frees blocks exactly as for paging, with bl
 block is one handle mapped into several slots. The last slot is a scratch slot with a page of its own that
 CUDA-graph padding rows read; it is slot 0, so that every range starts at mapped memory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 def tokens_per_page(page_bytes: int, token_bytes: int) -> int:
     """Tokens of one layer's K (or V) in a page of the driver's: a token's bytes must divide the page."""
     if page_bytes % token_bytes:
-        raise ValueError(f"kv_backend: vattention needs a token's KV ({token_bytes} bytes per layer) to "
-                         f"divide the driver's page of {page_bytes} bytes")
+        raise ValueError(
+            f"kv_backend: vattention needs a token's KV ({token_bytes} bytes per layer) to "
+            f"divide the driver's page of {page_bytes} bytes"
+        )
     return page_bytes // token_bytes
 
 
@@ -49,8 +52,17 @@ class VAttentionKV(KVBackend):
     # background while it decodes the last tokens of the page before
     lookahead_tokens = 64
 
-    def __init__(self, driver: Any, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, num_slots: int) -> None:
+    def __init__(
+        self,
+        driver: Any,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        num_slots: int,
+    ) -> None:
         self.driver, self.dtype, self.device = driver, dtype, device
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_bytes = driver.granularity
@@ -99,20 +111,36 @@ class VAttentionKV(KVBackend):
         for kv in range(2):
             for layer in range(L):
                 for block in range(N):
-                    d.map(self.home[kv] + (layer * N + block) * page, page, self._handles[block][kv * L + layer], 0)
-        self.k_caches, self.v_caches = (d.tensor(self.home[kv], (L, N, self.block_size, *kv_shape), self.dtype)
-                                        for kv in range(2))
-        self.k_slots, self.v_slots = (d.tensor(self.slots[kv], (L, S, self.max_len, *kv_shape), self.dtype)
-                                      for kv in range(2))
+                    d.map(
+                        self.home[kv] + (layer * N + block) * page,
+                        page,
+                        self._handles[block][kv * L + layer],
+                        0,
+                    )
+        self.k_caches, self.v_caches = (
+            d.tensor(self.home[kv], (L, N, self.block_size, *kv_shape), self.dtype)
+            for kv in range(2)
+        )
+        self.k_slots, self.v_slots = (
+            d.tensor(self.slots[kv], (L, S, self.max_len, *kv_shape), self.dtype) for kv in range(2)
+        )
         self.pages = SlotPages(S, self.pages_per_slot, self)
         self.pages.apply(self.scratch_slot, [N], np.array([0]))
         self._map_ahead(min(N, self.max_deferred))
         # padding rows read one (finite) token
-        self.k_slots[:, self.scratch_slot, :self.block_size].zero_()
-        self.v_slots[:, self.scratch_slot, :self.block_size].zero_()
-        logger.info("vattention KV: %d blocks of %d tokens (%d pages of %d MiB each), %d slots x %d tokens, "
-                    "set up in %.2f s", N, self.block_size, 2 * L, page >> 20, S - 1, self.max_len,
-                    time.perf_counter() - start)
+        self.k_slots[:, self.scratch_slot, : self.block_size].zero_()
+        self.v_slots[:, self.scratch_slot, : self.block_size].zero_()
+        logger.info(
+            "vattention KV: %d blocks of %d tokens (%d pages of %d MiB each), %d slots x %d tokens, "
+            "set up in %.2f s",
+            N,
+            self.block_size,
+            2 * L,
+            page >> 20,
+            S - 1,
+            self.max_len,
+            time.perf_counter() - start,
+        )
 
     def _map_ahead(self, count: int) -> None:
         """Eager allocation: the pool's first ``count`` blocks mapped at page 0 of the last free slots."""
@@ -122,7 +150,9 @@ class VAttentionKV(KVBackend):
             self._deferred[slot] = None
             self._first_page[block] = slot
 
-    def slot_mapping(self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def slot_mapping(
+        self, table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
         """A row is the sequence's request slot, and its KV sits at ``slot * max_len + position``."""
         return token_rows * self.max_len + positions
 
@@ -131,8 +161,8 @@ class VAttentionKV(KVBackend):
         return padded_seqs, 1
 
     def pack_tables(self, out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
-        out[:len(rows), 0] = rows
-        out[len(rows):, 0] = self.scratch_slot
+        out[: len(rows), 0] = rows
+        out[len(rows) :, 0] = self.scratch_slot
 
     def slot_ids(self, tables: torch.Tensor) -> torch.Tensor | None:
         return tables[:, 0]
@@ -196,34 +226,68 @@ class VAttentionKV(KVBackend):
         """What layer ``layer``'s attention reads and writes: its slot ranges ``[S, max_len, kv_heads, dim]``."""
         return self.k_slots[layer], self.v_slots[layer]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Each sequence's KV is its request slot (``meta.slot_ids``): no block table in the kernels."""
         kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            kernel_ops.contiguous_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.slot_ids[:nd],
-                                                   meta.context_lens[:nd], scale, meta.max_context_len, k_scale,
-                                                   v_scale)
+            kernel_ops.contiguous_decode_attention(
+                out[:nd],
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.slot_ids[:nd],
+                meta.context_lens[:nd],
+                scale,
+                meta.max_context_len,
+                k_scale,
+                v_scale,
+            )
         if nd < q.shape[0]:
-            kernel_ops.contiguous_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, meta.slot_ids[nd:],
-                                                    meta.prefill_cu_seqlens_q, meta.context_lens[nd:], scale,
-                                                    k_scale, v_scale)
+            kernel_ops.contiguous_prefill_attention(
+                out[nd:],
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.slot_ids[nd:],
+                meta.prefill_cu_seqlens_q,
+                meta.context_lens[nd:],
+                scale,
+                k_scale,
+                v_scale,
+            )
         return out.view(q.shape[0], -1)
 
     # PageMapper --------------------------------------------------------------------------------------
 
     def _slot_page_address(self, kv: int, layer: int, slot: int, page: int) -> int:
-        return self.slots[kv] + ((layer * self.num_slots + slot) * self.pages_per_slot + page) * self.page_bytes
+        return (
+            self.slots[kv]
+            + ((layer * self.num_slots + slot) * self.pages_per_slot + page) * self.page_bytes
+        )
 
     def map_block(self, slot: int, page: int, block: int) -> None:
         start = time.perf_counter()
         for kv in range(2):
             for layer in range(self.num_layers):
-                self.driver.map(self._slot_page_address(kv, layer, slot, page), self.page_bytes,
-                                self._handles[block][kv * self.num_layers + layer], 0)
+                self.driver.map(
+                    self._slot_page_address(kv, layer, slot, page),
+                    self.page_bytes,
+                    self._handles[block][kv * self.num_layers + layer],
+                    0,
+                )
         self.map_seconds += time.perf_counter() - start
 
     def unmap_block(self, slot: int, page: int) -> None:
@@ -235,8 +299,14 @@ class VAttentionKV(KVBackend):
 
     # per step -----------------------------------------------------------------------------------------
 
-    def map_rows(self, rows: np.ndarray, tables: np.ndarray, widths: np.ndarray, ends: np.ndarray,
-                 wait_in_flight: Any) -> None:
+    def map_rows(
+        self,
+        rows: np.ndarray,
+        tables: np.ndarray,
+        widths: np.ndarray,
+        ends: np.ndarray,
+        wait_in_flight: Any,
+    ) -> None:
         """Before a step launches: map each row's blocks ``tables[i, :widths[i]]`` into its slot. Pages the step
         reads or writes (below ``ends[i]`` tokens) are mapped now; pages a sequence was given ahead of need
         (``lookahead_tokens``) are mapped in the background, and a later step waits for them only if they are
@@ -245,7 +315,7 @@ class VAttentionKV(KVBackend):
         needed = -(-ends // self.block_size)
         if self._ahead:
             self._wait_for_needed_ahead(rows, needed)
-        have = self.pages.mapped[rows, :tables.shape[1]]
+        have = self.pages.mapped[rows, : tables.shape[1]]
         wanted = np.arange(tables.shape[1])[None, :] < widths[:, None]
         # most steps: none (one numpy pass)
         changed = np.flatnonzero((wanted & (have != tables)).any(axis=1))
@@ -334,6 +404,10 @@ class VAttentionKV(KVBackend):
 
     def stats(self) -> dict[str, float]:
         pages = self.pages
-        return {"mapped_pages": pages.num_mapped_pages if pages else 0, "maps": pages.num_maps if pages else 0,
-                "unmaps": pages.num_unmaps if pages else 0, "map_seconds": self.map_seconds,
-                "unmap_seconds": self.unmap_seconds}
+        return {
+            "mapped_pages": pages.num_mapped_pages if pages else 0,
+            "maps": pages.num_maps if pages else 0,
+            "unmaps": pages.num_unmaps if pages else 0,
+            "map_seconds": self.map_seconds,
+            "unmap_seconds": self.unmap_seconds,
+        }

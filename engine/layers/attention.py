@@ -6,6 +6,7 @@ An FP8 cache (``--kv-cache-dtype fp8``, float8 e4m3) is written as ``clamp(x / s
 read as ``stored * scale``, with this layer's ``k_scale`` and ``v_scale``: 1.0, vLLM's default without calibrated
 scales, so K and V values beyond +-448 are clipped and the rest keep 3 mantissa bits (relative error <= 2^-4).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,12 @@ class PagedAttention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
         # this layer's KV, bound at start: [num_blocks, block_size, kv_heads, head_dim] (paged) or
         # [num_slots, max_len, kv_heads, head_dim] (vattention)
         self.k_cache = torch.empty(0)
@@ -46,6 +52,10 @@ class PagedAttention(nn.Module):
         """``q`` ``[T, heads, head_dim]``, ``k``/``v`` ``[T, kv_heads, head_dim]`` -> ``[T, heads * head_dim]``."""
         return self.attend(q, k, v, get_attention_metadata())
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """``forward`` with the pass's metadata given (the CPU decoder's layer loop has it at hand)."""
-        return self.kv.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return self.kv.attend(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale
+        )

@@ -6,6 +6,7 @@ outputs, a row-parallel layer this rank's slice of the inputs and adds the ranks
 all-reduce (its bias once, after the sum), and the vocabulary-parallel embedding this rank's rows of the
 table. With one rank each is the plain layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,13 +41,20 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
-def project_then_norm(proj: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def project_then_norm(
+    proj: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm(proj(x), residual)``: an RMSNorm after a row-parallel projection. Under tensor parallelism, where
     our peer kernel sums the projection, the sum, the residual add and the norm happen in that one kernel (the
     same arithmetic as the norm kernel); everywhere else the two layers run one after the other."""
-    if isinstance(proj, RowParallelLinear) and proj.bias is None and parallel_state.current().size > 1:
-        fused = parallel_state.linear_all_reduce_rms_norm(x, proj.weight, norm.weight, norm.eps, residual)
+    if (
+        isinstance(proj, RowParallelLinear)
+        and proj.bias is None
+        and parallel_state.current().size > 1
+    ):
+        fused = parallel_state.linear_all_reduce_rms_norm(
+            x, proj.weight, norm.weight, norm.eps, residual
+        )
         if fused is not None:
             return fused
     return norm(proj(x), residual)

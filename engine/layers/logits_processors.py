@@ -6,6 +6,7 @@
   frequency f, presence r (output counts c):  logit - f * c - r * (c > 0)
 then, for the rows that draw: logit / temperature, top-k, top-p, min-p (p_i >= min_p * p_max), softmax.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,7 +56,9 @@ def apply_penalties_(logits: torch.Tensor, batch: BatchParams) -> None:
     repetition = batch.repetition[:, None]
     repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
     penalised = torch.where(seen, repeated, penalised)
-    penalised -= batch.frequency[:, None] * output_counts + batch.presence[:, None] * (output_counts > 0)
+    penalised -= batch.frequency[:, None] * output_counts + batch.presence[:, None] * (
+        output_counts > 0
+    )
     logits.index_copy_(0, batch.penalty_rows, penalised)
 
 
@@ -77,7 +80,9 @@ def sampling_probs(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Keep each row's top_k largest, then the smallest most-likely prefix whose probability >= top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     position = torch.arange(logits.shape[-1], device=logits.device)

@@ -1,6 +1,7 @@
 """Gated MLP (SwiGLU): down(silu(gate(x)) * up(x)), with gate and up fused in one matmul. Under tensor
 parallelism each rank holds a slice of the intermediate columns (gate and up: column-parallel; down:
 row-parallel, one all-reduce)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it (kernels.ops.rms_norm)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)`` over the last dim; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
         written into ``residual`` in place (it is the new residual stream). The norm is computed in float32
         whatever the model dtype, as the reference implementation does."""

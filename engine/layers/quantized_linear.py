@@ -17,6 +17,7 @@ measured by ``benchmarks/cpu_quant_linear.py``) and returns float32:
 - ``int8``: per output channel, symmetric (``_weight_int8pack_mm``).
 - ``bfloat16``: the weight in bfloat16 (oneDNN; AMX where the CPU has it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ _int8_mm = torch.ops.aten._weight_int8pack_mm.default
 class Q4Blocks:
     """A weight ``[out, in]`` as 4-bit codes ``q`` (uint8, 0..15) with a float16 scale ``d`` and minimum ``m``
     per 32 consecutive inputs of a row: ``w[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]``."""
+
     q: torch.Tensor  # uint8 [N, K]
     d: torch.Tensor  # float16 [N, K / 32]
     m: torch.Tensor  # float16 [N, K / 32]
@@ -67,14 +69,22 @@ class Q4Blocks:
         d = ((high - low) / 15).half()
         m = low.half()
         step = torch.where(d.float() > 0, d.float(), torch.ones_like(low))
-        q = ((groups - m.float()[..., None]) / step[..., None]).round().clamp_(0, 15).to(torch.uint8)
+        q = (
+            ((groups - m.float()[..., None]) / step[..., None])
+            .round()
+            .clamp_(0, 15)
+            .to(torch.uint8)
+        )
         return cls(q.view(n, k), d, m)
 
     @staticmethod
     def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
         """Rows stacked (a fused projection: its shards' blocks one after the other)."""
-        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
-                        torch.cat([p.m for p in parts]))
+        return Q4Blocks(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.d for p in parts]),
+            torch.cat([p.m for p in parts]),
+        )
 
 
 def q4q8_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,8 +96,10 @@ def q4q8_layout(blocks: Q4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     # [block, output, group, vector, nibble, byte]
     q = blocks.q.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups, 4, 2, 4)
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, groups).permute(0, 2, 1).contiguous()
+
     return codes, per_group(blocks.d.half()), per_group(blocks.m.half())
 
 
@@ -116,13 +128,19 @@ class Q4Linear(nn.Module):
     activations; ``d`` and ``m + 8 d`` rounded to bfloat16), whose result for a row depends on how many rows it
     is computed with."""
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, native: CpuKernels | None = None) -> None:
+    def __init__(
+        self, blocks: Q4Blocks, bias: torch.Tensor | None, native: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         n, k = blocks.q.shape
         if k % (_INNER_K_TILES * 16):
-            raise ValueError(f"cpu_weights: q4 needs input sizes divisible by {_INNER_K_TILES * 16} (got {k})")
+            raise ValueError(
+                f"cpu_weights: q4 needs input sizes divisible by {_INNER_K_TILES * 16} (got {k})"
+            )
         self.in_features, self.out_features = k, n
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        )
         self.q4q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if native is not None and native.has_q4q8 and n % Q4Q8_OUTPUTS == 0:
             self.q4q8 = q4q8_layout(blocks)
@@ -130,12 +148,20 @@ class Q4Linear(nn.Module):
             self.input_dtype = torch.float32
             return
         self.input_dtype = torch.bfloat16
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            blocks.q.to(torch.int32), _INNER_K_TILES), persistent=False)
+        self.register_buffer(
+            "packed",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                blocks.q.to(torch.int32), _INNER_K_TILES
+            ),
+            persistent=False,
+        )
         d, m = blocks.d.float(), blocks.m.float()
         # [K / 32, N, 2]: (scale, zero) per group and output
-        self.register_buffer("scales_and_zeros", torch.stack([d.t(), (m + 8 * d).t()], dim=-1)
-                             .to(torch.bfloat16).contiguous(), persistent=False)
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(torch.bfloat16).contiguous(),
+            persistent=False,
+        )
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` ``[M, in]`` of ``input_dtype`` -> ``[M, out]`` (float32 / bfloat16), no bias (the lean CPU
@@ -156,7 +182,9 @@ class Int8Linear(nn.Module):
         codes, scales = int8_per_channel(weight)
         self.register_buffer("weight", codes, persistent=False)
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        )
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return _int8_mm(rows, self.weight, self.scales)
@@ -175,7 +203,9 @@ class PackedInt8Head(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._int8_linear = native.ops.int8_linear.default
         if self.out_features % PACKED_OUTPUTS:
-            raise ValueError(f"cpu_weights: the packed int8 head needs outputs divisible by {PACKED_OUTPUTS}")
+            raise ValueError(
+                f"cpu_weights: the packed int8 head needs outputs divisible by {PACKED_OUTPUTS}"
+            )
         codes, scales = int8_per_channel(weight)
         packed = codes.view(-1, PACKED_OUTPUTS, self.in_features).transpose(1, 2).contiguous()
         self.register_buffer("packed", packed, persistent=False)  # [out / 16, in, 16]
@@ -199,17 +229,24 @@ class Q8Head(nn.Module):
         weight = weight.detach().float()
         n, k = self.out_features, self.in_features = weight.shape
         if n % Q4Q8_OUTPUTS or k % Q4_GROUP:
-            raise ValueError(f"cpu_weights: the Q8 head needs outputs divisible by {Q4Q8_OUTPUTS} and inputs by "
-                             f"{Q4_GROUP}")
+            raise ValueError(
+                f"cpu_weights: the Q8 head needs outputs divisible by {Q4Q8_OUTPUTS} and inputs by "
+                f"{Q4_GROUP}"
+            )
         groups = weight.view(n, k // Q4_GROUP, Q4_GROUP)
         d = (groups.abs().amax(dim=-1) / 127).half()
         step = torch.where(d.float() > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
         codes = (groups / step[..., None]).round().clamp_(-127, 127).to(torch.int16)
         # [block, output, group, vector, byte]
-        biased = (codes + 128).to(torch.uint8).view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP, 8, 4)
+        biased = (
+            (codes + 128).to(torch.uint8).view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP, 8, 4)
+        )
         self.register_buffer("packed", biased.permute(0, 2, 3, 1, 4).contiguous(), persistent=False)
-        self.register_buffer("d", d.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP).permute(0, 2, 1)
-                             .contiguous(), persistent=False)
+        self.register_buffer(
+            "d",
+            d.view(n // Q4Q8_OUTPUTS, Q4Q8_OUTPUTS, k // Q4_GROUP).permute(0, 2, 1).contiguous(),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._q8q8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.d)
@@ -222,8 +259,12 @@ class BFloat16Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.register_buffer(
+            "weight", weight.detach().to(torch.bfloat16).contiguous(), persistent=False
+        )
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        )
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, self.weight)
@@ -231,8 +272,13 @@ class BFloat16Linear(nn.Module):
     forward = _forward
 
 
-def quantized_linear(mode: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                     blocks: Q4Blocks | None = None, native: CpuKernels | None = None) -> nn.Module:
+def quantized_linear(
+    mode: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: Q4Blocks | None = None,
+    native: CpuKernels | None = None,
+) -> nn.Module:
     """The ``mode`` layer for a float ``weight`` ``[out, in]`` (q4: the given 4-bit ``blocks`` if any, on the
     ``native`` Q4_1 x Q8 kernel where it has one)."""
     if mode == "q4":

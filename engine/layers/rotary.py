@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half layout), with the Llama 3 and linear frequency scalings; the
 rotation itself is kernels.ops.rotary_embedding, in place."""
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,9 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
-    raise ValueError(f"rope_parameters: rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(
+        f"rope_parameters: rope_type {rope_type!r} is not supported (default, linear, llama3)"
+    )
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -51,19 +54,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, params))
+        freqs = torch.outer(
+            torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, params)
+        )
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
         in place by their positions; returns the same two tensors."""
         if lean_cpu(q):  # cos/sin rows gathered by the first layer of the pass only
             memo = pass_memo()
             if (plan := memo.get("rotary")) is None:
-                plan = memo["rotary"] = cpu_kernels.rotary_plan(positions, self.cos_cache, self.sin_cache)
+                plan = memo["rotary"] = cpu_kernels.rotary_plan(
+                    positions, self.cos_cache, self.sin_cache
+                )
             cpu_kernels.rotary_embedding(q, k, plan)
         else:
             kernel_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)

@@ -24,6 +24,7 @@ tie to within rounding). Unseeded rows share one batched draw from the device's 
 The steps' parts: sampling_batch.py gathers the batch's parameters, logits_processors.py holds steps 0-2 and the
 temperature and filters of step 3, seeded_noise.py the seeded rows' noise; the draw and the logprob table are here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,14 +75,19 @@ class SamplerOutput:
                 continue
             token_id, logprob, rank, *top = next(table)
             width = len(top) // 2  # the table's k: top ids, then their logprobs
-            pairs = [(int(t), lp) for t, lp in zip(top[:k], top[width:width + k])]
+            pairs = [(int(t), lp) for t, lp in zip(top[:k], top[width : width + k])]
             result.append(TokenLogprobs(int(token_id), logprob, int(rank), pairs))
         return result
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
-                 allowed: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        eos_token_ids: tuple[int, ...],
+        allowed: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """Launch the sampling of one token per row; returns without waiting for the device.
 
         ``allowed``: optional [rows, ceil(vocab / 32)] int32 bitmask (structured output); bit t % 32 of word
@@ -96,7 +102,11 @@ class Sampler:
         work = logits.to(torch.float32, copy=True)
         if allowed is not None:
             work.masked_fill_(~unpack_bitmask(allowed, vocab), _NEG_INF)
-        raw = work.index_select(0, batch.logprob_rows).log_softmax(dim=-1) if batch.logprob_k is not None else None
+        raw = (
+            work.index_select(0, batch.logprob_rows).log_softmax(dim=-1)
+            if batch.logprob_k is not None
+            else None
+        )
         apply_logit_bias_(work, batch)
         apply_min_tokens_(work, batch)
         apply_penalties_(work, batch)
@@ -109,11 +119,17 @@ class Sampler:
 
 def _is_plain_greedy(seq: Sequence) -> bool:
     params = seq.params
-    return (params.greedy and not params.uses_penalties and params.logprobs is None and not params.logit_bias
-            and seq.num_output_tokens >= params.min_tokens)
+    return (
+        params.greedy
+        and not params.uses_penalties
+        and params.logprobs is None
+        and not params.logit_bias
+        and seq.num_output_tokens >= params.min_tokens
+    )
 
 
 # ---------------------------------------------------------------- choosing tokens
+
 
 def choose_tokens(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
     """Greedy rows: argmax (the lowest id among ties). Other rows: a filtered, renormalised draw."""
@@ -147,6 +163,7 @@ def race_noise(probs: torch.Tensor, batch: BatchParams) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 def logprob_table(raw: torch.Tensor, sampled: torch.Tensor, k: int) -> torch.Tensor:
     """[rows, 3 + 2k] float64, read in one copy: the sampled id, its raw logprob, its rank (vLLM's: the tokens

@@ -6,6 +6,7 @@ on CUDA, which the host does not wait for), handed back as views. Sampled rows a
 (seeded_noise.py). Penalised rows carry their output ids and their prompt + output ids as [rows, width]
 tables padded with the id ``vocab``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,9 +17,30 @@ import torch
 from engine.core.sequence import Sequence
 from engine.layers.seeded_noise import draw_key
 
-_INT_FIELDS = ("sampled_rows", "top_k", "seeded", "seed_keys", "unseeded", "banned_rows", "banned_ids",
-               "bias_rows", "bias_ids", "penalty_rows", "output_ids", "history_ids", "logprob_rows")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "bias_values", "repetition", "frequency", "presence")
+_INT_FIELDS = (
+    "sampled_rows",
+    "top_k",
+    "seeded",
+    "seed_keys",
+    "unseeded",
+    "banned_rows",
+    "banned_ids",
+    "bias_rows",
+    "bias_ids",
+    "penalty_rows",
+    "output_ids",
+    "history_ids",
+    "logprob_rows",
+)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "bias_values",
+    "repetition",
+    "frequency",
+    "presence",
+)
 
 
 @dataclass(slots=True)
@@ -53,8 +75,9 @@ class BatchParams:
     logprob_rows: torch.Tensor  # [L] rows asking for logprobs
 
     @classmethod
-    def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab: int,
-              device: torch.device) -> BatchParams:
+    def build(
+        cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab: int, device: torch.device
+    ) -> BatchParams:
         ints: dict[str, list[int]] = {name: [] for name in _INT_FIELDS}
         floats: dict[str, list[float]] = {name: [] for name in _FLOAT_FIELDS}
         for row, seq in enumerate(seqs):
@@ -63,20 +86,28 @@ class BatchParams:
             _gather_draw(row, seq, vocab, ints, floats)
             _gather_masks(row, seq, eos_token_ids, vocab, ints, floats)
         penalised = _gather_penalties(seqs, ints, floats)
-        output_width = _pad_into(ints["output_ids"], [seq.output_token_ids for seq in penalised], vocab)
+        output_width = _pad_into(
+            ints["output_ids"], [seq.output_token_ids for seq in penalised], vocab
+        )
         history_width = _pad_into(ints["history_ids"], [seq.token_ids for seq in penalised], vocab)
 
         tensors = _upload(ints, torch.int64, device) | _upload(floats, torch.float32, device)
         tensors["output_ids"] = tensors["output_ids"].view(len(penalised), output_width)
         tensors["history_ids"] = tensors["history_ids"].view(len(penalised), history_width)
         asked = [seq.params.logprobs for seq in seqs if seq.params.logprobs is not None]
-        return cls(vocab=vocab, logprob_k=min(max(asked), vocab) if asked else None,
-                   filters_top_k_top_p=any(k < vocab for k in ints["top_k"]) or any(p < 1 for p in floats["top_p"]),
-                   filters_min_p=any(p > 0 for p in floats["min_p"]), **tensors)
+        return cls(
+            vocab=vocab,
+            logprob_k=min(max(asked), vocab) if asked else None,
+            filters_top_k_top_p=any(k < vocab for k in ints["top_k"])
+            or any(p < 1 for p in floats["top_p"]),
+            filters_min_p=any(p > 0 for p in floats["min_p"]),
+            **tensors,
+        )
 
 
-def _gather_draw(row: int, seq: Sequence, vocab: int, ints: dict[str, list[int]],
-                 floats: dict[str, list[float]]) -> None:
+def _gather_draw(
+    row: int, seq: Sequence, vocab: int, ints: dict[str, list[int]], floats: dict[str, list[float]]
+) -> None:
     params = seq.params
     if params.greedy:
         return
@@ -93,8 +124,14 @@ def _gather_draw(row: int, seq: Sequence, vocab: int, ints: dict[str, list[int]]
         ints["seed_keys"].append(draw_key(params.seed, seq.num_output_tokens))
 
 
-def _gather_masks(row: int, seq: Sequence, eos_token_ids: tuple[int, ...], vocab: int,
-                  ints: dict[str, list[int]], floats: dict[str, list[float]]) -> None:
+def _gather_masks(
+    row: int,
+    seq: Sequence,
+    eos_token_ids: tuple[int, ...],
+    vocab: int,
+    ints: dict[str, list[int]],
+    floats: dict[str, list[float]],
+) -> None:
     """min_tokens' banned ids and logit_bias entries (an id outside the vocabulary is never produced)."""
     params = seq.params
     if seq.num_output_tokens < params.min_tokens:
@@ -111,8 +148,9 @@ def _gather_masks(row: int, seq: Sequence, eos_token_ids: tuple[int, ...], vocab
             floats["bias_values"].append(bias)
 
 
-def _gather_penalties(seqs: list[Sequence], ints: dict[str, list[int]],
-                      floats: dict[str, list[float]]) -> list[Sequence]:
+def _gather_penalties(
+    seqs: list[Sequence], ints: dict[str, list[int]], floats: dict[str, list[float]]
+) -> list[Sequence]:
     penalised = []
     for row, seq in enumerate(seqs):
         if seq.params.uses_penalties:
@@ -133,7 +171,9 @@ def _pad_into(flat: list[int], token_lists: list[list[int]], pad: int) -> int:
     return width
 
 
-def _upload(lists: dict[str, list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def _upload(
+    lists: dict[str, list], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
     """Every list in one host-to-device copy, handed back as views. On CUDA the copy is from pinned memory
     and non-blocking: a copy from pageable memory would make the host wait for the stream."""
     host = torch.tensor(list(chain.from_iterable(lists.values())), dtype=dtype)

@@ -4,6 +4,7 @@ the row's key = mix(mix(seed) + number of output tokens so far), for token id i.
 A pure function of (seed, position, token id), in wrapping int64 arithmetic on the device, so every device
 agrees bit for bit on the integers (and up to float rounding on the noise).
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ Under tensor parallelism (engine/worker/parallel_state.py) each rank builds the 
 q/k/v (kv heads replicated where the ranks outnumber them), its columns of gate/up, the matching inputs of
 o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only that slice of each tensor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -16,10 +17,22 @@ import torch
 from torch import nn
 
 from engine.worker import parallel_state
-from engine.layers.linear import (ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding,
-                                  project_then_norm)
-from engine.layers.quantized_linear import (PACKED_OUTPUTS, Q4_GROUP, Q4Q8_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head,
-                                            quantized_linear)
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    project_then_norm,
+)
+from engine.layers.quantized_linear import (
+    PACKED_OUTPUTS,
+    Q4_GROUP,
+    Q4Q8_OUTPUTS,
+    PackedInt8Head,
+    Q4Blocks,
+    Q8Head,
+    quantized_linear,
+)
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
 from kernels.cpu_native import CpuKernels
 
@@ -82,25 +95,42 @@ class LlamaArgs:
         if self.intermediate_size % size:
             problems.append(f"intermediate size {self.intermediate_size}")
         if problems:
-            raise ValueError(f"tensor_parallel_size: {size} does not divide the model's " + ", ".join(problems))
-        return replace(self, num_heads=self.num_heads // size, num_kv_heads=max(1, self.num_kv_heads // size),
-                       intermediate_size=self.intermediate_size // size)
+            raise ValueError(
+                f"tensor_parallel_size: {size} does not divide the model's " + ", ".join(problems)
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=max(1, self.num_kv_heads // size),
+            intermediate_size=self.intermediate_size // size,
+        )
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
         """``args``: this rank's shard (LlamaArgs.sharded)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = ColumnParallelLinear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
+        self.q_size, self.kv_size = (
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
+        self.qkv_proj = ColumnParallelLinear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
+        )
         self.o_proj = RowParallelLinear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rotary = rotary
-        self.attn = PagedAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5)
+        self.attn = PagedAttention(
+            args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, x))
@@ -125,14 +155,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the residual stream ``residual`` already normed by this layer's ``input_layernorm`` ->
         ``(next_norm(stream), stream)``, the stream after this layer normed for the next layer (or the model's
         final norm): each norm follows its row-parallel projection (``project_then_norm``)."""
         attn = self.self_attn
-        x, residual = project_then_norm(attn.o_proj, attn.attend(positions, x), self.post_attention_layernorm,
-                                        residual)
+        x, residual = project_then_norm(
+            attn.o_proj, attn.attend(positions, x), self.post_attention_layernorm, residual
+        )
         return project_then_norm(self.mlp.down_proj, self.mlp.activate(x), next_norm, residual)
 
 
@@ -149,15 +181,20 @@ class LlamaModel(nn.Module):
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            next_norm = (
+                self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            )
             x, residual = layer(positions, x, residual, next_norm)
         return x
 
 
 # HF tensor name fragment -> (fused parameter fragment, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -170,8 +207,9 @@ class LlamaForCausalLM(nn.Module):
         self.shard_args = self.args.sharded(self.tp.size)
         self.model = LlamaModel(self.shard_args)
         if not self.args.tie_word_embeddings:
-            self.lm_head = ColumnParallelLinear(self.args.hidden_size, self.model.embed_tokens.num_embeddings,
-                                                bias=False)
+            self.lm_head = ColumnParallelLinear(
+                self.args.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
+            )
         # a CPU-friendly layout of the output layer, if set
         self.logits_weight: torch.Tensor | None = None
         # a quantized output layer (--cpu-weights), if set
@@ -197,11 +235,17 @@ class LlamaForCausalLM(nn.Module):
             return logits if out is None else out.copy_(logits)
         weight = self.logits_weight
         if weight is None:
-            weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+            weight = (
+                self.model.embed_tokens.weight
+                if self.args.tie_word_embeddings
+                else self.lm_head.weight
+            )
         if self.tp.size == 1:
             return torch.matmul(hidden, weight.t(), out=out)
         # each rank's vocabulary slice, gathered on every rank (rank 0 samples); the padding columns dropped
-        return parallel_state.all_gather_last_dim(torch.matmul(hidden, weight.t()), self.args.vocab_size, out)
+        return parallel_state.all_gather_last_dim(
+            torch.matmul(hidden, weight.t()), self.args.vocab_size, out
+        )
 
     def store_weights_column_major(self) -> None:
         """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied
@@ -212,8 +256,12 @@ class LlamaForCausalLM(nn.Module):
         if self.args.tie_word_embeddings and self.logits_head is None:
             self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
 
-    def quantize_cpu_weights(self, mode: str, q4_blocks: dict[str, Q4Blocks] | None = None,
-                             native: CpuKernels | None = None) -> None:
+    def quantize_cpu_weights(
+        self,
+        mode: str,
+        q4_blocks: dict[str, Q4Blocks] | None = None,
+        native: CpuKernels | None = None,
+    ) -> None:
         """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py), q4 from the
         given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
         becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
@@ -225,10 +273,20 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
             shards = _hf_names(f"{name}.weight")
-            blocks = Q4Blocks.cat([q4_blocks[h] for h in shards]) if all(h in q4_blocks for h in shards) else None
+            blocks = (
+                Q4Blocks.cat([q4_blocks[h] for h in shards])
+                if all(h in q4_blocks for h in shards)
+                else None
+            )
             parent, attr = name.rsplit(".", 1)
-            setattr(self.get_submodule(parent), attr, quantized_linear(mode, module.weight, module.bias, blocks, native))
-        head = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+            setattr(
+                self.get_submodule(parent),
+                attr,
+                quantized_linear(mode, module.weight, module.bias, blocks, native),
+            )
+        head = (
+            self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        )
         self.logits_head = _cpu_logits_head(mode, head, native)
         if not self.args.tie_word_embeddings:
             del self.lm_head
@@ -253,8 +311,8 @@ class LlamaForCausalLM(nn.Module):
                 dst = dst[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
             tensor = _read(source, self._rank_slice(name))
             if name.endswith(("embed_tokens.weight", "lm_head.weight")) and self.tp.size > 1:
-                dst[tensor.shape[0]:].zero_()  # (rows padding the last rank's vocabulary slice)
-                dst = dst[:tensor.shape[0]]
+                dst[tensor.shape[0] :].zero_()  # (rows padding the last rank's vocabulary slice)
+                dst = dst[: tensor.shape[0]]
             _copy_checked(dst, tensor, name)
             loaded.add((target, shard))
         expected = {(name, shard) for name in params for shard in self._shards_of(name)}
@@ -272,7 +330,11 @@ class LlamaForCausalLM(nn.Module):
             return (0, *tp.shard(heads))
         if ".k_proj." in name or ".v_proj." in name:
             local = self.shard_args.num_kv_heads
-            first = tp.rank * local if args.num_kv_heads % tp.size == 0 else tp.rank * args.num_kv_heads // tp.size
+            first = (
+                tp.rank * local
+                if args.num_kv_heads % tp.size == 0
+                else tp.rank * args.num_kv_heads // tp.size
+            )
             return 0, first * args.head_dim, (first + local) * args.head_dim
         if ".gate_proj." in name or ".up_proj." in name:
             return (0, *tp.shard(args.intermediate_size))
@@ -287,7 +349,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _shards_of(self, param_name: str) -> list[int | None]:
         fused = param_name.rsplit(".", 2)[-2]
-        return list(range(len(self._shard_sizes()[fused]))) if fused in self._shard_sizes() else [None]
+        return (
+            list(range(len(self._shard_sizes()[fused]))) if fused in self._shard_sizes() else [None]
+        )
 
     def _shard_sizes(self) -> dict[str, list[int]]:
         attn = self.model.layers[0].self_attn
@@ -308,7 +372,9 @@ def _hf_names(weight_name: str) -> list[str]:
     """The HF tensors a (possibly fused) weight is made of, in shard order."""
     for fused in {fused for fused, _ in _FUSED.values()}:
         if f".{fused}." in weight_name:
-            shards = sorted((shard, fragment) for fragment, (f, shard) in _FUSED.items() if f == fused)
+            shards = sorted(
+                (shard, fragment) for fragment, (f, shard) in _FUSED.items() if f == fused
+            )
             return [weight_name.replace(f".{fused}.", f".{fragment}.") for _, fragment in shards]
     return [weight_name]
 
@@ -323,7 +389,9 @@ def _read(source: Any, part: tuple[int, int, int] | None) -> torch.Tensor:
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -334,7 +402,12 @@ def _cpu_logits_head(mode: str, head: torch.Tensor, native: CpuKernels | None) -
     q4q8 = native is not None and native.has_q4q8
     if mode == "bfloat16":
         return quantized_linear("bfloat16", head, None)
-    if q4q8 and mode == "q4" and head.shape[0] % Q4Q8_OUTPUTS == 0 and head.shape[1] % Q4_GROUP == 0:
+    if (
+        q4q8
+        and mode == "q4"
+        and head.shape[0] % Q4Q8_OUTPUTS == 0
+        and head.shape[1] % Q4_GROUP == 0
+    ):
         return Q8Head(head, native)
     if native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
         return PackedInt8Head(head, native)

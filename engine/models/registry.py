@@ -1,4 +1,5 @@
 """HF architecture name -> our model class."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
-MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM}
+MODEL_TYPES = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
 
 
 def model_class(hf_config: Any) -> type[nn.Module]:
@@ -25,5 +30,7 @@ def model_class(hf_config: Any) -> type[nn.Module]:
             return MODEL_CLASSES[arch]
     if getattr(hf_config, "model_type", None) in MODEL_TYPES:
         return MODEL_TYPES[hf_config.model_type]
-    raise ValueError(f"model: architecture {getattr(hf_config, 'architectures', None)} "
-                     f"({getattr(hf_config, 'model_type', None)}) is not supported; supported: {sorted(MODEL_CLASSES)}")
+    raise ValueError(
+        f"model: architecture {getattr(hf_config, 'architectures', None)} "
+        f"({getattr(hf_config, 'model_type', None)}) is not supported; supported: {sorted(MODEL_CLASSES)}"
+    )

@@ -19,6 +19,7 @@ The caller owns the beams' tokens and KV: ``step`` says which beam each new runn
 which token; the engine then forks the blocks (copy-on-write), so beams share their common history.
 ``BeamGroup`` is one request's side of it in the engine core: its beams, and the log-probs collected per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -78,14 +79,22 @@ class BeamSearch:
         """``log_probs`` ``[live beams, vocab]`` (any device) and each live beam's output tokens so far;
         returns the next running beams, best first (empty once the search is done)."""
         beams, vocab = log_probs.shape
-        assert beams == self.running_scores.numel() == len(outputs), (beams, self.running_scores, len(outputs))
+        assert beams == self.running_scores.numel() == len(outputs), (
+            beams,
+            self.running_scores,
+            len(outputs),
+        )
         scores = log_probs.float() + self.running_scores.to(log_probs.device)[:, None]
-        top_scores, top_index = torch.topk(scores.reshape(-1), k=min(self.num_candidates, beams * vocab))
+        top_scores, top_index = torch.topk(
+            scores.reshape(-1), k=min(self.num_candidates, beams * vocab)
+        )
         top_scores, top_index = top_scores.cpu(), top_index.cpu()
         parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
         length = self.num_generated + 1
         eos = set(self.eos_token_ids)
-        ends = torch.tensor([t in eos or length >= self.max_new_tokens for t in tokens], dtype=torch.bool)
+        ends = torch.tensor(
+            [t in eos or length >= self.max_new_tokens for t in tokens], dtype=torch.bool
+        )
 
         running = top_scores + ends.float() * _NEG
         keep = torch.topk(running, k=self.width).indices
@@ -98,11 +107,18 @@ class BeamSearch:
         self._check_done(ends)
         return [] if self.done else next_beams
 
-    def _add_finished(self, top_scores: torch.Tensor, ends: torch.Tensor, parents: list[int], tokens: list[int],
-                      outputs: list[list[int]], length: int) -> None:
+    def _add_finished(
+        self,
+        top_scores: torch.Tensor,
+        ends: torch.Tensor,
+        parents: list[int],
+        tokens: list[int],
+        outputs: list[list[int]],
+        length: int,
+    ) -> None:
         just_finished = ends.clone()
-        just_finished[self.width:] = False  # only the first `width` candidates may finish
-        candidate = top_scores / (length ** self.length_penalty)
+        just_finished[self.width :] = False  # only the first `width` candidates may finish
+        candidate = top_scores / (length**self.length_penalty)
         if self.early_stopping is True and all(h is not None for h in self.finished):
             candidate = candidate + _NEG
         if not self.improvement_possible:
@@ -116,7 +132,11 @@ class BeamSearch:
                 kept.append(self.finished[i])
             elif just_finished[i - width]:
                 c = i - width
-                kept.append(Hypothesis(outputs[parents[c]] + [tokens[c]], float(candidate[c]), float(top_scores[c])))
+                kept.append(
+                    Hypothesis(
+                        outputs[parents[c]] + [tokens[c]], float(candidate[c]), float(top_scores[c])
+                    )
+                )
             else:
                 kept.append(None)
             kept_scores.append(merged[i])
@@ -128,11 +148,13 @@ class BeamSearch:
             best_length = self.max_new_tokens
         else:
             best_length = self.num_generated
-        best_possible = self.running_scores[:1] / (best_length ** self.length_penalty)
+        best_possible = self.running_scores[:1] / (best_length**self.length_penalty)
         # transformers: a kept slot compares with the worst kept score (-1e9 while any slot is empty)
         kept = torch.tensor([h is not None for h in self.finished])
         worst = torch.where(kept, self.finished_scores.min(), torch.tensor(_NEG))
-        self.improvement_possible = self.improvement_possible and bool((best_possible > worst).any())
+        self.improvement_possible = self.improvement_possible and bool(
+            (best_possible > worst).any()
+        )
         full_and_early = all(h is not None for h in self.finished) and self.early_stopping is True
         self.done = not self.improvement_possible or full_and_early or bool(ends.all())
 
@@ -167,7 +189,9 @@ class BeamGroup:
         live = self.live
         log_probs = torch.stack([self.collected[seq.seq_id] for seq in live])
         self.collected.clear()
-        next_beams = self.search.step(log_probs, [seq.token_ids[seq.num_prompt_tokens:] for seq in live])
+        next_beams = self.search.step(
+            log_probs, [seq.token_ids[seq.num_prompt_tokens :] for seq in live]
+        )
         sources = [live[b.parent] for b in next_beams]
         return sources, [src.token_ids + [b.token_id] for src, b in zip(sources, next_beams)]
 
@@ -175,15 +199,25 @@ class BeamGroup:
         """The ``n`` best hypotheses (output ids, sum of logprobs, finish reason); for an abort the best found so
         far, else the live beams; never fewer than ``n`` (a stream waits for n final outputs)."""
         found = [(h.token_ids, h.sum_logprobs) for h in self.search.best(n)]
-        found += [(seq.token_ids[seq.num_prompt_tokens:], None) for seq in self.live]
+        found += [(seq.token_ids[seq.num_prompt_tokens :], None) for seq in self.live]
         found += [([], None)] * n
         eos = set(self.search.eos_token_ids)
-        return [(list(ids), logprob, "abort" if aborted else "stop" if ids and ids[-1] in eos else "length")
-                for ids, logprob in found[:n]]
+        return [
+            (
+                list(ids),
+                logprob,
+                "abort" if aborted else "stop" if ids and ids[-1] in eos else "length",
+            )
+            for ids, logprob in found[:n]
+        ]
 
 
-def new_beam_group(beams: list[Sequence], params: SamplingParams, room: int, eos: tuple[int, ...]) -> BeamGroup:
+def new_beam_group(
+    beams: list[Sequence], params: SamplingParams, room: int, eos: tuple[int, ...]
+) -> BeamGroup:
     """``room``: tokens left in the context after the prompt (the length limit when max_tokens is larger)."""
     max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-    return BeamGroup(BeamSearch(params.beam_width, max_new, eos, params.length_penalty, params.early_stopping),
-                     beams)
+    return BeamGroup(
+        BeamSearch(params.beam_width, max_new, eos, params.length_penalty, params.early_stopping),
+        beams,
+    )

@@ -5,6 +5,7 @@ each step, so a step costs O(window) and not O(output length). Two things must n
 character split across tokens (decoded as U+FFFD until its last byte arrives) and the beginning of a stop
 string that may still complete (held back by ``take_delta`` until it is either completed or ruled out).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -27,11 +28,26 @@ class IncrementalDetokenizer:
     already in ``text`` and are decoded only as context; ids from ``_read_offset`` on are not in ``text`` yet.
     """
 
-    __slots__ = ("_tokenizer", "_skip_special_tokens", "_stop", "_include_stop", "_max_stop_len",
-                 "_ids", "_prefix_offset", "_read_offset", "_sent", "text", "stop_str")
+    __slots__ = (
+        "_tokenizer",
+        "_skip_special_tokens",
+        "_stop",
+        "_include_stop",
+        "_max_stop_len",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_sent",
+        "text",
+        "stop_str",
+    )
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         self._stop = list(params.stop)
@@ -60,7 +76,7 @@ class IncrementalDetokenizer:
             end -= self._ambiguous_tail_len()
         if end <= self._sent:
             return ""
-        delta = self.text[self._sent:end]
+        delta = self.text[self._sent : end]
         self._sent = end
         return delta
 
@@ -70,15 +86,15 @@ class IncrementalDetokenizer:
     def _decode_new_text(self) -> str:
         # Decoding the window with and without the unread ids and taking the difference gives exactly what
         # the unread ids add in context (leading spaces, merged bytes), which decoding them alone would not.
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token) or a character still missing bytes: keep the
             # unread ids and retry with the next token.
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def _find_stop(self, old_len: int) -> str | None:
         # A stop string lying wholly inside the old text was already searched for, so a new match must end
@@ -95,7 +111,7 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         index, length, stop = best
-        self.text = self.text[:index + length] if self._include_stop else self.text[:index]
+        self.text = self.text[: index + length] if self._include_stop else self.text[:index]
         self.stop_str = stop
         return stop
 

@@ -12,6 +12,7 @@ process instead of a thread of the front:
   keeps of large compiles goes back to the system with it.
 ``count`` workers (started on first use, each loading the tokenizer once) serve compiles one at a time each.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +68,10 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
         except MemoryError:
             answer = ("invalid", _OUT_OF_MEMORY)
         except Exception as exc:  # noqa: BLE001 - the grammar library's own failure: this request's
-            answer = ("invalid", f"response_format: the schema could not be compiled: {type(exc).__name__}: {exc}")
+            answer = (
+                "invalid",
+                f"response_format: the schema could not be compiled: {type(exc).__name__}: {exc}",
+            )
         conn.send((*answer, _rss_bytes()))
 
 
@@ -85,7 +89,9 @@ class _Worker:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
 
-    async def compile(self, spec: StructuredOutput, timeout_s: float, recycle_bytes: int) -> StructuredOutput:
+    async def compile(
+        self, spec: StructuredOutput, timeout_s: float, recycle_bytes: int
+    ) -> StructuredOutput:
         try:
             await self._start()
             assert self._conn is not None
@@ -97,7 +103,9 @@ class _Worker:
             raise
         if not answered:
             self.stop()  # (the only way to stop a compile)
-            raise ValueError(f"response_format: the schema did not compile within {timeout_s:.0f} s; simplify it")
+            raise ValueError(
+                f"response_format: the schema did not compile within {timeout_s:.0f} s; simplify it"
+            )
         try:
             kind, value, rss = self._conn.recv()
         # the worker died: its heap limit (an allocation the grammar library aborts on)
@@ -117,8 +125,9 @@ class _Worker:
         self.stop()
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self._setup), name="pagedchat-grammar",
-                                        daemon=True)
+        self._process = context.Process(
+            target=_serve, args=(child, self._setup), name="pagedchat-grammar", daemon=True
+        )
         self._process.start()
         child.close()
         self._conn = parent
@@ -142,7 +151,9 @@ class _Worker:
 
 
 class GrammarWorkers:
-    def __init__(self, setup: WorkerSetup, count: int = 2, recycle_bytes: int = RECYCLE_BYTES) -> None:
+    def __init__(
+        self, setup: WorkerSetup, count: int = 2, recycle_bytes: int = RECYCLE_BYTES
+    ) -> None:
         self._workers = [_Worker(setup) for _ in range(count)]
         self._idle: asyncio.Queue[_Worker] | None = None
         self._recycle_bytes = recycle_bytes

@@ -8,6 +8,7 @@ the caller then ends it in the core (``process`` returns which), whose tokens pa
 ``process`` only updates the states; ``take(sample)`` builds the RequestOutput of everything new since the
 sample's last one, when its reader wants it: a reader that is behind costs one output for several steps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,17 +80,28 @@ class OutputProcessor:
         self._block_size = info.block_size
         self._requests: dict[str, _RequestState] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
         prompt = list(prompt_token_ids)
         request = _RequestState(prompt, params, cache_salt)
         detokenize = self.tokenizer is not None and not params.use_beam_search
         summed = params.logprobs is not None or params.best_of is not None
-        request.samples = [SampleState(request_id, i, request,
-                                       IncrementalDetokenizer(self.tokenizer, prompt, params) if detokenize else None,
-                                       [] if params.logprobs is not None else None,
-                                       cumulative_logprob=0.0 if summed else None)
-                           for i in range(params.num_samples)]
+        request.samples = [
+            SampleState(
+                request_id,
+                i,
+                request,
+                IncrementalDetokenizer(self.tokenizer, prompt, params) if detokenize else None,
+                [] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if summed else None,
+            )
+            for i in range(params.num_samples)
+        ]
         request.num_open = len(request.samples)
         self._requests[request_id] = request
 
@@ -129,13 +141,25 @@ class OutputProcessor:
             sample.cumulative_logprob = delta.cumulative_logprob
         elif sample.detokenizer is not None and error is None:
             try:
-                num_kept, matched = self._detokenize(sample.detokenizer, ids, finish_reason, stop_reason, params)
+                num_kept, matched = self._detokenize(
+                    sample.detokenizer, ids, finish_reason, stop_reason, params
+                )
                 if matched is not None:
                     finish_reason, stop_reason = "stop", matched
                 sample.text += sample.detokenizer.take_delta(finish_reason is not None)
             except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
-                logger.error("request %s failed: %s: %s", delta.request_id, type(exc).__name__, exc, exc_info=exc)
-                error, finish_reason, sample.detokenizer = f"{type(exc).__name__}: {exc}", "error", None
+                logger.error(
+                    "request %s failed: %s: %s",
+                    delta.request_id,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
+                error, finish_reason, sample.detokenizer = (
+                    f"{type(exc).__name__}: {exc}",
+                    "error",
+                    None,
+                )
         sample.token_ids += ids if num_kept == len(ids) else ids[:num_kept]
         if sample.logprobs is not None:
             sample.logprobs += (delta.logprobs or [])[:num_kept]
@@ -145,26 +169,50 @@ class OutputProcessor:
     def take(self, sample: SampleState) -> RequestOutput:
         """The sample's output: everything new since its last one (the ``*_delta`` fields), and all of it."""
         request = sample.request
-        text_delta = sample.text[sample.text_taken:]
-        ids_delta = sample.token_ids[sample.num_taken:]
+        text_delta = sample.text[sample.text_taken :]
+        ids_delta = sample.token_ids[sample.num_taken :]
         logprobs = sample.logprobs
-        logprobs_delta = logprobs[sample.logprobs_taken:] if logprobs is not None else None
+        logprobs_delta = logprobs[sample.logprobs_taken :] if logprobs is not None else None
         sample.text_taken, sample.num_taken = len(sample.text), len(sample.token_ids)
         sample.logprobs_taken = len(logprobs) if logprobs is not None else 0
         finished = sample.finish_reason is not None
         return RequestOutput(
-            sample.request_id, sample.text, text_delta, ids_delta, logprobs, logprobs_delta, finished,
-            sample.finish_reason, sample.stop_reason, len(request.prompt_token_ids), sample.num_cached_tokens,
-            sample.queue_time, sample.error, sample.index, sample.cumulative_logprob, len(sample.token_ids),
-            sample.token_ids, self._hashes(request, sample) if finished else None)
+            sample.request_id,
+            sample.text,
+            text_delta,
+            ids_delta,
+            logprobs,
+            logprobs_delta,
+            finished,
+            sample.finish_reason,
+            sample.stop_reason,
+            len(request.prompt_token_ids),
+            sample.num_cached_tokens,
+            sample.queue_time,
+            sample.error,
+            sample.index,
+            sample.cumulative_logprob,
+            len(sample.token_ids),
+            sample.token_ids,
+            self._hashes(request, sample) if finished else None,
+        )
 
     @staticmethod
-    def _detokenize(detok: IncrementalDetokenizer, ids: list[int], finish_reason: str | None,
-                    stop_token: int | None, params: SamplingParams) -> tuple[int, str | None]:
+    def _detokenize(
+        detok: IncrementalDetokenizer,
+        ids: list[int],
+        finish_reason: str | None,
+        stop_token: int | None,
+        params: SamplingParams,
+    ) -> tuple[int, str | None]:
         """Feed new ids to the detokenizer; (ids kept, the stop string that ended the output there, if any).
         A final EOS or stop token adds no text (unless ``include_stop_str_in_output`` for a stop token)."""
         text_ids = ids
-        if finish_reason == "stop" and ids and not (stop_token is not None and params.include_stop_str_in_output):
+        if (
+            finish_reason == "stop"
+            and ids
+            and not (stop_token is not None and params.include_stop_str_in_output)
+        ):
             text_ids = ids[:-1]
         # one at a time: a stop string may end the output mid-delta
         for i, token_id in enumerate(text_ids):
@@ -181,4 +229,5 @@ class OutputProcessor:
             tokens = request.prompt_token_ids + sample.token_ids
             self._hasher.extend(hashes, tokens, self._block_size, request.cache_salt)
             return [h.hex() for h in hashes]
+
         return block_hashes

@@ -1,6 +1,7 @@
 """What leaves the engine: the core's per-step ``SampleDelta``s (token ids only, one batch per step, cheap to
 send between processes) and the ``RequestOutput``s the output processor builds from them (text, stop strings,
 logprobs, usage)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -10,6 +10,7 @@ those whose conditions hold, until a pass adds none. This is a check for the rec
 conservative everywhere else (a keyword it does not read never makes a schema unproductive), and schemas with more
 than ``MAX_NODES`` subschemas are left to the grammar library.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -86,7 +87,9 @@ def _holds(node: Any, root: Any, productive: set[int], known: set[int]) -> bool:
     types = node.get("type")
     types = types if isinstance(types, list) else [types] if types is not None else []
     if types and all(t in ("object", "array") for t in types):
-        return ("object" in types and _object_holds(node, ok)) or ("array" in types and _array_holds(node, ok))
+        return ("object" in types and _object_holds(node, ok)) or (
+            "array" in types and _array_holds(node, ok)
+        )
     if not types and ("properties" in node or "required" in node):
         return _object_holds(node, ok)
     return True

@@ -9,6 +9,7 @@ Per step, the engine fills one row of a packed bitmask (32 tokens per int32) for
 (``token_masks``); the sampler turns it into -inf logits for the disallowed tokens. After sampling, the
 sequence's matcher consumes the token (``accept``); a token the grammar refuses ends that request only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,9 @@ _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 class GrammarCompiler:
     """Compiles StructuredOutput specs into matchers for one tokenizer (compiled grammars are cached)."""
 
-    def __init__(self, hf_tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, hf_tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
@@ -52,9 +55,14 @@ class GrammarCompiler:
                 try:
                     import llguidance.hf
                 except ImportError as exc:
-                    raise ValueError("response_format: structured output needs the llguidance package") from exc
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self._eos_token_ids or None)
+                    raise ValueError(
+                        "response_format: structured output needs the llguidance package"
+                    ) from exc
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer,
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos_token_ids or None,
+                )
             return self._tokenizer
 
     def validate(self, spec: StructuredOutput) -> str:
@@ -79,7 +87,9 @@ class GrammarCompiler:
     def _grammar(self, spec: StructuredOutput) -> str:
         if spec.grammar is not None:
             return spec.grammar
-        return _compile(self._ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA)
+        return _compile(
+            self._ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA
+        )
 
 
 # (bounded: a compiled grammar of a large enum is megabytes, and schemas are the clients')
@@ -92,8 +102,10 @@ def _compile(tokenizer: Any, schema: str) -> str:
     except ValueError as exc:
         raise ValueError(f"response_format: invalid JSON schema: {exc}") from None
     if unsatisfiable(parsed):
-        raise ValueError("response_format: no finite JSON value satisfies this schema (a required property or item "
-                         "needs the schema itself); make the recursion optional")
+        raise ValueError(
+            "response_format: no finite JSON value satisfies this schema (a required property or item "
+            "needs the schema itself); make the recursion optional"
+        )
     try:
         if isinstance(parsed, dict):
             # one fixed layout: with free whitespace a greedy model can emit blank lines until max_tokens
@@ -102,7 +114,9 @@ def _compile(tokenizer: Any, schema: str) -> str:
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - llguidance reports schema errors as ValueError or its own
-        reason = str(exc) or f"{type(exc).__name__} (no reason given: too large for the memory allowed?)"
+        reason = (
+            str(exc) or f"{type(exc).__name__} (no reason given: too large for the memory allowed?)"
+        )
         raise ValueError(f"response_format: invalid JSON schema: {reason}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
@@ -130,8 +144,10 @@ def _check_usable(tokenizer: Any, grammar: str) -> None:
                 raise ValueError(f"response_format: the schema cannot be followed: {reason}")
             return
         if elapsed > MASK_BUDGET_S:
-            raise ValueError(f"response_format: following this schema takes {elapsed * 1e3:.0f} ms per token (at "
-                             f"most {MASK_BUDGET_S * 1e3:.0f} ms); simplify it")
+            raise ValueError(
+                f"response_format: following this schema takes {elapsed * 1e3:.0f} ms per token (at "
+                f"most {MASK_BUDGET_S * 1e3:.0f} ms); simplify it"
+            )
         allowed = unpack_mask(mask, tokenizer.vocab_size)[0].nonzero().flatten().tolist()
         token = next((t for t in allowed if t not in tokenizer.eos_tokens), None)
         if token is None:
@@ -141,7 +157,9 @@ def _check_usable(tokenizer: Any, grammar: str) -> None:
             raise ValueError(f"response_format: the schema cannot be followed: {reason}")
 
 
-def token_masks(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor | None, dict[int, str]]:
+def token_masks(
+    seqs: list[Sequence], vocab_size: int
+) -> tuple[torch.Tensor | None, dict[int, str]]:
     """Packed allowed-token bitmask ``[rows, ceil(vocab / 32)]`` int32 for the rows with a grammar (other
     rows allow everything), or None when no row has one; plus the rows whose grammar failed (row -> error),
     which allow everything and are ended by the engine."""

@@ -11,6 +11,7 @@ step inputs' packed view (the block-table rows) and the logits it writes, the pa
 Decode-only batches up to the ladder's top are padded to a ladder size also when they run eagerly (the CPU,
 ``enforce_eager``), so that eager and graph runs compute the same shapes and give the same tokens.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,13 @@ def padded_size(sizes: list[int], batch_size: int) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, decode_pass: Callable[[int], torch.Tensor], sizes: list[int], device: torch.device,
-                 prepare_inputs: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        decode_pass: Callable[[int], torch.Tensor],
+        sizes: list[int],
+        device: torch.device,
+        prepare_inputs: Callable[[int], None],
+    ) -> None:
         """``decode_pass(size)`` runs one padded decode pass over the static inputs and returns its static
         output; ``prepare_inputs(size)`` fills the static inputs with a harmless batch for capture."""
         self.sizes = sorted(sizes)
@@ -70,8 +76,14 @@ class DecodeGraphs:
             self._graphs[size] = graph
         torch.cuda.synchronize(device)
         self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("CUDA graphs: %d decode batch sizes (%d..%d) captured in %.1f s, %.0f MiB", len(sizes),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start, self.memory_bytes / 2**20)
+        logger.info(
+            "CUDA graphs: %d decode batch sizes (%d..%d) captured in %.1f s, %.0f MiB",
+            len(sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+            self.memory_bytes / 2**20,
+        )
 
     def replay(self, size: int) -> torch.Tensor:
         self._graphs[size].replay()
@@ -82,8 +94,14 @@ class DecodeGraphs:
 class DecodeGraphRunner:
     """Decode-only steps at padded (ladder) sizes, replayed from CUDA graphs or run eagerly the same way."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, forward: Forward, compute_logits: ComputeLogits,
-                 kv: KVBackend) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        forward: Forward,
+        compute_logits: ComputeLogits,
+        kv: KVBackend,
+    ) -> None:
         """``forward`` runs the model over a step's inputs; ``compute_logits(hidden, out=)`` its output layer;
         ``kv``: the KV backend, whose tables the decode pass reads."""
         self.config, self.device = config, config.torch_device
@@ -91,7 +109,9 @@ class DecodeGraphRunner:
         self.kv = kv
         max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
         self.sizes = graph_sizes(max_padded) if max_padded else []
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
+        self.use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
+        )
         self.graphs: DecodeGraphs | None = None
         self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded size
         self.inputs: StepInputs | None = None
@@ -118,14 +138,19 @@ class DecodeGraphRunner:
         if not self.sizes:
             return
         _, width = self.kv.table_shape(self.max_size, self.max_size, table_width)
-        self.tables = torch.full((self.max_size, width), scratch_slot, dtype=torch.int32, device=self.device)
-        self.logits = torch.empty(self.max_size, self.vocab_size, dtype=self.config.torch_dtype,
-                                  device=self.device)
+        self.tables = torch.full(
+            (self.max_size, width), scratch_slot, dtype=torch.int32, device=self.device
+        )
+        self.logits = torch.empty(
+            self.max_size, self.vocab_size, dtype=self.config.torch_dtype, device=self.device
+        )
 
     def capture(self, sizes: list[int] | None = None) -> None:
         """Record the graphs of ``sizes`` (all of the ladder) over the current buffers (CUDA, unless eager)."""
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self._decode_pass, sizes or self.sizes, self.device, self._idle_inputs)
+            self.graphs = DecodeGraphs(
+                self._decode_pass, sizes or self.sizes, self.device, self._idle_inputs
+            )
 
     def release(self) -> None:
         """Drop the graphs (NCCL collectives captured in them hold the communicator until they are gone)."""
@@ -145,10 +170,15 @@ class DecodeGraphRunner:
         """One decode pass over the static inputs of size ``size`` (what each graph records)."""
         view = self.inputs.decode_view(size)
         tables = self.tables[:size]
-        metadata = AttentionMetadata(slot_mapping=view.slots, block_tables=tables, context_lens=view.context_lens,
-                                     num_decodes=size, prefill_cu_seqlens_q=view.cu_seqlens,
-                                     slot_ids=self.kv.slot_ids(tables),
-                                     max_context_len=self.config.max_model_len)
+        metadata = AttentionMetadata(
+            slot_mapping=view.slots,
+            block_tables=tables,
+            context_lens=view.context_lens,
+            num_decodes=size,
+            prefill_cu_seqlens_q=view.cu_seqlens,
+            slot_ids=self.kv.slot_ids(tables),
+            max_context_len=self.config.max_model_len,
+        )
         hidden = self.forward(view.ids, view.feed, view.positions, metadata)
         return self.compute_logits(hidden, out=self.logits[:size])
 

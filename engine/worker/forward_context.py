@@ -1,5 +1,6 @@
 """The forward context: attention metadata set by the model runner before each pass and read by the
 attention layers, so model code keeps the plain ``forward(input_ids, positions)`` signature."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -6,6 +6,7 @@ with the file's own 4-bit blocks instead. They are read once from the GGUF (no t
 projections are put in Hugging Face's order, as transformers' GGUF loader does for Llama (llama.cpp stores
 them interleaved for its rotary layout); rows move whole, so every 32-weight block stays intact.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,12 @@ from engine.layers.quantized_linear import Q4_GROUP, Q4Blocks
 Q4_FILE = "model.q4_1.safetensors"
 _BLOCK_BYTES = 4 + Q4_GROUP // 2  # float16 d, float16 m, 16 bytes of codes
 _HF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -30,7 +35,9 @@ _HF_NAMES = {
 def blocks_from_gguf_bytes(data: np.ndarray, rows: int, cols: int) -> Q4Blocks:
     """Q4_1 tensor bytes ``[rows, cols / 32 * 20]`` -> blocks. Within a block, code j sits in byte j's low
     nibble and code j + 16 in its high nibble."""
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, cols // Q4_GROUP, _BLOCK_BYTES)
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8)).view(
+        rows, cols // Q4_GROUP, _BLOCK_BYTES
+    )
     d = raw[..., 0:2].contiguous().view(torch.float16)[..., 0]
     m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0]
     codes = raw[..., 4:]
@@ -40,10 +47,20 @@ def blocks_from_gguf_bytes(data: np.ndarray, rows: int, cols: int) -> Q4Blocks:
 
 def _hf_row_order(blocks: Q4Blocks, num_heads: int) -> Q4Blocks:
     """llama.cpp's rotary row order -> Hugging Face's (per head: the two halves' rows de-interleaved)."""
+
     def reorder(t: torch.Tensor) -> torch.Tensor:
         n = t.shape[0]
-        return t.reshape(num_heads, n // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-    return Q4Blocks(reorder(blocks.q).contiguous(), reorder(blocks.d).contiguous(), reorder(blocks.m).contiguous())
+        return (
+            t.reshape(num_heads, n // num_heads // 2, 2, *t.shape[1:])
+            .transpose(1, 2)
+            .reshape(t.shape)
+        )
+
+    return Q4Blocks(
+        reorder(blocks.q).contiguous(),
+        reorder(blocks.d).contiguous(),
+        reorder(blocks.m).contiguous(),
+    )
 
 
 def read_gguf_q4(gguf_file: Path) -> dict[str, Q4Blocks]:
@@ -53,13 +70,19 @@ def read_gguf_q4(gguf_file: Path) -> dict[str, Q4Blocks]:
     reader = GGUFReader(gguf_file)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     if arch != "llama":
-        raise ValueError(f"cpu_weights: q4 blocks are read from Llama GGUF files only (this one: {arch})")
+        raise ValueError(
+            f"cpu_weights: q4 blocks are read from Llama GGUF files only (this one: {arch})"
+        )
     heads = int(reader.fields["llama.attention.head_count"].parts[-1][0])
     kv_heads = int(reader.fields["llama.attention.head_count_kv"].parts[-1][0])
     found: dict[str, Q4Blocks] = {}
     for tensor in reader.tensors:
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1 or not match or match[2] not in _HF_NAMES:
+        if (
+            tensor.tensor_type != GGMLQuantizationType.Q4_1
+            or not match
+            or match[2] not in _HF_NAMES
+        ):
             continue
         cols, rows = (int(x) for x in tensor.shape)
         blocks = blocks_from_gguf_bytes(tensor.data, rows, cols)

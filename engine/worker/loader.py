@@ -4,6 +4,7 @@ tokenizer; ``load_model`` fills the config's derived model fields (hf_config, mo
 Where the directory comes from (a local directory, a .gguf file converted once, a hub id, or the embedded default
 model) is model_sources.py; the dummy architectures and their seeded weights are dummy_model.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,9 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     config.eos_token_ids = _eos_token_ids(hf_config, path)
     max_position = hf_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > max_position:
-        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_position} positions")
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's {max_position} positions"
+        )
     config.max_model_len = config.max_model_len or max_position
     with _default_dtype(config.torch_dtype), config.torch_device:
         model = model_class(hf_config)(hf_config)
@@ -50,10 +53,15 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     if config.torch_device.type == "cpu":
         _apply_cpu_weights(model, config, path)
     model.eval().requires_grad_(False)
-    logger.info("model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)", config.model_id,
-                time.perf_counter() - start, model.num_parameters / 1e6,
-                config.torch_dtype, config.torch_device,
-                f", {config.cpu_weights} weights" if config.torch_device.type == "cpu" else "")
+    logger.info(
+        "model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)",
+        config.model_id,
+        time.perf_counter() - start,
+        model.num_parameters / 1e6,
+        config.torch_dtype,
+        config.torch_device,
+        f", {config.cpu_weights} weights" if config.torch_device.type == "cpu" else "",
+    )
     return model, tokenizer
 
 
@@ -62,13 +70,19 @@ def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None
     q4_file = path / Q4_FILE if path is not None else None
     has_q4 = q4_file is not None and q4_file.is_file()
     if config.cpu_weights == "auto":
-        config.cpu_weights = "q4" if has_q4 and config.torch_dtype == torch.float32 and \
-            config.tensor_parallel_size == 1 else "float32"
+        config.cpu_weights = (
+            "q4"
+            if has_q4 and config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
+            else "float32"
+        )
     if config.cpu_weights == "float32":
         return
     blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
-    native = cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa) \
-        if config.cpu_weights in ("q4", "int8") else None
+    native = (
+        cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
+        if config.cpu_weights in ("q4", "int8")
+        else None
+    )
     model.quantize_cpu_weights(config.cpu_weights, blocks, native)
 
 
@@ -76,8 +90,11 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
     if config.load_format == "dummy" and config.model is None:
         config.model_id = f"dummy:{config.model_config}"
         return dummy_hf_config(config.model_config), None, None
-    path = resolve_model(config.model, Path(config.cache_dir)) if config.model else \
-        ensure_default_model(Path(config.cache_dir))
+    path = (
+        resolve_model(config.model, Path(config.cache_dir))
+        if config.model
+        else ensure_default_model(Path(config.cache_dir))
+    )
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
     config.model_id = config.model or DEFAULT_MODEL_ID
@@ -128,7 +145,9 @@ def _weight_files(path: Path) -> list[Path]:
     every ``*.safetensors`` but our 4-bit side file (other files beside a checkpoint are not its weights)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        return sorted(
+            {path / name for name in json.loads(index.read_text())["weight_map"].values()}
+        )
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     return sorted(f for f in path.glob("*.safetensors") if f.name != Q4_FILE)

@@ -8,6 +8,7 @@ Under tensor parallelism every rank has a runner over its shard. Rank 0's (``wor
 samples: each command it carries out on its device goes to the other ranks first (engine/worker/worker_group.py),
 whose runners repeat it on theirs (``follow_step`` for a step), and its sampled ids are broadcast to them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,14 +28,23 @@ from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.worker.step_inputs import StepInputs
 from engine.worker.step_sampler import LaunchedStep, StepSampler
-from engine.worker.worker_group import (AllocateHostCache, AllocateKv, CaptureGraphs, MemoryInfo, ReleaseKv, RunStep,
-                                 WorkerGroup)
+from engine.worker.worker_group import (
+    AllocateHostCache,
+    AllocateKv,
+    CaptureGraphs,
+    MemoryInfo,
+    ReleaseKv,
+    RunStep,
+    WorkerGroup,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, workers: WorkerGroup | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, workers: WorkerGroup | None = None
+    ) -> None:
         """``workers``: the other tensor-parallel ranks, which this (rank 0's) runner drives."""
         self.config = config
         self.model = model
@@ -43,11 +53,22 @@ class ModelRunner:
         # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
         # wait for the step in flight, hence up to twice the running limit
         self.num_slots = 2 * config.max_num_seqs + 2
-        self.kv = make_kv_backend(config.kv_backend, model.shard_args, config.kv_cache_torch_dtype, self.device,
-                                  config.block_size, config.max_model_len, self.num_slots)
+        self.kv = make_kv_backend(
+            config.kv_backend,
+            model.shard_args,
+            config.kv_cache_torch_dtype,
+            self.device,
+            config.block_size,
+            config.max_model_len,
+            self.num_slots,
+        )
         if self.kv.block_size != config.block_size:
-            logger.info("kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
-                        config.kv_backend, self.kv.block_size, self.kv.page_bytes >> 20)
+            logger.info(
+                "kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
+                config.kv_backend,
+                self.kv.block_size,
+                self.kv.page_bytes >> 20,
+            )
             config.block_size = self.kv.block_size
         self.block_size = config.block_size
         self.sampling = StepSampler(config, workers is not None)
@@ -57,8 +78,9 @@ class ModelRunner:
         self.num_parameters = model.num_parameters  # (recompute cost estimates)
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
-        self.decode_graphs = DecodeGraphRunner(config, model.args.vocab_size, self._forward, model.compute_logits,
-                                               self.kv)
+        self.decode_graphs = DecodeGraphRunner(
+            config, model.args.vocab_size, self._forward, model.compute_logits, self.kv
+        )
         if self.device.type == "cpu":
             model.store_weights_column_major()
 
@@ -79,7 +101,12 @@ class ModelRunner:
         if self.workers is not None:
             ranks += self.workers.gather(MemoryInfo())
         peak = self._warm_up_peak_memory()  # (rank 0's: the ranks hold equal shards)
-        budget = min(total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks) - peak
+        budget = (
+            min(
+                total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks
+            )
+            - peak
+        )
         return max(0, int(budget)) // self.bytes_per_block
 
     def size_kv_cache(self) -> int:
@@ -87,17 +114,27 @@ class ModelRunner:
         config = self.config
         num_blocks = self.num_blocks_for_budget()
         if num_blocks < 2:
-            raise RuntimeError(f"KV cache: room for only {num_blocks} blocks of {self.bytes_per_block} bytes; "
-                               "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks")
+            raise RuntimeError(
+                f"KV cache: room for only {num_blocks} blocks of {self.bytes_per_block} bytes; "
+                "raise kv_cache_memory_gib / gpu_memory_utilization or num_kv_blocks"
+            )
         if config.max_model_len > num_blocks * config.block_size:
-            logger.warning("max_model_len %d capped to the KV pool's %d tokens", config.max_model_len,
-                           num_blocks * config.block_size)
+            logger.warning(
+                "max_model_len %d capped to the KV pool's %d tokens",
+                config.max_model_len,
+                num_blocks * config.block_size,
+            )
             config.max_model_len = num_blocks * config.block_size
         self.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens, %s); max_model_len %d", num_blocks,
-                    config.block_size, num_blocks * self.bytes_per_block / 2**30,
-                    num_blocks * config.block_size, str(config.kv_cache_torch_dtype).removeprefix("torch."),
-                    config.max_model_len)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens, %s); max_model_len %d",
+            num_blocks,
+            config.block_size,
+            num_blocks * self.bytes_per_block / 2**30,
+            num_blocks * config.block_size,
+            str(config.kv_cache_torch_dtype).removeprefix("torch."),
+            config.max_model_len,
+        )
         return num_blocks
 
     def _warm_up_peak_memory(self) -> int:
@@ -105,7 +142,12 @@ class ModelRunner:
         what the CUDA graph of the largest decode batch holds (captured once on the scratch KV)."""
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         self.allocate_kv_cache(-(-num_tokens // self.block_size))
-        seq = Sequence(seq_id=-1, request_id="warm-up", token_ids=[0] * num_tokens, params=SamplingParams(temperature=0.0))
+        seq = Sequence(
+            seq_id=-1,
+            request_id="warm-up",
+            token_ids=[0] * num_tokens,
+            params=SamplingParams(temperature=0.0),
+        )
         seq.block_table = list(range(-(-num_tokens // self.block_size)))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -149,8 +191,14 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
         max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_size)
-        self.inputs = StepInputs(self.device, self.block_size, max_tokens, kv.num_slots if kv.contiguous else
-                                 config.max_num_seqs + 1, config.max_blocks_per_seq, kv)
+        self.inputs = StepInputs(
+            self.device,
+            self.block_size,
+            max_tokens,
+            kv.num_slots if kv.contiguous else config.max_num_seqs + 1,
+            config.max_blocks_per_seq,
+            kv,
+        )
         self.decode_graphs.allocate(self.inputs, config.max_blocks_per_seq, kv.scratch_slot)
 
     def allocate_host_pools(self) -> tuple[int, int]:
@@ -165,8 +213,11 @@ class ModelRunner:
         if num_swap + num_cache:
             self.allocate_host_cache(num_swap + num_cache)
         if num_cache:
-            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB)", num_cache,
-                        num_cache * self.bytes_per_block / 2**30)
+            logger.info(
+                "host tier of the prefix cache: %d blocks (%.2f GiB)",
+                num_cache,
+                num_cache * self.bytes_per_block / 2**30,
+            )
         return num_swap, num_cache
 
     def allocate_host_cache(self, num_blocks: int) -> None:
@@ -179,8 +230,12 @@ class ModelRunner:
         self.host_k_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
         self.host_v_caches = torch.empty(shape, dtype=self.k_caches.dtype, pin_memory=pinned)
 
-    def _swap(self, pairs: list[tuple[int, int]], src: tuple[torch.Tensor, torch.Tensor],
-              dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _swap(
+        self,
+        pairs: list[tuple[int, int]],
+        src: tuple[torch.Tensor, torch.Tensor],
+        dst: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
         mapping = torch.tensor(pairs, dtype=torch.int64)
         kernel_ops.swap_blocks(src[0], dst[0], mapping)
         kernel_ops.swap_blocks(src[1], dst[1], mapping)
@@ -217,12 +272,27 @@ class ModelRunner:
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
         num_rows = len(batch.sampling_seqs)
         if self.workers is not None:
-            self.workers.send(RunStep(self.inputs.layout, pad, num_rows, batch.swap_out, batch.block_copies,
-                                      batch.swap_in), memoryview(self.inputs.packed.numpy()))
+            self.workers.send(
+                RunStep(
+                    self.inputs.layout,
+                    pad,
+                    num_rows,
+                    batch.swap_out,
+                    batch.block_copies,
+                    batch.swap_in,
+                ),
+                memoryview(self.inputs.packed.numpy()),
+            )
         self._move_blocks(batch.swap_out, batch.block_copies, batch.swap_in)
         if self.kv.contiguous:
             inputs = self.inputs
-            self.kv.map_rows(inputs.rows, inputs.table[inputs.rows], inputs.widths, inputs.ends, self._wait_for_device)
+            self.kv.map_rows(
+                inputs.rows,
+                inputs.table[inputs.rows],
+                inputs.widths,
+                inputs.ends,
+                self._wait_for_device,
+            )
         prepared = time.perf_counter()
         if pad is not None:
             logits = self.decode_graphs.run(step, pad, len(batch.seqs))
@@ -248,25 +318,38 @@ class ModelRunner:
             if command.num_sampled:
                 self.model.compute_logits(hidden[step.sample_rows])
         if command.num_sampled:
-            parallel_state.broadcast_from_driver(self.sampling.last_sampled[:command.num_sampled])
+            parallel_state.broadcast_from_driver(self.sampling.last_sampled[: command.num_sampled])
 
-    def _move_blocks(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
-                     swap_in: list[tuple[int, int]]) -> None:
+    def _move_blocks(
+        self,
+        swap_out: list[tuple[int, int]],
+        copies: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
         # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
         if swap_out:
-            self._swap(swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches))
+            self._swap(
+                swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches)
+            )
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
         if swap_in:
-            self._swap(swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches))
+            self._swap(
+                swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches)
+            )
 
     def _wait_for_device(self) -> None:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
         torch.cuda.current_stream(self.device).synchronize()
 
-    def _forward(self, input_ids: torch.Tensor, feed: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        feed: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """The model over one step's tokens; pending ids (``feed >= 0``) come from the last sampled ids."""
         input_ids = torch.where(feed >= 0, self.sampling.last_sampled[feed.clamp(min=0)], input_ids)
         with forward_context(metadata):

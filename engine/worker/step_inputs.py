@@ -20,6 +20,7 @@ row is also its request slot: its KV sits at ``slot * max_len + position``, the 
 per sequence (padding rows: the scratch slot), and a finished sequence's slot is reused only after the last
 step that may still read it has finished on the device (then the backend unmaps its pages).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -98,8 +99,15 @@ class StepLayout:
 
 
 class StepInputs:
-    def __init__(self, device: torch.device, block_size: int, max_tokens: int, max_seqs: int,
-                 max_blocks_per_seq: int, kv: KVBackend) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        kv: KVBackend,
+    ) -> None:
         self.device = device
         self.kv = kv
         # (row, last step that may read it)
@@ -114,7 +122,10 @@ class StepInputs:
         self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
         capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
         pinned = device.type == "cuda"
-        self._staging = [torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        self._staging = [
+            torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
+            for _ in range(2 if pinned else 1)
+        ]
         # the inputs' home on the device (its head doubles as the CUDA graphs' static inputs)
         self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
         self._turn = 0
@@ -191,7 +202,9 @@ class StepInputs:
 
     # packing ------------------------------------------------------------------------------------------
 
-    def build(self, batch: ScheduledBatch, feed_rows: dict[int, int], pad_to: int | None) -> StepTensors:
+    def build(
+        self, batch: ScheduledBatch, feed_rows: dict[int, int], pad_to: int | None
+    ) -> StepTensors:
         """Pack ``batch``'s inputs; ``feed_rows`` maps seq_id -> row of the in-flight step's sampled ids for
         sequences whose last token is still pending. ``pad_to``: a decode-only batch padded to a graph size
         (padding rows: slot -1, context 1, their outputs ignored)."""
@@ -203,47 +216,74 @@ class StepInputs:
         host = self._staging[self._turn % len(self._staging)]
         self._turn += 1
         self.layout = self._pack(host.numpy(), vectors, batch, feed_rows, pad_to)
-        self.packed = host[:self.layout.offsets[-1]]
+        self.packed = host[: self.layout.offsets[-1]]
         return self._to_device(host, self.layout)
 
     def _vectors(self, batch: ScheduledBatch) -> _StepVectors:
         """The step's per-token and per-sequence values (numpy), before packing."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         num_seqs = len(seqs)
-        rows = self.rows = np.fromiter((self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
+        rows = self.rows = np.fromiter(
+            (self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs
+        )
+        starts = np.fromiter(
+            (seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs
+        )
         lens = np.asarray(counts, dtype=np.int64)
         ids: list[int] = []
         for seq, start, n in zip(seqs, starts.tolist(), counts):
-            ids.extend(seq.token_ids[start:start + n])
-        self.widths = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs)
+            ids.extend(seq.token_ids[start : start + n])
+        self.widths = np.fromiter(
+            (len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs
+        )
         cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
         positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
         seq_of_token = np.repeat(np.arange(num_seqs), lens)
         slots = self.kv.slot_mapping(self.table, rows[seq_of_token], positions)
         ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
-        sample_rows = [int(cu) + n - 1 for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
-                       if end == seq.num_tokens]
+        sample_rows = [
+            int(cu) + n - 1
+            for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
+            if end == seq.num_tokens
+        ]
         if batch.forks:  # each forked sample is drawn from its parent's row
             row_of = {seq.seq_id: row for seq, row in zip(batch.sampling_seqs, sample_rows)}
             sample_rows += [row_of[parent.seq_id] for parent, _ in batch.forks]
-        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decodes:])))
-        return _StepVectors(ids, positions, slots, ends, prefill_cu, sample_rows, rows, int(self.widths.max()))
+        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decodes :])))
+        return _StepVectors(
+            ids, positions, slots, ends, prefill_cu, sample_rows, rows, int(self.widths.max())
+        )
 
-    def _pack(self, flat: np.ndarray, v: _StepVectors, batch: ScheduledBatch, feed_rows: dict[int, int],
-              pad_to: int | None) -> StepLayout:
+    def _pack(
+        self,
+        flat: np.ndarray,
+        v: _StepVectors,
+        batch: ScheduledBatch,
+        feed_rows: dict[int, int],
+        pad_to: int | None,
+    ) -> StepLayout:
         """Write the vectors into ``flat`` in the packed order (module docstring); the layout they took."""
         num_tokens, num_seqs = len(v.ids), len(v.rows)
         total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
         table_rows, width = self.kv.table_shape(num_seqs, total_seqs, v.width)
-        sizes = [total, total, total, total, total_seqs, len(v.prefill_cu), len(v.sample_rows), table_rows * width]
+        sizes = [
+            total,
+            total,
+            total,
+            total,
+            total_seqs,
+            len(v.prefill_cu),
+            len(v.sample_rows),
+            table_rows * width,
+        ]
         offsets = np.cumsum([0] + sizes).tolist()
         ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = (
-            flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes)))
+            flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
+        )
         ids_v[:num_tokens] = v.ids
         feed_v.fill(-1)
         # a pending token is always a decode row's input
-        for i, seq in enumerate(batch.seqs[:batch.num_decodes]):
+        for i, seq in enumerate(batch.seqs[: batch.num_decodes]):
             if v.ids[i] == PENDING_TOKEN:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
@@ -253,13 +293,21 @@ class StepInputs:
             pad = PADDING_ROW
             ids_v[num_tokens:], pos_v[num_tokens:] = pad["ids"], pad["positions"]
             slot_v[num_tokens:], ctx_v[num_seqs:] = pad["slots"], pad["context_lens"]
-        return StepLayout(offsets, total_seqs if pad_to else batch.num_decodes, total, num_seqs, width,
-                          int(v.ends.max()))
+        return StepLayout(
+            offsets,
+            total_seqs if pad_to else batch.num_decodes,
+            total,
+            num_seqs,
+            width,
+            int(v.ends.max()),
+        )
 
     def decode_view(self, size: int) -> DecodeView:
         """The static inputs of a decode-only step padded to ``size`` rows (``build`` packs such a step so)."""
         head = self.device_buffer
-        return DecodeView(*(head[i * size:(i + 1) * size] for i in range(5)), head[5 * size:5 * size + 1])
+        return DecodeView(
+            *(head[i * size : (i + 1) * size] for i in range(5)), head[5 * size : 5 * size + 1]
+        )
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
         """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""
@@ -269,7 +317,7 @@ class StepInputs:
             copied.synchronize()  # (the staging buffer's last copy to the device has been read)
         host = self._staging[turn]
         values = np.frombuffer(payload, dtype=np.int32)
-        host.numpy()[:len(values)] = values
+        host.numpy()[: len(values)] = values
         step = self._to_device(host, layout)
         if self.device.type == "cuda":
             self._copied[turn] = torch.cuda.Event()
@@ -281,11 +329,16 @@ class StepInputs:
         used = offsets[-1]
         buffer = self.device_buffer
         buffer[:used].copy_(host[:used], non_blocking=True)
-        parts = [buffer[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+        parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
         ids, feed, positions, slots, ctx, cu, rows, table = parts
         tables = table.view(-1, layout.width)
-        metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
-                                     num_decodes=layout.num_decodes, prefill_cu_seqlens_q=cu,
-                                     slot_ids=self.kv.slot_ids(tables),
-                                     max_context_len=layout.max_context_len)
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=ctx,
+            num_decodes=layout.num_decodes,
+            prefill_cu_seqlens_q=cu,
+            slot_ids=self.kv.slot_ids(tables),
+            max_context_len=layout.max_context_len,
+        )
         return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

@@ -5,6 +5,7 @@ copy to the host started, not waited for: ``LaunchedStep.wait`` blocks when the 
 A row whose own parameters or grammar make sampling fail ends its request with an error; the batch is sampled
 again with a greedy stand-in in its place, so one request's failure never fails the step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,15 +53,23 @@ class LaunchedStep:
 class StepSampler:
     def __init__(self, config: EngineConfig, broadcast: bool) -> None:
         """``broadcast``: send each step's sampled ids to the other tensor-parallel ranks."""
-        self.device, self.eos_token_ids, self.broadcast = config.torch_device, config.eos_token_ids, broadcast
+        self.device, self.eos_token_ids, self.broadcast = (
+            config.torch_device,
+            config.eos_token_ids,
+            broadcast,
+        )
         self.sampler = Sampler()
         num_rows = max(config.max_num_seqs, config.max_num_batched_tokens)
         self.last_sampled = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
-        self._host_ids = [torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                          for _ in range(2)]
+        self._host_ids = [
+            torch.empty(num_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            for _ in range(2)
+        ]
         self._turn = 0
 
-    def launch(self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float) -> LaunchedStep:
+    def launch(
+        self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float
+    ) -> LaunchedStep:
         """Sample ``seqs``' rows of ``logits`` (None: no row reached its end) and start the ids' copy to the
         host; the sampled ids stay on the device as the next step's pending inputs (``last_sampled``)."""
         if logits is None:
@@ -78,18 +87,34 @@ class StepSampler:
         if rows and self.broadcast:
             parallel_state.broadcast_from_driver(self.last_sampled[:rows])
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, sampled.token_ids, None, prepare_seconds, failures=failures,
-                                beam_logprobs=beam_logprobs)
+            return LaunchedStep(
+                seqs,
+                sampled,
+                sampled.token_ids,
+                None,
+                prepare_seconds,
+                failures=failures,
+                beam_logprobs=beam_logprobs,
+            )
         # two buffers: the host may still read the previous one
         host = self._host_ids[self._turn % 2][:rows]
         self._turn += 1
         host.copy_(sampled.token_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(seqs, sampled, host, event, prepare_seconds, failures=failures,
-                            beam_logprobs=beam_logprobs)
+        return LaunchedStep(
+            seqs,
+            sampled,
+            host,
+            event,
+            prepare_seconds,
+            failures=failures,
+            beam_logprobs=beam_logprobs,
+        )
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[int, str]]:
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[SamplerOutput, dict[int, str]]:
         """Sample every row; a row whose own parameters or grammar make sampling fail is reported (its request
         ends with an error) and the batch is sampled again with a plain greedy stand-in for it."""
         mask, failures = token_masks(seqs, logits.shape[-1])
@@ -102,7 +127,9 @@ class StepSampler:
         except Exception:  # noqa: BLE001 - find the row at fault; none found means a fault of the whole step
             for i, seq in enumerate(seqs):
                 try:
-                    self.sampler(logits[i:i + 1], [seq], eos, None if mask is None else mask[i:i + 1])
+                    self.sampler(
+                        logits[i : i + 1], [seq], eos, None if mask is None else mask[i : i + 1]
+                    )
                 except Exception as exc:  # noqa: BLE001
                     failures[i] = f"sampling failed: {type(exc).__name__}: {exc}"
             if not failures:
@@ -113,5 +140,9 @@ class StepSampler:
 
 def _greedy_stand_in(seq: Sequence) -> Sequence:
     """Takes a failed row's place in a batch: sampled greedily, its token is thrown away."""
-    return Sequence(seq_id=seq.seq_id, request_id=f"{seq.request_id} (stand-in)",
-                    token_ids=list(seq.token_ids[-1:]), params=SamplingParams(temperature=0.0))
+    return Sequence(
+        seq_id=seq.seq_id,
+        request_id=f"{seq.request_id} (stand-in)",
+        token_ids=list(seq.token_ids[-1:]),
+        params=SamplingParams(temperature=0.0),
+    )

@@ -11,6 +11,7 @@ A rank that dies ends the engine: a gloo collective fails at once, and rank 0's 
 CUDA, where an NCCL collective would wait for the lost peer, the watcher ends the process (exit status 3, the
 engine's death) after a short grace. The workers die with rank 0's process (PR_SET_PDEATHSIG) and on ``stop``.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -44,6 +45,7 @@ _DEATH_GRACE_S = 10.0
 
 
 # rank 0 -> the other ranks -------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class RunStep:
@@ -87,6 +89,7 @@ class Stop:
 
 
 # the other ranks -> rank 0 -------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class WorkerReady:
@@ -150,23 +153,42 @@ class WorkerGroup:
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.bind(address)
             self._commands.append(socket)
-            spec = WorkerSpec(config, rank, size, rendezvous, address, f"ipc://{self._dir}/replies", level,
-                              all_reduce)
-            process = subprocess.Popen([sys.executable, "-m", "engine.worker.worker_group"], stdin=subprocess.PIPE)
+            spec = WorkerSpec(
+                config,
+                rank,
+                size,
+                rendezvous,
+                address,
+                f"ipc://{self._dir}/replies",
+                level,
+                all_reduce,
+            )
+            process = subprocess.Popen(
+                [sys.executable, "-m", "engine.worker.worker_group"], stdin=subprocess.PIPE
+            )
             process.stdin.write(pickle.dumps(spec))
             process.stdin.close()
             self.processes.append(process)
         logger.info("tensor parallel: %d ranks, workers %s", size, [p.pid for p in self.processes])
         try:
-            parallel_state.init_tensor_parallel(0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S,
-                                                all_reduce)
+            parallel_state.init_tensor_parallel(
+                0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S, all_reduce
+            )
         except Exception:
             self.stop()
             raise
-        logger.info("tensor parallel: all-reduce through %s", "symmetric memory from %d to %d MiB, NCCL otherwise"
-                    % (parallel_state.PEER_ALL_REDUCE_MIN_BYTES >> 20, parallel_state.PEER_ALL_REDUCE_BYTES >> 20)
-                    if parallel_state.peer_all_reduce_active()
-                    else "NCCL" if config.torch_device.type == "cuda" else "gloo")
+        logger.info(
+            "tensor parallel: all-reduce through %s",
+            "symmetric memory from %d to %d MiB, NCCL otherwise"
+            % (
+                parallel_state.PEER_ALL_REDUCE_MIN_BYTES >> 20,
+                parallel_state.PEER_ALL_REDUCE_BYTES >> 20,
+            )
+            if parallel_state.peer_all_reduce_active()
+            else "NCCL"
+            if config.torch_device.type == "cuda"
+            else "gloo",
+        )
         self._watcher = threading.Thread(target=self._watch, name="tp-watcher", daemon=True)
         self._watcher.start()
 
@@ -224,7 +246,10 @@ class WorkerGroup:
                 if code is not None and not self._stopping:
                     self.failure = f"rank {rank} (pid {process.pid}) exited with status {code}"
                     logger.error("tensor parallel: %s; the engine cannot go on", self.failure)
-                    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+                    if (
+                        torch.distributed.is_initialized()
+                        and torch.distributed.get_backend() == "nccl"
+                    ):
                         time.sleep(_DEATH_GRACE_S)
                         if not self._stopping:
                             os._exit(3)
@@ -258,15 +283,20 @@ class WorkerGroup:
 def _leave_group() -> None:
     """Leave the process group, on a thread given ``_LEAVE_TIMEOUT_S``: an NCCL teardown that waits on a peer
     (or on work captured in CUDA graphs still alive) must not hang the caller's shutdown."""
-    leaving = threading.Thread(target=parallel_state.destroy_tensor_parallel, name="tp-leave", daemon=True)
+    leaving = threading.Thread(
+        target=parallel_state.destroy_tensor_parallel, name="tp-leave", daemon=True
+    )
     leaving.start()
     leaving.join(_LEAVE_TIMEOUT_S)
     if leaving.is_alive():
-        logger.warning("tensor parallel: leaving the process group took over %.0f s; left behind",
-                       _LEAVE_TIMEOUT_S)
+        logger.warning(
+            "tensor parallel: leaving the process group took over %.0f s; left behind",
+            _LEAVE_TIMEOUT_S,
+        )
 
 
 # the worker process --------------------------------------------------------------------------------------
+
 
 def run_worker(spec: WorkerSpec) -> None:
     from engine.core.core_process import die_with_parent, name_process
@@ -288,8 +318,9 @@ def run_worker(spec: WorkerSpec) -> None:
     replies.connect(spec.replies)
     try:
         device = rank_device(spec.config, spec.rank)
-        parallel_state.init_tensor_parallel(spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S,
-                                            spec.all_reduce)
+        parallel_state.init_tensor_parallel(
+            spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S, spec.all_reduce
+        )
         # (its device stays "cuda": the current device, this rank's, set by the group)
         config = spec.config
         parallel_state.set_rank_threads(config.num_threads, spec.size, device)

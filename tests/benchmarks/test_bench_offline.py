@@ -1,5 +1,6 @@
 """benchmarks.offline's pure helpers: the nano workload as WORKLOADS.md defines it (benchmarks.workloads), and
 the report."""
+
 from __future__ import annotations
 
 import random
@@ -49,5 +50,11 @@ def test_table_reports_the_ratio_and_a_failed_peer():
 
 def test_defaults_are_the_workload():
     args = parse_args(["--model-config", "llama-3.2-1b"])
-    assert (args.num_requests, args.seed, args.peer, args.split, args.split_batch) == (256, 0, True, True, 256)
+    assert (args.num_requests, args.seed, args.peer, args.split, args.split_batch) == (
+        256,
+        0,
+        True,
+        True,
+        256,
+    )
     assert args.max_prompt_len is None and args.max_output_len is None

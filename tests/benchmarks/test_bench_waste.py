@@ -1,5 +1,6 @@
 """The waste benchmark's pure parts: the nano workload, each mode's reservation, and reservation admission
 (a ReservingScheduler over a real BlockManager, driven the way the engine drives it, with no model)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,20 +38,25 @@ def test_nano_workload_draws_length_then_ids_then_output():
     assert request.prompt == ids and request.output_len == output_len
 
 
-@pytest.mark.parametrize("n, expected", [(1, 1), (2, 2), (3, 4), (100, 128), (512, 512), (513, 1024)])
+@pytest.mark.parametrize(
+    "n, expected", [(1, 1), (2, 2), (3, 4), (100, 128), (512, 512), (513, 1024)]
+)
 def test_next_pow2(n, expected):
     assert next_pow2(n) == expected
 
 
-@pytest.mark.parametrize("mode, prompt, max_tokens, expected", [
-    ("reserve-max", 100, 100, 2048),  # always max_model_len
-    ("reserve-max", 1024, 1024, 2048),
-    ("reserve-pow2", 100, 200, 512),  # 300 -> 512
-    ("reserve-pow2", 1000, 24, 1024),  # exactly a power of two
-    ("reserve-pow2", 1000, 25, 2048),
-    ("reserve-oracle", 300, 400, 700),
-    ("reserve-oracle", 1024, 1024, 2048),
-])
+@pytest.mark.parametrize(
+    "mode, prompt, max_tokens, expected",
+    [
+        ("reserve-max", 100, 100, 2048),  # always max_model_len
+        ("reserve-max", 1024, 1024, 2048),
+        ("reserve-pow2", 100, 200, 512),  # 300 -> 512
+        ("reserve-pow2", 1000, 24, 1024),  # exactly a power of two
+        ("reserve-pow2", 1000, 25, 2048),
+        ("reserve-oracle", 300, 400, 700),
+        ("reserve-oracle", 1024, 1024, 2048),
+    ],
+)
 def test_reservation_of_each_mode(mode, prompt, max_tokens, expected):
     assert reservation_slots(mode, prompt, max_tokens, max_model_len=2048) == expected
 
@@ -66,13 +72,20 @@ def test_unknown_mode_is_refused():
 
 # admission ------------------------------------------------------------------------------------------------
 
+
 def block_manager(num_blocks: int) -> BlockManager:
-    return BlockManager(num_blocks, BLOCK, enable_prefix_caching=False, hasher=BlockHasher("sha256", "test", ""))
+    return BlockManager(
+        num_blocks, BLOCK, enable_prefix_caching=False, hasher=BlockHasher("sha256", "test", "")
+    )
 
 
 def request(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
-    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=[1] * prompt_len,
-                    params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        token_ids=[1] * prompt_len,
+        params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def step(scheduler: Scheduler) -> list[Sequence]:

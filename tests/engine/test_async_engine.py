@@ -1,5 +1,6 @@
 """AsyncEngine: the engine thread behind asyncio — concurrent streams, aborts, and failures that reach
 every consumer instead of hanging."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,10 +22,17 @@ async def wait_for(condition, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def consume(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                  stop_after: int | None = None) -> list:
+async def consume(
+    engine: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    stop_after: int | None = None,
+) -> list:
     outputs = []
-    async with contextlib.aclosing(engine.generate(prompt_ids, params, request_id=request_id)) as stream:
+    async with contextlib.aclosing(
+        engine.generate(prompt_ids, params, request_id=request_id)
+    ) as stream:
         async for out in stream:
             outputs.append(out)
             if stop_after is not None and len(outputs) >= stop_after:
@@ -49,8 +57,12 @@ async def test_concurrent_streams_with_aborts_leave_every_block_free(engine: Asy
     tasks = {}
     for i, text in enumerate(PROMPTS):
         stop_after = 3 if i % 4 == 1 else None
-        tasks[i] = asyncio.create_task(consume(engine, tok.encode(text), params, f"r{i}", stop_after))
-    explicit = asyncio.create_task(abort_after_first_token(engine, tok.encode("Abort me explicitly.")))
+        tasks[i] = asyncio.create_task(
+            consume(engine, tok.encode(text), params, f"r{i}", stop_after)
+        )
+    explicit = asyncio.create_task(
+        abort_after_first_token(engine, tok.encode("Abort me explicitly."))
+    )
     results = {i: await t for i, t in tasks.items()}
     aborted = await explicit
     for i, outputs in results.items():
@@ -78,14 +90,18 @@ async def test_streamed_deltas_equal_offline_output(engine: AsyncEngine):
 async def test_bad_request_raises_value_error_and_engine_keeps_serving(engine: AsyncEngine):
     with pytest.raises(ValueError, match="prompt"):
         await consume(engine, [], SamplingParams(), "empty")
-    outputs = await consume(engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), "after")
+    outputs = await consume(
+        engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), "after"
+    )
     assert outputs[-1].finished and engine.healthy
 
 
 async def test_model_error_reaches_every_stream_and_marks_unhealthy(engine: AsyncEngine):
     await engine.call(fail_model_after, 2)  # in the core's process: the third step raises
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    tasks = [asyncio.create_task(consume(engine, [1, 2, 3 + i], params, f"doomed{i}")) for i in range(4)]
+    tasks = [
+        asyncio.create_task(consume(engine, [1, 2, 3 + i], params, f"doomed{i}")) for i in range(4)
+    ]
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert isinstance(results[0].__cause__, RuntimeError)

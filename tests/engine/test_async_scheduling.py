@@ -1,6 +1,7 @@
 """Async scheduling: sampled ids are read one step late (step N+1 is launched before step N's tokens reach
 the host). Whatever the lag, a request's tokens, stop reasons, cached block hashes and the block pool must
 be exactly what the synchronous engine gives."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,12 @@ from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours of the rainbow:",
-           "Once upon a time, " * 6]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colours of the rainbow:",
+    "Once upon a time, " * 6,
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +25,12 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-def run(prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams], async_scheduling: bool,
-        **options) -> tuple[LLM, list]:
+def run(
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    async_scheduling: bool,
+    **options,
+) -> tuple[LLM, list]:
     llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=async_scheduling, **options)
     return llm, llm.generate(prompt_ids, params)
 
@@ -38,8 +47,12 @@ def test_stop_token_ends_the_request_where_the_sync_engine_ends_it(prompt_ids):
     free_run = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     _, reference = run(prompt_ids, free_run, async_scheduling=False)
     # stop each request at its own 6th token: the async engine has already launched a step past it
-    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[o.token_ids[5]])
-              for o in reference]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[o.token_ids[5]]
+        )
+        for o in reference
+    ]
     _, sync_outputs = run(prompt_ids, params, async_scheduling=False)
     llm, async_outputs = run(prompt_ids, params, async_scheduling=True)
     for sync_out, async_out in zip(sync_outputs, async_outputs):
@@ -51,8 +64,13 @@ def test_stop_token_ends_the_request_where_the_sync_engine_ends_it(prompt_ids):
 
 
 def test_penalised_requests_sample_from_known_tokens(prompt_ids):
-    params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.4, frequency_penalty=0.5,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        repetition_penalty=1.4,
+        frequency_penalty=0.5,
+        ignore_eos=True,
+    )
     _, sync_outputs = run(prompt_ids, params, async_scheduling=False)
     llm, async_outputs = run(prompt_ids, params, async_scheduling=True)
     assert [o.token_ids for o in async_outputs] == [o.token_ids for o in sync_outputs]
@@ -95,7 +113,9 @@ def test_abort_while_a_step_is_in_flight_frees_everything(prompt_ids):
 
 
 def test_deltas_concatenate_to_the_final_output(prompt_ids):
-    engine = LLMEngine(kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=True, max_num_batched_tokens=16)
+    engine = LLMEngine(
+        kv_cache_memory_gib=SMALL_KV_GIB, async_scheduling=True, max_num_batched_tokens=16
+    )
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i, ids in enumerate(prompt_ids):
         engine.add_request(f"r{i}", ids, params)

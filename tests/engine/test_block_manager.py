@@ -5,6 +5,7 @@ model of the KV cache checks that no sequence ever reads another's tokens.
 Expected hashes come from tests/block_invariants.py (hashlib/xxhash by hand, following the documented
 chain); expected block ids and counts are worked out by hand from the pool's rules.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,18 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from block_invariants import (ReferenceHashes, check_contents, check_host, check_pool, kv_tokens,
-                              reference_block_hash, reference_chain, reference_root, snapshot, with_pending)
+from block_invariants import (
+    ReferenceHashes,
+    check_contents,
+    check_host,
+    check_pool,
+    kv_tokens,
+    reference_block_hash,
+    reference_chain,
+    reference_root,
+    snapshot,
+    with_pending,
+)
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager, HostHit
 from engine.core.block_pool import Block
@@ -31,15 +42,32 @@ SEED = "s3cret"
 
 # ---------------------------------------------------------------- helpers
 
-def make_bm(num_blocks: int, algo: str = "sha256", caching: bool = True, num_host_blocks: int = 0,
-            num_host_cache_blocks: int = 0) -> BlockManager:
-    return BlockManager(num_blocks, BS, caching, BlockHasher(algo, MODEL, SEED), num_host_blocks,
-                        num_host_cache_blocks)
+
+def make_bm(
+    num_blocks: int,
+    algo: str = "sha256",
+    caching: bool = True,
+    num_host_blocks: int = 0,
+    num_host_cache_blocks: int = 0,
+) -> BlockManager:
+    return BlockManager(
+        num_blocks,
+        BS,
+        caching,
+        BlockHasher(algo, MODEL, SEED),
+        num_host_blocks,
+        num_host_cache_blocks,
+    )
 
 
 def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
-    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(tokens), params=SamplingParams(),
-                    cache_salt=salt)
+    return Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        token_ids=list(tokens),
+        params=SamplingParams(),
+        cache_salt=salt,
+    )
 
 
 def admit(bm: BlockManager, seq: Sequence, num_new: int | None = None) -> list[int]:
@@ -64,23 +92,30 @@ def run_prompt(bm: BlockManager, seq: Sequence) -> list[int]:
     return hits
 
 
-def hit_count(bm: BlockManager, tokens: list[int], salt: str | None = None, seq_id: int = 999) -> int:
+def hit_count(
+    bm: BlockManager, tokens: list[int], salt: str | None = None, seq_id: int = 999
+) -> int:
     return len(bm.match_prefix(make_seq(seq_id, tokens, salt)))
 
 
 # ---------------------------------------------------------------- hashing
 
+
 @pytest.mark.parametrize("algo", ["sha256", "xxh128"])
 def test_hash_chain_matches_documented_formula(algo: str) -> None:
     hasher = BlockHasher(algo, MODEL, SEED)
     by_hand = {"sha256": hashlib.sha256, "xxh128": xxhash.xxh3_128}[algo]
-    root = by_hand(b"\x17\0\0\0\0\0\0\0pagedchat-block-root-v1" b"\x0a\0\0\0\0\0\0\0test/model"
-                   b"\x06\0\0\0\0\0\0\0s3cret").digest()
+    root = by_hand(
+        b"\x17\0\0\0\0\0\0\0pagedchat-block-root-v1"
+        b"\x0a\0\0\0\0\0\0\0test/model"
+        b"\x06\0\0\0\0\0\0\0s3cret"
+    ).digest()
     assert hasher.root == root
 
     tokens = [7, 300, 2**40, 0, 5, 6, 7, 8, 9]  # two full blocks; the 9th token is in none
-    block0 = by_hand(root + b"".join(t.to_bytes(8, "little") for t in tokens[:4])
-                     + b"(('salt', 'tenant-a'),)").digest()
+    block0 = by_hand(
+        root + b"".join(t.to_bytes(8, "little") for t in tokens[:4]) + b"(('salt', 'tenant-a'),)"
+    ).digest()
     block1 = by_hand(block0 + b"".join(t.to_bytes(8, "little") for t in tokens[4:8])).digest()
     bm = BlockManager(16, BS, True, hasher)
     seq = make_seq(0, tokens, salt="tenant-a")
@@ -93,9 +128,16 @@ def test_hash_chain_matches_documented_formula(algo: str) -> None:
     bm.update_block_hashes(unsalted)
     assert unsalted.block_hashes[0] == reference_block_hash(algo, root, tokens[:4])
     # the salt is block 0's extra key only; block 1 is chained to block 0 with no extra key
-    assert unsalted.block_hashes[1] == reference_block_hash(algo, unsalted.block_hashes[0], tokens[4:8])
+    assert unsalted.block_hashes[1] == reference_block_hash(
+        algo, unsalted.block_hashes[0], tokens[4:8]
+    )
     # tagged: a salt never hashes like the same text given as an untagged key
-    assert block0 != by_hand(root + b"".join(t.to_bytes(8, "little") for t in tokens[:4]) + b"tenant-a").digest()
+    assert (
+        block0
+        != by_hand(
+            root + b"".join(t.to_bytes(8, "little") for t in tokens[:4]) + b"tenant-a"
+        ).digest()
+    )
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxh128"])
@@ -117,6 +159,7 @@ def test_same_model_and_seed_give_the_same_hashes_across_instances() -> None:
 
 
 # ---------------------------------------------------------------- prefix hits
+
 
 def test_hit_is_capped_to_leave_one_token() -> None:
     bm = make_bm(8)
@@ -160,9 +203,13 @@ def test_generated_tokens_become_hittable_after_commit() -> None:
     assert bm.allocate(seq, 1)
     assert hit_count(bm, [1, 2, 3, 4, 5]) == 0  # allocated, still not written
     compute(bm, seq, 1)
-    assert [b.block_id for b in bm.match_prefix(make_seq(1, [1, 2, 3, 4, 5]))] == [seq.block_table[0]]
+    assert [b.block_id for b in bm.match_prefix(make_seq(1, [1, 2, 3, 4, 5]))] == [
+        seq.block_table[0]
+    ]
     root = reference_root("sha256", MODEL, SEED)
-    assert bm.pool.blocks[seq.block_table[0]].block_hash == reference_block_hash("sha256", root, [1, 2, 3, 4])
+    assert bm.pool.blocks[seq.block_table[0]].block_hash == reference_block_hash(
+        "sha256", root, [1, 2, 3, 4]
+    )
 
 
 def test_freed_blocks_stay_hittable_until_reused() -> None:
@@ -190,7 +237,10 @@ def test_tail_blocks_evicted_before_head_blocks() -> None:
     admit(bm, fresh)
     assert fresh.block_table == [tail]
     assert bm.stats().evictions == 1
-    assert [b.block_id for b in bm.match_prefix(make_seq(2, list(range(12)) + [99]))] == [head, middle]
+    assert [b.block_id for b in bm.match_prefix(make_seq(2, list(range(12)) + [99]))] == [
+        head,
+        middle,
+    ]
     bm.free(fresh)  # the now unhashed block goes first, then the least recently freed cached one
     two = make_seq(3, list(range(60, 65)))
     admit(bm, two)
@@ -245,7 +295,9 @@ def test_pinned_blocks_survive_eviction_pressure_until_unpinned() -> None:
     run_prompt(bm, preset)
     head, second, _ = preset.block_table
     bm.free(preset)
-    chain = reference_chain("sha256", reference_root("sha256", MODEL, SEED), list(range(9)), None, BS)
+    chain = reference_chain(
+        "sha256", reference_root("sha256", MODEL, SEED), list(range(9)), None, BS
+    )
     assert bm.pin("preset:a", chain, max_pinned_blocks=2) == 2
     check_pool(bm, [])
     assert bm.num_free_blocks == 2 and bm.stats().num_pinned_blocks == 2
@@ -271,7 +323,9 @@ def test_pins_are_capped_and_stop_at_the_first_uncached_block() -> None:
     bm = make_bm(8)
     running = make_seq(0, list(range(12)))
     run_prompt(bm, running)
-    chain = reference_chain("sha256", reference_root("sha256", MODEL, SEED), list(range(16)), None, BS)
+    chain = reference_chain(
+        "sha256", reference_root("sha256", MODEL, SEED), list(range(16)), None, BS
+    )
     assert bm.pin("a", chain, max_pinned_blocks=2) == 0  # 3 cached blocks would exceed the cap of 2
     assert bm.pin("a", chain, max_pinned_blocks=3) == 3  # the 4th block was never computed
     assert bm.pin("b", chain[:1], max_pinned_blocks=3) == 0  # the cap counts every pin
@@ -283,6 +337,7 @@ def test_pins_are_capped_and_stop_at_the_first_uncached_block() -> None:
 
 # ---------------------------------------------------------------- allocation
 
+
 def test_allocate_is_all_or_nothing() -> None:
     bm = make_bm(3)
     holder = make_seq(0, [1, 2, 3, 4, 5])  # 2 blocks
@@ -290,7 +345,11 @@ def test_allocate_is_all_or_nothing() -> None:
     big = make_seq(1, list(range(20, 28)))  # 2 blocks, 1 free
     before = snapshot(bm, [holder, big])
     assert not bm.allocate(big, 8, bm.match_prefix(big))
-    assert snapshot(bm, [holder, big]) == before and big.block_table == [] and big.num_computed_tokens == 0
+    assert (
+        snapshot(bm, [holder, big]) == before
+        and big.block_table == []
+        and big.num_computed_tokens == 0
+    )
 
     bm = make_bm(3)  # a hit sitting in the free queue counts against the free blocks too
     run_prompt(bm, make_seq(0, [1, 2, 3, 4, 5]))
@@ -336,7 +395,9 @@ def test_allocation_grows_table_to_exactly_the_needed_blocks() -> None:
 def test_lookahead_takes_the_next_block_early_only_from_spare_blocks() -> None:
     """vattention: a sequence within ``lookahead_tokens`` of its table's end gets its next block one step
     early, while more than an eighth of the pool is free; never past ``max_blocks_per_seq``."""
-    bm = BlockManager(16, BS, True, BlockHasher("sha256", MODEL, SEED), lookahead_tokens=2, max_blocks_per_seq=3)
+    bm = BlockManager(
+        16, BS, True, BlockHasher("sha256", MODEL, SEED), lookahead_tokens=2, max_blocks_per_seq=3
+    )
     seq = make_seq(0, list(range(5)))
     assert bm.allocate(seq, 5, bm.match_prefix(seq))
     assert len(seq.block_table) == 2  # tokens 0..4 need 2 blocks of 4; 5 + 2 more still fit in 2
@@ -429,6 +490,7 @@ def test_free_releases_every_block_of_a_forked_pair_once() -> None:
 
 # ---------------------------------------------------------------- stats
 
+
 def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
     bm = make_bm(8)
     a = make_seq(0, list(range(10)))
@@ -449,7 +511,13 @@ def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
     bm.free(a)
     bm.free(b)
     s = bm.stats()
-    assert (s.num_free_blocks, s.usage, s.allocated_slots, s.used_slots, s.evictions) == (8, 0.0, 0, 0, 0)
+    assert (s.num_free_blocks, s.usage, s.allocated_slots, s.used_slots, s.evictions) == (
+        8,
+        0.0,
+        0,
+        0,
+        0,
+    )
     # needs all 8 blocks: both cached ones are evicted
     everything = make_seq(2, list(range(100, 132)))
     assert not bm.match_prefix(everything)
@@ -463,6 +531,7 @@ def test_stats_count_prefix_queries_hits_evictions_and_used_slots() -> None:
 
 
 # ---------------------------------------------------------------- host tier and swapping (regressions)
+
 
 def test_host_hit_survives_the_store_its_own_restore_triggers() -> None:
     """The fresh block a host hit is copied into may evict a cached block whose store reclaims the least
@@ -484,7 +553,9 @@ def test_host_hit_survives_the_store_its_own_restore_triggers() -> None:
     assert bm.allocate(c, 1, [hit])
     outs, ins = bm.take_pending_swaps()
     assert ins == [(hit.slot, c.block_table[0])]
-    assert all(slot != hit.slot for _, slot in outs), "the restored slot was overwritten in the same step"
+    assert all(slot != hit.slot for _, slot in outs), (
+        "the restored slot was overwritten in the same step"
+    )
 
 
 def test_swap_out_in_the_step_of_its_swap_in_keeps_the_kv() -> None:
@@ -511,7 +582,9 @@ def test_swap_out_in_the_step_of_its_swap_in_keeps_the_kv() -> None:
 
 TOKENS = st.integers(0, 2)  # a small alphabet: prompts share prefixes, so hits happen
 PREFIXES = [(), (1, 2, 0, 1), (1, 2, 0, 1, 2, 2, 0, 0), (1, 2, 0, 1, 0, 0, 1, 1), (2, 2, 2, 2)]
-PROMPTS = st.tuples(st.sampled_from(PREFIXES), st.lists(TOKENS, max_size=8)).map(lambda p: list(p[0]) + p[1] or [0])
+PROMPTS = st.tuples(st.sampled_from(PREFIXES), st.lists(TOKENS, max_size=8)).map(
+    lambda p: list(p[0]) + p[1] or [0]
+)
 SALTS = st.sampled_from([None, None, "a", "b"])
 MAX_SEQS = 8
 MAX_TOKENS = 20
@@ -525,6 +598,7 @@ class Step:
     then waiting ones admitted; maybe a victim preempted after its allocation (swapped out when ``swap`` and the
     scheduler could, else dropped for a recompute); then the forward pass (``sampled``: next token of each
     sequence that completes)."""
+
     resume: bool
     running: list[tuple[int, int]]
     waiting: list[tuple[int, int]]
@@ -533,11 +607,16 @@ class Step:
     sampled: list[int]
 
 
-STEPS = st.builds(Step, resume=st.booleans(), running=CHOICES, waiting=CHOICES,
-                  # a victim in about 1 step of 4
-                  preempt=st.one_of(st.none(), st.none(), st.none(), PICK),
-                  swap=st.booleans(),
-                  sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS))
+STEPS = st.builds(
+    Step,
+    resume=st.booleans(),
+    running=CHOICES,
+    waiting=CHOICES,
+    # a victim in about 1 step of 4
+    preempt=st.one_of(st.none(), st.none(), st.none(), PICK),
+    swap=st.booleans(),
+    sampled=st.lists(TOKENS, min_size=MAX_SEQS, max_size=MAX_SEQS),
+)
 
 
 def hit_key(hit: Block | HostHit) -> int | tuple[bytes, int]:
@@ -569,13 +648,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.queries = self.hits = self.evictions = self.host_hits = self.host_stores = 0
 
-    @initialize(algo=st.sampled_from(["sha256", "xxh128"]), num_blocks=st.integers(6, 10) | st.integers(6, 24),
-                num_host_blocks=st.integers(0, 12), num_host_cache_blocks=st.just(0) | st.integers(0, 6),
-                prompts=st.lists(st.tuples(PROMPTS, SALTS), min_size=1, max_size=4))
-    def setup(self, algo: str, num_blocks: int, num_host_blocks: int, num_host_cache_blocks: int,
-              prompts: list[tuple[list[int], str | None]]) -> None:
-        self.bm = make_bm(num_blocks, algo, num_host_blocks=num_host_blocks,
-                          num_host_cache_blocks=num_host_cache_blocks)
+    @initialize(
+        algo=st.sampled_from(["sha256", "xxh128"]),
+        num_blocks=st.integers(6, 10) | st.integers(6, 24),
+        num_host_blocks=st.integers(0, 12),
+        num_host_cache_blocks=st.just(0) | st.integers(0, 6),
+        prompts=st.lists(st.tuples(PROMPTS, SALTS), min_size=1, max_size=4),
+    )
+    def setup(
+        self,
+        algo: str,
+        num_blocks: int,
+        num_host_blocks: int,
+        num_host_cache_blocks: int,
+        prompts: list[tuple[list[int], str | None]],
+    ) -> None:
+        self.bm = make_bm(
+            num_blocks,
+            algo,
+            num_host_blocks=num_host_blocks,
+            num_host_cache_blocks=num_host_cache_blocks,
+        )
         assert (self.bm.host_cache is None) == (num_host_cache_blocks == 0)
         event("host tier" if num_host_cache_blocks else "no host tier")
         self.ref = ReferenceHashes(algo, MODEL, SEED, BS)
@@ -592,11 +685,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return [s for s in self.seqs.values() if s.block_table]
 
     def steppable(self) -> list[Sequence]:
-        return [s for s in self.running() if s.seq_id not in self.pending and s.num_uncomputed_tokens > 0]
+        return [
+            s
+            for s in self.running()
+            if s.seq_id not in self.pending and s.num_uncomputed_tokens > 0
+        ]
 
-    def new_seq(self, tokens: list[int], salt: str | None, prompt_len: int | None = None) -> Sequence:
-        seq = Sequence(seq_id=self.next_id, request_id=f"r{self.next_id}", token_ids=tokens,
-                       params=SamplingParams(), cache_salt=salt, num_prompt_tokens=prompt_len or len(tokens))
+    def new_seq(
+        self, tokens: list[int], salt: str | None, prompt_len: int | None = None
+    ) -> Sequence:
+        seq = Sequence(
+            seq_id=self.next_id,
+            request_id=f"r{self.next_id}",
+            token_ids=tokens,
+            params=SamplingParams(),
+            cache_salt=salt,
+            num_prompt_tokens=prompt_len or len(tokens),
+        )
         self.seqs[seq.seq_id] = seq
         self.next_id += 1
         return seq
@@ -608,7 +713,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def view(self) -> tuple[dict, dict]:
         """What the coming pass attends to: the contents after this step's pending copies (nothing mutated)."""
         bm = self.bm
-        return with_pending(self.kv, self.host_kv, bm.pending_swap_out, bm.pending_copies, bm.pending_swap_in)
+        return with_pending(
+            self.kv, self.host_kv, bm.pending_swap_out, bm.pending_copies, bm.pending_swap_in
+        )
 
     def host_slot_of(self, block_hash: bytes) -> int | None:
         hc = self.bm.host_cache
@@ -618,7 +725,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Longest run of cached blocks of the reference chain (on the device: the block id, else in the host
         tier: (hash, slot)), leaving at least one token to compute."""
         hits: list[int | tuple[bytes, int]] = []
-        for block_hash in self.ref.chain(seq.token_ids, seq.cache_salt)[: (seq.num_tokens - 1) // BS]:
+        for block_hash in self.ref.chain(seq.token_ids, seq.cache_salt)[
+            : (seq.num_tokens - 1) // BS
+        ]:
             if block_hash in self.bm.pool.cached:
                 hits.append(self.bm.pool.cached[block_hash].block_id)
             elif (slot := self.host_slot_of(block_hash)) is not None:
@@ -644,28 +753,45 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = seq.block_table + [b.block_id if isinstance(b, Block) else None for b in hits]
         first, last = computed // BS, (computed + n - 1) // BS  # blocks the pass will write
         assert all(table[i] is not None for i in range(first, min(last + 1, len(table))))
-        copies = sum(1 for i in range(first, min(last + 1, len(table))) if pool.blocks[table[i]].ref_count > 1)
+        copies = sum(
+            1
+            for i in range(first, min(last + 1, len(table)))
+            if pool.blocks[table[i]].ref_count > 1
+        )
         revived = sum(1 for b in hits if isinstance(b, HostHit) or b.ref_count == 0)
         need = max(0, last + 1 - len(table)) + revived + copies
         before, cached_before = snapshot(bm, list(self.seqs.values())), set(pool.cached)
         free_before, free_ids_before = bm.num_free_blocks, set(pool.free_queue)
-        num_copies, num_outs, num_ins = len(bm.pending_copies), len(bm.pending_swap_out), len(bm.pending_swap_in)
+        num_copies, num_outs, num_ins = (
+            len(bm.pending_copies),
+            len(bm.pending_swap_out),
+            len(bm.pending_swap_in),
+        )
         host_hits_before = bm.prefix_host_hits
 
         ok = bm.allocate(seq, n, hits) if admission else bm.allocate(seq, n)
-        assert ok == (need <= free_before), f"needs {need} blocks, {free_before} free, allocate said {ok}"
+        assert ok == (need <= free_before), (
+            f"needs {need} blocks, {free_before} free, allocate said {ok}"
+        )
         if not ok:
             event("allocation refused")
-            assert snapshot(bm, list(self.seqs.values())) == before, "a failed allocation changed state"
+            assert snapshot(bm, list(self.seqs.values())) == before, (
+                "a failed allocation changed state"
+            )
             return False
         # (hits follow the blocks seq already held: none on admission)
         offset = len(table) - len(hits)
         assert seq.num_computed_tokens == computed
-        kept = [b for i, b in enumerate(seq.block_table[: len(table)]) if not (copies and i == first)]
-        assert [b if table[i] is not None else None for i, b in enumerate(kept)] \
-            == [b for i, b in enumerate(table) if not (copies and i == first)]
+        kept = [
+            b for i, b in enumerate(seq.block_table[: len(table)]) if not (copies and i == first)
+        ]
+        assert [b if table[i] is not None else None for i, b in enumerate(kept)] == [
+            b for i, b in enumerate(table) if not (copies and i == first)
+        ]
         # (a swapped-in sequence may hold blocks allocated before it was swapped out, for tokens still to come)
-        assert len(seq.block_table) == max(last + 1, len(table)), "table is not exactly the blocks needed"
+        assert len(seq.block_table) == max(last + 1, len(table)), (
+            "table is not exactly the blocks needed"
+        )
         for i in range(first, last + 1):  # a pass writes only into blocks its sequence holds alone
             block = pool.blocks[seq.block_table[i]]
             assert block.ref_count == 1 and block.block_hash is None
@@ -675,11 +801,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert table[first] == src and seq.block_table[first] == dst
         # host hits: a fresh block each, registered under the hash at once, its copy back queued in order
         restores = bm.pending_swap_in[num_ins:]
-        assert restores == [(h.slot, seq.block_table[offset + i]) for i, h in host_hits], "wrong host restores"
+        assert restores == [(h.slot, seq.block_table[offset + i]) for i, h in host_hits], (
+            "wrong host restores"
+        )
         for i, h in host_hits:
             block = pool.blocks[seq.block_table[offset + i]]
             assert block.block_id in free_ids_before and block.ref_count == 1
-            assert block.block_hash == h.block_hash and pool.cached[h.block_hash] is block, "restore not registered"
+            assert block.block_hash == h.block_hash and pool.cached[h.block_hash] is block, (
+                "restore not registered"
+            )
             assert bm.host_cache.entries.get(h.block_hash) == h.slot
         assert bm.prefix_host_hits - host_hits_before == BS * len(host_hits)
         self.host_hits += BS * len(host_hits)
@@ -691,14 +821,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block_id, slot in stores:
             assert block_id in free_ids_before and slot >= bm.host.num_blocks
         dev, _ = self.view()
-        assert kv_tokens(dev, seq, BS) == seq.token_ids[: seq.num_computed_tokens], "a hit served wrong KV"
+        assert kv_tokens(dev, seq, BS) == seq.token_ids[: seq.num_computed_tokens], (
+            "a hit served wrong KV"
+        )
         self.evictions += len(evicted)
         if admission:
             self.queries += seq.num_tokens
             self.hits += len(hits) * BS
         self.pending[seq.seq_id] = n
-        for name, happened in [("copy-on-write", copies), ("prefix hit", hits), ("host hit", host_hits),
-                               ("eviction", evicted), ("host store", stores)]:
+        for name, happened in [
+            ("copy-on-write", copies),
+            ("prefix hit", hits),
+            ("host hit", host_hits),
+            ("eviction", evicted),
+            ("host store", stores),
+        ]:
             if happened:
                 event(name)
         return True
@@ -710,7 +847,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         copies = self.bm.take_pending_copies()
         # one batched copy each: a duplicate destination has no defined winner
         for pairs in (outs, copies, ins):
-            assert len({dst for _, dst in pairs}) == len(pairs), f"duplicate copy destination in {pairs}"
+            assert len({dst for _, dst in pairs}) == len(pairs), (
+                f"duplicate copy destination in {pairs}"
+            )
         num_swap = self.bm.host.num_blocks
         self.host_stores += sum(1 for _, slot in outs if slot >= num_swap)
         self.kv, self.host_kv = with_pending(self.kv, self.host_kv, outs, copies, ins)
@@ -751,9 +890,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert not set(seq.host_blocks) & (set(bm.host.free) | set(bm.host.freed_this_step))
         # one copy out per block, read from a pending copy-on-write's source (a block whose swap-in from the
         # same slot is still pending would need none)
-        assert bm.pending_swap_out[num_outs:] == [(cow.get(b, b), h) for b, h in zip(table, seq.host_blocks)
-                                                  if (h, b) not in swap_ins]
-        assert not set(whole) & {dst for _, dst in bm.pending_copies}, "a copy into a swapped-out block remains"
+        assert bm.pending_swap_out[num_outs:] == [
+            (cow.get(b, b), h) for b, h in zip(table, seq.host_blocks) if (h, b) not in swap_ins
+        ]
+        assert not set(whole) & {dst for _, dst in bm.pending_copies}, (
+            "a copy into a swapped-out block remains"
+        )
         if set(table) & set(cow):
             event("swap out with a pending copy-on-write")
         self.swapped.append(seq.seq_id)
@@ -814,10 +956,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         forks a parent right after the pass that computed its prompt (or beam step), so its table holds just its
         computed tokens; a swapped-in victim may hold blocks beyond them (allocated before it was swapped out),
         and allocate copies only the first block a write touches, so such a sequence is not forked here."""
-        running = [s for s in self.running() if len(s.block_table) == self.bm.blocks_needed(s.num_computed_tokens)]
+        running = [
+            s
+            for s in self.running()
+            if len(s.block_table) == self.bm.blocks_needed(s.num_computed_tokens)
+        ]
         if running and len(self.seqs) < MAX_SEQS:
             parent = running[pick % len(running)]
-            child = self.new_seq(list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens)
+            child = self.new_seq(
+                list(parent.token_ids), parent.cache_salt, parent.num_prompt_tokens
+            )
             self.bm.fork(parent, child)
             assert child.block_table == parent.block_table
             assert child.num_computed_tokens == parent.num_computed_tokens
@@ -849,7 +997,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_out(self, pick: int, step: Step) -> None:
         """Preemption by swapping: a running sequence's blocks go to the swap pool (a forked sibling keeps
         the blocks they share)."""
-        if (running := self.running()) and self.bm.can_swap_out(seq := running[pick % len(running)]):
+        if (running := self.running()) and self.bm.can_swap_out(
+            seq := running[pick % len(running)]
+        ):
             self.swap_out_seq(seq)
             self.check()
         elif running:
@@ -872,15 +1022,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
             event("swap in refused")
             return False
         slots, computed = list(seq.host_blocks), seq.num_computed_tokens
-        free_ids, cached_before, num_ins = set(pool.free_queue), set(pool.cached), len(bm.pending_swap_in)
+        free_ids, cached_before, num_ins = (
+            set(pool.free_queue),
+            set(pool.cached),
+            len(bm.pending_swap_in),
+        )
         num_outs = len(bm.pending_swap_out)
         bm.swap_in(seq)
         assert len(seq.block_table) == len(slots) and set(seq.block_table) <= free_ids
-        assert all(pool.blocks[b].ref_count == 1 and pool.blocks[b].block_hash is None for b in seq.block_table)
-        assert seq.host_blocks == [] and seq.num_computed_tokens == computed and seq.num_registered_blocks == 0
+        assert all(
+            pool.blocks[b].ref_count == 1 and pool.blocks[b].block_hash is None
+            for b in seq.block_table
+        )
+        assert (
+            seq.host_blocks == []
+            and seq.num_computed_tokens == computed
+            and seq.num_registered_blocks == 0
+        )
         assert bm.holders.get(seq.seq_id) is seq
         assert bm.pending_swap_in[num_ins:] == list(zip(slots, seq.block_table))
-        assert set(slots) <= set(bm.host.freed_this_step), "swap slots reused while this step still reads them"
+        assert set(slots) <= set(bm.host.freed_this_step), (
+            "swap slots reused while this step still reads them"
+        )
         stores = bm.pending_swap_out[num_outs:]
         assert all(slot >= bm.host.num_blocks for _, slot in stores)
         self.evictions += len(cached_before - set(pool.cached))
@@ -888,7 +1051,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             event("host store")
         self.swapped.remove(seq.seq_id)
         dev, _ = self.view()
-        assert kv_tokens(dev, seq, BS) == seq.token_ids[:computed], "a swapped-in sequence reads foreign KV"
+        assert kv_tokens(dev, seq, BS) == seq.token_ids[:computed], (
+            "a swapped-in sequence reads foreign KV"
+        )
         event("swap in")
         return True
 
@@ -951,7 +1116,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def between_steps(self) -> None:
         """After every rule (its engine step ran): nothing is left pending, and everything checks out."""
         bm = self.bm
-        assert not self.pending and not bm.pending_copies and not bm.pending_swap_out and not bm.pending_swap_in
+        assert (
+            not self.pending
+            and not bm.pending_copies
+            and not bm.pending_swap_out
+            and not bm.pending_swap_in
+        )
         assert not bm.host.freed_this_step and (bm.host_cache is None or not bm.host_cache.busy)
         self.check()
 
@@ -965,9 +1135,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(self.swapped) <= set(self.seqs) and len(set(self.swapped)) == len(self.swapped)
         check_pool(bm, seqs)
         s = bm.stats()
-        assert (s.prefix_queries, s.prefix_hits, s.evictions) == (self.queries, self.hits, self.evictions)
+        assert (s.prefix_queries, s.prefix_hits, s.evictions) == (
+            self.queries,
+            self.hits,
+            self.evictions,
+        )
         pending_stores = sum(1 for _, slot in bm.pending_swap_out if slot >= bm.host.num_blocks)
-        assert (s.prefix_host_hits, s.host_cache_stores) == (self.host_hits, self.host_stores + pending_stores)
+        assert (s.prefix_host_hits, s.host_cache_stores) == (
+            self.host_hits,
+            self.host_stores + pending_stores,
+        )
         hc = bm.host_cache
         assert s.num_host_cached_blocks == (len(hc.entries) if hc is not None else 0)
         kv, host_kv = self.view()
@@ -976,5 +1153,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -1,4 +1,5 @@
 """EngineConfig's device-dependent step limits (vLLM's rule: larger on GPUs of >= 70 GiB that are not A100s)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -8,13 +9,22 @@ from engine import config as config_module
 from engine.config import EngineConfig, is_large_gpu
 
 
-@pytest.mark.parametrize(("name", "gib", "large"), [
-    ("NVIDIA H200", 139, True), ("NVIDIA H100 80GB HBM3", 79.2, True), ("NVIDIA A100-SXM4-80GB", 79.2, False),
-    ("NVIDIA L4", 22, False), ("NVIDIA GeForce RTX 4090", 24, False),
-])
+@pytest.mark.parametrize(
+    ("name", "gib", "large"),
+    [
+        ("NVIDIA H200", 139, True),
+        ("NVIDIA H100 80GB HBM3", 79.2, True),
+        ("NVIDIA A100-SXM4-80GB", 79.2, False),
+        ("NVIDIA L4", 22, False),
+        ("NVIDIA GeForce RTX 4090", 24, False),
+    ],
+)
 def test_large_gpu_rule(monkeypatch, name, gib, large):
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(name=name, total_memory=int(gib * 2**30)))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device: SimpleNamespace(name=name, total_memory=int(gib * 2**30)),
+    )
     assert is_large_gpu(torch.device("cuda", 0)) is large
 
 
@@ -42,11 +52,27 @@ def test_dummy_weights_for_a_model_directory(tmp_path):
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300, intermediate_size=64,
-        tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2)))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                architectures=["LlamaForCausalLM"],
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                vocab_size=300,
+                intermediate_size=64,
+                tie_word_embeddings=True,
+                rope_theta=10000.0,
+                max_position_embeddings=256,
+                rms_norm_eps=1e-5,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
+    )
     llm = LLM(model=str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=16)
     assert llm.engine.tokenizer is None
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

@@ -7,6 +7,7 @@ implementation of the same attention). On a machine without CUDA the kernels run
 context, and slots no sequence owns, hold stale random data in the reference's input and NaN in the kernels'
 input; every output starts as NaN: a kernel that reads past a context or leaves an element unwritten fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,14 @@ class SlotKV:
     """Random K/V of several sequences, each in a randomly chosen slot of a fresh ``[num_slots, max_len, ...]``
     cache. ``interleaved``: K and V are strided views of one buffer ``[num_slots, max_len, 2, kv_heads, d]``."""
 
-    def __init__(self, lengths: list[int], kv_heads: int, head_dim: int = HEAD_DIM, seed: int = 0,
-                 interleaved: bool = False) -> None:
+    def __init__(
+        self,
+        lengths: list[int],
+        kv_heads: int,
+        head_dim: int = HEAD_DIM,
+        seed: int = 0,
+        interleaved: bool = False,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         num_slots, max_len = len(lengths) + 3, max(lengths) + 21
         # stale data, never zeros
@@ -73,12 +80,27 @@ def run_decode(kv: SlotKV, heads: int, **kwargs) -> float:
     query = torch.randn(len(kv.context_lens), heads, kv.kv.shape[-1])
     scale = kv.kv.shape[-1] ** -0.5
     ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.contiguous_decode_attention(ref, query.double(), *kv.caches(), kv.slot_ids, kv.context_lens, scale,
-                                          int(kv.context_lens.max()))
+    reference.contiguous_decode_attention(
+        ref,
+        query.double(),
+        *kv.caches(),
+        kv.slot_ids,
+        kv.context_lens,
+        scale,
+        int(kv.context_lens.max()),
+    )
     out = torch.full(query.shape, float("nan"), device=DEVICE)
-    contiguous_decode_attention(out, query.to(DEVICE), *kv.poisoned(), kv.slot_ids.to(DEVICE),
-                                kv.context_lens.to(DEVICE), scale, int(kv.context_lens.max()), config=DECODE_CONFIG,
-                                **kwargs)
+    contiguous_decode_attention(
+        out,
+        query.to(DEVICE),
+        *kv.poisoned(),
+        kv.slot_ids.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        scale,
+        int(kv.context_lens.max()),
+        config=DECODE_CONFIG,
+        **kwargs,
+    )
     return relative_error(out, ref)
 
 
@@ -96,26 +118,49 @@ def test_contiguous_decode_strided_views_and_padded_head():
     assert run_decode(kv, 4, split=True) < 1e-5
 
 
-def run_prefill(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int = HEAD_DIM,
-                interleaved: bool = False) -> float:
+def run_prefill(
+    cases: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int = HEAD_DIM,
+    interleaved: bool = False,
+) -> float:
     """``cases``: (tokens already cached, chunk length) per sequence; the chunk's K/V are in the slot too."""
-    kv = SlotKV([cached + chunk for cached, chunk in cases], kv_heads, head_dim, seed=heads, interleaved=interleaved)
+    kv = SlotKV(
+        [cached + chunk for cached, chunk in cases],
+        kv_heads,
+        head_dim,
+        seed=heads,
+        interleaved=interleaved,
+    )
     chunks = [chunk for _, chunk in cases]
     cu = torch.tensor([0] + chunks, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     query = torch.randn(sum(chunks), heads, head_dim)
     ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.contiguous_prefill_attention(ref, query.double(), *kv.caches(), kv.slot_ids, cu, kv.context_lens,
-                                           0.125)
+    reference.contiguous_prefill_attention(
+        ref, query.double(), *kv.caches(), kv.slot_ids, cu, kv.context_lens, 0.125
+    )
     out = torch.full(query.shape, float("nan"), device=DEVICE)
-    contiguous_prefill_attention(out, query.to(DEVICE), *kv.poisoned(), kv.slot_ids.to(DEVICE), cu.to(DEVICE),
-                                 kv.context_lens.to(DEVICE), 0.125, config=PREFILL_CONFIG)
+    contiguous_prefill_attention(
+        out,
+        query.to(DEVICE),
+        *kv.poisoned(),
+        kv.slot_ids.to(DEVICE),
+        cu.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        0.125,
+        config=PREFILL_CONFIG,
+    )
     return relative_error(out, ref)
 
 
 # (cached, chunk): a plain prompt, a chunk after a cached prefix, and a batch of varied lengths mixing both with
 # a one-token chunk
-PREFILL_CASES = {"plain": [(0, 37)], "after-prefix": [(40, 19)],
-                 "mixed": [(0, 120), (32, 9), (5, 1), (48, 20), (0, 16)]}
+PREFILL_CASES = {
+    "plain": [(0, 37)],
+    "after-prefix": [(40, 19)],
+    "mixed": [(0, 120), (32, 9), (5, 1), (48, 20), (0, 16)],
+}
 
 
 @pytest.mark.parametrize("cases", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
@@ -129,7 +174,9 @@ def test_contiguous_prefill_mqa_strided_views_and_padded_head():
     assert run_prefill([(20, 13), (0, 7)], 4, 1, head_dim=80, interleaved=True) < 1e-5
 
 
-def to_paged(kv: SlotKV, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def to_paged(
+    kv: SlotKV, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache, block_tables): each sequence's context copied position by position into randomly
     permuted blocks of a fresh random paged cache."""
     gen = torch.Generator().manual_seed(seed)
@@ -137,7 +184,10 @@ def to_paged(kv: SlotKV, block_size: int, seed: int) -> tuple[torch.Tensor, torc
     lengths = kv.context_lens.tolist()
     needed = [-(-n // block_size) for n in lengths]
     shape = (sum(needed) + 3, block_size, *k_slots.shape[2:])
-    k_cache, v_cache = torch.randn(shape, generator=gen).double(), torch.randn(shape, generator=gen).double()
+    k_cache, v_cache = (
+        torch.randn(shape, generator=gen).double(),
+        torch.randn(shape, generator=gen).double(),
+    )
     order = torch.randperm(shape[0], generator=gen).tolist()
     tables = []
     for slot, n, count in zip(kv.slot_ids.tolist(), lengths, needed):
@@ -152,8 +202,15 @@ def test_contiguous_decode_reference_equals_paged_reference():
     kv = SlotKV([1, 16, 17, 90], 2, seed=7)
     query = torch.randn(4, 8, HEAD_DIM, dtype=torch.float64)
     contiguous, paged = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
-    reference.contiguous_decode_attention(contiguous, query, *kv.caches(), kv.slot_ids, kv.context_lens, 0.125,
-                                          int(kv.context_lens.max()))
+    reference.contiguous_decode_attention(
+        contiguous,
+        query,
+        *kv.caches(),
+        kv.slot_ids,
+        kv.context_lens,
+        0.125,
+        int(kv.context_lens.max()),
+    )
     reference.paged_attention(paged, query, *to_paged(kv, 16, seed=7), kv.context_lens, 0.125)
     assert relative_error(contiguous, paged) < 1e-12
 
@@ -164,7 +221,9 @@ def test_contiguous_prefill_reference_equals_paged_reference():
     cu = torch.tensor([0] + [chunk for _, chunk in cases]).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), 8, HEAD_DIM, dtype=torch.float64)
     contiguous, paged = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
-    reference.contiguous_prefill_attention(contiguous, query, *kv.caches(), kv.slot_ids, cu, kv.context_lens, 0.125)
+    reference.contiguous_prefill_attention(
+        contiguous, query, *kv.caches(), kv.slot_ids, cu, kv.context_lens, 0.125
+    )
     k_cache, v_cache, tables = to_paged(kv, 16, seed=8)
     reference.prefill_attention(paged, query, k_cache, v_cache, tables, cu, kv.context_lens, 0.125)
     assert relative_error(contiguous, paged) < 1e-12
@@ -177,7 +236,10 @@ def test_ops_dispatch_the_contiguous_kernels():
     kv = SlotKV([5, 30], 1, seed=9)
     query = torch.randn(2, 2, HEAD_DIM)
     out, ref = torch.full_like(query, float("nan")), torch.empty(query.shape, dtype=torch.float64)
-    kernels.ops.contiguous_decode_attention(out, query, *kv.caches(torch.float32), kv.slot_ids, kv.context_lens, 0.1,
-                                            30)
-    reference.contiguous_decode_attention(ref, query.double(), *kv.caches(), kv.slot_ids, kv.context_lens, 0.1, 30)
+    kernels.ops.contiguous_decode_attention(
+        out, query, *kv.caches(torch.float32), kv.slot_ids, kv.context_lens, 0.1, 30
+    )
+    reference.contiguous_decode_attention(
+        ref, query.double(), *kv.caches(), kv.slot_ids, kv.context_lens, 0.1, 30
+    )
     assert relative_error(out, ref) < 1e-5

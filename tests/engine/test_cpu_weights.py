@@ -1,6 +1,7 @@
 """``cpu_weights``: the quantized CPU layers compute with the weights they claim (q4: the packaged Q4_1 GGUF's
 own 4-bit blocks, scales rounded to bfloat16), and each quantized engine agrees with the float32 engine on
 chat prompts closely enough (the agreement numbers are printed: ``pytest -s``)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,8 +16,15 @@ from safetensors import safe_open
 from engine.config import EngineConfig
 from engine.worker.gguf_q4 import Q4_FILE, load_q4, read_gguf_q4, save_q4
 from engine.layers.linear import Linear
-from engine.layers.quantized_linear import (BFloat16Linear, Int8Linear, PackedInt8Head, Q4Blocks, Q4Linear,
-                                            Q8Head, quantized_linear)
+from engine.layers.quantized_linear import (
+    BFloat16Linear,
+    Int8Linear,
+    PackedInt8Head,
+    Q4Blocks,
+    Q4Linear,
+    Q8Head,
+    quantized_linear,
+)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.worker.model_sources import _default_gguf_file
@@ -32,11 +40,21 @@ BF16_ROUNDING = 2.0**-8
 FP16_ROUNDING = 2.0**-11
 
 QUESTIONS = [
-    "What is the capital of France?", "How many legs does a spider have?", "Why is the sky blue?",
-    "What is 7 times 8?", "Name three primary colours.", "Who wrote Romeo and Juliet?",
-    "What does a bee make?", "How do plants get energy?", "What is the largest ocean on Earth?",
-    "Give me a synonym for happy.", "What is the boiling point of water?", "How many days are in a leap year?",
-    "What language is spoken in Brazil?", "Explain what a noun is.", "What is the opposite of cold?",
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Why is the sky blue?",
+    "What is 7 times 8?",
+    "Name three primary colours.",
+    "Who wrote Romeo and Juliet?",
+    "What does a bee make?",
+    "How do plants get energy?",
+    "What is the largest ocean on Earth?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water?",
+    "How many days are in a leap year?",
+    "What language is spoken in Brazil?",
+    "Explain what a noun is.",
+    "What is the opposite of cold?",
     "Suggest a name for a pet cat.",
 ]
 NEW_TOKENS = 64
@@ -74,13 +92,18 @@ def engine() -> Callable[[str], LLM]:
         if mode not in built:
             built[mode] = LLM(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights=mode)
         return built[mode]
+
     return get
 
 
 @pytest.fixture(scope="module")
 def chat_prompts(tokenizer) -> list[list[int]]:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in QUESTIONS]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in QUESTIONS
+    ]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
@@ -115,13 +138,16 @@ def greedy_run(engine, chat_prompts) -> Callable[[str], GreedyRun]:
             runner = engine(mode).engine.runner
             recorder = runner.sampling.sampler = FirstStepLogits(runner.sampling.sampler)
             try:
-                outputs = engine(mode).generate(chat_prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                                                                             ignore_eos=True))
+                outputs = engine(mode).generate(
+                    chat_prompts,
+                    SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                )
             finally:
                 runner.sampling.sampler = recorder.sampler
             logits = torch.stack([recorder.by_prompt[tuple(p)] for p in chat_prompts])
             runs[mode] = GreedyRun([o.token_ids for o in outputs], logits)
         return runs[mode]
+
     return get
 
 
@@ -137,12 +163,16 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- q4: the GGUF's own blocks
 
 
-def test_q4_blocks_dequantize_to_the_converted_float32_weights(gguf_blocks, default_model_dir: Path):
+def test_q4_blocks_dequantize_to_the_converted_float32_weights(
+    gguf_blocks, default_model_dir: Path
+):
     """transformers de-quantized the same GGUF (query/key rows in Hugging Face order) into the float32
     safetensors: every projection of every layer must equal the blocks' d * q + m bit for bit."""
     with safe_open(default_model_dir / "model.safetensors", framework="pt", device="cpu") as f:
         projections = {name for name in f.keys() if name.endswith("_proj.weight")}
-        assert set(gguf_blocks) == projections, "every projection must come from the GGUF's 4-bit blocks"
+        assert set(gguf_blocks) == projections, (
+            "every projection must come from the GGUF's 4-bit blocks"
+        )
         for name in sorted(projections):
             assert torch.equal(gguf_blocks[name].dequantize(), f.get_tensor(name)), name
 
@@ -152,8 +182,13 @@ def test_q4_blocks_dequantize_as_gguf_does(gguf_blocks):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    parts = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    parts = {
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     layers = {0, 14, 29}
     checked = 0
     for tensor in GGUFReader(_default_gguf_file()).tensors:
@@ -162,12 +197,16 @@ def test_q4_blocks_dequantize_as_gguf_does(gguf_blocks):
         if not tensor.name.startswith("blk.") or int(layer) not in layers or part not in parts:
             continue
         expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
-        assert torch.equal(gguf_blocks[f"model.layers.{layer}.{parts[part]}.weight"].dequantize(), expected)
+        assert torch.equal(
+            gguf_blocks[f"model.layers.{layer}.{parts[part]}.weight"].dequantize(), expected
+        )
         checked += 1
     assert checked == len(layers) * len(parts)
 
 
-def test_q4_file_round_trip_keeps_codes_and_scales(gguf_blocks, default_model_dir: Path, tmp_path: Path):
+def test_q4_file_round_trip_keeps_codes_and_scales(
+    gguf_blocks, default_model_dir: Path, tmp_path: Path
+):
     """save_q4 + load_q4 give the same codes, scales and minimums; so does the file beside the default model."""
     save_q4(gguf_blocks, tmp_path / Q4_FILE)
     for loaded in (load_q4(tmp_path / Q4_FILE), load_q4(default_model_dir / Q4_FILE)):
@@ -175,7 +214,11 @@ def test_q4_file_round_trip_keeps_codes_and_scales(gguf_blocks, default_model_di
         for name, blocks in gguf_blocks.items():
             got = loaded[name]
             assert got.q.dtype == torch.uint8 and got.d.dtype == got.m.dtype == torch.float16
-            assert torch.equal(got.q, blocks.q) and torch.equal(got.d, blocks.d) and torch.equal(got.m, blocks.m)
+            assert (
+                torch.equal(got.q, blocks.q)
+                and torch.equal(got.d, blocks.d)
+                and torch.equal(got.m, blocks.m)
+            )
 
 
 def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
@@ -191,10 +234,17 @@ def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
     torch.testing.assert_close(kernel, bf16(expected), rtol=2 * BF16_ROUNDING, atol=1e-6)
     # Against GGUF's exact d * q + m: rounding d moves a weight by |q - 8| <= 8 times 2^-8 |d|, rounding the
     # zero by 2^-8 |zero|, and the bfloat16 output by 2^-8 of the weight; fp32 rounding adds ~2^-24 of each.
-    bound = 8 * BF16_ROUNDING * d.abs() + BF16_ROUNDING * zero.abs() + BF16_ROUNDING * kernel.abs() + 1e-7
+    bound = (
+        8 * BF16_ROUNDING * d.abs()
+        + BF16_ROUNDING * zero.abs()
+        + BF16_ROUNDING * kernel.abs()
+        + 1e-7
+    )
     error = (kernel - blocks.dequantize()).abs()
     assert bool((error <= bound).all()), f"worst error / bound {(error / bound).max():.3f}"
-    assert float((error / d.abs()).max()) < 0.1, "bfloat16 scales must stay far within one 4-bit step"
+    assert float((error / d.abs()).max()) < 0.1, (
+        "bfloat16 scales must stay far within one 4-bit step"
+    )
 
 
 def unpack_q4q8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -203,8 +253,10 @@ def unpack_q4q8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[
     blocks, groups = codes.shape[:2]
     nibbles = torch.stack((codes & 0x0F, codes >> 4), dim=3)  # [b, g, v, half, j, t]
     q = nibbles.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 16, groups * 32)
+
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.permute(0, 2, 1).reshape(blocks * 16, groups)
+
     return q, rows(d), rows(m)
 
 
@@ -229,16 +281,24 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
             # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
             if module.q4q8 is not None:
                 codes, d, m = unpack_q4q8(*module.q4q8)
-                assert torch.equal(codes, blocks.q) and torch.equal(d, blocks.d) and torch.equal(m, blocks.m)
+                assert (
+                    torch.equal(codes, blocks.q)
+                    and torch.equal(d, blocks.d)
+                    and torch.equal(m, blocks.m)
+                )
                 continue
-            scales = torch.stack([blocks.d.float().t(), (blocks.m.float() + 8 * blocks.d.float()).t()], dim=-1)
+            scales = torch.stack(
+                [blocks.d.float().t(), (blocks.m.float() + 8 * blocks.d.float()).t()], dim=-1
+            )
             assert torch.equal(module.scales_and_zeros, scales.bfloat16()), names[0]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 2)
             assert torch.equal(module.packed, packed), names[0]
     # with the Q4_1 x Q8 kernels, the tied embedding's own Q8_0 blocks (d q exactly: the float32 table's values);
     # else int8 per output channel, packed for the native kernel (built wherever a C++ compiler is) or torch's
     head = model.logits_head
-    assert isinstance(head, Q8Head if expect_q4q8 else PackedInt8Head if native is not None else Int8Linear)
+    assert isinstance(
+        head, Q8Head if expect_q4q8 else PackedInt8Head if native is not None else Int8Linear
+    )
     if expect_q4q8:
         table = model.model.embed_tokens.weight
         n, k = table.shape
@@ -295,8 +355,12 @@ def test_linear_layer_matches_float32_linear_within_its_rounding(mode: str, with
     assert out.shape == (2, 5, 96) and out.dtype == torch.float32
     reference = F.linear(x, weight, bias)
     # input rounded to bfloat16 (2^-8 |x|), stored weights (weight_error), output rounded to bfloat16
-    bound = (x.abs() @ weight_error(mode, weight).t() + BF16_ROUNDING * x.abs() @ weight.abs().t() * 1.01
-             + BF16_ROUNDING * (out - (0 if bias is None else bias)).abs() + 1e-5)
+    bound = (
+        x.abs() @ weight_error(mode, weight).t()
+        + BF16_ROUNDING * x.abs() @ weight.abs().t() * 1.01
+        + BF16_ROUNDING * (out - (0 if bias is None else bias)).abs()
+        + 1e-5
+    )
     error = (out - reference).abs()
     assert bool((error <= bound).all()), f"worst error / bound {(error / bound).max():.3f}"
 
@@ -331,9 +395,11 @@ def test_quantized_engine_agrees_with_float32_engine(greedy_run, mode: str):
     shares = [first_divergence(a, b) / NEW_TOKENS for a, b in zip(reference.tokens, run.tokens)]
     prefix_share = sum(shares) / len(shares)
     logit_diff = float((run.first_logits - reference.first_logits).abs().mean())
-    print(f"\ncpu_weights={mode}: first token equal {first_equal}/{len(shares)}, identical-prefix share "
-          f"{prefix_share:.3f}, step-1 mean |logit diff| {logit_diff:.4f} "
-          f"(float32 logits std {float(reference.first_logits.std()):.2f})")
+    print(
+        f"\ncpu_weights={mode}: first token equal {first_equal}/{len(shares)}, identical-prefix share "
+        f"{prefix_share:.3f}, step-1 mean |logit diff| {logit_diff:.4f} "
+        f"(float32 logits std {float(reference.first_logits.std()):.2f})"
+    )
     min_first, min_share, max_diff = FLOORS[mode]
     assert first_equal >= min_first
     assert prefix_share >= min_share
@@ -348,21 +414,33 @@ def test_auto_is_q4_for_the_default_model():
     assert not any(isinstance(m, Linear) for m in modules)
 
 
-@pytest.mark.parametrize("mode, resolved, layer", [("auto", "float32", Linear), ("q4", "q4", Q4Linear)])
+@pytest.mark.parametrize(
+    "mode, resolved, layer", [("auto", "float32", Linear), ("q4", "q4", Q4Linear)]
+)
 def test_model_without_gguf_blocks(tmp_path: Path, mode: str, resolved: str, layer: type):
     """A Hugging Face directory ships no 4-bit blocks: auto keeps float32; q4 quantizes its float weights."""
     tiny_hf_model("llama").save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), num_kv_blocks=16, cpu_weights=mode)
     assert llm.engine.config.cpu_weights == resolved
     layers = llm.engine.model.model.layers
-    assert all(isinstance(lay.self_attn.qkv_proj, layer) and isinstance(lay.mlp.down_proj, layer) for lay in layers)
-    (out,) = llm.generate([[5, 17, 200]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert all(
+        isinstance(lay.self_attn.qkv_proj, layer) and isinstance(lay.mlp.down_proj, layer)
+        for lay in layers
+    )
+    (out,) = llm.generate(
+        [[5, 17, 200]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     assert len(out.token_ids) == 4
 
 
-@pytest.mark.parametrize("options", [{"cpu_weights": "q5"},
-                                     {"cpu_weights": "q4", "dtype": "bfloat16", "device": "cpu"},
-                                     {"cpu_weights": "int8", "dtype": "float16", "device": "cpu"}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cpu_weights": "q5"},
+        {"cpu_weights": "q4", "dtype": "bfloat16", "device": "cpu"},
+        {"cpu_weights": "int8", "dtype": "float16", "device": "cpu"},
+    ],
+)
 def test_bad_cpu_weights_are_rejected_naming_the_field(options: dict):
     with pytest.raises(ValueError, match="cpu_weights"):
         EngineConfig(**options)
@@ -371,15 +449,20 @@ def test_bad_cpu_weights_are_rejected_naming_the_field(options: dict):
 # ---------------------------------------------------------------- q4 determinism
 
 
-
 def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
     """The engine's other tests compare batched runs with single ones: the q4 kernel must give each row the
     same result whatever rows it is computed with, and a prompt cut into chunks the same as one in a piece
     (prefix caching off: every prompt computed in full)."""
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        kv_cache_memory_gib=SMALL_KV_GIB,
+        cpu_weights="q4",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=64,
+    )
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    assert max(len(p) for p in prompts) > 64, "a prompt longer than one step's budget: prefilled in chunks"
+    assert max(len(p) for p in prompts) > 64, (
+        "a prompt longer than one step's budget: prefilled in chunks"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].token_ids for p in prompts]
@@ -392,12 +475,18 @@ def test_q4_greedy_output_under_memory_pressure_equals_each_request_alone(tokeni
     numbers as when they were decoded, so every request and every one of an n=4 request's samples is the same."""
     llm = LLM(num_kv_blocks=48, preemption_mode="recompute", cpu_weights="q4")
     prompts = [tokenizer.encode(f"{TEXTS[i % len(TEXTS)]} ({i})") for i in range(16)]
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=4 if i % 4 == 0 else 1)
-              for i in range(16)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=4 if i % 4 == 0 else 1)
+        for i in range(16)
+    ]
     loaded = iter(llm.generate(prompts, params))  # (a prompt's n samples one after another)
-    assert llm.engine.scheduler.num_preemptions > 0, "48 blocks of 16 tokens cannot hold all sixteen at once"
+    assert llm.engine.scheduler.num_preemptions > 0, (
+        "48 blocks of 16 tokens cannot hold all sixteen at once"
+    )
     for prompt, param in zip(prompts, params):
-        alone = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))[0]
+        alone = llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        )[0]
         samples = [next(loaded).token_ids for _ in range(param.n)]
         assert all(tokens == alone.token_ids for tokens in samples)
 
@@ -405,7 +494,9 @@ def test_q4_greedy_output_under_memory_pressure_equals_each_request_alone(tokeni
 def test_q4_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):
     """A request that arrives while another decodes makes mixed steps (its prefill beside the other's decode
     row): the decoding row must come out as in a decode-only step, whatever arrives when (the server's load)."""
-    engine = LLMEngine(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False)
+    engine = LLMEngine(
+        kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False
+    )
     first, other = (tokenizer.encode(t) for t in TEXTS[:2])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -420,4 +511,6 @@ def test_q4_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):
         return finals["first"]
 
     alone = first_tokens(None)
-    assert all(first_tokens(k) == alone for k in (1, 2, 5)), "a prefill beside a decode changed its tokens"
+    assert all(first_tokens(k) == alone for k in (1, 2, 5)), (
+        "a prefill beside a decode changed its tokens"
+    )

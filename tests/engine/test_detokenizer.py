@@ -1,5 +1,6 @@
 """IncrementalDetokenizer: token-by-token text equals a full decode, deltas never carry a broken character or
 a (possibly partial) stop string, and stop strings cut the text where vLLM would."""
+
 from __future__ import annotations
 
 import random
@@ -38,8 +39,9 @@ def tok(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def prompt_ids(tok: PreTrainedTokenizerBase) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": "Say something."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Say something."}], add_generation_prompt=True, tokenize=False
+    )
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -47,15 +49,16 @@ def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def _stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None = None
-            ) -> tuple[list[str], str | None, int]:
+def _stream(
+    detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None = None
+) -> tuple[list[str], str | None, int]:
     """Feed ids (one at a time, or in the given chunk sizes) like the engine would; return the deltas, the
     matched stop string and how many ids were fed before it matched."""
     chunks = chunks or [1] * len(ids)
     deltas: list[str] = []
     fed = 0
     for size in chunks:
-        stop = detok.update(ids[fed:fed + size])
+        stop = detok.update(ids[fed : fed + size])
         fed += size
         if stop is not None:
             deltas.append(detok.take_delta(finished=True))
@@ -142,7 +145,7 @@ def test_prompt_context_keeps_first_output_space_for_sentencepiece_style_tokeniz
     tok = _tiny_sentencepiece_style_tokenizer()
     prompt, output = tok.encode("Hello"), tok.encode("world there")
     assert tok.decode(output) == "world there"  # decoded alone, the first space is lost...
-    expected = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+    expected = tok.decode(prompt + output)[len(tok.decode(prompt)) :]
     assert expected == " world there"  # ...but in context it is there
     detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
     deltas, _, _ = _stream(detok, output)
@@ -171,23 +174,26 @@ def test_skip_special_tokens_is_honoured(tok, prompt_ids, skip):
     assert ("<|im_end|>" in expected) == (not skip)
 
 
-@pytest.mark.parametrize("text, stop", [
-    ("The answer is 42. STOP_HERE and more", "STOP_HERE"),
-    ("東京都に行きました。終わり。その後", "終わり"),
-    ("Party time 🎉!! and then", "🎉!!"),
-    ("hello world", "lo wo"),  # starts and ends inside tokens
-])
+@pytest.mark.parametrize(
+    "text, stop",
+    [
+        ("The answer is 42. STOP_HERE and more", "STOP_HERE"),
+        ("東京都に行きました。終わり。その後", "終わり"),
+        ("Party time 🎉!! and then", "🎉!!"),
+        ("hello world", "lo wo"),  # starts and ends inside tokens
+    ],
+)
 def test_stop_string_split_across_tokens_never_leaks(tok, prompt_ids, text, stop):
     ids = _encode(tok, text)
     full = tok.decode(ids)
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(stop=[stop]))
     deltas, matched, fed = _stream(detok, ids)
     assert matched == stop
-    assert detok.text == full[:full.index(stop)]
-    assert "".join(deltas) == full[:full.index(stop)]
+    assert detok.text == full[: full.index(stop)]
+    assert "".join(deltas) == full[: full.index(stop)]
     assert all(stop not in delta for delta in deltas)
     # It matched on the very token that completed the stop string, not later.
-    assert stop in tok.decode(ids[:fed]) and stop not in tok.decode(ids[:fed - 1])
+    assert stop in tok.decode(ids[:fed]) and stop not in tok.decode(ids[: fed - 1])
 
 
 def test_stop_string_spans_several_tokens(tok):
@@ -203,7 +209,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tok, prompt_ids):
     params = SamplingParams(stop=[stop], include_stop_str_in_output=True)
     detok = IncrementalDetokenizer(tok, prompt_ids, params)
     deltas, matched, _ = _stream(detok, ids)
-    expected = text[:text.index(stop) + len(stop)]
+    expected = text[: text.index(stop) + len(stop)]
     assert matched == stop
     assert detok.text == expected
     assert "".join(deltas) == expected
@@ -218,8 +224,8 @@ def test_earliest_of_several_stop_strings_wins(tok, prompt_ids, chunked):
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(stop=["world", "hello"]))
     deltas, matched, _ = _stream(detok, ids, [len(ids)] if chunked else None)
     assert matched == "hello"
-    assert detok.text == text[:text.index("hello")]
-    assert "".join(deltas) == text[:text.index("hello")]
+    assert detok.text == text[: text.index("hello")]
+    assert "".join(deltas) == text[: text.index("hello")]
 
 
 def test_same_start_stop_strings_shorter_wins(tok, prompt_ids):
@@ -237,12 +243,12 @@ def test_partial_stop_prefix_that_diverges_is_released(tok, prompt_ids):
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(stop=[stop]))
     sent = ""
     for k in range(1, len(ids) + 1):
-        assert detok.update(ids[k - 1:k]) is None
+        assert detok.update(ids[k - 1 : k]) is None
         sent += detok.take_delta(finished=False)
         so_far = tok.decode(ids[:k])
         if so_far.endswith(" the"):
             # Ambiguous: "the" may be the start of "the end", so it is held back...
-            assert sent == so_far[:-len("the")]
+            assert sent == so_far[: -len("the")]
         else:
             # ...and released as soon as the next token rules the stop string out.
             assert sent == so_far
@@ -254,7 +260,7 @@ def test_finished_flushes_held_back_text(tok, prompt_ids):
     ids = _encode(tok, text)
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(stop=[stop]))
     assert detok.update(ids) is None
-    assert detok.take_delta(finished=False) == text[:-len("the")]
+    assert detok.take_delta(finished=False) == text[: -len("the")]
     assert detok.take_delta(finished=True) == "the"
     assert detok.take_delta(finished=True) == ""
 

@@ -1,4 +1,5 @@
 """The engine's request API: stops, lengths, logprobs, seeds, aborts and clear errors on bad input."""
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ def greedy(**kw) -> SamplingParams:
 def test_max_tokens_ends_with_length(llm: LLM):
     (out,) = llm.generate(PROMPT, greedy(max_tokens=7, ignore_eos=True))
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
-    assert out.usage.completion_tokens == 7 and out.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPT))
+    assert out.usage.completion_tokens == 7 and out.usage.prompt_tokens == len(
+        llm.tokenizer.encode(PROMPT)
+    )
 
 
 def test_eos_stops_and_is_not_in_text(llm: LLM):
@@ -43,7 +46,11 @@ def test_stop_string_truncates_output_and_never_leaks(llm: LLM):
     stop = " ".join(words[len(words) // 2 : len(words) // 2 + 2])  # two words from the middle
     expected = full.text[: full.text.index(stop)]
     request_id = "stop-test"
-    llm.engine.add_request(request_id, llm.tokenizer.encode(PROMPT), greedy(max_tokens=48, ignore_eos=True, stop=[stop]))
+    llm.engine.add_request(
+        request_id,
+        llm.tokenizer.encode(PROMPT),
+        greedy(max_tokens=48, ignore_eos=True, stop=[stop]),
+    )
     deltas, last = [], None
     while llm.engine.has_unfinished_requests():
         for out in llm.engine.step():
@@ -57,14 +64,18 @@ def test_stop_string_truncates_output_and_never_leaks(llm: LLM):
 def test_include_stop_str_in_output_keeps_it(llm: LLM):
     (full,) = llm.generate(PROMPT, greedy(max_tokens=48, ignore_eos=True))
     stop = full.text.split()[3]
-    (out,) = llm.generate(PROMPT, greedy(max_tokens=48, ignore_eos=True, stop=stop, include_stop_str_in_output=True))
+    (out,) = llm.generate(
+        PROMPT, greedy(max_tokens=48, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    )
     assert out.text == full.text[: full.text.index(stop) + len(stop)]
 
 
 def test_stop_token_ids_end_the_request(llm: LLM):
     (full,) = llm.generate(PROMPT, greedy(max_tokens=20, ignore_eos=True))
     stop_token = full.token_ids[5]
-    (out,) = llm.generate(PROMPT, greedy(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]))
+    (out,) = llm.generate(
+        PROMPT, greedy(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token])
+    )
     first = full.token_ids.index(stop_token)
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
@@ -98,14 +109,18 @@ def test_same_seed_same_output_whatever_the_batch(llm: LLM):
     others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     batched = llm.generate(["Tell me a joke.", PROMPT, "Count to five."], [others, params, others])
     assert batched[1].token_ids == alone.token_ids
-    (other_seed,) = llm.generate(PROMPT, SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=16,
-                                                        ignore_eos=True))
+    (other_seed,) = llm.generate(
+        PROMPT,
+        SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=16, ignore_eos=True),
+    )
     assert other_seed.token_ids != alone.token_ids
 
 
 def test_abort_frees_blocks_and_reports_abort(llm: LLM):
     engine = llm.engine
-    engine.add_request("to-abort", llm.tokenizer.encode(PROMPT), greedy(max_tokens=100, ignore_eos=True))
+    engine.add_request(
+        "to-abort", llm.tokenizer.encode(PROMPT), greedy(max_tokens=100, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_blocks
@@ -115,12 +130,30 @@ def test_abort_frees_blocks_and_reports_abort(llm: LLM):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("n", 0), ("n", 129), ("best_of", 0), ("seed", 1.5), ("temperature", float("nan")), ("temperature", 3.4e38),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", 21),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("n", 0),
+        ("n", 129),
+        ("best_of", 0),
+        ("seed", 1.5),
+        ("temperature", float("nan")),
+        ("temperature", 3.4e38),
+    ],
+)
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -131,10 +164,18 @@ def test_min_tokens_above_max_tokens_is_rejected():
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("block_size", 12), ("max_num_seqs", 0), ("dtype", "float64"), ("prefix_hash", "md5"),
-    ("gpu_memory_utilization", 1.5), ("load_format", "pickle"), ("device", "tpu"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block_size", 12),
+        ("max_num_seqs", 0),
+        ("dtype", "float64"),
+        ("prefix_hash", "md5"),
+        ("gpu_memory_utilization", 1.5),
+        ("load_format", "pickle"),
+        ("device", "tpu"),
+    ],
+)
 def test_bad_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
@@ -161,7 +202,9 @@ def test_prompt_too_large_for_the_pool_is_rejected_not_left_waiting():
         llm.generate([[5] * 100], greedy(max_tokens=4))
 
 
-@pytest.mark.parametrize("prompt, match", [([], "at least one"), ([1, 10**9], "token ids"), ([1, -3], "token ids")])
+@pytest.mark.parametrize(
+    "prompt, match", [([], "at least one"), ([1, 10**9], "token ids"), ([1, -3], "token ids")]
+)
 def test_bad_prompts_are_rejected(llm: LLM, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt], greedy(max_tokens=1))

@@ -1,6 +1,7 @@
 """The engine core in its own process: its life tied to the front's, faults that end every stream instead of
 hanging, the stop strings found in the front ending requests in the core, and streams that catch up in one
 event (or by ``stream_interval``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +50,15 @@ def child_processes(pid: int, marker: bytes) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat, \
-                    open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid and marker in cmdline.read():
+            with (
+                contextlib.suppress(OSError),
+                open(f"/proc/{entry}/stat") as stat,
+                open(f"/proc/{entry}/cmdline", "rb") as cmdline,
+            ):
+                if (
+                    int(stat.read().rsplit(")", 1)[1].split()[1]) == pid
+                    and marker in cmdline.read()
+                ):
                     found.append(int(entry))
     return found
 
@@ -61,7 +68,9 @@ def core_processes_of(pid: int) -> list[int]:
     return child_processes(pid, b"spawn_main")
 
 
-async def first_token_then_rest(engine: AsyncEngine, prompt: list[int], started: asyncio.Event) -> list:
+async def first_token_then_rest(
+    engine: AsyncEngine, prompt: list[int], started: asyncio.Event
+) -> list:
     outputs = []
     async for out in engine.generate(prompt, LONG):
         outputs.append(out)
@@ -109,8 +118,13 @@ def test_the_core_exits_when_its_front_is_killed(tmp_path):
             asyncio.run(main())
     """)
     (tmp_path / "front.py").write_text(script)
-    front = subprocess.Popen([sys.executable, str(tmp_path / "front.py")], cwd=REPO_ROOT, env=server_env(),
-                             stdout=subprocess.PIPE, text=True)
+    front = subprocess.Popen(
+        [sys.executable, str(tmp_path / "front.py")],
+        cwd=REPO_ROOT,
+        env=server_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         core_pid = int(front.stdout.readline())
         assert core_pid in core_processes_of(front.pid)
@@ -124,8 +138,9 @@ def test_the_core_exits_when_its_front_is_killed(tmp_path):
 async def test_stop_string_found_in_the_front_ends_the_request_in_the_core(engine: AsyncEngine):
     """The output processor (front) sees the text; the core only tokens: the core must hear of the stop."""
     prompt = engine.tokenizer.encode(PROMPT)
-    offline = LLM(kv_cache_memory_gib=SMALL_KV_GIB).generate(prompt, SamplingParams(temperature=0.0, max_tokens=40,
-                                                                                   ignore_eos=True))[0]
+    offline = LLM(kv_cache_memory_gib=SMALL_KV_GIB).generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )[0]
     words = offline.text.split()
     stop = words[len(words) // 2]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, stop=[stop])
@@ -133,7 +148,9 @@ async def test_stop_string_found_in_the_front_ends_the_request_in_the_core(engin
     final = outputs[-1]
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert final.text == offline.text[: offline.text.index(stop)]
-    assert final.token_ids == offline.token_ids[: len(final.token_ids)] and len(final.token_ids) < 40
+    assert (
+        final.token_ids == offline.token_ids[: len(final.token_ids)] and len(final.token_ids) < 40
+    )
     deadline = time.monotonic() + 10
     while engine.stats().num_running and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
@@ -159,8 +176,12 @@ async def test_stream_interval_sends_fewer_larger_outputs():
     await engine.start()
     try:
         prompt = engine.tokenizer.encode(PROMPT)
-        outputs = [out async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=18,
-                                                                                ignore_eos=True))]
+        outputs = [
+            out
+            async for out in engine.generate(
+                prompt, SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
+            )
+        ]
     finally:
         await engine.stop()
     sizes = [len(out.token_ids_delta) for out in outputs]
@@ -176,18 +197,25 @@ def data_events(response: httpx.Response):
     """The ``data:`` payloads of an SSE response as they arrive."""
     for line in response.iter_lines():
         if line.startswith("data: "):
-            yield line[len("data: "):]
+            yield line[len("data: ") :]
 
 
 def stream_body(max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    return {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 def test_core_killed_under_the_server_ends_streams_with_an_error_and_exits_3():
     with running_server() as server:
         (core_pid,) = core_processes_of(server.process.pid)
-        with httpx.stream("POST", server.url("/v1/chat/completions"), json=stream_body(2000), timeout=60) as resp:
+        with httpx.stream(
+            "POST", server.url("/v1/chat/completions"), json=stream_body(2000), timeout=60
+        ) as resp:
             events = data_events(resp)
             next(events), next(events)  # streaming
             os.kill(core_pid, signal.SIGKILL)
@@ -201,16 +229,22 @@ def test_core_killed_without_exit_on_death_turns_health_503_within_a_second():
         (core_pid,) = core_processes_of(server.process.pid)
         os.kill(core_pid, signal.SIGKILL)
         killed = time.monotonic()
-        assert wait_until(lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, 1.0)
+        assert wait_until(
+            lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, 1.0
+        )
         assert time.monotonic() - killed <= 1.0
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-        assert httpx.post(server.url("/v1/chat/completions"), json=body, timeout=10).status_code == 503
+        assert (
+            httpx.post(server.url("/v1/chat/completions"), json=body, timeout=10).status_code == 503
+        )
 
 
 def test_sigterm_drains_open_streams_then_stops_the_core():
     with running_server("--shutdown-timeout-s", "60") as server:
         (core_pid,) = core_processes_of(server.process.pid)
-        with httpx.stream("POST", server.url("/v1/chat/completions"), json=stream_body(48), timeout=60) as resp:
+        with httpx.stream(
+            "POST", server.url("/v1/chat/completions"), json=stream_body(48), timeout=60
+        ) as resp:
             events = data_events(resp)
             next(events), next(events)
             server.process.send_signal(signal.SIGTERM)

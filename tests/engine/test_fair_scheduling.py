@@ -2,6 +2,7 @@
 a model: a heavy tenant's rows take turns while a light tenant runs every step; seats and waiting requests are
 shared by tenant, not by arrival; priority orders a tenant's own requests; the step's time budget comes from the
 measured cost of steps."""
+
 from __future__ import annotations
 
 import math
@@ -21,21 +22,47 @@ BLOCK = 4
 _ids = iter(range(10**6))
 
 
-def make_scheduler(max_num_seqs: int = 32, budget: int = 64, num_blocks: int = 256, factor: float = 0.0,
-                   max_seqs_per_tenant: int | None = None) -> Scheduler:
-    manager = BlockManager(num_blocks, BLOCK, enable_prefix_caching=True, hasher=BlockHasher("sha256", "t", ""))
-    return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     shared_step_time_factor=factor, max_seqs_per_tenant=max_seqs_per_tenant)
+def make_scheduler(
+    max_num_seqs: int = 32,
+    budget: int = 64,
+    num_blocks: int = 256,
+    factor: float = 0.0,
+    max_seqs_per_tenant: int | None = None,
+) -> Scheduler:
+    manager = BlockManager(
+        num_blocks, BLOCK, enable_prefix_caching=True, hasher=BlockHasher("sha256", "t", "")
+    )
+    return Scheduler(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        shared_step_time_factor=factor,
+        max_seqs_per_tenant=max_seqs_per_tenant,
+    )
 
 
 def request(tenant: str, length: int = 5, priority: int = 0, n: int = 1) -> Sequence:
     seq_id = next(_ids)
     # distinct first tokens: no prefix sharing between requests here
-    seq = Sequence(seq_id=seq_id, request_id=f"{tenant}-{seq_id}", token_ids=[seq_id % 1000 + 1] * length,
-                   params=SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, n=n),
-                   tenant=tenant, priority=priority)
-    seq.unforked = [Sequence(seq_id=next(_ids), request_id=seq.request_id, token_ids=list(seq.token_ids),
-                             params=seq.params, tenant=tenant, index=i) for i in range(1, n)]
+    seq = Sequence(
+        seq_id=seq_id,
+        request_id=f"{tenant}-{seq_id}",
+        token_ids=[seq_id % 1000 + 1] * length,
+        params=SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, n=n),
+        tenant=tenant,
+        priority=priority,
+    )
+    seq.unforked = [
+        Sequence(
+            seq_id=next(_ids),
+            request_id=seq.request_id,
+            token_ids=list(seq.token_ids),
+            params=seq.params,
+            tenant=tenant,
+            index=i,
+        )
+        for i in range(1, n)
+    ]
     return seq
 
 
@@ -250,7 +277,10 @@ def test_priority_orders_a_tenants_own_requests_only():
     for seq in (low, urgent, other, later):
         scheduler.add(seq)
     step(scheduler)
-    assert set(scheduler.running) == {urgent, other, later} or set(scheduler.running) == {urgent, other}
+    assert set(scheduler.running) == {urgent, other, later} or set(scheduler.running) == {
+        urgent,
+        other,
+    }
     assert low in scheduler.waiting, "a's priority 5 request waits behind its -5 ones"
     assert other in scheduler.running, "b's request is not pushed back by a's priorities"
 
@@ -277,27 +307,36 @@ PROMPT = "Name three rivers of Europe:"
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_beside_a_wide_request_a_light_tenant_steps_every_time_with_its_tokens_unchanged(tokenizer,
-                                                                                        async_scheduling):
+def test_beside_a_wide_request_a_light_tenant_steps_every_time_with_its_tokens_unchanged(
+    tokenizer, async_scheduling
+):
     from engine.llm_engine import LLMEngine
     from tests.conftest import SMALL_KV_GIB
 
     ids = tokenizer.encode(PROMPT)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    options = dict(kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="float32", async_scheduling=async_scheduling,
-                   # token shares: the test sets a budget of 4 tokens a step
-                   shared_step_time_factor=0)
+    options = dict(
+        kv_cache_memory_gib=SMALL_KV_GIB,
+        cpu_weights="float32",
+        async_scheduling=async_scheduling,
+        # token shares: the test sets a budget of 4 tokens a step
+        shared_step_time_factor=0,
+    )
     alone = LLMEngine(**options)
     alone.add_request("light", ids, greedy)
     expected = _finals(alone)["light"]
 
     engine = LLMEngine(**options, max_num_batched_tokens=4)
-    engine.add_request("wide", ids, SamplingParams(temperature=1.0, n=12, max_tokens=12, seed=3), tenant="heavy")
+    engine.add_request(
+        "wide", ids, SamplingParams(temperature=1.0, n=12, max_tokens=12, seed=3), tenant="heavy"
+    )
     engine.add_request("light", ids, greedy, tenant="light")
     finals, light_steps, shared_steps = {}, 0, 0
     while engine.has_unfinished_requests():
-        light_open = any(seq.tenant == "light" and seq.awaiting_last_token is False
-                         for seq in engine.core.scheduler.running + list(engine.core.scheduler.waiting))
+        light_open = any(
+            seq.tenant == "light" and seq.awaiting_last_token is False
+            for seq in engine.core.scheduler.running + list(engine.core.scheduler.waiting)
+        )
         for out in engine.step():
             if out.finished:
                 finals.setdefault(out.request_id, []).append(out)
@@ -306,7 +345,10 @@ def test_beside_a_wide_request_a_light_tenant_steps_every_time_with_its_tokens_u
             shared_steps += 1
             light_steps += any(seq.tenant == "light" for seq in batch.seqs)
             assert len(batch.seqs) <= 4
-        check_pool(engine.core.block_manager, list(engine.core.scheduler.running) + list(engine.core.scheduler.waiting))
+        check_pool(
+            engine.core.block_manager,
+            list(engine.core.scheduler.running) + list(engine.core.scheduler.waiting),
+        )
     assert finals["light"][0].token_ids == expected.token_ids
     assert len(finals["wide"]) == 12 and all(len(out.token_ids) == 12 for out in finals["wide"])
     assert shared_steps >= 8 and light_steps == shared_steps

@@ -1,5 +1,6 @@
 """One request's failure ends that request only: the engine, the other requests and the block pool carry on.
 Also: values no request may use are refused at submission, and pinned presets never stall the scheduler."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer.encode(f"Request number {i} asks about the number {i * 7}.") for i in range(count)]
+    return [
+        tokenizer.encode(f"Request number {i} asks about the number {i * 7}.") for i in range(count)
+    ]
 
 
 def assert_idle(engine: LLMEngine) -> None:
@@ -59,7 +62,9 @@ def test_bad_sampling_value_ends_only_that_request(tokenizer, faulty_sampler, as
     assert "injected logits-processor fault" in finals["bad"].error
     good = [finals[f"ok{i}"] for i in range(8) if i != 3]
     assert all(o.finish_reason == "length" and o.error is None for o in good)
-    reference = LLM(kv_cache_memory_gib=SMALL_KV_GIB).generate([p for i, p in enumerate(ids) if i != 3], GREEDY)
+    reference = LLM(kv_cache_memory_gib=SMALL_KV_GIB).generate(
+        [p for i, p in enumerate(ids) if i != 3], GREEDY
+    )
     assert [o.token_ids for o in good] == [o.token_ids for o in reference]
     assert_idle(engine)
 
@@ -103,9 +108,13 @@ async def test_failed_request_raises_in_its_stream_and_the_engine_stays_healthy(
                 tokens += out.token_ids_delta
             return tokens
 
-        results = await asyncio.wait_for(asyncio.gather(
-            *(consume("bad" if i == 0 else f"ok{i}", p) for i, p in enumerate(ids)), return_exceptions=True),
-            timeout=120)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(consume("bad" if i == 0 else f"ok{i}", p) for i, p in enumerate(ids)),
+                return_exceptions=True,
+            ),
+            timeout=120,
+        )
         assert isinstance(results[0], RequestFailedError)
         assert "injected logits-processor fault" in str(results[0])
         assert all(isinstance(r, list) and len(r) == 12 for r in results[1:])
@@ -122,22 +131,37 @@ def small_engine() -> LLMEngine:
     return LLMEngine(kv_cache_memory_gib=SMALL_KV_GIB)
 
 
-@pytest.mark.parametrize("field, params", [
-    ("top_k", SamplingParams(top_k=10**6, top_p=0.5)),
-    ("logit_bias", SamplingParams(logit_bias={10**6: 1.0})),
-    ("response_format", SamplingParams(structured_output=StructuredOutput("json_schema", '{"type": "nonsense"}'))),
-])
+@pytest.mark.parametrize(
+    "field, params",
+    [
+        ("top_k", SamplingParams(top_k=10**6, top_p=0.5)),
+        ("logit_bias", SamplingParams(logit_bias={10**6: 1.0})),
+        (
+            "response_format",
+            SamplingParams(
+                structured_output=StructuredOutput("json_schema", '{"type": "nonsense"}')
+            ),
+        ),
+    ],
+)
 def test_values_beyond_the_model_are_refused_at_submission(small_engine, field, params):
     with pytest.raises(ValueError, match=f"^{field}:"):
         small_engine.add_request("r", [1, 2, 3], params)
     assert not small_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("field, options", [
-    ("seed", {"seed": 2**64}), ("top_k", {"top_k": 2**40}), ("max_tokens", {"max_tokens": 2**40}),
-    ("stop", {"stop": ["x"] * 17}), ("stop", {"stop": ["x" * 257]}),
-    ("logit_bias", {"logit_bias": {1: 101.0}}), ("logit_bias", {"logit_bias": {i: 1.0 for i in range(301)}}),
-])
+@pytest.mark.parametrize(
+    "field, options",
+    [
+        ("seed", {"seed": 2**64}),
+        ("top_k", {"top_k": 2**40}),
+        ("max_tokens", {"max_tokens": 2**40}),
+        ("stop", {"stop": ["x"] * 17}),
+        ("stop", {"stop": ["x" * 257]}),
+        ("logit_bias", {"logit_bias": {1: 101.0}}),
+        ("logit_bias", {"logit_bias": {i: 1.0 for i in range(301)}}),
+    ],
+)
 def test_sampling_params_refuse_out_of_range_values(field, options):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**options)
@@ -147,13 +171,15 @@ def test_pinned_presets_never_stall_the_scheduler(tokenizer):
     """40 blocks, a 9-block pinned preset, then a request that fits the context but not the unpinned pool:
     the pins give way (logged) instead of the engine stalling for good."""
     engine = LLMEngine(num_kv_blocks=40, max_num_batched_tokens=256)
-    preset = (tokenizer.encode("You are a helpful assistant. " * 40))[:9 * 16]
+    preset = (tokenizer.encode("You are a helpful assistant. " * 40))[: 9 * 16]
     engine.add_request("preset", preset + [1], SamplingParams(temperature=0.0, max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.pin_prefix("p", preset, None, share=0.5) == 9
     prompt = (tokenizer.encode("Tell me a long story about the sea. " * 40))[:300]
-    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+    engine.add_request(
+        "long", prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    )
     finals = []
     while engine.has_unfinished_requests():
         finals += [o for o in engine.step() if o.finished]
@@ -164,16 +190,31 @@ def test_pinned_presets_never_stall_the_scheduler(tokenizer):
 
 def test_json_schema_outputs_parse_and_validate(tokenizer):
     llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "member"],
-              "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"},
-                             "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-                             "member": {"type": "boolean"}}}
-    questions = ["Describe a person as JSON.", "Who lives in Rome? Answer in JSON.", "Invent a club member.",
-                 "JSON for an old man from Oslo."]
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "city", "member"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer"},
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+            "member": {"type": "boolean"},
+        },
+    }
+    questions = [
+        "Describe a person as JSON.",
+        "Who lives in Rome? Answer in JSON.",
+        "Invent a club member.",
+        "JSON for an old man from Oslo.",
+    ]
     prompts_ = [llm.chat_prompt_ids([{"role": "user", "content": q}]) for q in questions]
     spec = StructuredOutput("json_schema", json.dumps(schema))
-    params = [SamplingParams(temperature=0.0 if i < 4 else 1.0, seed=i, max_tokens=96, structured_output=spec)
-              for i in range(20)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i < 4 else 1.0, seed=i, max_tokens=96, structured_output=spec
+        )
+        for i in range(20)
+    ]
     outputs = llm.generate([prompts_[i % 4] for i in range(20)], params)
     for out in outputs:
         assert out.finish_reason == "stop", out.text

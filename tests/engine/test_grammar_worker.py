@@ -1,6 +1,7 @@
 """Grammar workers (engine/output/grammar_worker.py): a schema compiles in a process of its own, which a compile past its
 time or heap limit ends (a 400 naming response_format, and the next compile works), which is replaced once it has
 grown too large, and whose memory never shows up in the front."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +17,22 @@ from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.worker.model_sources import ensure_default_model
 from engine.sampling_params import StructuredOutput
 
-SMALL = StructuredOutput("json_schema", schema=json.dumps({"type": "object", "properties": {
-    "name": {"type": "string"}}, "required": ["name"]}))
+SMALL = StructuredOutput(
+    "json_schema",
+    schema=json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    ),
+)
 
 
 def enum_spec(count: int, tag: str = "") -> StructuredOutput:
     values = [f"value-{i}-{tag}abcabc" for i in range(count)]
-    return StructuredOutput("json_schema", schema=json.dumps({"type": "object", "properties": {"x": {"enum": values}},
-                                                              "required": ["x"]}))
+    return StructuredOutput(
+        "json_schema",
+        schema=json.dumps(
+            {"type": "object", "properties": {"x": {"enum": values}}, "required": ["x"]}
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +58,15 @@ def rss_bytes() -> int:
 async def test_a_schema_needing_more_than_the_heap_limit_is_refused_and_the_worker_recovers(setup):
     limited = dataclasses.replace(setup, memory_bytes=450 * 2**20)
     with running(limited) as workers:
-        assert (await workers.compile(SMALL, 60)).grammar, "the limit leaves room for ordinary schemas"
+        assert (await workers.compile(SMALL, 60)).grammar, (
+            "the limit leaves room for ordinary schemas"
+        )
         # (the worker dies, or the grammar library fails inside it: a 400 either way)
-        with pytest.raises(ValueError, match="response_format: (compiling the schema needs more memory|invalid JSON "
-                                             "schema: .*memory)"):
+        with pytest.raises(
+            ValueError,
+            match="response_format: (compiling the schema needs more memory|invalid JSON "
+            "schema: .*memory)",
+        ):
             await workers.compile(enum_spec(300_000), 60)
         assert (await workers.compile(SMALL, 60)).grammar
 

@@ -1,6 +1,7 @@
 """The host tier of the prefix cache: cached blocks evicted from a small device pool are kept in host memory and
 copied back on a later prefix hit; the conversation's greedy tokens equal those of an engine that recomputes
 them, the request reports them as cached, and device and host slots are accounted for at every step."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,12 +15,16 @@ from tests.block_invariants import check_pool
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # the first turn's blocks cannot survive the fillers
 SMALL = dict(num_kv_blocks=8, max_model_len=128)
-SYSTEM = ("You are a careful assistant. Answer in one short paragraph, cite no sources, and keep a friendly "
-          "tone. The user is planning a trip through the mountains in late autumn and asks about weather, "
-          "trails, and what to pack.")
-FILLERS = ["Write a haiku about the sea and the moon rising over quiet water tonight.",
-           "List five prime numbers and explain in one sentence why each of them is prime.",
-           "Describe a red bicycle leaning on a wall in the rain, in two sentences."]
+SYSTEM = (
+    "You are a careful assistant. Answer in one short paragraph, cite no sources, and keep a friendly "
+    "tone. The user is planning a trip through the mountains in late autumn and asks about weather, "
+    "trails, and what to pack."
+)
+FILLERS = [
+    "Write a haiku about the sea and the moon rising over quiet water tonight.",
+    "List five prime numbers and explain in one sentence why each of them is prime.",
+    "Describe a red bicycle leaning on a wall in the rain, in two sentences.",
+]
 
 
 def check_host_tier(engine: LLMEngine) -> None:
@@ -42,7 +47,10 @@ def run(engine: LLMEngine, request_id: str, *prompts: list[int]) -> tuple[list[i
             if out.finished and out.request_id == f"{request_id}-0":
                 final = out
         scheduler = engine.core.scheduler
-        check_pool(engine.core.block_manager, list(scheduler.running) + list(scheduler.waiting) + list(scheduler.swapped))
+        check_pool(
+            engine.core.block_manager,
+            list(scheduler.running) + list(scheduler.waiting) + list(scheduler.swapped),
+        )
         if engine.core.block_manager.host_cache is not None:
             check_host_tier(engine)
     return final.token_ids, final.num_cached_tokens
@@ -72,12 +80,17 @@ def tiered(tokenizer) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
     return engine, conversation(engine, tokenizer)
 
 
-def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tokenizer, recomputed, tiered):
+def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(
+    tokenizer, recomputed, tiered
+):
     engine, results = tiered
     assert [tokens for tokens, _ in results] == [tokens for tokens, _ in recomputed]
     stats = engine.stats()
     assert stats.host_cache_stores > 0, "the pool was meant to evict cached blocks"
-    assert stats.prefix_host_hits > 0 and stats.prefix_device_hits + stats.prefix_host_hits == stats.prefix_hits
+    assert (
+        stats.prefix_host_hits > 0
+        and stats.prefix_device_hits + stats.prefix_host_hits == stats.prefix_hits
+    )
     # turn 2 finds its head (system prompt + turn 1) cached: on the host here, recomputed without the tier
     first_ids = tokenizer.encode(SYSTEM + " Where should I start?")
     head_blocks = (len(first_ids) + len(results[0][0])) // engine.config.block_size
@@ -102,11 +115,18 @@ def test_metrics_split_device_and_host_hits(tiered):
     engine, _ = tiered
     stats = engine.stats()
     text = ServerMetrics("m", engine.stats).exposition().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    values = {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
     assert values["pagedchat:prefix_cache_host_hits_total"] == stats.prefix_host_hits > 0
-    assert values["pagedchat:prefix_cache_device_hits_total"] == stats.prefix_hits - stats.prefix_host_hits
+    assert (
+        values["pagedchat:prefix_cache_device_hits_total"]
+        == stats.prefix_hits - stats.prefix_host_hits
+    )
     assert values["pagedchat:prefix_cache_hits_total"] == stats.prefix_hits
-    assert values["pagedchat:host_cache_blocks"] == len(engine.core.block_manager.host_cache.entries)
+    assert values["pagedchat:host_cache_blocks"] == len(
+        engine.core.block_manager.host_cache.entries
+    )
 
 
 def test_reset_prefix_cache_empties_the_host_tier_too(tokenizer, tiered):

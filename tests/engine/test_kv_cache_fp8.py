@@ -2,6 +2,7 @@
 more blocks; everything that moves blocks (prefix hits, swap, the host tier, copy-on-write) keeps working and gives
 the FP8 engine's own tokens; on the CPU attention over FP8 goes through the torch references, never the lean or
 native float kernels. A tiny random Llama (float32 weights) keeps each engine fast."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,17 +59,28 @@ def block_bytes(itemsize: int) -> int:
     return 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * head_dim * itemsize
 
 
-def test_an_fp8_block_takes_the_itemsize_ratio_of_the_bytes_so_the_pool_holds_that_many_more(model_dir):
+def test_an_fp8_block_takes_the_itemsize_ratio_of_the_bytes_so_the_pool_holds_that_many_more(
+    model_dir,
+):
     """float32 -> e4m3 on the CPU: a quarter of the bytes, four times the blocks (bfloat16 -> e4m3 on a GPU: twice);
     the host swap pool is FP8 too."""
     auto = make_llm(model_dir, kv_cache_memory_gib=BUDGET_GIB).engine
     fp8 = make_llm(model_dir, kv_cache_memory_gib=BUDGET_GIB, kv_cache_dtype="fp8").engine
     assert auto.runner.k_caches.dtype == torch.float32 and fp8.runner.k_caches.dtype == FP8
     assert fp8.runner.v_caches.dtype == FP8 and fp8.runner.host_k_caches.dtype == FP8
-    assert (auto.runner.bytes_per_block, fp8.runner.bytes_per_block) == (block_bytes(4), block_bytes(1))
-    assert auto.runner.bytes_per_block // fp8.runner.bytes_per_block == torch.float32.itemsize // FP8.itemsize
+    assert (auto.runner.bytes_per_block, fp8.runner.bytes_per_block) == (
+        block_bytes(4),
+        block_bytes(1),
+    )
+    assert (
+        auto.runner.bytes_per_block // fp8.runner.bytes_per_block
+        == torch.float32.itemsize // FP8.itemsize
+    )
     budget = int(BUDGET_GIB * 2**30)
-    assert (auto.stats().num_blocks, fp8.stats().num_blocks) == (budget // block_bytes(4), budget // block_bytes(1))
+    assert (auto.stats().num_blocks, fp8.stats().num_blocks) == (
+        budget // block_bytes(4),
+        budget // block_bytes(1),
+    )
     assert fp8.stats().num_blocks // 4 == auto.stats().num_blocks
     assert fp8.runner.host_k_caches.shape[1] == int(0.01 * 2**30) // block_bytes(1)
 
@@ -84,7 +96,9 @@ def test_fp8_engine_stays_close_to_the_float_caches_tokens(model_dir):
     assert same >= 0.75 * sum(map(len, expected))
 
 
-def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
+def run_checked(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> list[list[list[int]]]:
     """Every sample's tokens per prompt (all submitted together), block accounting checked at every step."""
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
@@ -108,10 +122,19 @@ def test_swap_prefix_hits_and_copy_on_write_give_the_fp8_engines_own_tokens(mode
     expected_follow_up = greedy(roomy, [follow_up])[0]
     copies = []
     copy_blocks = kernels.ops.copy_blocks
-    monkeypatch.setattr(kernels.ops, "copy_blocks", lambda k, v, mapping: (copies.append(len(mapping)),
-                                                                            copy_blocks(k, v, mapping)))
-    tight = make_llm(model_dir, num_kv_blocks=8, max_model_len=128, kv_cache_dtype="fp8", preemption_mode="swap",
-                     host_cache_gib=0.001).engine
+    monkeypatch.setattr(
+        kernels.ops,
+        "copy_blocks",
+        lambda k, v, mapping: (copies.append(len(mapping)), copy_blocks(k, v, mapping)),
+    )
+    tight = make_llm(
+        model_dir,
+        num_kv_blocks=8,
+        max_model_len=128,
+        kv_cache_dtype="fp8",
+        preemption_mode="swap",
+        host_cache_gib=0.001,
+    ).engine
     assert [outs[0] for outs in run_checked(tight, PROMPTS, GREEDY)] == expected
     assert tight.scheduler.num_swap_outs > 0, "the pool was meant to force swapping"
     assert run_checked(tight, [follow_up], GREEDY)[0] == [expected_follow_up]
@@ -122,17 +145,26 @@ def test_swap_prefix_hits_and_copy_on_write_give_the_fp8_engines_own_tokens(mode
     assert tight.stats().num_free_blocks == tight.stats().num_blocks
 
 
-def test_cpu_attention_over_fp8_takes_the_torch_references_not_the_lean_kernels(model_dir, monkeypatch):
+def test_cpu_attention_over_fp8_takes_the_torch_references_not_the_lean_kernels(
+    model_dir, monkeypatch
+):
     """kernels/cpu.py reads float caches only: with FP8 the layers call the dispatch (kernels.ops: the torch
     references on the CPU), which quantizes on store and de-quantizes on read."""
+
     def lean(*args):
         raise AssertionError("the lean CPU kernels were given an FP8 cache")
+
     for name in ("store_kv", "paged_decode_attention"):
         monkeypatch.setattr(cpu_kernels, name, lean)
     calls = []
     paged = kernels.ops.paged_attention
-    monkeypatch.setattr(kernels.ops, "paged_attention", lambda *args: (calls.append(args[2].dtype), paged(*args)))
-    assert len(greedy(make_llm(model_dir, num_kv_blocks=64, kv_cache_dtype="fp8"), PROMPTS[:1])[0]) == 24
+    monkeypatch.setattr(
+        kernels.ops, "paged_attention", lambda *args: (calls.append(args[2].dtype), paged(*args))
+    )
+    assert (
+        len(greedy(make_llm(model_dir, num_kv_blocks=64, kv_cache_dtype="fp8"), PROMPTS[:1])[0])
+        == 24
+    )
     assert calls and set(calls) == {FP8}
     # (the float cache does take them)
     with pytest.raises(AssertionError, match="lean CPU kernels"):
@@ -145,10 +177,13 @@ def test_native_cpu_step_is_not_given_an_fp8_cache(model_dir, monkeypatch):
     llm = make_llm(model_dir, num_kv_blocks=64, kv_cache_dtype="fp8", cpu_weights="q4")
     decoder = llm.engine.model.cpu_decoder
     if decoder.native_step is None:
-        pytest.skip("the native CPU kernels are not built on this machine (no C++ compiler, or switched off)")
+        pytest.skip(
+            "the native CPU kernels are not built on this machine (no C++ compiler, or switched off)"
+        )
 
     def native(*args):
         raise AssertionError("the native step was given an FP8 cache")
+
     monkeypatch.setattr(decoder, "native_step", native)
     assert len(greedy(llm, PROMPTS[:1])[0]) == 24
     float_llm = make_llm(model_dir, num_kv_blocks=64, cpu_weights="q4")
@@ -159,10 +194,15 @@ def test_native_cpu_step_is_not_given_an_fp8_cache(model_dir, monkeypatch):
 
 def test_a_vattention_page_of_fp8_holds_twice_the_tokens_of_bfloat16():
     """vattention's block is one driver page per layer for K and V: the same bytes, twice the tokens."""
-    pages = [VAttentionKV(FakeDriver(), 2, 4, 128, dtype, torch.device("cpu"), 8192, 4) for dtype in
-             (torch.bfloat16, FP8)]
+    pages = [
+        VAttentionKV(FakeDriver(), 2, 4, 128, dtype, torch.device("cpu"), 8192, 4)
+        for dtype in (torch.bfloat16, FP8)
+    ]
     assert pages[0].bytes_per_block == pages[1].bytes_per_block == 2 * 2 * (2 << 20)
-    assert (pages[0].block_size, pages[1].block_size) == ((2 << 20) // (4 * 128 * 2), (2 << 20) // (4 * 128))
+    assert (pages[0].block_size, pages[1].block_size) == (
+        (2 << 20) // (4 * 128 * 2),
+        (2 << 20) // (4 * 128),
+    )
 
 
 def test_kv_cache_dtype_is_validated(monkeypatch):
@@ -174,7 +214,9 @@ def test_kv_cache_dtype_is_validated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("engine.config.is_large_gpu", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: fp8 \(e4m3\) needs a GPU of compute capability 8.9"):
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype: fp8 \(e4m3\) needs a GPU of compute capability 8.9"
+    ):
         EngineConfig(device="cuda", kv_cache_dtype="fp8")
     # auto: fine on any GPU
     assert EngineConfig(device="cuda").kv_cache_torch_dtype == torch.bfloat16
@@ -195,9 +237,16 @@ def test_fp8_cache_quality_on_the_default_models_real_weights(real_weights):
     difference), above the floors measured with benchmarks/kv_fp8_quality.py."""
     prompts = chat_prompts(load_tokenizer(real_weights), QUALITY_PROMPTS)
     # (step_time_target_s=0: batches that do not depend on timing, see benchmarks/kv_fp8_quality.py)
-    options = dict(model=str(real_weights), cpu_weights="float32", kv_cache_memory_gib=0.1, step_time_target_s=0)
+    options = dict(
+        model=str(real_weights),
+        cpu_weights="float32",
+        kv_cache_memory_gib=0.1,
+        step_time_target_s=0,
+    )
     reference = engine_run(prompts, QUALITY_TOKENS, **options)
-    result = compare(reference, engine_run(prompts, QUALITY_TOKENS, kv_cache_dtype="fp8", **options))
+    result = compare(
+        reference, engine_run(prompts, QUALITY_TOKENS, kv_cache_dtype="fp8", **options)
+    )
     print(f"\nFP8 KV vs float32 KV: {result}")
     first_tokens, prefix_share, logprob_diff = QUALITY_FLOORS
     assert result["first_token_equal"] >= first_tokens

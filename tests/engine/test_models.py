@@ -1,5 +1,6 @@
 """Our model code against transformers' for every supported family (tiny random models saved as HF
 directories), and the named dummy architectures' shapes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,16 +14,42 @@ from engine.models.registry import model_class
 from engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 FAMILIES = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
-    "llama-bias-tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=True,
-                            mlp_bias=True, tie_word_embeddings=True),
-    "llama3-rope-scaling": dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
-                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False
+    ),
+    "llama-bias-tied": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "llama3-rope-scaling": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(
+        model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None
+    ),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
 }
@@ -69,7 +96,10 @@ def test_dummy_weights_are_seeded_and_give_both_implementations_the_same_model(f
     ours = model_class(config)(config)
     ours.load_weights(first.items())
     assert torch.equal(ours.model.embed_tokens.weight, hf.model.embed_tokens.weight)
-    assert torch.equal(hf.get_output_embeddings().weight, first.get("lm_head.weight", first["model.embed_tokens.weight"]))
+    assert torch.equal(
+        hf.get_output_embeddings().weight,
+        first.get("lm_head.weight", first["model.embed_tokens.weight"]),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DUMMY_ARCHITECTURES))
@@ -85,7 +115,9 @@ def test_named_architectures_match_our_parameter_shapes(name: str):
     # raises on unknown names, wrong shapes or missing tensors
     ours.load_weights(hf_tensors.items())
     spec = DUMMY_ARCHITECTURES[name]
-    assert ours.args.num_layers == spec["num_hidden_layers"] and ours.args.head_dim == spec["head_dim"]
+    assert (
+        ours.args.num_layers == spec["num_hidden_layers"] and ours.args.head_dim == spec["head_dim"]
+    )
 
 
 def test_unknown_architecture_is_a_clear_error():

@@ -1,5 +1,6 @@
 """Parallel sampling (n > 1, best_of): the prompt is computed once and its blocks shared by fork; each sample
 copies only the partly filled last block on its first write; seeded samples are reproducible one by one."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,12 @@ def test_greedy_samples_equal_the_single_answer_and_share_the_prompt(llm: LLM):
     prompt = llm.tokenizer.encode(PROMPT * 6)  # several full blocks to share
     (single,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     engine = llm.engine
-    engine.add_request("greedy-n4", prompt, SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True),
-                       cache_salt="parallel-greedy")  # (no hit on the single request's blocks)
+    engine.add_request(
+        "greedy-n4",
+        prompt,
+        SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True),
+        cache_salt="parallel-greedy",
+    )  # (no hit on the single request's blocks)
     outputs, computed, peak = drive(engine)
     assert finals(outputs) == {i: single.token_ids for i in range(4)}
     assert computed <= len(prompt), "the prompt is computed once, not per sample"
@@ -60,8 +65,11 @@ def test_greedy_samples_equal_the_single_answer_and_share_the_prompt(llm: LLM):
 
 def test_streamed_samples_carry_their_index_and_each_ends_once(llm: LLM):
     engine = llm.engine
-    engine.add_request("stream-n3", llm.tokenizer.encode(PROMPT),
-                       SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True))
+    engine.add_request(
+        "stream-n3",
+        llm.tokenizer.encode(PROMPT),
+        SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
+    )
     outputs, _, _ = drive(engine)
     assert sorted({o.index for o in outputs}) == [0, 1, 2]
     for index in range(3):
@@ -78,18 +86,29 @@ def test_seeded_sample_i_is_reproducible_and_equals_a_single_request_with_its_se
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert len({tuple(o.token_ids) for o in first}) == 3, "the samples differ from each other"
     for i, out in enumerate(first):
-        (alone,) = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=SamplingParams(seed=1234).sample_seed(i), max_tokens=16,
-                                                       ignore_eos=True))
+        (alone,) = llm.generate(
+            PROMPT,
+            SamplingParams(
+                temperature=1.0,
+                seed=SamplingParams(seed=1234).sample_seed(i),
+                max_tokens=16,
+                ignore_eos=True,
+            ),
+        )
         assert alone.token_ids == out.token_ids
 
 
 def test_best_of_keeps_the_samples_of_highest_cumulative_logprob(llm: LLM):
     seed = 99
-    every = llm.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True,
-                                                logprobs=0))
+    every = llm.generate(
+        PROMPT,
+        SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True, logprobs=0),
+    )
     ranked = sorted(every, key=lambda o: -o.cumulative_logprob)
-    best = llm.generate(PROMPT, SamplingParams(n=2, best_of=4, temperature=1.0, seed=seed, max_tokens=12,
-                                               ignore_eos=True))
+    best = llm.generate(
+        PROMPT,
+        SamplingParams(n=2, best_of=4, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True),
+    )
     assert [o.index for o in best] == [0, 1]
     assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
     assert best[0].logprobs is None, "logprobs computed for ranking are not handed out unless asked"
@@ -97,8 +116,11 @@ def test_best_of_keeps_the_samples_of_highest_cumulative_logprob(llm: LLM):
 
 def test_abort_before_the_fork_ends_every_sample_and_frees_everything(llm: LLM):
     engine = llm.engine
-    engine.add_request("abort-n3", llm.tokenizer.encode(PROMPT * 4),
-                       SamplingParams(n=3, temperature=0, max_tokens=8))
+    engine.add_request(
+        "abort-n3",
+        llm.tokenizer.encode(PROMPT * 4),
+        SamplingParams(n=3, temperature=0, max_tokens=8),
+    )
     finals_ = engine.abort_request("abort-n3")
     assert sorted(o.index for o in finals_) == [0, 1, 2]
     assert all(o.finished and o.finish_reason == "abort" for o in finals_)
@@ -110,8 +132,11 @@ def test_abort_before_the_fork_ends_every_sample_and_frees_everything(llm: LLM):
 
 def test_abort_after_the_fork_frees_the_shared_blocks(llm: LLM):
     engine = llm.engine
-    engine.add_request("abort-late", llm.tokenizer.encode(PROMPT), SamplingParams(n=3, temperature=0, max_tokens=50,
-                                                                                  ignore_eos=True))
+    engine.add_request(
+        "abort-late",
+        llm.tokenizer.encode(PROMPT),
+        SamplingParams(n=3, temperature=0, max_tokens=50, ignore_eos=True),
+    )
     for _ in range(4):
         engine.step()
     assert len(engine.core.scheduler.running) == 3
@@ -124,7 +149,9 @@ def test_abort_after_the_fork_frees_the_shared_blocks(llm: LLM):
 
 def test_too_many_samples_for_the_batch_is_a_clear_error(llm: LLM):
     with pytest.raises(ValueError, match="n:"):
-        llm.engine.add_request("huge-n", [1, 2, 3], SamplingParams(n=llm.engine.config.max_num_seqs + 1))
+        llm.engine.add_request(
+            "huge-n", [1, 2, 3], SamplingParams(n=llm.engine.config.max_num_seqs + 1)
+        )
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -1,4 +1,5 @@
 """Prefix caching through the engine: shared system prompts and earlier turns are computed once."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,12 @@ from tests.conftest import SMALL_KV_GIB
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, opening hours, "
-          "allergens and prices. Keep answers short, friendly and precise. Never invent prices. The bakery "
-          "opens at seven every morning except Monday, sells sourdough, rye, spelt and white loaves, "
-          "croissants and seasonal cakes, and can tell customers which products contain nuts or gluten.")
+SYSTEM = (
+    "You are a careful assistant for a small bakery. You answer questions about bread, opening hours, "
+    "allergens and prices. Keep answers short, friendly and precise. Never invent prices. The bakery "
+    "opens at seven every morning except Monday, sells sourdough, rye, spelt and white loaves, "
+    "croissants and seasonal cakes, and can tell customers which products contain nuts or gluten."
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,9 @@ def cold_cache(llm: LLM) -> None:
 
 
 def chat_ids(llm: LLM, question: str) -> list[int]:
-    return llm.chat_prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    return llm.chat_prompt_ids(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    )
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -43,7 +48,10 @@ def expected_hit(cached_tokens: list[int], prompt: list[int]) -> int:
 
 
 def test_shared_system_prompt_is_computed_once(llm: LLM):
-    first, second = chat_ids(llm, "When do you open on Sunday?"), chat_ids(llm, "Is the rye bread vegan?")
+    first, second = (
+        chat_ids(llm, "When do you open on Sunday?"),
+        chat_ids(llm, "Is the rye bread vegan?"),
+    )
     (out1,) = llm.generate([first], GREEDY)
     assert out1.num_cached_tokens == 0
     written = first + out1.token_ids[:-1]  # the last sampled token never had its KV computed
@@ -57,9 +65,13 @@ def test_shared_system_prompt_is_computed_once(llm: LLM):
 
 def test_second_turn_reuses_first_turn_blocks_including_generated_ones(llm: LLM, tokenizer):
     turn1 = chat_ids(llm, "Which breads do you bake every day?")
-    (answer,) = llm.generate([turn1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    follow_up = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd on weekends?<|im_end|>\n"
-                                 "<|im_start|>assistant\n", add_special_tokens=False)
+    (answer,) = llm.generate(
+        [turn1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
+    follow_up = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nAnd on weekends?<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
     turn2 = turn1 + answer.token_ids + follow_up
     (out2,) = llm.generate([turn2], GREEDY)
     written = len(turn1) + len(answer.token_ids) - 1

@@ -4,6 +4,7 @@ the structured-output bitmask, and launching without a host sync.
 Expected values come from hand-built logits or from the small per-row references below (plain Python
 floats, one row at a time), never from the sampler itself.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,19 +24,31 @@ VOCAB = 32
 
 # ---------------------------------------------------------------- helpers
 
-def make_seq(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-             seq_id: int = 0) -> Sequence:
+
+def make_seq(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    seq_id: int = 0,
+) -> Sequence:
     prompt = [5, 6, 7] if prompt is None else prompt
     output = [] if output is None else output
-    return Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=prompt + output, params=params,
-                    num_prompt_tokens=len(prompt))
+    return Sequence(
+        seq_id=seq_id,
+        request_id=str(seq_id),
+        token_ids=prompt + output,
+        params=params,
+        num_prompt_tokens=len(prompt),
+    )
 
 
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos: tuple[int, ...] = (EOS,)) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], eos: tuple[int, ...] = (EOS,)
+) -> SamplerOutput:
     return Sampler()(logits, seqs, eos)
 
 
@@ -51,8 +64,9 @@ def softmax(values: list[float]) -> list[float]:
     return [e / sum(exps) for e in exps]
 
 
-def reference_probs(row: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0) -> list[float]:
+def reference_probs(
+    row: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
     """Temperature, keep top_k, then the shortest prefix reaching top_p, then min_p; renormalised."""
     probs = softmax([v / temperature for v in row])
     order = sorted(range(len(row)), key=lambda i: -probs[i])
@@ -77,11 +91,19 @@ def assert_matches_distribution(tokens: list[int], expected: list[float]) -> Non
     n = len(tokens)
     chi2 = sum((counts[i] - n * expected[i]) ** 2 / (n * expected[i]) for i in support)
     dof = max(len(support) - 1, 1)
-    assert chi2 < dof + 8 * math.sqrt(2 * dof) + 10, f"chi2={chi2:.1f} with {dof} degrees of freedom"
+    assert chi2 < dof + 8 * math.sqrt(2 * dof) + 10, (
+        f"chi2={chi2:.1f} with {dof} degrees of freedom"
+    )
 
 
-def hand_penalised(row: list[float], prompt: list[int], output: list[int], repetition: float,
-                   frequency: float, presence: float) -> list[float]:
+def hand_penalised(
+    row: list[float],
+    prompt: list[int],
+    output: list[int],
+    repetition: float,
+    frequency: float,
+    presence: float,
+) -> list[float]:
     counts = Counter(output)
     result = []
     for token, logit in enumerate(row):
@@ -97,6 +119,7 @@ def argmax(values: list[float]) -> int:
 
 
 # ---------------------------------------------------------------- greedy
+
 
 def test_greedy_equals_argmax() -> None:
     logits = random_logits(6)
@@ -117,7 +140,9 @@ def test_greedy_ties_pick_the_lowest_index() -> None:
 def test_repetition_penalty_divides_positive_logits_of_seen_tokens() -> None:
     logits = random_logits(1)  # values within about +-3
     logits[0, 10], logits[0, 11] = 10.0, 6.0
-    seen_in_prompt = make_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[10, 4])
+    seen_in_prompt = make_seq(
+        SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[10, 4]
+    )
     assert sample(logits, [seen_in_prompt]).token_ids.tolist() == [11]  # 10 / 2 = 5 < 6
     seen_in_output = make_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[10])
     assert sample(logits, [seen_in_output]).token_ids.tolist() == [11]
@@ -139,7 +164,9 @@ def test_frequency_penalty_scales_with_output_count_and_ignores_prompt() -> None
     assert sample(logits, [twice]).token_ids.tolist() == [11]  # 10 - 2 * 0.3 = 9.4 < 9.5
     once = make_seq(SamplingParams(temperature=0.0, frequency_penalty=0.3), output=[10])
     assert sample(logits, [once]).token_ids.tolist() == [10]  # 9.7 > 9.5
-    prompt_only = make_seq(SamplingParams(temperature=0.0, frequency_penalty=2.0), prompt=[10, 10, 10])
+    prompt_only = make_seq(
+        SamplingParams(temperature=0.0, frequency_penalty=2.0), prompt=[10, 10, 10]
+    )
     assert sample(logits, [prompt_only]).token_ids.tolist() == [10]
 
 
@@ -156,7 +183,13 @@ def test_presence_penalty_is_flat_whatever_the_count() -> None:
 
 
 def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
-    settings = [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.1), (0.8, -0.5, 0.4), (1.6, 1.2, 0.9)]
+    settings = [
+        (1.3, 0.0, 0.0),
+        (1.0, 0.7, 0.0),
+        (1.0, 0.0, 1.1),
+        (0.8, -0.5, 0.4),
+        (1.6, 1.2, 0.9),
+    ]
     gen = torch.Generator().manual_seed(1)
     logits = random_logits(len(settings), seed=1)
     seqs, expected = [], []
@@ -165,8 +198,9 @@ def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
         top = logits[i].topk(4).indices
         output = top[torch.randint(0, 4, (6,), generator=gen)].tolist()
         prompt = torch.randint(0, VOCAB, (5,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, repetition_penalty=rep, frequency_penalty=freq,
-                                presence_penalty=pres)
+        params = SamplingParams(
+            temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+        )
         seqs.append(make_seq(params, prompt=prompt, output=output, seq_id=i))
         expected.append(argmax(hand_penalised(logits[i].tolist(), prompt, output, rep, freq, pres)))
     assert sample(logits, seqs).token_ids.tolist() == expected
@@ -174,6 +208,7 @@ def test_greedy_with_penalties_equals_argmax_of_hand_penalised_logits() -> None:
 
 
 # ---------------------------------------------------------------- top-k, top-p, min-p, temperature
+
 
 def test_top_k_one_behaves_like_greedy() -> None:
     logits = random_logits(50, seed=2)
@@ -248,7 +283,11 @@ def test_combined_filters_match_the_per_row_reference() -> None:
 def test_rows_with_different_parameters_are_filtered_independently() -> None:
     torch.manual_seed(0)
     logits = random_logits(3, vocab=12, seed=10)
-    settings = [dict(temperature=1.0, top_k=3), dict(temperature=0.5, top_p=0.6), dict(temperature=1.3, min_p=0.3)]
+    settings = [
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=0.5, top_p=0.6),
+        dict(temperature=1.3, min_p=0.3),
+    ]
     n = 4000
     seqs = [make_seq(SamplingParams(**settings[r % 3]), seq_id=r) for r in range(3 * n)]
     tokens = sample(logits.repeat(n, 1), seqs).token_ids.tolist()
@@ -258,6 +297,7 @@ def test_rows_with_different_parameters_are_filtered_independently() -> None:
 
 
 # ---------------------------------------------------------------- seeds
+
 
 def step_logits(key: int, step: int, vocab: int = 64) -> torch.Tensor:
     """The logits a sequence identified by `key` sees at `step`, whatever batch it is in."""
@@ -278,9 +318,12 @@ def test_same_seed_gives_same_tokens_whatever_else_is_in_the_batch() -> None:
     alone = generate([make_seq(params)], [0], 25)[0]
 
     torch.manual_seed(2)  # the global RNG must not matter either
-    others = [make_seq(SamplingParams(temperature=1.0), seq_id=1), make_seq(params, seq_id=2),
-              make_seq(SamplingParams(temperature=0.7, top_k=5, seed=99), seq_id=3),
-              make_seq(SamplingParams(temperature=0.0), seq_id=4)]
+    others = [
+        make_seq(SamplingParams(temperature=1.0), seq_id=1),
+        make_seq(params, seq_id=2),
+        make_seq(SamplingParams(temperature=0.7, top_k=5, seed=99), seq_id=3),
+        make_seq(SamplingParams(temperature=0.0), seq_id=4),
+    ]
     batched = generate(others, [7, 0, 8, 9], 25)
     assert batched[1] == alone
     assert len(set(alone)) > 5  # really sampled, not stuck on one token
@@ -305,8 +348,13 @@ def reference_splitmix64(state: int, count: int) -> list[int]:
 
 def test_seeded_noise_generator_is_splitmix64_bit_for_bit() -> None:
     # The widely quoted first outputs of splitmix64 from state 1234567.
-    quoted = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
-              16408922859458223821]
+    quoted = [
+        6457827717110365317,
+        3203168211198807973,
+        9817491932198370423,
+        4593380528125082431,
+        16408922859458223821,
+    ]
     assert reference_splitmix64(1234567, 5) == quoted
     keys = [1234567, -5, 2**62 + 3, -(2**63)]
     table = splitmix64(torch.tensor(keys), 200).tolist()
@@ -334,7 +382,10 @@ def test_seeded_draws_follow_the_distribution_across_seeds_and_positions() -> No
     rows = torch.tensor(probs).log().expand(n, -1).contiguous()
     across_seeds = [make_seq(SamplingParams(temperature=1.0, seed=s), seq_id=s) for s in range(n)]
     assert_matches_distribution(sample(rows, across_seeds).token_ids.tolist(), probs)
-    one_seed = [make_seq(SamplingParams(temperature=1.0, seed=77), output=[9] * p, seq_id=p) for p in range(n)]
+    one_seed = [
+        make_seq(SamplingParams(temperature=1.0, seed=77), output=[9] * p, seq_id=p)
+        for p in range(n)
+    ]
     assert_matches_distribution(sample(rows, one_seed).token_ids.tolist(), probs)
 
 
@@ -352,7 +403,9 @@ def test_a_seeded_draw_repeats_for_the_same_seed_and_position_only() -> None:
         assert draw(seed, position) == first
     assert len({draw(seed, 0) for seed in range(40)}) > 10
     assert len({draw(7, position) for position in range(40)}) > 10
-    noise = exponential_noise(torch.tensor([draw_key(5, 0), draw_key(5, 0), draw_key(6, 0), draw_key(5, 1)]), 64)
+    noise = exponential_noise(
+        torch.tensor([draw_key(5, 0), draw_key(5, 0), draw_key(6, 0), draw_key(5, 1)]), 64
+    )
     assert torch.equal(noise[0], noise[1])
     assert (noise[0] != noise[2]).all() and (noise[0] != noise[3]).all()
 
@@ -360,13 +413,25 @@ def test_a_seeded_draw_repeats_for_the_same_seed_and_position_only() -> None:
 def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
     n, vocab = 30, 64
     logits = random_logits(n, vocab=vocab, seed=21)
-    targets = [make_seq(SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i),
-                        output=[1] * i, seq_id=i) for i in range(n)]
+    targets = [
+        make_seq(
+            SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i),
+            output=[1] * i,
+            seq_id=i,
+        )
+        for i in range(n)
+    ]
     torch.manual_seed(4)
-    alone = [sample(logits[i : i + 1], [seq]).token_ids.tolist()[0] for i, seq in enumerate(targets)]
-    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.0, repetition_penalty=1.4), SamplingParams(temperature=0.7, seed=3),
-              SamplingParams(temperature=1.2, min_p=0.1, logprobs=2)]
+    alone = [
+        sample(logits[i : i + 1], [seq]).token_ids.tolist()[0] for i, seq in enumerate(targets)
+    ]
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.4),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.2, min_p=0.1, logprobs=2),
+    ]
     batch_logits, batch, target_rows = [], [], []
     for i, seq in enumerate(targets):  # each target after a different number and mix of other rows
         for j in range(i % 4):
@@ -383,6 +448,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
 
 # ---------------------------------------------------------------- min_tokens
 
+
 def eos_favoured_logits() -> torch.Tensor:
     logits = random_logits(1, seed=11)
     logits[0, EOS] = logits.max() + 3.0  # EOS is the argmax,
@@ -394,12 +460,16 @@ def eos_favoured_logits() -> torch.Tensor:
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[20])
     for output in ([], [4]):
-        assert sample(eos_favoured_logits(), [make_seq(params, output=output)]).token_ids.tolist() == [13]
+        assert sample(
+            eos_favoured_logits(), [make_seq(params, output=output)]
+        ).token_ids.tolist() == [13]
 
 
 def test_min_tokens_stops_masking_once_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[20])
-    assert sample(eos_favoured_logits(), [make_seq(params, output=[4, 8])]).token_ids.tolist() == [EOS]
+    assert sample(eos_favoured_logits(), [make_seq(params, output=[4, 8])]).token_ids.tolist() == [
+        EOS
+    ]
 
 
 def test_min_tokens_gives_way_where_only_the_banned_ids_are_allowed() -> None:
@@ -411,7 +481,9 @@ def test_min_tokens_gives_way_where_only_the_banned_ids_are_allowed() -> None:
     allowed = torch.zeros(2, 1, dtype=torch.int32)
     allowed[0, 0] = 1 << EOS  # row 0: only EOS
     allowed[1, 0] = (1 << EOS) | (1 << 13) | (1 << 20)  # row 1: EOS, 13 and the stop token 20
-    out = Sampler()(logits, [make_seq(params, seq_id=0), make_seq(params, seq_id=1)], (EOS,), allowed)
+    out = Sampler()(
+        logits, [make_seq(params, seq_id=0), make_seq(params, seq_id=1)], (EOS,), allowed
+    )
     assert out.token_ids.tolist() == [EOS, 13]
 
 
@@ -432,13 +504,16 @@ def test_min_tokens_with_ignore_eos_leaves_eos_alone_but_masks_stop_token_ids() 
 def test_min_tokens_never_lets_sampling_draw_eos() -> None:
     torch.manual_seed(0)
     row = eos_favoured_logits()[0]
-    tokens = draw_many(row, SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[20]), 2000)
+    tokens = draw_many(
+        row, SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[20]), 2000
+    )
     masked = row.clone()
     masked[[EOS, 20]] = float("-inf")
     assert_matches_distribution(tokens, reference_probs(masked.tolist(), 1.0))
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 def raw_logprobs(row: list[float]) -> list[float]:
     top = max(row)
@@ -489,8 +564,10 @@ def test_greedy_token_has_rank_one_and_tied_tokens_share_the_worse_rank() -> Non
 
 def test_logprobs_zero_gives_an_empty_top_list_and_none_gives_none() -> None:
     logits = random_logits(2, seed=14)
-    seqs = [make_seq(SamplingParams(temperature=0.0, logprobs=0), seq_id=0),
-            make_seq(SamplingParams(temperature=0.0), seq_id=1)]
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logprobs=0), seq_id=0),
+        make_seq(SamplingParams(temperature=0.0), seq_id=1),
+    ]
     zero, none = sample(logits, seqs).logprobs()
     assert zero.top == []
     assert zero.logprob == pytest.approx(max(raw_logprobs(logits[0].tolist())), abs=1e-5)
@@ -499,19 +576,27 @@ def test_logprobs_zero_gives_an_empty_top_list_and_none_gives_none() -> None:
 
 def test_logprobs_larger_than_the_vocabulary_return_the_whole_vocabulary() -> None:
     logits = random_logits(1, vocab=6, seed=15)
-    info = sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=20), prompt=[1])]).logprobs()[0]
+    info = sample(
+        logits, [make_seq(SamplingParams(temperature=0.0, logprobs=20), prompt=[1])]
+    ).logprobs()[0]
     assert sorted(t for t, _ in info.top) == list(range(6))
 
 
 # ---------------------------------------------------------------- batches
+
 
 def mixed_seqs() -> list[Sequence]:
     return [
         make_seq(SamplingParams(temperature=0.0), seq_id=0),
         make_seq(SamplingParams(temperature=0.8, top_k=10), seq_id=1),
         make_seq(SamplingParams(temperature=1.0, min_p=0.05, seed=5, logprobs=3), seq_id=2),
-        make_seq(SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
-                                presence_penalty=0.3), output=[3, 3, 9], seq_id=3),
+        make_seq(
+            SamplingParams(
+                temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3
+            ),
+            output=[3, 3, 9],
+            seq_id=3,
+        ),
         make_seq(SamplingParams(temperature=0.0, min_tokens=4), output=[1], seq_id=4),
     ]
 
@@ -546,34 +631,61 @@ def test_sampler_leaves_the_callers_logits_unchanged() -> None:
 
 # ---------------------------------------------------------------- no host sync, dtypes
 
+
 def forbid(monkeypatch: pytest.MonkeyPatch, owner: object, names: tuple[str, ...]) -> None:
     for name in names:
+
         def refuse(*args, _name=name, **kwargs):
             raise AssertionError(f"{_name} called inside the sampler")
+
         monkeypatch.setattr(owner, name, refuse)
 
 
 def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every way a tensor's values reach the host, and the data-dependent shapes that need them."""
-    forbid(monkeypatch, torch.Tensor, ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__",
-                                       "__index__", "nonzero", "masked_select"))
+    forbid(
+        monkeypatch,
+        torch.Tensor,
+        (
+            "tolist",
+            "item",
+            "cpu",
+            "numpy",
+            "__bool__",
+            "__int__",
+            "__float__",
+            "__index__",
+            "nonzero",
+            "masked_select",
+        ),
+    )
     forbid(monkeypatch, torch, ("nonzero", "masked_select", "multinomial"))
     for name in ("__getitem__", "__setitem__"):
         original = getattr(torch.Tensor, name)
 
         def no_boolean_mask(self, index, *args, _original=original):
             parts = index if isinstance(index, tuple) else (index,)
-            assert not any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts), "boolean mask"
+            assert not any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts), (
+                "boolean mask"
+            )
             return _original(self, index, *args)
+
         monkeypatch.setattr(torch.Tensor, name, no_boolean_mask)
 
 
 def sync_test_batch() -> list[Sequence]:
     return mixed_seqs() + [
         make_seq(SamplingParams(temperature=0.9, top_p=0.8, seed=11), output=[4, 4], seq_id=5),
-        make_seq(SamplingParams(temperature=1.1, top_k=6, top_p=0.9, min_p=0.02, logprobs=2), seq_id=6),
-        make_seq(SamplingParams(temperature=0.7, presence_penalty=0.5, seed=12, logit_bias={3: 2.0}), seq_id=7),
-        make_seq(SamplingParams(temperature=0.0, logprobs=0, min_tokens=3, stop_token_ids=[20]), seq_id=8),
+        make_seq(
+            SamplingParams(temperature=1.1, top_k=6, top_p=0.9, min_p=0.02, logprobs=2), seq_id=6
+        ),
+        make_seq(
+            SamplingParams(temperature=0.7, presence_penalty=0.5, seed=12, logit_bias={3: 2.0}),
+            seq_id=7,
+        ),
+        make_seq(
+            SamplingParams(temperature=0.0, logprobs=0, min_tokens=3, stop_token_ids=[20]), seq_id=8
+        ),
     ]
 
 
@@ -589,12 +701,16 @@ def test_sampling_launches_without_reading_anything_back(monkeypatch: pytest.Mon
     assert token_ids[0] == argmax(logits[0].tolist())
 
 
-def test_greedy_fast_path_is_one_argmax_on_the_logits_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_fast_path_is_one_argmax_on_the_logits_as_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     logits = random_logits(6, seed=19).to(torch.bfloat16)
     expected = [argmax(row) for row in logits.float().tolist()]
     seqs = [make_seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(6)]
     forbid_host_syncs(monkeypatch)
-    forbid(monkeypatch, torch.Tensor, ("float", "to", "clone", "contiguous", "__truediv__", "softmax"))
+    forbid(
+        monkeypatch, torch.Tensor, ("float", "to", "clone", "contiguous", "__truediv__", "softmax")
+    )
     out = sample(logits, seqs)
     monkeypatch.undo()
     assert out.token_ids.dtype == torch.int64 and out.token_ids.tolist() == expected
@@ -612,6 +728,7 @@ def test_bfloat16_logits_are_processed_in_float32() -> None:
 
 
 # ---------------------------------------------------------------- logit_bias, structured output
+
 
 def test_logit_bias_moves_the_choice_but_not_the_logprobs() -> None:
     logits = random_logits(1, seed=23)  # values within about +-3
@@ -650,12 +767,18 @@ def test_allowed_token_bitmask_limits_each_row_to_its_tokens() -> None:
     vocab = 40  # two words, the second partly used; token 31 is the sign bit of word 0
     logits = random_logits(3, vocab=vocab, seed=25)
     allowed = [{3, 31, 39}, None, {0, 31, 32}]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
     seqs = [make_seq(p, seq_id=i) for i, p in enumerate(params)]
     out = Sampler()(logits, seqs, (EOS,), allowed_bitmask(allowed, vocab))
     rows = logits.tolist()
-    expected = [max(sorted(tokens or range(vocab)), key=lambda t: rows[i][t]) for i, tokens in enumerate(allowed)]
+    expected = [
+        max(sorted(tokens or range(vocab)), key=lambda t: rows[i][t])
+        for i, tokens in enumerate(allowed)
+    ]
     assert out.token_ids.tolist() == expected
     assert out.logprobs()[2].rank == 1  # logprobs are taken after the grammar's mask
 
@@ -663,6 +786,8 @@ def test_allowed_token_bitmask_limits_each_row_to_its_tokens() -> None:
     n = 6000
     sampled = [make_seq(SamplingParams(temperature=1.0), seq_id=i) for i in range(n)]
     mask = allowed_bitmask([{0, 31, 32, 39}], vocab).expand(n, -1)
-    tokens = Sampler()(logits[2:3].expand(n, -1).contiguous(), sampled, (EOS,), mask).token_ids.tolist()
+    tokens = Sampler()(
+        logits[2:3].expand(n, -1).contiguous(), sampled, (EOS,), mask
+    ).token_ids.tolist()
     masked = [v if t in {0, 31, 32, 39} else float("-inf") for t, v in enumerate(rows[2])]
     assert_matches_distribution(tokens, reference_probs(masked, 1.0))

@@ -1,5 +1,6 @@
 """Admission of requests that share a prefix another running request is still computing: they wait for the
 prefix to be cached instead of computing it a second time in the same burst."""
+
 from __future__ import annotations
 
 from engine.core.block_hash import BlockHasher
@@ -14,13 +15,20 @@ PREFIX = list(range(100, 112))  # three full blocks shared by every request belo
 
 
 def make_scheduler(caching: bool = True, num_blocks: int = 64, budget: int = 64) -> Scheduler:
-    manager = BlockManager(num_blocks, BLOCK, enable_prefix_caching=caching, hasher=BlockHasher("sha256", "t", ""))
+    manager = BlockManager(
+        num_blocks, BLOCK, enable_prefix_caching=caching, hasher=BlockHasher("sha256", "t", "")
+    )
     return Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=budget)
 
 
 def request(seq_id: int, suffix: list[int], salt: str | None = None) -> Sequence:
-    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=PREFIX + suffix, cache_salt=salt,
-                    params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    return Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        token_ids=PREFIX + suffix,
+        cache_salt=salt,
+        params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
 
 
 def step(scheduler: Scheduler) -> dict[str, int]:
@@ -77,7 +85,9 @@ def test_a_chunked_owner_holds_back_until_its_blocks_are_cached():
     assert step(scheduler) == {"r0": 6}
     assert step(scheduler) == {"r0": 6}  # a still computes block 3 of the prefix: b waits
     third = step(scheduler)
-    assert third["r0"] == 3 and third["r1"] == 3, "b starts after the shared blocks, with the budget left"
+    assert third["r0"] == 3 and third["r1"] == 3, (
+        "b starts after the shared blocks, with the budget left"
+    )
     assert b.num_cached_tokens == len(PREFIX)
 
 
@@ -90,7 +100,9 @@ def test_a_preempted_owner_no_longer_holds_others_back():
     scheduler._preempt(a)  # as under memory pressure: a goes back to the head of the queue
     assert [s.request_id for s in scheduler.waiting] == ["r0", "r1"]
     batch = step(scheduler)
-    assert "r0" in batch and "r1" not in batch, "a is admitted again (its first block hit) and b waits for it"
+    assert "r0" in batch and "r1" not in batch, (
+        "a is admitted again (its first block hit) and b waits for it"
+    )
     assert a.num_cached_tokens >= 0
     assert_accounting(scheduler)
 
@@ -98,8 +110,12 @@ def test_a_preempted_owner_no_longer_holds_others_back():
 def test_requests_behind_a_deferred_one_are_still_admitted_in_order():
     scheduler = make_scheduler()
     a, b = request(0, [1, 2, 3]), request(1, [4, 5, 6])
-    other = Sequence(seq_id=2, request_id="r2", token_ids=[50, 51, 52, 53, 54],
-                     params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    other = Sequence(
+        seq_id=2,
+        request_id="r2",
+        token_ids=[50, 51, 52, 53, 54],
+        params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     for seq in (a, b, other):
         scheduler.add(seq)
     assert step(scheduler) == {"r0": 15, "r2": 5}

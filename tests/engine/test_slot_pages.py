@@ -2,6 +2,7 @@
 enforces the virtual-memory API's rules: random grow / share / copy-on-write / finish sequences keep every live
 slot mapped to exactly its blocks, a block sits in two slots only when two live tables share it, and everything
 goes back to the driver at the end."""
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,16 @@ MAX_MODEL_LEN = 5 * 8192
 
 def make_backend(num_slots: int = 6, num_blocks: int = 24) -> tuple[VAttentionKV, FakeDriver]:
     driver = FakeDriver()
-    kv = VAttentionKV(driver, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"), MAX_MODEL_LEN,
-                      num_slots)
+    kv = VAttentionKV(
+        driver,
+        LAYERS,
+        KV_HEADS,
+        HEAD_DIM,
+        torch.bfloat16,
+        torch.device("cpu"),
+        MAX_MODEL_LEN,
+        num_slots,
+    )
     kv.allocate(num_blocks)
     return kv, driver
 
@@ -31,7 +40,9 @@ def handle_of_page(kv: VAttentionKV, driver: FakeDriver, block: int, which: int,
     return driver.mappings[kv.home[which] + (layer * kv.num_blocks + block) * kv.page_bytes][1]
 
 
-def slot_mappings(kv: VAttentionKV, driver: FakeDriver) -> dict[tuple[int, int, int, int], tuple[int, int]]:
+def slot_mappings(
+    kv: VAttentionKV, driver: FakeDriver
+) -> dict[tuple[int, int, int, int], tuple[int, int]]:
     """(kv, layer, slot, page) -> (handle, offset) of every mapping inside the slot ranges."""
     found = {}
     per_layer = kv.num_slots * kv.pages_per_slot
@@ -46,7 +57,9 @@ def slot_mappings(kv: VAttentionKV, driver: FakeDriver) -> dict[tuple[int, int, 
     return found
 
 
-def check(kv: VAttentionKV, driver: FakeDriver, live: dict[int, list[int]], idle: bool = True) -> None:
+def check(
+    kv: VAttentionKV, driver: FakeDriver, live: dict[int, list[int]], idle: bool = True
+) -> None:
     """Live slots map exactly their tables' pages (each (kv, layer) page its own handle), the scratch slot its
     page; other slots nothing, except (``idle`` False) released slots whose unmapping is deferred."""
     if idle:
@@ -60,23 +73,36 @@ def check(kv: VAttentionKV, driver: FakeDriver, live: dict[int, list[int]], idle
             for which in range(2):
                 for layer in range(LAYERS):
                     if block < kv.num_blocks:
-                        expected[(which, layer, slot, page)] = (handle_of_page(kv, driver, block, which, layer), 0)
+                        expected[(which, layer, slot, page)] = (
+                            handle_of_page(kv, driver, block, which, layer),
+                            0,
+                        )
     found = slot_mappings(kv, driver)
     scratch = {key: value for key, value in found.items() if key[2] == kv.scratch_slot}
     assert len(scratch) == 2 * LAYERS and all(key[3] == 0 for key in scratch)
-    assert {k: v for k, v in found.items() if k[2] in live} == {k: v for k, v in expected.items() if k[2] in live}
+    assert {k: v for k, v in found.items() if k[2] in live} == {
+        k: v for k, v in expected.items() if k[2] in live
+    }
     stale = {k[2] for k in found if k[2] not in live and k[2] != kv.scratch_slot}
     assert stale <= released and (idle is False or not stale)
 
 
-def map_all(kv: VAttentionKV, rows: list[int], tables: list[list[int]], widths: list[int], wait) -> None:
+def map_all(
+    kv: VAttentionKV, rows: list[int], tables: list[list[int]], widths: list[int], wait
+) -> None:
     """``map_rows`` for a step that reads or writes every page of each table."""
-    kv.map_rows(np.array(rows), np.array(tables), np.array(widths), np.array(widths) * kv.block_size, wait)
+    kv.map_rows(
+        np.array(rows), np.array(tables), np.array(widths), np.array(widths) * kv.block_size, wait
+    )
 
 
 def test_block_maps_into_slot_at_its_page_for_every_layer() -> None:
     kv, driver = make_backend()
-    assert kv.block_size == 8192 and kv.max_len == MAX_MODEL_LEN and kv.bytes_per_block == 2 * LAYERS * (2 << 20)
+    assert (
+        kv.block_size == 8192
+        and kv.max_len == MAX_MODEL_LEN
+        and kv.bytes_per_block == 2 * LAYERS * (2 << 20)
+    )
     map_all(kv, [1], [[7, 3, 0, 0, 0]], [2], pytest.fail)
     check(kv, driver, {1: [7, 3]})
     kv.release_row(1)
@@ -112,7 +138,11 @@ def test_random_grow_share_cow_finish_keeps_slots_equal_to_tables() -> None:
             slot = free_slots.pop(rng.randrange(len(free_slots)))
             reused_deferred += slot in kv.released_slots
             kv.claim_slot(slot)
-            shared = rng.choice(list(live.values()))[:rng.randrange(3)] if live and rng.random() < 0.5 else []
+            shared = (
+                rng.choice(list(live.values()))[: rng.randrange(3)]
+                if live and rng.random() < 0.5
+                else []
+            )
             for block in shared:
                 refs[block] += 1
             live[slot] = shared + [take()]
@@ -137,7 +167,7 @@ def test_random_grow_share_cow_finish_keeps_slots_equal_to_tables() -> None:
         rows = np.array(sorted(live), dtype=np.int64)
         tables = np.zeros((len(rows), kv.pages_per_slot), dtype=np.int64)
         for i, slot in enumerate(rows.tolist()):
-            tables[i, :len(live[slot])] = live[slot]
+            tables[i, : len(live[slot])] = live[slot]
         widths = np.array([len(live[s]) for s in rows.tolist()], dtype=np.int64)
         # some sequences still decode in their next-to-last page: their last one is mapped in the background
         ahead = np.array([rng.random() < 0.3 for _ in rows.tolist()], dtype=np.int64) * (widths > 1)
@@ -189,16 +219,25 @@ def test_a_request_whose_first_block_a_free_slot_maps_takes_that_slot_and_maps_n
 
 def test_a_page_given_ahead_of_need_is_mapped_in_the_background_and_not_again() -> None:
     kv, driver = make_backend()
-    kv.map_rows(np.array([2]), np.array([[7, 9, 0, 0, 0]]), np.array([2]), np.array([10]), pytest.fail)
+    kv.map_rows(
+        np.array([2]), np.array([[7, 9, 0, 0, 0]]), np.array([2]), np.array([10]), pytest.fail
+    )
     kv.wait_background()
     check(kv, driver, {2: [7, 9]}, idle=False)
     calls = driver.map_calls
-    kv.map_rows(np.array([2]), np.array([[7, 9, 0, 0, 0]]), np.array([2]), np.array([kv.block_size + 1]),
-                pytest.fail)  # the sequence reaches page 1: already mapped
+    kv.map_rows(
+        np.array([2]),
+        np.array([[7, 9, 0, 0, 0]]),
+        np.array([2]),
+        np.array([kv.block_size + 1]),
+        pytest.fail,
+    )  # the sequence reaches page 1: already mapped
     assert driver.map_calls == calls
 
 
-def test_a_backend_collected_as_garbage_gives_everything_back_without_waiting_on_its_worker() -> None:
+def test_a_backend_collected_as_garbage_gives_everything_back_without_waiting_on_its_worker() -> (
+    None
+):
     """SlotPages refers back to its backend, so a dropped backend is collected by the cycle collector, with
     its executor; the worker is told to exit before the finalizer runs. A finalizer that queued the deferred
     unmapping to that worker and waited for it hung the whole test run (CI, 2026-11-24)."""
@@ -208,7 +247,9 @@ def test_a_backend_collected_as_garbage_gives_everything_back_without_waiting_on
     kv, driver = make_backend()
     map_all(kv, [1, 2], [[7, 3, 0, 0, 0], [4, 0, 0, 0, 0]], [2, 1], pytest.fail)
     kv.release_row(1)  # deferred: still mapped
-    kv.map_rows(np.array([2]), np.array([[4, 9, 0, 0, 0]]), np.array([2]), np.array([10]), pytest.fail)
+    kv.map_rows(
+        np.array([2]), np.array([[4, 9, 0, 0, 0]]), np.array([2]), np.array([10]), pytest.fail
+    )
     kv.wait_background()
     assert kv.released_slots and driver.mappings
     del kv

@@ -1,6 +1,7 @@
 """The packed step buffer (engine/worker/step_inputs.py): a padded decode-only step lays out its head as the CUDA
 graphs' static inputs read it, with padding rows that write nowhere; another rank's unpack gives the same
 tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -18,14 +19,18 @@ PAGED = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), BLOCK)
 
 def decoding(seq_id: int, tokens: list[int], blocks: list[int]) -> Sequence:
     """A sequence whose every token but the last has KV: its next step is one decode row."""
-    seq = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(tokens), params=SamplingParams())
+    seq = Sequence(
+        seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(tokens), params=SamplingParams()
+    )
     seq.num_computed_tokens = len(tokens) - 1
     seq.block_table = list(blocks)
     return seq
 
 
 def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
-    inputs = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
+    inputs = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
     seqs = [decoding(0, [5, 6, 7, 8, 9], [3, 1]), decoding(1, [11, 12], [2])]
     step = inputs.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]), {}, pad_to=4)
     view = inputs.decode_view(4)
@@ -41,9 +46,15 @@ def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
 
 
 def test_another_rank_unpacks_the_same_step():
-    driver = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
-    follower = StepInputs(torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED)
-    prefill = Sequence(seq_id=2, request_id="r2", token_ids=list(range(20, 27)), params=SamplingParams())
+    driver = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    follower = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    prefill = Sequence(
+        seq_id=2, request_id="r2", token_ids=list(range(20, 27)), params=SamplingParams()
+    )
     prefill.block_table = [4, 5]
     seqs = [decoding(0, [5, 6, 7], [3]), prefill]
     step = driver.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 7]), {}, pad_to=None)

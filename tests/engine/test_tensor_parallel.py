@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, N processes on this machine): the sharded model gives the single-rank
 engine's greedy tokens for plain, chunked, prefix-hit and preempted requests, each rank loads only its shard,
 a model whose heads do not divide is refused, and a rank that dies ends every request instead of hanging."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-def generate(path: Path, size: int, prompts: list[list[int]], params: SamplingParams = GREEDY,
-             **options: object) -> tuple[list[list[int]], list[int]]:
+def generate(
+    path: Path,
+    size: int,
+    prompts: list[list[int]],
+    params: SamplingParams = GREEDY,
+    **options: object,
+) -> tuple[list[list[int]], list[int]]:
     """Token ids and cached-prompt counts of ``prompts`` (the last two after the others: a prefix hit)."""
     llm = LLM(model=str(path), tensor_parallel_size=size, **options)
     try:
@@ -52,7 +58,9 @@ def generate(path: Path, size: int, prompts: list[list[int]], params: SamplingPa
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-bias-tied", "qwen3"])
-def test_two_ranks_give_the_single_rank_greedy_tokens_with_chunks_and_prefix_hits(model_dirs, family: str):
+def test_two_ranks_give_the_single_rank_greedy_tokens_with_chunks_and_prefix_hits(
+    model_dirs, family: str
+):
     # the 60-token prompt comes in two chunks
     options = dict(num_kv_blocks=64, max_num_batched_tokens=32)
     single, single_cached = generate(model_dirs[family], 1, PROMPTS, **options)
@@ -62,10 +70,14 @@ def test_two_ranks_give_the_single_rank_greedy_tokens_with_chunks_and_prefix_hit
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_two_ranks_give_the_single_rank_greedy_tokens_when_requests_are_preempted(model_dirs, mode: str):
+def test_two_ranks_give_the_single_rank_greedy_tokens_when_requests_are_preempted(
+    model_dirs, mode: str
+):
     prompts = [list(range(10 + i, 50 + i)) for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    options = dict(num_kv_blocks=14, max_num_batched_tokens=64, preemption_mode=mode, swap_space_gib=0.01)
+    options = dict(
+        num_kv_blocks=14, max_num_batched_tokens=64, preemption_mode=mode, swap_space_gib=0.01
+    )
     llm = LLM(model=str(model_dirs["llama"]), tensor_parallel_size=2, **options)
     try:
         sharded = [o.token_ids for o in llm.generate(prompts, params)]
@@ -109,14 +121,18 @@ def test_each_rank_reads_only_its_slice_of_each_tensor(model_dirs, monkeypatch: 
     assert torch.equal(layer.self_attn.o_proj.weight, full[hf + "o_proj.weight"][:, 32:])
     down = full["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(layer.mlp.down_proj.weight, down[:, 64:])
-    assert torch.equal(layer.mlp.gate_up_proj.weight[64:], full["model.layers.1.mlp.up_proj.weight"][64:])
+    assert torch.equal(
+        layer.mlp.gate_up_proj.weight[64:], full["model.layers.1.mlp.up_proj.weight"][64:]
+    )
     assert torch.equal(model.model.embed_tokens.weight, full["model.embed_tokens.weight"][160:])
     assert torch.equal(model.lm_head.weight, full["lm_head.weight"][160:])
     assert torch.equal(layer.input_layernorm.weight, full["model.layers.1.input_layernorm.weight"])
 
 
 def test_a_model_whose_heads_the_ranks_do_not_divide_is_refused(model_dirs):
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 attention heads"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 attention heads"
+    ):
         LLM(model=str(model_dirs["llama"]), tensor_parallel_size=3, num_kv_blocks=16)
     assert not parallel_state.current().size > 1  # the group was left: another engine may start
     assert not worker_pids(os.getpid())
@@ -130,7 +146,9 @@ def test_tensor_parallel_options_are_checked():
     with pytest.raises(ValueError, match="all_reduce: must be one of auto, nccl"):
         EngineConfig(all_reduce="ring")
     with pytest.raises(ValueError, match="all_reduce: 'ring' is not one of auto, nccl"):
-        parallel_state.init_tensor_parallel(0, 2, torch.device("cpu"), "file:///nonexistent", all_reduce="ring")
+        parallel_state.init_tensor_parallel(
+            0, 2, torch.device("cpu"), "file:///nonexistent", all_reduce="ring"
+        )
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -139,7 +157,9 @@ def worker_pids(parent: int) -> list[int]:
 
 
 async def test_a_killed_rank_ends_every_stream_with_an_error_and_marks_the_engine_dead(model_dirs):
-    engine = AsyncEngine(EngineConfig(model=str(model_dirs["llama"]), tensor_parallel_size=2, num_kv_blocks=64))
+    engine = AsyncEngine(
+        EngineConfig(model=str(model_dirs["llama"]), tensor_parallel_size=2, num_kv_blocks=64)
+    )
     await engine.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -162,7 +182,9 @@ async def test_a_killed_rank_ends_every_stream_with_an_error_and_marks_the_engin
         await engine.stop()
 
 
-def test_shutdown_returns_even_when_leaving_the_group_hangs(model_dirs, monkeypatch: pytest.MonkeyPatch):
+def test_shutdown_returns_even_when_leaving_the_group_hangs(
+    model_dirs, monkeypatch: pytest.MonkeyPatch
+):
     """An NCCL teardown that waits on a peer (seen on 2 x H100) must not hang the engine's shutdown: leaving
     the group runs on a thread given a bounded time."""
     import threading

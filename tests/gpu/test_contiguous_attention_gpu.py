@@ -7,12 +7,15 @@ Positions of a slot past its context, and slots no sequence owns, hold NaN in th
 start as NaN, so a read past a context or an unwritten element fails. fp32 must match to 1e-5 (full-precision
 fp32 dots), bf16 to 1e-2.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels compiled)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels compiled)"
+)
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
@@ -25,8 +28,9 @@ DTYPES = [torch.bfloat16, torch.float32]
 HEADS = {"llama-h32-kv8-d64": (32, 8, 64), "qwen-h16-kv8-d128": (16, 8, 128)}
 
 
-def slot_cache(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def slot_cache(
+    lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_slots, v_slots, slot_ids, context_lens, unused): random ``[num_slots, max_len, kv_heads, head_dim]``
     slots, max_len past the longest context and a multiple of no tile, each sequence in a random slot;
     ``unused [num_slots, max_len]`` marks every position outside the contexts."""
@@ -35,7 +39,9 @@ def slot_cache(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dt
     shape = (num_slots, max_len, kv_heads, head_dim)
     k = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
     v = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
-    slot_ids = torch.randperm(num_slots, generator=gen, device=DEVICE)[: len(lengths)].to(torch.int32)
+    slot_ids = torch.randperm(num_slots, generator=gen, device=DEVICE)[: len(lengths)].to(
+        torch.int32
+    )
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     unused = torch.ones(num_slots, max_len, dtype=torch.bool, device=DEVICE)
     unused[slot_ids.long()] = torch.arange(max_len, device=DEVICE)[None, :] >= context_lens[:, None]
@@ -61,30 +67,46 @@ def test_contiguous_decode_matches_reference(dtype, heads, kv_heads, head_dim, s
     k, v, slot_ids, ctx, unused = slot_cache(lengths, kv_heads, head_dim, dtype, seed=head_dim)
     query = torch.randn(len(lengths), heads, head_dim, device=DEVICE).to(dtype)
     ref = torch.empty(query.shape, dtype=torch.float64, device=DEVICE)
-    reference.contiguous_decode_attention(ref, query.double(), k.double(), v.double(), slot_ids, ctx,
-                                          head_dim ** -0.5, max(lengths))
+    reference.contiguous_decode_attention(
+        ref, query.double(), k.double(), v.double(), slot_ids, ctx, head_dim**-0.5, max(lengths)
+    )
     out = torch.full_like(query, float("nan"))
-    contiguous_decode_attention(out, query, poisoned(k, unused), poisoned(v, unused), slot_ids, ctx,
-                                head_dim ** -0.5, max(lengths), split=split)
+    contiguous_decode_attention(
+        out,
+        query,
+        poisoned(k, unused),
+        poisoned(v, unused),
+        slot_ids,
+        ctx,
+        head_dim**-0.5,
+        max(lengths),
+        split=split,
+    )
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", HEADS.values(), ids=HEADS.keys())
-def test_contiguous_prefill_with_prefix_hits_and_chunks_matches_reference(dtype, heads, kv_heads, head_dim):
+def test_contiguous_prefill_with_prefix_hits_and_chunks_matches_reference(
+    dtype, heads, kv_heads, head_dim
+):
     """Plain prompts (2K, 300, 15 tokens), a prefix hit (1K cached + 500), chunks in the middle of prompts
     (one ending at 4096), and a one-token chunk, in one call."""
     torch.manual_seed(head_dim)
     cases = [(0, 2048), (1024, 500), (512, 512), (4000, 96), (0, 300), (16, 1), (0, 15), (33, 200)]
-    k, v, slot_ids, ctx, unused = slot_cache([c + n for c, n in cases], kv_heads, head_dim, dtype, seed=head_dim)
+    k, v, slot_ids, ctx, unused = slot_cache(
+        [c + n for c, n in cases], kv_heads, head_dim, dtype, seed=head_dim
+    )
     cu = torch.tensor([0] + [n for _, n in cases], device=DEVICE).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), heads, head_dim, device=DEVICE).to(dtype)
     ref = torch.empty(query.shape, dtype=torch.float64, device=DEVICE)
-    reference.contiguous_prefill_attention(ref, query.double(), k.double(), v.double(), slot_ids, cu, ctx,
-                                           head_dim ** -0.5)
+    reference.contiguous_prefill_attention(
+        ref, query.double(), k.double(), v.double(), slot_ids, cu, ctx, head_dim**-0.5
+    )
     out = torch.full_like(query, float("nan"))
-    contiguous_prefill_attention(out, query, poisoned(k, unused), poisoned(v, unused), slot_ids, cu, ctx,
-                                 head_dim ** -0.5)
+    contiguous_prefill_attention(
+        out, query, poisoned(k, unused), poisoned(v, unused), slot_ids, cu, ctx, head_dim**-0.5
+    )
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
@@ -111,12 +133,21 @@ def test_decode_reads_slots_past_2_31_elements():
     ctx = torch.tensor(FAR_LENGTHS, dtype=torch.int32, device=DEVICE)
     query = torch.randn(2, 32, 128, device=DEVICE).to(torch.bfloat16)
     ref = torch.empty(query.shape, dtype=torch.float64, device=DEVICE)
-    reference.contiguous_decode_attention(ref, query.double(), packed_k.double(), packed_v.double(),
-                                          torch.arange(2, dtype=torch.int32, device=DEVICE), ctx, 128 ** -0.5,
-                                          max(FAR_LENGTHS))
+    reference.contiguous_decode_attention(
+        ref,
+        query.double(),
+        packed_k.double(),
+        packed_v.double(),
+        torch.arange(2, dtype=torch.int32, device=DEVICE),
+        ctx,
+        128**-0.5,
+        max(FAR_LENGTHS),
+    )
     for split in (False, True):
         out = torch.full_like(query, float("nan"))
-        contiguous_decode_attention(out, query, k, v, slot_ids, ctx, 128 ** -0.5, max(FAR_LENGTHS), split=split)
+        contiguous_decode_attention(
+            out, query, k, v, slot_ids, ctx, 128**-0.5, max(FAR_LENGTHS), split=split
+        )
         assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
@@ -127,8 +158,16 @@ def test_prefill_reads_slots_past_2_31_elements():
     cu = torch.tensor([0, 100, 1100], dtype=torch.int32, device=DEVICE)
     query = torch.randn(1100, 32, 128, device=DEVICE).to(torch.bfloat16)
     ref = torch.empty(query.shape, dtype=torch.float64, device=DEVICE)
-    reference.contiguous_prefill_attention(ref, query.double(), packed_k.double(), packed_v.double(),
-                                           torch.arange(2, dtype=torch.int32, device=DEVICE), cu, ctx, 128 ** -0.5)
+    reference.contiguous_prefill_attention(
+        ref,
+        query.double(),
+        packed_k.double(),
+        packed_v.double(),
+        torch.arange(2, dtype=torch.int32, device=DEVICE),
+        cu,
+        ctx,
+        128**-0.5,
+    )
     out = torch.full_like(query, float("nan"))
-    contiguous_prefill_attention(out, query, k, v, slot_ids, cu, ctx, 128 ** -0.5)
+    contiguous_prefill_attention(out, query, k, v, slot_ids, cu, ctx, 128**-0.5)
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]

@@ -5,12 +5,15 @@ Cache slots outside every sequence hold NaN in the kernels' input, and outputs s
 a context or an unwritten element fails. fp32 must match to 1e-5 (the kernels use full-precision fp32 dots),
 half types to 1e-2.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels compiled)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels compiled)"
+)
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
@@ -22,8 +25,9 @@ from kernels.prefill_attention import prefill_attention  # noqa: E402
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def paged_cache(lengths: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_cache(
+    lengths: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache, block_tables, context_lens, unused slot mask): random blocks, randomly permuted."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     needed = [-(-n // block_size) for n in lengths]
@@ -36,7 +40,7 @@ def paged_cache(lengths: list[int], block_size: int, kv_heads: int, head_dim: in
     used = torch.zeros(num_blocks, block_size, dtype=torch.bool, device="cuda")
     first = 0
     for b, (n, count) in enumerate(zip(lengths, needed)):
-        tables[b, :count] = order[first:first + count]
+        tables[b, :count] = order[first : first + count]
         positions = torch.arange(n, device="cuda")
         used[tables[b, positions // block_size].long(), positions % block_size] = True
         first += count
@@ -54,41 +58,71 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # every block size with the workload's shape (32 query / 8 KV heads, head 128); the other head layouts at 16
-DECODE_SHAPES = [(bs, 32, 8, 128) for bs in (16, 32, 64, 128)] + [(16, 24, 8, 64), (16, 16, 16, 128), (32, 8, 1, 64)]
+DECODE_SHAPES = [(bs, 32, 8, 128) for bs in (16, 32, 64, 128)] + [
+    (16, 24, 8, 64),
+    (16, 16, 16, 128),
+    (32, 8, 1, 64),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", DECODE_SHAPES,
-                         ids=[f"bs{b}-h{h}-kv{k}-d{d}" for b, h, k, d in DECODE_SHAPES])
+@pytest.mark.parametrize(
+    "block_size, heads, kv_heads, head_dim",
+    DECODE_SHAPES,
+    ids=[f"bs{b}-h{h}-kv{k}-d{d}" for b, h, k, d in DECODE_SHAPES],
+)
 @pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
 def test_paged_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim, split):
     torch.manual_seed(block_size)
     lengths = [1, 15, 16, 17, 300, 1000, 4096, 2049] + torch.randint(1, 6000, (8,)).tolist()
-    k, v, tables, ctx, unused = paged_cache(lengths, block_size, kv_heads, head_dim, dtype, seed=block_size)
+    k, v, tables, ctx, unused = paged_cache(
+        lengths, block_size, kv_heads, head_dim, dtype, seed=block_size
+    )
     query = torch.randn(len(lengths), heads, head_dim, device="cuda").to(dtype)
     ref = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.paged_attention(ref, query.double(), k.double(), v.double(), tables, ctx, head_dim ** -0.5)
+    reference.paged_attention(
+        ref, query.double(), k.double(), v.double(), tables, ctx, head_dim**-0.5
+    )
     out = torch.full_like(query, float("nan"))
-    paged_attention(out, query, poisoned(k, unused), poisoned(v, unused), tables, ctx, head_dim ** -0.5, split=split)
+    paged_attention(
+        out,
+        query,
+        poisoned(k, unused),
+        poisoned(v, unused),
+        tables,
+        ctx,
+        head_dim**-0.5,
+        split=split,
+    )
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (24, 8, 64)], ids=["gqa4-h128", "gqa3-h64"])
-def test_prefill_with_prefix_hits_and_chunks_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(32, 8, 128), (24, 8, 64)], ids=["gqa4-h128", "gqa3-h64"]
+)
+def test_prefill_with_prefix_hits_and_chunks_matches_reference(
+    dtype, block_size, heads, kv_heads, head_dim
+):
     """Plain prompts (2K, 300, 15 tokens), a prefix hit (1K cached + 500), chunks in the middle of prompts,
     and a one-token chunk, in one call."""
     torch.manual_seed(block_size)
     cases = [(0, 2048), (1024, 500), (512, 512), (4000, 77), (0, 300), (16, 1), (0, 15), (33, 200)]
     lengths = [cached + chunk for cached, chunk in cases]
-    k, v, tables, ctx, unused = paged_cache(lengths, block_size, kv_heads, head_dim, dtype, seed=block_size)
+    k, v, tables, ctx, unused = paged_cache(
+        lengths, block_size, kv_heads, head_dim, dtype, seed=block_size
+    )
     cu = torch.tensor([0] + [c for _, c in cases], device="cuda").cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), heads, head_dim, device="cuda").to(dtype)
     ref = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.prefill_attention(ref, query.double(), k.double(), v.double(), tables, cu, ctx, head_dim ** -0.5)
+    reference.prefill_attention(
+        ref, query.double(), k.double(), v.double(), tables, cu, ctx, head_dim**-0.5
+    )
     out = torch.full_like(query, float("nan"))
-    prefill_attention(out, query, poisoned(k, unused), poisoned(v, unused), tables, cu, ctx, head_dim ** -0.5)
+    prefill_attention(
+        out, query, poisoned(k, unused), poisoned(v, unused), tables, cu, ctx, head_dim**-0.5
+    )
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 

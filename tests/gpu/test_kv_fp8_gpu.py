@@ -2,6 +2,7 @@
 queries against the torch reference in float64 on caches de-quantized by hand, ``store_kv``'s bytes equal to torch's
 own conversion, the engine (CUDA graphs, swap, the host tier, prefix hits) agreeing with a roomy FP8 engine's
 tokens, and twice the blocks of bfloat16 for the same memory."""
+
 from __future__ import annotations
 
 import gc
@@ -11,9 +12,13 @@ import pytest
 import torch
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                       reason="e4m3 needs compute capability 8.9+ (Ada, Hopper)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
+    ),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+        reason="e4m3 needs compute capability 8.9+ (Ada, Hopper)",
+    ),
 ]
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -50,7 +55,13 @@ def fp8_paged(lengths: list[int], block_size: int, seed: int):
         tables[b, :count] = torch.tensor([order.pop() for _ in range(count)])
         for p in range(n):
             used[tables[b, p // block_size] * block_size + p % block_size] = True
-    return k, v, tables.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), ~used.cuda()
+    return (
+        k,
+        v,
+        tables.cuda(),
+        torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+        ~used.cuda(),
+    )
 
 
 def poisoned(cache: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
@@ -65,8 +76,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_store_kv_writes_the_bytes_of_torchs_own_conversion():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    key = (torch.randn(300, KV_HEADS, HEAD_DIM, generator=gen, device="cuda") *
-           torch.logspace(-4, 3, 300, device="cuda")[:, None, None]).bfloat16()
+    key = (
+        torch.randn(300, KV_HEADS, HEAD_DIM, generator=gen, device="cuda")
+        * torch.logspace(-4, 3, 300, device="cuda")[:, None, None]
+    ).bfloat16()
     value = torch.randn(300, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() * 30
     slots = torch.randperm(40 * 16, generator=gen, device="cuda")[:300]
     slots[::9] = -1
@@ -83,11 +96,28 @@ def test_decode_reads_fp8_with_bfloat16_queries(block_size, split):
     k, v, tables, lens, unused = fp8_paged([1, 100, 3000, 777], block_size, block_size)
     query = torch.randn(4, HEADS, HEAD_DIM, device="cuda")
     expected = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.paged_attention(expected, query.double(), k.double() * K_SCALE, v.double() * V_SCALE, tables, lens,
-                              HEAD_DIM ** -0.5)
+    reference.paged_attention(
+        expected,
+        query.double(),
+        k.double() * K_SCALE,
+        v.double() * V_SCALE,
+        tables,
+        lens,
+        HEAD_DIM**-0.5,
+    )
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    paged_attention(out, query.bfloat16(), poisoned(k, unused), poisoned(v, unused), tables, lens, HEAD_DIM ** -0.5,
-                    K_SCALE, V_SCALE, split=split)
+    paged_attention(
+        out,
+        query.bfloat16(),
+        poisoned(k, unused),
+        poisoned(v, unused),
+        tables,
+        lens,
+        HEAD_DIM**-0.5,
+        K_SCALE,
+        V_SCALE,
+        split=split,
+    )
     assert relative_error(out, expected) < 1e-2
 
 
@@ -97,33 +127,65 @@ def test_prefill_with_cached_prefixes_reads_fp8_with_bfloat16_queries():
     cu = torch.tensor([0] + [n for _, n in cases], device="cuda").cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), HEADS, HEAD_DIM, device="cuda")
     expected = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.prefill_attention(expected, query.double(), k.double() * K_SCALE, v.double() * V_SCALE, tables, cu,
-                                lens, HEAD_DIM ** -0.5)
+    reference.prefill_attention(
+        expected,
+        query.double(),
+        k.double() * K_SCALE,
+        v.double() * V_SCALE,
+        tables,
+        cu,
+        lens,
+        HEAD_DIM**-0.5,
+    )
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    prefill_attention(out, query.bfloat16(), poisoned(k, unused), poisoned(v, unused), tables, cu, lens,
-                      HEAD_DIM ** -0.5, K_SCALE, V_SCALE)
+    prefill_attention(
+        out,
+        query.bfloat16(),
+        poisoned(k, unused),
+        poisoned(v, unused),
+        tables,
+        cu,
+        lens,
+        HEAD_DIM**-0.5,
+        K_SCALE,
+        V_SCALE,
+    )
     assert relative_error(out, expected) < 1e-2
 
 
 def test_contiguous_decode_and_prefill_read_fp8_with_bfloat16_queries():
     gen = torch.Generator(device="cuda").manual_seed(2)
-    k, v = ((torch.randn(6, 2048, KV_HEADS, HEAD_DIM, generator=gen, device="cuda") * 4).to(FP8) for _ in range(2))
-    slots, lens = torch.tensor([4, 1], dtype=torch.int32, device="cuda"), torch.tensor([2000, 300], device="cuda")
+    k, v = (
+        (torch.randn(6, 2048, KV_HEADS, HEAD_DIM, generator=gen, device="cuda") * 4).to(FP8)
+        for _ in range(2)
+    )
+    slots, lens = (
+        torch.tensor([4, 1], dtype=torch.int32, device="cuda"),
+        torch.tensor([2000, 300], device="cuda"),
+    )
     lens = lens.to(torch.int32)
     clean = (k.double() * K_SCALE, v.double() * V_SCALE)
     query = torch.randn(2, HEADS, HEAD_DIM, device="cuda")
     expected = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.contiguous_decode_attention(expected, query.double(), *clean, slots, lens, HEAD_DIM ** -0.5, 2000)
+    reference.contiguous_decode_attention(
+        expected, query.double(), *clean, slots, lens, HEAD_DIM**-0.5, 2000
+    )
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    contiguous_decode_attention(out, query.bfloat16(), k, v, slots, lens, HEAD_DIM ** -0.5, 2000, K_SCALE, V_SCALE)
+    contiguous_decode_attention(
+        out, query.bfloat16(), k, v, slots, lens, HEAD_DIM**-0.5, 2000, K_SCALE, V_SCALE
+    )
     assert relative_error(out, expected) < 1e-2
     # 50 new after 1950 cached; a whole prompt
     cu = torch.tensor([0, 50, 350], dtype=torch.int32, device="cuda")
     query = torch.randn(350, HEADS, HEAD_DIM, device="cuda")
     expected = torch.empty(query.shape, dtype=torch.float64, device="cuda")
-    reference.contiguous_prefill_attention(expected, query.double(), *clean, slots, cu, lens, HEAD_DIM ** -0.5)
+    reference.contiguous_prefill_attention(
+        expected, query.double(), *clean, slots, cu, lens, HEAD_DIM**-0.5
+    )
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    contiguous_prefill_attention(out, query.bfloat16(), k, v, slots, cu, lens, HEAD_DIM ** -0.5, K_SCALE, V_SCALE)
+    contiguous_prefill_attention(
+        out, query.bfloat16(), k, v, slots, cu, lens, HEAD_DIM**-0.5, K_SCALE, V_SCALE
+    )
     assert relative_error(out, expected) < 1e-2
 
 
@@ -135,8 +197,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 # here a preempted, swapped or prefix-hit FP8 sequence is held to agree with the roomy engine, not to equal it;
 # swaps and copies move FP8 bytes exactly (tests/kernels/test_kv_fp8_kernels.py), and the pool's accounting is
 # checked after every step.
-BASE = dict(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda", max_model_len=512,
-            kv_cache_dtype="fp8")
+BASE = dict(
+    load_format="dummy",
+    model_config="llama-3.2-1b",
+    dtype="float32",
+    device="cuda",
+    max_model_len=512,
+    kv_cache_dtype="fp8",
+)
 
 
 def generate_checked(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
@@ -153,19 +221,25 @@ def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
     expected = generate_checked(roomy, batch + [follow_up])
     roomy.shutdown()
     del roomy
-    tight = LLM(num_kv_blocks=24, preemption_mode="swap", swap_space_gib=0.5, host_cache_gib=0.25, **BASE)
+    tight = LLM(
+        num_kv_blocks=24, preemption_mode="swap", swap_space_gib=0.5, host_cache_gib=0.25, **BASE
+    )
     try:
         got = generate_checked(tight, batch)
         assert tight.engine.scheduler.num_swap_outs > 0, "the pool was meant to force swapping"
         got += generate_checked(tight, [follow_up])
         assert tight.engine.stats().prefix_hits > 0
-        assert sum(tight.engine.runner.decode_graphs.padded_steps.values()) > 0, "decode steps were meant to replay CUDA graphs"
+        assert sum(tight.engine.runner.decode_graphs.padded_steps.values()) > 0, (
+            "decode steps were meant to replay CUDA graphs"
+        )
     # (the engine's GPU memory goes with it, also when an assertion failed: the next test sizes a
     # pool)
     finally:
         tight.shutdown()
         del tight
-    assert [g[0] for g in got] == [e[0] for e in expected], "every first token (the prompt's prefill) agrees"
+    assert [g[0] for g in got] == [e[0] for e in expected], (
+        "every first token (the prompt's prefill) agrees"
+    )
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     assert same >= 0.75 * sum(map(len, expected)), (got, expected)
 
@@ -175,8 +249,15 @@ def test_fp8_pool_holds_twice_the_bfloat16_blocks_for_the_same_memory():
     gc.collect()
     torch.cuda.empty_cache()
     for dtype in ("auto", "fp8"):
-        llm = LLM(load_format="dummy", model_config="llama-3.2-1b", device="cuda", gpu_memory_utilization=0.5,
-                  max_model_len=2048, kv_cache_dtype=dtype, enforce_eager=True)
+        llm = LLM(
+            load_format="dummy",
+            model_config="llama-3.2-1b",
+            device="cuda",
+            gpu_memory_utilization=0.5,
+            max_model_len=2048,
+            kv_cache_dtype=dtype,
+            enforce_eager=True,
+        )
         blocks[dtype] = (llm.engine.stats().num_blocks, llm.engine.runner.bytes_per_block)
         assert len(llm.generate([[1, 2, 3, 4, 5]], GREEDY)[0].token_ids) == 48
         del llm

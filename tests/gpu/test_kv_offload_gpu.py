@@ -1,5 +1,6 @@
 """Swap preemption and the host tier of the prefix cache on CUDA (pinned host pools, batched copies over the
 host link), float32 dummy llama-3.2-1b: greedy tokens equal to a roomy pool that never preempts or evicts."""
+
 from __future__ import annotations
 
 import random
@@ -11,10 +12,18 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import run_checked
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-BASE = dict(load_format="dummy", model_config="llama-3.2-1b", dtype="float32", device="cuda", max_model_len=512)
+BASE = dict(
+    load_format="dummy",
+    model_config="llama-3.2-1b",
+    dtype="float32",
+    device="cuda",
+    max_model_len=512,
+)
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -2,6 +2,7 @@
 engine's greedy tokens for mixed-length prompts with chunked prefill and a prefix hit, CUDA graphs on (the
 process's first two-rank engine adds its prefill steps' partial sums through symmetric memory); and its
 decode-only steps of several sequences replay the captured graphs (the all-reduces inside them)."""
+
 from __future__ import annotations
 
 import gc
@@ -14,16 +15,23 @@ from engine.worker import parallel_state
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                reason="needs 2 CUDA GPUs (runs on a 2-GPU device machine)")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (runs on a 2-GPU device machine)"
+)
 
 NEW_TOKENS = 16
 SHARED_LEN = 80  # the prefix the last two prompts share: 5 full blocks of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # steps of up to 160 tokens: llama-3.2-1b's all-reduces of 128 .. 160 rows of 2048 float32 (1 .. 1.25 MiB) take the
 # symmetric-memory path of the process's first tensor-parallel engine (engine/worker/parallel_state.py), the rest NCCL
-OPTIONS = {"load_format": "dummy", "dtype": "float32", "device": "cuda", "num_kv_blocks": 256,
-           "max_num_batched_tokens": 160, "max_model_len": 1024}
+OPTIONS = {
+    "load_format": "dummy",
+    "dtype": "float32",
+    "device": "cuda",
+    "num_kv_blocks": 256,
+    "max_num_batched_tokens": 160,
+    "max_model_len": 1024,
+}
 
 
 def mixed_prompts(seed: int = 0) -> list[list[int]]:
@@ -42,7 +50,9 @@ def generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("model_config", ["llama-3.2-1b", "qwen3-0.6b"])
-def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks_and_a_prefix_hit(model_config):
+def test_two_ranks_give_the_single_rank_greedy_tokens_float32_with_graphs_chunks_and_a_prefix_hit(
+    model_config,
+):
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = mixed_prompts()
     llm = LLM(model_config=model_config, **OPTIONS)

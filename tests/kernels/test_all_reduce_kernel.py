@@ -1,6 +1,7 @@
 """The peer all-reduce kernel's arithmetic (kernels/all_reduce.py) in Triton's interpreter: the ranks are emulated
 one after another in one process, their buffers slices of one tensor, the barriers off (``sync=False``; the two
 shot in its two phases). The barriers themselves and the real peers run in tests/gpu/test_tensor_parallel_gpu.py."""
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 all_reduce = pytest.importorskip("kernels.all_reduce", reason="Triton is not installed")
 
 
-def _emulate(parts: list[torch.Tensor], two_shot: bool, programs: int, block: int) -> list[torch.Tensor]:
+def _emulate(
+    parts: list[torch.Tensor], two_shot: bool, programs: int, block: int
+) -> list[torch.Tensor]:
     world, numel = len(parts), parts[0].numel()
     # (rank r's buffer starts r * stride elements into one tensor; 32-byte aligned)
     stride = numel + 48
     memory = torch.zeros(world * stride, dtype=parts[0].dtype)
-    staged = [memory[r * stride:r * stride + numel] for r in range(world)]
+    staged = [memory[r * stride : r * stride + numel] for r in range(world)]
     for r, part in enumerate(parts):
         staged[r].copy_(part)
     pad = torch.zeros(2 * programs * world, dtype=torch.int32)
@@ -26,9 +29,21 @@ def _emulate(parts: list[torch.Tensor], two_shot: bool, programs: int, block: in
 
     def call(rank: int, phase: int) -> None:
         deltas = tuple((r - rank) * stride for r in range(world))
-        all_reduce.all_reduce_staged(staged[rank], outs[rank], pad, deltas, (0,) * world, rank, programs,
-                                     two_shot=two_shot, block=block, sync=False, phase=phase)
-    for phase in ((1, 2) if two_shot else (0,)):
+        all_reduce.all_reduce_staged(
+            staged[rank],
+            outs[rank],
+            pad,
+            deltas,
+            (0,) * world,
+            rank,
+            programs,
+            two_shot=two_shot,
+            block=block,
+            sync=False,
+            phase=phase,
+        )
+
+    for phase in (1, 2) if two_shot else (0,):
         for rank in range(world):
             call(rank, phase)
     assert not pad.any()
@@ -37,7 +52,9 @@ def _emulate(parts: list[torch.Tensor], two_shot: bool, programs: int, block: in
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one-shot", "two-shot"])
 @pytest.mark.parametrize("world,numel,programs", [(2, 1000, 3), (2, 4096, 4), (4, 1234, 2)])
-def test_every_rank_gets_the_sum_of_every_ranks_part(two_shot: bool, world: int, numel: int, programs: int) -> None:
+def test_every_rank_gets_the_sum_of_every_ranks_part(
+    two_shot: bool, world: int, numel: int, programs: int
+) -> None:
     torch.manual_seed(world * numel)
     parts = [torch.randn(numel) * (r + 1) for r in range(world)]
     want = torch.stack(parts).sum(0)
@@ -56,19 +73,27 @@ def test_bfloat16_parts_are_summed_in_float32_and_rounded_once() -> None:
         assert ((out.float() - want).abs() <= step).all()
 
 
-@pytest.mark.parametrize("world,rows,hidden,programs", [(2, 5, 48, 2), (2, 8, 64, 3), (4, 7, 40, 2)])
-def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_reference(world: int, rows: int, hidden: int,
-                                                                                  programs: int) -> None:
+@pytest.mark.parametrize(
+    "world,rows,hidden,programs", [(2, 5, 48, 2), (2, 8, 64, 3), (4, 7, 40, 2)]
+)
+def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_reference(
+    world: int, rows: int, hidden: int, programs: int
+) -> None:
     """Every rank ends with the residual stream plus the sum over ranks (in place) and its RMSNorm, as
     ``reference.rms_norm(all_reduce(x), weight, eps, residual)`` gives, rows split into the ranks' halves."""
     from kernels import reference
+
     torch.manual_seed(rows * hidden)
     parts = [torch.randn(rows, hidden) for _ in range(world)]
     residual, weight, eps = torch.randn(rows, hidden), torch.rand(hidden) + 0.5, 1e-5
-    want_out, want_residual = reference.rms_norm(torch.stack(parts).sum(0), weight, eps, residual.clone())
+    want_out, want_residual = reference.rms_norm(
+        torch.stack(parts).sum(0), weight, eps, residual.clone()
+    )
     stride = rows * hidden + 64
     memory = torch.zeros(world * stride)
-    staged = [memory[r * stride:r * stride + rows * hidden].view(rows, hidden) for r in range(world)]
+    staged = [
+        memory[r * stride : r * stride + rows * hidden].view(rows, hidden) for r in range(world)
+    ]
     for r, part in enumerate(parts):
         staged[r].copy_(part)
     residuals = [residual.clone() for _ in range(world)]
@@ -77,8 +102,20 @@ def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_referen
     for phase in (1, 2):
         for rank in range(world):
             deltas = tuple((r - rank) * stride for r in range(world))
-            all_reduce.all_reduce_rms_norm_staged(staged[rank], residuals[rank], weight, eps, pad, deltas, (0,) * world,
-                                                  rank, programs, sync=False, phase=phase, out=outs[rank])
+            all_reduce.all_reduce_rms_norm_staged(
+                staged[rank],
+                residuals[rank],
+                weight,
+                eps,
+                pad,
+                deltas,
+                (0,) * world,
+                rank,
+                programs,
+                sync=False,
+                phase=phase,
+                out=outs[rank],
+            )
     for rank in range(world):
         torch.testing.assert_close(residuals[rank], want_residual, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(outs[rank], want_out, rtol=1e-5, atol=1e-5)

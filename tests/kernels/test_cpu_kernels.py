@@ -1,5 +1,6 @@
 """The lean CPU decode path (kernels/cpu.py) against the reference kernels, bit for bit: the float32 engine's
 token-exactness with transformers rests on it computing the reference's arithmetic."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,9 @@ def random_cache(num_blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("context_lens", [[37], [1, 16, 17, 90], [64, 3]])
-def test_decode_attention_with_a_per_pass_plan_equals_the_reference(context_lens: list[int]) -> None:
+def test_decode_attention_with_a_per_pass_plan_equals_the_reference(
+    context_lens: list[int],
+) -> None:
     gen = torch.Generator().manual_seed(len(context_lens))
     k_cache, v_cache = random_cache(40, gen)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
@@ -36,7 +39,10 @@ def test_store_kv_with_a_plan_equals_the_reference(padding: bool) -> None:
     slots = torch.randperm(10 * BLOCK, generator=gen)[:12]
     if padding:
         slots[[2, 7]] = -1
-    key, value = torch.randn(12, KV_HEADS, DIM, generator=gen), torch.randn(12, KV_HEADS, DIM, generator=gen)
+    key, value = (
+        torch.randn(12, KV_HEADS, DIM, generator=gen),
+        torch.randn(12, KV_HEADS, DIM, generator=gen),
+    )
     caches = [random_cache(10, torch.Generator().manual_seed(5)) for _ in range(2)]
     reference.store_kv(key, value, *caches[0], slots)
     cpu.store_kv(key, value, *caches[1], cpu.store_plan(slots))
@@ -48,7 +54,10 @@ def test_rotary_with_a_plan_equals_the_reference(adjacent: bool) -> None:
     """Adjacent: q and k are views of one QKV output (rotated as one tensor); else separate tensors."""
     gen = torch.Generator().manual_seed(3)
     angles = torch.rand(128, DIM // 2, generator=gen) * 6
-    cos_cache, sin_cache = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    cos_cache, sin_cache = (
+        torch.cat((angles, angles), -1).cos(),
+        torch.cat((angles, angles), -1).sin(),
+    )
     positions = torch.randint(0, 128, (5,), generator=gen)
     qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * DIM, generator=gen)
     q, k, _ = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
@@ -68,4 +77,6 @@ def test_torch_rms_norm_is_the_references_arithmetic() -> None:
     for rows, scale in [(1, 1.0), (3, 40.0), (8, 0.01), (17, 3.0)]:
         x = torch.randn(rows, 576, generator=gen) * scale
         weight = torch.rand(576, generator=gen) + 0.5
-        assert torch.equal(F.rms_norm(x, weight.shape, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+        assert torch.equal(
+            F.rms_norm(x, weight.shape, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)
+        )

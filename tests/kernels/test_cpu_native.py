@@ -8,6 +8,7 @@ its own order (norms, attention, the exp of SiLU and softmax), so it is held to 
 bfloat16 steps; a wrong index, rotation or cache slot moves values by whole units. The lean Python decoder only
 skips conversions whose values are exact, so it must equal the module path bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,14 +20,22 @@ import torch
 
 from engine.config import EngineConfig
 from engine.worker.forward_context import get_attention_metadata
-from engine.layers.quantized_linear import PACKED_OUTPUTS, PackedInt8Head, Q4Blocks, Q8Head, q4q8_layout
+from engine.layers.quantized_linear import (
+    PACKED_OUTPUTS,
+    PackedInt8Head,
+    Q4Blocks,
+    Q8Head,
+    q4q8_layout,
+)
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 from tests.engine.test_models import tiny_hf_model
 
 if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
-    pytest.skip("PAGEDCHAT_CPU_NATIVE=0: the native CPU kernels are switched off", allow_module_level=True)
+    pytest.skip(
+        "PAGEDCHAT_CPU_NATIVE=0: the native CPU kernels are switched off", allow_module_level=True
+    )
 
 
 BUILD_ROOT = Path(EngineConfig().cache_dir) / "native"
@@ -41,7 +50,9 @@ def native_built() -> None:
 def kernels_at(level: str) -> cpu_native.CpuKernels:
     """The kernels of ``level``, built for it; a level this CPU lacks cannot run here (skipped, named)."""
     if level not in cpu_native.supported_levels():
-        pytest.skip(f"this CPU cannot run {level} code (levels it has: {cpu_native.supported_levels()})")
+        pytest.skip(
+            f"this CPU cannot run {level} code (levels it has: {cpu_native.supported_levels()})"
+        )
     native = cpu_native.load(BUILD_ROOT, level)
     assert native is not None and native.has_q4q8, f"the {level} kernels did not build"
     return native
@@ -108,7 +119,9 @@ def test_every_level_gives_the_same_floats():
         x = torch.randn(rows, 256) * torch.logspace(-1, 1, 256)
         q4 = [k.ops.q4q8_linear(x, *q4q8_layout(blocks)) for k in levels]
         q8 = [Q8Head(head_weight, k)(x) for k in levels]
-        assert all(torch.equal(q4[0], out) for out in q4) and all(torch.equal(q8[0], out) for out in q8)
+        assert all(torch.equal(q4[0], out) for out in q4) and all(
+            torch.equal(q8[0], out) for out in q8
+        )
 
 
 # ---------------------------------------------------------------- the output layer
@@ -117,7 +130,9 @@ def test_every_level_gives_the_same_floats():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 def test_packed_int8_head_equals_its_int8_weights_in_float64(rows: int, native):
     torch.manual_seed(rows)
-    weight = torch.randn(8 * PACKED_OUTPUTS, 96) * torch.logspace(-2, 0, 8 * PACKED_OUTPUTS)[:, None]
+    weight = (
+        torch.randn(8 * PACKED_OUTPUTS, 96) * torch.logspace(-2, 0, 8 * PACKED_OUTPUTS)[:, None]
+    )
     head = PackedInt8Head(weight, native)
     codes = head.packed.transpose(1, 2).reshape(weight.shape)  # back to [out, in]
     assert int(codes.abs().max()) == 127, "each row's largest weight takes the largest code"
@@ -135,7 +150,7 @@ def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch(native):
     torch.manual_seed(7)
     head = PackedInt8Head(torch.randn(4 * PACKED_OUTPUTS, 128), native)
     x = torch.randn(11, 128)
-    alone = torch.cat([head(x[i:i + 1]) for i in range(11)])
+    alone = torch.cat([head(x[i : i + 1]) for i in range(11)])
     assert torch.equal(head(x), alone)
     assert torch.equal(head(x[3:9]), alone[3:9])
 
@@ -159,7 +174,10 @@ def q8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
     q = blocks.q.view(-1, k // 32, 32).double()
     dots = torch.einsum("rgi,ngi->rng", codes, q)
     scale = scale.squeeze(-1)[:, None, :]
-    return (blocks.d.double()[None] * scale * dots + blocks.m.double()[None] * scale * codes.sum(-1)[:, None, :]).sum(-1)
+    return (
+        blocks.d.double()[None] * scale * dots
+        + blocks.m.double()[None] * scale * codes.sum(-1)[:, None, :]
+    ).sum(-1)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
@@ -169,8 +187,12 @@ def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int, native):
     x = torch.randn(rows, 128) * torch.logspace(-1, 1, 128)  # inputs of different scales per group
     got = native.ops.q4q8_linear(x, *q4q8_layout(blocks))
     expected = q8_reference(x, blocks)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    alone = torch.cat([native.ops.q4q8_linear(x[i:i + 1], *q4q8_layout(blocks)) for i in range(rows)])
+    torch.testing.assert_close(
+        got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+    )
+    alone = torch.cat(
+        [native.ops.q4q8_linear(x[i : i + 1], *q4q8_layout(blocks)) for i in range(rows)]
+    )
     assert torch.equal(got, alone), "a row's result must not depend on the other rows"
 
 
@@ -186,15 +208,19 @@ def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, native):
     # (+ fp16 scale)
     half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502
     stored = (codes.view(64, 3, 32) * d[..., None]).view(64, 96)
-    assert bool(((stored - weight).abs() <= half_step + 1e-6).all()), "each weight within half a step of its block"
+    assert bool(((stored - weight).abs() <= half_step + 1e-6).all()), (
+        "each weight within half a step of its block"
+    )
     x = torch.randn(rows, 96) * torch.logspace(-1, 1, 96)
     groups = x.view(rows, 3, 32).double()
     scale = groups.abs().amax(-1, keepdim=True) / 127
     a = (groups / scale).round()
     expected = torch.einsum("rgi,ngi,ng,rg->rn", a, codes.view(64, 3, 32), d, scale.squeeze(-1))
     got = head(x)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    assert torch.equal(got, torch.cat([head(x[i:i + 1]) for i in range(rows)]))
+    torch.testing.assert_close(
+        got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+    )
+    assert torch.equal(got, torch.cat([head(x[i : i + 1]) for i in range(rows)]))
 
 
 # ---------------------------------------------------------------- the decoder, step by step
@@ -219,14 +245,26 @@ class TwoPaths:
             attn.v_cache.copy_(v)
         meta.memo.clear()
         second = self.second(input_ids, positions)
-        kv_diff = max(max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
-                      for a, (k, v) in zip(self.attention, after_first))
-        written = max(max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
-                      for a, (k, v) in zip(self.attention, before))
-        self.passes.append({"decode": meta.num_decodes == input_ids.shape[0], "rows": input_ids.shape[0],
-                            "longest": int(meta.context_lens.max()), "equal": torch.equal(first, second),
-                            "hidden_diff": float((first - second).abs().max()),
-                            "hidden_scale": float(second.abs().max()), "kv_diff": kv_diff, "kv_written": written})
+        kv_diff = max(
+            max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
+            for a, (k, v) in zip(self.attention, after_first)
+        )
+        written = max(
+            max(float((a.k_cache - k).abs().max()), float((a.v_cache - v).abs().max()))
+            for a, (k, v) in zip(self.attention, before)
+        )
+        self.passes.append(
+            {
+                "decode": meta.num_decodes == input_ids.shape[0],
+                "rows": input_ids.shape[0],
+                "longest": int(meta.context_lens.max()),
+                "equal": torch.equal(first, second),
+                "hidden_diff": float((first - second).abs().max()),
+                "hidden_scale": float(second.abs().max()),
+                "kv_diff": kv_diff,
+                "kv_written": written,
+            }
+        )
         return second
 
 
@@ -239,13 +277,21 @@ def kernel(request, monkeypatch) -> str:
         monkeypatch.setenv("PAGEDCHAT_CPU_ISA", request.param)
         return request.param
     load = cpu_native.load
-    monkeypatch.setattr(cpu_native, "load", lambda *args: dataclasses.replace(load(*args), has_q4q8=False))
+    monkeypatch.setattr(
+        cpu_native, "load", lambda *args: dataclasses.replace(load(*args), has_q4q8=False)
+    )
     return request.param
 
 
 def tiny_q4_llm(tmp_path: Path, **options) -> LLM:
     tiny_hf_model("llama").save_pretrained(tmp_path)
-    return LLM(model=str(tmp_path), cpu_weights="q4", num_kv_blocks=96, max_num_batched_tokens=512, **options)
+    return LLM(
+        model=str(tmp_path),
+        cpu_weights="q4",
+        num_kv_blocks=96,
+        max_num_batched_tokens=512,
+        **options,
+    )
 
 
 def python_path(decoder):
@@ -255,18 +301,26 @@ def python_path(decoder):
             return decoder.forward(input_ids, positions)
         finally:
             decoder.native_step = native
+
     return run
 
 
 # prompts of 5..300 tokens: contexts beyond one attention span (64) of the native step's split
-PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [(7 * i) % 311 + 2 for i in range(300)], [11] * 140]
+PROMPTS = [
+    [5, 17, 200, 3, 9],
+    list(range(30, 90)),
+    [(7 * i) % 311 + 2 for i in range(300)],
+    [11] * 140,
+]
 
 
 def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     llm = tiny_q4_llm(tmp_path)
     model = llm.engine.model
     decoder = model.cpu_decoder
-    assert decoder.native_weights is not None, "the tiny llama (4-bit, no biases) takes the native step"
+    assert decoder.native_weights is not None, (
+        "the tiny llama (4-bit, no biases) takes the native step"
+    )
     assert (len(decoder.native_weights) == 6) == (kernel != "int4")
     model.cpu_decoder = recorder = TwoPaths(model, decoder.forward, python_path(decoder))
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -274,10 +328,12 @@ def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     assert len(decodes) >= 23 and max(p["rows"] for p in decodes) == len(PROMPTS)
     assert max(p["longest"] for p in decodes) > 300, "a context longer than four attention spans"
     prefills = [p for p in recorder.passes if not p["decode"]]
-    assert prefills and max(p["rows"] for p in prefills) > 300, "prompts go through the native step too"
+    assert prefills and max(p["rows"] for p in prefills) > 300, (
+        "prompts go through the native step too"
+    )
     # torch's int4 kernel rounds its outputs to bfloat16: a bfloat16 step (2^-8 relative) apart at most, once the
     # two paths' inputs round differently
-    kv_tolerance = 1e-4 if kernel != "int4" else 2 ** -7
+    kv_tolerance = 1e-4 if kernel != "int4" else 2**-7
     for p in recorder.passes:
         assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
         # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
@@ -292,7 +348,9 @@ def test_lean_python_decoder_equals_the_modules_bit_for_bit(tmp_path: Path, kern
     decoder = model.cpu_decoder
     model.cpu_decoder = recorder = TwoPaths(model, model.model.forward, python_path(decoder))
     llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    assert any(p["decode"] for p in recorder.passes) and any(not p["decode"] for p in recorder.passes)
+    assert any(p["decode"] for p in recorder.passes) and any(
+        not p["decode"] for p in recorder.passes
+    )
     assert all(p["equal"] and p["kv_diff"] == 0.0 for p in recorder.passes), recorder.passes
 
 
@@ -303,8 +361,10 @@ def test_native_and_python_engines_agree_on_greedy_tokens(tmp_path: Path, kernel
     python.engine.model.cpu_decoder.native_step = None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours, theirs = native.generate(PROMPTS, params), python.generate(PROMPTS, params)
-    firsts = [next((i for i, (a, b) in enumerate(zip(o.token_ids, t.token_ids)) if a != b), 16)
-              for o, t in zip(ours, theirs)]
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(o.token_ids, t.token_ids)) if a != b), 16)
+        for o, t in zip(ours, theirs)
+    ]
     assert min(firsts) >= 4 and sum(firsts) / len(firsts) >= 10, firsts
 
 
@@ -331,7 +391,13 @@ def test_greedy_output_does_not_depend_on_load(tmp_path: Path, level: str, monke
     assert tokens(chunked) == alone, "prompts in chunks of up to 48 tokens"
     cache = run(PROMPTS[2:])[0]
     outputs = run(PROMPTS, cache)[1]
-    assert tokens(outputs) == alone and outputs[2].num_cached_tokens >= 288, "prompts from the prefix cache"
-    squeezed, outputs = run(PROMPTS, num_kv_blocks=24, preemption_mode="recompute", enable_prefix_caching=False)
-    assert squeezed.engine.scheduler.num_preemptions > 0, "24 blocks of 16 cannot hold the four at once"
+    assert tokens(outputs) == alone and outputs[2].num_cached_tokens >= 288, (
+        "prompts from the prefix cache"
+    )
+    squeezed, outputs = run(
+        PROMPTS, num_kv_blocks=24, preemption_mode="recompute", enable_prefix_caching=False
+    )
+    assert squeezed.engine.scheduler.num_preemptions > 0, (
+        "24 blocks of 16 cannot hold the four at once"
+    )
     assert tokens(outputs) == alone, "recomputed after preemption"

@@ -9,6 +9,7 @@ from a reduction or exp computed differently). Triton's interpreter rounds float
 where a GPU rounds to nearest even (like torch); ``gpu_bfloat16_rounding`` makes it round like the GPU, or
 every bfloat16 result would be off by ~0.7% and rounding-order mistakes would hide below that.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,19 +60,28 @@ def oracle(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.double() if dtype == torch.float32 else tensor.clone()
 
 
-def fused_qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_qkv(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(qkv, q, k, v)``: q/k/v are the strided views the attention layer makes of one qkv matmul output."""
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed).to(DEVICE)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    return qkv, q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    return (
+        qkv,
+        q.view(tokens, heads, head_dim),
+        k.view(tokens, kv_heads, head_dim),
+        v.view(tokens, kv_heads, head_dim),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [96, 576])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rms_norm_matches_reference(tokens: int, hidden: int, dtype: torch.dtype):
-    x, weight = randn(tokens, hidden, dtype=dtype, seed=tokens), randn(hidden, dtype=dtype, seed=hidden)
+    x, weight = (
+        randn(tokens, hidden, dtype=dtype, seed=tokens),
+        randn(hidden, dtype=dtype, seed=hidden),
+    )
     expected = reference.rms_norm(oracle(x, dtype), oracle(weight, dtype), EPS)
     out = rms_norm(x.to(DEVICE), weight.to(DEVICE), EPS)
     assert out.shape == x.shape and out.dtype == dtype
@@ -80,12 +90,19 @@ def test_rms_norm_matches_reference(tokens: int, hidden: int, dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rms_norm_with_residual_writes_the_sum_into_residual_and_matches_reference(tokens: int, dtype: torch.dtype):
+def test_rms_norm_with_residual_writes_the_sum_into_residual_and_matches_reference(
+    tokens: int, dtype: torch.dtype
+):
     hidden = 576
-    x, residual = randn(tokens, hidden, dtype=dtype, seed=1), randn(tokens, hidden, dtype=dtype, seed=2)
+    x, residual = (
+        randn(tokens, hidden, dtype=dtype, seed=1),
+        randn(tokens, hidden, dtype=dtype, seed=2),
+    )
     weight = randn(hidden, dtype=dtype, seed=3)
     expected_sum = x + residual  # the rounded sum in the model dtype, as torch computes it
-    expected, _ = reference.rms_norm(oracle(x, dtype), oracle(weight, dtype), EPS, oracle(residual, dtype))
+    expected, _ = reference.rms_norm(
+        oracle(x, dtype), oracle(weight, dtype), EPS, oracle(residual, dtype)
+    )
     device_x, device_residual = x.to(DEVICE), residual.to(DEVICE)
     out, new_residual = rms_norm(device_x, weight.to(DEVICE), EPS, device_residual)
     assert new_residual is device_residual
@@ -97,7 +114,9 @@ def test_rms_norm_with_residual_writes_the_sum_into_residual_and_matches_referen
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rms_norm_per_head_on_strided_qkv_views_matches_reference(tokens: int, head_dim: int, dtype: torch.dtype):
+def test_rms_norm_per_head_on_strided_qkv_views_matches_reference(
+    tokens: int, head_dim: int, dtype: torch.dtype
+):
     """Qwen3's q/k norm: ``[T, heads, head_dim]`` views of the fused qkv output, normalized per head."""
     qkv, q, k, _ = fused_qkv(tokens, 4, 2, head_dim, dtype, seed=head_dim + tokens)
     before = qkv.cpu().clone()
@@ -114,18 +133,25 @@ def test_rms_norm_per_head_on_strided_qkv_views_matches_reference(tokens: int, h
 @pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rotary_rotates_strided_q_and_k_in_place_like_reference(tokens: int, head_dim: int,
-                                                                 positions_dtype: torch.dtype, dtype: torch.dtype):
+def test_rotary_rotates_strided_q_and_k_in_place_like_reference(
+    tokens: int, head_dim: int, positions_dtype: torch.dtype, dtype: torch.dtype
+):
     max_position = 300
-    angles = torch.rand(max_position, head_dim // 2, generator=torch.Generator().manual_seed(0)) * 50
+    angles = (
+        torch.rand(max_position, head_dim // 2, generator=torch.Generator().manual_seed(0)) * 50
+    )
     # first half == second half, as the layer's
     cos_cache = torch.cat((angles, angles), dim=-1).cos().to(dtype)
     sin_cache = torch.cat((angles, angles), dim=-1).sin().to(dtype)
-    positions = torch.randperm(max_position, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    positions = torch.randperm(max_position, generator=torch.Generator().manual_seed(tokens))[
+        :tokens
+    ]
     positions = positions.to(positions_dtype)
     qkv, q, k, v = fused_qkv(tokens, 6, 2, head_dim, dtype, seed=tokens + head_dim)
     expected_q, expected_k = oracle(q.cpu(), dtype), oracle(k.cpu(), dtype)
-    reference.rotary_embedding(positions, expected_q, expected_k, oracle(cos_cache, dtype), oracle(sin_cache, dtype))
+    reference.rotary_embedding(
+        positions, expected_q, expected_k, oracle(cos_cache, dtype), oracle(sin_cache, dtype)
+    )
     v_before = v.cpu().clone()
     rotary_embedding(positions.to(DEVICE), q, k, cos_cache.to(DEVICE), sin_cache.to(DEVICE))
     assert_matches(q, expected_q, dtype)
@@ -141,7 +167,10 @@ def test_rotary_reference_rotates_in_place_like_the_rotate_half_formula():
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     positions = torch.tensor([9, 0, 3, 3, 7])
     c, s = angles[positions].cos()[:, None], angles[positions].sin()[:, None]
-    expected = [torch.cat((x[..., :4] * c - x[..., 4:] * s, x[..., 4:] * c + x[..., :4] * s), -1) for x in (q, k)]
+    expected = [
+        torch.cat((x[..., :4] * c - x[..., 4:] * s, x[..., 4:] * c + x[..., :4] * s), -1)
+        for x in (q, k)
+    ]
     reference.rotary_embedding(positions, q, k, cos, sin)
     torch.testing.assert_close(q, expected[0])
     torch.testing.assert_close(k, expected[1])

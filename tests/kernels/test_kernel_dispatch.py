@@ -1,5 +1,6 @@
 """kernels/__init__.py: the reference on CPU tensors, Triton when forced; the dispatchers in kernels.ops keep
 working after the Triton submodules (named like them) are imported."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,11 +22,22 @@ print(float((out - ref).norm() / ref.norm()), 'triton' in sys.modules)
 
 def run(choice: str, import_triton_modules: bool = False) -> tuple[float, bool]:
     # importing the Triton submodules first rebinds kernels.paged_attention etc.: kernels.ops must not care
-    imports = "import kernels.paged_attention, kernels.prefill_attention" if import_triton_modules else ""
+    imports = (
+        "import kernels.paged_attention, kernels.prefill_attention" if import_triton_modules else ""
+    )
     script = "import sys\n" + SCRIPT.replace("IMPORT_TRITON_MODULES", imports)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env={"PAGEDCHAT_KERNELS": choice, "OMP_NUM_THREADS": "1", "PATH": "",
-                                 **({"TRITON_INTERPRET": "1"} if import_triton_modules else {})}, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={
+            "PAGEDCHAT_KERNELS": choice,
+            "OMP_NUM_THREADS": "1",
+            "PATH": "",
+            **({"TRITON_INTERPRET": "1"} if import_triton_modules else {}),
+        },
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     error, triton_loaded = result.stdout.split()
     return float(error), triton_loaded == "True"

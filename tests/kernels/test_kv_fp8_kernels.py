@@ -8,6 +8,7 @@ float64 on caches de-quantized by hand. The Triton kernels run in the interprete
 on caches whose slots outside every sequence hold NaN; scales other than 1.0 are used throughout. Half-precision
 queries are float16 here: the interpreter cannot run bfloat16 dots (tests/gpu/test_kv_fp8_gpu.py runs bfloat16).
 """
+
 from __future__ import annotations
 
 import os
@@ -73,7 +74,10 @@ def spread_values(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("store", [reference.store_kv, store_kv], ids=["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_rounds_to_the_nearest_e4m3_value_ties_to_even(store, dtype):
-    key, value = spread_values((64, 2, HEAD_DIM), 0).to(dtype), spread_values((64, 2, HEAD_DIM), 1).to(dtype)
+    key, value = (
+        spread_values((64, 2, HEAD_DIM), 0).to(dtype),
+        spread_values((64, 2, HEAD_DIM), 1).to(dtype),
+    )
     slots = torch.randperm(100, generator=torch.Generator().manual_seed(2))[:64]
     slots[::7] = -1  # padding rows: nothing written
     k_cache = torch.randn(7, 16, 2, HEAD_DIM).to(FP8)  # stale data, never zeros
@@ -99,7 +103,11 @@ def test_store_then_read_is_within_e4m3_rounding(store):
     read = cache.cpu().view(-1, 2, HEAD_DIM)[:40].double() * K_SCALE
     y = x.double() / K_SCALE
     normal = (y.abs() >= 2.0**-6) & (y.abs() <= 448)
-    assert bool(normal.any()) and bool((~normal & (y.abs() < 2.0**-6)).any()) and bool((y.abs() > 448).any())
+    assert (
+        bool(normal.any())
+        and bool((~normal & (y.abs() < 2.0**-6)).any())
+        and bool((y.abs() > 448).any())
+    )
     error = (read - x.double()).abs()
     assert bool((error[normal] <= 2.0**-4 * x.double().abs()[normal] * (1 + 1e-6)).all())
     assert bool((error[y.abs() < 2.0**-6] <= 2.0**-10 * K_SCALE * (1 + 1e-6)).all())
@@ -127,48 +135,100 @@ def dequantized(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"]
+)
 def test_paged_decode_reads_fp8_times_scale(split, dtype, tolerance):
     kv = fp8_cache(PagedKV([1, 17, 150], 16, 2, head_dim=HEAD_DIM, seed=5))
     query = torch.randn(3, 6, HEAD_DIM, generator=torch.Generator().manual_seed(6))
     expected = torch.empty(query.shape, dtype=torch.float64)
-    reference.paged_attention(expected, query.double(), *dequantized(kv), kv.block_tables, kv.context_lens, 0.2)
+    reference.paged_attention(
+        expected, query.double(), *dequantized(kv), kv.block_tables, kv.context_lens, 0.2
+    )
     ref_fp8 = torch.empty(query.shape, dtype=torch.float64)  # the reference's own FP8 path
-    reference.paged_attention(ref_fp8, query.double(), kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens,
-                              0.2, K_SCALE, V_SCALE)
+    reference.paged_attention(
+        ref_fp8,
+        query.double(),
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        kv.context_lens,
+        0.2,
+        K_SCALE,
+        V_SCALE,
+    )
     assert relative_error(ref_fp8, expected) < 1e-6
     out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
     k, v = poisoned(kv)
-    paged_attention(out, query.to(dtype).to(DEVICE), k, v, kv.block_tables.to(DEVICE), kv.context_lens.to(DEVICE),
-                    0.2, K_SCALE, V_SCALE, split=split, config=DECODE_CONFIG)
+    paged_attention(
+        out,
+        query.to(dtype).to(DEVICE),
+        k,
+        v,
+        kv.block_tables.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        0.2,
+        K_SCALE,
+        V_SCALE,
+        split=split,
+        config=DECODE_CONFIG,
+    )
     assert relative_error(out, expected) < tolerance
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"]
+)
 def test_prefill_with_cached_prefix_reads_fp8_times_scale(dtype, tolerance):
     # (cached, chunk): a plain prompt, a prefix hit, a one-token chunk
     cases = [(0, 40), (32, 9), (16, 1)]
-    kv = fp8_cache(PagedKV([cached + chunk for cached, chunk in cases], 16, 2, head_dim=HEAD_DIM, seed=7))
+    kv = fp8_cache(
+        PagedKV([cached + chunk for cached, chunk in cases], 16, 2, head_dim=HEAD_DIM, seed=7)
+    )
     cu = torch.tensor([0] + [chunk for _, chunk in cases]).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), 4, HEAD_DIM, generator=torch.Generator().manual_seed(8))
     expected = torch.empty(query.shape, dtype=torch.float64)
-    reference.prefill_attention(expected, query.double(), *dequantized(kv), kv.block_tables, cu, kv.context_lens,
-                                0.2)
+    reference.prefill_attention(
+        expected, query.double(), *dequantized(kv), kv.block_tables, cu, kv.context_lens, 0.2
+    )
     ref_fp8 = torch.empty(query.shape, dtype=torch.float64)
-    reference.prefill_attention(ref_fp8, query.double(), kv.k_cache, kv.v_cache, kv.block_tables, cu,
-                                kv.context_lens, 0.2, K_SCALE, V_SCALE)
+    reference.prefill_attention(
+        ref_fp8,
+        query.double(),
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        cu,
+        kv.context_lens,
+        0.2,
+        K_SCALE,
+        V_SCALE,
+    )
     assert relative_error(ref_fp8, expected) < 1e-6
     out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
     k, v = poisoned(kv)
-    prefill_attention(out, query.to(dtype).to(DEVICE), k, v, kv.block_tables.to(DEVICE), cu.to(DEVICE),
-                      kv.context_lens.to(DEVICE), 0.2, K_SCALE, V_SCALE, config=PREFILL_CONFIG)
+    prefill_attention(
+        out,
+        query.to(dtype).to(DEVICE),
+        k,
+        v,
+        kv.block_tables.to(DEVICE),
+        cu.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        0.2,
+        K_SCALE,
+        V_SCALE,
+        config=PREFILL_CONFIG,
+    )
     assert relative_error(out, expected) < tolerance
 
 
 def test_contiguous_decode_and_prefill_read_fp8_times_scale():
     """The vAttention layout ``[slots, max_len, kv_heads, d]``: split-K decode and a prefill after a prefix."""
     gen = torch.Generator().manual_seed(9)
-    k_slots, v_slots = ((torch.randn(5, 160, 2, HEAD_DIM, generator=gen) * 4).to(FP8) for _ in range(2))
+    k_slots, v_slots = (
+        (torch.randn(5, 160, 2, HEAD_DIM, generator=gen) * 4).to(FP8) for _ in range(2)
+    )
     slot_ids = torch.tensor([3, 0], dtype=torch.int32)
     lens = torch.tensor([150, 20], dtype=torch.int32)
     poisoned_k, poisoned_v = k_slots.clone(), v_slots.clone()
@@ -179,19 +239,46 @@ def test_contiguous_decode_and_prefill_read_fp8_times_scale():
     clean = (k_slots.double() * K_SCALE, v_slots.double() * V_SCALE)
     query = torch.randn(2, 4, HEAD_DIM, generator=gen)
     expected = torch.empty(query.shape, dtype=torch.float64)
-    reference.contiguous_decode_attention(expected, query.double(), *clean, slot_ids, lens, 0.2, 150)
+    reference.contiguous_decode_attention(
+        expected, query.double(), *clean, slot_ids, lens, 0.2, 150
+    )
     out = torch.full(query.shape, float("nan"), device=DEVICE)
-    contiguous_decode_attention(out, query.to(DEVICE), poisoned_k, poisoned_v, slot_ids.to(DEVICE), lens.to(DEVICE),
-                                0.2, 150, K_SCALE, V_SCALE, split=True, config=DECODE_CONFIG)
+    contiguous_decode_attention(
+        out,
+        query.to(DEVICE),
+        poisoned_k,
+        poisoned_v,
+        slot_ids.to(DEVICE),
+        lens.to(DEVICE),
+        0.2,
+        150,
+        K_SCALE,
+        V_SCALE,
+        split=True,
+        config=DECODE_CONFIG,
+    )
     assert relative_error(out, expected) < 1e-5
     # 12 new tokens after 138 cached, then a whole prompt
     cu = torch.tensor([0, 12, 32], dtype=torch.int32)
     query = torch.randn(32, 4, HEAD_DIM, generator=gen)
     expected = torch.empty(query.shape, dtype=torch.float64)
-    reference.contiguous_prefill_attention(expected, query.double(), *clean, slot_ids, cu, lens, 0.2)
+    reference.contiguous_prefill_attention(
+        expected, query.double(), *clean, slot_ids, cu, lens, 0.2
+    )
     out = torch.full(query.shape, float("nan"), device=DEVICE)
-    contiguous_prefill_attention(out, query.to(DEVICE), poisoned_k, poisoned_v, slot_ids.to(DEVICE), cu.to(DEVICE),
-                                 lens.to(DEVICE), 0.2, K_SCALE, V_SCALE, config=PREFILL_CONFIG)
+    contiguous_prefill_attention(
+        out,
+        query.to(DEVICE),
+        poisoned_k,
+        poisoned_v,
+        slot_ids.to(DEVICE),
+        cu.to(DEVICE),
+        lens.to(DEVICE),
+        0.2,
+        K_SCALE,
+        V_SCALE,
+        config=PREFILL_CONFIG,
+    )
     assert relative_error(out, expected) < 1e-5
 
 
@@ -211,7 +298,9 @@ def test_copy_and_swap_move_fp8_blocks_byte_for_byte(ops):
         expected_host[:, dst] = expected_k[:, src]
     k, v = k.to(DEVICE), v.to(DEVICE)
     copy(k, v, torch.tensor([[1, 4], [2, 5]], device=DEVICE))
-    assert torch.equal(k.cpu().view(torch.uint8), expected_k) and torch.equal(v.cpu().view(torch.uint8), expected_v)
+    assert torch.equal(k.cpu().view(torch.uint8), expected_k) and torch.equal(
+        v.cpu().view(torch.uint8), expected_v
+    )
     swap(k, host, torch.tensor([[4, 0], [0, 3], [5, 1]]))
     assert torch.equal(host.view(torch.uint8), expected_host)
     back = torch.zeros_like(k)

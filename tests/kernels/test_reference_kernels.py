@@ -1,5 +1,6 @@
 """The torch reference kernels (the CPU path) against plain dense attention in float64: KV scattered over
 randomly permuted blocks must give the same result as attention over contiguous tensors."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ from kernels import reference
 HEAD_DIM = 32
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [Lq, H, d] are the last Lq positions of k/v [L, Hkv, d]; float64, written out by hand."""
     lq, heads, _ = q.shape
     length, kv_heads, _ = k.shape
@@ -25,17 +28,26 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out
 
 
-def scatter_to_blocks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      free_blocks: list[int]) -> list[int]:
+def scatter_to_blocks(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    free_blocks: list[int],
+) -> list[int]:
     """Store one sequence's K/V through store_kv at the slots of freshly taken (random) blocks."""
     block_size = k_cache.shape[1]
     table = [free_blocks.pop() for _ in range(-(-k.shape[0] // block_size))]
-    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(k.shape[0])])
+    slots = torch.tensor(
+        [table[p // block_size] * block_size + p % block_size for p in range(k.shape[0])]
+    )
     reference.store_kv(k, v, k_cache, v_cache, slots)
     return table
 
 
-def make_cache(num_blocks: int, block_size: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def make_cache(
+    num_blocks: int, block_size: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     # stale random data, never zeros
     k_cache = torch.randn(num_blocks, block_size, kv_heads, HEAD_DIM)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, HEAD_DIM)
@@ -63,11 +75,18 @@ def test_paged_decode_equals_dense_attention(block_size, heads, kv_heads):
         k, v = torch.randn(length, kv_heads, HEAD_DIM), torch.randn(length, kv_heads, HEAD_DIM)
         q = torch.randn(1, heads, HEAD_DIM)
         tables.append(scatter_to_blocks(k, v, k_cache, v_cache, free))
-        refs.append(dense_causal_attention(q, k, v, HEAD_DIM ** -0.5)[0])
+        refs.append(dense_causal_attention(q, k, v, HEAD_DIM**-0.5)[0])
         queries.append(q[0])
     out = torch.full((len(lengths), heads, HEAD_DIM), float("nan"))
-    reference.paged_attention(out, torch.stack(queries), k_cache, v_cache, padded(tables),
-                              torch.tensor(lengths, dtype=torch.int32), HEAD_DIM ** -0.5)
+    reference.paged_attention(
+        out,
+        torch.stack(queries),
+        k_cache,
+        v_cache,
+        padded(tables),
+        torch.tensor(lengths, dtype=torch.int32),
+        HEAD_DIM**-0.5,
+    )
     assert relative_error(out, torch.stack(refs)) < 1e-5
 
 
@@ -87,8 +106,16 @@ def test_prefill_with_cached_prefix_and_chunks_equals_dense_attention(heads, kv_
         chunks.append(q)
     cu = torch.tensor([0, 37, 46, 66], dtype=torch.int32)
     out = torch.full((66, heads, HEAD_DIM), float("nan"))
-    reference.prefill_attention(out, torch.cat(chunks), k_cache, v_cache, padded(tables), cu,
-                                torch.tensor([c + n for c, n in cases], dtype=torch.int32), 0.125)
+    reference.prefill_attention(
+        out,
+        torch.cat(chunks),
+        k_cache,
+        v_cache,
+        padded(tables),
+        cu,
+        torch.tensor([c + n for c, n in cases], dtype=torch.int32),
+        0.125,
+    )
     assert relative_error(out, torch.cat(refs)) < 1e-5
 
 
@@ -98,7 +125,11 @@ def test_store_kv_skips_padding_slots():
     key, value = torch.randn(3, 2, HEAD_DIM), torch.randn(3, 2, HEAD_DIM)
     reference.store_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 40]))
     flat_k, flat_v = k_cache.view(-1, 2, HEAD_DIM), v_cache.view(-1, 2, HEAD_DIM)
-    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_k[40], key[2]) and torch.equal(flat_v[40], value[2])
+    assert (
+        torch.equal(flat_k[5], key[0])
+        and torch.equal(flat_k[40], key[2])
+        and torch.equal(flat_v[40], value[2])
+    )
     untouched = [s for s in range(64) if s not in (5, 40)]
     assert torch.equal(flat_k[untouched], before_k.view(-1, 2, HEAD_DIM)[untouched])
     assert torch.equal(flat_v[untouched], before_v.view(-1, 2, HEAD_DIM)[untouched])

@@ -12,6 +12,7 @@ Two interpreter stand-ins for the GPU: float32 -> bfloat16 rounds to nearest eve
 and ``tl.dot`` on bfloat16 tiles multiplies their values (the interpreter multiplies their bit patterns as
 integers).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,15 +59,21 @@ def interpreter_like_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     if DEVICE.type == "cuda":
         return
     from triton.runtime import interpreter
+
     round_bfloat16_like_gpu(monkeypatch)
     convert = interpreter._convert_float
     create_dot = interpreter.InterpreterBuilder.create_dot
 
     def bfloat16_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype == tl.bfloat16:
-            a = interpreter.TensorHandle(convert(a.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-            b = interpreter.TensorHandle(convert(b.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+            a = interpreter.TensorHandle(
+                convert(a.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32
+            )
+            b = interpreter.TensorHandle(
+                convert(b.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32
+            )
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", bfloat16_dot)
 
 
@@ -99,7 +106,9 @@ def test_skinny_gemm_matches_reference(m: int, dtype: torch.dtype, config: Skinn
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_fused_gate_up_silu_and_mul_matches_reference(m: int, dtype: torch.dtype, config: SkinnyConfig):
+def test_fused_gate_up_silu_and_mul_matches_reference(
+    m: int, dtype: torch.dtype, config: SkinnyConfig
+):
     x, weight = randn(m, K, dtype=dtype, seed=m), randn(2 * N, K, dtype=dtype, seed=200 + m) / 3
     expected = reference.skinny_gemm_silu_and_mul(oracle(x, dtype), oracle(weight, dtype))
     out = skinny_gemm_silu_and_mul(x.to(DEVICE), weight.to(DEVICE), config=config)
@@ -132,7 +141,10 @@ def test_split_k_counters_are_left_zero_for_the_next_launch():
     """The in-launch merge re-arms its counters: a second call (other shape, same counters) is still right."""
     config = CONFIGS["split-k"]
     for m, n in [(2, N), (4, 2 * N)]:
-        x, weight = randn(m, K, dtype=torch.float32, seed=m), randn(n, K, dtype=torch.float32, seed=n)
+        x, weight = (
+            randn(m, K, dtype=torch.float32, seed=m),
+            randn(n, K, dtype=torch.float32, seed=n),
+        )
         out = skinny_gemm(x.to(DEVICE), weight.to(DEVICE), config=config)
         assert_matches(out, reference.skinny_gemm(x.double(), weight.double()), torch.float32)
 
@@ -153,8 +165,13 @@ def test_heuristic_splits_k_where_column_blocks_leave_sms_idle():
     """llama-3.2-1b on 132 SMs, 64-column blocks: K is split 132 // blocks ways (at most one wave), each split
     keeping >= 4 tiles of 128: qkv 48 blocks -> 2; o 32 blocks -> 4 (16 tiles of K: 4 each); down (K 8192) 32
     blocks -> 4; gate/up fused (8192 output columns, 128 blocks) and the output layer (2004 blocks) -> 1."""
-    expected = {(3072, 2048, GEMM): 2, (2048, 2048, GEMM): 4, (2048, 8192, GEMM): 4,
-                (16384, 2048, SILU_AND_MUL): 1, (128256, 2048, GEMM): 1}
+    expected = {
+        (3072, 2048, GEMM): 2,
+        (2048, 2048, GEMM): 4,
+        (2048, 8192, GEMM): 4,
+        (16384, 2048, SILU_AND_MUL): 1,
+        (128256, 2048, GEMM): 1,
+    }
     for (n, k, op), split in expected.items():
         config = heuristic_config(1, n, k, op, sms=132)
         assert (config.block_n, config.block_k, config.split_k) == (64, 128, split), (n, k, op)
@@ -162,7 +179,9 @@ def test_heuristic_splits_k_where_column_blocks_leave_sms_idle():
     assert heuristic_config(1, 2048, 256, GEMM, sms=132).split_k == 1
 
 
-def test_measured_table_is_keyed_by_rows_rounded_up_to_a_power_of_two(monkeypatch: pytest.MonkeyPatch):
+def test_measured_table_is_keyed_by_rows_rounded_up_to_a_power_of_two(
+    monkeypatch: pytest.MonkeyPatch,
+):
     measured = SkinnyConfig(block_n=128, block_k=256, split_k=2)
     monkeypatch.setitem(TABLE, (GEMM, 8, 3072, 2048), measured)
     assert choose_config(5, 3072, 2048, GEMM, torch.device("cpu")) is measured
@@ -174,6 +193,8 @@ def test_references_are_the_textbook_formulas():
     product = torch.einsum("mk,nk->mn", x, weight)
     torch.testing.assert_close(reference.skinny_gemm(x, weight), product)
     gate, up = product[:, :5], product[:, 5:]
-    torch.testing.assert_close(reference.skinny_gemm_silu_and_mul(x, weight), gate / (1 + torch.exp(-gate)) * up)
+    torch.testing.assert_close(
+        reference.skinny_gemm_silu_and_mul(x, weight), gate / (1 + torch.exp(-gate)) * up
+    )
     out = torch.empty(3, 5, dtype=torch.float64)
     assert reference.skinny_gemm_silu_and_mul(x, weight, out) is out

@@ -6,6 +6,7 @@ real sizes). Cache slots that belong to no sequence are poisoned with NaN in the
 reference gets clean random data there), and every output buffer starts as NaN: a kernel that reads past a
 context or leaves an element unwritten fails. The oracle is the reference in float64.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,15 @@ LENGTHS = [1, 15, 16, 17, 300]
 class PagedKV:
     """Random K/V of several sequences scattered over randomly permuted blocks of a fresh cache."""
 
-    def __init__(self, lengths: list[int], block_size: int, kv_heads: int, head_dim: int = HEAD_DIM,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    def __init__(
+        self,
+        lengths: list[int],
+        block_size: int,
+        kv_heads: int,
+        head_dim: int = HEAD_DIM,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         needed = [-(-n // block_size) for n in lengths]
         num_blocks = sum(needed) + 3
@@ -45,7 +53,9 @@ class PagedKV:
                 used[table[p // block_size] * block_size + p % block_size] = True
             tables.append(table)
         width = max(needed)
-        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+        )
         self.context_lens = torch.tensor(lengths, dtype=torch.int32)
         self.unused_slots = ~used
 
@@ -70,12 +80,27 @@ def run_decode(kv: PagedKV, heads: int, dtype: torch.dtype, **kwargs) -> float:
     query = torch.randn(len(kv.context_lens), heads, kv.k_cache.shape[-1]).to(dtype)
     scale = kv.k_cache.shape[-1] ** -0.5
     ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.paged_attention(ref, query.double(), kv.k_cache.double(), kv.v_cache.double(), kv.block_tables,
-                              kv.context_lens, scale)
+    reference.paged_attention(
+        ref,
+        query.double(),
+        kv.k_cache.double(),
+        kv.v_cache.double(),
+        kv.block_tables,
+        kv.context_lens,
+        scale,
+    )
     out = nan_like(query.shape, dtype)
     k, v = kv.poisoned()
-    paged_attention(out, query.to(DEVICE), k, v, kv.block_tables.to(DEVICE), kv.context_lens.to(DEVICE), scale,
-                    **kwargs)
+    paged_attention(
+        out,
+        query.to(DEVICE),
+        k,
+        v,
+        kv.block_tables.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        scale,
+        **kwargs,
+    )
     return relative_error(out, ref)
 
 
@@ -90,8 +115,11 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, split):
     assert run_decode(kv, heads, torch.float32, split=split, config=config) < 1e-5
 
 
-@pytest.mark.parametrize("block_size, tile_n", [(8, 64), (128, 32), (16, 16)],
-                         ids=["tile-spans-8-blocks", "block-spans-4-tiles", "tile-equals-block"])
+@pytest.mark.parametrize(
+    "block_size, tile_n",
+    [(8, 64), (128, 32), (16, 16)],
+    ids=["tile-spans-8-blocks", "block-spans-4-tiles", "tile-equals-block"],
+)
 def test_paged_decode_tile_independent_of_block_size(block_size, tile_n):
     torch.manual_seed(block_size)
     kv = PagedKV([3, 130, 257], block_size, 2, seed=block_size)
@@ -113,7 +141,9 @@ def test_paged_decode_half_precision():
 
 
 def test_split_k_fills_the_gpu_only_when_needed():
-    config = DecodeConfig(split_below_programs_per_sm=1, programs_per_sm=2, min_partition=512, split_tile_n=128)
+    config = DecodeConfig(
+        split_below_programs_per_sm=1, programs_per_sm=2, min_partition=512, split_tile_n=128
+    )
     cpu = torch.device("cpu")  # the interpreter's stand-in for an H100/H200: 132 SMs
     # 64 programs: 4 partitions, the most allowed
     assert choose_partition(8 * 8, 2048, cpu, config, None) == 512
@@ -129,21 +159,49 @@ def test_split_k_fills_the_gpu_only_when_needed():
     assert choose_partition(1 * 8, 8192, cpu, config, False) == 0
 
 
-def run_prefill(cases: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
-                dtype: torch.dtype = torch.float32, config: PrefillConfig | None = None) -> float:
+def run_prefill(
+    cases: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    config: PrefillConfig | None = None,
+) -> float:
     """``cases``: (tokens already cached, chunk length) per sequence; the chunk's K/V are in the cache too."""
-    kv = PagedKV([cached + chunk for cached, chunk in cases], block_size, kv_heads, seed=heads + block_size,
-                 dtype=dtype)
+    kv = PagedKV(
+        [cached + chunk for cached, chunk in cases],
+        block_size,
+        kv_heads,
+        seed=heads + block_size,
+        dtype=dtype,
+    )
     chunks = [chunk for _, chunk in cases]
     cu = torch.tensor([0] + chunks, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     query = torch.randn(sum(chunks), heads, HEAD_DIM).to(dtype)
     ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.prefill_attention(ref, query.double(), kv.k_cache.double(), kv.v_cache.double(), kv.block_tables,
-                                cu, kv.context_lens, 0.125)
+    reference.prefill_attention(
+        ref,
+        query.double(),
+        kv.k_cache.double(),
+        kv.v_cache.double(),
+        kv.block_tables,
+        cu,
+        kv.context_lens,
+        0.125,
+    )
     out = nan_like(query.shape, dtype)
     k, v = kv.poisoned()
-    prefill_attention(out, query.to(DEVICE), k, v, kv.block_tables.to(DEVICE), cu.to(DEVICE),
-                      kv.context_lens.to(DEVICE), 0.125, config=config)
+    prefill_attention(
+        out,
+        query.to(DEVICE),
+        k,
+        v,
+        kv.block_tables.to(DEVICE),
+        cu.to(DEVICE),
+        kv.context_lens.to(DEVICE),
+        0.125,
+        config=config,
+    )
     return relative_error(out, ref)
 
 
@@ -212,13 +270,23 @@ def test_swap_blocks_moves_blocks_between_caches():
 
 
 @pytest.mark.parametrize("to_host", [True, False])
-@pytest.mark.parametrize("pairs", [
-    [(3, 0), (4, 1), (5, 2)],  # one run on both sides: one slice
-    [(9, 4), (2, 5), (7, 6), (0, 1), (5, 2), (6, 3)],  # scattered device ids, two runs of host ids
-    [(1, 1), (8, 0)],  # descending host ids: sorted into one run
-    # stored tail first (as evictions and swap-outs go): one run once sorted
-    [(2, 6), (7, 5), (4, 4), (0, 3)],
-])
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [(3, 0), (4, 1), (5, 2)],  # one run on both sides: one slice
+        [
+            (9, 4),
+            (2, 5),
+            (7, 6),
+            (0, 1),
+            (5, 2),
+            (6, 3),
+        ],  # scattered device ids, two runs of host ids
+        [(1, 1), (8, 0)],  # descending host ids: sorted into one run
+        # stored tail first (as evictions and swap-outs go): one run once sorted
+        [(2, 6), (7, 5), (4, 4), (0, 3)],
+    ],
+)
 def test_swap_blocks_batched_paths_match_reference(to_host, pairs):
     """The staged copy (gather, one slice per layer and host run, scatter) equals the reference in both
     directions; host ids are the second column going out and the first coming back."""

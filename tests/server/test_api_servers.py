@@ -2,6 +2,7 @@
 shared), greedy outputs are the offline engine's, sessions and presets are one set for both (Redis, and the core's
 pins), /metrics sums both fronts' histograms; the core's death ends every stream on both with an error event and
 the server exits 3; SIGTERM drains open streams; a front that dies takes the server down with it, orphans none."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -65,8 +66,7 @@ def first_tokens_seen_by(front_pid: int) -> float:
     path = multiprocess_dir(front_pid) / f"histogram_{front_pid}.db"
     values = MmapedDict.read_all_values_from_file(str(path))
     # (each bucket's own count: they are summed at scrape time)
-    return sum(value for key, value, *_ in values
-               if "time_to_first_token_seconds_bucket" in key)
+    return sum(value for key, value, *_ in values if "time_to_first_token_seconds_bucket" in key)
 
 
 def chat_stream(server: RunningServer, max_tokens: int) -> list[dict]:
@@ -78,13 +78,16 @@ def chat_stream(server: RunningServer, max_tokens: int) -> list[dict]:
             return sse_chunks(sse_data(response.iter_lines()))
 
 
-def open_streams(stack: contextlib.ExitStack, server: RunningServer, count: int, max_tokens: int) -> list:
+def open_streams(
+    stack: contextlib.ExitStack, server: RunningServer, count: int, max_tokens: int
+) -> list:
     """``count`` chat streams, each on a connection of its own and past its first event; their other events."""
     streams = []
     for _ in range(count):
         client = stack.enter_context(httpx.Client(timeout=60))
-        response = stack.enter_context(client.stream("POST", server.url("/v1/chat/completions"),
-                                                     json=stream_body(max_tokens)))
+        response = stack.enter_context(
+            client.stream("POST", server.url("/v1/chat/completions"), json=stream_body(max_tokens))
+        )
         events = data_events(response)
         next(events)
         streams.append(events)
@@ -98,7 +101,9 @@ def test_two_fronts_serve_one_core_with_the_offline_engines_greedy_tokens(server
     before = {pid: first_tokens_seen_by(pid) for pid in fronts}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda _: chat_stream(server, 12), range(24)))
-    texts = {"".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) for chunks in replies}
+    texts = {
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) for chunks in replies
+    }
     assert texts == {expected}
     seen = {pid: first_tokens_seen_by(pid) - before[pid] for pid in fronts}
     # both fronts served
@@ -109,22 +114,32 @@ def test_two_fronts_serve_one_core_with_the_offline_engines_greedy_tokens(server
 
 
 def test_a_session_goes_on_whichever_front_takes_each_turn(server: RunningServer):
-    session = httpx.post(server.url("/v1/sessions"), json={"system": "Be brief."}, timeout=30).json()
+    session = httpx.post(
+        server.url("/v1/sessions"), json={"system": "Be brief."}, timeout=30
+    ).json()
     replies = []
     for turn in ("Hi!", "Name a colour.", "Another one?", "Thanks."):
         with httpx.Client(timeout=120) as client:  # a new connection per turn
-            response = client.post(server.url(f"/v1/sessions/{session['id']}/messages"),
-                                   json={"content": turn, "max_tokens": 6, "temperature": 0})
+            response = client.post(
+                server.url(f"/v1/sessions/{session['id']}/messages"),
+                json={"content": turn, "max_tokens": 6, "temperature": 0},
+            )
         assert response.status_code == 200, response.text
         replies.append(response.json()["choices"][0]["message"]["content"])
     stored = httpx.get(server.url(f"/v1/sessions/{session['id']}"), timeout=30).json()
     assert [m["content"] for m in stored["messages"]] == [
-        text for pair in zip(("Hi!", "Name a colour.", "Another one?", "Thanks."), replies) for text in pair]
+        text
+        for pair in zip(("Hi!", "Name a colour.", "Another one?", "Thanks."), replies)
+        for text in pair
+    ]
 
 
 def test_a_preset_pinned_through_one_front_is_reported_and_released_by_both(server: RunningServer):
-    created = httpx.post(server.url("/v1/presets"), json={"name": "tersely", "system": "Answer tersely. " * 30},
-                         timeout=60)
+    created = httpx.post(
+        server.url("/v1/presets"),
+        json={"name": "tersely", "system": "Answer tersely. " * 30},
+        timeout=60,
+    )
     assert created.status_code == 201, created.text
     pinned = created.json()["pinned_blocks"]
     assert pinned >= 1
@@ -138,7 +153,9 @@ def test_a_preset_pinned_through_one_front_is_reported_and_released_by_both(serv
     assert wait_until(lambda: server.metrics().value("pagedchat:kv_cache_pinned_blocks") == 0, 5)
 
 
-def test_the_core_killed_ends_streams_on_every_front_and_the_server_exits_3(redis_server: RedisServer):
+def test_the_core_killed_ends_streams_on_every_front_and_the_server_exits_3(
+    redis_server: RedisServer,
+):
     with running_server("--api-server-count", "2", "--redis-url", redis_server.url) as server:
         fronts, (core,) = children_of(server.process.pid)
         with contextlib.ExitStack() as stack:
@@ -152,8 +169,9 @@ def test_the_core_killed_ends_streams_on_every_front_and_the_server_exits_3(redi
 
 
 def test_sigterm_drains_the_open_streams_of_every_front_then_stops_all(redis_server: RedisServer):
-    with running_server("--api-server-count", "2", "--redis-url", redis_server.url,
-                        "--shutdown-timeout-s", "60") as server:
+    with running_server(
+        "--api-server-count", "2", "--redis-url", redis_server.url, "--shutdown-timeout-s", "60"
+    ) as server:
         fronts, cores = children_of(server.process.pid)
         with contextlib.ExitStack() as stack:
             streams = open_streams(stack, server, 6, max_tokens=40)
@@ -174,21 +192,34 @@ def test_a_front_killed_stops_the_server_and_leaves_no_process(redis_server: Red
 
 
 def test_more_than_one_front_needs_a_shared_session_store():
-    result = subprocess.run(server_command(8999, ["--api-server-count", "2", "--session-store", "memory"]),
-                            cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        server_command(8999, ["--api-server-count", "2", "--session-store", "memory"]),
+        cwd=REPO_ROOT,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     # (before any model load)
     assert "api_server_count" in result.stderr and "not memory" in result.stderr
 
 
 def test_two_fronts_share_sessions_in_the_default_sqlite_file(tmp_path):
-    with running_server("--api-server-count", "2", "--session-db-path", str(tmp_path / "s.sqlite3")) as server:
+    with running_server(
+        "--api-server-count", "2", "--session-db-path", str(tmp_path / "s.sqlite3")
+    ) as server:
         session = httpx.post(server.url("/v1/sessions"), json={}, timeout=30).json()
         for turn in ("Hi!", "Name a colour."):
             with httpx.Client(timeout=120) as client:  # a new connection per turn: either front
-                response = client.post(server.url(f"/v1/sessions/{session['id']}/messages"),
-                                       json={"content": turn, "max_tokens": 4, "temperature": 0})
+                response = client.post(
+                    server.url(f"/v1/sessions/{session['id']}/messages"),
+                    json={"content": turn, "max_tokens": 4, "temperature": 0},
+                )
             assert response.status_code == 200, response.text
         for _ in range(4):
             with httpx.Client(timeout=30) as client:
-                assert client.get(server.url(f"/v1/sessions/{session['id']}")).json()["num_messages"] == 4
+                assert (
+                    client.get(server.url(f"/v1/sessions/{session['id']}")).json()["num_messages"]
+                    == 4
+                )

@@ -1,6 +1,7 @@
 """Tenants at the HTTP edge: without API keys a client address is a tenant; each tenant has its own part of the
 queue (429 ``tenant_queue_full`` for it alone); ``priority`` is checked at the edge. (The fair shares of each
 engine step are tests/engine/test_fair_scheduling.py's; the served numbers are benchmarks/fairness.py's.)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,13 @@ from tests.server_harness import RunningServer, read_until_content, server_fixtu
 
 server = server_fixture("--max-num-seqs", "1", "--max-queue", "8", "--max-queue-per-tenant", "1")
 
-LONG = {"messages": [{"role": "user", "content": "Tell me a long story about the sea."}], "max_tokens": 2000,
-        "ignore_eos": True, "stream": True, "temperature": 0}
+LONG = {
+    "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+    "max_tokens": 2000,
+    "ignore_eos": True,
+    "stream": True,
+    "temperature": 0,
+}
 
 
 def client_from(address: str) -> httpx.Client:
@@ -23,7 +29,11 @@ def client_from(address: str) -> httpx.Client:
 
 def test_each_client_address_has_its_own_part_of_the_queue(server: RunningServer):
     url = server.url("/v1/chat/completions")
-    with client_from("127.0.0.1") as a, client_from("127.0.0.2") as b, contextlib.ExitStack() as streams:
+    with (
+        client_from("127.0.0.1") as a,
+        client_from("127.0.0.2") as b,
+        contextlib.ExitStack() as streams,
+    ):
         running = streams.enter_context(a.stream("POST", url, json=LONG))
         assert running.status_code == 200
         lines = running.iter_lines()  # (kept referenced: a dropped iterator closes the connection)

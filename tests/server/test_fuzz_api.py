@@ -7,6 +7,7 @@ requests).
 
 Bounded for CI (about two minutes on a CPU): ``PAGEDCHAT_FUZZ_EXAMPLES`` examples per operation and mode (100 by default),
 a 128-token context and 4 tokens for requests without max_tokens keep each answer short."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from starlette.testclient import TestClient
 
 from app.server import OPERATIONS, create_app
@@ -39,8 +44,12 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 def client() -> Iterator[TestClient]:
     """One app for the whole module (its lifespan runs once: model load, warm-up); schemathesis's own ASGI
     transport would start and stop it around every test."""
-    settings = ServerSettings(default_max_tokens=4, max_request_bytes=256 * 1024, session_store="memory",
-                              engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=128))
+    settings = ServerSettings(
+        default_max_tokens=4,
+        max_request_bytes=256 * 1024,
+        session_store="memory",
+        engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=128),
+    )
     with TestClient(create_app(settings)) as client:
         yield client
 
@@ -52,8 +61,9 @@ NEGATIVE_STATUSES = [400, 401, 403, 404, 405, 406, 409, 413, 415, 422, 428, 429,
 
 @pytest.fixture(scope="module")
 def api_schema(client: TestClient) -> Any:
-    config = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {
-        "expected-statuses": NEGATIVE_STATUSES}}})
+    config = SchemathesisConfig.from_dict(
+        {"checks": {"negative_data_rejection": {"expected-statuses": NEGATIVE_STATUSES}}}
+    )
     return schemathesis.openapi.from_dict(client.get("/openapi.json").json(), config=config)
 
 
@@ -61,16 +71,27 @@ def send(client: TestClient, case: Any) -> Any:
     """The case as schemathesis would send it (its requests-style arguments), through the TestClient."""
     kwargs = case.as_transport_kwargs(base_url=str(client.base_url))
     body = {"json": kwargs["json"]} if "json" in kwargs else {"content": kwargs.get("data")}
-    return client.request(kwargs["method"], kwargs["url"], params=kwargs.get("params"),
-                          headers=dict(kwargs.get("headers") or {}), **body)
+    return client.request(
+        kwargs["method"],
+        kwargs["url"],
+        params=kwargs.get("params"),
+        headers=dict(kwargs.get("headers") or {}),
+        **body,
+    )
 
 
 # every operation with valid data, and with invalid data where it takes any (a body or parameters); the routes
 # of one session also on a session that exists (random ids find none), its deletion last
-CASES = [(op.method, op.path, mode, False) for op in OPERATIONS for mode in ("positive", "negative")
-         if mode == "positive" or op.body is not None or "{" in op.path or op.query]
-CASES += sorted(((op.method, op.path, "positive", True) for op in OPERATIONS if "{session_id}" in op.path),
-                key=lambda case: case[0] == "DELETE")
+CASES = [
+    (op.method, op.path, mode, False)
+    for op in OPERATIONS
+    for mode in ("positive", "negative")
+    if mode == "positive" or op.body is not None or "{" in op.path or op.query
+]
+CASES += sorted(
+    ((op.method, op.path, "positive", True) for op in OPERATIONS if "{session_id}" in op.path),
+    key=lambda case: case[0] == "DELETE",
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +102,45 @@ def session_id(client: TestClient) -> str:
 
 
 @pytest.mark.parametrize(("method", "path", "mode", "existing"), CASES)
-def test_no_request_gets_a_5xx_and_every_4xx_is_an_openai_error(client: TestClient, api_schema: Any,
-                                                                 session_id: str, method: str, path: str, mode: str,
-                                                                 existing: bool) -> None:
+def test_no_request_gets_a_5xx_and_every_4xx_is_an_openai_error(
+    client: TestClient,
+    api_schema: Any,
+    session_id: str,
+    method: str,
+    path: str,
+    mode: str,
+    existing: bool,
+) -> None:
     operation = api_schema[path][method]
     fixed = {"path_parameters": {"session_id": session_id}} if existing else {}
 
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode), **fixed))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def fuzz(case: Any) -> None:
         response = send(client, case)
-        case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                                 content_type_conformance, response_schema_conformance,
-                                                 negative_data_rejection])
+        case.validate_response(
+            response,
+            checks=[
+                not_a_server_error,
+                status_code_conformance,
+                content_type_conformance,
+                response_schema_conformance,
+                negative_data_rejection,
+            ],
+        )
         if 400 <= response.status_code < 500:
             error = response.json()["error"]
             assert set(error) == ERROR_FIELDS, response.text
-            assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+            assert (
+                isinstance(error["message"], str)
+                and error["message"]
+                and isinstance(error["type"], str)
+            )
             assert error["param"] is None or isinstance(error["param"], str)
 
     fuzz()

@@ -1,6 +1,7 @@
 """The model's generation_config.json sampling defaults apply to requests that leave those fields unset
 (``--generation-config auto``, vLLM's behaviour); a request's own values win; ``none`` keeps OpenAI's defaults;
 values out of range in the file are never applied."""
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,24 @@ def write_config(directory: Path, **values) -> Path:
 
 
 def test_the_files_sampling_fields_are_read_and_bad_ones_skipped(tmp_path, caplog):
-    write_config(tmp_path, temperature=0.6, top_p=0.95, top_k=20, min_p=0, repetition_penalty=float("inf"),
-                 max_new_tokens=100, do_sample=True)
+    write_config(
+        tmp_path,
+        temperature=0.6,
+        top_p=0.95,
+        top_k=20,
+        min_p=0,
+        repetition_penalty=float("inf"),
+        max_new_tokens=100,
+        do_sample=True,
+    )
     with caplog.at_level(logging.WARNING):
         defaults = model_sampling_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
     assert "repetition_penalty" in caplog.text
-    assert model_sampling_defaults(str(tmp_path / "missing")) == {} and model_sampling_defaults(None) == {}
+    assert (
+        model_sampling_defaults(str(tmp_path / "missing")) == {}
+        and model_sampling_defaults(None) == {}
+    )
     write_config(tmp_path, top_p=1.5, temperature="hot")
     assert model_sampling_defaults(str(tmp_path)) == {}
 
@@ -53,14 +65,24 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(("mode", "same"), [("auto", True), ("none", False)])
-def test_the_model_default_reaches_requests_unless_turned_off(model_dir: Path, mode: str, same: bool):
-    settings = ServerSettings(session_store="memory", generation_config=mode,
-                              engine=EngineConfig(model=str(model_dir), num_kv_blocks=64))
+def test_the_model_default_reaches_requests_unless_turned_off(
+    model_dir: Path, mode: str, same: bool
+):
+    settings = ServerSettings(
+        session_store="memory",
+        generation_config=mode,
+        engine=EngineConfig(model=str(model_dir), num_kv_blocks=64),
+    )
     with TestClient(create_app(settings)) as client:
         outputs = []
         for seed in (1, 2, 3):
-            body = {"prompt": [5, 17, 200, 3], "max_tokens": 16, "ignore_eos": True, "seed": seed,
-                    "return_token_ids": True}
+            body = {
+                "prompt": [5, 17, 200, 3],
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "seed": seed,
+                "return_token_ids": True,
+            }
             response = client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             outputs.append(tuple(response.json()["choices"][0]["token_ids"]))

@@ -1,6 +1,7 @@
 """Pinned presets' quotas: a key's own presets share its ``--preset-pin-share-per-key`` of the KV pool, counting
 what its other presets already hold; shared presets count only against the pool-wide ``--preset-pin-share``. The
 engine computes the cap (engine/core/prefix_pins.py ``pin_cap``); the app names the shares and the key."""
+
 from __future__ import annotations
 
 from engine.core.prefix_pins import pin_cap

@@ -1,5 +1,6 @@
 """Request bodies at the edge (app/request_body.py): a body of too many messages is refused before pydantic builds
 each one, naming the field; a large schema is re-encoded for the grammar worker in milliseconds."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ def request_with(body: bytes) -> Request:
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], "query_string": b""}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "query_string": b"",
+    }
     return Request(scope, receive)
 
 
@@ -48,24 +57,48 @@ async def test_the_most_messages_allowed_are_read():
 
 
 async def test_a_large_schema_reaches_the_grammar_worker_as_the_same_json():
-    schema = {"type": "object", "properties": {"x": {"enum": [f"välue-{i}" for i in range(50_000)]}}}
-    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}).encode()
+    schema = {
+        "type": "object",
+        "properties": {"x": {"enum": [f"välue-{i}" for i in range(50_000)]}},
+    }
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "big", "schema": schema},
+            },
+        }
+    ).encode()
     parsed = await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
     assert json.loads(parsed.structured_output().schema) == schema
 
 
 async def test_a_large_schema_under_another_format_type_is_ignored_as_before():
     schema = {"type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(20_000)]}}}
-    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "response_format": {
-        "type": "json_object", "json_schema": {"name": "big", "schema": schema}}}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "response_format": {
+                "type": "json_object",
+                "json_schema": {"name": "big", "schema": schema},
+            },
+        }
+    ).encode()
     parsed = await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
     assert parsed.structured_output().kind == "json_object"
 
 
 async def test_a_large_schema_that_is_not_an_object_is_still_a_400_naming_it():
-    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "big", "schema": ["x"] * 30_000}}}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "big", "schema": ["x"] * 30_000},
+            },
+        }
+    ).encode()
     with pytest.raises(APIError) as refused:
         await read_model(request_with(body), ChatCompletionRequest, 8 * 2**20)
     assert refused.value.status == 400 and "schema" in (refused.value.param or "")

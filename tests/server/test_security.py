@@ -4,6 +4,7 @@ then gets CORS headers), each API key is one tenant whatever the case of its ``B
 to the key that made them unless the admin key shares them.
 
 The app runs in this process (Starlette's TestClient, whose requests are addressed to ``http://testserver``)."""
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,17 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    settings = ServerSettings(api_key=f"{ALICE},{BOB}", admin_api_key=ADMIN, allowed_origins=ALLOWED,
-                              session_store="memory",
-                              engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=256))
-    with one_torch_thread(), TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    settings = ServerSettings(
+        api_key=f"{ALICE},{BOB}",
+        admin_api_key=ADMIN,
+        allowed_origins=ALLOWED,
+        session_store="memory",
+        engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=256),
+    )
+    with (
+        one_torch_thread(),
+        TestClient(create_app(settings), raise_server_exceptions=False) as client,
+    ):
         yield client
 
 
@@ -56,62 +64,101 @@ SIMPLE_BODIES = {
 @pytest.mark.parametrize("path", ["/v1/sessions", "/v1/chat/completions", "/v1/presets"])
 def test_cross_origin_text_plain_is_refused(client: TestClient, content_type: str, path: str):
     body = SIMPLE_BODIES[content_type]
-    cross_site = client.post(path, content=body, headers=auth(ALICE, **{"Content-Type": content_type,
-                                                                         "Origin": EVIL}))
+    cross_site = client.post(
+        path, content=body, headers=auth(ALICE, **{"Content-Type": content_type, "Origin": EVIL})
+    )
     assert_error(cross_site, 403, "cross_origin_refused")
     assert "access-control-allow-origin" not in cross_site.headers
-    no_origin = client.post(path, content=body, headers=auth(ALICE, **{"Content-Type": content_type}))
+    no_origin = client.post(
+        path, content=body, headers=auth(ALICE, **{"Content-Type": content_type})
+    )
     assert_error(no_origin, 415, "unsupported_media_type")
     assert client.get("/v1/sessions", headers=auth(ALICE)).json()["data"] == []
 
 
 def test_cross_origin_json_is_refused_too(client: TestClient):
     """A browser would ask first (a preflight, refused: EVIL is not listed); a refusal must not depend on it."""
-    response = client.post("/v1/sessions", json={"title": "planted"}, headers=auth(ALICE, Origin=EVIL))
+    response = client.post(
+        "/v1/sessions", json={"title": "planted"}, headers=auth(ALICE, Origin=EVIL)
+    )
     assert_error(response, 403, "cross_origin_refused")
-    preflight = client.options("/v1/sessions", headers={"Origin": EVIL, "Access-Control-Request-Method": "POST",
-                                                        "Access-Control-Request-Headers": "content-type"})
+    preflight = client.options(
+        "/v1/sessions",
+        headers={
+            "Origin": EVIL,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert "access-control-allow-origin" not in preflight.headers
     assert client.get("/v1/sessions", headers=auth(ALICE)).json()["data"] == []
 
 
 def test_same_origin_browser_requests_pass(client: TestClient):
-    own_page = client.post("/v1/sessions", json={"title": "from the UI"},
-                           headers=auth(BOB, Origin="http://testserver"))
+    own_page = client.post(
+        "/v1/sessions", json={"title": "from the UI"}, headers=auth(BOB, Origin="http://testserver")
+    )
     assert own_page.status_code == 201, own_page.text
     # Host rewritten, fetch metadata kept
-    behind_a_proxy = client.post("/v1/sessions", json={"title": "via nginx"},
-                                 headers=auth(BOB, Origin="https://chat.example", **{"Sec-Fetch-Site": "same-origin"}))
+    behind_a_proxy = client.post(
+        "/v1/sessions",
+        json={"title": "via nginx"},
+        headers=auth(BOB, Origin="https://chat.example", **{"Sec-Fetch-Site": "same-origin"}),
+    )
     assert behind_a_proxy.status_code == 201, behind_a_proxy.text
-    same_site = client.post("/v1/sessions", json={"title": "x"},
-                            headers=auth(BOB, Origin="http://testserver:3000", **{"Sec-Fetch-Site": "same-site"}))
+    same_site = client.post(
+        "/v1/sessions",
+        json={"title": "x"},
+        headers=auth(BOB, Origin="http://testserver:3000", **{"Sec-Fetch-Site": "same-site"}),
+    )
     assert_error(same_site, 403, "cross_origin_refused")  # another port is another origin
     titles = {s["title"] for s in client.get("/v1/sessions", headers=auth(BOB)).json()["data"]}
     assert titles == {"from the UI", "via nginx"}
 
 
 def test_listed_origin_may_call_the_api_and_read_the_answers(client: TestClient):
-    preflight = client.options("/v1/sessions", headers={"Origin": ALLOWED, "Access-Control-Request-Method": "POST",
-                                                        "Access-Control-Request-Headers": "authorization,content-type"})
+    preflight = client.options(
+        "/v1/sessions",
+        headers={
+            "Origin": ALLOWED,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == ALLOWED
     created = client.post("/v1/sessions", json={}, headers=auth(BOB, Origin=ALLOWED))
     assert created.status_code == 201 and created.headers["access-control-allow-origin"] == ALLOWED
-    assert "X-Session-ID" in client.post("/v1/sessions/" + created.json()["id"] + "/messages", json={
-        "content": "Hi", "max_tokens": 2}, headers=auth(BOB, Origin=ALLOWED)).headers["access-control-expose-headers"]
+    assert (
+        "X-Session-ID"
+        in client.post(
+            "/v1/sessions/" + created.json()["id"] + "/messages",
+            json={"content": "Hi", "max_tokens": 2},
+            headers=auth(BOB, Origin=ALLOWED),
+        ).headers["access-control-expose-headers"]
+    )
     foreign_read = client.get("/v1/sessions", headers=auth(BOB, Origin=EVIL))
-    assert foreign_read.status_code == 200 and "access-control-allow-origin" not in foreign_read.headers
+    assert (
+        foreign_read.status_code == 200
+        and "access-control-allow-origin" not in foreign_read.headers
+    )
 
 
-@pytest.mark.parametrize("authorization", [f"bearer {ALICE}", f"BEARER {ALICE}", f"Bearer   {ALICE}  ",
-                                           f"bEaReR {ALICE}"])
-def test_bearer_scheme_is_case_insensitive_and_one_tenant_per_key(client: TestClient, authorization: str):
+@pytest.mark.parametrize(
+    "authorization",
+    [f"bearer {ALICE}", f"BEARER {ALICE}", f"Bearer   {ALICE}  ", f"bEaReR {ALICE}"],
+)
+def test_bearer_scheme_is_case_insensitive_and_one_tenant_per_key(
+    client: TestClient, authorization: str
+):
     created = client.post("/v1/sessions", json={"title": "alice's"}, headers=auth(ALICE))
     session_id = created.json()["id"]
     same_key = client.get(f"/v1/sessions/{session_id}", headers={"Authorization": authorization})
     assert same_key.status_code == 200 and same_key.json()["title"] == "alice's"
     assert client.get(f"/v1/sessions/{session_id}", headers=auth(BOB)).status_code == 404
-    listed = client.get("/v1/sessions?limit=1000", headers={"Authorization": authorization}).json()["data"]
+    listed = client.get("/v1/sessions?limit=1000", headers={"Authorization": authorization}).json()[
+        "data"
+    ]
     assert session_id in {s["id"] for s in listed}
     assert client.delete(f"/v1/sessions/{session_id}", headers=auth(ALICE)).status_code == 200
 
@@ -121,16 +168,39 @@ def test_presets_belong_to_their_key_and_only_the_admin_shares_them(client: Test
         data = client.get("/v1/presets", headers=auth(key)).json()["data"]
         return {(p["name"], p["shared"], p["system"]) for p in data}
 
-    assert client.post("/v1/presets", json={"name": "mine", "system": "Alice's voice."},
-                       headers=auth(ALICE)).status_code == 201
+    assert (
+        client.post(
+            "/v1/presets", json={"name": "mine", "system": "Alice's voice."}, headers=auth(ALICE)
+        ).status_code
+        == 201
+    )
     assert names(BOB) == set()
-    assert client.post("/v1/presets", json={"name": "mine", "system": "Bob's voice."},
-                       # names are per key: no clash, nothing learnt
-                       headers=auth(BOB)).status_code == 201
-    assert_error(client.post("/v1/presets", json={"name": "house", "system": "x", "shared": True},
-                             headers=auth(ALICE)), 403, "permission_denied")
-    assert client.post("/v1/presets", json={"name": "house", "system": "The house style.", "shared": True},
-                       headers=auth(ADMIN)).status_code == 201
+    assert (
+        client.post(
+            "/v1/presets",
+            json={"name": "mine", "system": "Bob's voice."},
+            # names are per key: no clash, nothing learnt
+            headers=auth(BOB),
+        ).status_code
+        == 201
+    )
+    assert_error(
+        client.post(
+            "/v1/presets",
+            json={"name": "house", "system": "x", "shared": True},
+            headers=auth(ALICE),
+        ),
+        403,
+        "permission_denied",
+    )
+    assert (
+        client.post(
+            "/v1/presets",
+            json={"name": "house", "system": "The house style.", "shared": True},
+            headers=auth(ADMIN),
+        ).status_code
+        == 201
+    )
     assert names(ALICE) == {("mine", False, "Alice's voice."), ("house", True, "The house style.")}
     assert names(BOB) == {("mine", False, "Bob's voice."), ("house", True, "The house style.")}
 

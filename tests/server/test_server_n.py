@@ -6,6 +6,7 @@ chunk each, best_of returns the sample of highest cumulative logprob, and the li
 
 Expected values come from the offline engine, the tokenizer, or a second request whose per-token logprobs are
 summed here; replies are kept to a few tokens."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_harness import (RunningServer, offline_chat, offline_generate, offline_llm, server_fixture,
-                                  sse_chunks, sse_data)
+from tests.server_harness import (
+    RunningServer,
+    offline_chat,
+    offline_generate,
+    offline_llm,
+    server_fixture,
+    sse_chunks,
+    sse_data,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +44,9 @@ def ok(response: httpx.Response) -> dict[str, Any]:
 
 def stream_chunks(server: RunningServer, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON chunks of a streamed answer (sse_chunks asserts ``[DONE]`` comes once, last)."""
-    with httpx.stream("POST", server.url(route), json={**body, "stream": True}, timeout=120) as response:
+    with httpx.stream(
+        "POST", server.url(route), json={**body, "stream": True}, timeout=120
+    ) as response:
         assert response.status_code == 200, response.read()
         return sse_chunks(sse_data(response.iter_lines()))
 
@@ -58,10 +68,17 @@ def greedy_completion(prompt: str):
 # non-streamed --------------------------------------------------------------------------------------
 
 
-def test_chat_n3_greedy_gives_three_copies_of_the_single_answer_and_sums_their_tokens(server: RunningServer):
+def test_chat_n3_greedy_gives_three_copies_of_the_single_answer_and_sums_their_tokens(
+    server: RunningServer,
+):
     expected = greedy_chat(SEA)
-    reply = ok(post(server, "/v1/chat/completions", {"messages": SEA, "n": 3, "temperature": 0,
-                                                     "max_tokens": MAX_TOKENS, "logprobs": True}))
+    reply = ok(
+        post(
+            server,
+            "/v1/chat/completions",
+            {"messages": SEA, "n": 3, "temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": True},
+        )
+    )
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
     for choice in reply["choices"]:
         assert choice["message"] == {"role": "assistant", "content": expected.text}
@@ -77,8 +94,13 @@ def test_chat_n3_greedy_gives_three_copies_of_the_single_answer_and_sums_their_t
 
 def test_completion_n3_greedy_gives_three_copies_of_the_single_answer(server: RunningServer):
     expected = greedy_completion(PROMPTS[0])
-    reply = ok(post(server, "/v1/completions", {"prompt": PROMPTS[0], "n": 3, "temperature": 0,
-                                                "max_tokens": MAX_TOKENS}))
+    reply = ok(
+        post(
+            server,
+            "/v1/completions",
+            {"prompt": PROMPTS[0], "n": 3, "temperature": 0, "max_tokens": MAX_TOKENS},
+        )
+    )
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
     assert [c["text"] for c in reply["choices"]] == [expected.text] * 3
     assert {c["finish_reason"] for c in reply["choices"]} == {expected.finish_reason}
@@ -88,10 +110,17 @@ def test_completion_n3_greedy_gives_three_copies_of_the_single_answer(server: Ru
 
 def test_two_prompts_n2_number_each_prompts_choices_in_turn_with_echo(server: RunningServer):
     expected = [greedy_completion(p) for p in PROMPTS]
-    reply = ok(post(server, "/v1/completions", {"prompt": PROMPTS, "n": 2, "temperature": 0,
-                                                "max_tokens": MAX_TOKENS, "echo": True}))
+    reply = ok(
+        post(
+            server,
+            "/v1/completions",
+            {"prompt": PROMPTS, "n": 2, "temperature": 0, "max_tokens": MAX_TOKENS, "echo": True},
+        )
+    )
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
-    assert [c["text"] for c in reply["choices"]] == [PROMPTS[i // 2] + expected[i // 2].text for i in range(4)]
+    assert [c["text"] for c in reply["choices"]] == [
+        PROMPTS[i // 2] + expected[i // 2].text for i in range(4)
+    ]
     tokenizer = offline_llm().tokenizer
     assert reply["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p)) for p in PROMPTS)
     assert reply["usage"]["completion_tokens"] == 2 * sum(len(e.token_ids) for e in expected)
@@ -102,34 +131,51 @@ def test_two_prompts_n2_number_each_prompts_choices_in_turn_with_echo(server: Ru
 
 def test_streamed_chat_n2_interleaves_its_choices_with_one_finish_chunk_each(server: RunningServer):
     expected = greedy_chat(SEA)
-    chunks = stream_chunks(server, "/v1/chat/completions", {
-        "messages": SEA, "n": 2, "temperature": 0, "max_tokens": MAX_TOKENS,
-        "stream_options": {"include_usage": True}})
+    chunks = stream_chunks(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": SEA,
+            "n": 2,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "stream_options": {"include_usage": True},
+        },
+    )
     usage_chunk, chunks = chunks[-1], chunks[:-1]
     assert usage_chunk["choices"] == [] and all(len(c["choices"]) == 1 for c in chunks)
     choices = [c["choices"][0] for c in chunks]
     assert [c["delta"] for c in choices[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert [c["index"] for c in choices[:2]] == [0, 1]
     order = [c["index"] for c in choices[2:]]
-    assert sum(a != b for a, b in zip(order, order[1:])) >= 2, f"the choices came one after the other: {order}"
+    assert sum(a != b for a, b in zip(order, order[1:])) >= 2, (
+        f"the choices came one after the other: {order}"
+    )
     for index in (0, 1):
         mine = [c for c in choices if c["index"] == index]
         assert "".join(c["delta"].get("content") or "" for c in mine) == expected.text
-        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [expected.finish_reason]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [
+            expected.finish_reason
+        ]
     assert usage_chunk["usage"]["prompt_tokens"] == len(offline_llm().chat_prompt_ids(SEA))
     assert usage_chunk["usage"]["completion_tokens"] == 2 * len(expected.token_ids)
 
 
 def test_streamed_completion_n2_gives_each_choice_its_text_and_one_finish(server: RunningServer):
     expected = greedy_completion(PROMPTS[1])
-    chunks = stream_chunks(server, "/v1/completions", {"prompt": PROMPTS[1], "n": 2, "temperature": 0,
-                                                       "max_tokens": MAX_TOKENS})
+    chunks = stream_chunks(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPTS[1], "n": 2, "temperature": 0, "max_tokens": MAX_TOKENS},
+    )
     choices = [c for chunk in chunks for c in chunk["choices"]]
     assert {c["index"] for c in choices} == {0, 1}
     for index in (0, 1):
         mine = [c for c in choices if c["index"] == index]
         assert "".join(c["text"] for c in mine) == expected.text
-        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [expected.finish_reason]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [
+            expected.finish_reason
+        ]
 
 
 # best_of -------------------------------------------------------------------------------------------
@@ -147,31 +193,47 @@ def test_best_of_returns_the_sample_of_highest_cumulative_logprob(server: Runnin
     reply = ok(post(server, "/v1/completions", {**sampled, "n": 1, "best_of": 3}))
     (choice,) = reply["choices"]
     assert choice["index"] == 0 and choice["text"] == best["text"]
-    assert choice["logprobs"] is None, "logprobs computed for the ranking are not handed out unless asked"
+    assert choice["logprobs"] is None, (
+        "logprobs computed for the ranking are not handed out unless asked"
+    )
     # usage: every generated sample's tokens, as OpenAI counts best_of
     assert reply["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in every)
 
 
 def test_best_of_equal_to_n_streams(server: RunningServer):
-    chunks = stream_chunks(server, "/v1/completions", {"prompt": PROMPTS[0], "n": 2, "best_of": 2,
-                                                       "temperature": 0, "max_tokens": 4})
+    chunks = stream_chunks(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPTS[0], "n": 2, "best_of": 2, "temperature": 0, "max_tokens": 4},
+    )
     assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0, 1}
 
 
 # limits --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("route", "body", "param"), [
-    ("/v1/chat/completions", {"messages": SEA, "n": 129}, "n"),
-    ("/v1/completions", {"prompt": "Hi", "n": 129}, "n"),
-    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "Hi", "best_of": 129}, "best_of"),
-    ("/v1/completions", {"prompt": "Hi", "n": 3, "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "Hi", "n": 1, "best_of": 3, "stream": True}, "best_of"),
-], ids=["chat_n_129", "completion_n_129", "completion_n_0", "best_of_129", "best_of_below_n",
-        "stream_with_best_of_over_n"])
-def test_out_of_range_choices_are_refused_naming_the_field(server: RunningServer, route: str,
-                                                           body: dict[str, Any], param: str):
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": SEA, "n": 129}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "n": 129}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "best_of": 129}, "best_of"),
+        ("/v1/completions", {"prompt": "Hi", "n": 3, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "Hi", "n": 1, "best_of": 3, "stream": True}, "best_of"),
+    ],
+    ids=[
+        "chat_n_129",
+        "completion_n_129",
+        "completion_n_0",
+        "best_of_129",
+        "best_of_below_n",
+        "stream_with_best_of_over_n",
+    ],
+)
+def test_out_of_range_choices_are_refused_naming_the_field(
+    server: RunningServer, route: str, body: dict[str, Any], param: str
+):
     assert_refused(post(server, route, {**body, "max_tokens": 4}), param)
 
 
@@ -179,16 +241,30 @@ def test_session_turn_with_n_over_1_is_refused_and_leaves_the_session_usable(ser
     created = post(server, "/v1/sessions", {})
     assert created.status_code == 201, created.text
     session_id = created.json()["id"]
-    assert_refused(post(server, f"/v1/sessions/{session_id}/messages",
-                        {"content": "Hi", "n": 2, "max_tokens": 4}), "n")
-    reply = ok(post(server, f"/v1/sessions/{session_id}/messages", {"content": "Hi", "max_tokens": 4}))
+    assert_refused(
+        post(
+            server,
+            f"/v1/sessions/{session_id}/messages",
+            {"content": "Hi", "n": 2, "max_tokens": 4},
+        ),
+        "n",
+    )
+    reply = ok(
+        post(server, f"/v1/sessions/{session_id}/messages", {"content": "Hi", "max_tokens": 4})
+    )
     assert len(reply["choices"]) == 1  # the refused turn held no lock
 
 
 def test_chat_completion_in_a_new_session_with_n_over_1_creates_nothing(server: RunningServer):
     session_id = "n" * 22  # well formed, unknown: a first turn would start it
-    assert_refused(post(server, "/v1/chat/completions", {"messages": SEA, "n": 2, "max_tokens": 4,
-                                                         "session_id": session_id}), "n")
+    assert_refused(
+        post(
+            server,
+            "/v1/chat/completions",
+            {"messages": SEA, "n": 2, "max_tokens": 4, "session_id": session_id},
+        ),
+        "n",
+    )
     assert httpx.get(server.url(f"/v1/sessions/{session_id}"), timeout=10).status_code == 404
 
 
@@ -212,12 +288,19 @@ def test_streamed_chat_beam_search_sends_each_choice_once_finished(server: Runni
     assert text == expected.text
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"use_beam_search": True, "beam_width": 2, "n": 3}, "n"),
-    ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
-    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
-    ({"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
-], ids=["n_over_width", "logprobs", "early_stopping", "length_penalty"])
-def test_bad_beam_search_fields_are_refused_naming_the_field(server: RunningServer, body: dict[str, Any],
-                                                             param: str):
-    assert_refused(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **body}), param)
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"use_beam_search": True, "beam_width": 2, "n": 3}, "n"),
+        ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
+        ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+        ({"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
+    ],
+    ids=["n_over_width", "logprobs", "early_stopping", "length_penalty"],
+)
+def test_bad_beam_search_fields_are_refused_naming_the_field(
+    server: RunningServer, body: dict[str, Any], param: str
+):
+    assert_refused(
+        post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **body}), param
+    )

@@ -3,15 +3,25 @@ owners see only their sessions, listing is newest first and paged, creation neve
 respects the per-owner cap, a turn is written whole and never resurrects a deleted session nor overwrites a later
 turn, a rename during a turn survives it, locks exclude and expire, presets belong to their owner or are shared,
 and a lost Redis is reported as SessionStoreUnavailable (then works again when it returns)."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from app.sessions import (InMemorySessionStore, Preset, RedisSessionStore, Session, SessionQuotaExceeded,
-                          SessionStoreUnavailable, SQLiteSessionStore, UnknownCursor, is_session_id,
-                          new_session_id)
+from app.sessions import (
+    InMemorySessionStore,
+    Preset,
+    RedisSessionStore,
+    Session,
+    SessionQuotaExceeded,
+    SessionStoreUnavailable,
+    SQLiteSessionStore,
+    UnknownCursor,
+    is_session_id,
+    new_session_id,
+)
 from tests.redis_harness import RedisServer
 
 TTL_S = 3600
@@ -41,13 +51,17 @@ def test_session_ids_are_128_random_bits_url_safe():
 
 async def test_owners_see_only_their_sessions_newest_first(store):
     for i, owner in enumerate(["a", "b", "a", "a"]):
-        await store.create(Session(id=new_session_id(), owner=owner, title=f"t{i}", created_at=1000.0 + i))
+        await store.create(
+            Session(id=new_session_id(), owner=owner, title=f"t{i}", created_at=1000.0 + i)
+        )
     listed = (await store.list("a", limit=10)).sessions
     assert [s.title for s in listed] == ["t3", "t2", "t0"]
     assert [s.title for s in (await store.list("a", limit=2)).sessions] == ["t3", "t2"]
     foreign = (await store.list("b", 10)).sessions[0]
     assert await store.get(foreign.id, "a") is None and await store.get(foreign.id, "b") is not None
-    assert not await store.delete(foreign.id, "a") and not await store.set_title(foreign.id, "a", "x")
+    assert not await store.delete(foreign.id, "a") and not await store.set_title(
+        foreign.id, "a", "x"
+    )
 
 
 async def test_turn_is_written_whole_and_keeps_a_concurrent_rename(store):
@@ -61,8 +75,16 @@ async def test_turn_is_written_whole_and_keeps_a_concurrent_rename(store):
     assert await store.save_turn(turn)
     stored = await store.get(session.id, "")
     assert (stored.messages, stored.token_ids, stored.block_hashes, stored.stats) == (
-        turn.messages, [5, 6, 7], ["ab" * 32], {"num_turns": 1})
-    assert stored.title == "renamed meanwhile" and stored.system == "be brief" and stored.cache_salt == "s1"
+        turn.messages,
+        [5, 6, 7],
+        ["ab" * 32],
+        {"num_turns": 1},
+    )
+    assert (
+        stored.title == "renamed meanwhile"
+        and stored.system == "be brief"
+        and stored.cache_salt == "s1"
+    )
     assert (await store.list("", 10)).sessions[0].summary()["num_messages"] == 2
 
 
@@ -107,8 +129,13 @@ async def test_creation_never_overwrites_a_taken_id(store):
     session_id = new_session_id()
     assert await store.create(Session(id=session_id, owner="a", system="first"))
     assert not await store.create(Session(id=session_id, owner="b", system="second"))
-    assert await store.create_locked(Session(id=session_id, owner="a", system="third"), lock_ttl_s=30) is None
-    assert (await store.get(session_id, "a")).system == "first" and await store.get(session_id, "b") is None
+    assert (
+        await store.create_locked(Session(id=session_id, owner="a", system="third"), lock_ttl_s=30)
+        is None
+    )
+    assert (await store.get(session_id, "a")).system == "first" and await store.get(
+        session_id, "b"
+    ) is None
 
 
 async def test_concurrent_locked_creations_of_one_id_make_one_session_holding_its_lock(store):
@@ -129,7 +156,9 @@ async def test_each_owner_keeps_at_most_its_cap_of_sessions(store):
     with pytest.raises(SessionQuotaExceeded):
         await store.create(Session(id=new_session_id(), owner="a"), max_sessions=3)
     with pytest.raises(SessionQuotaExceeded):
-        await store.create_locked(Session(id=new_session_id(), owner="a"), lock_ttl_s=30, max_sessions=3)
+        await store.create_locked(
+            Session(id=new_session_id(), owner="a"), lock_ttl_s=30, max_sessions=3
+        )
     # another owner's count
     assert await store.create(Session(id=new_session_id(), owner="b"), max_sessions=3)
     first = (await store.list("a", 10)).sessions[0]
@@ -173,8 +202,11 @@ async def test_presets_are_their_owners_or_shared(store):
     assert await store.save_preset(Preset("brief", "Be brief.", owner="a"))
     assert await store.save_preset(Preset("pirate", "A's own pirate.", owner="a"))
     assert not await store.save_preset(Preset("brief", "Taken.", owner="a"))
-    assert [(p.name, p.owner) for p in await store.list_presets("a")] == [("brief", "a"), ("pirate", ""),
-                                                                        ("pirate", "a")]
+    assert [(p.name, p.owner) for p in await store.list_presets("a")] == [
+        ("brief", "a"),
+        ("pirate", ""),
+        ("pirate", "a"),
+    ]
     assert [(p.name, p.owner) for p in await store.list_presets("b")] == [("pirate", "")]
     assert len(await store.list_presets(None)) == 3
     # its own before the shared one
@@ -197,7 +229,9 @@ async def test_redis_sessions_expire_unless_used(redis_server: RedisServer):
         await store.get(session.id, "")  # use refreshes the TTL
         assert 55_000 < client.pttl(key) <= 60_000
         client.delete(key)  # as if it had expired: the listing forgets it too
-        assert (await store.list("", 10)).sessions == [] and client.zcard("pagedchat:sessions:-") == 0
+        assert (await store.list("", 10)).sessions == [] and client.zcard(
+            "pagedchat:sessions:-"
+        ) == 0
     finally:
         await store.close()
 
@@ -223,8 +257,13 @@ async def test_redis_cap_does_not_count_expired_sessions(redis_server: RedisServ
     redis_server.client().flushall()
     store = RedisSessionStore(redis_server.url, TTL_S)
     try:
-        kept, expiring = Session(id=new_session_id(), owner="a"), Session(id=new_session_id(), owner="a")
-        assert await store.create(kept, max_sessions=2) and await store.create(expiring, max_sessions=2)
+        kept, expiring = (
+            Session(id=new_session_id(), owner="a"),
+            Session(id=new_session_id(), owner="a"),
+        )
+        assert await store.create(kept, max_sessions=2) and await store.create(
+            expiring, max_sessions=2
+        )
         # as if its TTL had run out
         redis_server.client().delete(f"pagedchat:session:{expiring.id}")
         assert await store.create(Session(id=new_session_id(), owner="a"), max_sessions=2)
@@ -248,7 +287,11 @@ async def test_sqlite_sessions_survive_a_reopen_and_two_stores_on_one_file_share
     second, third = SQLiteSessionStore(path, TTL_S), SQLiteSessionStore(path, TTL_S)
     try:
         reopened = await second.get(session.id, "a")
-        assert (reopened.title, reopened.messages, reopened.token_ids) == ("kept", turn.messages, [1, 2, 3])
+        assert (reopened.title, reopened.messages, reopened.token_ids) == (
+            "kept",
+            turn.messages,
+            [1, 2, 3],
+        )
         assert [p.name for p in await third.list_presets(None)] == ["terse"]
         token = await second.lock(session.id, 30)
         # one turn at a time, across both

@@ -6,6 +6,7 @@ a stored one never stops a start, listings are paged, concurrent turns get 409.
 
 Expected cached-token counts are worked out by hand: the engine caches full blocks of 16 tokens, so after a turn
 of P prompt and C completion tokens the next turn can hit floor((P + C) / 16) * 16 of them."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ import httpx
 import pytest
 
 from tests.redis_harness import RedisServer
-from tests.server_harness import (RunningServer, free_port, running_server, server_command, server_env, sse_chunks,
-                                  sse_data, wait_until_idle)
+from tests.server_harness import (
+    RunningServer,
+    free_port,
+    running_server,
+    server_command,
+    server_env,
+    sse_chunks,
+    sse_data,
+    wait_until_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +53,17 @@ def new_session(server: RunningServer, **body) -> str:
 
 
 def say(server: RunningServer, session_id: str, content: str, **params) -> dict:
-    response = post(server, f"/v1/sessions/{session_id}/messages", {"content": content, **GREEDY, **params})
+    response = post(
+        server, f"/v1/sessions/{session_id}/messages", {"content": content, **GREEDY, **params}
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-session-id"] == session_id
     return response.json()
 
 
-def stored(server: RunningServer, session_id: str, num_messages: int, timeout: float = 20.0) -> dict:
+def stored(
+    server: RunningServer, session_id: str, num_messages: int, timeout: float = 20.0
+) -> dict:
     """The session once its last turn is stored (turns are written when their reply ends)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -60,11 +73,16 @@ def stored(server: RunningServer, session_id: str, num_messages: int, timeout: f
         time.sleep(0.05)
 
 
-def stateless_second_turn(server: RunningServer, question: str, answer: dict, follow_up: str) -> dict:
+def stateless_second_turn(
+    server: RunningServer, question: str, answer: dict, follow_up: str
+) -> dict:
     """The same second turn through /v1/chat/completions with the whole history (the stateless way)."""
-    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
-               {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
-               {"role": "user", "content": follow_up}]
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+        {"role": "user", "content": follow_up},
+    ]
     return post(server, "/v1/chat/completions", {"messages": history, **GREEDY}).json()
 
 
@@ -77,33 +95,54 @@ def test_second_turn_reuses_every_full_block_of_the_first_turn(server: RunningSe
     assert second["usage"]["prompt_tokens"] > turn_one
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == turn_one // BLOCK * BLOCK
 
-    stateless = stateless_second_turn(server, "What is the capital of France?", first,
-                                      "And what is the capital of Italy?")
-    assert stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    stateless = stateless_second_turn(
+        server, "What is the capital of France?", first, "And what is the capital of Italy?"
+    )
+    assert (
+        stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    )
     assert stateless["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"]
 
     body = stored(server, session_id, 4)
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant"]
     assert body["messages"][3]["usage"]["cached_tokens"] == turn_one // BLOCK * BLOCK
     assert body["stats"]["num_turns"] == 2
-    assert body["stats"]["num_tokens"] == second["usage"]["prompt_tokens"] + second["usage"]["completion_tokens"]
+    assert (
+        body["stats"]["num_tokens"]
+        == second["usage"]["prompt_tokens"] + second["usage"]["completion_tokens"]
+    )
     assert body["title"] == "What is the capital of France?"
 
 
 def test_streamed_session_reply_is_the_chat_writer_with_usage(server: RunningServer):
     session_id = new_session(server)
-    with httpx.stream("POST", server.url(f"/v1/sessions/{session_id}/messages"), timeout=120,
-                      json={"content": "Name a color.", **GREEDY, "stream": True,
-                            "stream_options": {"include_usage": True}}) as response:
+    with httpx.stream(
+        "POST",
+        server.url(f"/v1/sessions/{session_id}/messages"),
+        timeout=120,
+        json={
+            "content": "Name a color.",
+            **GREEDY,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         assert response.status_code == 200 and response.headers["x-session-id"] == session_id
-        payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        payloads = [
+            line.removeprefix("data: ")
+            for line in response.iter_lines()
+            if line.startswith("data: ")
+        ]
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     body = stored(server, session_id, 2)
     assert body["messages"][1]["content"] == text
-    assert body["messages"][1]["usage"]["completion_tokens"] == chunks[-1]["usage"]["completion_tokens"]
+    assert (
+        body["messages"][1]["usage"]["completion_tokens"]
+        == chunks[-1]["usage"]["completion_tokens"]
+    )
     assert body["messages"][1]["timing"]["ttft_s"] > 0
 
 
@@ -134,30 +173,48 @@ def test_chat_completions_with_a_session_header_keeps_history(server: RunningSer
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused")
     session_id = "plainOpenAIclient00001"
     headers = {"X-Session-ID": session_id}
-    first = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
-                                           messages=[{"role": "user", "content": "My name is Ada."}],
-                                           extra_headers=headers)
+    first = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "My name is Ada."}],
+        extra_headers=headers,
+    )
     stored(server, session_id, 2)
-    second = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
-                                            messages=[{"role": "user", "content": "What is my name?"}],
-                                            extra_headers=headers)
+    second = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "What is my name?"}],
+        extra_headers=headers,
+    )
     turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.usage.prompt_tokens > turn_one
     assert second.usage.prompt_tokens_details.cached_tokens == turn_one // BLOCK * BLOCK
     contents = [m["content"] for m in stored(server, session_id, 4)["messages"]]
-    assert contents == ["My name is Ada.", first.choices[0].message.content, "What is my name?",
-                        second.choices[0].message.content]
+    assert contents == [
+        "My name is Ada.",
+        first.choices[0].message.content,
+        "What is my name?",
+        second.choices[0].message.content,
+    ]
 
 
 def test_second_concurrent_message_gets_409_and_history_never_interleaves(server: RunningServer):
     session_id = new_session(server)
     started = threading.Event()
-    long_reply = {"content": "Count from one to one hundred.", "max_tokens": 120, "ignore_eos": True,
-                  "temperature": 0, "stream": True}
+    long_reply = {
+        "content": "Count from one to one hundred.",
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
 
     def first_turn() -> None:
-        with httpx.stream("POST", server.url(f"/v1/sessions/{session_id}/messages"), json=long_reply,
-                          timeout=120) as response:
+        with httpx.stream(
+            "POST", server.url(f"/v1/sessions/{session_id}/messages"), json=long_reply, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if '"content"' in line:
                     started.set()
@@ -165,25 +222,41 @@ def test_second_concurrent_message_gets_409_and_history_never_interleaves(server
     thread = threading.Thread(target=first_turn)
     thread.start()
     assert started.wait(60)
-    busy = post(server, f"/v1/sessions/{session_id}/messages", {"content": "Interrupting!", **GREEDY})
+    busy = post(
+        server, f"/v1/sessions/{session_id}/messages", {"content": "Interrupting!", **GREEDY}
+    )
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
     thread.join(120)
     body = stored(server, session_id, 2)
-    assert [m["content"] for m in body["messages"] if m["role"] == "user"] == [long_reply["content"]]
+    assert [m["content"] for m in body["messages"] if m["role"] == "user"] == [
+        long_reply["content"]
+    ]
     assert body["messages"][1]["usage"]["completion_tokens"] == 120
     say(server, session_id, "Thanks.")  # the lock is released once the turn is stored
-    assert [m["role"] for m in stored(server, session_id, 4)["messages"]] == ["user", "assistant"] * 2
+    assert [m["role"] for m in stored(server, session_id, 4)["messages"]] == [
+        "user",
+        "assistant",
+    ] * 2
 
 
 def test_reply_cut_by_the_client_is_stored_as_interrupted(server: RunningServer):
     session_id = new_session(server)
     seen = ""
-    with httpx.stream("POST", server.url(f"/v1/sessions/{session_id}/messages"), timeout=120,
-                      json={"content": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-                            "temperature": 0, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.url(f"/v1/sessions/{session_id}/messages"),
+        timeout=120,
+        json={
+            "content": "Tell me a long story.",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                seen += (json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+                seen += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                 if len(seen) > 20:
                     break  # the client walks away mid-reply
     reply = stored(server, session_id, 2)["messages"][1]
@@ -192,14 +265,19 @@ def test_reply_cut_by_the_client_is_stored_as_interrupted(server: RunningServer)
     wait_until_idle(server)
     # unlocked, and the cut reply is part of the history
     follow_up = say(server, session_id, "Go on.")
-    assert follow_up["usage"]["prompt_tokens"] > reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]
+    assert (
+        follow_up["usage"]["prompt_tokens"]
+        > reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]
+    )
 
 
 def test_regenerate_answers_the_last_message_again_from_the_same_prompt(server: RunningServer):
     session_id = new_session(server, system=SYSTEM)
     first = say(server, session_id, "Give me a fruit.")
     stored(server, session_id, 2)
-    again = post(server, f"/v1/sessions/{session_id}/messages", {"regenerate": True, **GREEDY}).json()
+    again = post(
+        server, f"/v1/sessions/{session_id}/messages", {"regenerate": True, **GREEDY}
+    ).json()
     # greedy
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
@@ -213,7 +291,9 @@ def test_session_listing_rename_and_delete(server: RunningServer):
     assert listed.index(newer) < listed.index(older)
     paged, after = [], None
     while True:  # two at a time, each page after the last id of the one before
-        page = httpx.get(server.url("/v1/sessions"), params={"limit": 2, **({"after": after} if after else {})}).json()
+        page = httpx.get(
+            server.url("/v1/sessions"), params={"limit": 2, **({"after": after} if after else {})}
+        ).json()
         paged += [s["id"] for s in page["data"]]
         assert page["last_id"] == paged[-1] and len(page["data"]) <= 2
         if not page["has_more"]:
@@ -225,38 +305,55 @@ def test_session_listing_rename_and_delete(server: RunningServer):
     renamed = httpx.patch(server.url(f"/v1/sessions/{older}"), json={"title": "renamed"})
     assert renamed.status_code == 200 and renamed.json()["title"] == "renamed"
     assert httpx.delete(server.url(f"/v1/sessions/{older}")).json() == {
-        "id": older, "object": "session.deleted", "deleted": True}
+        "id": older,
+        "object": "session.deleted",
+        "deleted": True,
+    }
     assert httpx.get(server.url(f"/v1/sessions/{older}")).status_code == 404
 
 
-@pytest.mark.parametrize(("method", "path", "body", "status", "param"), [
-    ("GET", "/v1/sessions/not-an-id", None, 404, "session_id"),
-    ("GET", "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA", None, 404, "session_id"),
-    ("DELETE", "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA", None, 404, "session_id"),
-    ("POST", "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA/messages", {"content": "hi"}, 404, "session_id"),
-    ("POST", "/v1/sessions", {"system": 5}, 400, "system"),
-    ("POST", "/v1/sessions", {"system": "a", "preset": "b"}, 400, "preset"),
-    ("POST", "/v1/sessions", {"preset": "no-such-preset"}, 400, "preset"),
-    ("GET", "/v1/sessions?limit=0", None, 400, "limit"),
-    ("POST", "/v1/presets", {"name": "bad name!", "system": "x"}, 400, "name"),
-    ("POST", "/v1/presets", {"name": "ok", "system": ""}, 400, "system"),
-    ("DELETE", "/v1/presets/none", None, 404, "name"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param"),
+    [
+        ("GET", "/v1/sessions/not-an-id", None, 404, "session_id"),
+        ("GET", "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA", None, 404, "session_id"),
+        ("DELETE", "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA", None, 404, "session_id"),
+        (
+            "POST",
+            "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA/messages",
+            {"content": "hi"},
+            404,
+            "session_id",
+        ),
+        ("POST", "/v1/sessions", {"system": 5}, 400, "system"),
+        ("POST", "/v1/sessions", {"system": "a", "preset": "b"}, 400, "preset"),
+        ("POST", "/v1/sessions", {"preset": "no-such-preset"}, 400, "preset"),
+        ("GET", "/v1/sessions?limit=0", None, 400, "limit"),
+        ("POST", "/v1/presets", {"name": "bad name!", "system": "x"}, 400, "name"),
+        ("POST", "/v1/presets", {"name": "ok", "system": ""}, 400, "system"),
+        ("DELETE", "/v1/presets/none", None, 404, "name"),
+    ],
+)
 def test_bad_session_requests(server: RunningServer, method, path, body, status, param):
     response = httpx.request(method, server.url(path), json=body, timeout=30)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({}, "content"),
-    ({"content": "x", "regenerate": True}, "content"),
-    ({"content": 7}, "content"),
-    ({"regenerate": True}, "regenerate"),  # nothing to regenerate yet
-    ({"content": "x", "temperature": -1}, "temperature"),
-    ({"content": "x", "max_tokens": 10**6}, "max_tokens"),
-])
-def test_bad_message_bodies_get_400_and_leave_the_session_usable(server: RunningServer, body, param):
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "content"),
+        ({"content": "x", "regenerate": True}, "content"),
+        ({"content": 7}, "content"),
+        ({"regenerate": True}, "regenerate"),  # nothing to regenerate yet
+        ({"content": "x", "temperature": -1}, "temperature"),
+        ({"content": "x", "max_tokens": 10**6}, "max_tokens"),
+    ],
+)
+def test_bad_message_bodies_get_400_and_leave_the_session_usable(
+    server: RunningServer, body, param
+):
     session_id = new_session(server)
     response = post(server, f"/v1/sessions/{session_id}/messages", body)
     assert response.status_code == 400, response.text
@@ -265,19 +362,27 @@ def test_bad_message_bodies_get_400_and_leave_the_session_usable(server: Running
     assert say(server, session_id, "Hello", max_tokens=4)["usage"]["completion_tokens"] == 4
 
 
-def test_redis_outage_gives_503_on_session_routes_only(server: RunningServer, redis_server: RedisServer):
+def test_redis_outage_gives_503_on_session_routes_only(
+    server: RunningServer, redis_server: RedisServer
+):
     session_id = new_session(server)
     say(server, session_id, "Remember the word 'teal'.", max_tokens=4)
     stored(server, session_id, 2)
     redis_server.stop()
     try:
-        for response in (httpx.get(server.url(f"/v1/sessions/{session_id}")), httpx.get(server.url("/v1/sessions")),
-                         post(server, "/v1/sessions", {}),
-                         post(server, f"/v1/sessions/{session_id}/messages", {"content": "hi"})):
+        for response in (
+            httpx.get(server.url(f"/v1/sessions/{session_id}")),
+            httpx.get(server.url("/v1/sessions")),
+            post(server, "/v1/sessions", {}),
+            post(server, f"/v1/sessions/{session_id}/messages", {"content": "hi"}),
+        ):
             assert response.status_code == 503, response.text
             assert "Redis" in response.json()["error"]["message"]
-        stateless = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          **GREEDY})
+        stateless = post(
+            server,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], **GREEDY},
+        )
         assert stateless.status_code == 200
         health = httpx.get(server.url("/health"))
         assert health.status_code == 200 and health.json()["sessions"] == "unavailable"
@@ -287,11 +392,15 @@ def test_redis_outage_gives_503_on_session_routes_only(server: RunningServer, re
     assert body["messages"][0]["content"] == "Remember the word 'teal'."
     assert say(server, session_id, "Which word?", max_tokens=4)["usage"]["completion_tokens"] == 4
     log = server.log()  # four failed requests, one line; and one when it came back
-    assert log.count("session store: Redis is unreachable") == 1 and log.count("Redis is reachable again") == 1
+    assert (
+        log.count("session store: Redis is unreachable") == 1
+        and log.count("Redis is reachable again") == 1
+    )
 
 
-def test_the_first_session_request_after_a_redis_restart_is_served(server: RunningServer,
-                                                                   redis_server: RedisServer):
+def test_the_first_session_request_after_a_redis_restart_is_served(
+    server: RunningServer, redis_server: RedisServer
+):
     session_id = new_session(server)
     stored(server, session_id, 0)
     redis_server.stop()
@@ -308,19 +417,32 @@ def test_history_survives_a_server_restart_with_the_same_redis(redis_server: Red
         stored(first_server, session_id, 2)
     with running_server("--redis-url", redis_server.url) as second_server:
         body = stored(second_server, session_id, 2)
-        assert [m["content"] for m in body["messages"]] == ["What is the largest planet?",
-                                                            first["choices"][0]["message"]["content"]]
+        assert [m["content"] for m in body["messages"]] == [
+            "What is the largest planet?",
+            first["choices"][0]["message"]["content"],
+        ]
         second = say(second_server, session_id, "And the smallest?")
         # a cold cache after the restart
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        stateless = stateless_second_turn(second_server, "What is the largest planet?", first, "And the smallest?")
-        assert stateless["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+        stateless = stateless_second_turn(
+            second_server, "What is the largest planet?", first, "And the smallest?"
+        )
+        assert (
+            stateless["choices"][0]["message"]["content"]
+            == second["choices"][0]["message"]["content"]
+        )
 
 
 def test_unreachable_redis_at_start_is_a_clear_error_and_a_non_zero_exit():
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    result = subprocess.run(server_command(free_port(), ["--redis-url", url]), env=server_env(), check=False,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        server_command(free_port(), ["--redis-url", url]),
+        env=server_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # the operator's to fix, before the model loads (tests/server/test_startup_errors.py)
     assert result.returncode == 2
     assert f"no Redis answers at {url}" in result.stdout + result.stderr
@@ -333,12 +455,18 @@ def test_api_keys_are_tenants_for_sessions_and_prefix_blocks():
         session = post(server, "/v1/sessions", {"title": "mine"}, headers=one).json()["id"]
         assert httpx.get(server.url(f"/v1/sessions/{session}"), headers=two).status_code == 404
         assert httpx.get(server.url("/v1/sessions"), headers=two).json()["data"] == []
-        assert httpx.get(server.url("/v1/sessions"), headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert (
+            httpx.get(
+                server.url("/v1/sessions"), headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
 
         def cached(headers: dict) -> int:
             body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 1}
             return post(server, "/v1/chat/completions", body, headers=headers).json()["usage"][
-                "prompt_tokens_details"]["cached_tokens"]
+                "prompt_tokens_details"
+            ]["cached_tokens"]
 
         assert cached(one) == 0
         assert cached(two) == 0  # the same text under another key: never a hit
@@ -353,12 +481,22 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
             refused = post(server, "/v1/presets", {"name": "huge", "system": huge})
             assert refused.status_code == 400, refused.text
-            assert refused.json()["error"]["param"] == "system" and "128" in refused.json()["error"]["message"]
-            assert not client.exists("pagedchat:preset:huge") and "huge" not in client.smembers("pagedchat:presets")
-            assert post(server, "/v1/presets", {"name": "small", "system": "Be brief."}).status_code == 201
+            assert (
+                refused.json()["error"]["param"] == "system"
+                and "128" in refused.json()["error"]["message"]
+            )
+            assert not client.exists("pagedchat:preset:huge") and "huge" not in client.smembers(
+                "pagedchat:presets"
+            )
+            assert (
+                post(server, "/v1/presets", {"name": "small", "system": "Be brief."}).status_code
+                == 201
+            )
         # a preset that cannot be prefilled, stored behind the server's back (an older version, or a start with a
         # larger --max-model-len): every replica sharing this Redis must still start
-        client.hset("pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"})
+        client.hset(
+            "pagedchat:preset:huge", mapping={"name": "huge", "system": huge, "created_at": "1"}
+        )
         client.sadd("pagedchat:presets", "huge")
         with running_server("--redis-url", redis_server.url, "--max-model-len", "128") as server:
             # (stored presets pin in the background after start-up, by name)
@@ -381,32 +519,52 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
 
 
 def test_turn_end_with_redis_down_ends_normally_and_keeps_the_turn(redis_server: RedisServer):
-    with running_server("--redis-url", redis_server.url, "--session-write-timeout-s", "1") as server:
+    with running_server(
+        "--redis-url", redis_server.url, "--session-write-timeout-s", "1"
+    ) as server:
         session_id = new_session(server)
         payloads, last_token = [], 0.0
-        body = {"content": "Count slowly from one to one hundred.", "max_tokens": 40, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "content": "Count slowly from one to one hundred.",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         try:
-            with httpx.stream("POST", server.url(f"/v1/sessions/{session_id}/messages"), json=body,
-                              timeout=120) as response:
+            with httpx.stream(
+                "POST", server.url(f"/v1/sessions/{session_id}/messages"), json=body, timeout=120
+            ) as response:
                 for line in response.iter_lines():
-                    if line.startswith("data: {") and '"content":"' in line and redis_server.process is not None:
+                    if (
+                        line.startswith("data: {")
+                        and '"content":"' in line
+                        and redis_server.process is not None
+                    ):
                         redis_server.stop()  # Redis goes away while the reply streams
                     if '"content"' in line:
                         last_token = time.monotonic()
                     payloads.append(line)
             done = time.monotonic()
             chunks = sse_chunks(sse_data(payloads))
-            assert chunks[-1]["session_turn"] == "pending" and not chunks[-1]["choices"], "said in an extension field"
+            assert chunks[-1]["session_turn"] == "pending" and not chunks[-1]["choices"], (
+                "said in an extension field"
+            )
             assert "data: [DONE]" in payloads, "the stream ends normally"
             finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
             assert finish[-1] == "length", "with the real finish_reason"
-            assert done - last_token < 4, "the answer ends within the write window, not when Redis returns"
-            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+            assert done - last_token < 4, (
+                "the answer ends within the write window, not when Redis returns"
+            )
+            text = "".join(
+                c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices")
+            )
             assert "kept in memory" in server.log()
             # Redis still away
             shown = httpx.get(server.url(f"/v1/sessions/{session_id}"), timeout=30)
-            assert shown.status_code == 200 and shown.json()["turn_pending"] is True, "the session shows it pending"
+            assert shown.status_code == 200 and shown.json()["turn_pending"] is True, (
+                "the session shows it pending"
+            )
             assert shown.json()["messages"][-1]["content"] == text
         finally:
             if redis_server.process is None:
@@ -415,9 +573,14 @@ def test_turn_end_with_redis_down_ends_normally_and_keeps_the_turn(redis_server:
         # Redis is back: the kept turn is written (before it is read)
         kept = stored(server, session_id, 2)
         assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]
-        assert kept["messages"][1]["content"] == text and kept["messages"][1]["usage"]["completion_tokens"] == 40
+        assert (
+            kept["messages"][1]["content"] == text
+            and kept["messages"][1]["usage"]["completion_tokens"] == 40
+        )
         follow_up = say(server, session_id, "Thanks.", max_tokens=4)  # the turn's lock was released
-        assert follow_up["usage"]["prompt_tokens"] > kept["messages"][1]["usage"]["prompt_tokens"] + 40
+        assert (
+            follow_up["usage"]["prompt_tokens"] > kept["messages"][1]["usage"]["prompt_tokens"] + 40
+        )
 
 
 def test_history_survives_a_server_restart_with_the_default_sqlite_store(tmp_path):
@@ -429,9 +592,16 @@ def test_history_survives_a_server_restart_with_the_default_sqlite_store(tmp_pat
         stored(first_server, session_id, 2)
     with running_server("--session-db-path", path) as second_server:
         body = stored(second_server, session_id, 2)
-        assert [m["content"] for m in body["messages"]] == ["What is the largest planet?",
-                                                            first["choices"][0]["message"]["content"]]
-        assert say(second_server, session_id, "And the smallest?", max_tokens=4)["usage"]["completion_tokens"] == 4
+        assert [m["content"] for m in body["messages"]] == [
+            "What is the largest planet?",
+            first["choices"][0]["message"]["content"],
+        ]
+        assert (
+            say(second_server, session_id, "And the smallest?", max_tokens=4)["usage"][
+                "completion_tokens"
+            ]
+            == 4
+        )
 
 
 def test_start_up_never_waits_on_stored_presets_and_a_key_has_a_preset_quota(tmp_path):
@@ -445,15 +615,29 @@ def test_start_up_never_waits_on_stored_presets_and_a_key_has_a_preset_quota(tmp
         store = SQLiteSessionStore(path, 3600)
         # each is a prefill on the engine: tens of seconds in all on a small CPU
         for i in range(40):
-            await store.save_preset(Preset(f"p{i}", f"You are helper number {i}. " + "Answer politely. " * 40))
+            await store.save_preset(
+                Preset(f"p{i}", f"You are helper number {i}. " + "Answer politely. " * 40)
+            )
         await store.close()
 
     asyncio.run(store_many())
-    with running_server("--session-db-path", str(path), "--max-presets-per-key", "1", "--api-key", "k1") as server:
+    with running_server(
+        "--session-db-path", str(path), "--max-presets-per-key", "1", "--api-key", "k1"
+    ) as server:
         # healthy (running_server waited for it) while the stored presets still pin in the background
         assert "pinning 40 stored presets in the background" in server.log()
         assert server.log().count("blocks pinned") < 40
         key = {"Authorization": "Bearer k1"}  # (the 40 stored ones are shared: not this key's)
-        assert post(server, "/v1/presets", {"name": "mine", "system": "Be brief."}, headers=key).status_code == 201
-        refused = post(server, "/v1/presets", {"name": "one-too-many", "system": "Be terse."}, headers=key)
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "preset_quota_exceeded"
+        assert (
+            post(
+                server, "/v1/presets", {"name": "mine", "system": "Be brief."}, headers=key
+            ).status_code
+            == 201
+        )
+        refused = post(
+            server, "/v1/presets", {"name": "one-too-many", "system": "Be terse."}, headers=key
+        )
+        assert (
+            refused.status_code == 429
+            and refused.json()["error"]["code"] == "preset_quota_exceeded"
+        )

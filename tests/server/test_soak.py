@@ -2,6 +2,7 @@
 Redis is killed, then frozen, a storm of clients connects and drops, and the engine core is killed (the server is
 started again); every turn a client saw complete is stored, nothing fails outside the faults, KV usage is 0 at idle,
 memory holds, and each tenant's TPOT p50 stays within 2x its unloaded one (its own workload run alone first)."""
+
 from __future__ import annotations
 
 from benchmarks import soak

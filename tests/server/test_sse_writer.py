@@ -1,5 +1,6 @@
 """The SSE writer's own duties: events sent as they come, a keep-alive comment after a quiet spell, the end of
 the body, and a client that leaves closing the producer (which aborts its engine request)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """Start-up mistakes are the operator's to fix: each is one line that says what to do, with exit status 2 (3 is
 the engine's death only), and those that need no model are found before any weights load."""
+
 from __future__ import annotations
 
 import socket
@@ -14,19 +15,34 @@ LOADING = "Waiting for application startup"
 
 
 def start(*args: str, port: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(server_command(port or free_port(), args), cwd=REPO_ROOT, env=server_env(),
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        server_command(port or free_port(), args),
+        cwd=REPO_ROOT,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def errors(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (result.stdout + result.stderr).splitlines() if " ERROR " in line]
 
 
-@pytest.mark.parametrize(("args", "said"), [
-    (("--model", "/no/such/model"), "model: /no/such/model does not exist"),
-    (("--redis-url", "http://localhost:6379"), "redis_url: 'http://localhost:6379' is not a Redis URL"),
-    (("--redis-url", "redis://127.0.0.1:1/0"), "redis_url: no Redis answers at redis://127.0.0.1:1/0"),
-])
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--model", "/no/such/model"), "model: /no/such/model does not exist"),
+        (
+            ("--redis-url", "http://localhost:6379"),
+            "redis_url: 'http://localhost:6379' is not a Redis URL",
+        ),
+        (
+            ("--redis-url", "redis://127.0.0.1:1/0"),
+            "redis_url: no Redis answers at redis://127.0.0.1:1/0",
+        ),
+    ],
+)
 def test_a_mistake_that_needs_no_model_is_one_line_before_any_weights_load(args, said):
     result = start(*args)
     assert result.returncode == 2
@@ -54,6 +70,12 @@ def test_a_limit_the_model_cannot_meet_is_one_line_and_status_2():
 
 
 def test_a_bad_flag_value_is_refused_by_the_parser_with_status_2():
-    result = subprocess.run(server_command(free_port(), ["--max-queue", "-1"]), cwd=REPO_ROOT, env=server_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        server_command(free_port(), ["--max-queue", "-1"]),
+        cwd=REPO_ROOT,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "max_queue: must be >= 0" in result.stderr

@@ -2,6 +2,7 @@
 with the default model: streaming, stop, reload, safe markdown, errors, the sessions sidebar.
 
 Replies are kept short (max_tokens 16-32) except where a reply must outlast a few samples."""
+
 from __future__ import annotations
 
 import functools
@@ -45,7 +46,9 @@ def browser() -> Iterator[Any]:
         yield browser
 
 
-def open_page(browser: Any, url: str, settings: dict[str, Any] | None = None, **context_options: Any) -> Any:
+def open_page(
+    browser: Any, url: str, settings: dict[str, Any] | None = None, **context_options: Any
+) -> Any:
     """A fresh browser context (its own localStorage) with the UI's settings stored, at ``url``; page errors
     fail the test."""
     context = browser.new_context(**context_options)
@@ -54,7 +57,9 @@ def open_page(browser: Any, url: str, settings: dict[str, Any] | None = None, **
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(str(exc)))
     page.goto(url)
-    page.wait_for_function("() => document.querySelector('#composer-input') === document.activeElement")
+    page.wait_for_function(
+        "() => document.querySelector('#composer-input') === document.activeElement"
+    )
     return page
 
 
@@ -84,8 +89,14 @@ def test_ui_is_served_at_root_without_a_build_step() -> None:
     index = client.get("/")
     assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
     assert '<script type="module" src="app.js">' in index.text
-    for path in ["/app.js", "/api.js", "/markdown.js", "/alternatives.js", "/vendor/marked/marked.esm.js",
-                 "/vendor/dompurify/purify.es.js"]:
+    for path in [
+        "/app.js",
+        "/api.js",
+        "/markdown.js",
+        "/alternatives.js",
+        "/vendor/marked/marked.esm.js",
+        "/vendor/dompurify/purify.es.js",
+    ]:
         response = client.get(path)
         assert response.status_code == 200, path
         # module scripts need it
@@ -127,13 +138,16 @@ HOSTILE_MARKDOWN = {
 
 
 @pytest.mark.parametrize("name", HOSTILE_MARKDOWN)
-def test_markdown_rendering_never_yields_html_or_script(browser: Any, static_web: str, name: str) -> None:
+def test_markdown_rendering_never_yields_html_or_script(
+    browser: Any, static_web: str, name: str
+) -> None:
     page = browser.new_page()
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     # a same-origin page from which to import the module
     page.goto(static_web + "/index.html#no-app")
-    result = page.evaluate("""async (text) => {
+    result = page.evaluate(
+        """async (text) => {
         const { renderInto } = await import('/markdown.js');
         const box = document.createElement('div');
         document.body.append(box);
@@ -146,7 +160,9 @@ def test_markdown_rendering_never_yields_html_or_script(browser: Any, static_web
                 .filter((a) => a.startsWith('on')),
             text: box.textContent,
         };
-    }""", HOSTILE_MARKDOWN[name])
+    }""",
+        HOSTILE_MARKDOWN[name],
+    )
     forbidden = {"img", "script", "svg", "iframe", "object", "embed", "style", "form", "input"}
     assert not forbidden & set(result["tags"]), result
     safe_href = re.compile(r"^(https?:|mailto:|#|/)", re.IGNORECASE)
@@ -174,7 +190,9 @@ def test_raw_html_is_shown_as_the_text_it_is(browser: Any, static_web: str) -> N
 
 
 @pytest.mark.slow
-def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(browser: Any, server: RunningServer) -> None:
+def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(
+    browser: Any, server: RunningServer
+) -> None:
     page = open_page(browser, server.url("/"), {"temperature": 0.0, "maxTokens": 32, "apiKey": ""})
     assert page.locator("#draft-options").is_visible()
     record_reply_lengths(page)
@@ -187,16 +205,26 @@ def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(browser: Any
     assert reply.locator(".content").inner_text().strip()
 
     stats = reply.locator(".stats")
-    assert re.search(r"first token \d+ ms · [\d.]+ tokens/s · \d+ tokens · prompt \d+ tokens \(\d+ cached\)",
-                     stats.inner_text()), stats.inner_text()
+    assert re.search(
+        r"first token \d+ ms · [\d.]+ tokens/s · \d+ tokens · prompt \d+ tokens \(\d+ cached\)",
+        stats.inner_text(),
+    ), stats.inner_text()
     session = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()
-    assert int(stats.get_attribute("data-prompt-tokens")) == session["messages"][-1]["usage"]["prompt_tokens"]
-    assert page.locator(f'#session-list [data-id="{session["id"]}"] [aria-current="page"]').count() == 1
+    assert (
+        int(stats.get_attribute("data-prompt-tokens"))
+        == session["messages"][-1]["usage"]["prompt_tokens"]
+    )
+    assert (
+        page.locator(f'#session-list [data-id="{session["id"]}"] [aria-current="page"]').count()
+        == 1
+    )
     assert page.errors == []
     page.context.close()
 
 
-def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(page: Any, server: RunningServer) -> None:
+def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(
+    page: Any, server: RunningServer
+) -> None:
     # 16 tokens: it is cut
     send_message(page, "Tell me a long story about a lighthouse keeper and the sea.")
     reply = wait_for_reply(page)
@@ -207,7 +235,10 @@ def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(page:
     wait_for_reply(page)
     session = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()
     assert [m["role"] for m in session["messages"]] == ["user", "assistant", "user", "assistant"]
-    assert session["messages"][2]["content"] == "Continue." and session["messages"][1]["finish_reason"] == "length"
+    assert (
+        session["messages"][2]["content"] == "Continue."
+        and session["messages"][1]["finish_reason"] == "length"
+    )
     replies = page.locator(".message.assistant")
     assert not replies.first.locator(".continue").is_visible()  # only the last reply offers it
     assert replies.last.locator(".continue").is_visible()  # (cut again at 16 tokens)
@@ -219,12 +250,16 @@ def test_a_reply_cut_at_the_token_limit_says_so_and_continue_asks_for_more(page:
 
 @pytest.mark.slow
 def test_stop_ends_the_stream_keeps_the_partial_reply_and_frees_the_request(
-        browser: Any, server: RunningServer) -> None:
+    browser: Any, server: RunningServer
+) -> None:
     page = open_page(browser, server.url("/"), {"temperature": 0.0, "maxTokens": 400, "apiKey": ""})
     send_message(page, "Write a very long essay about the history of the sea, with many chapters.")
     reply = page.locator("#messages .message.assistant.streaming .content")
-    page.wait_for_function("() => (document.querySelector('.message.assistant.streaming .content')"
-                           " || {}).textContent?.length > 10", timeout=60_000)
+    page.wait_for_function(
+        "() => (document.querySelector('.message.assistant.streaming .content')"
+        " || {}).textContent?.length > 10",
+        timeout=60_000,
+    )
     assert page.locator("#stop").is_visible() and not page.locator("#send").is_visible()
     page.click("#stop")
 
@@ -236,7 +271,9 @@ def test_stop_ends_the_stream_keeps_the_partial_reply_and_frees_the_request(
     metrics = wait_until_idle(server, timeout=15)
     assert metrics.running == 0
 
-    stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()["messages"][-1]
+    stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()[
+        "messages"
+    ][-1]
     assert stored["finish_reason"] == "abort"
     # the server kept what was shown (and what it made meanwhile)
     assert stored["content"].startswith(partial)
@@ -255,7 +292,10 @@ def test_reload_brings_the_session_back_and_the_second_turn_hits_the_cache(page:
     page.reload()
     page.wait_for_selector("#messages .message.assistant")
     assert session_id_of(page) == session_id
-    assert page.locator("#messages .message.user .content").inner_text() == "Name three colours of the rainbow."
+    assert (
+        page.locator("#messages .message.user .content").inner_text()
+        == "Name three colours of the rainbow."
+    )
     assert page.locator("#messages .message.assistant .content").inner_text() == first
     # from the stored usage
     assert "prompt" in page.locator("#messages .message.assistant .stats").inner_text()
@@ -274,15 +314,26 @@ def test_reload_brings_the_session_back_and_the_second_turn_hits_the_cache(page:
     assert session_id_of(page) == session_id
 
 
-def assert_session_requests_carry_the_id(requests: list[Any], session_id: str, last_text: str) -> None:
+def assert_session_requests_carry_the_id(
+    requests: list[Any], session_id: str, last_text: str
+) -> None:
     """Every session-scoped request had ``X-Session-ID`` (a load balancer routes by it); a turn streams with
     usage and the settings' sampling fields."""
     scoped = [r for r in requests if f"/v1/sessions/{session_id}" in r.url]
     assert {r.method for r in scoped} >= {"GET", "POST"}
-    assert all(r.headers.get("x-session-id") == session_id for r in scoped), [(r.method, r.url) for r in scoped]
-    turn = [r for r in scoped if r.method == "POST" and r.url.endswith("/messages")][-1].post_data_json
-    assert turn == {"content": last_text, "stream": True, "stream_options": {"include_usage": True},
-                    "temperature": SHORT["temperature"], "max_tokens": SHORT["maxTokens"]}
+    assert all(r.headers.get("x-session-id") == session_id for r in scoped), [
+        (r.method, r.url) for r in scoped
+    ]
+    turn = [r for r in scoped if r.method == "POST" and r.url.endswith("/messages")][
+        -1
+    ].post_data_json
+    assert turn == {
+        "content": last_text,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": SHORT["temperature"],
+        "max_tokens": SHORT["maxTokens"],
+    }
 
 
 @pytest.mark.slow
@@ -295,7 +346,9 @@ def test_hostile_user_message_renders_inert(page: Any) -> None:
     page.wait_for_timeout(200)
     messages = page.locator("#messages")
     assert messages.locator("img, script, iframe, svg").count() == 0
-    hrefs = messages.evaluate("(m) => [...m.querySelectorAll('[href]')].map((a) => a.getAttribute('href'))")
+    hrefs = messages.evaluate(
+        "(m) => [...m.querySelectorAll('[href]')].map((a) => a.getAttribute('href'))"
+    )
     assert not [h for h in hrefs if "javascript" in h.lower()], hrefs
     assert "<img src=x onerror=alert(1)>" in messages.locator(".message.user .content").inner_text()
     assert dialogs == []
@@ -315,12 +368,16 @@ def test_regenerate_replaces_the_last_reply(page: Any, server: RunningServer) ->
     assert page.locator("#messages .message").count() == 2
     stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()
     assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
-    assert page.locator("#messages .message.assistant .content").inner_text() == stored["messages"][1]["content"]
+    assert (
+        page.locator("#messages .message.assistant .content").inner_text()
+        == stored["messages"][1]["content"]
+    )
 
 
 @pytest.mark.slow
 def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored_reply(
-        browser: Any, server: RunningServer) -> None:
+    browser: Any, server: RunningServer
+) -> None:
     """Three choices of one /v1/chat/completions request (n=3, the session's messages, no session id) fill three
     columns at once; nothing is saved, so the chat and its stored reply stay as they were."""
     page = open_page(browser, server.url("/"), {"temperature": 1.0, "maxTokens": 24, "apiKey": ""})
@@ -337,9 +394,11 @@ def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored
     }""")
     reply.locator(".regenerate-alternatives").click()
     assert page.locator("#stop").is_visible()
-    page.wait_for_function("() => document.querySelectorAll('.alternative[data-finish-reason]').length === 3"
-                           " && document.querySelector('.alternatives-usage').textContent !== ''",
-                           timeout=REPLY_TIMEOUT_MS)
+    page.wait_for_function(
+        "() => document.querySelectorAll('.alternative[data-finish-reason]').length === 3"
+        " && document.querySelector('.alternatives-usage').textContent !== ''",
+        timeout=REPLY_TIMEOUT_MS,
+    )
     samples = page.evaluate("() => { clearInterval(window.__sampler); return window.__columns; }")
 
     columns = page.locator(".alternatives .alternative")
@@ -347,9 +406,13 @@ def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored
     texts = [columns.nth(i).get_attribute("data-text") for i in range(3)]
     assert all(t and t.strip() for t in texts) and len(set(texts)) > 1, texts
     # streamed together: a moment when every column had text while some were still streaming
-    assert any(all(n > 0 for n, _ in s) and any(busy for _, busy in s) for s in samples if len(s) == 3), samples
+    assert any(
+        all(n > 0 for n, _ in s) and any(busy for _, busy in s) for s in samples if len(s) == 3
+    ), samples
     boxes = [columns.nth(i).bounding_box() for i in range(3)]
-    assert len({round(b["y"]) for b in boxes}) == 1 and boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"]
+    assert (
+        len({round(b["y"]) for b in boxes}) == 1 and boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"]
+    )
     # the session's prompt
     assert int(page.locator(".alternatives-usage").get_attribute("data-cached-tokens")) > 0
 
@@ -357,38 +420,70 @@ def test_regenerate_three_streams_alternatives_side_by_side_and_keeps_the_stored
     assert len(ask) == 1 and "x-session-id" not in ask[0].headers
     body = ask[0].post_data_json
     assert body["n"] == 3 and body["stream"] is True
-    assert body["messages"] == [{"role": "user", "content": "Name a fruit and say why you like it."}]
+    assert body["messages"] == [
+        {"role": "user", "content": "Name a fruit and say why you like it."}
+    ]
 
     # the session API cannot store one
     assert page.locator(".alternatives button", has_text="Keep").count() == 0
-    stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()["messages"]
+    stored = httpx.get(server.url(f"/v1/sessions/{session_id_of(page)}"), timeout=10).json()[
+        "messages"
+    ]
     assert [m["role"] for m in stored] == ["user", "assistant"]
     assert reply.locator(".content").inner_text() == shown
     page.locator(".close-alternatives").click()
-    assert page.locator(".alternatives").count() == 0 and reply.locator(".regenerate-alternatives").is_visible()
+    assert (
+        page.locator(".alternatives").count() == 0
+        and reply.locator(".regenerate-alternatives").is_visible()
+    )
     assert page.errors == []
     page.context.close()
 
 
 @pytest.mark.slow
 def test_refused_alternatives_show_the_error_and_leave_the_reply(page: Any) -> None:
-    error = {"error": {"message": "simulated refusal", "type": "error", "param": None, "code": None}}
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=429, content_type="application/json", body=json.dumps(error), headers={"Retry-After": "3"}))
+    error = {
+        "error": {"message": "simulated refusal", "type": "error", "param": None, "code": None}
+    }
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=429,
+            content_type="application/json",
+            body=json.dumps(error),
+            headers={"Retry-After": "3"},
+        ),
+    )
     send_message(page, "Say hello.")
     reply = wait_for_reply(page)
     reply.locator(".regenerate-alternatives").click()
     page.wait_for_selector("#error:not([hidden])")
     assert "busy" in page.locator("#error-text").inner_text()
-    assert page.locator(".alternatives").count() == 0 and reply.locator(".regenerate-alternatives").is_visible()
+    assert (
+        page.locator(".alternatives").count() == 0
+        and reply.locator(".regenerate-alternatives").is_visible()
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("status", "words"), [(429, "busy"), (503, "cannot answer"), (401, "Not authorised")])
-def test_refused_message_shows_the_error_and_keeps_the_typed_text(page: Any, status: int, words: str) -> None:
-    error = {"error": {"message": "simulated refusal", "type": "error", "param": None, "code": None}}
-    page.route("**/v1/sessions/*/messages", lambda route: route.fulfill(
-        status=status, content_type="application/json", body=json.dumps(error), headers={"Retry-After": "3"}))
+@pytest.mark.parametrize(
+    ("status", "words"), [(429, "busy"), (503, "cannot answer"), (401, "Not authorised")]
+)
+def test_refused_message_shows_the_error_and_keeps_the_typed_text(
+    page: Any, status: int, words: str
+) -> None:
+    error = {
+        "error": {"message": "simulated refusal", "type": "error", "param": None, "code": None}
+    }
+    page.route(
+        "**/v1/sessions/*/messages",
+        lambda route: route.fulfill(
+            status=status,
+            content_type="application/json",
+            body=json.dumps(error),
+            headers={"Retry-After": "3"},
+        ),
+    )
     send_message(page, "this text must survive")
     page.wait_for_selector("#error:not([hidden])")
     assert words in page.locator("#error-text").inner_text()
@@ -400,8 +495,12 @@ def test_refused_message_shows_the_error_and_keeps_the_typed_text(page: Any, sta
 
 @pytest.mark.slow
 def test_sidebar_lists_renames_and_deletes_sessions(browser: Any, server: RunningServer) -> None:
-    made = [httpx.post(server.url("/v1/sessions"), json={"title": f"sidebar chat {i}"}, timeout=10).json()
-            for i in range(2)]
+    made = [
+        httpx.post(
+            server.url("/v1/sessions"), json={"title": f"sidebar chat {i}"}, timeout=10
+        ).json()
+        for i in range(2)
+    ]
     page = open_page(browser, server.url("/"))
     page.wait_for_selector(f'#session-list [data-id="{made[1]["id"]}"]')
     titles = page.locator("#session-list .session-title").all_inner_texts()
@@ -412,7 +511,10 @@ def test_sidebar_lists_renames_and_deletes_sessions(browser: Any, server: Runnin
     page.fill("#session-list .rename-input", "renamed chat")
     page.press("#session-list .rename-input", "Enter")
     page.wait_for_selector("#session-list .session-title:text-is('renamed chat')")
-    assert httpx.get(server.url(f"/v1/sessions/{made[0]['id']}"), timeout=10).json()["title"] == "renamed chat"
+    assert (
+        httpx.get(server.url(f"/v1/sessions/{made[0]['id']}"), timeout=10).json()["title"]
+        == "renamed chat"
+    )
 
     item.locator(".session-link").click()
     page.wait_for_function("(id) => location.search.includes(id)", arg=made[0]["id"])
@@ -426,7 +528,9 @@ def test_sidebar_lists_renames_and_deletes_sessions(browser: Any, server: Runnin
     page.context.close()
 
 
-def test_the_sidebar_says_when_chats_live_only_in_memory(browser: Any, server: RunningServer) -> None:
+def test_the_sidebar_says_when_chats_live_only_in_memory(
+    browser: Any, server: RunningServer
+) -> None:
     durable = open_page(browser, server.url("/"))  # the default store: a SQLite file
     durable.wait_for_function("() => fetch('/health').then(r => r.ok)")
     durable.wait_for_timeout(300)

@@ -255,6 +255,11 @@ class AsyncEngine:
         """The core's pins: pin id -> (tokens, blocks pinned now)."""
         return await self.call("pins")
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine was started on (None before ``start``): where another thread submits."""
+        return self._loop
+
     async def call(self, target: str | Callable[..., T], *args: Any) -> T:
         """Run ``target`` in the core between steps: an EngineCore method by name, or a module-level function
         taking the core first (pickled: tests inject faults so); returns its result, or raises its error."""

@@ -167,7 +167,7 @@ def host_cache_state(bm: BlockManager) -> tuple | None:
         list(hc.entries.items()),
         list(hc.free),
         sorted(hc.busy),
-        list(hc._free_next_step),
+        list(hc.freed_this_step),
         hc.num_stored,
         hc.num_restored,
         hc.num_dropped,
@@ -279,7 +279,7 @@ def check_host(
     assert all(first <= slot < first + num for slot in slots), (
         "a host-tier entry outside the tier's slots"
     )
-    hc_free, later = list(hc.free), list(hc._free_next_step)
+    hc_free, later = list(hc.free), list(hc.freed_this_step)
     assert len(set(hc_free)) == len(hc_free) and len(set(later)) == len(later)
     assert set(slots).isdisjoint(hc_free) and set(slots).isdisjoint(later), (
         "a host-tier slot is both used and free"

@@ -45,4 +45,4 @@ def check_idle_pool(core: Any) -> int:
 
 def call_in_engine(engine: Any, fn: Any, *args: Any) -> Any:
     """``engine.call(fn, *args)`` from a thread other than the engine's event loop (TestClient, a server thread)."""
-    return asyncio.run_coroutine_threadsafe(engine.call(fn, *args), engine._loop).result(60)
+    return asyncio.run_coroutine_threadsafe(engine.call(fn, *args), engine.loop).result(60)

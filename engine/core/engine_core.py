@@ -211,6 +211,11 @@ class EngineCore:
         return bool(self._requests) or self._in_flight is not None
 
     @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step's sampled ids are not read yet (async scheduling)."""
+        return self._in_flight is not None
+
+    @property
     def num_open_samples(self) -> int:
         """Samples of requests not finished yet (0 once every request has ended: none is leaked)."""
         return len(self._samples)

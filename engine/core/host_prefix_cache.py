@@ -26,7 +26,7 @@ class HostPrefixCache:
         self.entries: OrderedDict[bytes, int] = OrderedDict()
         self.free: list[int] = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.busy: set[int] = set()  # slots a copy of this step reads or writes
-        self._free_next_step: list[int] = []  # busy slots of entries dropped by clear()
+        self.freed_this_step: list[int] = []  # busy slots of entries dropped by clear()
         self.num_stored = 0  # blocks copied in from the device
         self.num_restored = 0  # blocks copied back to the device
         self.num_dropped = 0  # entries given up for newer ones (or not stored: every slot busy)
@@ -63,15 +63,15 @@ class HostPrefixCache:
 
     def new_step(self) -> None:
         self.busy.clear()
-        self.free += self._free_next_step
-        self._free_next_step = []
+        self.free += self.freed_this_step
+        self.freed_this_step = []
 
     def clear(self) -> int:
         """Forget every entry (a cold cache); returns how many were dropped. Busy slots stay out of the free list
         until the step ends (a copy may still read them)."""
         dropped = len(self.entries)
         for slot in self.entries.values():
-            (self._free_next_step if slot in self.busy else self.free).append(slot)
+            (self.freed_this_step if slot in self.busy else self.free).append(slot)
         self.entries.clear()
         return dropped
 

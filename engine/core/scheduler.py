@@ -208,7 +208,7 @@ class Scheduler(SharedStep):
             # (the step's budget is spent: it runs next step; an entry of 0 tokens is no row)
             return budget
         while not self.block_manager.allocate(seq, num_new):
-            for victim in self._preempt(self._victim()):
+            for victim in self.preempt(self._victim()):
                 budget += chosen.pop(victim, 0)
                 preempted.append(victim)
             # preempted itself (or with its request's others)
@@ -305,7 +305,7 @@ class Scheduler(SharedStep):
         self.num_unforked -= len(parent.unforked)
         parent.unforked = []
 
-    def _preempt(self, seq: Sequence, allow_swap: bool = True) -> list[Sequence]:
+    def preempt(self, seq: Sequence, allow_swap: bool = True) -> list[Sequence]:
         """Preempt ``seq``: swapped out together with its request's other running sequences (samples or beams
         sharing blocks: the paper's rule, all or nothing), or recomputed later alone. Returns the preempted."""
         if allow_swap and self.prefer_swap(seq):

@@ -9,7 +9,7 @@ over its equal share of ``max_num_seqs`` admits nothing more, and gives seats ba
 recomputed later) to a tenant under its share.
 
 A mixin of Scheduler: it uses the scheduler's queues and its mechanics (``_schedule_running``, ``_swap_in``,
-``_start``, ``_preempt``, ``_blocks_in_progress``).
+``_start``, ``preempt``, ``_blocks_in_progress``).
 """
 
 from __future__ import annotations
@@ -223,5 +223,5 @@ class SharedStep:
                 return False
             victim = next(seq for seq in reversed(self.running) if seq.tenant == holder)
             chosen.pop(victim, None)
-            preempted += self._preempt(victim, allow_swap=False)
+            preempted += self.preempt(victim, allow_swap=False)
         return True

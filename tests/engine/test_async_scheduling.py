@@ -95,7 +95,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(prompt_ids):
     for _ in range(4):
         for out in engine.step():
             seen[out.request_id].append(out)
-    assert engine.core._in_flight is not None  # the test needs a step whose ids were not read yet
+    assert engine.core.has_step_in_flight  # the test needs a step whose ids were not read yet
     (final,) = engine.abort_request("dropped")
     assert final.finished and final.finish_reason == "abort"
     assert all(t >= 0 for t in final.token_ids), "a pending placeholder leaked into the output"

@@ -14,6 +14,7 @@ from engine.request_stream import RequestFailedError
 from engine.layers.sampler import Sampler
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.output import output_processor
 from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.block_invariants import check_pool
 from tests.conftest import SMALL_KV_GIB
@@ -69,21 +70,25 @@ def test_bad_sampling_value_ends_only_that_request(tokenizer, faulty_sampler, as
     assert_idle(engine)
 
 
-def test_detokenizer_fault_ends_only_that_request(tokenizer):
+def test_detokenizer_fault_ends_only_that_request(tokenizer, monkeypatch):
     engine = LLMEngine(kv_cache_memory_gib=SMALL_KV_GIB)
     ids = prompts(tokenizer, 3)
-    for i, prompt in enumerate(ids):
-        engine.add_request(f"r{i}", prompt, GREEDY)
 
     class BrokenDetokenizer:
+        def __init__(self, *args):
+            pass
+
         def update(self, token_ids):
             raise UnicodeError("injected detokenizer fault")
 
         def take_delta(self, finished):
             return ""
 
-    # the front's side
-    engine.processor._requests["r1"].samples[0].detokenizer = BrokenDetokenizer()
+    for i, prompt in enumerate(ids):
+        with monkeypatch.context() as patch:  # the front's side: r1's detokenizer is broken
+            if i == 1:
+                patch.setattr(output_processor, "IncrementalDetokenizer", BrokenDetokenizer)
+            engine.add_request(f"r{i}", prompt, GREEDY)
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

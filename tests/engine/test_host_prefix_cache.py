@@ -33,7 +33,7 @@ def check_host_tier(engine: LLMEngine) -> None:
     assert len(set(slots)) == len(slots), "a host slot holds two blocks"
     assert all(cache.first_slot <= s < cache.first_slot + cache.num_slots for s in slots)
     assert not set(slots) & set(cache.free), "a host slot both free and holding a block"
-    assert len(slots) + len(cache.free) + len(cache._free_next_step) == cache.num_slots
+    assert len(slots) + len(cache.free) + len(cache.freed_this_step) == cache.num_slots
 
 
 def run(engine: LLMEngine, request_id: str, *prompts: list[int]) -> tuple[list[int], int]:

@@ -97,7 +97,7 @@ def test_a_preempted_owner_no_longer_holds_others_back():
     scheduler.add(a)
     scheduler.add(b)
     step(scheduler)
-    scheduler._preempt(a)  # as under memory pressure: a goes back to the head of the queue
+    scheduler.preempt(a)  # as under memory pressure: a goes back to the head of the queue
     assert [s.request_id for s in scheduler.waiting] == ["r0", "r1"]
     batch = step(scheduler)
     assert "r0" in batch and "r1" not in batch, (

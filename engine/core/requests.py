@@ -85,22 +85,7 @@ def new_sequences(
 ) -> list[Sequence]:
     """The request's sequences, one per sample (or beam); the first computes the prompt, the others fork from
     it (a beam search's hold their places until the prompt's step)."""
-    if params.use_beam_search:
-        seqs = [
-            Sequence(
-                seq_id=next(seq_ids),
-                request_id=request_id,
-                token_ids=list(prompt),
-                params=params,
-                cache_salt=cache_salt,
-                tenant=tenant,
-                priority=priority,
-                index=i,
-            )
-            for i in range(params.beam_width)
-        ]
-        seqs[0].unforked = seqs[1:]
-        return seqs
+    # (beam search takes no best_of, logprobs or grammar, SamplingParams checks; its beams share its params)
     seq_params = (
         params
         if params.best_of is None or params.logprobs is not None
@@ -110,7 +95,7 @@ def new_sequences(
     for index in range(params.num_sequences):
         own = (
             seq_params
-            if index == 0 or params.seed is None
+            if index == 0 or params.seed is None or params.use_beam_search
             else dataclasses.replace(seq_params, seed=params.sample_seed(index))
         )
         seq = Sequence(

@@ -174,7 +174,7 @@ class ModelRunner:
         """Drop the KV cache and the graphs recorded over it (the warm-up's scratch ones)."""
         if self.workers is not None:
             self.workers.send(ReleaseKv())
-        self.decode_graphs.graphs = None
+        self.decode_graphs.release()
         self.kv.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()

@@ -62,6 +62,7 @@ def start_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return engine, time.perf_counter() - start
 
@@ -335,6 +336,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the KV cache's dtype"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-prompt-len", type=int, help="smoke tests only: clip the prompt lengths"

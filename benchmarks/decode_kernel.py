@@ -38,7 +38,7 @@ HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 # the grid behind the defaults (docs/KERNELS_NOTES.md): tiles x stages x when to split
 SWEEP = [
     DecodeConfig(tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
-    for t, st, s, k in itertools.product([64, 128], [64, 128], [2, 3, 4], [2, 4, 8])
+    for t, st, s, k in itertools.product([64, 128, 256], [64, 128], [2, 3, 4], [2, 4, 8])
 ]
 SWEEP += [
     DecodeConfig(min_partition=m, programs_per_sm=k)

@@ -298,13 +298,18 @@ def check_host(
 def run_checked(engine, prompt_ids: list[list[int]], params, check_step=None) -> list[list[int]]:
     """Step ``engine`` (an LLMEngine) through ``prompt_ids`` with ``params``, checking the pool's invariants
     (and ``check_step(engine)``, when given) after every step; the final token ids in prompt order."""
+    return [out.token_ids for out in run_checked_outputs(engine, prompt_ids, params, check_step)]
+
+
+def run_checked_outputs(engine, prompt_ids: list[list[int]], params, check_step=None) -> list:
+    """``run_checked``'s run; the final RequestOutputs in prompt order (logprobs included, where asked)."""
     for i, ids in enumerate(prompt_ids):
         engine.add_request(f"r{i}", ids, params)
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                finals[out.request_id] = out.token_ids
+                finals[out.request_id] = out
         s = engine.core.scheduler
         check_pool(engine.core.block_manager, list(s.running) + list(s.waiting) + list(s.swapped))
         if check_step is not None:

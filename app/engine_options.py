@@ -185,9 +185,11 @@ ENGINE_OPTIONS = (
     Option(
         "all_reduce",
         "How tensor-parallel ranks add their partial sums on CUDA: auto sends a decode step's "
-        "small all-reduces through symmetric memory (one kernel over NVLink), NCCL the rest",
+        "small all-reduces through symmetric memory (one kernel over NVLink, one barrier each) and "
+        "writes the logits straight into rank 0's, NCCL the rest; two_shot is auto with the earlier "
+        "two-barrier kernel (for comparison); nccl sends all through NCCL",
         "auto",
-        choices=("auto", "nccl"),
+        choices=("auto", "two_shot", "nccl"),
     ),
     Option(
         "stream_interval",

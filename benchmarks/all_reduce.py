@@ -1,7 +1,9 @@
-"""The tensor-parallel all-reduce, NCCL against the symmetric-memory sums (engine/worker/parallel_state.py's
-``PeerAllReduce``: our Triton two shot and one shot, kernels/all_reduce.py, and PyTorch's own two-shot and one-shot
-ops; the engine uses ``PeerAllReduce``'s default method from 1 to 8 MiB), at the sizes a decode or prefill step
-adds: ``rows`` x ``--hidden`` values of ``--dtype``.
+"""The tensor-parallel all-reduce, NCCL against the symmetric-memory sums (engine/worker/peer_memory.py's
+``PeerAllReduce``: our Triton kernel's one-barrier one shot (the engine's, from 1 to 8 MiB), two shot and
+two-barrier one shot, kernels/all_reduce.py, and PyTorch's own two-shot and one-shot ops), at the sizes a decode
+or prefill step adds: ``rows`` x ``--hidden`` values of ``--dtype``. The one-barrier sums go round the three
+exchanges call after call, so a graph's replays may follow each other only where ``--calls`` is not 1 more
+than a multiple of 3 (a replay must not start on the exchange the last one ended on).
 
 N processes (one per GPU, cuda:0 .. N-1) join one group through ``parallel_state.init_tensor_parallel``. For each
 size and path, ``--calls`` all-reduces of distinct random inputs are captured in one CUDA graph (as the engine's
@@ -31,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import command_line, device_name, utc_now
-from engine.worker import parallel_state
+from engine.worker import parallel_state, peer_memory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -94,7 +96,7 @@ def measure(rank: int, args: argparse.Namespace, rows: int) -> dict[str, Any]:
     peer = parallel_state.peer_all_reduce()
     if peer is not None and inputs[0].nbytes <= peer.max_bytes:
         mismatches = 0
-        for method in parallel_state.PEER_METHODS:
+        for method in peer_memory.PEER_METHODS:
             graph, outputs = captured(lambda x, method=method: peer.sum(x, method), inputs)
             for seed in (1, 2):  # the second round: new inputs through the same captured graphs
                 fill(inputs, seed=seed * 7919 + 1000 * rank + rows)
@@ -114,9 +116,10 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     parallel_state.init_tensor_parallel(rank, args.ranks, device, rendezvous, all_reduce="auto")
     peer = parallel_state.peer_all_reduce()
     if args.programs and peer is not None:
-        if 2 * args.programs * args.ranks > peer.pad.numel():
+        channels = 2 + peer_memory.EXCHANGES
+        if channels * args.programs * args.ranks > peer.pad.numel():
             raise SystemExit(
-                f"--programs: at most {peer.pad.numel() // (2 * args.ranks)} (the signal pad's slots)"
+                f"--programs: at most {peer.pad.numel() // (channels * args.ranks)} (the signal pad's slots)"
             )
         peer.programs = args.programs
     results = [measure(rank, args, rows) for rows in args.rows]
@@ -130,7 +133,7 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
                 "device": device_name(device),
                 "ranks": args.ranks,
                 "torch": torch.__version__,
-                "peer_buffer_mib": parallel_state.PEER_ALL_REDUCE_BYTES / 2**20,
+                "peer_buffer_mib": peer_memory.PEER_ALL_REDUCE_BYTES / 2**20,
                 "symmetric_memory": parallel_state.peer_all_reduce_active(),
                 "programs": peer.programs if peer is not None else None,
             },
@@ -157,7 +160,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{env['programs']}); results differing from "
         f"NCCL's on any rank: {report['mismatches_all_ranks']}\n"
     )
-    methods = parallel_state.PEER_METHODS
+    methods = peer_memory.PEER_METHODS
     print("| rows | MiB | NCCL us | " + " | ".join(f"{m} us" for m in methods) + " | best / NCCL |")
     print("|---:" * (len(methods) + 4) + "|")
     for r in report["sizes"]:
@@ -195,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"needs {args.ranks} CUDA devices")
     if min(args.ranks, args.hidden, args.calls, args.repeats, *args.rows) < 1 or args.ranks < 2:
         parser.error("--ranks must be >= 2; --hidden, --rows, --calls and --repeats >= 1")
+    if args.calls % peer_memory.EXCHANGES == 1:
+        parser.error(
+            f"--calls: not 1 more than a multiple of {peer_memory.EXCHANGES} (the docstring says why)"
+        )
     os.environ.update(parallel_state.NCCL_SAFETY_ENV)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run_rank, args=(args, f"file://{tmp}/rendezvous"), nprocs=args.ranks)

@@ -9,8 +9,8 @@ the CPU), then measured with benchmarks/offline.py's own code:
 * steady decode step: ``--split-batch`` requests of ``--split-prompt-len``-token prompts all decoding (offline's
   ``measure_split``): wall ms per step over ``--split-steps`` steps, and the GPU busy ms per step from torch.profiler.
 * collectives: one more torch.profiler run over ``--split-steps`` steps of the same decode batch: the summed time of
-  the CUDA kernels whose name holds "AllReduce", "all_reduce" or "nccl" (any case: the layers' all-reduces, also
-  the logits' all-gather and the sampled ids' broadcast) and its share of that run's GPU busy time. An NCCL
+  the CUDA kernels whose name holds "AllReduce", "all_reduce", "nccl" or "signal_driver" (any case: the layers'
+  all-reduces, also the logits' all-gather or rank 0's wait for the others' logits, and the sampled ids' broadcast) and its share of that run's GPU busy time. An NCCL
   kernel's time includes waiting for the slower rank to arrive.
 
 torch.profiler runs in rank 0's process, so every GPU number is rank 0's kernels on cuda:0 (the other ranks run
@@ -18,7 +18,7 @@ the same kernels on their shards); on the CPU the profiled parts are skipped.
 
     python -m benchmarks.tensor_parallel --model-config llama-3-8b --sizes 1 2 [--json PATH] [--num-requests 256]
         [--split-batch 256] [--split-steps 50] [--max-model-len N] [--gpu-memory-utilization 0.9]
-        [--all-reduce auto|nccl]
+        [--all-reduce auto|two_shot|nccl]
     smoke test on the CPU: --model-config qwen3-0.6b --device cpu --sizes 1 2 --num-requests 2 --max-prompt-len 8
         --max-output-len 4 --split-batch 2 --split-steps 2 --max-model-len 64
 
@@ -57,10 +57,11 @@ from benchmarks.workloads import Request, capped, nano_workload
 from engine.config import resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
+from engine.worker.parallel_state import ALL_REDUCE_CHOICES
 
 logger = logging.getLogger("benchmarks.tensor_parallel")
 
-COLLECTIVE_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
+COLLECTIVE_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot", "signal_driver")
 # the kernels (by name) of most time per step, reported with the collectives  # matched against
 # kernel names in lower case
 TOP_KERNELS = 15
@@ -230,9 +231,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument(
         "--all-reduce",
-        choices=("auto", "nccl"),
+        choices=ALL_REDUCE_CHOICES,
         default="auto",
-        help="EngineConfig.all_reduce: the symmetric-memory one shot for small all-reduces, or NCCL",
+        help="EngineConfig.all_reduce: auto (symmetric memory for small all-reduces, one barrier each, and "
+        "the logits written into rank 0's), two_shot (the same with the two-barrier kernel), nccl",
     )
     add_run_options(parser)  # (--max-prompt-len clips the split's prompts too)
     args = parser.parse_args(argv)

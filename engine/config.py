@@ -103,7 +103,9 @@ class EngineConfig:
     # starts the others; engine/worker/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
     tensor_parallel_size: int = 1
     # how the ranks' partial sums are added on CUDA: auto (small all-reduces, a decode step's, through PyTorch's
-    # symmetric memory in one kernel when the GPUs reach each other's memory; NCCL for the rest) | nccl
+    # symmetric memory in one kernel with one barrier, and the logits written straight into rank 0's, when the
+    # GPUs reach each other's memory; NCCL for the rest) | two_shot (auto with the earlier two-barrier kernel)
+    # | nccl
     all_reduce: str = "auto"
     # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
     # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind

@@ -4,7 +4,8 @@ any tensor left unset), so initialising 100M+ parameters first would only cost s
 Their tensor-parallel forms (engine/worker/parallel_state.py): a column-parallel layer holds this rank's slice of the
 outputs, a row-parallel layer this rank's slice of the inputs and adds the ranks' partial outputs with one
 all-reduce (its bias once, after the sum), and the vocabulary-parallel embedding this rank's rows of the
-table. With one rank each is the plain layer.
+table. With one rank each is the plain layer. Each all-reduce names its call site's exchange (the embedding 0,
+attention's output 1, the MLP's 2; engine/worker/peer_memory.py says why consecutive sums must not share one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.worker import parallel_state
+
+
+EMBEDDING_EXCHANGE, ATTENTION_EXCHANGE, MLP_EXCHANGE = 0, 1, 2
 
 
 class Linear(nn.Linear):
@@ -32,12 +36,17 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """``in_features`` are this rank's slice of the inputs; the output is the full sum over ranks."""
+    """``in_features`` are this rank's slice of the inputs; the output is the full sum over ranks, through
+    ``exchange`` (ATTENTION_EXCHANGE or MLP_EXCHANGE)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, exchange: int) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.current().size == 1:
             return super().forward(x)
-        out = parallel_state.linear_all_reduce(x, self.weight)
+        out = parallel_state.linear_all_reduce(x, self.weight, self.exchange)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -53,7 +62,7 @@ def project_then_norm(
         and parallel_state.current().size > 1
     ):
         fused = parallel_state.linear_all_reduce_rms_norm(
-            x, proj.weight, norm.weight, norm.eps, residual
+            x, proj.weight, norm.weight, norm.eps, residual, proj.exchange
         )
         if fused is not None:
             return fused
@@ -83,4 +92,6 @@ class VocabParallelEmbedding(Embedding):
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return parallel_state.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+        return parallel_state.all_reduce(
+            out.masked_fill_(outside.unsqueeze(-1), 0), EMBEDDING_EXCHANGE
+        )

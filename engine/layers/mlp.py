@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import MLP_EXCHANGE, ColumnParallelLinear, RowParallelLinear
 from kernels import ops as kernel_ops
 
 
@@ -16,7 +16,9 @@ class GatedMLP(nn.Module):
         """``intermediate_size``: this rank's columns (all of them with one rank)."""
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, exchange=MLP_EXCHANGE
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(x))

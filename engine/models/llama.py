@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.worker import parallel_state
 from engine.layers.linear import (
+    ATTENTION_EXCHANGE,
     ColumnParallelLinear,
     Linear,
     RowParallelLinear,
@@ -122,7 +123,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
         )
-        self.o_proj = RowParallelLinear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = RowParallelLinear(
+            self.q_size, args.hidden_size, bias=args.o_bias, exchange=ATTENTION_EXCHANGE
+        )
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -242,10 +245,8 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.tp.size == 1:
             return torch.matmul(hidden, weight.t(), out=out)
-        # each rank's vocabulary slice, gathered on every rank (rank 0 samples); the padding columns dropped
-        return parallel_state.all_gather_last_dim(
-            torch.matmul(hidden, weight.t()), self.args.vocab_size, out
-        )
+        # each rank's vocabulary slice, whole where rank 0 samples; the padding columns dropped
+        return parallel_state.compute_logits(hidden, weight, self.args.vocab_size, out)
 
     def store_weights_column_major(self) -> None:
         """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied

@@ -34,6 +34,7 @@ from engine.worker.worker_group import (
     CaptureGraphs,
     MemoryInfo,
     ReleaseKv,
+    ReserveLogits,
     RunStep,
     WorkerGroup,
 )
@@ -83,6 +84,14 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             model.store_weights_column_major()
+        if workers is not None:
+            rows = max(config.max_num_seqs, self.decode_graphs.max_size)
+            workers.send(ReserveLogits(rows, model.args.vocab_size))
+            self.reserve_logits(rows, model.args.vocab_size)
+
+    def reserve_logits(self, max_rows: int, width: int) -> None:
+        """Tensor parallelism: rank 0's logits where every rank's output layer can write them (every rank)."""
+        parallel_state.reserve_logits(max_rows, width, self.config.torch_dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -12,15 +12,13 @@ single rank) every collective is the identity, so model code has no branch for i
 
 The decode step's all-reduces are small (a batch of 256 rows of 4096 bf16 is 2 MiB) and there are two per
 layer, so their latency, not NVLink's bandwidth, is what they cost. On CUDA with ``all_reduce="auto"`` those of
-1 .. 8 MiB go through PyTorch's symmetric memory (``PeerAllReduce``): each rank's row-parallel matmul writes its
-part into a buffer every rank has mapped, and our kernel on each rank (kernels/all_reduce.py) reads and writes
-the others' parts over NVLink directly (no ring, no proxy thread); after o_proj and down_proj the same kernel
-also adds the residual and applies the next RMSNorm. NCCL takes the rest and every other collective.
+1 .. 8 MiB go through symmetric memory (engine/worker/peer_memory.py: one kernel per rank reads the peers' parts
+over NVLink directly, one barrier per sum, the residual add and the next RMSNorm in the same kernel), and the
+logits are written straight into rank 0's; NCCL takes the rest and every other collective.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
+
+from engine.worker.peer_memory import LogitsExchange, PeerAllReduce
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: a program using it can take a shared host's GPUs out of
 # service (the device notes); set before the first NCCL call, and inherited by the processes we start
@@ -53,119 +53,11 @@ class TensorParallel:
 _SINGLE = TensorParallel(0, 1)
 _current = _SINGLE
 
-# PeerAllReduce takes the all-reduces from 1 MiB to 8 MiB (a decode step of 128 .. 1024 rows of 4096 bf16): there
-# its two-shot sum beat NCCL on 2 x H100 and 2 x H200; below 1 MiB NCCL was as fast or faster (benchmarks/all_reduce.py,
-# docs/BENCHMARKS.md), and above it prefill's large messages are bandwidth-bound, where NCCL is good
-PEER_ALL_REDUCE_MIN_BYTES = 1 << 20
-PEER_ALL_REDUCE_BYTES = 8 << 20
-ALL_REDUCE_CHOICES = ("auto", "nccl")
-
-
-PEER_METHODS = ("two_shot", "one_shot", "torch_two_shot", "torch_one_shot")
-
-
-class PeerAllReduce:
-    """The sum over ranks of a CUDA tensor of ``min_bytes`` .. ``max_bytes`` through a buffer of PyTorch's
-    symmetric memory that every rank has mapped (NVLink or PCIe peer access; multicast stays off): each rank
-    copies its part into the buffer, then one kernel per rank reads the peers' parts directly.
-
-    ``method``: two_shot / one_shot, our Triton kernel (kernels/all_reduce.py: one launch, as many programs as
-    the device has SMs, barriers in the buffer's signal pad); torch_two_shot / torch_one_shot, PyTorch's own
-    symmetric-memory ops on a buffer of their own (for benchmarks/all_reduce.py's comparison). Each method's
-    barriers order every use of its buffer in stream order, also in a CUDA graph (checked against NCCL in graphs
-    with changing inputs by benchmarks/all_reduce.py)."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        min_bytes: int = PEER_ALL_REDUCE_MIN_BYTES,
-        max_bytes: int = PEER_ALL_REDUCE_BYTES,
-        method: str = "two_shot",
-    ) -> None:
-        if method not in PEER_METHODS:
-            raise ValueError(f"method: {method!r} is not one of {', '.join(PEER_METHODS)}")
-        self.group_name = dist.group.WORLD.group_name
-        self.device, self.method = device, method
-        self.min_bytes, self.max_bytes = min_bytes, max_bytes
-        self.buffer, handle = self._allocate()
-        self.rank, world = handle.rank, handle.world_size
-        # the peers' copies of the buffer and the signal pad, as offsets from this rank's (bytes, int32 slots)
-        self._byte_deltas = tuple(p - handle.buffer_ptrs[self.rank] for p in handle.buffer_ptrs)
-        self.pad = handle.get_signal_pad(
-            self.rank, [handle.signal_pad_size // 4], dtype=torch.int32
-        )
-        self.pad_deltas = tuple(
-            (p - handle.signal_pad_ptrs[self.rank]) // 4 for p in handle.signal_pad_ptrs
-        )
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.programs = min(sms, self.pad.numel() // (2 * world))
-        self._torch_buffer: torch.Tensor | None = None
-        self._torch_ops = torch.ops.symm_mem
-
-    def _allocate(self) -> tuple[torch.Tensor, object]:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
-        return buffer, symm_mem.rendezvous(buffer, self.group_name)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return (
-            x.is_cuda
-            and x.is_contiguous()
-            and self.min_bytes <= x.nbytes <= self.max_bytes
-            and x.nbytes % 16 == 0
-        )
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.sum(x, self.method)
-
-    def sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
-        """The sum over ranks of ``x`` by ``method`` (a new tensor)."""
-        if method.startswith("torch_"):
-            return self._torch_sum(x, method)
-        return self.sum_staged(self.staging(x.shape, x.dtype).copy_(x), method)
-
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The buffer's first bytes as a tensor of ``shape``: a producer writes its part there (``sum_staged``)."""
-        numel = math.prod(shape)
-        return self.buffer[: numel * dtype.itemsize].view(dtype).view(shape)
-
-    def sum_staged(self, staged: torch.Tensor, method: str | None = None) -> torch.Tensor:
-        """The sum over ranks of the part this rank wrote into ``staging(...)`` (our kernel's methods)."""
-        from kernels.all_reduce import all_reduce_staged
-
-        two_shot = (method or self.method) == "two_shot"
-        return all_reduce_staged(
-            staged,
-            torch.empty_like(staged),
-            self.pad,
-            self.deltas(staged.dtype),
-            self.pad_deltas,
-            self.rank,
-            self.programs,
-            two_shot=two_shot,
-        )
-
-    def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
-        """Each rank's buffer address minus this rank's, in elements of ``dtype``."""
-        return tuple(d // dtype.itemsize for d in self._byte_deltas)
-
-    def _torch_sum(self, x: torch.Tensor, method: str) -> torch.Tensor:
-        if self._torch_buffer is None:
-            self._torch_buffer = self._allocate()[0]
-        staged = self._torch_buffer[: x.nbytes].view(x.dtype).view(x.shape).copy_(x)
-        if method == "torch_one_shot":
-            return self._torch_ops.one_shot_all_reduce_out(
-                staged, "sum", self.group_name, torch.empty_like(x)
-            )
-        if hasattr(self._torch_ops, "two_shot_all_reduce_out"):  # (newer torch)
-            return self._torch_ops.two_shot_all_reduce_out(
-                staged, "sum", self.group_name, torch.empty_like(x)
-            )
-        return self._torch_ops.two_shot_all_reduce_(staged, "sum", self.group_name).clone()
+ALL_REDUCE_CHOICES = ("auto", "two_shot", "nccl")
 
 
 _peer: PeerAllReduce | None = None
+_logits: LogitsExchange | None = None
 # PyTorch keeps a symmetric-memory group's state by the group's name for the life of the process, and a later
 # group of the same name ("0") hung in its rendezvous on 2 x H100: one PeerAllReduce per process, and a later
 # tensor-parallel engine in the same process (tests, benchmarks) adds through NCCL
@@ -198,7 +90,8 @@ def init_tensor_parallel(
     """Join the group of ``size`` ranks meeting at ``rendezvous`` (a ``file://`` path no earlier group used);
     blocks until every rank has joined. One group per process at a time (``destroy_tensor_parallel`` ends it).
     ``all_reduce``: auto (``PeerAllReduce`` for small messages on CUDA where the ranks' GPUs reach each other's
-    memory, the first group of this process only; NCCL for the rest) | nccl (NCCL for all)."""
+    memory, the first group of this process only, one barrier per sum; NCCL for the rest) | two_shot (the
+    same with the earlier two-barrier schedule, for comparison) | nccl (NCCL for all)."""
     global _current, _peer, _peer_used_before
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(
@@ -230,15 +123,17 @@ def init_tensor_parallel(
         )
     _current = TensorParallel(rank, size)
     if (
-        all_reduce == "auto"
+        all_reduce != "nccl"
         and device.type == "cuda"
         and _peers_reachable(size)
         and not _peer_used_before
     ):
         _peer_used_before = True
-        _peer = PeerAllReduce(device)
+        schedule = "two_shot" if all_reduce == "two_shot" else "one_barrier"
+        _peer = PeerAllReduce(device, schedule=schedule)
         pattern = torch.arange(_peer.min_bytes // 4, device=device, dtype=torch.float32) % 251
-        check = _peer(pattern + rank)
+        # (two barriers: the engine's exchanges are left to the engine)
+        check = _peer.sum(pattern + rank, "two_shot")
         if not torch.equal(check, size * pattern + size * (size - 1) // 2):
             raise RuntimeError(
                 f"tensor parallel: the peer all-reduce over {size} ranks gave {check[:4].tolist()}"
@@ -270,8 +165,8 @@ def peer_all_reduce_spent() -> bool:
 def destroy_tensor_parallel() -> None:
     """Leave the group. NCCL's communicators are aborted, a local act: a graceful teardown waits for the other
     ranks' (seen hanging on 2 x H100 while a rank was still stopping), or forever for a rank that died."""
-    global _current, _peer
-    _peer = None  # (its buffer is freed with the group's memory pool)
+    global _current, _peer, _logits
+    _peer = _logits = None  # (their buffers are freed with the group's memory pool)
     if dist.is_initialized():
         if dist.get_backend() == "nccl":
             c10d._abort_process_group()
@@ -280,38 +175,37 @@ def destroy_tensor_parallel() -> None:
     _current = _SINGLE
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` over the ranks (a row-parallel layer's partial outputs): in place through NCCL, or a new
-    tensor through ``PeerAllReduce``; use the result."""
+def all_reduce(x: torch.Tensor, exchange: int) -> torch.Tensor:
+    """Sum of ``x`` over the ranks (a row-parallel layer's partial outputs) from call site ``exchange``
+    (peer_memory.EXCHANGES): in place through NCCL, or a new tensor through ``PeerAllReduce``; use the
+    result."""
     if _current.size == 1:
         return x
     if _peer is not None and _peer.fits(x):
-        return _peer(x)
+        staged = _peer.exchange_staging(exchange, x.shape, x.dtype).copy_(x)
+        return _peer.sum_exchange(staged, exchange)
     dist.all_reduce(x)
     return x
 
 
 def _peer_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)``'s sum over ranks goes through our peer kernel."""
-    nbytes = (x.numel() // x.shape[-1]) * weight.shape[0] * x.element_size()
     return (
         _peer is not None
-        and not _peer.method.startswith("torch_")
         and x.is_cuda
         and x.dim() == 2
-        and _peer.min_bytes <= nbytes <= _peer.max_bytes
-        and nbytes % 16 == 0
+        and _peer.fits_rows(x.shape[0], weight.shape[0], x.dtype)
     )
 
 
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``all_reduce(F.linear(x, weight))`` (a row-parallel layer without bias); where the sum goes through our
-    peer kernel, the matmul writes its output straight into the peer buffer (no copy in)."""
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, exchange: int) -> torch.Tensor:
+    """``all_reduce(F.linear(x, weight), exchange)`` (a row-parallel layer without bias); where the sum goes
+    through our peer kernel, the matmul writes its output straight into the exchange's buffer (no copy in)."""
     if not _peer_takes(x, weight):
-        return all_reduce(F.linear(x, weight))
-    staged = _peer.staging((x.shape[0], weight.shape[0]), x.dtype)
+        return all_reduce(F.linear(x, weight), exchange)
+    staged = _peer.exchange_staging(exchange, (x.shape[0], weight.shape[0]), x.dtype)
     torch.mm(x, weight.t(), out=staged)
-    return _peer.sum_staged(staged)
+    return _peer.sum_exchange(staged, exchange)
 
 
 def linear_all_reduce_rms_norm(
@@ -320,27 +214,36 @@ def linear_all_reduce_rms_norm(
     norm_weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor,
+    exchange: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sum over ranks of ``F.linear(x, weight)``, added to ``residual`` (in place) and RMS-normed with
     ``norm_weight`` (kernels/rms_norm.py's contract), in the all-reduce's own kernel: ``(normed, residual)``.
-    None where our peer kernel's two shot does not take this sum (the caller runs the layers one by one)."""
-    if not (_peer_takes(x, weight) and _peer.method == "two_shot" and residual.is_contiguous()):
+    None where our peer kernel does not take this sum (the caller runs the layers one by one)."""
+    if not (_peer_takes(x, weight) and residual.is_contiguous()):
         return None
-    from kernels.all_reduce import all_reduce_rms_norm_staged
-
-    staged = _peer.staging((x.shape[0], weight.shape[0]), x.dtype)
+    staged = _peer.exchange_staging(exchange, (x.shape[0], weight.shape[0]), x.dtype)
     torch.mm(x, weight.t(), out=staged)
-    return all_reduce_rms_norm_staged(
-        staged,
-        residual,
-        norm_weight,
-        eps,
-        _peer.pad,
-        _peer.deltas(x.dtype),
-        _peer.pad_deltas,
-        _peer.rank,
-        _peer.programs,
-    )
+    return _peer.sum_exchange_rms_norm(staged, exchange, residual, norm_weight, eps)
+
+
+def reserve_logits(max_rows: int, width: int, dtype: torch.dtype) -> None:
+    """Where the group sums through symmetric memory: rank 0's logits for up to ``max_rows`` rows of ``width``
+    in it, which every rank's output layer then writes straight into (``compute_logits``). Collective: every
+    rank calls it at the same point (rank 0's runner, and its ``ReserveLogits`` command to the others)."""
+    global _logits
+    if _peer is not None:
+        _logits = LogitsExchange(_peer.device, max_rows, width, dtype)
+
+
+def compute_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, width: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logits of ``hidden`` under this rank's vocabulary slice ``weight`` (padded past ``width``), whole
+    where sampling happens: written straight into rank 0's (the others' result is not theirs to read), or
+    all-gathered on every rank into ``out`` (or a new tensor)."""
+    if _logits is not None and _logits.fits(hidden):
+        return _logits.gather(hidden, weight)
+    return all_gather_last_dim(torch.matmul(hidden, weight.t()), width, out)
 
 
 def all_gather_last_dim(

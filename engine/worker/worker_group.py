@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import zmq
 
-from engine.worker import parallel_state
+from engine.worker import parallel_state, peer_memory
 from engine.config import EngineConfig
 from engine.worker.step_inputs import StepLayout
 
@@ -61,6 +61,14 @@ class RunStep:
 class AllocateKv:
     num_blocks: int
     max_model_len: int
+
+
+@dataclass(slots=True)
+class ReserveLogits:
+    """Rank 0's logits in symmetric memory, where the group sums through it (``parallel_state.reserve_logits``)."""
+
+    max_rows: int
+    width: int
 
 
 @dataclass(slots=True)
@@ -181,8 +189,8 @@ class WorkerGroup:
             "tensor parallel: all-reduce through %s",
             "symmetric memory from %d to %d MiB, NCCL otherwise"
             % (
-                parallel_state.PEER_ALL_REDUCE_MIN_BYTES >> 20,
-                parallel_state.PEER_ALL_REDUCE_BYTES >> 20,
+                peer_memory.PEER_ALL_REDUCE_MIN_BYTES >> 20,
+                peer_memory.PEER_ALL_REDUCE_BYTES >> 20,
             )
             if parallel_state.peer_all_reduce_active()
             else "NCCL"
@@ -352,6 +360,8 @@ def _serve(runner: Any, commands: zmq.Socket, replies: zmq.Socket, rank: int) ->
                 runner.allocate_kv_cache(command.num_blocks)
             elif isinstance(command, AllocateHostCache):
                 runner.allocate_host_cache(command.num_blocks)
+            elif isinstance(command, ReserveLogits):
+                runner.reserve_logits(command.max_rows, command.width)
             elif isinstance(command, CaptureGraphs):
                 runner.capture_graphs(command.sizes)
             elif isinstance(command, ReleaseKv):

@@ -143,9 +143,9 @@ def test_tensor_parallel_options_are_checked():
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="cpu_weights: tensor parallelism"):
         EngineConfig(tensor_parallel_size=2, cpu_weights="q4", device="cpu")
-    with pytest.raises(ValueError, match="all_reduce: must be one of auto, nccl"):
+    with pytest.raises(ValueError, match="all_reduce: must be one of auto, two_shot, nccl"):
         EngineConfig(all_reduce="ring")
-    with pytest.raises(ValueError, match="all_reduce: 'ring' is not one of auto, nccl"):
+    with pytest.raises(ValueError, match="all_reduce: 'ring' is not one of auto, two_shot, nccl"):
         parallel_state.init_tensor_parallel(
             0, 2, torch.device("cpu"), "file:///nonexistent", all_reduce="ring"
         )

@@ -119,3 +119,113 @@ def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_referen
     for rank in range(world):
         torch.testing.assert_close(residuals[rank], want_residual, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(outs[rank], want_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world,numel,programs", [(2, 1000, 3), (4, 1234, 2)])
+def test_the_one_barrier_one_shot_sums_on_every_rank_and_touches_only_its_channel(
+    world: int, numel: int, programs: int
+) -> None:
+    """The engine's schedule: every rank sums every rank's copy itself; its barrier's slots are those of
+    ``channel`` (2 + the exchange), so the pad has room for no more than that channel."""
+    torch.manual_seed(numel)
+    parts = [torch.randn(numel) * (r + 1) for r in range(world)]
+    stride = numel + 48
+    memory = torch.zeros(world * stride)
+    staged = [memory[r * stride : r * stride + numel] for r in range(world)]
+    for r, part in enumerate(parts):
+        staged[r].copy_(part)
+    channel = 3
+    pad = torch.zeros((channel + 1) * programs * world, dtype=torch.int32)
+    for rank in range(world):
+        out = torch.full_like(parts[0], float("nan"))
+        all_reduce.all_reduce_staged(
+            staged[rank],
+            out,
+            pad,
+            tuple((r - rank) * stride for r in range(world)),
+            (0,) * world,
+            rank,
+            programs,
+            two_shot=False,
+            block=64,
+            sync=False,
+            channel=channel,
+            one_barrier=True,
+        )
+        torch.testing.assert_close(out, torch.stack(parts).sum(0), rtol=1e-6, atol=1e-5)
+    with pytest.raises(AssertionError, match="signal pad too small"):
+        all_reduce.all_reduce_staged(
+            staged[0],
+            torch.empty(numel),
+            pad[:-1],
+            tuple(r * stride for r in range(world)),
+            (0,) * world,
+            0,
+            programs,
+            two_shot=False,
+            channel=channel,
+            one_barrier=True,
+        )
+    with pytest.raises(AssertionError, match="second barrier"):
+        all_reduce.all_reduce_staged(
+            staged[0], torch.empty(numel), pad, (0,) * world, (0,) * world, 0, programs,
+            two_shot=True, one_barrier=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("world,rows,hidden,programs", [(2, 5, 48, 2), (4, 7, 40, 3)])
+def test_the_one_barrier_fused_norm_gives_every_rank_every_rows_sum_and_norm(
+    world: int, rows: int, hidden: int, programs: int
+) -> None:
+    """Each rank, alone (no peer writes into its buffer), ends with ``reference.rms_norm(sum, weight, eps,
+    residual)`` for all rows, and the peers' buffers are only read."""
+    from kernels import reference
+
+    torch.manual_seed(rows * hidden + world)
+    parts = [torch.randn(rows, hidden) for _ in range(world)]
+    residual, weight, eps = torch.randn(rows, hidden), torch.rand(hidden) + 0.5, 1e-5
+    want_out, want_residual = reference.rms_norm(
+        torch.stack(parts).sum(0), weight, eps, residual.clone()
+    )
+    stride = rows * hidden + 64
+    memory = torch.zeros(world * stride)
+    staged = [
+        memory[r * stride : r * stride + rows * hidden].view(rows, hidden) for r in range(world)
+    ]
+    for r, part in enumerate(parts):
+        staged[r].copy_(part)
+    before = memory.clone()
+    pad = torch.zeros((2 + 1) * programs * world, dtype=torch.int32)
+    for rank in range(world):
+        res = residual.clone()
+        out, res = all_reduce.all_reduce_rms_norm_staged(
+            staged[rank],
+            res,
+            weight,
+            eps,
+            pad,
+            tuple((r - rank) * stride for r in range(world)),
+            (0,) * world,
+            rank,
+            programs,
+            sync=False,
+            channel=2,
+            one_barrier=True,
+        )
+        torch.testing.assert_close(res, want_residual, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(memory, before), "a one-shot rank writes nothing into the buffers"
+
+
+def test_the_driver_signal_is_set_by_each_other_rank_and_taken_back_by_rank_0() -> None:
+    """Three ranks' pads side by side: ranks 1 and 2 each set their slot in rank 0's pad (and nothing else);
+    rank 0, which would wait for both, finds them and leaves its pad at 0 again."""
+    world, width = 3, 8
+    pads = torch.zeros(world * width, dtype=torch.int32)
+    for rank in (1, 2):
+        deltas = tuple((r - rank) * width for r in range(world))
+        all_reduce.signal_driver(pads[rank * width : (rank + 1) * width], deltas, rank)
+    assert pads[:width].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
+    assert not pads[width:].any()
+    all_reduce.signal_driver(pads[:width], tuple(r * width for r in range(world)), 0)
+    assert not pads.any()

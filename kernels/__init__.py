@@ -38,6 +38,8 @@ _TRITON_MODULE = {
     "rms_norm": "rms_norm",
     "rotary_embedding": "rotary",
     "silu_and_mul": "activation",
+    "skinny_gemm": "skinny_gemm",
+    "skinny_gemm_silu_and_mul": "skinny_gemm",
 }
 
 

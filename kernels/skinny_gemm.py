@@ -34,10 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.skinny_choice import GEMM, MAX_ROWS, SILU_AND_MUL, row_bucket
 from kernels.specialization import per_step
-
-MAX_ROWS = 32
-GEMM, SILU_AND_MUL = "gemm", "silu_and_mul"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +71,6 @@ def num_sms(device: torch.device) -> int:
         if device.type == "cuda"
         else 132
     )
-
-
-def row_bucket(m: int) -> int:
-    """M rounded up to a power of two: the table's key (1, 2, 4, 8, 16, 32)."""
-    return 1 << max(m - 1, 0).bit_length()
 
 
 def heuristic_config(m: int, n: int, k: int, op: str, sms: int) -> SkinnyConfig:

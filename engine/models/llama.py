@@ -23,6 +23,7 @@ from engine.layers.linear import (
     Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    matmul,
     project_then_norm,
 )
 from engine.layers.quantized_linear import (
@@ -244,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                 else self.lm_head.weight
             )
         if self.tp.size == 1:
-            return torch.matmul(hidden, weight.t(), out=out)
+            return matmul(hidden, weight, out)
         # each rank's vocabulary slice, whole where rank 0 samples; the padding columns dropped
         return parallel_state.compute_logits(hidden, weight, self.args.vocab_size, out)
 

@@ -34,6 +34,7 @@ from kernels.contiguous_attention import (  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from tests.block_invariants import run_checked_outputs  # noqa: E402
+from tests.greedy_agreement import assert_agree  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -215,26 +216,6 @@ def generate_checked(llm: LLM, batch: list[list[int]]) -> list:
     return run_checked_outputs(llm.engine, batch, GREEDY)
 
 
-def parting(got, expected) -> tuple[int, float, float | None]:
-    """(where the sequences part (their length if never), the largest logprob drift before it, the roomy
-    engine's gap between its two best tokens there (None if never))."""
-    n = next(
-        (i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b),
-        len(expected.token_ids),
-    )
-    drift = max(
-        (abs(a.logprob - b.logprob) for a, b in zip(got.logprobs[:n], expected.logprobs[:n])),
-        default=0.0,
-    )
-    if n == len(expected.token_ids):
-        return n, drift, None
-    (_, best), (second, runner_up) = expected.logprobs[n].top[:2]
-    assert got.token_ids[n] == second, (
-        f"parted at {n} for {got.token_ids[n]}, not the roomy engine's second best {second}"
-    )
-    return n, drift, best - runner_up
-
-
 def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = random.Random(3)
@@ -261,11 +242,7 @@ def test_fp8_engine_with_graphs_swap_and_prefix_hits_gives_its_own_tokens():
     finally:
         tight.shutdown()
         del tight
-    partings = [parting(g, e) for g, e in zip(got, expected)]
-    print("(parted at, logprob drift, roomy top-2 gap) per sequence:", partings)
-    assert all(n > 0 for n, _, _ in partings), "every first token (the prompt's prefill) agrees"
-    assert max(drift for _, drift, _ in partings) <= LOGPROB_DRIFT, partings
-    assert all(gap is None or gap <= NEAR_TIE for _, _, gap in partings), partings
+    assert_agree(got, expected, LOGPROB_DRIFT, NEAR_TIE)
 
 
 def test_fp8_pool_holds_twice_the_bfloat16_blocks_for_the_same_memory():

@@ -198,3 +198,18 @@ def test_references_are_the_textbook_formulas():
     )
     out = torch.empty(3, 5, dtype=torch.float64)
     assert reference.skinny_gemm_silu_and_mul(x, weight, out) is out
+
+
+def test_the_engine_takes_the_skinny_kernel_only_on_a_measured_cuda_shape():
+    """kernels/skinny_choice.py: CPU tensors never (whatever the shape); the table names plain or fused ops at
+    power-of-two row counts up to MAX_ROWS only."""
+    from kernels import skinny_choice
+
+    x = torch.randn(4, 2048, dtype=torch.bfloat16)
+    w = torch.randn(16384, 2048, dtype=torch.bfloat16)
+    assert (skinny_choice.SILU_AND_MUL, 4, 16384, 2048) in skinny_choice.FASTER_THAN_CUBLAS
+    assert not skinny_choice.prefer_skinny(skinny_choice.SILU_AND_MUL, x, w)
+    for op, rows, n, k in skinny_choice.FASTER_THAN_CUBLAS:
+        assert op in (skinny_choice.GEMM, skinny_choice.SILU_AND_MUL)
+        assert rows == skinny_choice.row_bucket(rows) <= skinny_choice.MAX_ROWS and n > 0 and k > 0
+    assert [skinny_choice.row_bucket(m) for m in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]

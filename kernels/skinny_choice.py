@@ -1,0 +1,57 @@
+"""Where the engine takes the skinny matmul (kernels/skinny_gemm.py) over cuBLAS: the shapes it measured faster
+at, no others. No Triton import here, so a CPU-only install can ask.
+
+``python -m benchmarks.skinny_gemm`` on an H100 (2026-11-27, bf16, each call's weight from HBM; results in
+docs/results/skinny-gemm-h100-2026-11-27.json) timed every projection of llama-3.2-1b and llama-3-8b at M = 1, 2,
+4, 8, 16 and 32 rows against cuBLAS. ``FASTER_THAN_CUBLAS`` holds each (op, rows rounded up to a power of two,
+weight rows N, K) where ours won; it is used on that architecture only (compute capability 9.0: H100, H200)
+and for 16-bit inputs only. Every other shape, device or dtype keeps cuBLAS: the qkv and o projections of
+llama-3.2-1b (0.1-0.5 us slower), llama-3-8b's o projection at 32 rows, any model not measured (qwen3-0.6b, the
+tensor-parallel shards), float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 32
+GEMM, SILU_AND_MUL = "gemm", "silu_and_mul"
+HOPPER = (9, 0)
+_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+FASTER_THAN_CUBLAS: frozenset[tuple[str, int, int, int]] = frozenset(
+    [(GEMM, m, n, k) for n, k in ((2048, 8192), (4096, 14336), (6144, 4096)) for m in _BUCKETS]
+    + [(GEMM, m, 4096, 4096) for m in _BUCKETS[:-1]]
+    + [(GEMM, m, n, k) for n, k in ((16384, 2048), (28672, 4096)) for m in _BUCKETS]
+    + [(GEMM, m, 128256, k) for k in (2048, 4096) for m in _BUCKETS]
+    + [(SILU_AND_MUL, m, n, k) for n, k in ((16384, 2048), (28672, 4096)) for m in _BUCKETS]
+)
+
+
+def row_bucket(m: int) -> int:
+    """M rounded up to a power of two: the tables' key (1, 2, 4, 8, 16, 32)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def prefer_skinny(op: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` (``op``: plain, or gate/up with SiLU-and-mul) goes through the skinny kernel."""
+    if not x.is_cuda or x.dim() != 2:
+        return False
+    m = x.shape[0]
+    return (
+        0 < m <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and (op, row_bucket(m), *weight.shape) in FASTER_THAN_CUBLAS
+        and _capability(x.device) == HOPPER
+    )
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]

@@ -17,7 +17,9 @@ Design, and why:
   KV head) to finish (an atomic counter) merges them in the same launch, so split-K costs no second kernel.
   The counters reset themselves after use (one launch at a time per device: the engine's single stream).
   The partition count comes from ``block_tables.shape[1]`` (contiguous: the slot length), host-known, so
-  nothing waits on the device.
+  nothing waits on the device; each sequence then spreads its own context over all of them (whole tiles), so
+  a short context under a long table (a CUDA graph's, sized for ``max_model_len``) still gets as many
+  programs as it has tiles, not the one or two a partition sized for the table would give it.
 - FP8 cache (``KV_FP8``, a constexpr from the cache's dtype: other caches compile exactly as before): K and V
   tiles are loaded as e4m3 and widened to the query's dtype (exact: e4m3 has 3 mantissa bits), the dots run as
   for that dtype, and the scales are applied outside the loop: ``k_scale`` folded into the softmax scale on the
@@ -104,7 +106,6 @@ def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.conste
         "counter_ptr",
         "stride_table",
         "num_parts",
-        "partition",
     )
 )
 def _decode_kernel(
@@ -130,7 +131,6 @@ def _decode_kernel(
     stride_table,
     num_kv_heads,
     num_parts,
-    partition,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     GROUP_POW2: tl.constexpr,
@@ -148,6 +148,9 @@ def _decode_kernel(
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
+        # this sequence's own partitions: its context over all of the launch's, in whole tiles (a short context
+        # in a launch sized for the longest still spreads over as many programs as it has tiles)
+        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_parts), TILE_N), 1) * TILE_N
         start = part * partition
         end = tl.minimum(start + partition, ctx)
     else:
@@ -370,11 +373,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 def choose_partition(
     programs: int, max_tokens: int, device: torch.device, config: DecodeConfig, split: bool | None
 ) -> int:
-    """Positions per split-K partition, or 0 for the one-pass kernel. ``max_tokens`` bounds every context
-    (block-table width x block size, or a contiguous slot's length), so the choice needs no device sync.
-    Split only when the one-pass grid leaves SMs idle (measured on an H200: at 256 programs one-pass already
-    matches SDPA); then enough partitions for ``programs_per_sm`` programs per SM, none shorter than
-    ``min_partition``, each a multiple of the tile."""
+    """Positions per split-K partition of a ``max_tokens`` context, or 0 for the one-pass kernel: the launch
+    gets ``max_tokens / partition`` partitions, over which each sequence spreads its own context. ``max_tokens``
+    bounds every context (block-table width x block size, or a contiguous slot's length), so the choice needs
+    no device sync. Split only when the one-pass grid leaves SMs idle (measured on an H200: at 256 programs
+    one-pass already matches SDPA); then enough partitions for ``programs_per_sm`` programs per SM, none shorter
+    than ``min_partition`` of ``max_tokens``, each a multiple of the tile."""
     if split is False or (
         split is None and programs >= config.split_below_programs_per_sm * num_sms(device)
     ):
@@ -538,7 +542,6 @@ def launch_decode(
         table.stride(0),
         num_kv_heads,
         parts,
-        partition,
         GROUP=group,
         GROUP_PAD=group_pad,
         GROUP_POW2=triton.next_power_of_2(group),

@@ -115,6 +115,19 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, split):
     assert run_decode(kv, heads, torch.float32, split=split, config=config) < 1e-5
 
 
+def test_short_contexts_under_a_graphs_wide_table_spread_over_every_partition():
+    """A CUDA graph's table is as wide as max_model_len: the launch's partitions are sized for it, and each
+    sequence spreads its own short context over all of them (here 1 .. 3 tiles each of 16 partitions)."""
+    torch.manual_seed(7)
+    kv = PagedKV([1, 40, 90, 17], 16, 2, seed=7)
+    kv.block_tables = torch.cat(
+        [kv.block_tables, torch.zeros(4, 64 - kv.block_tables.shape[1], dtype=torch.int32)], dim=1
+    )
+    config = DecodeConfig(split_tile_n=32, min_partition=64)
+    assert choose_partition(4 * 2, 64 * 16, torch.device("cpu"), config, True) == 64
+    assert run_decode(kv, 4, torch.float32, split=True, config=config) < 1e-5
+
+
 @pytest.mark.parametrize(
     "block_size, tile_n",
     [(8, 64), (128, 32), (16, 16)],

@@ -127,26 +127,21 @@ class PeerAllReduce:
 
     def sum_staged(self, staged: torch.Tensor, method: str = "two_shot") -> torch.Tensor:
         """The sum over ranks of the part this rank wrote into ``staging(...)``: two barriers (two_shot, one_shot)."""
-        from kernels.all_reduce import all_reduce_staged
-
-        return all_reduce_staged(
-            staged,
-            torch.empty_like(staged),
-            self.pad,
-            self.deltas(staged.dtype),
-            self.pad_deltas,
-            self.rank,
-            self.programs,
-            two_shot=method == "two_shot",
-        )
+        return self._sum(staged, two_shot=method == "two_shot", channel=0)
 
     def sum_exchange(
         self, staged: torch.Tensor, exchange: int, schedule: str | None = None
     ) -> torch.Tensor:
         """The sum over ranks of the part this rank wrote into ``exchange_staging(exchange, ...)``."""
+        if (schedule or self.schedule) == "one_barrier":
+            return self._sum(staged, two_shot=False, channel=2 + exchange, one_barrier=True)
+        return self._sum(staged, two_shot=True, channel=0)
+
+    def _sum(
+        self, staged: torch.Tensor, two_shot: bool, channel: int, one_barrier: bool = False
+    ) -> torch.Tensor:
         from kernels.all_reduce import all_reduce_staged
 
-        one_barrier = (schedule or self.schedule) == "one_barrier"
         return all_reduce_staged(
             staged,
             torch.empty_like(staged),
@@ -155,8 +150,8 @@ class PeerAllReduce:
             self.pad_deltas,
             self.rank,
             self.programs,
-            two_shot=not one_barrier,
-            channel=2 + exchange if one_barrier else 0,
+            two_shot=two_shot,
+            channel=channel,
             one_barrier=one_barrier,
         )
 

@@ -14,16 +14,27 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 all_reduce = pytest.importorskip("kernels.all_reduce", reason="Triton is not installed")
 
 
+def _side_by_side(
+    parts: list[torch.Tensor], gap: int
+) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The ranks' buffers as slices of one tensor (rank r's ``r * stride`` elements in; ``gap`` keeps each
+    start 32-byte aligned), each holding its part: (memory, staged views, stride)."""
+    numel = parts[0].numel()
+    stride = numel + gap
+    memory = torch.zeros(len(parts) * stride, dtype=parts[0].dtype)
+    staged = [
+        memory[r * stride : r * stride + numel].view(parts[0].shape) for r in range(len(parts))
+    ]
+    for view, part in zip(staged, parts):
+        view.copy_(part)
+    return memory, staged, stride
+
+
 def _emulate(
     parts: list[torch.Tensor], two_shot: bool, programs: int, block: int
 ) -> list[torch.Tensor]:
-    world, numel = len(parts), parts[0].numel()
-    # (rank r's buffer starts r * stride elements into one tensor; 32-byte aligned)
-    stride = numel + 48
-    memory = torch.zeros(world * stride, dtype=parts[0].dtype)
-    staged = [memory[r * stride : r * stride + numel] for r in range(world)]
-    for r, part in enumerate(parts):
-        staged[r].copy_(part)
+    world = len(parts)
+    _, staged, stride = _side_by_side(parts, 48)
     pad = torch.zeros(2 * programs * world, dtype=torch.int32)
     outs = [torch.full_like(parts[0], float("nan")) for _ in range(world)]
 
@@ -89,13 +100,7 @@ def test_the_fused_sum_add_and_norm_equals_the_sum_then_the_norm_kernels_referen
     want_out, want_residual = reference.rms_norm(
         torch.stack(parts).sum(0), weight, eps, residual.clone()
     )
-    stride = rows * hidden + 64
-    memory = torch.zeros(world * stride)
-    staged = [
-        memory[r * stride : r * stride + rows * hidden].view(rows, hidden) for r in range(world)
-    ]
-    for r, part in enumerate(parts):
-        staged[r].copy_(part)
+    memory, staged, stride = _side_by_side(parts, 64)
     residuals = [residual.clone() for _ in range(world)]
     outs = [torch.full((rows, hidden), float("nan")) for _ in range(world)]
     pad = torch.zeros(2 * programs * world, dtype=torch.int32)
@@ -129,11 +134,7 @@ def test_the_one_barrier_one_shot_sums_on_every_rank_and_touches_only_its_channe
     ``channel`` (2 + the exchange), so the pad has room for no more than that channel."""
     torch.manual_seed(numel)
     parts = [torch.randn(numel) * (r + 1) for r in range(world)]
-    stride = numel + 48
-    memory = torch.zeros(world * stride)
-    staged = [memory[r * stride : r * stride + numel] for r in range(world)]
-    for r, part in enumerate(parts):
-        staged[r].copy_(part)
+    _, staged, stride = _side_by_side(parts, 48)
     channel = 3
     pad = torch.zeros((channel + 1) * programs * world, dtype=torch.int32)
     for rank in range(world):
@@ -187,13 +188,7 @@ def test_the_one_barrier_fused_norm_gives_every_rank_every_rows_sum_and_norm(
     want_out, want_residual = reference.rms_norm(
         torch.stack(parts).sum(0), weight, eps, residual.clone()
     )
-    stride = rows * hidden + 64
-    memory = torch.zeros(world * stride)
-    staged = [
-        memory[r * stride : r * stride + rows * hidden].view(rows, hidden) for r in range(world)
-    ]
-    for r, part in enumerate(parts):
-        staged[r].copy_(part)
+    memory, staged, stride = _side_by_side(parts, 64)
     before = memory.clone()
     pad = torch.zeros((2 + 1) * programs * world, dtype=torch.int32)
     for rank in range(world):

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels import reference
+from kernels.device_features import use_pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.reference import FP8, as_bytes
 from kernels.specialization import per_step
 
@@ -56,9 +58,12 @@ def _store_kv_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: copies its ``[kv_heads, head_dim]`` K and V rows into slot ``slot_mapping[t]``
     (KV_FP8: quantized with ``k_scale`` / ``v_scale``)."""
+    wait_for_previous(PDL)
+    release_next(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # -1 marks padding (e.g. CUDA-graph batch padding): nothing to write
@@ -119,7 +124,9 @@ def store_kv(
         HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         KV_FP8=k_cache.dtype == FP8,
+        PDL=(pdl := use_pdl(key.device)),
         num_warps=4,
+        launch_pdl=pdl,
     )
 
 

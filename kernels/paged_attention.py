@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_features import use_pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.reference import FP8
 from kernels.specialization import per_step
 
@@ -144,7 +146,10 @@ def _decode_kernel(
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_TO_F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    release_next(PDL)
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
@@ -555,6 +560,8 @@ def launch_decode(
         CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8,
         Q_TO_F16=kv_fp8 and query.dtype == torch.bfloat16,
+        PDL=(pdl := use_pdl(query.device)),
         num_warps=config.num_warps,
         num_stages=stages,
+        launch_pdl=pdl,
     )

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_features import use_pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.specialization import per_step
 
 _ELEMENTS_PER_PROGRAM = 2048  # rows per program: enough work per program for short (head_dim) rows
@@ -43,8 +45,11 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program p normalizes flat rows ``p * ROWS ..`` (row ``r`` is token ``r // heads``, head ``r % heads``)."""
+    wait_for_previous(PDL)
+    release_next(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (dims < HIDDEN)[None, :]
@@ -100,7 +105,9 @@ def rms_norm(
             BLOCK_D=block_d,
             ROWS=rows,
             HAS_RESIDUAL=residual is not None,
+            PDL=(pdl := use_pdl(x.device)),
             num_warps=min(16, max(1, rows * block_d // 512)),
+            launch_pdl=pdl,
         )
     return out if residual is None else (out, residual)
 

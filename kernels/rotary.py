@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_features import use_pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.specialization import per_step
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -67,7 +69,10 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    release_next(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -141,5 +146,7 @@ def rotary_embedding(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(q.dtype, cos_cache.dtype)],
+        PDL=(pdl := use_pdl(q.device)),
         num_warps=4,
+        launch_pdl=pdl,
     )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.device_features import capability, use_pdl
+
 MAX_ROWS = 32
 GEMM, SILU_AND_MUL = "gemm", "silu_and_mul"
 HOPPER = (9, 0)
@@ -28,6 +30,15 @@ FASTER_THAN_CUBLAS: frozenset[tuple[str, int, int, int]] = frozenset(
 )
 
 
+# Shapes where ours lost to cuBLAS by a launch's fixed cost when timed alone (llama-3.2-1b's qkv and o), taken
+# where the kernels launch with PDL (kernels/pdl.py): in the decode step's chain ours then starts streaming its
+# weight while the kernel before it finishes, which a cuBLAS launch cannot. Measured in the engine's decode step
+# (docs/BENCHMARKS.md, "PDL").
+FASTER_WITH_PDL: frozenset[tuple[str, int, int, int]] = frozenset(
+    (GEMM, m, n, k) for n, k in ((3072, 2048), (2048, 2048)) for m in _BUCKETS
+)
+
+
 def row_bucket(m: int) -> int:
     """M rounded up to a power of two: the tables' key (1, 2, 4, 8, 16, 32)."""
     return 1 << max(m - 1, 0).bit_length()
@@ -38,20 +49,11 @@ def prefer_skinny(op: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not x.is_cuda or x.dim() != 2:
         return False
     m = x.shape[0]
+    if not (0 < m <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    key = (op, row_bucket(m), *weight.shape)
     return (
-        0 < m <= MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and (op, row_bucket(m), *weight.shape) in FASTER_THAN_CUBLAS
-        and _capability(x.device) == HOPPER
+        weight.dtype == x.dtype
+        and capability(x.device) == HOPPER
+        and (key in FASTER_THAN_CUBLAS or (key in FASTER_WITH_PDL and use_pdl(x.device)))
     )
-
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]

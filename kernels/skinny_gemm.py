@@ -21,6 +21,9 @@ Design, and why:
 - Fused SiLU-and-mul: a program takes the gate and the up rows of the same columns and rounds as the unfused pair
   does (gate and up to the output dtype, silu rounded, then the product; kernels/activation.py), so fusing
   changes no bit of an output computed with the same accumulation order.
+- Programmatic dependent launch (kernels/pdl.py) on Hopper: a program fetches the first ``prefetch_k`` elements of
+  its weight rows into L2 before it waits for the previous kernel, so the weight stream does not pause at the
+  kernel boundary (the weights are the one input no kernel of the step writes).
 - Launch parameters per (op, M rounded up to a power of two, N, K) come from ``TABLE``, else from
   ``heuristic_config``; ``python -m benchmarks.skinny_gemm`` measures both against a sweep and prints entries.
 """
@@ -34,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_features import use_pdl
+from kernels.pdl import prefetch_l2, release_next, wait_for_previous
 from kernels.skinny_choice import GEMM, MAX_ROWS, SILU_AND_MUL, row_bucket
 from kernels.specialization import per_step
 
@@ -47,9 +52,12 @@ class SkinnyConfig:
     split_k: int = 1  # programs per column block, each over 1/split_k of K
     num_warps: int = 4
     num_stages: int = 4
+    prefetch_k: int = (
+        512  # K elements of each weight row fetched into L2 before the previous kernel ends (PDL)
+    )
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
+        for name in ("block_n", "block_k", "prefetch_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"SkinnyConfig.{name}: must be a power of two >= 16, not {value}")
@@ -171,6 +179,28 @@ def _sum_partials(
     return gate, up
 
 
+@triton.jit
+def _prefetch_weights(
+    w_ptr,
+    cols,
+    k_start,
+    k_stop,
+    N,
+    stride_wn,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The first ``PREFETCH_K`` elements of this program's weight rows (gate and up rows with SILU_MUL) into
+    L2, one prefetch per ``LINE`` elements (128 bytes); addresses clamped into the weight (no masks here)."""
+    ks = tl.minimum(k_start + tl.arange(0, PREFETCH_K // LINE) * LINE, k_stop - 1)
+    ptrs = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    prefetch_l2(ptrs, PDL)
+    if SILU_MUL:
+        prefetch_l2(ptrs + N * stride_wn, PDL)
+
+
 # the batch's row count changes every step: one variant for all M of a BLOCK_M
 @triton.jit(**per_step("M"))
 def _skinny_kernel(
@@ -194,14 +224,24 @@ def _skinny_kernel(
     SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     """Program (column block, split): output columns ``cols`` (with SILU_MUL: gate rows ``cols``, up rows
-    ``N + cols`` of the weight) over ``K`` range ``[split * k_per_split, (split + 1) * k_per_split)``."""
+    ``N + cols`` of the weight) over ``K`` range ``[split * k_per_split, (split + 1) * k_per_split)``. With
+    PDL its first weight tiles are fetched before the previous kernel (which wrote x) has finished."""
     block, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
+    if PDL:
+        _prefetch_weights(
+            w_ptr, cols, k_start, k_stop, N, stride_wn, PREFETCH_K, LINE, SILU_MUL, PDL
+        )
+    wait_for_previous(PDL)
+    release_next(PDL)
     gate = _column_block_product(
         x_ptr,
         w_ptr,
@@ -340,6 +380,7 @@ def _launch(
         else out
     )
     counters = _counters(x.device, blocks) if splits > 1 else out
+    pdl, line = use_pdl(x.device), 128 // weight.element_size()
     _skinny_kernel[(blocks, splits)](
         x,
         weight,
@@ -361,7 +402,13 @@ def _launch(
         SPLIT=splits > 1,
         SILU_MUL=op == SILU_AND_MUL,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        PREFETCH_K=max(
+            line, min(config.prefetch_k, triton.next_power_of_2(per_split * config.block_k))
+        ),
+        LINE=line,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out

@@ -107,16 +107,21 @@ def _column_block_product(
     K,
     stride_xm,
     stride_wn,
+    norm_ptr,
+    rstd,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T)."""
+    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T).
+    With NORM, x's rows are RMS-normed on the fly (``rstd`` per row, the norm's weight at ``norm_ptr``)."""
     ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    n_ptrs = norm_ptr + ks
     # row-only masks keep the loads 16 bytes wide
     x_rows, w_rows = (rows < M)[:, None], (cols < N)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -128,16 +133,42 @@ def _column_block_product(
             in_k = (k0 + tl.arange(0, BLOCK_K) < K)[None, :]
             x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0)
             w = tl.load(w_ptrs, mask=w_rows & in_k, other=0.0)
+        if NORM:  # kernels/rms_norm.py's rounding: normed to x's dtype, then times the weight
+            if EVEN_K:
+                nw = tl.load(n_ptrs).to(tl.float32)
+            else:
+                nw = tl.load(n_ptrs, mask=k0 + tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (nw[None, :] * normed).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        n_ptrs += BLOCK_K
     return acc
 
 
 @triton.jit
-def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr):
+def _row_rstd(x_ptr, rows, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` of each of x's rows, in float32 (the sum taken ``BLOCK_K`` at a time)."""
+    ks = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+            mask=(rows < M)[:, None] & (k0 + ks < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _store_out(
+    out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr, ADD: tl.constexpr
+):
     """Round and store an ``[BLOCK_N, BLOCK_M]`` block (out.T); with SILU_MUL ``silu(gate) * up``, rounded as
-    kernels/activation.py rounds the unfused output."""
+    kernels/activation.py rounds the unfused output; with ADD the rounded product is added to what ``out``
+    holds (the residual stream), rounded as kernels/rms_norm.py rounds its residual sum."""
     element = out_ptr.dtype.element_ty
     if SILU_MUL:
         g = gate.to(element).to(tl.float32)
@@ -145,11 +176,11 @@ def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.cons
         value = (silu * up.to(element).to(tl.float32)).to(element)
     else:
         value = gate.to(element)
-    tl.store(
-        out_ptr + rows[None, :] * stride_om + cols[:, None],
-        value,
-        mask=(cols < N)[:, None] & (rows < M)[None, :],
-    )
+    out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    if ADD:
+        value = (value.to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)).to(element)
+    tl.store(out_ptrs, value, mask=mask)
 
 
 @triton.jit
@@ -209,6 +240,8 @@ def _skinny_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
+    norm_ptr,
+    eps,
     M,
     N,
     K,
@@ -227,6 +260,8 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     """Program (column block, split): output columns ``cols`` (with SILU_MUL: gate rows ``cols``, up rows
     ``N + cols`` of the weight) over ``K`` range ``[split * k_per_split, (split + 1) * k_per_split)``. With
@@ -242,6 +277,9 @@ def _skinny_kernel(
         )
     wait_for_previous(PDL)
     release_next(PDL)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, M, K, stride_xm, eps, BLOCK_M, BLOCK_K)
     gate = _column_block_product(
         x_ptr,
         w_ptr,
@@ -254,11 +292,14 @@ def _skinny_kernel(
         K,
         stride_xm,
         stride_wn,
+        norm_ptr,
+        rstd,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         EVEN_K,
         DOT_PRECISION,
+        NORM,
     )
     up = gate
     if SILU_MUL:
@@ -274,11 +315,14 @@ def _skinny_kernel(
             K,
             stride_xm,
             stride_wn,
+            norm_ptr,
+            rstd,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
             EVEN_K,
             DOT_PRECISION,
+            NORM,
         )
     if SPLIT:
         width = N * 2 if SILU_MUL else N
@@ -295,9 +339,9 @@ def _skinny_kernel(
             total_gate, total_up = _sum_partials(
                 part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N
             )
-            _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)
+            _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
     else:
-        _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
+        _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -333,6 +377,41 @@ def skinny_gemm_silu_and_mul(
     return _launch(x, weight, out, config, SILU_AND_MUL)
 
 
+def skinny_gemm_rms_norm(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.skinny_gemm_rms_norm``: ``rms_norm(x) @ weight.T``, the norm computed by
+    every program for its rows (no normed copy of x is written)."""
+    return _launch(x, weight, None, config, GEMM, norm=(norm_weight, eps))
+
+
+def skinny_gemm_silu_and_mul_rms_norm(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.skinny_gemm_silu_and_mul_rms_norm``: the MLP's input norm, gate/up
+    projection and activation in one kernel."""
+    return _launch(x, weight, None, config, SILU_AND_MUL, norm=(norm_weight, eps))
+
+
+def skinny_gemm_add(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.skinny_gemm_add``: ``residual += x @ weight.T`` in place (the product
+    rounded first, then the sum), returns ``residual``."""
+    return _launch(x, weight, residual, config, GEMM, add=True)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: str) -> int:
     """Validate the arguments; returns the output width."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -361,8 +440,12 @@ def _launch(
     out: torch.Tensor | None,
     config: SkinnyConfig | None,
     op: str,
+    norm: tuple[torch.Tensor, float] | None = None,
+    add: bool = False,
 ) -> torch.Tensor:
     n = _check(x, weight, out, op)
+    if norm is not None and (norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype):
+        raise ValueError(f"{op}: the norm's weight must be [{x.shape[1]}] {x.dtype}")
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -387,6 +470,8 @@ def _launch(
         out,
         part,
         counters,
+        norm[0] if norm is not None else weight,  # (not read without NORM)
+        norm[1] if norm is not None else 0.0,
         m,
         n,
         k,
@@ -407,6 +492,8 @@ def _launch(
             line, min(config.prefetch_k, triton.next_power_of_2(per_split * config.block_k))
         ),
         LINE=line,
+        NORM=norm is not None,
+        ADD=add,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,

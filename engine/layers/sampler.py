@@ -41,6 +41,7 @@ from engine.layers.logits_processors import (
 )
 from engine.layers.sampling_batch import BatchParams
 from engine.layers.seeded_noise import exponential_noise
+from kernels import ops as kernel_ops
 
 _NEG_INF = float("-inf")
 
@@ -95,7 +96,7 @@ class Sampler:
         num_logprobs = [seq.params.logprobs for seq in seqs]
         if allowed is None and all(_is_plain_greedy(seq) for seq in seqs):
             # the common decode step: one kernel
-            return SamplerOutput(logits.argmax(dim=-1), num_logprobs)
+            return SamplerOutput(kernel_ops.greedy_argmax(logits), num_logprobs)
         vocab = logits.shape[-1]
         batch = BatchParams.build(seqs, eos_token_ids, vocab, logits.device)
         # changed in place below; the caller's logits are not

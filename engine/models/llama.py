@@ -35,8 +35,11 @@ from engine.layers.quantized_linear import (
     Q8Head,
     quantized_linear,
 )
+from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from kernels import ops as kernel_ops
 from kernels.cpu_native import CpuKernels
+from kernels.skinny_choice import GEMM, SILU_AND_MUL, prefer_skinny
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -141,7 +144,11 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention's output before ``o_proj``."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend_qkv(positions, self.qkv_proj(x))
+
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """``attend`` from the qkv projection's output."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -171,6 +178,27 @@ class LlamaDecoderLayer(nn.Module):
         )
         return project_then_norm(self.mlp.down_proj, self.mlp.activate(x), next_norm, residual)
 
+    def takes_fused_decode(self, stream: torch.Tensor) -> bool:
+        """Whether ``forward_fused`` serves these rows: one rank, no biases, and each of the four projections
+        one the skinny kernel serves at this row count (kernels/skinny_choice.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if parallel_state.current().size > 1 or any(p.bias is not None for p in projections):
+            return False
+        ops = (GEMM, GEMM, SILU_AND_MUL, GEMM)
+        return all(prefer_skinny(op, stream, p.weight) for op, p in zip(ops, projections))
+
+    def forward_fused(self, positions: torch.Tensor, stream: torch.Tensor) -> None:
+        """This layer on the residual ``stream`` (un-normed; updated in place) in four skinny kernels and the
+        attention: each RMSNorm inside the projection after it, each residual add inside the one before it."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv = kernel_ops.skinny_gemm_rms_norm(stream, norm.weight, norm.eps, attn.qkv_proj.weight)
+        kernel_ops.skinny_gemm_add(attn.attend_qkv(positions, qkv), attn.o_proj.weight, stream)
+        norm, weight = self.post_attention_layernorm, mlp.gate_up_proj.weight
+        x = kernel_ops.skinny_gemm_silu_and_mul_rms_norm(stream, norm.weight, norm.eps, weight)
+        kernel_ops.skinny_gemm_add(x, mlp.down_proj.weight, stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
@@ -183,6 +211,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
+        if self.layers[0].takes_fused_decode(residual):
+            for layer in self.layers:
+                layer.forward_fused(positions, residual)
+            return self.norm(residual)
         x = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             next_norm = (
@@ -190,16 +222,6 @@ class LlamaModel(nn.Module):
             )
             x, residual = layer(positions, x, residual, next_norm)
         return x
-
-
-# HF tensor name fragment -> (fused parameter fragment, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -274,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
-            shards = _hf_names(f"{name}.weight")
+            shards = hf_names(f"{name}.weight")
             blocks = (
                 Q4Blocks.cat([q4_blocks[h] for h in shards])
                 if all(h in q4_blocks for h in shards)
@@ -304,18 +326,18 @@ class LlamaForCausalLM(nn.Module):
         for name, source in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
                 continue
-            target, shard = _fused_name(name)
+            target, shard = fused_name(name)
             if target not in params:
                 raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
             dst = params[target].data
             if shard is not None:
                 sizes = shard_sizes[target.rsplit(".", 2)[-2]]
                 dst = dst[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
-            tensor = _read(source, self._rank_slice(name))
+            tensor = read_part(source, self._rank_slice(name))
             if name.endswith(("embed_tokens.weight", "lm_head.weight")) and self.tp.size > 1:
                 dst[tensor.shape[0] :].zero_()  # (rows padding the last rank's vocabulary slice)
                 dst = dst[: tensor.shape[0]]
-            _copy_checked(dst, tensor, name)
+            copy_checked(dst, tensor, name)
             loaded.add((target, shard))
         expected = {(name, shard) for name in params for shard in self._shards_of(name)}
         if missing := sorted(str(item) for item in expected - loaded):
@@ -361,40 +383,6 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
             "gate_up_proj": [self.shard_args.intermediate_size] * 2,
         }
-
-
-def _fused_name(name: str) -> tuple[str, int | None]:
-    for fragment, (fused, shard) in _FUSED.items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{fused}."), shard
-    return name, None
-
-
-def _hf_names(weight_name: str) -> list[str]:
-    """The HF tensors a (possibly fused) weight is made of, in shard order."""
-    for fused in {fused for fused, _ in _FUSED.values()}:
-        if f".{fused}." in weight_name:
-            shards = sorted(
-                (shard, fragment) for fragment, (f, shard) in _FUSED.items() if f == fused
-            )
-            return [weight_name.replace(f".{fused}.", f".{fragment}.") for _, fragment in shards]
-    return [weight_name]
-
-
-def _read(source: Any, part: tuple[int, int, int] | None) -> torch.Tensor:
-    """``source`` (a tensor or a safetensors slice, which reads only what is indexed), or its ``part``."""
-    if part is None:
-        return source if isinstance(source, torch.Tensor) else source[:]
-    dim, start, end = part
-    return source[start:end] if dim == 0 else source[:, start:end]
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-        )
-    dst.copy_(src)
 
 
 def _cpu_logits_head(mode: str, head: torch.Tensor, native: CpuKernels | None) -> nn.Module:

@@ -21,6 +21,15 @@ Design, and why:
 - Fused SiLU-and-mul: a program takes the gate and the up rows of the same columns and rounds as the unfused pair
   does (gate and up to the output dtype, silu rounded, then the product; kernels/activation.py), so fusing
   changes no bit of an output computed with the same accumulation order.
+- Fused into the decode layer (engine/models/llama.py ``forward_fused``): ``skinny_gemm_rms_norm`` and
+  ``skinny_gemm_silu_and_mul_rms_norm`` take the un-normed residual stream and apply the layer's RMSNorm
+  themselves: x's tiles are multiplied by the norm's weight on their way to the dot while the rows' sums of
+  squares accumulate alongside (split-K: per split, added in split order by the merging program), and each
+  output row is scaled by its 1 / RMS at the end. No program waits for a norm before its first dot, and no normed
+  copy of x is written. The only rounding that moves: ``x * weight`` is rounded to x's dtype for the dot where
+  the norm kernel rounds ``x / RMS`` and then its product with the weight (tests hold both to the same distance
+  from the exact result). ``skinny_gemm_add`` adds its rounded product into the residual stream in place, rounded
+  as the norm kernel's residual add.
 - Programmatic dependent launch (kernels/pdl.py) on Hopper: a program fetches the first ``prefetch_k`` elements of
   its weight rows into L2 before it waits for the previous kernel, so the weight stream does not pause at the
   kernel boundary (the weights are the one input no kernel of the step writes).
@@ -108,7 +117,6 @@ def _column_block_product(
     stride_xm,
     stride_wn,
     norm_ptr,
-    rstd,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -116,8 +124,10 @@ def _column_block_product(
     DOT_PRECISION: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T).
-    With NORM, x's rows are RMS-normed on the fly (``rstd`` per row, the norm's weight at ``norm_ptr``)."""
+    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T),
+    and the sum of squares of x's rows over that range (zeros without NORM). With NORM, x's tiles are
+    multiplied by the norm's weight (at ``norm_ptr``) on their way to the dot; each row's 1 / RMS is applied to
+    the result (``_scale_rows``), once its sum of squares is complete."""
     ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
@@ -125,6 +135,7 @@ def _column_block_product(
     # row-only masks keep the loads 16 bytes wide
     x_rows, w_rows = (rows < M)[:, None], (cols < N)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=x_rows, other=0.0)
@@ -133,33 +144,26 @@ def _column_block_product(
             in_k = (k0 + tl.arange(0, BLOCK_K) < K)[None, :]
             x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0)
             w = tl.load(w_ptrs, mask=w_rows & in_k, other=0.0)
-        if NORM:  # kernels/rms_norm.py's rounding: normed to x's dtype, then times the weight
+        if NORM:
             if EVEN_K:
                 nw = tl.load(n_ptrs).to(tl.float32)
             else:
                 nw = tl.load(n_ptrs, mask=k0 + tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (nw[None, :] * normed).to(x.dtype)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * nw[None, :]).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         n_ptrs += BLOCK_K
-    return acc
+    return acc, squares
 
 
 @triton.jit
-def _row_rstd(x_ptr, rows, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``1 / sqrt(mean(x^2) + eps)`` of each of x's rows, in float32 (the sum taken ``BLOCK_K`` at a time)."""
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
-            mask=(rows < M)[:, None] & (k0 + ks < K)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    return tl.rsqrt(squares / K + eps)
+def _scale_rows(gate, up, squares, K, eps):
+    """Column m of ``gate`` and ``up`` (out.T) times row m's ``1 / sqrt(mean(x^2) + eps)``."""
+    rstd = tl.rsqrt(squares / K + eps)[None, :]
+    return gate * rstd, up * rstd
 
 
 @triton.jit
@@ -191,23 +195,31 @@ def _sum_partials(
     M,
     N,
     num_splits,
+    squares_ptr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Partials ``[num_splits, M, width]`` (width ``2N`` with SILU_MUL: gate, then up) added in split order.
-    Loads bypass L1 (``.cg``): other programs wrote them."""
+    """Partials ``[num_splits, M, width]`` (width ``2N`` with SILU_MUL: gate, then up) added in split order,
+    and with NORM the rows' partial sums of squares (``[num_splits, M]`` at ``squares_ptr``, this column
+    block's). Loads bypass L1 (``.cg``): other programs wrote them."""
     width = N * 2 if SILU_MUL else N
     offs = rows[None, :] * width + cols[:, None]
     mask = (cols < N)[:, None] & (rows < M)[None, :]
     gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     for split in range(num_splits):
         base = part_ptr + split * M * width + offs
         gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
         if SILU_MUL:
             up += tl.load(base + N, mask=mask, other=0.0, cache_modifier=".cg")
-    return gate, up
+        if NORM:
+            squares += tl.load(
+                squares_ptr + split * M + rows, mask=rows < M, other=0.0, cache_modifier=".cg"
+            )
+    return gate, up, squares
 
 
 @triton.jit
@@ -241,6 +253,7 @@ def _skinny_kernel(
     part_ptr,
     counter_ptr,
     norm_ptr,
+    squares_ptr,
     eps,
     M,
     N,
@@ -277,10 +290,7 @@ def _skinny_kernel(
         )
     wait_for_previous(PDL)
     release_next(PDL)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        rstd = _row_rstd(x_ptr, rows, M, K, stride_xm, eps, BLOCK_M, BLOCK_K)
-    gate = _column_block_product(
+    gate, squares = _column_block_product(
         x_ptr,
         w_ptr,
         rows,
@@ -293,7 +303,6 @@ def _skinny_kernel(
         stride_xm,
         stride_wn,
         norm_ptr,
-        rstd,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -303,7 +312,7 @@ def _skinny_kernel(
     )
     up = gate
     if SILU_MUL:
-        up = _column_block_product(
+        up, _ = _column_block_product(
             x_ptr,
             w_ptr + N * stride_wn,
             rows,
@@ -316,7 +325,6 @@ def _skinny_kernel(
             stride_xm,
             stride_wn,
             norm_ptr,
-            rstd,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
@@ -331,16 +339,34 @@ def _skinny_kernel(
         tl.store(part, gate, mask=mask)
         if SILU_MUL:
             tl.store(part + N, up, mask=mask)
+        # this column block's partial sums of squares: [blocks, splits, M]
+        block_squares = squares_ptr + block * num_splits * M
+        if NORM:
+            tl.store(block_squares + split * M + rows, squares, mask=rows < M)
         tl.debug_barrier()  # every thread's partials are written before the release below
         counter = counter_ptr + block
         # the last split merges, re-arms
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
-            total_gate, total_up = _sum_partials(
-                part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N
+            total_gate, total_up, total_squares = _sum_partials(
+                part_ptr,
+                rows,
+                cols,
+                M,
+                N,
+                num_splits,
+                block_squares,
+                SILU_MUL,
+                NORM,
+                BLOCK_M,
+                BLOCK_N,
             )
+            if NORM:
+                total_gate, total_up = _scale_rows(total_gate, total_up, total_squares, K, eps)
             _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
     else:
+        if NORM:
+            gate, up = _scale_rows(gate, up, squares, K, eps)
         _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
 
 
@@ -463,6 +489,11 @@ def _launch(
         else out
     )
     counters = _counters(x.device, blocks) if splits > 1 else out
+    squares = (  # the rows' partial sums of squares for a fused norm: [blocks, splits, M]
+        torch.empty(blocks * splits * m, dtype=torch.float32, device=x.device)
+        if norm is not None and splits > 1
+        else out
+    )
     pdl, line = use_pdl(x.device), 128 // weight.element_size()
     _skinny_kernel[(blocks, splits)](
         x,
@@ -471,6 +502,7 @@ def _launch(
         part,
         counters,
         norm[0] if norm is not None else weight,  # (not read without NORM)
+        squares,
         norm[1] if norm is not None else 0.0,
         m,
         n,

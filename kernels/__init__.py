@@ -40,9 +40,6 @@ _TRITON_MODULE = {
     "silu_and_mul": "activation",
     "skinny_gemm": "skinny_gemm",
     "skinny_gemm_silu_and_mul": "skinny_gemm",
-    "skinny_gemm_rms_norm": "skinny_gemm",
-    "skinny_gemm_silu_and_mul_rms_norm": "skinny_gemm",
-    "skinny_gemm_add": "skinny_gemm",
     "greedy_argmax": "argmax",
 }
 

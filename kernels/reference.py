@@ -311,36 +311,6 @@ def skinny_gemm_silu_and_mul(
     return result if out is None else out.copy_(result)
 
 
-def skinny_gemm_rms_norm(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: object | None = None,
-) -> torch.Tensor:
-    """``rms_norm(x, norm_weight, eps) @ weight.T``: a layer's input norm and its first projection."""
-    return rms_norm(x, norm_weight, eps) @ weight.T
-
-
-def skinny_gemm_silu_and_mul_rms_norm(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: object | None = None,
-) -> torch.Tensor:
-    """``silu_and_mul(rms_norm(x, norm_weight, eps) @ weight.T)``: the MLP's norm, gate/up and activation."""
-    return silu_and_mul(rms_norm(x, norm_weight, eps) @ weight.T)
-
-
-def skinny_gemm_add(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: object | None = None
-) -> torch.Tensor:
-    """``residual += x @ weight.T`` in place, the product rounded to the dtype before the sum (as a projection
-    followed by ``rms_norm``'s residual add); returns ``residual``."""
-    return residual.add_(x @ weight.T)
-
-
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value, the lowest among ties, as int64 ``[rows]`` (greedy sampling).
     NaN counts as the largest value, as in torch's argmax."""

@@ -21,15 +21,6 @@ Design, and why:
 - Fused SiLU-and-mul: a program takes the gate and the up rows of the same columns and rounds as the unfused pair
   does (gate and up to the output dtype, silu rounded, then the product; kernels/activation.py), so fusing
   changes no bit of an output computed with the same accumulation order.
-- Fused into the decode layer (engine/models/llama.py ``forward_fused``): ``skinny_gemm_rms_norm`` and
-  ``skinny_gemm_silu_and_mul_rms_norm`` take the un-normed residual stream and apply the layer's RMSNorm
-  themselves: x's tiles are multiplied by the norm's weight on their way to the dot while the rows' sums of
-  squares accumulate alongside (split-K: per split, added in split order by the merging program), and each
-  output row is scaled by its 1 / RMS at the end. No program waits for a norm before its first dot, and no normed
-  copy of x is written. The only rounding that moves: ``x * weight`` is rounded to x's dtype for the dot where
-  the norm kernel rounds ``x / RMS`` and then its product with the weight (tests hold both to the same distance
-  from the exact result). ``skinny_gemm_add`` adds its rounded product into the residual stream in place, rounded
-  as the norm kernel's residual add.
 - Programmatic dependent launch (kernels/pdl.py) on Hopper: a program fetches the first ``prefetch_k`` elements of
   its weight rows into L2 before it waits for the previous kernel, so the weight stream does not pause at the
   kernel boundary (the weights are the one input no kernel of the step writes).
@@ -116,26 +107,19 @@ def _column_block_product(
     K,
     stride_xm,
     stride_wn,
-    norm_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr,
 ):
-    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T),
-    and the sum of squares of x's rows over that range (zeros without NORM). With NORM, x's tiles are
-    multiplied by the norm's weight (at ``norm_ptr``) on their way to the dot; each row's 1 / RMS is applied to
-    the result (``_scale_rows``), once its sum of squares is complete."""
+    """``sum_k w[cols, k] * x[rows, k]`` over ``k_start <= k < k_stop``: ``[BLOCK_N, BLOCK_M]`` fp32 (out.T)."""
     ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    n_ptrs = norm_ptr + ks
     # row-only masks keep the loads 16 bytes wide
     x_rows, w_rows = (rows < M)[:, None], (cols < N)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    squares = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=x_rows, other=0.0)
@@ -144,35 +128,16 @@ def _column_block_product(
             in_k = (k0 + tl.arange(0, BLOCK_K) < K)[None, :]
             x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0)
             w = tl.load(w_ptrs, mask=w_rows & in_k, other=0.0)
-        if NORM:
-            if EVEN_K:
-                nw = tl.load(n_ptrs).to(tl.float32)
-            else:
-                nw = tl.load(n_ptrs, mask=k0 + tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-            x = (xf * nw[None, :]).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        n_ptrs += BLOCK_K
-    return acc, squares
+    return acc
 
 
 @triton.jit
-def _scale_rows(gate, up, squares, K, eps):
-    """Column m of ``gate`` and ``up`` (out.T) times row m's ``1 / sqrt(mean(x^2) + eps)``."""
-    rstd = tl.rsqrt(squares / K + eps)[None, :]
-    return gate * rstd, up * rstd
-
-
-@triton.jit
-def _store_out(
-    out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr, ADD: tl.constexpr
-):
+def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr):
     """Round and store an ``[BLOCK_N, BLOCK_M]`` block (out.T); with SILU_MUL ``silu(gate) * up``, rounded as
-    kernels/activation.py rounds the unfused output; with ADD the rounded product is added to what ``out``
-    holds (the residual stream), rounded as kernels/rms_norm.py rounds its residual sum."""
+    kernels/activation.py rounds the unfused output."""
     element = out_ptr.dtype.element_ty
     if SILU_MUL:
         g = gate.to(element).to(tl.float32)
@@ -180,11 +145,11 @@ def _store_out(
         value = (silu * up.to(element).to(tl.float32)).to(element)
     else:
         value = gate.to(element)
-    out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
-    mask = (cols < N)[:, None] & (rows < M)[None, :]
-    if ADD:
-        value = (value.to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)).to(element)
-    tl.store(out_ptrs, value, mask=mask)
+    tl.store(
+        out_ptr + rows[None, :] * stride_om + cols[:, None],
+        value,
+        mask=(cols < N)[:, None] & (rows < M)[None, :],
+    )
 
 
 @triton.jit
@@ -195,31 +160,23 @@ def _sum_partials(
     M,
     N,
     num_splits,
-    squares_ptr,
     SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Partials ``[num_splits, M, width]`` (width ``2N`` with SILU_MUL: gate, then up) added in split order,
-    and with NORM the rows' partial sums of squares (``[num_splits, M]`` at ``squares_ptr``, this column
-    block's). Loads bypass L1 (``.cg``): other programs wrote them."""
+    """Partials ``[num_splits, M, width]`` (width ``2N`` with SILU_MUL: gate, then up) added in split order.
+    Loads bypass L1 (``.cg``): other programs wrote them."""
     width = N * 2 if SILU_MUL else N
     offs = rows[None, :] * width + cols[:, None]
     mask = (cols < N)[:, None] & (rows < M)[None, :]
     gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    squares = tl.zeros([BLOCK_M], tl.float32)
     for split in range(num_splits):
         base = part_ptr + split * M * width + offs
         gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
         if SILU_MUL:
             up += tl.load(base + N, mask=mask, other=0.0, cache_modifier=".cg")
-        if NORM:
-            squares += tl.load(
-                squares_ptr + split * M + rows, mask=rows < M, other=0.0, cache_modifier=".cg"
-            )
-    return gate, up, squares
+    return gate, up
 
 
 @triton.jit
@@ -252,9 +209,6 @@ def _skinny_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
-    norm_ptr,
-    squares_ptr,
-    eps,
     M,
     N,
     K,
@@ -273,8 +227,6 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD: tl.constexpr,
 ):
     """Program (column block, split): output columns ``cols`` (with SILU_MUL: gate rows ``cols``, up rows
     ``N + cols`` of the weight) over ``K`` range ``[split * k_per_split, (split + 1) * k_per_split)``. With
@@ -290,7 +242,7 @@ def _skinny_kernel(
         )
     wait_for_previous(PDL)
     release_next(PDL)
-    gate, squares = _column_block_product(
+    gate = _column_block_product(
         x_ptr,
         w_ptr,
         rows,
@@ -302,17 +254,15 @@ def _skinny_kernel(
         K,
         stride_xm,
         stride_wn,
-        norm_ptr,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         EVEN_K,
         DOT_PRECISION,
-        NORM,
     )
     up = gate
     if SILU_MUL:
-        up, _ = _column_block_product(
+        up = _column_block_product(
             x_ptr,
             w_ptr + N * stride_wn,
             rows,
@@ -324,13 +274,11 @@ def _skinny_kernel(
             K,
             stride_xm,
             stride_wn,
-            norm_ptr,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
             EVEN_K,
             DOT_PRECISION,
-            NORM,
         )
     if SPLIT:
         width = N * 2 if SILU_MUL else N
@@ -339,35 +287,17 @@ def _skinny_kernel(
         tl.store(part, gate, mask=mask)
         if SILU_MUL:
             tl.store(part + N, up, mask=mask)
-        # this column block's partial sums of squares: [blocks, splits, M]
-        block_squares = squares_ptr + block * num_splits * M
-        if NORM:
-            tl.store(block_squares + split * M + rows, squares, mask=rows < M)
         tl.debug_barrier()  # every thread's partials are written before the release below
         counter = counter_ptr + block
         # the last split merges, re-arms
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
-            total_gate, total_up, total_squares = _sum_partials(
-                part_ptr,
-                rows,
-                cols,
-                M,
-                N,
-                num_splits,
-                block_squares,
-                SILU_MUL,
-                NORM,
-                BLOCK_M,
-                BLOCK_N,
+            total_gate, total_up = _sum_partials(
+                part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N
             )
-            if NORM:
-                total_gate, total_up = _scale_rows(total_gate, total_up, total_squares, K, eps)
-            _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
+            _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)
     else:
-        if NORM:
-            gate, up = _scale_rows(gate, up, squares, K, eps)
-        _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL, ADD)
+        _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -403,41 +333,6 @@ def skinny_gemm_silu_and_mul(
     return _launch(x, weight, out, config, SILU_AND_MUL)
 
 
-def skinny_gemm_rms_norm(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """Same contract as ``reference.skinny_gemm_rms_norm``: ``rms_norm(x) @ weight.T``, the norm computed by
-    every program for its rows (no normed copy of x is written)."""
-    return _launch(x, weight, None, config, GEMM, norm=(norm_weight, eps))
-
-
-def skinny_gemm_silu_and_mul_rms_norm(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """Same contract as ``reference.skinny_gemm_silu_and_mul_rms_norm``: the MLP's input norm, gate/up
-    projection and activation in one kernel."""
-    return _launch(x, weight, None, config, SILU_AND_MUL, norm=(norm_weight, eps))
-
-
-def skinny_gemm_add(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """Same contract as ``reference.skinny_gemm_add``: ``residual += x @ weight.T`` in place (the product
-    rounded first, then the sum), returns ``residual``."""
-    return _launch(x, weight, residual, config, GEMM, add=True)
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: str) -> int:
     """Validate the arguments; returns the output width."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -466,12 +361,8 @@ def _launch(
     out: torch.Tensor | None,
     config: SkinnyConfig | None,
     op: str,
-    norm: tuple[torch.Tensor, float] | None = None,
-    add: bool = False,
 ) -> torch.Tensor:
     n = _check(x, weight, out, op)
-    if norm is not None and (norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype):
-        raise ValueError(f"{op}: the norm's weight must be [{x.shape[1]}] {x.dtype}")
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -489,11 +380,6 @@ def _launch(
         else out
     )
     counters = _counters(x.device, blocks) if splits > 1 else out
-    squares = (  # the rows' partial sums of squares for a fused norm: [blocks, splits, M]
-        torch.empty(blocks * splits * m, dtype=torch.float32, device=x.device)
-        if norm is not None and splits > 1
-        else out
-    )
     pdl, line = use_pdl(x.device), 128 // weight.element_size()
     _skinny_kernel[(blocks, splits)](
         x,
@@ -501,9 +387,6 @@ def _launch(
         out,
         part,
         counters,
-        norm[0] if norm is not None else weight,  # (not read without NORM)
-        squares,
-        norm[1] if norm is not None else 0.0,
         m,
         n,
         k,
@@ -524,8 +407,6 @@ def _launch(
             line, min(config.prefetch_k, triton.next_power_of_2(per_split * config.block_k))
         ),
         LINE=line,
-        NORM=norm is not None,
-        ADD=add,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,

@@ -37,9 +37,7 @@ from engine.layers.quantized_linear import (
 )
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
-from kernels import ops as kernel_ops
 from kernels.cpu_native import CpuKernels
-from kernels.skinny_choice import GEMM, SILU_AND_MUL, prefer_skinny
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -144,11 +142,7 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention's output before ``o_proj``."""
-        return self.attend_qkv(positions, self.qkv_proj(x))
-
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """``attend`` from the qkv projection's output."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -178,27 +172,6 @@ class LlamaDecoderLayer(nn.Module):
         )
         return project_then_norm(self.mlp.down_proj, self.mlp.activate(x), next_norm, residual)
 
-    def takes_fused_decode(self, stream: torch.Tensor) -> bool:
-        """Whether ``forward_fused`` serves these rows: one rank, no biases, and each of the four projections
-        one the skinny kernel serves at this row count (kernels/skinny_choice.py)."""
-        attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if parallel_state.current().size > 1 or any(p.bias is not None for p in projections):
-            return False
-        ops = (GEMM, GEMM, SILU_AND_MUL, GEMM)
-        return all(prefer_skinny(op, stream, p.weight) for op, p in zip(ops, projections))
-
-    def forward_fused(self, positions: torch.Tensor, stream: torch.Tensor) -> None:
-        """This layer on the residual ``stream`` (un-normed; updated in place) in four skinny kernels and the
-        attention: each RMSNorm inside the projection after it, each residual add inside the one before it."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = kernel_ops.skinny_gemm_rms_norm(stream, norm.weight, norm.eps, attn.qkv_proj.weight)
-        kernel_ops.skinny_gemm_add(attn.attend_qkv(positions, qkv), attn.o_proj.weight, stream)
-        norm, weight = self.post_attention_layernorm, mlp.gate_up_proj.weight
-        x = kernel_ops.skinny_gemm_silu_and_mul_rms_norm(stream, norm.weight, norm.eps, weight)
-        kernel_ops.skinny_gemm_add(x, mlp.down_proj.weight, stream)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
@@ -211,10 +184,6 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        if self.layers[0].takes_fused_decode(residual):
-            for layer in self.layers:
-                layer.forward_fused(positions, residual)
-            return self.norm(residual)
         x = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             next_norm = (

@@ -123,36 +123,3 @@ def test_named_architectures_match_our_parameter_shapes(name: str):
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(ValueError, match="model_config"):
         dummy_hf_config("gpt-5")
-
-
-@pytest.mark.parametrize("rows", [1, 5])
-def test_fused_decode_layer_equals_the_layer_by_layer_path(rows: int, monkeypatch):
-    """``LlamaDecoderLayer.forward_fused`` (the GPU's skinny decode path: each norm inside the projection after
-    it, each residual add inside the one before) against ``forward``, on the CPU where the fused ops are their
-    torch references, float32. The attention is a stand-in function of q (both paths hand it the same qkv)."""
-    from transformers import AutoConfig
-
-    spec = {**TINY, **FAMILIES["llama"]}
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    model = model_class(config)(config)
-    model.load_weights(dummy_weights(config, seed=5))
-    layer, next_norm = model.model.layers[0], model.model.layers[1].input_layernorm
-    with torch.no_grad():  # norm weights other than ones, or a swapped norm would pass
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.weight.add_(torch.randn_like(norm.weight) * 0.3)
-    attn = layer.self_attn
-    monkeypatch.setattr(
-        attn, "attend_qkv", lambda positions, qkv: torch.tanh(qkv[:, : attn.q_size])
-    )
-    stream = torch.randn(rows, TINY["hidden_size"], generator=torch.Generator().manual_seed(rows))
-    positions = torch.arange(rows)
-    with torch.no_grad():
-        residual = stream.clone()
-        normed, after = layer(positions, layer.input_layernorm(residual), residual, next_norm)
-        fused = stream.clone()
-        layer.forward_fused(positions, fused)
-    assert not torch.equal(after, stream)
-    torch.testing.assert_close(fused, after, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(next_norm(fused), normed, rtol=1e-5, atol=1e-5)
-    # the CPU never takes it: the skinny kernel is for CUDA rows
-    assert not layer.takes_fused_decode(stream)

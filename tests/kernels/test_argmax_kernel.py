@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 from kernels import reference  # noqa: E402
-from kernels.argmax import CHUNK, greedy_argmax  # noqa: E402
+from kernels.argmax import BLOCK as CHUNK, greedy_argmax  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 
@@ -59,3 +59,12 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="rows, vocab"):
         greedy_argmax(torch.randn(2, 0, device=DEVICE))
     assert greedy_argmax(torch.randn(0, 9, device=DEVICE)).shape == (0,)
+
+
+def test_counters_are_left_zero_for_the_next_launch():
+    from kernels import argmax as module
+
+    for rows, vocab in [(3, 5 * CHUNK), (7, CHUNK + 1)]:
+        logits = torch.randn(rows, vocab, device=DEVICE)
+        assert torch.equal(greedy_argmax(logits), reference.greedy_argmax(logits))
+        assert not module._COUNTERS[logits.device].any()

@@ -37,10 +37,7 @@ from kernels.skinny_gemm import (  # noqa: E402
     choose_config,
     heuristic_config,
     skinny_gemm,
-    skinny_gemm_add,
-    skinny_gemm_rms_norm,
     skinny_gemm_silu_and_mul,
-    skinny_gemm_silu_and_mul_rms_norm,
 )
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
@@ -128,95 +125,6 @@ def test_fusing_silu_and_mul_changes_no_bit_of_the_unfused_pair(config: SkinnyCo
     assert torch.equal(fused, silu_and_mul(skinny_gemm(x, weight, config=config)))
 
 
-EPS = 1e-5
-
-
-def assert_norm_fused_close(
-    out: torch.Tensor, fn, args: list[torch.Tensor], dtype: torch.dtype
-) -> None:
-    """float32: the reference in float64 to 1e-6. bfloat16: the fused kernel rounds ``x * norm weight`` to
-    bfloat16 for the dot and applies 1 / RMS to the fp32 result, where the unfused pair rounds ``x / RMS`` and
-    then its product with the weight: each is one bfloat16 rounding of the inputs away from the exact value, so
-    the kernel must be as close to the float64 result as the bfloat16 reference is (within 1.5x)."""
-    exact = fn(*[a.double() for a in args[:2]], EPS, args[2].double())
-    if dtype == torch.float32:
-        assert_matches(out, exact, dtype)
-        return
-    unfused = fn(args[0], args[1], EPS, args[2])
-
-    def error(t):
-        return float((t.cpu().double() - exact).norm() / exact.norm())
-
-    assert not out.cpu().isnan().any(), "an element was left unwritten"
-    assert error(out) < 1.5 * error(unfused) + 1e-4, (error(out), error(unfused))
-
-
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_rms_norm_fused_before_the_projection_matches_reference(
-    m: int, dtype: torch.dtype, config: SkinnyConfig
-):
-    """A layer's input norm fused into the projection after it (K = 80: the sum of squares runs over masked
-    tiles in the 32-wide configs, and is split with K in the split-K configs)."""
-    x = randn(m, K, dtype=dtype, seed=m) * 3
-    norm_weight = randn(K, dtype=dtype, seed=7)
-    weight = randn(N, K, dtype=dtype, seed=300 + m)
-    out = skinny_gemm_rms_norm(x.to(DEVICE), norm_weight.to(DEVICE), EPS, weight.to(DEVICE), config)
-    assert out.shape == (m, N) and out.dtype == dtype
-    assert_norm_fused_close(out, reference.skinny_gemm_rms_norm, [x, norm_weight, weight], dtype)
-    # x itself is not changed (it is the residual stream)
-    assert torch.equal(x.to(DEVICE).cpu(), (randn(m, K, dtype=dtype, seed=m) * 3))
-
-
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rms_norm_fused_before_gate_up_and_silu_matches_reference(
-    dtype: torch.dtype, config: SkinnyConfig
-):
-    x, norm_weight = randn(5, K, dtype=dtype, seed=8), randn(K, dtype=dtype, seed=9)
-    weight = randn(2 * N, K, dtype=dtype, seed=10) / 3
-    out = skinny_gemm_silu_and_mul_rms_norm(
-        x.to(DEVICE), norm_weight.to(DEVICE), EPS, weight.to(DEVICE), config
-    )
-    assert out.shape == (5, N)
-    assert_norm_fused_close(
-        out, reference.skinny_gemm_silu_and_mul_rms_norm, [x, norm_weight, weight], dtype
-    )
-
-
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 16])
-def test_projection_added_into_the_residual_in_place(
-    m: int, dtype: torch.dtype, config: SkinnyConfig
-):
-    x, weight = randn(m, K, dtype=dtype, seed=m), randn(N, K, dtype=dtype, seed=400 + m)
-    start = randn(m, N, dtype=dtype, seed=11) * 4
-    expected = reference.skinny_gemm_add(
-        oracle(x, dtype), oracle(weight, dtype), oracle(start, dtype)
-    )
-    residual = start.to(DEVICE)
-    returned = skinny_gemm_add(x.to(DEVICE), weight.to(DEVICE), residual, config)
-    assert returned is residual
-    assert_matches(residual, expected, dtype)
-
-
-def test_residual_add_rounds_as_the_unfused_projection_and_norm_add():
-    """The product rounded to bfloat16, then the sum rounded: the bits of skinny_gemm followed by the norm
-    kernel's residual add (``rms_norm(out, w, eps, residual)`` writes the sum into ``residual``)."""
-    from kernels.rms_norm import rms_norm
-
-    x = randn(4, K, dtype=torch.bfloat16, seed=12).to(DEVICE)
-    weight = randn(N, K, dtype=torch.bfloat16, seed=13).to(DEVICE)
-    start = randn(4, N, dtype=torch.bfloat16, seed=14).to(DEVICE)
-    config = CONFIGS["split-k"]
-    unfused = start.clone()
-    rms_norm(skinny_gemm(x, weight, config=config), torch.ones_like(weight[0, :N]), EPS, unfused)
-    fused = skinny_gemm_add(x, weight, start.clone(), config)
-    assert torch.equal(fused, unfused)
-
-
 def test_out_is_written_in_place_through_its_row_stride():
     x, weight = randn(3, K, dtype=torch.float32, seed=3), randn(N, K, dtype=torch.float32, seed=4)
     buffer = randn(3, N + 8, dtype=torch.float32, seed=5).to(DEVICE)
@@ -251,8 +159,6 @@ def test_bad_arguments_are_refused_with_a_message():
         skinny_gemm_silu_and_mul(x[:2], weight[:47])
     with pytest.raises(ValueError, match="block_k"):
         SkinnyConfig(block_k=48)
-    with pytest.raises(ValueError, match="norm's weight"):
-        skinny_gemm_rms_norm(x[:2], torch.ones(K + 1), EPS, weight)
 
 
 def test_heuristic_splits_k_where_column_blocks_leave_sms_idle():

@@ -59,7 +59,7 @@ async def completions(request: Request) -> Response:
     body = await read_model(request, CompletionRequest, server.max_request_bytes)
     server.admission.check_model(body.model)
     prompts = [await _prompt_ids(server, prompt) for prompt in body.prompts()]
-    params = [server.replies.sampling_params(body, len(ids)) for ids in prompts]
+    params = server.replies.sampling_params_each(body, [len(ids) for ids in prompts])
     salt = server.admission.cache_salt(request, body.cache_salt)
     streams: list[TimedStream] = []
     try:

@@ -25,6 +25,7 @@ from app.prompts import NoTokenizer, PromptRenderer
 from app.protocol.messages import ChatMessage
 from app.protocol.sampling import SamplingFields
 from app.request_body import cancel_on_disconnect
+from app.request_budget import check_request_tokens
 from app.timed_stream import TimedStream
 from app.sse import sse_response
 from engine.output.outputs import RequestOutput
@@ -39,6 +40,7 @@ class ReplyWriter:
     default_max_tokens: int  # for requests without max_tokens
     # the model's (app/generation_config.py)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_request_tokens: int = 0  # the most one request may buy (app/request_budget.py); 0: no limit
 
     async def answer_chat(
         self,
@@ -144,12 +146,21 @@ class ReplyWriter:
             ) from None
 
     def sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+        return self.sampling_params_each(body, [num_prompt_tokens])[0]
+
+    def sampling_params_each(
+        self, body: SamplingFields, prompt_lengths: list[int]
+    ) -> list[SamplingParams]:
+        """The SamplingParams of each prompt of one request; a 400 naming the field for a value the engine
+        refuses, or for a request over --max-request-tokens in all (app/request_budget.py)."""
         try:
-            return body.sampling_params(
-                num_prompt_tokens,
-                self.max_model_len,
-                self.default_max_tokens,
-                self.sampling_defaults,
-            )
+            params = [
+                body.sampling_params(
+                    length, self.max_model_len, self.default_max_tokens, self.sampling_defaults
+                )
+                for length in prompt_lengths
+            ]
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
+        check_request_tokens(body, prompt_lengths, params, self.max_request_tokens)
+        return params

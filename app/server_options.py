@@ -111,6 +111,14 @@ SERVER_OPTIONS = (
         "int",
     ),
     Option(
+        "max_request_tokens",
+        "The most tokens one request may take, summed over its prompts: prompt tokens + "
+        "sequences (best_of, else n, or beam_width) x max_tokens (or its default); more is refused with "
+        "400 naming the field to lower (0: no limit)",
+        "262144",
+        "int",
+    ),
+    Option(
         "generation_config",
         "auto: the sampling defaults of the model's generation_config.json (temperature, "
         "top_p, top_k, min_p, repetition_penalty) apply to requests that do not set them, as vLLM; none: "

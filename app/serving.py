@@ -80,7 +80,12 @@ def build_serving(
         else {}
     )
     replies = ReplyWriter(
-        prompts, model_name, engine.info.max_model_len, settings.default_max_tokens, defaults
+        prompts,
+        model_name,
+        engine.info.max_model_len,
+        settings.default_max_tokens,
+        defaults,
+        settings.max_request_tokens,
     )
     sessions = SessionService(
         store,

@@ -48,6 +48,9 @@ class ServerSettings:
     max_system_prompt_chars: int = 32_768  # system prompts of sessions and presets
     # for requests without max_tokens (capped by the room left in the context)
     default_max_tokens: int = 1024
+    # the most tokens one request may buy, over its prompts: prompt + sequences x max_tokens
+    # (app/request_budget.py); 0: no limit
+    max_request_tokens: int = 262_144
     # auto: the model's generation_config.json sampling defaults; none: OpenAI's
     generation_config: str = "auto"
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
@@ -98,6 +101,7 @@ class ServerSettings:
         _check(self.max_session_bytes >= 4096, "max_session_bytes", "must be >= 4096")
         _check(self.max_system_prompt_chars >= 1, "max_system_prompt_chars", "must be >= 1")
         _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
+        _check(self.max_request_tokens >= 0, "max_request_tokens", "must be >= 0 (0: no limit)")
         _check(
             self.admin_api_key is None
             or bool(self.admin_api_key.strip())

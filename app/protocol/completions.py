@@ -85,6 +85,9 @@ class ChatCompletionRequest(SamplingFields):
             else self.max_tokens
         )
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 

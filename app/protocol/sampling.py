@@ -176,6 +176,10 @@ class SamplingFields(RequestModel):
         """The field that carries the prompt (named in errors about its length)."""
         return "messages"
 
+    def max_tokens_field(self) -> str:
+        """The field that sets max_tokens (named in errors about the request's size)."""
+        return "max_tokens"
+
     def requested_logprobs(self) -> int | None:
         return None
 

@@ -6,7 +6,10 @@ afterwards the server is healthy and no KV block is held by anyone (nothing leak
 requests).
 
 Bounded for CI (about two minutes on a CPU): ``PAGEDCHAT_FUZZ_EXAMPLES`` examples per operation and mode (100 by default),
-a 128-token context and 4 tokens for requests without max_tokens keep each answer short."""
+a 128-token context, 4 tokens for requests without max_tokens and at most 1024 tokens a request
+(``--max-request-tokens``: prompts x n x max_tokens would otherwise let one schema-valid completion keep the engine
+busy for minutes) keep each answer short. Hypothesis is derandomized (its seed is a hash of the test), so every run
+sends the same examples and takes about the same time."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from tests.server_harness import SMALL_KV_GIB
 pytestmark = pytest.mark.slow
 
 MAX_EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "100"))
+MAX_REQUEST_TOKENS = 1024  # of one request: 8 full contexts
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
@@ -46,6 +50,7 @@ def client() -> Iterator[TestClient]:
     transport would start and stop it around every test."""
     settings = ServerSettings(
         default_max_tokens=4,
+        max_request_tokens=MAX_REQUEST_TOKENS,
         max_request_bytes=256 * 1024,
         session_store="memory",
         engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=128),
@@ -117,6 +122,7 @@ def test_no_request_gets_a_5xx_and_every_4xx_is_an_openai_error(
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode), **fixed))
     @settings(
         max_examples=MAX_EXAMPLES,
+        derandomize=True,
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),

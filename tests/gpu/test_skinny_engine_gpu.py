@@ -29,7 +29,7 @@ from kernels import skinny_choice  # noqa: E402
 from tests.block_invariants import run_checked_outputs  # noqa: E402
 from tests.greedy_agreement import assert_agree  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
 OPTIONS = {
     "load_format": "dummy",
     "model_config": "llama-3.2-1b",

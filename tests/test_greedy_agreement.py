@@ -40,6 +40,14 @@ def test_a_parting_within_a_near_tie_passes(token: int):
     assert (n, drift) == (1, 0.0) and gap == pytest.approx(0.02 if token == 9 else 0.03)
 
 
+def test_an_exact_tie_listed_in_either_order_is_a_near_tie():
+    """Two tokens of equal logprob: the reference took one (the lower id), its top list may name the other
+    first; a run that takes the other parts at a gap of 0."""
+    tied = [TOPS[0], [(9, -1.0), (8, -1.0), (10, -1.5)], TOPS[2]]
+    ref, got = output([5, 8, 11], tied), output([5, 9, 11], tied)
+    assert assert_agree([got], [ref], drift=0.1, near_tie=0.1) == [(1, 0.0, 0.0)]
+
+
 def test_partings_outside_the_rule_fail():
     ref = output([5, 8, 11], TOPS)
     with pytest.raises(AssertionError, match="not among"):

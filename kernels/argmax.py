@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import zeroed_counters
 from kernels.device_features import use_pdl
 from kernels.pdl import release_next, wait_for_previous
 
@@ -80,19 +81,6 @@ def _argmax_kernel(
         tl.store(out_ptr + row, best.to(tl.int64))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, rows: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per row, kept per device (each launch leaves them zero)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < rows:
-        counters = _COUNTERS[device] = torch.zeros(
-            max(rows, 1024), dtype=torch.int32, device=device
-        )
-    return counters
-
-
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Same contract as ``reference.greedy_argmax``."""
     if logits.dim() != 2 or logits.shape[1] == 0:
@@ -115,7 +103,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         out,
         part_values,
         part_indices,
-        _counters(logits.device, rows),
+        zeroed_counters("argmax", logits.device, rows),
         vocab,
         logits.stride(0),
         parts,

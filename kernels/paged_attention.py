@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import zeroed_counters
 from kernels.device_features import use_pdl
 from kernels.pdl import release_next, wait_for_previous
 from kernels.reference import FP8
@@ -414,18 +415,6 @@ def fit_shared_memory(
     return tile, stages
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), that the split kernel leaves zeroed again. Grown
-    on demand; outgrown buffers are kept alive because captured CUDA graphs may still point at them."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        buffers.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -522,7 +511,7 @@ def launch_decode(
                 parts * batch * num_heads,
             ]
         )
-        counters = split_counters(query.device, batch * num_kv_heads)
+        counters = zeroed_counters("decode", query.device, batch * num_kv_heads)
     kv_fp8 = k_cache.dtype == FP8
     _decode_kernel[(num_kv_heads, batch, parts)](
         out,

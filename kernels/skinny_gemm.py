@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import zeroed_counters
 from kernels.device_features import use_pdl
 from kernels.pdl import prefetch_l2, release_next, wait_for_previous
 from kernels.skinny_choice import GEMM, MAX_ROWS, SILU_AND_MUL, row_bucket
@@ -300,19 +301,6 @@ def _skinny_kernel(
         _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per column block, kept per device (each launch leaves them zero)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < blocks:
-        counters = _COUNTERS[device] = torch.zeros(
-            max(blocks, 4096), dtype=torch.int32, device=device
-        )
-    return counters
-
-
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -379,7 +367,7 @@ def _launch(
         if splits > 1
         else out
     )
-    counters = _counters(x.device, blocks) if splits > 1 else out
+    counters = zeroed_counters("skinny", x.device, blocks) if splits > 1 else out
     pdl, line = use_pdl(x.device), 128 // weight.element_size()
     _skinny_kernel[(blocks, splits)](
         x,

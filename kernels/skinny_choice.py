@@ -5,9 +5,10 @@ at, no others. No Triton import here, so a CPU-only install can ask.
 docs/results/skinny-gemm-h100-2026-11-27.json) timed every projection of llama-3.2-1b and llama-3-8b at M = 1, 2,
 4, 8, 16 and 32 rows against cuBLAS. ``FASTER_THAN_CUBLAS`` holds each (op, rows rounded up to a power of two,
 weight rows N, K) where ours won; it is used on that architecture only (compute capability 9.0: H100, H200)
-and for 16-bit inputs only. Every other shape, device or dtype keeps cuBLAS: the qkv and o projections of
-llama-3.2-1b (0.1-0.5 us slower), llama-3-8b's o projection at 32 rows, any model not measured (qwen3-0.6b, the
-tensor-parallel shards), float32.
+and for 16-bit inputs only. ``FASTER_WITH_PDL`` adds llama-3.2-1b's qkv and o projections (0.1-0.5 us slower
+alone) where the kernels launch with PDL, measured in the engine's decode step. Every other shape, device or dtype
+keeps cuBLAS: llama-3-8b's o projection at 32 rows, any model not measured (qwen3-0.6b, the tensor-parallel
+shards), float32.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ FASTER_THAN_CUBLAS: frozenset[tuple[str, int, int, int]] = frozenset(
 
 # Shapes where ours lost to cuBLAS by a launch's fixed cost when timed alone (llama-3.2-1b's qkv and o), taken
 # where the kernels launch with PDL (kernels/pdl.py): in the decode step's chain ours then starts streaming its
-# weight while the kernel before it finishes, which a cuBLAS launch cannot. Measured in the engine's decode step
-# (docs/BENCHMARKS.md, "PDL").
+# weight while the kernel before it finishes, which a cuBLAS launch cannot. Measured in the engine's decode step on
+# an H100 (docs/BENCHMARKS.md, "programmatic dependent launch"): 1.276 against 1.293 ms at 1 stream, 1.482 against
+# 1.497 ms at 16.
 FASTER_WITH_PDL: frozenset[tuple[str, int, int, int]] = frozenset(
     (GEMM, m, n, k) for n, k in ((3072, 2048), (2048, 2048)) for m in _BUCKETS
 )

@@ -53,9 +53,7 @@ class SkinnyConfig:
     split_k: int = 1  # programs per column block, each over 1/split_k of K
     num_warps: int = 4
     num_stages: int = 4
-    prefetch_k: int = (
-        512  # K elements of each weight row fetched into L2 before the previous kernel ends (PDL)
-    )
+    prefetch_k: int = 512  # weight-row elements fetched into L2 before waiting (PDL)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "prefetch_k"):

@@ -201,6 +201,20 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def added_us(intervals: list[tuple[float, float]]) -> list[float]:
+    """What each [start, end) interval adds to the union of the ones that start before it, in the order given:
+    its time that nothing earlier covers. With programmatic dependent launch a kernel starts before the one ahead
+    of it ends and waits, so its own elapsed time counts that wait; this does not. Sums to ``busy_us``."""
+    added = [0.0] * len(intervals)
+    reach = float("-inf")
+    for i in sorted(range(len(intervals)), key=lambda i: intervals[i]):
+        start, end = intervals[i]
+        if end > reach:
+            added[i] = end - max(start, reach)
+            reach = end
+    return added
+
+
 def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     rids = fill_decode_batch(engine, args.split_batch, args.split_prompt_len, args.seed + 1)
     for _ in range(args.split_warmup):

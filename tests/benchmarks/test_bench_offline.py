@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from benchmarks.common import Run
-from benchmarks.offline import busy_us, parse_args, throughput_table
+from benchmarks.offline import added_us, busy_us, parse_args, throughput_table
 from benchmarks.workloads import capped, nano_workload
 
 
@@ -38,6 +38,16 @@ def test_smoke_caps_clip_the_lengths():
 def test_busy_time_counts_overlapping_kernels_once():
     assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 15 + 5
     assert busy_us([]) == 0
+
+
+def test_added_time_leaves_out_what_an_earlier_kernel_covers():
+    """A PDL kernel launched at 5 that waits for its predecessor (0-10) and ends at 15 adds 5, not 10; a kernel
+    inside another adds nothing; the parts sum to the busy time, in the order given."""
+    intervals = [(5, 15), (0, 10), (20, 25), (21, 22)]
+    added = added_us(intervals)
+    assert added == [5, 10, 5, 0]
+    assert sum(added) == busy_us(intervals)
+    assert added_us([]) == []
 
 
 def test_table_reports_the_ratio_and_a_failed_peer():

@@ -188,7 +188,24 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
         "gpu_busy_ms": busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
         * per_step_ms,
         "kernels_per_step": len(kernels) / steps,
+        "kernels_added_ms": dict(
+            list(kernel_times(kernels, steps, by="added").items())[:TOP_KERNELS]
+        ),
     }
+
+
+TOP_KERNELS = 12  # kernels (by name) listed in a profile
+
+
+def kernel_times(kernels: list, steps: int, by: str) -> dict[str, float]:
+    """ms per step of each kernel name (first 80 characters), most first: ``by="elapsed"`` sums the kernels'
+    own intervals, ``by="added"`` what each adds to the busy union (``added_us``; they differ under PDL)."""
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    own = added_us(intervals) if by == "added" else [end - start for start, end in intervals]
+    totals: dict[str, float] = {}
+    for e, us in zip(kernels, own):
+        totals[e.name[:80]] = totals.get(e.name[:80], 0.0) + us * 1e-3 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -295,6 +312,10 @@ def split_table(split: dict[str, Any]) -> str:
         f"| tokens/step, running, kernels/step | {split['tokens_per_step']:.0f}, {split['running']}, "
         f"{split.get('kernels_per_step', 0):.0f} |"
     )
+    rows += [
+        f"| kernel (added to busy): {name[:60]} | {value:.3f} |"
+        for name, value in split.get("kernels_added_ms", {}).items()
+    ]
     return "\n".join(rows)
 
 

@@ -46,10 +46,10 @@ import torch
 from benchmarks.common import build_engine, command_line, release_memory, synchronize
 from benchmarks.offline import (
     add_run_options,
-    added_us,
     busy_us,
     environment,
     fill_decode_batch,
+    kernel_times,
     measure_split,
     run_ours,
     write_json,
@@ -104,14 +104,8 @@ def profile_collectives(engine: LLMEngine, steps: int) -> dict[str, float]:
     collective = [e for e in kernels if any(mark in e.name.lower() for mark in COLLECTIVE_MARKS)]
     all_reduce_ms = sum(e.time_range.elapsed_us() for e in collective) * 1e-3 / steps
     busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) * 1e-3 / steps
-    by_name: dict[str, float] = {}
-    added_by_name: dict[str, float] = {}
-    added = added_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    for e, own in zip(kernels, added):
-        name = e.name[:80]
-        by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us() * 1e-3 / steps
-        added_by_name[name] = added_by_name.get(name, 0.0) + own * 1e-3 / steps
-    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    top = list(kernel_times(kernels, steps, by="elapsed").items())[:TOP_KERNELS]
+    added_by_name = kernel_times(kernels, steps, by="added")
     return {
         "all_reduce_ms": all_reduce_ms,
         "busy_ms": busy_ms,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from benchmarks.common import Run
-from benchmarks.offline import added_us, busy_us, parse_args, throughput_table
+from benchmarks.offline import added_us, busy_us, kernel_times, parse_args, throughput_table
 from benchmarks.workloads import capped, nano_workload
 
 
@@ -48,6 +50,21 @@ def test_added_time_leaves_out_what_an_earlier_kernel_covers():
     assert added == [5, 10, 5, 0]
     assert sum(added) == busy_us(intervals)
     assert added_us([]) == []
+
+
+def test_kernel_times_by_name_elapsed_and_added():
+    from types import SimpleNamespace
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # two steps: a norm (0-10), a PDL matmul launched at 5 that ends at 40, again from 100
+    kernels = [kernel("norm", 0, 10), kernel("matmul", 5, 40)]
+    kernels += [kernel("norm", 100, 110), kernel("matmul", 105, 140)]
+    elapsed, added = kernel_times(kernels, 2, by="elapsed"), kernel_times(kernels, 2, by="added")
+    assert list(elapsed) == ["matmul", "norm"]
+    assert elapsed == pytest.approx({"matmul": 0.035, "norm": 0.010})
+    assert added == pytest.approx({"matmul": 0.030, "norm": 0.010})
 
 
 def test_table_reports_the_ratio_and_a_failed_peer():

@@ -1,5 +1,6 @@
 """What a device offers our kernels, asked on the host without importing Triton (a CPU-only install can ask):
-its compute capability, and whether kernels launch with programmatic dependent launch (kernels/pdl.py).
+its compute capability, its number of SMs, and whether kernels launch with programmatic dependent launch
+(kernels/pdl.py).
 
 ``PAGEDCHAT_PDL``: ``auto`` (default: PDL on compute capability 9.0 and later) or ``off`` (for A/B
 measurements). The interpreter never uses it.
@@ -7,6 +8,7 @@ measurements). The interpreter never uses it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,6 +26,14 @@ def capability(device: torch.device) -> tuple[int, int]:
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITY[index]
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the interpreter, on the CPU, gets a Hopper-like 132)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def use_pdl(device: torch.device) -> bool:

@@ -31,7 +31,6 @@ Design, and why:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -40,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import zeroed_counters
-from kernels.device_features import use_pdl
+from kernels.device_features import num_sms, use_pdl
 from kernels.pdl import release_next, wait_for_previous
 from kernels.reference import FP8
 from kernels.specialization import per_step
@@ -358,16 +357,6 @@ def _merge_partitions(
         out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
         (acc / total_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (host-side property; the interpreter gets a Hopper-like 132)."""
-    return (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
     )
 
 

@@ -30,7 +30,6 @@ Design, and why:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import zeroed_counters
-from kernels.device_features import use_pdl
+from kernels.device_features import num_sms, use_pdl
 from kernels.pdl import prefetch_l2, release_next, wait_for_previous
 from kernels.skinny_choice import GEMM, MAX_ROWS, SILU_AND_MUL, row_bucket
 from kernels.specialization import per_step
@@ -68,16 +67,6 @@ class SkinnyConfig:
 # off. Empty: on an H100 (2026-11-27, benchmarks/skinny_gemm.py, every layer of llama-3.2-1b and llama-3-8b at M =
 # 1..32) the heuristic's config was within 3% of the sweep's best at every shape, 1.1% over a whole decode step.
 TABLE: dict[tuple[str, int, int, int], SkinnyConfig] = {}
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (the interpreter gets a Hopper-like 132)."""
-    return (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
 
 
 def heuristic_config(m: int, n: int, k: int, op: str, sms: int) -> SkinnyConfig:

@@ -65,6 +65,8 @@ def contiguous_prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> None:
@@ -80,6 +82,8 @@ def contiguous_prefill_attention(
         scale,
         k_scale,
         v_scale,
+        chunk_k,
+        chunk_v,
         contiguous=True,
         config=config,
     )

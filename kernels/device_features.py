@@ -1,6 +1,6 @@
 """What a device offers our kernels, asked on the host without importing Triton (a CPU-only install can ask):
-its compute capability, its number of SMs, and whether kernels launch with programmatic dependent launch
-(kernels/pdl.py).
+its compute capability, its number of SMs, whether it has TMA (the Tensor Memory Accelerator's bulk tile copies)
+and whether kernels launch with programmatic dependent launch (kernels/pdl.py).
 
 ``PAGEDCHAT_PDL``: ``auto`` (default: PDL on compute capability 9.0 and later) or ``off`` (for A/B
 measurements). The interpreter never uses it.
@@ -41,3 +41,8 @@ def use_pdl(device: torch.device) -> bool:
     if _SWITCH == "off" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return capability(device)[0] >= 9
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` copies tiles with TMA (Triton's tensor descriptors): CUDA compute capability 9.0+."""
+    return device.type == "cuda" and capability(device)[0] >= 9

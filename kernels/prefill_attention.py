@@ -16,18 +16,28 @@ most keys are launched first (reverse order) so the causal tail does not run alo
 Per tile, keys before ``prefix + first row`` are visible to every row and run unmasked; only the last
 ``BLOCK_M + BLOCK_N`` keys (the diagonal) pay for the causal mask.
 
+Hopper (``CHUNK_TMA``): the chunk's own keys and values are also passed in as they left the projection
+(``chunk_k``/``chunk_v``, ``[num_tokens, kv_heads, head_dim]`` rows, the values ``store_kv`` just wrote). Key
+tiles wholly inside the chunk are then read from those rows through TMA descriptors (one bulk copy per tile,
+pipelined), not gathered through the block table; tiles of the cached prefix are gathered as before, and the
+tile the prefix ends in and the diagonal tiles read each position from where it lives. Tiles start at the same
+positions either way, so the result is the same, bit for bit, as reading everything from the cache.
+
 An FP8 cache (``KV_FP8``) is read as in the decode kernel (paged_attention.py): tiles widened to the query's
 dtype, ``k_scale`` folded into the softmax scale, ``v_scale`` applied to the output.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.device_features import has_tma
 from kernels.paged_attention import (
     LOG2E,
     dot_precision,
@@ -66,35 +76,26 @@ def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    q,
-    row_max,
-    row_sum,
-    acc,
-    k_ptr,
-    v_ptr,
+def _cached_kv(
+    k_seq,
+    v_seq,
     table_row,
     pos,
-    rows,
-    prefix,
-    ctx,
+    limit,
     kv_head,
     dims,
     stride_block,
     stride_token,
     stride_head,
-    scale_log2,
     BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
-    ``<= prefix + r`` and no key at or past ``ctx`` is loaded."""
-    in_context = pos < ctx
+    """K and V of positions ``pos`` from the cache. MASKED: positions at or past ``limit`` read as zero and
+    are never loaded; unmasked tiles are plain wide loads."""
+    in_range = pos < limit
     offs = kv_tile_offsets(
         table_row,
         pos,
@@ -104,26 +105,96 @@ def _attend_tile(
         stride_token,
         stride_head,
         BLOCK_SIZE,
-        in_context,
+        in_range,
         CONTIGUOUS,
     )
     if MASKED:
-        kv_mask = in_context[:, None]
+        kv_mask = in_range[:, None]
         if HEAD_DIM != HEAD_PAD:
             kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_seq + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_seq + offs, mask=kv_mask, other=0.0)
     elif HEAD_DIM != HEAD_PAD:
-        k = tl.load(k_ptr + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-        v = tl.load(v_ptr + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    else:  # every key of the tile is visible to every row: plain wide loads
-        k = tl.load(k_ptr + offs)
-        v = tl.load(v_ptr + offs)
+        k = tl.load(k_seq + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(v_seq + offs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:  # every key of the tile exists: plain wide loads
+        k = tl.load(k_seq + offs)
+        v = tl.load(v_seq + offs)
+    return k, v
+
+
+@triton.jit
+def _straddling_kv(
+    k_seq,
+    v_seq,
+    chunk_k_ptr,
+    chunk_v_ptr,
+    table_row,
+    pos,
+    prefix,
+    ctx,
+    seq_start,
+    kv_head,
+    dims,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_chunk,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+):
+    """K and V of a tile that may hold cached positions (``< prefix``, from the cache) and chunk positions
+    (``prefix .. ctx - 1``, from the chunk's own rows); positions past ``ctx`` read as zero."""
+    k, v = _cached_kv(
+        k_seq,
+        v_seq,
+        table_row,
+        pos,
+        prefix,
+        kv_head,
+        dims,
+        stride_block,
+        stride_token,
+        stride_head,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        HEAD_DIM,
+        CONTIGUOUS,
+        True,
+    )
+    fresh = (pos >= prefix) & (pos < ctx)
+    rows = (seq_start + pos - prefix).to(tl.int64) * stride_chunk + kv_head * HEAD_DIM
+    offs = rows[:, None] + dims[None, :]
+    k_new = tl.load(chunk_k_ptr + offs, mask=fresh[:, None], other=0.0)
+    v_new = tl.load(chunk_v_ptr + offs, mask=fresh[:, None], other=0.0)
+    return tl.where(fresh[:, None], k_new, k), tl.where(fresh[:, None], v_new, v)
+
+
+@triton.jit
+def _attend(
+    q,
+    k,
+    v,
+    row_max,
+    row_sum,
+    acc,
+    pos,
+    rows,
+    prefix,
+    ctx,
+    scale_log2,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """One online-softmax step over keys ``pos``. MASKED (diagonal tiles only): row r sees keys
+    ``<= prefix + r`` and none at or past ``ctx``."""
     if KV_FP8:
         k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        visible = (pos[None, :] <= prefix + rows[:, None]) & in_context[None, :]
+        visible = (pos[None, :] <= prefix + rows[:, None]) & (pos < ctx)[None, :]
         scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     alpha = tl.exp2(row_max - new_max)
@@ -139,6 +210,10 @@ def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    chunk_k_desc,
+    chunk_v_desc,
+    chunk_k_ptr,
+    chunk_v_ptr,
     table_ptr,
     cu_ptr,
     ctx_ptr,
@@ -151,6 +226,7 @@ def _prefill_kernel(
     stride_block,
     stride_token,
     stride_head,
+    stride_chunk,
     stride_table,
     num_seqs,
     num_tiles,
@@ -163,6 +239,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    CHUNK_TMA: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
@@ -175,9 +252,8 @@ def _prefill_kernel(
         prefix = ctx - q_len
         kv_head = head // GROUP
         rows = first_row + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
         dims = tl.arange(0, HEAD_PAD)
-        io_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        io_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(
             q_ptr
             + (seq_start + rows)[:, None].to(tl.int64) * stride_qt
@@ -192,61 +268,158 @@ def _prefill_kernel(
         table_row = table_ptr + seq.to(tl.int64) * stride_table
         k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
         unmasked_end = (prefix + first_row) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
-        for start in range(0, unmasked_end, BLOCK_N):
+        # tiles wholly in the cache: with CHUNK_TMA the prefix's, else every tile
+        cached_end = (prefix if CHUNK_TMA else ctx) // BLOCK_N * BLOCK_N
+        for start in range(0, tl.minimum(cached_end, unmasked_end), BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            row_max, row_sum, acc = _attend_tile(
-                q,
-                row_max,
-                row_sum,
-                acc,
+            k, v = _cached_kv(
                 k_seq,
                 v_seq,
                 table_row,
                 pos,
-                rows,
-                prefix,
                 ctx,
                 kv_head,
                 dims,
                 stride_block,
                 stride_token,
                 stride_head,
-                scale_log2,
                 BLOCK_SIZE,
-                False,
                 HEAD_DIM,
                 HEAD_PAD,
-                DOT_PRECISION,
                 CONTIGUOUS,
+                False,
+            )
+            row_max, row_sum, acc = _attend(
+                q,
+                k,
+                v,
+                row_max,
+                row_sum,
+                acc,
+                pos,
+                rows,
+                prefix,
+                ctx,
+                scale_log2,
+                False,
+                DOT_PRECISION,
                 KV_FP8,
             )
+        if CHUNK_TMA:
+            if cached_end < prefix and cached_end < unmasked_end:  # the tile the prefix ends in
+                pos = cached_end + tl.arange(0, BLOCK_N)
+                k, v = _straddling_kv(
+                    k_seq,
+                    v_seq,
+                    chunk_k_ptr,
+                    chunk_v_ptr,
+                    table_row,
+                    pos,
+                    prefix,
+                    ctx,
+                    seq_start,
+                    kv_head,
+                    dims,
+                    stride_block,
+                    stride_token,
+                    stride_head,
+                    stride_chunk,
+                    BLOCK_SIZE,
+                    HEAD_DIM,
+                    CONTIGUOUS,
+                )
+                row_max, row_sum, acc = _attend(
+                    q,
+                    k,
+                    v,
+                    row_max,
+                    row_sum,
+                    acc,
+                    pos,
+                    rows,
+                    prefix,
+                    ctx,
+                    scale_log2,
+                    False,
+                    DOT_PRECISION,
+                    KV_FP8,
+                )
+            # tiles wholly in the chunk: its own rows, contiguous, through TMA
+            for start in range(tl.cdiv(prefix, BLOCK_N) * BLOCK_N, unmasked_end, BLOCK_N):
+                k = chunk_k_desc.load([seq_start + start - prefix, kv_head * HEAD_DIM])
+                v = chunk_v_desc.load([seq_start + start - prefix, kv_head * HEAD_DIM])
+                row_max, row_sum, acc = _attend(
+                    q,
+                    k,
+                    v,
+                    row_max,
+                    row_sum,
+                    acc,
+                    start + tl.arange(0, BLOCK_N),
+                    rows,
+                    prefix,
+                    ctx,
+                    scale_log2,
+                    False,
+                    DOT_PRECISION,
+                    KV_FP8,
+                )
         diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
         for start in range(unmasked_end, diagonal_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            row_max, row_sum, acc = _attend_tile(
+            if CHUNK_TMA:
+                k, v = _straddling_kv(
+                    k_seq,
+                    v_seq,
+                    chunk_k_ptr,
+                    chunk_v_ptr,
+                    table_row,
+                    pos,
+                    prefix,
+                    ctx,
+                    seq_start,
+                    kv_head,
+                    dims,
+                    stride_block,
+                    stride_token,
+                    stride_head,
+                    stride_chunk,
+                    BLOCK_SIZE,
+                    HEAD_DIM,
+                    CONTIGUOUS,
+                )
+            else:
+                k, v = _cached_kv(
+                    k_seq,
+                    v_seq,
+                    table_row,
+                    pos,
+                    ctx,
+                    kv_head,
+                    dims,
+                    stride_block,
+                    stride_token,
+                    stride_head,
+                    BLOCK_SIZE,
+                    HEAD_DIM,
+                    HEAD_PAD,
+                    CONTIGUOUS,
+                    True,
+                )
+            row_max, row_sum, acc = _attend(
                 q,
+                k,
+                v,
                 row_max,
                 row_sum,
                 acc,
-                k_seq,
-                v_seq,
-                table_row,
                 pos,
                 rows,
                 prefix,
                 ctx,
-                kv_head,
-                dims,
-                stride_block,
-                stride_token,
-                stride_head,
                 scale_log2,
-                BLOCK_SIZE,
                 True,
-                HEAD_DIM,
-                HEAD_PAD,
                 DOT_PRECISION,
-                CONTIGUOUS,
                 KV_FP8,
             )
         out = acc / row_sum[:, None]
@@ -273,6 +446,8 @@ def prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> None:
@@ -289,9 +464,31 @@ def prefill_attention(
         scale,
         k_scale,
         v_scale,
+        chunk_k,
+        chunk_v,
         contiguous=False,
         config=config,
     )
+
+
+def chunk_rows(
+    query: torch.Tensor, k_cache: torch.Tensor, chunk_k: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``chunk_k`` as rows ``[num_tokens, kv_heads * head_dim]`` (a view) where the kernel can read the
+    chunk's keys through TMA, else None: a Hopper-class GPU (compute capability 9.0+) or the interpreter,
+    a cache of the query's dtype (an FP8 cache's stored values differ from the chunk's), a power-of-two
+    head, and the 16-byte alignment TMA asks of the base and the row stride."""
+    if chunk_k is None or k_cache.dtype != query.dtype or chunk_k.dtype != query.dtype:
+        return None
+    if not (has_tma(query.device) or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    head_dim = query.shape[-1]
+    if head_dim & (head_dim - 1) or chunk_k.stride(-1) != 1 or chunk_k.stride(-2) != head_dim:
+        return None
+    rows = chunk_k.flatten(1)
+    if rows.data_ptr() % 16 or rows.stride(0) * rows.element_size() % 16:
+        return None
+    return rows
 
 
 def launch_prefill(
@@ -305,13 +502,16 @@ def launch_prefill(
     scale: float,
     k_scale: float,
     v_scale: float,
+    chunk_k: torch.Tensor | None,
+    chunk_v: torch.Tensor | None,
     *,
     contiguous: bool,
     config: PrefillConfig | None,
 ) -> None:
     """Launch ``_prefill_kernel`` over either layout: ``table`` is the block tables ``[num_seqs, width]``
-    (paged) or the slot ids ``[num_seqs]`` of a ``[num_slots, max_len, ...]`` cache (contiguous). The scales
-    apply to an FP8 cache only."""
+    (paged) or the slot ids ``[num_slots]`` of a ``[num_slots, max_len, ...]`` cache (contiguous). The scales
+    apply to an FP8 cache only. ``chunk_k``/``chunk_v`` (optional): the chunk's K/V as just stored, read in
+    place of the cache's copy where ``chunk_rows`` allows (CHUNK_TMA)."""
     config = config or CONFIG
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -331,11 +531,26 @@ def launch_prefill(
         config.block_n, config.num_stages, config.block_m, head_pad, query.element_size()
     )
     kv_fp8 = k_cache.dtype == FP8
+    k_rows = chunk_rows(query, k_cache, chunk_k)
+    v_rows = chunk_rows(query, v_cache, chunk_v) if k_rows is not None else None
+    use_chunk = v_rows is not None and k_rows.stride(0) == v_rows.stride(0)
+    if use_chunk:
+        assert k_rows.shape == (num_tokens, num_kv_heads * head_dim), "one K row per query row"
+        tiles = [block_n, head_dim]
+        k_desc = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), tiles)
+        v_desc = TensorDescriptor(v_rows, list(v_rows.shape), list(v_rows.stride()), tiles)
+    else:
+        k_desc = v_desc = None
+        k_rows = v_rows = k_cache  # never read
     _prefill_kernel[(num_heads, num_tiles)](
         out,
         query,
         k_cache,
         v_cache,
+        k_desc,
+        v_desc,
+        k_rows,
+        v_rows,
         table,
         cu_seqlens_q,
         context_lens,
@@ -348,6 +563,7 @@ def launch_prefill(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_rows.stride(0) if use_chunk else 0,
         table.stride(0),
         num_seqs,
         num_tiles,
@@ -361,6 +577,7 @@ def launch_prefill(
         DOT_PRECISION=dot_precision(query.dtype),
         CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8,
+        CHUNK_TMA=use_chunk,
         num_warps=config.num_warps,
         num_stages=stages,
     )

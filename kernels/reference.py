@@ -110,11 +110,16 @@ def prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for variable-length query chunks ``[T, heads, head_dim]`` (sequence b owns rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). Keys are the sequence's first ``context_lens[b]`` cached tokens:
     a cached prefix, earlier chunks, and this chunk (already stored). The chunk's last query sits at
-    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``."""
+    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``.
+    ``chunk_k``/``chunk_v`` (optional, ``[T, kv_heads, head_dim]``): the chunk's K/V as they were stored, which
+    a kernel may read in place of the cache's copy (the Triton kernel does on Hopper); the reference reads the
+    cache."""
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -194,8 +199,10 @@ def contiguous_prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
 ) -> None:
-    """``prefill_attention`` over the contiguous layout: sequence b's chunk (query rows
+    """``prefill_attention`` over the contiguous layout (``chunk_k``/``chunk_v`` as there): sequence b's chunk (query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sees the first ``context_lens[b]`` positions of slot
     ``slot_ids[b]``, causal aligned to the bottom-right (query i of a chunk of q sees keys ``0 .. ctx - q + i``)."""
     num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]

@@ -87,6 +87,8 @@ class PagedKV(KVBackend):
                 scale,
                 k_scale,
                 v_scale,
+                k[nd:],
+                v[nd:],
             )
         return out.view(q.shape[0], -1)
 

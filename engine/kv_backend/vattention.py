@@ -267,6 +267,8 @@ class VAttentionKV(KVBackend):
                 scale,
                 k_scale,
                 v_scale,
+                k[nd:],
+                v[nd:],
             )
         return out.view(q.shape[0], -1)
 

@@ -126,6 +126,49 @@ def test_prefill_with_prefix_hits_and_chunks_matches_reference(
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+    reason="the chunk rows are read through TMA: compute capability 9.0+",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_prefill_reading_chunk_rows_equals_the_cache_path(dtype, block_size):
+    """The engine's call: the chunk's K/V also given as views of the projection output (TMA loads). Bit for
+    bit the cache-only result, with the cache's copy of every chunk position poisoned."""
+    torch.manual_seed(block_size + 1)
+    heads, kv_heads, head_dim = 32, 8, 128
+    cases = [(0, 2048), (1024, 500), (512, 512), (4000, 77), (0, 300), (16, 1), (33, 200)]
+    k, v, tables, ctx, unused = paged_cache(
+        [c + n for c, n in cases], block_size, kv_heads, head_dim, dtype, seed=block_size
+    )
+    cu = torch.tensor([0] + [n for _, n in cases], device="cuda").cumsum(0).to(torch.int32)
+    slots = torch.cat(
+        [
+            tables[b, torch.arange(c, c + n, device="cuda") // block_size].long() * block_size
+            + torch.arange(c, c + n, device="cuda") % block_size
+            for b, (c, n) in enumerate(cases)
+        ]
+    )
+    fused = torch.randn(int(cu[-1]), (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
+    query, chunk_k, chunk_v = (
+        part.view(int(cu[-1]), -1, head_dim)
+        for part in fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+    )
+    chunk_k.copy_(k.view(-1, kv_heads, head_dim)[slots])
+    chunk_v.copy_(v.view(-1, kv_heads, head_dim)[slots])
+    k, v = poisoned(k, unused), poisoned(v, unused)
+    from_cache = torch.full_like(query, float("nan"))
+    prefill_attention(from_cache, query, k, v, tables, cu, ctx, head_dim**-0.5)
+    k.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    v.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    from_rows = torch.full_like(query, float("nan"))
+    prefill_attention(
+        from_rows, query, k, v, tables, cu, ctx, head_dim**-0.5, 1.0, 1.0, chunk_k, chunk_v
+    )
+    diff = (from_rows.float() - from_cache.float()).abs().max().item()
+    assert torch.equal(from_rows, from_cache), f"max |diff| {diff}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_store_kv_writes_slots_and_skips_padding(dtype):
     k_cache = torch.randn(64, 16, 8, 128, device="cuda").to(dtype)

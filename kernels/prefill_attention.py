@@ -204,6 +204,74 @@ def _attend(
     return new_max, row_sum, acc
 
 
+@triton.jit
+def _attend_straddling(
+    q,
+    row_max,
+    row_sum,
+    acc,
+    k_seq,
+    v_seq,
+    chunk_k_ptr,
+    chunk_v_ptr,
+    table_row,
+    pos,
+    rows,
+    prefix,
+    ctx,
+    seq_start,
+    kv_head,
+    dims,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_chunk,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_attend`` over the one tile that holds both the prefix's end and the chunk's start."""
+    k, v = _straddling_kv(
+        k_seq,
+        v_seq,
+        chunk_k_ptr,
+        chunk_v_ptr,
+        table_row,
+        pos,
+        prefix,
+        ctx,
+        seq_start,
+        kv_head,
+        dims,
+        stride_block,
+        stride_token,
+        stride_head,
+        stride_chunk,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        CONTIGUOUS,
+    )
+    return _attend(
+        q,
+        k,
+        v,
+        row_max,
+        row_sum,
+        acc,
+        pos,
+        rows,
+        prefix,
+        ctx,
+        scale_log2,
+        MASKED,
+        DOT_PRECISION,
+        False,
+    )
+
+
 @triton.jit(**per_step("table_ptr", "cu_ptr", "ctx_ptr", "stride_table", "num_seqs", "num_tiles"))
 def _prefill_kernel(
     out_ptr,
@@ -307,14 +375,18 @@ def _prefill_kernel(
             )
         if CHUNK_TMA:
             if cached_end < prefix and cached_end < unmasked_end:  # the tile the prefix ends in
-                pos = cached_end + tl.arange(0, BLOCK_N)
-                k, v = _straddling_kv(
+                row_max, row_sum, acc = _attend_straddling(
+                    q,
+                    row_max,
+                    row_sum,
+                    acc,
                     k_seq,
                     v_seq,
                     chunk_k_ptr,
                     chunk_v_ptr,
                     table_row,
-                    pos,
+                    cached_end + tl.arange(0, BLOCK_N),
+                    rows,
                     prefix,
                     ctx,
                     seq_start,
@@ -324,25 +396,12 @@ def _prefill_kernel(
                     stride_token,
                     stride_head,
                     stride_chunk,
+                    scale_log2,
                     BLOCK_SIZE,
                     HEAD_DIM,
                     CONTIGUOUS,
-                )
-                row_max, row_sum, acc = _attend(
-                    q,
-                    k,
-                    v,
-                    row_max,
-                    row_sum,
-                    acc,
-                    pos,
-                    rows,
-                    prefix,
-                    ctx,
-                    scale_log2,
                     False,
                     DOT_PRECISION,
-                    KV_FP8,
                 )
             # tiles wholly in the chunk: its own rows, contiguous, through TMA
             for start in range(tl.cdiv(prefix, BLOCK_N) * BLOCK_N, unmasked_end, BLOCK_N):
@@ -365,16 +424,21 @@ def _prefill_kernel(
                     KV_FP8,
                 )
         diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
-        for start in range(unmasked_end, diagonal_end, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            if CHUNK_TMA:
-                k, v = _straddling_kv(
+        if CHUNK_TMA:
+            diagonal_start = unmasked_end
+            if cached_end < prefix and cached_end == unmasked_end:  # the prefix ends in this tile
+                row_max, row_sum, acc = _attend_straddling(
+                    q,
+                    row_max,
+                    row_sum,
+                    acc,
                     k_seq,
                     v_seq,
                     chunk_k_ptr,
                     chunk_v_ptr,
                     table_row,
-                    pos,
+                    cached_end + tl.arange(0, BLOCK_N),
+                    rows,
                     prefix,
                     ctx,
                     seq_start,
@@ -384,11 +448,39 @@ def _prefill_kernel(
                     stride_token,
                     stride_head,
                     stride_chunk,
+                    scale_log2,
                     BLOCK_SIZE,
                     HEAD_DIM,
                     CONTIGUOUS,
+                    True,
+                    DOT_PRECISION,
                 )
-            else:
+                diagonal_start = cached_end + BLOCK_N
+            for start in range(diagonal_start, diagonal_end, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
+                k = chunk_k_desc.load([seq_start + start - prefix, kv_head * HEAD_DIM])
+                v = chunk_v_desc.load([seq_start + start - prefix, kv_head * HEAD_DIM])
+                # rows past the chunk are the next sequence's: never let them in, even as 0 * inf
+                v = tl.where((pos < ctx)[:, None], v, 0.0)
+                row_max, row_sum, acc = _attend(
+                    q,
+                    k,
+                    v,
+                    row_max,
+                    row_sum,
+                    acc,
+                    pos,
+                    rows,
+                    prefix,
+                    ctx,
+                    scale_log2,
+                    True,
+                    DOT_PRECISION,
+                    KV_FP8,
+                )
+        else:
+            for start in range(unmasked_end, diagonal_end, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
                 k, v = _cached_kv(
                     k_seq,
                     v_seq,
@@ -406,22 +498,22 @@ def _prefill_kernel(
                     CONTIGUOUS,
                     True,
                 )
-            row_max, row_sum, acc = _attend(
-                q,
-                k,
-                v,
-                row_max,
-                row_sum,
-                acc,
-                pos,
-                rows,
-                prefix,
-                ctx,
-                scale_log2,
-                True,
-                DOT_PRECISION,
-                KV_FP8,
-            )
+                row_max, row_sum, acc = _attend(
+                    q,
+                    k,
+                    v,
+                    row_max,
+                    row_sum,
+                    acc,
+                    pos,
+                    rows,
+                    prefix,
+                    ctx,
+                    scale_log2,
+                    True,
+                    DOT_PRECISION,
+                    KV_FP8,
+                )
         out = acc / row_sum[:, None]
         if KV_FP8:
             out = out * v_scale

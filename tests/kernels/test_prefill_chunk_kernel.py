@@ -99,7 +99,14 @@ def test_chunk_rows_give_the_cache_path_bit_for_bit(cases, config, dtype):
     assert torch.equal(from_rows, from_cache)
     ref = torch.empty(query.shape, dtype=torch.float64)
     reference.prefill_attention(
-        ref, query.double(), kv.k_cache.double(), kv.v_cache.double(), *args[:3], 0.125
+        ref,
+        query.double(),
+        kv.k_cache.double(),
+        kv.v_cache.double(),
+        kv.block_tables,
+        cu,
+        kv.context_lens,
+        0.125,
     )
     assert relative_error(from_rows, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 

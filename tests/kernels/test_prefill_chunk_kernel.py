@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 from kernels import reference  # noqa: E402
 from kernels.contiguous_attention import contiguous_prefill_attention  # noqa: E402
 from kernels.device_features import has_tma  # noqa: E402
-from kernels.prefill_attention import PrefillConfig, chunk_rows, prefill_attention  # noqa: E402
+from kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
+from kernels.prefill_chunk import chunk_rows, tma_rows  # noqa: E402
 from tests.kernels.test_triton_kernels import (  # noqa: E402
     DEVICE,
     HEAD_DIM,
@@ -169,3 +170,5 @@ def test_chunk_rows_only_where_the_descriptors_fit():
     assert chunk_rows(query[..., :48], cache[..., :48], odd) is None
     skewed = torch.randn(6 * 2 * HEAD_DIM + 1, device=DEVICE)[1:].view(6, 2, HEAD_DIM)
     assert chunk_rows(query, cache, skewed) is None  # base 4 bytes off a 16-byte boundary
+    assert tma_rows(skewed) is None and tma_rows(query) is not None  # the query's rows, likewise
+    assert tma_rows(query.transpose(0, 1)) is None  # heads not adjacent in a row

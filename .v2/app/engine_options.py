@@ -1,0 +1,208 @@
+"""The engine's options, one per field of EngineConfig (engine/config.py): the flags of ``pagedchat serve`` and
+``pagedchat chat`` that shape the model, the KV cache and the steps (an Option: app/options.py)."""
+
+from __future__ import annotations
+
+from app.options import Option
+
+DUMMY_MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3-8b", "llama-3-70b")
+
+ENGINE_OPTIONS = (
+    Option(
+        "model",
+        "The model (Llama, Mistral, Qwen2, Qwen3): a local Hugging Face directory, a local .gguf file "
+        "(converted once into --cache-dir), or a hub id such as Qwen/Qwen3-0.6B (downloaded once; the hub "
+        "cache with HF_HUB_OFFLINE=1)",
+        "the embedded SmolLM2-135M-Instruct",
+        env="PAGEDCHAT_MODEL",
+    ),
+    Option(
+        "load_format",
+        "Where weights come from: the model's files, or seeded random weights of --model-config "
+        "(for speed work; no tokenizer: token-id prompts only)",
+        "auto",
+        choices=("auto", "dummy"),
+    ),
+    Option(
+        "model_config",
+        "The architecture of dummy weights (--load-format dummy)",
+        "none",
+        choices=DUMMY_MODELS,
+    ),
+    Option(
+        "dtype",
+        "The model's dtype; auto is bfloat16 on a GPU and float32 on the CPU",
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Option(
+        "device",
+        "Where the model runs; auto is CUDA when there is a GPU",
+        "auto",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Option("seed", "Seed of the dummy weights and of sampling without a request seed", "0", "int"),
+    Option("block_size", "Tokens per KV block (a power of two)", "16", "int"),
+    Option(
+        "num_kv_blocks",
+        "Fix the KV pool at this many blocks instead of sizing it from memory",
+        "sized from memory",
+        "int",
+    ),
+    Option("kv_cache_memory_gib", "KV cache budget on the CPU, in GiB", "1.0", "float"),
+    Option(
+        "gpu_memory_utilization",
+        "Share of GPU memory the engine may hold, weights and KV together (0 to 1]",
+        "0.9",
+        "float",
+    ),
+    Option(
+        "max_num_seqs",
+        "Most sequences in one step",
+        "1024 on a GPU of >= 70 GiB (not A100), else 256",
+        "int",
+    ),
+    Option(
+        "max_num_batched_tokens",
+        "Token budget of one step (decodes plus prefill chunks)",
+        "8192 on a GPU of >= 70 GiB (not A100), else 2048",
+        "int",
+    ),
+    Option(
+        "max_model_len",
+        "Longest sequence, prompt plus output, in tokens",
+        "the model's (capped by the KV pool)",
+        "int",
+    ),
+    Option(
+        "max_seqs_per_tenant",
+        "Running sequences one tenant (an API key, or a client address without keys) may "
+        "hold; while several have work, each holds at most its equal share of --max-num-seqs",
+        "--max-num-seqs",
+        "int",
+    ),
+    Option(
+        "shared_step_time_factor",
+        "While several tenants have work, a step takes at most this multiple of a "
+        "one-row step's time (measured as the engine runs), shared fairly among them; 0: share the token "
+        "budget instead",
+        "1.5 on the CPU, 1.2 on CUDA",
+        "float",
+    ),
+    Option(
+        "step_time_target_s",
+        "Prefill chunks are cut so that a step's measured time stays near this (decode "
+        "rows always run), so a request arriving during a long prompt waits one short step; 0: off",
+        "0.25 on the CPU, 0 on CUDA",
+        "float",
+    ),
+    Option(
+        "enable_prefix_caching",
+        "Keep full KV blocks keyed by a hash of their tokens, so shared prefixes are computed once",
+        "on",
+        "bool",
+    ),
+    Option(
+        "prefix_hash", "The prefix blocks' hash function", "sha256", choices=("sha256", "xxh128")
+    ),
+    Option(
+        "prefix_cache_seed",
+        "A secret mixed into the prefix hashes' root (the same on every replica)",
+        "empty",
+        env="PAGEDCHAT_PREFIX_CACHE_SEED",
+    ),
+    Option(
+        "cache_dir",
+        "Where converted models are kept",
+        "~/.cache/pagedchat",
+        env="PAGEDCHAT_CACHE_DIR",
+    ),
+    Option("num_threads", "torch's CPU threads", "torch's choice", "int"),
+    Option(
+        "async_scheduling",
+        "Prepare and launch step N+1 while the device runs step N",
+        "on with CUDA, off on the CPU",
+        "bool",
+    ),
+    Option("enforce_eager", "Run every step eagerly: no CUDA graphs", "off", "bool"),
+    Option(
+        "max_graph_batch_size",
+        "Decode-only batches up to this size are padded and replayed as CUDA graphs",
+        "256 with CUDA, 0 (off) on the CPU",
+        "int",
+    ),
+    Option(
+        "preemption_mode",
+        "How a sequence preempted for want of KV blocks comes back: computed again, or "
+        "swapped to host memory and back (auto: swap where the copy is cheaper, and n > 1 or beam requests)",
+        "auto",
+        choices=("recompute", "swap", "auto"),
+    ),
+    Option("swap_space_gib", "Host memory for swapped-out KV blocks, in GiB", "4.0", "float"),
+    Option(
+        "host_cache_gib",
+        "Host tier of the prefix cache, in GiB: evicted cached blocks are kept in host "
+        "memory and copied back on a hit (0: off)",
+        "0.0",
+        "float",
+    ),
+    Option(
+        "kv_backend",
+        "Who owns the KV memory: block tables over a block pool, or (CUDA) each request "
+        "contiguous in virtual memory with pages mapped on demand",
+        "paged",
+        choices=("paged", "vattention"),
+    ),
+    Option(
+        "kv_cache_dtype",
+        "The KV cache's element type: auto is the model's dtype; fp8 stores float8 e4m3 (half "
+        "the bytes of bfloat16: twice the KV blocks), per-layer scales 1.0 (values clipped at +-448); CUDA needs "
+        "compute capability 8.9+",
+        "auto",
+        choices=("auto", "fp8"),
+    ),
+    Option(
+        "cpu_weights",
+        "How the CPU stores linear weights (activations stay float32); auto is q4 for a model "
+        "shipped as Q4_1 GGUF (the default model), float32 otherwise",
+        "auto",
+        choices=("auto", "float32", "bfloat16", "int8", "q4"),
+    ),
+    Option(
+        "cpu_isa",
+        "Instruction-set level of the native CPU kernels; a level this CPU lacks is refused",
+        "auto (the highest this CPU has)",
+        choices=("auto", "avx2", "avx512", "avx512_vnni"),
+        env="PAGEDCHAT_CPU_ISA",
+    ),
+    Option(
+        "tensor_parallel_size",
+        "Split each layer of the model over this many devices, one process each "
+        "(cuda:0 .. N-1 over NCCL; on the CPU, N processes over gloo)",
+        "1",
+        "int",
+    ),
+    Option(
+        "all_reduce",
+        "How tensor-parallel ranks add their partial sums on CUDA: auto sends a decode step's "
+        "small all-reduces through symmetric memory (one kernel over NVLink, one barrier each) and "
+        "writes the logits straight into rank 0's, NCCL the rest; two_shot is auto with the earlier "
+        "two-barrier kernel (for comparison); nccl sends all through NCCL",
+        "auto",
+        choices=("auto", "two_shot", "nccl"),
+    ),
+    Option(
+        "stream_interval",
+        "A stream's reader is woken once this many tokens are ready (or its first, or its "
+        "last): fewer, larger SSE events",
+        "1",
+        "int",
+    ),
+    Option(
+        "log_stats_interval_s",
+        "While it works, the engine core logs a line of its numbers this often, in "
+        "seconds (0: never)",
+        "10.0",
+        "float",
+    ),
+)

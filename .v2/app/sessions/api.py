@@ -1,0 +1,224 @@
+"""/v1/sessions: server-kept conversations whose every turn extends the previous one's exact token ids (so earlier
+turns hit the prefix cache): started, listed, shown, renamed and deleted here, their turns taken in turn_api.py (also
+/v1/chat/completions with a session id).
+
+Every path that touches a session checks its owner: another tenant's session is answered exactly as one that does
+not exist (404). Session routes answer 503 while the session store is unreachable; the stateless routes keep
+serving."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.errors import APIError
+from app.openapi import Operation, QueryParam
+from app.protocol.sessions import CreateSessionRequest, SessionMessageRequest, UpdateSessionRequest
+from app.request_body import read_model
+from app.sessions.service import SessionService
+from app.settings import ServerSettings
+from app.sessions.presets import check_system, pin_preset, visible_preset
+from app.sessions.redis_store import RedisSessionStore
+from app.sessions.sqlite_store import SQLiteSessionStore
+from app.sessions.store import (
+    InMemorySessionStore,
+    Session,
+    SessionStore,
+    SessionStoreUnavailable,
+    UnknownCursor,
+    is_session_id,
+    new_session_id,
+)
+from app.sessions.turn_api import post_message, requested_session
+
+logger = logging.getLogger(__name__)
+
+_LIST_LIMIT = (1, 1000)
+
+
+async def open_store(settings: ServerSettings) -> SessionStore:
+    """The configured store (a clear error when it cannot be reached)."""
+    kind = settings.resolved_session_store
+    if kind == "redis":
+        store: SessionStore = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
+        where = f"Redis at {settings.redis_url}"
+    elif kind == "sqlite":
+        store = SQLiteSessionStore(settings.sessions_path, settings.session_ttl_s)
+        where = f"{settings.sessions_path} (SQLite)"
+    else:
+        store = InMemorySessionStore(settings.session_ttl_s)
+        where = "memory: they will not survive a restart"
+    try:
+        await store.ping()
+    except SessionStoreUnavailable as exc:
+        await store.close()
+        logger.error("cannot start: %s", exc)
+        raise RuntimeError(f"session store: {exc}") from None
+    logger.info("sessions in %s", where)
+    return store
+
+
+async def create_session(request: Request) -> JSONResponse:
+    service: SessionService = request.app.state.server.sessions
+    body = await read_model(request, CreateSessionRequest, service.limits.max_request_bytes)
+    tenant, system = service.admission.tenant(request), body.system
+    if body.preset is not None:
+        preset = await visible_preset(service, body.preset, tenant, param="preset")
+        await pin_preset(service, preset, param="preset")
+        system = preset.system
+    elif system is not None:
+        await check_system(service, system, "system")
+    session = Session(
+        id=new_session_id(),
+        owner=tenant,
+        title=body.title or "",
+        system=system,
+        preset=body.preset,
+        cache_salt=body.cache_salt,
+    )
+    if not await service.store.create(session, service.limits.max_sessions_per_key):
+        # 128 random bits: never
+        raise APIError(409, "session id collision; retry", code="session_exists")
+    return JSONResponse(session.public(), status_code=201)
+
+
+async def list_sessions(request: Request) -> JSONResponse:
+    service: SessionService = request.app.state.server.sessions
+    limit, after = request.query_params.get("limit", "50"), request.query_params.get("after")
+    if not limit.isdigit() or not _LIST_LIMIT[0] <= int(limit) <= _LIST_LIMIT[1]:
+        raise APIError.bad_request(
+            f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit"
+        )
+    if after is not None and not is_session_id(after):
+        raise APIError.bad_request(
+            "after: must be a session id (the last id of the previous page)", "after"
+        )
+    try:
+        page = await service.store.list(service.admission.tenant(request), int(limit), after)
+    except UnknownCursor as exc:
+        raise APIError.from_value_error(exc) from None
+    data = [s.summary() for s in page.sessions]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": page.has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
+
+
+async def sessions_root(request: Request) -> Response:
+    return await (create_session(request) if request.method == "POST" else list_sessions(request))
+
+
+async def get_session(request: Request) -> JSONResponse:
+    """The session; while the store is away, a session whose last turn waits in the outbox is shown from there,
+    with ``"turn_pending": true``."""
+    service: SessionService = request.app.state.server.sessions
+    try:
+        return JSONResponse((await requested_session(request, service)).public())
+    except SessionStoreUnavailable:
+        kept = service.outbox.kept(
+            request.path_params["session_id"], service.admission.tenant(request)
+        )
+        if kept is None:
+            raise
+        return JSONResponse({**kept.public(), "turn_pending": True})
+
+
+async def update_session(request: Request) -> JSONResponse:
+    service: SessionService = request.app.state.server.sessions
+    body = await read_model(request, UpdateSessionRequest, service.limits.max_request_bytes)
+    session = await requested_session(request, service)
+    await service.store.set_title(session.id, session.owner, body.title)
+    session.title = body.title
+    return JSONResponse(session.public())
+
+
+async def delete_session(request: Request) -> JSONResponse:
+    service: SessionService = request.app.state.server.sessions
+    session = await requested_session(request, service)
+    await service.store.delete(session.id, session.owner)
+    return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True})
+
+
+async def session_item(request: Request) -> Response:
+    handler = {"PATCH": update_session, "DELETE": delete_session}.get(request.method, get_session)
+    return await handler(request)
+
+
+async def store_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(
+        503,
+        f"sessions are unavailable: {exc}",
+        code="session_store_unavailable",
+        headers={"Retry-After": "5"},
+    ).response()
+
+
+async def quota_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(
+        429,
+        f"session_id: {exc} (--max-sessions-per-key); delete some first",
+        param="session_id",
+        code="session_quota_exceeded",
+    ).response()
+
+
+routes = [
+    Route("/v1/sessions", sessions_root, methods=["GET", "POST"]),
+    Route("/v1/sessions/{session_id}", session_item, methods=["GET", "PATCH", "DELETE"]),
+    Route("/v1/sessions/{session_id}/messages", post_message, methods=["POST"]),
+]
+_SESSION_ID = {"session_id": "22 URL-safe characters"}
+OPERATIONS = [
+    Operation("/v1/sessions", "POST", "Start a session", CreateSessionRequest, status=201),
+    Operation(
+        "/v1/sessions",
+        "GET",
+        "Sessions, most recently updated first, a page at a time",
+        query=[
+            QueryParam(
+                "limit",
+                {
+                    "type": "integer",
+                    "minimum": _LIST_LIMIT[0],
+                    "maximum": _LIST_LIMIT[1],
+                    "default": 50,
+                },
+            ),
+            QueryParam(
+                "after",
+                {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
+                "the last id of the previous page",
+            ),
+        ],
+    ),
+    Operation(
+        "/v1/sessions/{session_id}",
+        "GET",
+        "A session's messages and stats",
+        path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/{session_id}",
+        "PATCH",
+        "Rename a session",
+        UpdateSessionRequest,
+        path_params=_SESSION_ID,
+    ),
+    Operation("/v1/sessions/{session_id}", "DELETE", "Delete a session", path_params=_SESSION_ID),
+    Operation(
+        "/v1/sessions/{session_id}/messages",
+        "POST",
+        "Send a message; the reply as chat.completion(.chunk)",
+        SessionMessageRequest,
+        streams=True,
+        path_params=_SESSION_ID,
+    ),
+]

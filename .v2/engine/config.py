@@ -1,0 +1,322 @@
+"""EngineConfig: every engine option in one flat dataclass.
+
+User-facing fields come first; the fields after ``# derived`` are filled by the engine at start
+(model config, dtype, device, KV pool size) so that every part reads one resolved value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.layers.quantized_linear import CPU_WEIGHTS
+from engine.worker.parallel_state import ALL_REDUCE_CHOICES
+from kernels.cpu_native import resolve_isa
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PREFIX_HASHES = ("sha256", "xxh128")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+KV_BACKENDS = ("paged", "vattention")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton and the hardware: Ada (sm89), Hopper (sm90) and newer
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # HF directory; None = the embedded SmolLM2-135M-Instruct ($PAGEDCHAT_MODEL when set and not empty)
+    model: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_MODEL") or None)
+    load_format: str = "auto"  # auto (safetensors / GGUF) | dummy (random weights, seeded)
+    model_config: str | None = None  # named architecture for load_format=dummy (llama-3.2-1b, ...)
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto = cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixes the KV pool size, overriding the memory budget
+    kv_cache_memory_gib: float = 1.0  # KV budget on the CPU
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may hold (weights + KV)
+    # sequences per step and token budget of one step (decode + prefill chunks); None = by device, as vLLM
+    # does: 1024 and 8192 on a CUDA device of >= 70 GiB that is not an A100 (H100, H200), else 256 and 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # default: the model's max position embeddings
+    # fairness among tenants (the front names each request's: an API key, a client address): running sequences
+    # one tenant may hold (None: max_num_seqs; while several have work each holds at most its equal share), and
+    # the time budget of a step they share, as a multiple of a one-row decode step measured as the engine runs
+    # (a light tenant's stream stays near its unloaded pace beside a heavy one); 0 shares tokens instead; None =
+    # 1.2 on CUDA (measured: the served stream sees ~0.3 more than the core's steps), 1.5 on the CPU
+    max_seqs_per_tenant: int | None = None
+    shared_step_time_factor: float | None = None
+    # a step's prefill chunks are cut so that its measured time stays near this (decode rows always run): a
+    # request arriving during another's long prompt waits one short step; None = 0.25 s on the CPU (a 2048-token
+    # step takes seconds there), 0 (off) on CUDA
+    step_time_target_s: float | None = None
+    enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"  # sha256 | xxh128
+    prefix_cache_seed: str = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", "")
+    )
+    cache_dir: str = field(
+        default_factory=lambda: os.environ.get(
+            "PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat")
+        )
+    )
+    num_threads: int | None = None  # torch CPU threads; None keeps torch's choice
+    # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
+    # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
+    async_scheduling: bool | None = None
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
+    # decode-only batches up to this size are padded to a ladder of sizes and, on CUDA, replayed as CUDA graphs
+    # (padding is what lets eager and graph runs compute the same shapes); None = 256 on CUDA, 0 (off) on CPU
+    max_graph_batch_size: int | None = None
+    # how a sequence preempted for want of KV blocks comes back: recompute (its KV is dropped and computed
+    # again), swap (its blocks are copied to a host pool of swap_space_gib and back), or auto: swap a sample
+    # or beam of a request with n > 1 or beam search (the paper's rule: with all its request's running sequences)
+    # and a sequence whose recompute costs more than its copy
+    preemption_mode: str = "auto"
+    swap_space_gib: float = 4.0  # host memory for swapped-out KV blocks (pinned on CUDA)
+    # host memory for the host tier of the prefix cache: cached blocks evicted from the device pool are copied
+    # there (LRU) and copied back on a later prefix hit instead of computed again; 0 = off
+    host_cache_gib: float = 0.0
+    # who owns the KV memory: paged (block tables over a block pool) or vattention (CUDA only: each request's
+    # KV contiguous in virtual memory, physical pages of the driver's granularity mapped on demand; the block
+    # size becomes the tokens of one page, e.g. 2048 for llama-3.2-1b in bf16)
+    kv_backend: str = "paged"
+    # the KV cache's element type: auto (the model dtype) | fp8 (float8 e4m3, torch.float8_e4m3fn: one byte, so a
+    # block takes half the memory of bfloat16 and the pool holds twice the blocks). Each attention layer stores
+    # clamp(x / scale, -448, 448) rounded to e4m3 and reads it back times scale, with per-layer K and V scales of
+    # 1.0 (vLLM's default without calibrated scales): values beyond +-448 are clipped, relative rounding error is
+    # at most 2^-4 (3 mantissa bits), and below 2^-6 the step is an absolute 2^-9. CUDA: compute capability 8.9+
+    kv_cache_dtype: str = "auto"
+    # how the CPU stores linear weights (activations stay float32): float32 | bfloat16 | int8 (per channel) |
+    # q4 (4-bit groups of 32, a Q4_1 GGUF's own blocks); auto = q4 for a model shipped as Q4_1 GGUF (the
+    # default model: the file's own weights, fastest), float32 otherwise. CUDA: float32 (= the model dtype) only
+    cpu_weights: str = "auto"
+    # the instruction-set level of the native CPU kernels (kernels/cpu_native.py): auto (the highest this CPU
+    # has) | avx2 | avx512 | avx512_vnni; a level the CPU lacks is refused ($PAGEDCHAT_CPU_ISA when set)
+    cpu_isa: str = field(default_factory=lambda: os.environ.get("PAGEDCHAT_CPU_ISA") or "auto")
+    # tensor parallelism: each layer split over this many devices, one process each (the engine core is rank 0 and
+    # starts the others; engine/worker/worker_group.py): cuda:0 .. N-1 over NCCL, or N processes on the CPU over gloo
+    tensor_parallel_size: int = 1
+    # how the ranks' partial sums are added on CUDA: auto (small all-reduces, a decode step's, through PyTorch's
+    # symmetric memory in one kernel with one barrier, and the logits written straight into rank 0's, when the
+    # GPUs reach each other's memory; NCCL for the rest) | two_shot (auto with the earlier two-barrier kernel)
+    # | nccl
+    all_reduce: str = "auto"
+    # the server's streams: a reader is woken once this many tokens are ready for it (or a sample's first or
+    # last), for fewer, larger events; 1 = every step's tokens as soon as they come (a reader that is behind
+    # still gets all that is ready in one event)
+    stream_interval: int = 1
+    # the engine core logs a line of its own numbers this often while it works (steps/s, step time, tokens/s,
+    # running/waiting, KV usage, prefix hit rate; vLLM's periodic stats line); 0: never
+    log_stats_interval_s: float = 10.0
+
+    # derived
+    hf_config: Any = field(default=None, repr=False)
+    model_path: str | None = None
+    model_id: str = ""
+    torch_dtype: torch.dtype = torch.float32
+    torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
+        _check(
+            self.dtype == "auto" or self.dtype in DTYPES,
+            "dtype",
+            f"must be auto or one of {tuple(DTYPES)}",
+        )
+        _check(self.prefix_hash in PREFIX_HASHES, "prefix_hash", f"must be one of {PREFIX_HASHES}")
+        _check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            "must be a positive power of two",
+        )
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1"
+        )
+        _check(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"
+        )
+        _check(
+            self.max_seqs_per_tenant is None or self.max_seqs_per_tenant >= 1,
+            "max_seqs_per_tenant",
+            "must be >= 1",
+        )
+        _check(
+            self.shared_step_time_factor in (None, 0) or 1 <= self.shared_step_time_factor <= 100,
+            "shared_step_time_factor",
+            "must be 0 (share tokens) or in [1, 100]",
+        )
+        _check(
+            self.step_time_target_s is None or 0 <= self.step_time_target_s <= 60,
+            "step_time_target_s",
+            "must be in [0, 60] (0: off)",
+        )
+        _check(
+            self.load_format != "dummy" or self.model_config is not None or self.model is not None,
+            "model_config",
+            "load_format=dummy needs a named architecture (model_config) or a model dir",
+        )
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(
+            self.max_graph_batch_size is None or self.max_graph_batch_size >= 0,
+            "max_graph_batch_size",
+            "must be >= 0",
+        )
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            f"must be one of {PREEMPTION_MODES}",
+        )
+        _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
+        _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
+        _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
+        _check(
+            0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]"
+        )
+        _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}",
+        )
+        _check(
+            self.cpu_weights == "auto" or self.cpu_weights in CPU_WEIGHTS,
+            "cpu_weights",
+            f"must be auto or one of {CPU_WEIGHTS}",
+        )
+        resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
+        self.torch_device = resolve_device(self.device)
+        _check_tensor_parallel(self)
+        _check_kv_cache_dtype(self)
+        _check(
+            self.kv_backend != "vattention" or self.torch_device.type == "cuda",
+            "kv_backend",
+            "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU",
+        )
+        large = is_large_gpu(self.torch_device)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 1024 if large else 256
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if large else 2048
+        if self.max_graph_batch_size is None:
+            self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0
+        if self.shared_step_time_factor is None:
+            self.shared_step_time_factor = 1.5 if self.torch_device.type == "cpu" else 1.2
+        if self.step_time_target_s is None:
+            self.step_time_target_s = 0.25 if self.torch_device.type == "cpu" else 0.0
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda"
+        if self.dtype == "auto":
+            self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        else:
+            self.torch_dtype = DTYPES[self.dtype]
+        quantized = self.cpu_weights not in ("auto", "float32")
+        _check(
+            not quantized or self.torch_device.type == "cpu",
+            "cpu_weights",
+            f"{self.cpu_weights} is for the CPU; on CUDA the weights are in the model dtype",
+        )
+        _check(
+            not quantized or self.torch_dtype == torch.float32,
+            "cpu_weights",
+            f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)",
+        )
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's (auto) or float8_e4m3fn (fp8)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        assert self.max_model_len is not None
+        return -(-self.max_model_len // self.block_size)
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    size, device = config.tensor_parallel_size, config.torch_device
+    _check(1 <= size <= 64, "tensor_parallel_size", "must be in [1, 64]")
+    _check(
+        config.all_reduce in ALL_REDUCE_CHOICES,
+        "all_reduce",
+        f"must be one of {', '.join(ALL_REDUCE_CHOICES)}",
+    )
+    if size == 1:
+        return
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        _check(
+            size <= count,
+            "tensor_parallel_size",
+            f"{size} exceeds the {count} visible CUDA devices",
+        )
+        _check(
+            device.index in (None, 0),
+            "device",
+            "with tensor parallelism the ranks take cuda:0 .. N-1: "
+            "give cuda (choose the devices with CUDA_VISIBLE_DEVICES)",
+        )
+    _check(config.kv_backend == "paged", "kv_backend", "tensor parallelism needs the paged backend")
+    _check(
+        config.cpu_weights in ("auto", "float32"),
+        "cpu_weights",
+        "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)",
+    )
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """fp8 on CUDA needs e4m3 in hardware and Triton (compute capability 8.9+); the CPU converts in torch."""
+    if config.kv_cache_dtype != "fp8" or config.torch_device.type != "cuda":
+        return
+    capability = tuple(torch.cuda.get_device_capability(config.torch_device))
+    _check(
+        capability >= FP8_MIN_CAPABILITY,
+        "kv_cache_dtype",
+        f"fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+        f"{capability[0]}.{capability[1]}: use auto",
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    """The one place that decides where the engine runs."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {device!r} is not a torch device") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but no CUDA device is available")
+    _check(resolved.type in ("cpu", "cuda"), "device", "must be cpu or cuda")
+    return resolved
+
+
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def is_large_gpu(device: torch.device) -> bool:
+    """A CUDA device where larger step limits pay (vLLM's rule: >= 70 GiB and not an A100, where a larger
+    token budget measured slower)."""
+    if device.type != "cuda":
+        return False
+    properties = torch.cuda.get_device_properties(device)
+    return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")

@@ -1,0 +1,104 @@
+"""Logits processing for the sampler (sampler.py), in its order; each works on the batch's float32 copy.
+
+  structured output: token t is allowed where bit t % 32 of word t // 32 of its row's bitmask is set;
+  logit_bias added; min_tokens masks EOS and stop_token_ids (unless nothing else is left);
+  repetition p (prompt + output tokens):  logit / p if logit > 0 else logit * p
+  frequency f, presence r (output counts c):  logit - f * c - r * (c > 0)
+then, for the rows that draw: logit / temperature, top-k, top-p, min-p (p_i >= min_p * p_max), softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.sampling_batch import BatchParams
+
+_NEG_INF = float("-inf")
+
+
+def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 -> [rows, vocab] bool: token t is bit t % 32 of word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = (mask[:, :, None] >> shifts) & 1  # an arithmetic shift still leaves bit j at the bottom
+    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_logit_bias_(logits: torch.Tensor, batch: BatchParams) -> None:
+    if batch.bias_rows.numel():
+        # each (row, id) at most once: no accumulation needed
+        index = (batch.bias_rows, batch.bias_ids)
+        logits.index_put_(index, logits[index] + batch.bias_values)
+
+
+def apply_min_tokens_(logits: torch.Tensor, batch: BatchParams) -> None:
+    """Masks the banned ids, except in a row where nothing else is left to sample (structured output whose
+    grammar allows only the end): there min_tokens gives way, as the row could produce no token at all
+    (argmax over -inf would pick id 0, which the grammar refuses). No host sync: the choice is a where."""
+    if batch.banned_rows.numel():
+        index = (batch.banned_rows, batch.banned_ids)
+        kept = logits[index]
+        logits.index_put_(index, logits.new_full((), _NEG_INF))
+        nothing_left = torch.isneginf(logits.index_select(0, batch.banned_rows)).all(dim=-1)
+        logits.index_put_(index, torch.where(nothing_left, kept, logits.new_full((), _NEG_INF)))
+
+
+def apply_penalties_(logits: torch.Tensor, batch: BatchParams) -> None:
+    """Repetition, frequency and presence penalties on the rows that use them.
+
+    repetition p, for tokens seen in prompt or output: logit / p if logit > 0 else logit * p
+    frequency f and presence r, over output counts c:  logit - f * c - r * (c > 0)
+    """
+    if not batch.penalty_rows.numel():
+        return
+    output_counts = token_counts(batch.output_ids, batch.vocab)
+    seen = token_counts(batch.history_ids, batch.vocab) > 0
+    penalised = logits.index_select(0, batch.penalty_rows)
+    repetition = batch.repetition[:, None]
+    repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
+    penalised = torch.where(seen, repeated, penalised)
+    penalised -= batch.frequency[:, None] * output_counts + batch.presence[:, None] * (
+        output_counts > 0
+    )
+    logits.index_copy_(0, batch.penalty_rows, penalised)
+
+
+def token_counts(padded: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id in each row of `padded` (ids `vocab` are padding)."""
+    # the padding's column is dropped
+    counts = torch.zeros(padded.shape[0], vocab + 1, device=padded.device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def sampling_probs(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p; the renormalised probabilities of the kept tokens."""
+    logits = logits / batch.temperature[:, None]
+    if batch.filters_top_k_top_p:
+        logits = apply_top_k_top_p(logits, batch.top_k[:, None], batch.top_p[:, None])
+    if batch.filters_min_p:
+        logits = apply_min_p(logits, batch.min_p[:, None])
+    return logits.softmax(dim=-1)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Keep each row's top_k largest, then the smallest most-likely prefix whose probability >= top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    position = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits.masked_fill_(position >= top_k, _NEG_INF)
+
+    probs = sorted_logits.softmax(dim=-1)  # renormalised over the top-k survivors
+    # Keep a token while the mass of the strictly more likely ones is below top_p; the first always stays
+    # (also when a tiny top_p rounds to 0 in float32). top_p = 1 keeps everything, even where rounding brings
+    # the running sum to 1 early.
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1) & (position > 0), _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); no softmax needed, and min_p = 0 gives -inf.
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
+    return logits.masked_fill(logits < threshold, _NEG_INF)

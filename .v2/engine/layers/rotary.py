@@ -1,0 +1,78 @@
+"""Rotary position embedding (rotate-half layout), with the Llama 3 and linear frequency scalings; the
+rotation itself is kernels.ops.rotary_embedding, in place."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.worker.forward_context import pass_memo
+from kernels import cpu as cpu_kernels
+from kernels import lean_cpu, ops as kernel_ops
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """transformers 5 keeps theta and scaling in ``rope_parameters``; older configs in two attributes."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return dict(params)
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, params)
+    raise ValueError(
+        f"rope_parameters: rope_type {rope_type!r} is not supported (default, linear, llama3)"
+    )
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a linear blend in between."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    blend = (original_len / wavelen - low) / (high - low)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    medium = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        freqs = torch.outer(
+            torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, params)
+        )
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
+        in place by their positions; returns the same two tensors."""
+        if lean_cpu(q):  # cos/sin rows gathered by the first layer of the pass only
+            memo = pass_memo()
+            if (plan := memo.get("rotary")) is None:
+                plan = memo["rotary"] = cpu_kernels.rotary_plan(
+                    positions, self.cos_cache, self.sin_cache
+                )
+            cpu_kernels.rotary_embedding(q, k, plan)
+        else:
+            kernel_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+        return q, k

@@ -1,0 +1,176 @@
+"""Sampler: one row of logits per sequence in, one next token per sequence out (vLLM semantics).
+
+Per row, in order:
+  0. structured output: tokens outside the row's allowed-token bitmask are masked (when a bitmask is given);
+  1. logit_bias is added; min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked until the row has
+     min_tokens outputs;
+  2. penalties: repetition (prompt + output), then frequency and presence (output only);
+  3. greedy rows take the argmax; the others divide by temperature and keep top-k, then top-p, then min-p,
+     and draw one token.
+Logprobs, when asked for, describe the model distribution before steps 1-3 (after step 0, as vLLM's runner
+applies the grammar bitmask before its sampler).
+
+No host sync: ``Sampler.__call__`` only launches device work, so the engine can prepare the next step while
+the device runs this one. The batch's parameters travel in one int64 and one float32 host-to-device copy
+(from pinned memory on CUDA, which the host does not wait for); ``SamplerOutput.logprobs()`` is the one read
+that waits for the device.
+
+Seeds: a draw is ``argmax_i p_i / E_i`` with E_i ~ Exp(1). For a seeded row, E_i is a pure function of
+(seed, number of output tokens so far, token id i): a splitmix64 hash computed on the device. So the same seed
+gives the same tokens whatever else is in the batch, whether the step ran lagged or not, after a preemption's
+recomputation, and on any device up to float rounding (CPU and GPU may part only where two candidates' scores
+tie to within rounding). Unseeded rows share one batched draw from the device's default generator.
+
+The steps' parts: sampling_batch.py gathers the batch's parameters, logits_processors.py holds steps 0-2 and the
+temperature and filters of step 3, seeded_noise.py the seeded rows' noise; the draw and the logprob table are here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.sequence import Sequence
+from engine.layers.logits_processors import (
+    apply_logit_bias_,
+    apply_min_tokens_,
+    apply_penalties_,
+    sampling_probs,
+    unpack_bitmask,
+)
+from engine.layers.sampling_batch import BatchParams
+from engine.layers.seeded_noise import exponential_noise
+from kernels import ops as kernel_ops
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw model distribution
+    # 1 = most likely; ties share the worse rank (tokens at least as likely, itself included)
+    rank: int
+    # params.logprobs most likely (token_id, logprob), most likely first
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [rows] int64 on the logits' device; one sampled token per row
+    num_logprobs: list[int | None]  # per row: params.logprobs (None = not asked)
+    # [rows asking, 3 + 2k] float64 on the device: see logprob_table
+    logprob_table: torch.Tensor | None = None
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Host read (syncs): per row, its TokenLogprobs or None where params.logprobs is None. Returns
+        [None] * rows without touching the device when no row asked."""
+        if self.logprob_table is None:
+            return [None] * len(self.num_logprobs)
+        table = iter(self.logprob_table.tolist())  # the one device-to-host copy
+        result: list[TokenLogprobs | None] = []
+        for k in self.num_logprobs:
+            if k is None:
+                result.append(None)
+                continue
+            token_id, logprob, rank, *top = next(table)
+            width = len(top) // 2  # the table's k: top ids, then their logprobs
+            pairs = [(int(t), lp) for t, lp in zip(top[:k], top[width : width + k])]
+            result.append(TokenLogprobs(int(token_id), logprob, int(rank), pairs))
+        return result
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        eos_token_ids: tuple[int, ...],
+        allowed: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Launch the sampling of one token per row; returns without waiting for the device.
+
+        ``allowed``: optional [rows, ceil(vocab / 32)] int32 bitmask (structured output); bit t % 32 of word
+        t // 32 is set where token t may be sampled."""
+        num_logprobs = [seq.params.logprobs for seq in seqs]
+        if allowed is None and all(_is_plain_greedy(seq) for seq in seqs):
+            # the common decode step: one kernel
+            return SamplerOutput(kernel_ops.greedy_argmax(logits), num_logprobs)
+        vocab = logits.shape[-1]
+        batch = BatchParams.build(seqs, eos_token_ids, vocab, logits.device)
+        # changed in place below; the caller's logits are not
+        work = logits.to(torch.float32, copy=True)
+        if allowed is not None:
+            work.masked_fill_(~unpack_bitmask(allowed, vocab), _NEG_INF)
+        raw = (
+            work.index_select(0, batch.logprob_rows).log_softmax(dim=-1)
+            if batch.logprob_k is not None
+            else None
+        )
+        apply_logit_bias_(work, batch)
+        apply_min_tokens_(work, batch)
+        apply_penalties_(work, batch)
+        token_ids = choose_tokens(work, batch)
+        if raw is None:
+            return SamplerOutput(token_ids, num_logprobs)
+        sampled = token_ids.index_select(0, batch.logprob_rows)
+        return SamplerOutput(token_ids, num_logprobs, logprob_table(raw, sampled, batch.logprob_k))
+
+
+def _is_plain_greedy(seq: Sequence) -> bool:
+    params = seq.params
+    return (
+        params.greedy
+        and not params.uses_penalties
+        and params.logprobs is None
+        and not params.logit_bias
+        and seq.num_output_tokens >= params.min_tokens
+    )
+
+
+# ---------------------------------------------------------------- choosing tokens
+
+
+def choose_tokens(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
+    """Greedy rows: argmax (the lowest id among ties). Other rows: a filtered, renormalised draw."""
+    chosen = logits.argmax(dim=-1)
+    num_sampled = batch.sampled_rows.numel()
+    if not num_sampled:
+        return chosen
+    if num_sampled < logits.shape[0]:
+        logits = logits.index_select(0, batch.sampled_rows)
+    probs = sampling_probs(logits, batch)
+    drawn = (probs / race_noise(probs, batch)).argmax(dim=-1)
+    return chosen.index_copy_(0, batch.sampled_rows, drawn)
+
+
+def race_noise(probs: torch.Tensor, batch: BatchParams) -> torch.Tensor:
+    """Exp(1) noise for the exponential race ``argmax_i p_i / E_i``, which picks i with probability p_i.
+
+    Unlike multinomial it needs no host sync, and a zero-probability token can never win (0 / E = 0 while the
+    kept tokens score > 0). Seeded rows get their hashed noise, the others one batched draw, clamped so that
+    a zero E cannot turn 0 / 0 into a NaN that argmax would pick."""
+    num_seeded = batch.seeded.numel()
+    if not num_seeded:
+        return torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
+    seeded = exponential_noise(batch.seed_keys, batch.vocab)
+    if num_seeded == probs.shape[0]:
+        return seeded
+    unseeded = probs.new_empty(batch.unseeded.numel(), batch.vocab).exponential_()
+    noise = torch.empty_like(probs)
+    noise.index_copy_(0, batch.unseeded, unseeded.clamp_min_(torch.finfo(probs.dtype).tiny))
+    return noise.index_copy_(0, batch.seeded, seeded)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def logprob_table(raw: torch.Tensor, sampled: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 3 + 2k] float64, read in one copy: the sampled id, its raw logprob, its rank (vLLM's: the tokens
+    at least as likely, itself included), then the k most likely ids and their logprobs."""
+    sampled_logprobs = raw.gather(1, sampled[:, None])
+    ranks = (raw >= sampled_logprobs).sum(dim=-1, keepdim=True)
+    top_logprobs, top_ids = raw.topk(k, dim=-1)
+    columns = (sampled[:, None], sampled_logprobs, ranks, top_ids, top_logprobs)
+    return torch.cat([column.to(torch.float64) for column in columns], dim=1)  # ids < 2^53: exact

@@ -1,0 +1,56 @@
+"""Counter-based Exp(1) noise for seeded rows: E_i = -log(u_i), with u_i from output i of splitmix64 started at
+the row's key = mix(mix(seed) + number of output tokens so far), for token id i.
+
+A pure function of (seed, position, token id), in wrapping int64 arithmetic on the device, so every device
+agrees bit for bit on the integers (and up to float rounding on the noise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's state increment
+_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's finaliser
+_SHIFTS = (30, 27, 31)
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The key of a seeded row's draw of its `position`-th output token: mix(mix(seed) + position), as int64."""
+    key = _mix64((_mix64(seed & _MASK64) + position) & _MASK64)
+    return _signed(key)
+
+
+def splitmix64(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """[len(keys), count] int64: outputs 1..count of splitmix64 started at each key (output n is
+    mix(key + n * golden)), in wrapping int64 arithmetic, so that every device agrees bit for bit."""
+    steps = torch.arange(1, count + 1, device=keys.device) * _signed(_GOLDEN)
+    z = keys[:, None] + steps
+    for shift, multiplier in zip(_SHIFTS, _MULTIPLIERS):
+        z.bitwise_xor_(_shift_right(z, shift)).mul_(_signed(multiplier))
+    return z.bitwise_xor_(_shift_right(z, _SHIFTS[-1]))
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[len(keys), vocab] float32 Exp(1) noise, a pure function of each key and token id: -log(u) with
+    u = (2m + 1) / 2^24 from the top 23 bits m of the token's splitmix64 output (exact in float32, in (0, 1))."""
+    top_bits = _shift_right(splitmix64(keys, vocab), 41)
+    uniform = (top_bits * 2 + 1).to(torch.float32) * 2.0**-24
+    return uniform.log_().neg_()
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on a Python int in [0, 2^64)."""
+    for shift, multiplier in zip(_SHIFTS, _MULTIPLIERS):
+        z = ((z ^ (z >> shift)) * multiplier) & _MASK64
+    return z ^ (z >> _SHIFTS[-1])
+
+
+def _shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
+    return (z >> shift).bitwise_and_((1 << (64 - shift)) - 1)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -1,0 +1,164 @@
+"""Loading a model: its weights (an HF directory's safetensors, or dummy weights) into the model code, and its
+tokenizer; ``load_model`` fills the config's derived model fields (hf_config, model_path, EOS ids, max_model_len).
+
+Where the directory comes from (a local directory, a .gguf file converted once, a hub id, or the embedded default
+model) is model_sources.py; the dummy architectures and their seeded weights are dummy_model.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.models.registry import model_class
+from engine.worker.dummy_model import dummy_hf_config, dummy_weights
+from engine.worker.gguf_q4 import Q4_FILE, load_q4
+from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
+from kernels import cpu_native
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
+    """Build the model with its weights on ``config.torch_device``; fill the config's derived model fields.
+    Returns (model, tokenizer); the tokenizer is None for a dummy architecture."""
+    start = time.perf_counter()
+    hf_config, path, tokenizer = _resolve(config)
+    config.hf_config, config.model_path = hf_config, str(path) if path else None
+    config.eos_token_ids = _eos_token_ids(hf_config, path)
+    max_position = hf_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > max_position:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's {max_position} positions"
+        )
+    config.max_model_len = config.max_model_len or max_position
+    with _default_dtype(config.torch_dtype), config.torch_device:
+        model = model_class(hf_config)(hf_config)
+    model.to(config.torch_dtype)
+    if config.load_format == "dummy":
+        model.load_weights(dummy_weights(hf_config, config.seed, config.torch_device))
+    else:
+        model.load_weights(_safetensors_weights(path))
+    if config.torch_device.type == "cpu":
+        _apply_cpu_weights(model, config, path)
+    model.eval().requires_grad_(False)
+    logger.info(
+        "model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)",
+        config.model_id,
+        time.perf_counter() - start,
+        model.num_parameters / 1e6,
+        config.torch_dtype,
+        config.torch_device,
+        f", {config.cpu_weights} weights" if config.torch_device.type == "cpu" else "",
+    )
+    return model, tokenizer
+
+
+def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None) -> None:
+    """Resolve ``cpu_weights`` (auto: q4 where the model ships Q4_1 blocks) and swap the model's linear layers."""
+    q4_file = path / Q4_FILE if path is not None else None
+    has_q4 = q4_file is not None and q4_file.is_file()
+    if config.cpu_weights == "auto":
+        config.cpu_weights = (
+            "q4"
+            if has_q4 and config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
+            else "float32"
+        )
+    if config.cpu_weights == "float32":
+        return
+    blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
+    native = (
+        cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
+        if config.cpu_weights in ("q4", "int8")
+        else None
+    )
+    model.quantize_cpu_weights(config.cpu_weights, blocks, native)
+
+
+def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
+    if config.load_format == "dummy" and config.model is None:
+        config.model_id = f"dummy:{config.model_config}"
+        return dummy_hf_config(config.model_config), None, None
+    path = (
+        resolve_model(config.model, Path(config.cache_dir))
+        if config.model
+        else ensure_default_model(Path(config.cache_dir))
+    )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
+    config.model_id = config.model or DEFAULT_MODEL_ID
+    hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
+    return hf_config, path, load_tokenizer(path)
+
+
+def load_tokenizer(path: Path | str | None) -> Any | None:
+    """The directory's tokenizer (None without a directory or a tokenizer in it). With a tokenizer.json the fast
+    class loads it directly: AutoTokenizer would first import transformers' whole tokenizer registry (seconds)
+    to pick the same class."""
+    if path is None:
+        return None
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    if (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return None
+
+
+def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (chat models list their end-of-turn there)."""
+    eos = hf_config.eos_token_id
+    if path is not None and (path / "generation_config.json").is_file():
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's files as transformers picks them: the index's shards, else ``model.safetensors``, else
+    every ``*.safetensors`` but our 4-bit side file (other files beside a checkpoint are not its weights)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(
+            {path / name for name in json.loads(index.read_text())["weight_map"].values()}
+        )
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(f for f in path.glob("*.safetensors") if f.name != Q4_FILE)
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, Any]]:
+    """Each tensor as a lazy slice: a tensor-parallel rank reads only its part of it."""
+    files = _weight_files(path)
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {path}")
+    for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)

@@ -1,0 +1,324 @@
+"""Pure-torch reference of every kernel: the oracle in tests and the CPU path.
+
+KV cache layout (one tensor each for K and V, per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+``slot = block_id * block_size + offset``. Query heads are grouped over KV heads (GQA): query head h reads
+KV head ``h // (num_heads // num_kv_heads)``.
+
+Contiguous layout (vAttention: each request's KV contiguous in virtual memory, no block table):
+``[num_slots, max_len, num_kv_heads, head_dim]``; sequence b's position p is ``k_slots[slot_ids[b], p]``.
+
+FP8 cache (``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``): ``store_kv`` writes ``clamp(x / scale, -448, 448)``
+rounded to the nearest e4m3 value (ties to even), and attention reads ``stored.to(float32) * scale``, with one K
+and one V scale per layer (``k_scale``, ``v_scale``; 1.0 unless calibrated). A cache of any other dtype ignores
+the scales. Block copies move bytes and do not care.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` as stored in an FP8 cache: ``clamp(x / scale, -448, 448)`` in float32, rounded to e4m3."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V as attention reads it, in ``dtype``: ``cached.to(float32) * scale`` for an FP8 cache, the
+    values themselves otherwise."""
+    if cached.dtype != FP8:
+        return cached
+    return (cached.float() * scale).to(dtype)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as raw bytes, any other as itself: FP8 caches are indexed and copied as bytes (torch lacks
+    some indexing ops for float8, e.g. ``index_copy_`` on the CPU)."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+def select_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` along dim 0 (FP8: gathered as bytes)."""
+    return as_bytes(cache).index_select(0, index).view(cache.dtype)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into their slots; slot -1 (padding) is skipped. An FP8
+    cache gets ``quantize_kv(key, k_scale)`` and ``quantize_kv(value, v_scale)``."""
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if k_cache.dtype == FP8:
+        key, value = quantize_kv(key, k_scale), quantize_kv(value, v_scale)
+    as_bytes(k_cache).view(-1, *k_cache.shape[2:])[slot_mapping] = as_bytes(key)
+    as_bytes(v_cache).view(-1, *v_cache.shape[2:])[slot_mapping] = as_bytes(value)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Decode: one query token per sequence ``[B, heads, head_dim]`` attends to its first
+    ``context_lens[b]`` cached tokens (its own token included, already stored)."""
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    blocks = block_tables[:, : -(-max_len // block_size)].reshape(-1)
+    keys = dequantize_kv(select_rows(k_cache, blocks), k_scale, query.dtype)
+    values = dequantize_kv(select_rows(v_cache, blocks), v_scale, query.dtype)
+    keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+    values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(keys.shape[2], device=query.device)[None, :] < context_lens[:, None]
+    result = F.scaled_dot_product_attention(
+        query.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out.copy_(result.squeeze(2))
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
+) -> None:
+    """Causal attention for variable-length query chunks ``[T, heads, head_dim]`` (sequence b owns rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). Keys are the sequence's first ``context_lens[b]`` cached tokens:
+    a cached prefix, earlier chunks, and this chunk (already stored). The chunk's last query sits at
+    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``.
+    ``chunk_k``/``chunk_v`` (optional, ``[T, kv_heads, head_dim]``): the chunk's K/V as they were stored, which
+    a kernel may read in place of the cache's copy (the Triton kernel does on Hopper); the reference reads the
+    cache."""
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        table = block_tables[b, : -(-ctx // block_size)].long()
+        keys = select_rows(k_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        values = select_rows(v_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        keys, values = (
+            dequantize_kv(keys, k_scale, query.dtype),
+            dequantize_kv(values, v_scale, query.dtype),
+        )
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
+        k = keys.transpose(0, 1).unsqueeze(0)
+        v = values.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[lo:hi] = o.squeeze(0).transpose(0, 1)
+
+
+def contiguous_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """``paged_attention`` over the contiguous layout: query ``[B, heads, head_dim]`` attends to the first
+    ``context_lens[b]`` positions of slot ``slot_ids[b]``. ``max_context`` (a host-known bound of
+    ``context_lens``, which the Triton kernel sizes split-K with) is not needed here."""
+    num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]
+    max_len = int(context_lens.max())
+    slots = slot_ids.long()
+    # [B, kvh, L, d]
+    keys = dequantize_kv(select_rows(k_slots[:, :max_len], slots), k_scale, query.dtype).transpose(
+        1, 2
+    )
+    values = dequantize_kv(
+        select_rows(v_slots[:, :max_len], slots), v_scale, query.dtype
+    ).transpose(1, 2)
+    visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
+    result = F.scaled_dot_product_attention(
+        query.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out.copy_(result.squeeze(2))
+
+
+def contiguous_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    chunk_k: torch.Tensor | None = None,
+    chunk_v: torch.Tensor | None = None,
+) -> None:
+    """``prefill_attention`` over the contiguous layout (``chunk_k``/``chunk_v`` as there): sequence b's chunk (query rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sees the first ``context_lens[b]`` positions of slot
+    ``slot_ids[b]``, causal aligned to the bottom-right (query i of a chunk of q sees keys ``0 .. ctx - q + i``)."""
+    num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]
+    starts, lens, slots = cu_seqlens_q.tolist(), context_lens.tolist(), slot_ids.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
+        k = (
+            dequantize_kv(k_slots[slots[b], :ctx], k_scale, query.dtype)
+            .transpose(0, 1)
+            .unsqueeze(0)
+        )
+        v = (
+            dequantize_kv(v_slots[slots[b], :ctx], v_scale, query.dtype)
+            .transpose(0, 1)
+            .unsqueeze(0)
+        )
+        mask = None
+        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[lo:hi] = o.squeeze(0).transpose(0, 1)
+
+
+def copy_blocks(
+    k_caches: torch.Tensor, v_caches: torch.Tensor, block_mapping: torch.Tensor
+) -> None:
+    """Copy-on-write: for each row (src, dst) of ``block_mapping``, copy block src into block dst in every
+    layer of ``[num_layers, num_blocks, ...]`` caches."""
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    k_caches, v_caches = as_bytes(k_caches), as_bytes(v_caches)
+    k_caches[:, dst] = k_caches[:, src]
+    v_caches[:, dst] = v_caches[:, src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Swap preemption: copy blocks (src_id, dst_id) between a device and a host cache of equal layout."""
+    src_ids = block_mapping[:, 0].long().to(src.device)
+    dst_ids = block_mapping[:, 1].long().to(dst.device)
+    as_bytes(dst)[:, dst_ids] = as_bytes(src)[:, src_ids].to(dst.device)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / sqrt(mean(x², last dim) + eps)``, computed in float32 and rounded back to ``x``'s dtype
+    before the weight multiplies (as transformers does). With ``residual``: ``s = x + residual`` is written
+    into ``residual`` in place and ``(weight * norm(s), s)`` returned (``s`` is ``residual`` itself)."""
+    if residual is not None:
+        x = torch.add(x, residual, out=residual)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Rotate ``q`` ``[T, heads, head_dim]`` and ``k`` ``[T, kv_heads, head_dim]`` in place by their positions
+    (rotate-half layout): ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` and
+    cos/sin rows ``[max_position, head_dim]`` gathered at ``positions``."""
+    cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
+    q.copy_(q * cos + _rotate_half(q) * sin)
+    k.copy_(k * cos + _rotate_half(k) * sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: ``silu(gate) * up`` for ``gate, up`` the two halves of the last dim of ``[T, 2I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T`` (x ``[M, K]``, weight ``[N, K]`` as nn.Linear's), into ``out`` when given. ``config``
+    (the Triton kernel's launch parameters) is ignored."""
+    result = x @ weight.T
+    return result if out is None else out.copy_(result)
+
+
+def skinny_gemm_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+) -> torch.Tensor:
+    """The MLP's gate/up projection and its activation: ``silu_and_mul(x @ weight.T)`` (weight ``[2I, K]``, gate
+    rows first), into ``out`` when given. ``config`` is ignored."""
+    result = silu_and_mul(x @ weight.T)
+    return result if out is None else out.copy_(result)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, the lowest among ties, as int64 ``[rows]`` (greedy sampling).
+    NaN counts as the largest value, as in torch's argmax."""
+    return logits.argmax(dim=-1)

@@ -1,0 +1,159 @@
+"""Beam search equals transformers' ``generate(num_beams=k, do_sample=False)`` token for token (CPU, float32),
+also when the pool is too small and beams are preempted; beams share blocks and free them when they fall out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.output.beam_search import BeamSearch
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.block_invariants import check_pool
+from tests.conftest import SMALL_KV_GIB
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about rain:",
+    "1, 2, 3, 4,",
+    "Hello, my name is",
+    "Q: What is the boiling point of water?\nA:",
+]
+NEW_TOKENS = 12
+
+
+def hf_beam(hf_model, prompt_ids: list[int], width: int, max_new_tokens: int) -> list[int]:
+    """transformers' best hypothesis, cut after its EOS (the rest of the row is padding)."""
+    with torch.inference_mode():
+        row = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            num_beams=width,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=1,
+        )[0, len(prompt_ids) :].tolist()
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    ends = [i for i, t in enumerate(row) if t in eos]
+    return row[: ends[0] + 1] if ends else row
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_equals_transformers(llm: LLM, hf_model, prompt_ids, width: int):
+    expected = [hf_beam(hf_model, ids, width, NEW_TOKENS) for ids in prompt_ids]
+    got = llm.beam_search(prompt_ids, beam_width=width, max_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in got] == expected
+    assert all(o.finished and o.index == 0 for o in got)
+    check_pool(llm.engine.block_manager, [])
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
+
+
+@pytest.fixture(scope="module")
+def expected_width4(hf_model, prompt_ids) -> list[list[int]]:
+    return [hf_beam(hf_model, ids, 4, NEW_TOKENS) for ids in prompt_ids[:4]]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beam_search_under_preemption_gives_the_same_tokens(expected_width4, prompt_ids, mode: str):
+    """swap: a preempted beam's request goes to the host with all its beams (shared blocks copied once) and
+    comes back together; recompute: the beam computes its tokens again."""
+    tight = LLM(
+        cpu_weights="float32",
+        num_kv_blocks=14,
+        max_model_len=96,
+        preemption_mode=mode,
+        swap_space_gib=0.05,
+    )
+    got = tight.beam_search(prompt_ids[:4], beam_width=4, max_tokens=NEW_TOKENS)
+    assert tight.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert (tight.engine.scheduler.num_swap_outs > 0) == (mode == "swap")
+    assert [o.token_ids for o in got] == expected_width4
+    check_pool(tight.engine.block_manager, [])
+
+
+def test_n_best_hypotheses_best_first(llm: LLM, prompt_ids):
+    outs = llm.beam_search(prompt_ids[0], beam_width=4, max_tokens=8, n=3)
+    assert [o.index for o in outs] == [0, 1, 2]
+    scores = [o.cumulative_logprob / len(o.token_ids) for o in outs]  # length_penalty 1
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+
+
+def test_beams_share_blocks_and_release_them(llm: LLM, prompt_ids):
+    engine = llm.engine
+    prompt = prompt_ids[5] * 4  # several full blocks: the beams must share them
+    engine.add_request(
+        "beams",
+        prompt,
+        SamplingParams(use_beam_search=True, beam_width=4, max_tokens=20, ignore_eos=True),
+    )
+    block = engine.config.block_size
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_pool(
+            engine.core.block_manager,
+            list(engine.core.scheduler.running) + list(engine.core.scheduler.waiting),
+        )
+        stats = engine.stats()
+        peak = max(peak, stats.num_blocks - stats.num_free_blocks)
+    independent = 4 * -(-(len(prompt) + 20) // block)
+    assert peak <= -(-len(prompt) // block) + 4 * (-(-20 // block) + 1) < independent
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_abort_mid_search_frees_every_beam(llm: LLM, prompt_ids):
+    engine = llm.engine
+    engine.add_request(
+        "beam-abort",
+        prompt_ids[1],
+        SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=30),
+    )
+    for _ in range(4):
+        engine.step()
+    finals = engine.abort_request("beam-abort")
+    assert [o.index for o in finals] == [0, 1] and all(o.finish_reason == "abort" for o in finals)
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_pool(engine.core.block_manager, [])
+    assert engine.core.scheduler.num_unforked == 0 and not engine.core.beams.groups
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("beam_width", 0),
+        ("n", 5),
+        ("logprobs", 1),
+        ("stop", ["x"]),
+        ("early_stopping", "sometimes"),
+        ("length_penalty", float("nan")),
+    ],
+)
+def test_bad_beam_search_params_name_the_field(field: str, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{"use_beam_search": True, "beam_width": 4, field: value})
+
+
+def test_search_stops_once_no_running_beam_can_beat_the_kept_hypotheses():
+    """The transformers heuristic, on hand-made log-probs: two hypotheses end at once with high scores; the
+    running beams' best score is already worse, so the search is done."""
+    search = BeamSearch(width=2, max_new_tokens=10, eos_token_ids=(0,))
+    step1 = torch.log(torch.tensor([[0.45, 0.35, 0.2]]))  # EOS, then tokens 1 and 2
+    search.step(step1, [[]])
+    assert not search.done and search.best(1)[0].token_ids == [0]
+    step2 = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]))
+    search.step(step2, [[1], [2]])
+    assert search.done
+    assert [h.token_ids for h in search.best(2)] == [[0], [1, 0]]

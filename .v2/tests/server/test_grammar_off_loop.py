@@ -1,0 +1,118 @@
+"""A response_format schema is compiled once per request, in a grammar worker process and within a time limit (a
+schema no model can follow is a 400 up front); the engine core gets the compiled grammar (it compiles nothing on its
+step loop) and builds one matcher per request, copied for its other samples."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+import engine.async_engine as async_engine
+from engine.sampling_params import SamplingParams, StructuredOutput
+from tests.server_harness import RunningServer, server_fixture
+
+server = server_fixture()
+
+
+def enum_schema(count: int) -> str:
+    """An object whose one field is a string from a long enum (hundreds of kB: seconds to compile)."""
+    return json.dumps(
+        {
+            "type": "object",
+            "properties": {"x": {"enum": [f"value-{i}-abcabc" for i in range(count)]}},
+            "required": ["x"],
+            "additionalProperties": False,
+        }
+    )
+
+
+def test_the_event_loop_answers_while_a_large_schema_compiles(server: RunningServer):
+    body = {
+        "messages": [{"role": "user", "content": "Pick one."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "n": 4,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "pick", "schema": json.loads(enum_schema(20000))},
+        },
+    }
+    result: dict = {}
+    worker = threading.Thread(
+        target=lambda: result.setdefault(
+            "response", httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+        )
+    )
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        start = time.monotonic()
+        assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    worker.join()
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 4
+    # (the enum is long: a reply may be cut before it closes; what is there is in it)
+    for choice in choices:
+        text = choice["message"]["content"]
+        assert text.startswith('{"x":"value-') or text.startswith('{"x": "value-'), text
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the schema compiled"
+
+
+async def test_a_schema_that_takes_too_long_is_a_400_naming_response_format(engine, monkeypatch):
+    monkeypatch.setattr(async_engine, "GRAMMAR_TIMEOUT_S", 0.05)
+    spec = StructuredOutput("json_schema", schema=enum_schema(20001))  # (not in any cache yet)
+    with pytest.raises(ValueError, match="response_format: the schema did not compile within"):
+        await engine.compile_structured_output(spec)
+
+
+async def test_a_compiled_spec_carries_its_grammar_and_is_not_compiled_again(engine):
+    spec = StructuredOutput("json_schema", schema=enum_schema(50))
+    compiled = await engine.compile_structured_output(spec)
+    assert compiled.grammar and compiled.schema == spec.schema
+    params = SamplingParams(temperature=0.0, max_tokens=12, n=3, structured_output=compiled)
+    outputs = [out async for out in engine.generate([1, 2, 3, 4], params)]
+    finals = [out for out in outputs if out.finished]
+    assert len(finals) == 3 and all(
+        out.text.replace(" ", "").startswith('{"x":"value-') for out in finals
+    )
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            "no finite JSON value",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                "required": ["s"],
+            },
+            "(per token|cannot be followed)",
+        ),
+    ],
+    ids=["requires-itself", "exploding-pattern"],
+)
+def test_a_schema_that_cannot_be_followed_is_a_400_up_front(server: RunningServer, schema, reason):
+    body = {
+        "messages": [{"role": "user", "content": "Answer."}],
+        "max_tokens": 8,
+        "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert reply.status_code == 400, reply.text[:300]
+    error = reply.json()["error"]
+    assert error["param"] == "response_format"
+    assert re.search(reason, error["message"]), error["message"]

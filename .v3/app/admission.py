@@ -1,0 +1,133 @@
+"""Admission: the one gate of every request that generates, built once at start-up. It answers 404 for another
+model's name, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full and 400 for a
+request the engine refuses; it says whose request it is (tenant, scheduling tenant, admin) and which prefix-cache
+salt it gets; and it hands the request to the engine, as a TimedStream that records its latencies."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from app.errors import APIError, EngineUnavailable
+from app.metrics import ServerMetrics
+from app.request_body import ClientDisconnected
+from app.timed_stream import TimedStream
+from engine.async_engine import EngineDeadError
+from engine.engine_client import EngineClient
+from engine.sampling_params import SamplingParams
+
+_RETRY_AFTER_S = "1"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Admission:
+    engine: EngineClient
+    metrics: ServerMetrics
+    model_name: str
+    max_queue: int  # this front's share of --max-queue (requests waiting for their first token)
+    max_queue_per_tenant: int  # this front's share of --max-queue-per-tenant
+    tenant_salt_from_api_key: bool = False  # each API key's prefix blocks its own
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                404,
+                f"model: {requested!r} is not served here (this server serves {self.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def tenant(request: Request) -> str:
+        """Who sent the request: a hash of its API key, or "" when the server has no keys (app/security.py)."""
+        return request.scope.get("state", {}).get("tenant", "")
+
+    @staticmethod
+    def scheduling_tenant(request: Request | None) -> str:
+        """Whose share of the engine a request takes: its API key's tenant, or without keys its client's address
+        (behind a proxy of --forwarded-allow-ips, the address it forwards); "" for the server's own."""
+        if request is None:
+            return ""
+        tenant = request.scope.get("state", {}).get("tenant", "")
+        if tenant:
+            return tenant
+        client = request.scope.get("client")
+        return f"addr:{client[0]}" if client else ""
+
+    @staticmethod
+    def is_admin(request: Request) -> bool:
+        """The admin key (or a server without keys): may manage shared presets."""
+        return bool(request.scope.get("state", {}).get("admin", False))
+
+    def cache_salt(self, request: Request, requested: str | None) -> str | None:
+        """The salt that keys a request's prefix blocks: with ``tenant_salt_from_api_key`` each API key is
+        its own tenant, whose blocks no other key's requests can hit (a per-request salt narrows further)."""
+        tenant = self.tenant(request) if self.tenant_salt_from_api_key else ""
+        if not tenant:
+            return requested
+        return f"{tenant}/{requested}" if requested is not None else tenant
+
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        arrival: float,
+        request: Request | None = None,
+        priority: int = 0,
+    ) -> TimedStream:
+        """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
+        schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
+        ``request``, the engine shares its steps fairly between the request's tenant and others
+        (``scheduling_tenant``), and the stream's numbers go to its access-log line (app/access_log.py)."""
+        if not self.engine.healthy:
+            raise EngineUnavailable()
+        tenant = self.scheduling_tenant(request)
+        self._check_queue(tenant)
+        spec = params.structured_output
+        if spec is not None and spec.grammar is None:
+            try:
+                compiled = await self.engine.compile_structured_output(spec)
+                params = dataclasses.replace(params, structured_output=compiled)
+            except ValueError as exc:
+                raise APIError.from_value_error(exc) from None
+            except EngineDeadError as exc:
+                raise EngineUnavailable(f"the engine is not running: {exc}") from None
+        # (a connect-and-drop storm costs no engine work)
+        if request is not None and await request.is_disconnected():
+            raise ClientDisconnected()
+        # (again, with no await before the submission: the compile above took time)
+        self._check_queue(tenant)
+        try:
+            stream = self.engine.generate(
+                prompt_ids, params, cache_salt=cache_salt, tenant=tenant, priority=priority
+            )
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the engine is not running: {exc}") from None
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+        timed = TimedStream(stream, self.metrics, arrival, params.num_samples, len(prompt_ids))
+        if request is not None:
+            request.scope.setdefault("state", {}).setdefault("generations", []).append(timed)
+        return timed
+
+    def _check_queue(self, tenant: str) -> None:
+        """429 when the queue (requests waiting for their first token) is full, or this tenant's part of it."""
+        queued = self.engine.num_queued
+        if queued >= self.max_queue:
+            raise APIError(
+                429,
+                f"the server is busy: {queued} requests are waiting; retry shortly",
+                code="queue_full",
+                headers={"Retry-After": _RETRY_AFTER_S},
+            )
+        if self.engine.num_queued_for(tenant) >= self.max_queue_per_tenant:
+            raise APIError(
+                429,
+                f"too many of your requests are waiting ({self.max_queue_per_tenant}); retry once "
+                "some have started",
+                code="tenant_queue_full",
+                headers={"Retry-After": _RETRY_AFTER_S},
+            )

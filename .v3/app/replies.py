@@ -1,0 +1,166 @@
+"""ReplyWriter, built once at start-up: writes one chat reply from an engine stream, streamed (SSE chunks) or whole
+(a ``chat.completion``), the one writer of /v1/chat/completions and of session turns; and the steps the
+generating routes share before and around it (rendering the chat, the request's SamplingParams, the texts of
+logprob tokens, which outputs are worth a chunk)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.errors import APIError
+from app.openai_format import (
+    ResponseHeader,
+    chat_choice_delta,
+    chat_choice_message,
+    chat_logprobs,
+    logprob_token_ids,
+    samples_usage,
+)
+from app.prompts import NoTokenizer, PromptRenderer
+from app.protocol.messages import ChatMessage
+from app.protocol.sampling import SamplingFields
+from app.request_body import cancel_on_disconnect
+from app.request_budget import check_request_tokens
+from app.timed_stream import TimedStream
+from app.sse import sse_response
+from engine.output.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReplyWriter:
+    prompts: PromptRenderer
+    model_name: str
+    max_model_len: int
+    default_max_tokens: int  # for requests without max_tokens
+    # the model's (app/generation_config.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_request_tokens: int = 0  # the most one request may buy (app/request_budget.py); 0: no limit
+
+    async def answer_chat(
+        self,
+        request: Request,
+        body: SamplingFields,
+        stream: TimedStream,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            header = ResponseHeader.new(
+                "chat.completion.chunk",
+                self.model_name,
+                "chatcmpl",
+                include_usage,
+                body.return_token_ids,
+            )
+            return sse_response(self.chat_chunks(header, stream, include_usage), headers=headers)
+        header = ResponseHeader.new(
+            "chat.completion", self.model_name, "chatcmpl", return_token_ids=body.return_token_ids
+        )
+        finals = await cancel_on_disconnect(request, stream.collect())
+        choices = [
+            header.choice_ids(
+                chat_choice_message(
+                    out.index,
+                    out.text,
+                    out.finish_reason,
+                    await self._chat_logprobs(out, whole=True),
+                    out.stop_reason,
+                ),
+                out.token_ids,
+            )
+            for out in finals
+        ]
+        answer = header.wrap(choices, samples_usage([out.usage for out in finals]))
+        if stream.turn_pending:
+            answer["session_turn"] = "pending"
+        return JSONResponse(answer, headers=headers)
+
+    async def chat_chunks(
+        self,
+        header: ResponseHeader,
+        stream: TimedStream,
+        include_usage: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """For each choice ``delta.role`` first (all up front, as vLLM does), then one chunk per text delta of any
+        choice as they come (each chunk carries one choice, told apart by ``index``), ``finish_reason`` on each
+        choice's last chunk, and with include_usage a final chunk with no choices and the usage."""
+        for index in range(stream.num_samples):
+            yield header.wrap([chat_choice_delta(index, {"role": "assistant", "content": ""})])
+        finals: dict[int, RequestOutput] = {}
+        async for out in stream:
+            logprobs = await self._chat_logprobs(out, whole=False)
+            if self.worth_a_chunk(header, out, logprobs):
+                delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+                choice = chat_choice_delta(
+                    out.index, delta, out.finish_reason, logprobs, out.stop_reason
+                )
+                yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
+            if out.finished:
+                finals[out.index] = out
+        await stream.settled()
+        if include_usage and finals:
+            yield header.wrap([], samples_usage([finals[i].usage for i in sorted(finals)]))
+        if stream.turn_pending:
+            yield {**header.wrap([]), "session_turn": "pending"}
+
+    def worth_a_chunk(
+        self, header: ResponseHeader, out: RequestOutput, logprobs: dict[str, Any] | None
+    ) -> bool:
+        """Text, logprobs or the end; without a tokenizer (dummy weights), or with ``return_token_ids``, every new
+        token, so clients still see each one arrive."""
+        tokens_shown = header.return_token_ids or not self.prompts.has_tokenizer
+        return bool(
+            out.text_delta or logprobs or out.finished or (out.token_ids_delta and tokens_shown)
+        )
+
+    async def _chat_logprobs(self, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
+        entries = out.logprobs if whole else out.logprobs_delta
+        if not entries:
+            return None
+        return chat_logprobs(entries, await self.token_texts(entries))
+
+    async def token_texts(self, entries: list) -> dict[int, str]:
+        ids = list(dict.fromkeys(logprob_token_ids(entries)))
+        return dict(zip(ids, await self.prompts.convert_ids_to_tokens(ids)))
+
+    async def render_chat(
+        self, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        try:
+            return await self.prompts.chat(
+                [m.as_template_message() for m in messages], template_kwargs
+            )
+        except NoTokenizer as exc:
+            raise APIError.bad_request(
+                f"messages: {exc}".replace("prompt: ", ""), "messages"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
+            raise APIError.bad_request(
+                f"messages: the chat template refused them: {exc}", "messages"
+            ) from None
+
+    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+        return self.sampling_params_each(body, [num_prompt_tokens])[0]
+
+    def sampling_params_each(
+        self, body: SamplingFields, prompt_lengths: list[int]
+    ) -> list[SamplingParams]:
+        """The SamplingParams of each prompt of one request; a 400 naming the field for a value the engine
+        refuses, or for a request over --max-request-tokens in all (app/request_budget.py)."""
+        try:
+            params = [
+                body.sampling_params(
+                    length, self.max_model_len, self.default_max_tokens, self.sampling_defaults
+                )
+                for length in prompt_lengths
+            ]
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+        check_request_tokens(body, prompt_lengths, params, self.max_request_tokens)
+        return params

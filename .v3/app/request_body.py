@@ -1,0 +1,182 @@
+"""Reading a request: a JSON body (415 for any other media type: a browser page on another site can send
+``text/plain`` or a form without asking, but not ``application/json``), under a size cap, parsed into a pydantic
+model (413 / 400 otherwise); and running a handler's work only as long as its client is still connected."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from app.errors import APIError
+from app.protocol.fields import MAX_MESSAGES
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; its request was aborted."""
+
+
+async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
+    require_json(request)
+    body = await read_body(request, max_bytes)
+    if not body.strip():
+        raise APIError.bad_request("the request body must be a JSON object")
+    top = _top_level_fields(body)
+    _check_message_count(model, top)
+    schema, body = (
+        _set_schema_aside(top, body) if "response_format" in model.model_fields else (None, body)
+    )
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise APIError.from_validation_error(exc) from None
+    spec = getattr(parsed.response_format, "json_schema", None) if schema is not None else None
+    if spec is not None:
+        spec._raw_schema = schema
+    if top is not None:
+        _note_unknown_fields(request.url.path, model, top)
+    return parsed
+
+
+def _set_schema_aside(top: dict[str, msgspec.Raw] | None, body: bytes) -> tuple[str | None, bytes]:
+    """A large ``response_format.json_schema.schema`` (an object of at least LARGE_SCHEMA_BYTES) taken out of the
+    body as text, ``{}`` in its place: pydantic would build and check every value of it on the event loop (67 ms
+    for 400,000 enum values), the grammar worker parses it anyway. Anything unexpected leaves the body as it is."""
+    try:
+        response_format = (
+            _raw_object.decode(top["response_format"]) if top and "response_format" in top else None
+        )
+        spec = (
+            _raw_object.decode(response_format["json_schema"])
+            if response_format and "json_schema" in response_format
+            else None
+        )
+    except msgspec.DecodeError:
+        return None, body
+    raw = spec.get("schema") if spec else None
+    if raw is None or len(raw) < LARGE_SCHEMA_BYTES or not bytes(raw).lstrip().startswith(b"{"):
+        return None, body
+    spec["schema"] = msgspec.Raw(b"{}")
+    response_format["json_schema"] = msgspec.Raw(msgspec.json.encode(spec))
+    top = {**top, "response_format": msgspec.Raw(msgspec.json.encode(response_format))}
+    return bytes(raw).decode(), msgspec.json.encode(top)
+
+
+_WARNED: set[tuple[str, str]] = set()  # (route, field) already logged
+_MAX_WARNED = 256  # a client inventing names cannot grow it (or the log) without bound
+LARGE_SCHEMA_BYTES = 64 * 1024
+# (values stay raw bytes: nothing built for them)
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_raw_list = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def _top_level_fields(body: bytes) -> dict[str, msgspec.Raw] | None:
+    """The body's top-level fields, their values raw bytes (no Python objects built for them); None if the body is
+    not a JSON object (pydantic says why)."""
+    try:
+        return _raw_object.decode(body)
+    except msgspec.DecodeError:
+        return None
+
+
+def _check_message_count(model: type[BaseModel], top: dict[str, msgspec.Raw] | None) -> None:
+    """More than MAX_MESSAGES messages is a 400 before pydantic builds each one (60,000 small ones would hold the
+    event loop ~0.3 s before their count is checked)."""
+    if top is None or "messages" not in top or "messages" not in model.model_fields:
+        return
+    try:
+        count = len(_raw_list.decode(top["messages"]))
+    except msgspec.DecodeError:
+        return  # (not a list: pydantic says so)
+    if count > MAX_MESSAGES:
+        raise APIError.bad_request(
+            f"messages: at most {MAX_MESSAGES} messages per request (got {count})", param="messages"
+        )
+
+
+def _note_unknown_fields(path: str, model: type[BaseModel], top: dict[str, msgspec.Raw]) -> None:
+    """A field the route does not know is ignored (as OpenAI and vLLM do); it is logged once per route and name,
+    so an operator sees what clients send that has no effect."""
+    if len(_WARNED) >= _MAX_WARNED:
+        return
+    known = model.model_fields
+    for name in top:
+        if name not in known and (path, name) not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add((path, name))
+            logger.warning(
+                "%s: the field %r is not supported and was ignored (logged once)", path, name[:64]
+            )
+
+
+def require_json(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        raise APIError(
+            415,
+            f"Content-Type: the body must be application/json (got {shown})",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    try:
+        # a lying or absent Content-Length is caught while reading
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        logger.debug(
+            "client went away while sending the body of %s %s (%d bytes read)",
+            request.method,
+            request.url.path,
+            size,
+        )
+        raise ClientDisconnected() from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"request body: larger than the server's limit of {max_bytes} bytes",
+        code="request_too_large",
+    )
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts its engine request)
+    and raise ClientDisconnected. For non-streaming answers, whose handler would otherwise run to the end."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

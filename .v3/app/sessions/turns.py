@@ -1,0 +1,203 @@
+"""One turn of a session: its prompt (an exact token extension of the stored conversation, conversation.py),
+and storing it once the reply ends — finished, cut by the client (kept with what was generated, finish_reason
+``abort``) or failed (``error``). The session is locked for the turn, so two turns never interleave.
+
+Storing is retried for ``--session-write-timeout-s``; a turn still unsaved then goes to the outbox (written when
+the store is back) and the answer ends normally, saying so in an extension field (``"session_turn": "pending"``,
+TimedStream.turn_pending), instead of waiting for the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from app.sessions.service import SessionService
+from app.timed_stream import TimedStream
+from app.sessions import conversation
+from app.sessions.store import Session, SessionStore, SessionStoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+_FIRST_RETRY_S = 0.1
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    prompt_ids: list[int]
+    # the session's messages before the reply (new user input included)
+    messages: list[dict[str, Any]]
+
+
+def template_history(session: Session) -> list[dict[str, str]]:
+    head = [{"role": "system", "content": session.system}] if session.system is not None else []
+    return head + [{"role": m["role"], "content": m["content"]} for m in session.messages]
+
+
+async def plan_turn(
+    service: SessionService, session: Session, new: list[dict[str, Any]]
+) -> TurnPlan:
+    """The prompt for ``new`` messages (ending with a user message) after the session's history."""
+    new_template = [{"role": m["role"], "content": m["content"]} for m in new]
+    eos = service.engine.info.eos_token_ids
+    history = template_history(session)
+    try:
+        if not session.token_ids:
+            ids = await service.prompts.in_thread(
+                conversation.first_turn_ids, session.system, new_template
+            )
+        else:
+            ids = await service.prompts.in_thread(
+                conversation.next_turn_ids, session.token_ids, history, new_template, eos
+            )
+    except conversation.NotAnExtension as exc:
+        logger.warning(
+            "session %s: %s; re-rendering the whole conversation (fewer prefix-cache hits)",
+            session.id,
+            exc,
+        )
+        ids = await service.prompts.in_thread(conversation.full_render_ids, history + new_template)
+    now = time.time()
+    return TurnPlan(ids, session.messages + [{**m, "created_at": now} for m in new])
+
+
+def plan_regeneration(session: Session) -> TurnPlan:
+    """Answer the last user message again: the last turn's prompt, exactly as it was."""
+    last = session.messages[-1] if session.messages else None
+    if last is None or last.get("role") != "assistant" or "usage" not in last:
+        raise ValueError("regenerate: the session has no reply to regenerate")
+    return TurnPlan(session.token_ids[: last["usage"]["prompt_tokens"]], session.messages[:-1])
+
+
+@dataclass(slots=True, eq=False)
+class TurnRecorder:
+    """Stores the turn when the stream ends (TimedStream.on_end), and keeps the session's lock alive meanwhile."""
+
+    service: SessionService
+    session: Session  # as the turn found it (its revision is the one the turn is written over)
+    plan: TurnPlan
+    lock_token: str
+    _refresher: asyncio.Task | None = None
+
+    @property
+    def _store(self) -> SessionStore:
+        return self.service.store
+
+    def start(self, stream: TimedStream) -> None:
+        stream.on_end = self._ended
+        self._refresher = self.service.spawn(self._keep_lock(weakref.ref(stream)))
+
+    def _ended(self, stream: TimedStream) -> asyncio.Task:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        task = self.service.spawn(self._save(stream))
+        # read by the answer, if it still waits
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _keep_lock(self, stream: weakref.ref[TimedStream]) -> None:
+        lock_s = self.service.limits.session_lock_s
+        while True:
+            await asyncio.sleep(lock_s / 3)
+            # dropped unread (client gone before the response started): free the session
+            if stream() is None:
+                with contextlib.suppress(SessionStoreUnavailable):
+                    await self._store.unlock(self.session.id, self.lock_token)
+                return
+            # the lock expires by itself if Redis stays away
+            with contextlib.suppress(SessionStoreUnavailable):
+                await self._store.refresh_lock(self.session.id, self.lock_token, lock_s)
+
+    async def _save(self, stream: TimedStream) -> None:
+        session = self._finished_session(stream)
+        saved = await self._save_within(session, self.service.limits.session_write_timeout_s)
+        if saved is None:
+            self.service.outbox.put(session, self.lock_token)
+            logger.error(
+                "session %s: the session store is unreachable; the turn is kept in memory until it is back",
+                session.id,
+            )
+            stream.turn_pending = True
+            return
+        if not saved:
+            logger.warning(
+                "session %s was deleted, or changed since this turn began; the turn is dropped",
+                session.id,
+            )
+        with contextlib.suppress(SessionStoreUnavailable, asyncio.TimeoutError):
+            await asyncio.wait_for(self._store.unlock(session.id, self.lock_token), 1.0)
+
+    async def _save_within(self, session: Session, timeout_s: float) -> bool | None:
+        """save_turn's answer, or None if the store stayed unreachable for ``timeout_s``."""
+        deadline, delay = time.monotonic() + timeout_s, _FIRST_RETRY_S
+        while True:
+            try:
+                return await asyncio.wait_for(
+                    self._store.save_turn(session), max(deadline - time.monotonic(), 0)
+                )
+            except (SessionStoreUnavailable, asyncio.TimeoutError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    return None
+                logger.warning(
+                    "session %s: storing the turn failed (%s); retrying",
+                    session.id,
+                    exc or "timeout",
+                )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+    def _finished_session(self, stream: TimedStream) -> Session:
+        out, now = stream.last_output, time.time()
+        finished = out is not None and out.finished
+        completion = out.token_ids if out is not None else []
+        cut = "error" if stream.failure is not None else "abort"
+        reply = {
+            "role": "assistant",
+            "content": out.text if out is not None else "",
+            "created_at": now,
+            "finish_reason": out.finish_reason if finished else cut,
+            "usage": {
+                "prompt_tokens": len(self.plan.prompt_ids),
+                "completion_tokens": len(completion),
+                "cached_tokens": out.num_cached_tokens if out is not None else 0,
+            },
+            "timing": _timing(stream, len(completion)),
+        }
+        session = self.session
+        session.messages = self.plan.messages + [reply]
+        session.token_ids = self.plan.prompt_ids + completion
+        if finished and out.block_hashes is not None:
+            session.block_hashes = out.block_hashes
+        session.stats = _stats(session.messages)
+        session.updated_at = now
+        return session
+
+
+def _timing(stream: TimedStream, num_tokens: int) -> dict[str, float | None]:
+    first = stream.first_token_time
+    if first is None:
+        return {"ttft_s": None, "decode_tokens_per_s": None}
+    elapsed = (stream.last_token_time or first) - first
+    rate = (num_tokens - 1) / elapsed if num_tokens > 1 and elapsed > 0 else None
+    return {
+        "ttft_s": round(first - stream.arrival, 4),
+        "decode_tokens_per_s": round(rate, 2) if rate else None,
+    }
+
+
+def _stats(messages: list[dict[str, Any]]) -> dict[str, int]:
+    replies = [m for m in messages if m.get("role") == "assistant" and "usage" in m]
+    usage = [m["usage"] for m in replies]
+    last = usage[-1] if usage else {"prompt_tokens": 0, "completion_tokens": 0}
+    return {
+        "num_turns": len(replies),
+        "num_tokens": last["prompt_tokens"] + last["completion_tokens"],
+        "prompt_tokens": sum(u["prompt_tokens"] for u in usage),
+        "cached_tokens": sum(u["cached_tokens"] for u in usage),
+        "completion_tokens": sum(u["completion_tokens"] for u in usage),
+    }

@@ -1,0 +1,402 @@
+"""EngineCore: requests in, one ``step()`` at a time, token-id deltas out.
+
+The core owns what runs at the device's pace: the scheduler, the block manager, the model runner (CUDA graphs,
+async scheduling), grammars and beam search. It knows no text: detokenizing, stop strings, logprob formatting and
+building RequestOutputs belong to the output processor (output_processor.py), which runs beside it in-process
+(llm_engine.py) or in the server's process (async_engine.py, with the core in a process of its own). A stop
+string found there ends the sample here through ``abort_request(request_id, index, "stop")``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from engine.core.beam_requests import BeamRequests
+from engine.output.beam_search import new_beam_group
+from engine.core.block_hash import BlockHasher
+from engine.core.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.core.core_info import CoreInfo, check_priority, check_request
+from engine.layers.sampler import TokenLogprobs
+from engine.worker.loader import load_model
+from engine.core.metrics import EngineCounters, EngineStats
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step_sampler import LaunchedStep
+from engine.output.outputs import SampleDelta
+from engine.core.preemption import SwapPolicy
+from engine.core.requests import Request, Sample, new_sequences, reaches_length_limit, stop_status
+from engine.core.prefix_pins import PrefixPins
+from engine.sampling_params import SamplingParams
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.output.structured_output import GrammarCompiler
+from engine.output.structured_output import accept as accept_grammar
+from engine.output.structured_output import release_free_heap
+from engine.worker.parallel_state import set_rank_threads
+from engine.worker.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+    "error": SequenceStatus.FINISHED_FAILED,
+}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
+        self.config = config = config or EngineConfig(**options)
+        # (restored by shutdown: ranks on the CPU share the cores)
+        self._threads_before = set_rank_threads(
+            config.num_threads, config.tensor_parallel_size, config.torch_device
+        )
+        torch.manual_seed(config.seed)
+        # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
+        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        num_blocks = self._load()
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self._hasher(),
+            *self.runner.allocate_host_pools(),
+            self.runner.kv.lookahead_tokens,
+            config.max_blocks_per_seq,
+        )
+        self.scheduler = self._new_scheduler()
+        self.counters = EngineCounters()
+        self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
+        self._requests: dict[str, Request] = {}
+        self.prefix_pins = PrefixPins(self.block_manager)
+        self._samples: dict[int, Sample] = {}  # seq_id -> its sample, for every unfinished one
+        self.beams = BeamRequests(
+            self.scheduler,
+            self.block_manager,
+            self.counters,
+            self.runner.forget,
+            self._finish,
+            lambda request_id: self._requests.pop(request_id).group.params.n,
+        )
+        self._seq_ids = itertools.count()
+        # launched, sampled ids not read yet (async scheduling)
+        self._in_flight: LaunchedStep | None = None
+        # the latest step's schedule (benchmarks read its shape)
+        self.last_batch: ScheduledBatch | None = None
+
+    def _load(self) -> int:
+        """The model, its runner and the KV cache sized to the memory budget (its blocks), the CUDA graphs
+        recorded over it; the other ranks stopped if any of it fails."""
+        try:
+            self.model, self.tokenizer = load_model(self.config)
+            if self.workers is not None:
+                self.workers.wait_ready()
+            self.runner = ModelRunner(self.config, self.model, self.workers)
+            num_blocks = self.runner.size_kv_cache()
+            self.runner.capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
+        return num_blocks
+
+    def _new_scheduler(self) -> Scheduler:
+        config, runner = self.config, self.runner
+        swap = SwapPolicy(
+            config.preemption_mode,
+            config.torch_device.type,
+            runner.bytes_per_block,
+            runner.num_parameters,
+        )
+        return Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            prefer_swap=swap,
+            max_seqs_per_tenant=config.max_seqs_per_tenant,
+            shared_step_time_factor=config.shared_step_time_factor,
+            step_time_target_s=config.step_time_target_s,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
+        if self.workers is not None:
+            if hasattr(self, "runner"):
+                self.runner.release_graphs()
+            self.workers.stop()
+            torch.set_num_threads(self._threads_before)
+
+    def _hasher(self) -> BlockHasher:
+        return BlockHasher(
+            self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed
+        )
+
+    # requests -----------------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        check_request(self.info, prompt_token_ids, params, self.grammars)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> None:
+        """``tenant``: who sent it (steps are shared fairly among tenants with work); ``priority``: its rank among
+        that tenant's requests, lower first."""
+        params = params or SamplingParams()
+        self.validate_request(prompt_token_ids, params)
+        check_priority(priority)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt = list(prompt_token_ids)
+        # one matcher built (a large grammar's takes tens of milliseconds), copied for the other samples
+        grammar = (
+            self.grammars.matcher(params.structured_output)
+            if params.structured_output is not None
+            else None
+        )
+        seqs = new_sequences(
+            self._seq_ids, request_id, prompt, params, grammar, cache_salt, tenant, priority
+        )
+        group = SequenceGroup(request_id, seqs, params)
+        if params.use_beam_search:
+            eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
+            request = Request(
+                group,
+                [],
+                0,
+                beam=new_beam_group(seqs, params, self.config.max_model_len - len(prompt), eos),
+            )
+        else:
+            request = Request(group, [Sample(seq) for seq in seqs], len(seqs))
+        # nothing is registered before this point: a failure above leaves the engine as it was
+        self._requests[request_id] = request
+        if request.beam is not None:
+            self.beams.add(request.beam)
+        self._samples.update((sample.seq.seq_id, sample) for sample in request.samples)
+        self.counters.prompt_tokens += len(prompt)
+        self.scheduler.add(seqs[0])
+
+    def abort_request(
+        self, request_id: str, index: int | None = None, reason: str = "abort"
+    ) -> list[SampleDelta]:
+        """End a request now (or only its sample ``index``); returns the final delta (finish_reason ``reason``)
+        of each sample not finished yet (none if the request is unknown or done). ``reason`` "stop": the output
+        processor found a stop string, and has already ended the sample."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        if request.beam is not None:
+            return self.beams.finish(request.beam, SequenceStatus.FINISHED_ABORTED)
+        deltas = []
+        for sample in request.samples:
+            if not sample.seq.is_finished and (index is None or sample.seq.index == index):
+                self._finish(sample.seq, _FINISH_STATUS[reason])
+                deltas.append(self._emit(sample))
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step's sampled ids are not read yet (async scheduling)."""
+        return self._in_flight is not None
+
+    @property
+    def num_open_samples(self) -> int:
+        """Samples of requests not finished yet (0 once every request has ended: none is leaked)."""
+        return len(self._samples)
+
+    def has_request(self, request_id: str) -> bool:
+        """The request is still running (some sample of it unfinished)."""
+        return request_id in self._requests
+
+    # the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleDelta]:
+        """Schedule, launch one forward pass and its sampling, then read sampled ids, check EOS, stop tokens
+        and length; one delta per sample that received a token.
+
+        With ``async_scheduling`` the ids read are the previous step's: step N+1 is scheduled and launched
+        while the device still runs step N, whose tokens are then read and processed while N+1 runs. Each
+        sequence sampled by step N holds a PENDING_TOKEN in its token ids, and step N+1 takes that token's
+        id from N's sampled ids on the device. A sequence that stops at N (EOS, stop string) still gets
+        one wasted row in N+1; a sequence whose pending token is its last by length is not scheduled again.
+        """
+        return self.beams.deferred_steps() + self._step()
+
+    def _step(self) -> list[SampleDelta]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.last_batch = batch
+        launch_start = time.perf_counter()
+        self.counters.schedule_seconds += launch_start - start
+        in_flight, self._in_flight = self._in_flight, None
+        if not batch.seqs:
+            return self._idle_step(in_flight, batch)
+        deltas: list[SampleDelta] = []
+        if in_flight is not None and self._needs_known_history(batch):
+            deltas += self._process(in_flight)
+            in_flight = None
+        launched = self.runner.execute(batch, in_flight)
+        self.counters.prepare_seconds += launched.prepare_seconds
+        self.counters.launch_seconds += (
+            time.perf_counter() - launch_start - launched.prepare_seconds
+        )
+        self.beams.preempted(batch.preempted)
+        # a beam's next token comes from its request's beam step, not from its own sampled row
+        launched.pending_indices = [
+            -1 if seq.params.use_beam_search else seq.append_pending() for seq in launched.seqs
+        ]
+        for seq in launched.seqs:
+            if seq.params.use_beam_search:
+                seq.awaiting_beam_step = True
+            else:
+                seq.awaiting_last_token = reaches_length_limit(
+                    seq, seq.num_tokens, self.config.max_model_len
+                )
+        if in_flight is not None:
+            deltas += self._process(in_flight)
+        self.scheduler.advance(
+            [(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens) if not seq.is_finished],
+            batch.forks,
+        )
+        self.counters.steps += 1
+        # (with async scheduling this step's time is mostly the wait for the one before: the same shape, steadily)
+        self.scheduler.step_cost.observe(
+            sum(batch.num_new_tokens),
+            time.perf_counter() - start,
+            batch.num_decodes < len(batch.seqs),
+        )
+        if self.config.async_scheduling:
+            self._in_flight = launched
+        else:
+            deltas += self._process(launched)
+            if not self._requests:
+                self.runner.settle()
+        return deltas
+
+    def _idle_step(
+        self, in_flight: LaunchedStep | None, batch: ScheduledBatch
+    ) -> list[SampleDelta]:
+        """Nothing to run: read the step still in flight, or tell a scheduler that can never run anything."""
+        if in_flight is not None:
+            deltas = self._process(in_flight)
+            if not self._requests:
+                self.runner.settle()
+            return deltas
+        stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
+        if stuck and not self.scheduler.running and not batch.preempted:  # for good
+            raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
+        return []
+
+    def _needs_known_history(self, batch: ScheduledBatch) -> bool:
+        """Penalties and grammars read the values of earlier output tokens: those must be known first."""
+        return any(
+            seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs
+        )
+
+    def _process(self, launched: LaunchedStep) -> list[SampleDelta]:
+        """Read a launched step's sampled ids and hand them to their requests."""
+        start = time.perf_counter()
+        token_ids, logprobs = launched.wait()
+        read = time.perf_counter()
+        self.counters.wait_seconds += read - start
+        deltas = []
+        samples = self._samples
+        for row, (seq, index, token_id) in enumerate(
+            zip(launched.seqs, launched.pending_indices, token_ids)
+        ):
+            if index < 0:  # a beam: its row's log-probs go to its request's next beam step
+                deltas += self.beams.collect(seq, launched.beam_logprobs[row])
+                continue
+            sample = samples.get(seq.seq_id)
+            if sample is None or seq.is_finished:
+                continue  # aborted, or stopped by the step before: this token is past its end
+            seq.resolve(index, token_id)
+            try:
+                if row in launched.failures:
+                    raise RuntimeError(launched.failures[row])
+                deltas.append(self._accept(sample, token_id, logprobs[row]))
+            except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
+                deltas.append(self._fail(sample, exc))
+        self.counters.generation_tokens += len(deltas)
+        self.counters.output_seconds += time.perf_counter() - read
+        return deltas
+
+    def _accept(
+        self, sample: Sample, token_id: int, token_logprobs: TokenLogprobs | None
+    ) -> SampleDelta:
+        seq = sample.seq
+        accept_grammar(seq, token_id)
+        status = stop_status(seq, token_id, self.config.eos_token_ids, self.config.max_model_len)
+        if status is not None:
+            self._finish(seq, status)
+        return self._emit(sample, [token_logprobs] if token_logprobs is not None else None)
+
+    def _fail(self, sample: Sample, exc: Exception) -> SampleDelta:
+        """End one sample because of an error of its own; its final delta carries the error."""
+        seq = sample.seq
+        logger.error(
+            "request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc
+        )
+        sample.error = f"{type(exc).__name__}: {exc}"
+        if seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_FAILED
+        else:
+            self._finish(seq, SequenceStatus.FINISHED_FAILED)
+        return self._emit(sample)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.drop_pending()
+        self.scheduler.finish(seq, status)
+        self.runner.forget(seq)
+
+    def _emit(self, sample: Sample, logprobs: list[TokenLogprobs] | None = None) -> SampleDelta:
+        delta = sample.take_delta(logprobs)
+        seq = sample.seq
+        if delta.finish_reason is not None and self._samples.pop(seq.seq_id, None) is not None:
+            self.counters.finished[delta.finish_reason] += 1
+            request = self._requests[seq.request_id]
+            request.num_open -= 1
+            if not request.num_open:
+                del self._requests[seq.request_id]
+                if request.group.params.structured_output is not None:
+                    # (its matchers: tens of MB for a large grammar, times its samples' copies)
+                    release_free_heap()
+        return delta
+
+    # pinned prefixes (prefix_pins.py) -----------------------------------------------------------------
+
+    def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        share: float = 1.0,
+        group: str | None = None,
+        group_share: float = 1.0,
+    ) -> int:
+        return self.prefix_pins.pin(pin_id, token_ids, cache_salt, share, group, group_share)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        self.prefix_pins.unpin(pin_id)
+
+    def pins(self) -> dict[str, tuple[int, int]]:
+        return self.prefix_pins.pins()
+
+    def stats(self) -> EngineStats:
+        return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)

@@ -1,0 +1,139 @@
+"""The paged KV backend (PagedAttention): one K and one V tensor ``[layers, blocks, block_size, kv_heads,
+head_dim]``; attention reads each sequence's blocks through its block table."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_backend.base import KVBackend
+from engine.worker.forward_context import AttentionMetadata
+from kernels import cpu as cpu_kernels
+from kernels import ops as kernel_ops
+
+
+class PagedKV(KVBackend):
+    """Blocks need no preparation and kernels read block tables: the contract's defaults (no mapping, no
+    background work) hold; padding rows of a CUDA graph read block 0. ``dtype`` is the cache's element type
+    (EngineConfig.kv_cache_torch_dtype: the model's, or float8_e4m3fn, whose block is half a bfloat16 one)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+    ) -> None:
+        self.shape = (num_layers, block_size, num_kv_heads, head_dim)
+        self.dtype, self.device, self.block_size = dtype, device, block_size
+        self.bytes_per_block = (
+            2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        )
+        self.k_caches = self.v_caches = torch.empty(0)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Zeroed, so that masked-out stale slots never carry NaN into a softmax."""
+        layers, *rest = self.shape
+        self.k_caches = torch.zeros(
+            (layers, num_blocks, *rest), dtype=self.dtype, device=self.device
+        )
+        self.v_caches = torch.zeros_like(self.k_caches)
+
+    def free(self) -> None:
+        self.k_caches = self.v_caches = torch.empty(0)
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_caches[layer], self.v_caches[layer]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Through the kernel dispatch (kernels.ops: Triton on CUDA, the torch references on the CPU), over
+        each sequence's block table."""
+        kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            kernel_ops.paged_attention(
+                out[:nd],
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.context_lens[:nd],
+                scale,
+                k_scale,
+                v_scale,
+            )
+        if nd < q.shape[0]:
+            kernel_ops.prefill_attention(
+                out[nd:],
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.prefill_cu_seqlens_q,
+                meta.context_lens[nd:],
+                scale,
+                k_scale,
+                v_scale,
+                k[nd:],
+                v[nd:],
+            )
+        return out.view(q.shape[0], -1)
+
+
+class LeanCpuPagedKV(PagedKV):
+    """The paged backend on the CPU with the default kernels (``kernels.lean_cpu``): decode attention through
+    kernels/cpu.py, whose per-pass slot, block and mask values the first layer computes for all (``meta.memo``).
+    Those lean functions read float caches only: an FP8 cache takes ``PagedKV.attend`` (the torch references,
+    which quantize and dequantize)."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        memo = meta.memo
+        if (store := memo.get("store")) is None:
+            store = memo["store"] = cpu_kernels.store_plan(meta.slot_mapping)
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, store)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            if (plan := memo.get("decode")) is None:
+                plan = memo["decode"] = cpu_kernels.decode_plan(
+                    meta.block_tables[:nd], meta.context_lens[:nd], k_cache.shape[1]
+                )
+            cpu_kernels.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, plan, scale)
+        if nd < q.shape[0]:
+            kernel_ops.prefill_attention(
+                out[nd:],
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.prefill_cu_seqlens_q,
+                meta.context_lens[nd:],
+                scale,
+            )
+        return out.view(q.shape[0], -1)

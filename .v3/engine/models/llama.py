@@ -1,0 +1,373 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm), chosen by flags.
+
+Weights use the Hugging Face names, except that q/k/v and gate/up are fused into one matmul each;
+``load_weights`` places each HF tensor into its shard of the fused parameter.
+
+Under tensor parallelism (engine/worker/parallel_state.py) each rank builds the layers of its shard: its heads of
+q/k/v (kv heads replicated where the ranks outnumber them), its columns of gate/up, the matching inputs of
+o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only that slice of each tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from engine.worker import parallel_state
+from engine.layers.linear import (
+    ATTENTION_EXCHANGE,
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    matmul,
+    project_then_norm,
+)
+from engine.layers.quantized_linear import (
+    PACKED_OUTPUTS,
+    Q4_GROUP,
+    Q4Q8_OUTPUTS,
+    PackedInt8Head,
+    Q4Blocks,
+    Q8Head,
+    quantized_linear,
+)
+from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
+from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from kernels.cpu_native import CpuKernels
+
+from engine.layers.attention import PagedAttention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: dict[str, Any]
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "LlamaArgs":
+        model_type = cfg.model_type
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
+            rope=rope_parameters(cfg),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+    def sharded(self, size: int) -> "LlamaArgs":
+        """One rank's shape of ``size``: its heads, kv heads (one each where the ranks outnumber them: then
+        replicated) and intermediate columns; ValueError naming tensor_parallel_size where they do not divide."""
+        if size == 1:
+            return self
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} kv heads (nor do they divide it)")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate size {self.intermediate_size}")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size: {size} does not divide the model's " + ", ".join(problems)
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=max(1, self.num_kv_heads // size),
+            intermediate_size=self.intermediate_size // size,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded)."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
+        self.q_size, self.kv_size = (
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
+        self.qkv_proj = ColumnParallelLinear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, args.hidden_size, bias=args.o_bias, exchange=ATTENTION_EXCHANGE
+        )
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention's output before ``o_proj``."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.attn(q, k, v)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, rotary)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream ``residual`` already normed by this layer's ``input_layernorm`` ->
+        ``(next_norm(stream), stream)``, the stream after this layer normed for the next layer (or the model's
+        final norm): each norm follows its row-parallel projection (``project_then_norm``)."""
+        attn = self.self_attn
+        x, residual = project_then_norm(
+            attn.o_proj, attn.attend(positions, x), self.post_attention_layernorm, residual
+        )
+        return project_then_norm(self.mlp.down_proj, self.mlp.activate(x), next_norm, residual)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded)."""
+        super().__init__()
+        rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = (
+                self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            )
+            x, residual = layer(positions, x, residual, next_norm)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_hf(hf_config)
+        self.tp = parallel_state.current()
+        # this rank's heads, kv heads, columns (its KV cache's)
+        self.shard_args = self.args.sharded(self.tp.size)
+        self.model = LlamaModel(self.shard_args)
+        if not self.args.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(
+                self.args.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
+            )
+        # a CPU-friendly layout of the output layer, if set
+        self.logits_weight: torch.Tensor | None = None
+        # a quantized output layer (--cpu-weights), if set
+        self.logits_head: nn.Module | None = None
+        # the lean pass over quantized layers, if set
+        self.cpu_decoder: LlamaCpuDecoder | None = None
+        # weights of the model as defined (quantized layers keep theirs in buffers of other sizes)
+        self.num_parameters = sum(p.numel() for p in self.parameters())
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.cpu_decoder is not None:
+            return self.cpu_decoder.forward(input_ids, positions)
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of each row of ``hidden``, into ``out`` when given (a CUDA graph's static output)."""
+        if self.logits_head is not None:
+            logits = self.logits_head(hidden)
+            return logits if out is None else out.copy_(logits)
+        weight = self.logits_weight
+        if weight is None:
+            weight = (
+                self.model.embed_tokens.weight
+                if self.args.tie_word_embeddings
+                else self.lm_head.weight
+            )
+        if self.tp.size == 1:
+            return matmul(hidden, weight, out)
+        # each rank's vocabulary slice, whole where rank 0 samples; the padding columns dropped
+        return parallel_state.compute_logits(hidden, weight, self.args.vocab_size, out)
+
+    def store_weights_column_major(self) -> None:
+        """CPU: every linear weight in [in, out] memory order (see Linear.store_weight_column_major); a tied
+        embedding keeps its row-major table for lookups and gets a column-major copy for the logits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.store_weight_column_major()
+        if self.args.tie_word_embeddings and self.logits_head is None:
+            self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
+
+    def quantize_cpu_weights(
+        self,
+        mode: str,
+        q4_blocks: dict[str, Q4Blocks] | None = None,
+        native: CpuKernels | None = None,
+    ) -> None:
+        """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py), q4 from the
+        given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
+        becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
+        kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
+        ``native``: the native CPU kernels of the configured level (kernels/cpu_native.py: the decode step, the
+        quantized matmuls and heads), None where they are off or not built."""
+        q4_blocks = q4_blocks or {}
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, Linear) or name == "lm_head":
+                continue
+            shards = hf_names(f"{name}.weight")
+            blocks = (
+                Q4Blocks.cat([q4_blocks[h] for h in shards])
+                if all(h in q4_blocks for h in shards)
+                else None
+            )
+            parent, attr = name.rsplit(".", 1)
+            setattr(
+                self.get_submodule(parent),
+                attr,
+                quantized_linear(mode, module.weight, module.bias, blocks, native),
+            )
+        head = (
+            self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        )
+        self.logits_head = _cpu_logits_head(mode, head, native)
+        if not self.args.tie_word_embeddings:
+            del self.lm_head
+        self.logits_weight = None
+        self.cpu_decoder = LlamaCpuDecoder(self, native)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named tensors in, each a tensor or a lazy safetensors slice (of which only this rank's part is
+        read); raises ValueError naming any parameter left unset or tensor unknown."""
+        params = dict(self.named_parameters())
+        shard_sizes = self._shard_sizes()
+        loaded: set[tuple[str, int | None]] = set()
+        for name, source in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue
+            target, shard = fused_name(name)
+            if target not in params:
+                raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
+            dst = params[target].data
+            if shard is not None:
+                sizes = shard_sizes[target.rsplit(".", 2)[-2]]
+                dst = dst[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
+            tensor = read_part(source, self._rank_slice(name))
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and self.tp.size > 1:
+                dst[tensor.shape[0] :].zero_()  # (rows padding the last rank's vocabulary slice)
+                dst = dst[: tensor.shape[0]]
+            copy_checked(dst, tensor, name)
+            loaded.add((target, shard))
+        expected = {(name, shard) for name in params for shard in self._shards_of(name)}
+        if missing := sorted(str(item) for item in expected - loaded):
+            raise ValueError(f"weights: missing tensors for {missing[:5]} ({len(missing)} in all)")
+
+    def _rank_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, end) of HF tensor ``name`` that this rank holds; None: all of it (norms, row-parallel
+        biases, a single rank)."""
+        tp, args = self.tp, self.args
+        if tp.size == 1:
+            return None
+        heads = args.num_heads * args.head_dim
+        if ".q_proj." in name:
+            return (0, *tp.shard(heads))
+        if ".k_proj." in name or ".v_proj." in name:
+            local = self.shard_args.num_kv_heads
+            first = (
+                tp.rank * local
+                if args.num_kv_heads % tp.size == 0
+                else tp.rank * args.num_kv_heads // tp.size
+            )
+            return 0, first * args.head_dim, (first + local) * args.head_dim
+        if ".gate_proj." in name or ".up_proj." in name:
+            return (0, *tp.shard(args.intermediate_size))
+        if name.endswith(".o_proj.weight"):
+            return (1, *tp.shard(heads))
+        if name.endswith(".down_proj.weight"):
+            return (1, *tp.shard(args.intermediate_size))
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            embed = self.model.embed_tokens
+            return 0, embed.start, min(embed.start + embed.num_embeddings, args.vocab_size)
+        return None
+
+    def _shards_of(self, param_name: str) -> list[int | None]:
+        fused = param_name.rsplit(".", 2)[-2]
+        return (
+            list(range(len(self._shard_sizes()[fused]))) if fused in self._shard_sizes() else [None]
+        )
+
+    def _shard_sizes(self) -> dict[str, list[int]]:
+        attn = self.model.layers[0].self_attn
+        return {
+            "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+            "gate_up_proj": [self.shard_args.intermediate_size] * 2,
+        }
+
+
+def _cpu_logits_head(mode: str, head: torch.Tensor, native: CpuKernels | None) -> nn.Module:
+    """The output layer of ``mode`` over the float32 ``head`` weight: bfloat16 for bfloat16; for the 8-bit and
+    4-bit modes int8, as the native Q8_0 x Q8 head where the Q4_1 x Q8 kernels run (x86 with AVX2 or AVX-512)
+    and the shape fits, else the native packed int8 head, else torch's int8 matmul."""
+    q4q8 = native is not None and native.has_q4q8
+    if mode == "bfloat16":
+        return quantized_linear("bfloat16", head, None)
+    if (
+        q4q8
+        and mode == "q4"
+        and head.shape[0] % Q4Q8_OUTPUTS == 0
+        and head.shape[1] % Q4_GROUP == 0
+    ):
+        return Q8Head(head, native)
+    if native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
+        return PackedInt8Head(head, native)
+    return quantized_linear("int8", head, None)

@@ -1,0 +1,187 @@
+"""CUDA graphs for decode-only steps, and the runner of padded decode passes that owns them.
+
+A decode step of a small model launches hundreds of small kernels; launching them from Python costs more
+host time than the GPU needs to run them. Each graph records one decode pass (input feed, forward, logits)
+for a fixed padded batch size over static input buffers; a step copies its inputs into those buffers and
+replays the graph of the smallest size that holds its batch. Sizes: 1, 2, 4, 8, then every 8 up to the
+largest. Graphs are captured largest first into one memory pool, so the smaller ones reuse its memory.
+
+``DecodeGraphRunner`` owns all of it: the ladder of sizes, the static buffers a decode pass reads besides the
+step inputs' packed view (the block-table rows) and the logits it writes, the padding, capture and replay.
+Decode-only batches up to the ladder's top are padded to a ladder size also when they run eagerly (the CPU,
+``enforce_eager``), so that eager and graph runs compute the same shapes and give the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.kv_backend.base import KVBackend
+from engine.worker.forward_context import AttentionMetadata
+from engine.worker.step_inputs import StepInputs, StepTensors
+
+# the model over one step's tokens: (input ids, feed rows, positions, attention metadata) -> hidden states
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ComputeLogits = Callable[..., torch.Tensor]  # (hidden, out=) -> logits
+
+logger = logging.getLogger(__name__)
+
+
+def graph_sizes(max_size: int) -> list[int]:
+    """The ladder of captured batch sizes up to ``max_size`` (always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_size] + list(range(8, max_size, 8))
+    return sorted(set(sizes + [max_size]))
+
+
+def padded_size(sizes: list[int], batch_size: int) -> int | None:
+    """Smallest captured size that holds ``batch_size`` rows; None when the batch is larger than all."""
+    for size in sizes:
+        if size >= batch_size:
+            return size
+    return None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        decode_pass: Callable[[int], torch.Tensor],
+        sizes: list[int],
+        device: torch.device,
+        prepare_inputs: Callable[[int], None],
+    ) -> None:
+        """``decode_pass(size)`` runs one padded decode pass over the static inputs and returns its static
+        output; ``prepare_inputs(size)`` fills the static inputs with a harmless batch for capture."""
+        self.sizes = sorted(sizes)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        pool = torch.cuda.graph_pool_handle()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        for size in tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", leave=False):
+            prepare_inputs(size)
+            # warm-up outside the graph: Triton compiles, lazy buffers get allocated
+            decode_pass(size)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = decode_pass(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info(
+            "CUDA graphs: %d decode batch sizes (%d..%d) captured in %.1f s, %.0f MiB",
+            len(sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+            self.memory_bytes / 2**20,
+        )
+
+    def replay(self, size: int) -> torch.Tensor:
+        self._graphs[size].replay()
+        self.num_replays += 1
+        return self._outputs[size]
+
+
+class DecodeGraphRunner:
+    """Decode-only steps at padded (ladder) sizes, replayed from CUDA graphs or run eagerly the same way."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        forward: Forward,
+        compute_logits: ComputeLogits,
+        kv: KVBackend,
+    ) -> None:
+        """``forward`` runs the model over a step's inputs; ``compute_logits(hidden, out=)`` its output layer;
+        ``kv``: the KV backend, whose tables the decode pass reads."""
+        self.config, self.device = config, config.torch_device
+        self.vocab_size, self.forward, self.compute_logits = vocab_size, forward, compute_logits
+        self.kv = kv
+        max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
+        self.sizes = graph_sizes(max_padded) if max_padded else []
+        self.use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
+        )
+        self.graphs: DecodeGraphs | None = None
+        self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded size
+        self.inputs: StepInputs | None = None
+        # [largest size, table width]: the static table rows
+        self.tables = torch.empty(0, dtype=torch.int32)
+        self.logits = torch.empty(0)  # [largest size, vocab]: what a padded pass writes
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.tables.nbytes + self.logits.nbytes
+
+    def padded_size(self, batch_size: int) -> int | None:
+        """The ladder size a decode-only batch of ``batch_size`` rows runs at (None: unpadded)."""
+        return padded_size(self.sizes, batch_size)
+
+    def allocate(self, inputs: StepInputs, table_width: int, scratch_slot: int) -> None:
+        """The static buffers, over the step inputs ``inputs`` (allocated with the KV cache they address);
+        the graphs recorded over the previous ones are dropped."""
+        self.graphs, self.inputs = None, inputs
+        if not self.sizes:
+            return
+        _, width = self.kv.table_shape(self.max_size, self.max_size, table_width)
+        self.tables = torch.full(
+            (self.max_size, width), scratch_slot, dtype=torch.int32, device=self.device
+        )
+        self.logits = torch.empty(
+            self.max_size, self.vocab_size, dtype=self.config.torch_dtype, device=self.device
+        )
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Record the graphs of ``sizes`` (all of the ladder) over the current buffers (CUDA, unless eager)."""
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(
+                self._decode_pass, sizes or self.sizes, self.device, self._idle_inputs
+            )
+
+    def release(self) -> None:
+        """Drop the graphs (NCCL collectives captured in them hold the communicator until they are gone)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
+    def run(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
+        """The logits of a decode-only step of ``num_seqs`` rows, packed at ladder size ``size``."""
+        self.padded_steps[size] += 1
+        rows, width = step.metadata.block_tables.shape
+        self.tables[:rows, :width].copy_(step.metadata.block_tables)
+        logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
+        return logits[:num_seqs]
+
+    def _decode_pass(self, size: int) -> torch.Tensor:
+        """One decode pass over the static inputs of size ``size`` (what each graph records)."""
+        view = self.inputs.decode_view(size)
+        tables = self.tables[:size]
+        metadata = AttentionMetadata(
+            slot_mapping=view.slots,
+            block_tables=tables,
+            context_lens=view.context_lens,
+            num_decodes=size,
+            prefill_cu_seqlens_q=view.cu_seqlens,
+            slot_ids=self.kv.slot_ids(tables),
+            max_context_len=self.config.max_model_len,
+        )
+        hidden = self.forward(view.ids, view.feed, view.positions, metadata)
+        return self.compute_logits(hidden, out=self.logits[:size])
+
+    def _idle_inputs(self, size: int) -> None:
+        """Static inputs of a harmless batch (every row a padding row) for capture."""
+        self.inputs.decode_view(size).fill_padding()

@@ -1,0 +1,344 @@
+"""One step's input tensors, built with numpy in persistent buffers and sent in one host->device copy.
+
+Per step the engine needs, for T tokens of B sequences: token ids, positions, slot mapping, context lengths,
+block tables and the rows to sample. Building them from Python lists costs milliseconds at B = 256, so:
+- every live sequence owns a row of a persistent host block table, updated incrementally (only the entries
+  its block table gained since the last step, plus its last entry, which copy-on-write may have replaced);
+- the step's vectors are written into a pinned int32 staging buffer, packed back to back, and copied to the
+  device in one asynchronous copy. Two staging buffers alternate: while the device may still be reading
+  step N's, the host fills step N+1's.
+
+Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
+sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the host does not know yet (sampled
+by the step in flight): the device takes it from row ``r`` of the previous step's sampled ids. For a
+decode-only step padded to a CUDA-graph size G (padding rows need no table row: the model runner copies
+the B real rows into the graphs' static block table), the first 5G entries are the graph's static inputs.
+
+The KV backend (engine/kv_backend/base.py) owns the slot math: each token's slot, the packed tables' shape
+and contents, and which row a new sequence takes. With a contiguous backend (vAttention) a sequence's table
+row is also its request slot: its KV sits at ``slot * max_len + position``, the packed table is one slot id
+per sequence (padding rows: the scratch slot), and a finished sequence's slot is reused only after the last
+step that may still read it has finished on the device (then the backend unmaps its pages).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_backend.base import KVBackend
+from engine.worker.forward_context import AttentionMetadata
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.sequence import PENDING_TOKEN, Sequence
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """Device views of one step's inputs (valid until the next step's copy overwrites the device buffer)."""
+
+    input_ids: torch.Tensor  # [T]; PENDING_TOKEN where ``feed`` supplies the id on the device
+    feed: torch.Tensor  # [T]: row of the previous step's sampled ids, or -1
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] token rows whose logits are sampled
+    num_tokens: int  # T, padding included
+    num_real_seqs: int  # B before padding
+
+
+# a padding row: token 0 at position 0 of a 1-token context, its KV written nowhere (slot -1), fed nothing
+PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens": 1}
+
+
+@dataclass(slots=True)
+class DecodeView:
+    """The device buffer's head as a padded decode-only step of ``size`` rows lays it out (the packed order's
+    first five vectors, then the one-entry prefill offsets): a CUDA graph's static inputs."""
+
+    ids: torch.Tensor
+    feed: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def fill_padding(self) -> None:
+        """Every row a padding row (a harmless batch for capture)."""
+        for name, value in PADDING_ROW.items():
+            getattr(self, name).fill_(value)
+        self.cu_seqlens.zero_()
+
+
+@dataclass(slots=True)
+class _StepVectors:
+    """One step's values before packing: per token (ids, positions, slots) and per sequence (ends, rows)."""
+
+    ids: list[int]
+    positions: np.ndarray
+    slots: np.ndarray
+    ends: np.ndarray  # tokens with KV after this step
+    prefill_cu: np.ndarray
+    sample_rows: list[int]
+    rows: np.ndarray  # each sequence's row of the persistent table
+    width: int  # the longest block table
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Where each vector of a packed step buffer lies, and the step's shape: what another tensor-parallel rank
+    needs beside the buffer to unpack the same step (engine/worker/worker_group.py)."""
+
+    offsets: list[int]
+    num_decodes: int
+    total: int  # token rows, padding included
+    num_seqs: int
+    width: int  # block-table columns
+    max_context_len: int
+
+
+class StepInputs:
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        kv: KVBackend,
+    ) -> None:
+        self.device = device
+        self.kv = kv
+        # (row, last step that may read it)
+        self._cooling: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        self._launched: torch.cuda.Event | None = None
+        self.rows = np.zeros(0, dtype=np.int64)  # the latest step's table rows, one per sequence
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        # persistent, one row per seq
+        self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
+        self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
+        self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
+        capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
+        pinned = device.type == "cuda"
+        self._staging = [
+            torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
+            for _ in range(2 if pinned else 1)
+        ]
+        # the inputs' home on the device (its head doubles as the CUDA graphs' static inputs)
+        self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
+        self._turn = 0
+        # the latest step's, with ``packed``: its used host buffer
+        self.layout: StepLayout | None = None
+        self.packed = self._staging[0][:0]
+        # (unpack's staging reuse)
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
+
+    # block-table rows ---------------------------------------------------------------------------------
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` finished or was preempted: its table row goes back to the free list."""
+        entry = self._rows.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        if not self.kv.contiguous:
+            self._free_rows.append(entry[0])
+        else:
+            self._cooling.append((entry[0], self._launched))
+
+    def step_launched(self) -> None:
+        """The runner launched a step (on CUDA): rows forgotten from now on wait for it."""
+        if self.kv.contiguous and self.device.type == "cuda":
+            self._launched = torch.cuda.Event()
+            self._launched.record()
+
+    def drain(self) -> None:
+        """Nothing runs any more (the engine is idle): free every forgotten row now."""
+        while self._cooling:
+            self._release_cooled(wait=True)
+
+    def _release_cooled(self, wait: bool) -> None:
+        """Free the forgotten rows whose last step finished (``wait``: the oldest one at least)."""
+        while self._cooling:
+            row, event = self._cooling[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            wait = False
+            self._cooling.popleft()
+            self.kv.release_row(row)
+            self._free_rows.insert(0, row)  # reused last: its pages are unmapped in the background
+
+    def _sync_row(self, seq: Sequence) -> int:
+        entry = self._rows.get(seq.seq_id)
+        if entry is None:
+            if not self._free_rows and self._cooling:
+                self._release_cooled(wait=True)
+            if not self._free_rows:
+                raise RuntimeError(f"step inputs: more than {len(self.table)} live sequences")
+            entry = self._rows[seq.seq_id] = [self._take_row(seq), 0]
+        row, synced = entry
+        table = seq.block_table
+        n = len(table)
+        # re-copy the last synced entry: copy-on-write may have replaced it
+        start = max(0, min(synced, n) - 1)
+        if n - start == 1:
+            self.table[row, start] = table[start]
+        elif n > start:
+            self.table[row, start:n] = table[start:n]
+        entry[1] = n
+        return row
+
+    def _take_row(self, seq: Sequence) -> int:
+        row = self.kv.choose_slot(seq.block_table[0]) if seq.block_table else None
+        if row is not None and row in self._free_rows:
+            self._free_rows.remove(row)
+        else:
+            row = self._free_rows.pop()
+        self.kv.claim_slot(row)
+        return row
+
+    # packing ------------------------------------------------------------------------------------------
+
+    def build(
+        self, batch: ScheduledBatch, feed_rows: dict[int, int], pad_to: int | None
+    ) -> StepTensors:
+        """Pack ``batch``'s inputs; ``feed_rows`` maps seq_id -> row of the in-flight step's sampled ids for
+        sequences whose last token is still pending. ``pad_to``: a decode-only batch padded to a graph size
+        (padding rows: slot -1, context 1, their outputs ignored)."""
+        for seq in batch.preempted:
+            self.forget(seq)
+        if self._cooling:
+            self._release_cooled(wait=False)
+        vectors = self._vectors(batch)
+        host = self._staging[self._turn % len(self._staging)]
+        self._turn += 1
+        self.layout = self._pack(host.numpy(), vectors, batch, feed_rows, pad_to)
+        self.packed = host[: self.layout.offsets[-1]]
+        return self._to_device(host, self.layout)
+
+    def _vectors(self, batch: ScheduledBatch) -> _StepVectors:
+        """The step's per-token and per-sequence values (numpy), before packing."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        num_seqs = len(seqs)
+        rows = self.rows = np.fromiter(
+            (self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs
+        )
+        starts = np.fromiter(
+            (seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs
+        )
+        lens = np.asarray(counts, dtype=np.int64)
+        ids: list[int] = []
+        for seq, start, n in zip(seqs, starts.tolist(), counts):
+            ids.extend(seq.token_ids[start : start + n])
+        self.widths = np.fromiter(
+            (len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs
+        )
+        cu_tokens = np.cumsum(lens) - lens  # first token row of each sequence
+        positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
+        seq_of_token = np.repeat(np.arange(num_seqs), lens)
+        slots = self.kv.slot_mapping(self.table, rows[seq_of_token], positions)
+        ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
+        sample_rows = [
+            int(cu) + n - 1
+            for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
+            if end == seq.num_tokens
+        ]
+        if batch.forks:  # each forked sample is drawn from its parent's row
+            row_of = {seq.seq_id: row for seq, row in zip(batch.sampling_seqs, sample_rows)}
+            sample_rows += [row_of[parent.seq_id] for parent, _ in batch.forks]
+        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decodes :])))
+        return _StepVectors(
+            ids, positions, slots, ends, prefill_cu, sample_rows, rows, int(self.widths.max())
+        )
+
+    def _pack(
+        self,
+        flat: np.ndarray,
+        v: _StepVectors,
+        batch: ScheduledBatch,
+        feed_rows: dict[int, int],
+        pad_to: int | None,
+    ) -> StepLayout:
+        """Write the vectors into ``flat`` in the packed order (module docstring); the layout they took."""
+        num_tokens, num_seqs = len(v.ids), len(v.rows)
+        total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
+        table_rows, width = self.kv.table_shape(num_seqs, total_seqs, v.width)
+        sizes = [
+            total,
+            total,
+            total,
+            total,
+            total_seqs,
+            len(v.prefill_cu),
+            len(v.sample_rows),
+            table_rows * width,
+        ]
+        offsets = np.cumsum([0] + sizes).tolist()
+        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = (
+            flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
+        )
+        ids_v[:num_tokens] = v.ids
+        feed_v.fill(-1)
+        # a pending token is always a decode row's input
+        for i, seq in enumerate(batch.seqs[: batch.num_decodes]):
+            if v.ids[i] == PENDING_TOKEN:
+                feed_v[i] = feed_rows[seq.seq_id]
+        pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
+        cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
+        self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
+        if total > num_tokens:  # graph padding rows (feed: -1 already)
+            pad = PADDING_ROW
+            ids_v[num_tokens:], pos_v[num_tokens:] = pad["ids"], pad["positions"]
+            slot_v[num_tokens:], ctx_v[num_seqs:] = pad["slots"], pad["context_lens"]
+        return StepLayout(
+            offsets,
+            total_seqs if pad_to else batch.num_decodes,
+            total,
+            num_seqs,
+            width,
+            int(v.ends.max()),
+        )
+
+    def decode_view(self, size: int) -> DecodeView:
+        """The static inputs of a decode-only step padded to ``size`` rows (``build`` packs such a step so)."""
+        head = self.device_buffer
+        return DecodeView(
+            *(head[i * size : (i + 1) * size] for i in range(5)), head[5 * size : 5 * size + 1]
+        )
+
+    def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
+        """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""
+        turn = self._turn % len(self._staging)
+        self._turn += 1
+        if (copied := self._copied[turn]) is not None:
+            copied.synchronize()  # (the staging buffer's last copy to the device has been read)
+        host = self._staging[turn]
+        values = np.frombuffer(payload, dtype=np.int32)
+        host.numpy()[: len(values)] = values
+        step = self._to_device(host, layout)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        return step
+
+    def _to_device(self, host: torch.Tensor, layout: StepLayout) -> StepTensors:
+        offsets = layout.offsets
+        used = offsets[-1]
+        buffer = self.device_buffer
+        buffer[:used].copy_(host[:used], non_blocking=True)
+        parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+        ids, feed, positions, slots, ctx, cu, rows, table = parts
+        tables = table.view(-1, layout.width)
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=ctx,
+            num_decodes=layout.num_decodes,
+            prefill_cu_seqlens_q=cu,
+            slot_ids=self.kv.slot_ids(tables),
+            max_context_len=layout.max_context_len,
+        )
+        return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

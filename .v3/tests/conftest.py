@@ -1,0 +1,92 @@
+"""Shared fixtures: the default model (converted once into the cache dir) and its transformers twin."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # any Triton kernel imported in a CPU test session runs in the interpreter (must precede triton's import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.config import EngineConfig
+from engine.worker.model_sources import ensure_default_model
+
+# Small KV pools keep engine start-up cheap in tests; each test states the sizes it depends on.
+SMALL_KV_GIB = 0.1
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server for one test module (tests/redis_harness.py); the modules that use it share this."""
+    from tests.redis_harness import running_redis
+
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture
+async def engine():
+    """An AsyncEngine on the default model (the core in its own process), stopped afterwards."""
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return ensure_default_model(Path(EngineConfig().cache_dir))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: Path):
+    """transformers' own implementation of the same weights: the oracle for greedy outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Exactly ``max_new_tokens`` greedy tokens from transformers' model with its own KV cache: argmax at
+    every step, EOS neither stopping nor masked (generate's min_new_tokens would mask it)."""
+    device = hf_model.device
+    tokens, past, step_input = [], None, torch.tensor([prompt_ids], device=device)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step_input = torch.tensor([[tokens[-1]]], device=device)
+    return tokens
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_threads() -> None:
+    torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "2")))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``torch.empty`` during a test is NaN-filled: legal (empty promises nothing), and a kernel that
+    leaves an output element unwritten fails. Kernel tests opt in with ``usefixtures``."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs) -> torch.Tensor:
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)

@@ -1,0 +1,125 @@
+"""Our model code against transformers' for every supported family (tiny random models saved as HF
+directories), and the named dummy architectures' shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.worker.dummy_model import DUMMY_ARCHITECTURES, dummy_hf_config, dummy_weights
+from engine.models.registry import model_class
+from engine.sampling_params import SamplingParams
+from tests.conftest import hf_greedy
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+FAMILIES = {
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False
+    ),
+    "llama-bias-tied": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "llama3-rope-scaling": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(
+        model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None
+    ),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+}
+PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [7] * 23]
+
+
+def tiny_hf_model(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {**TINY, **FAMILIES[family]}
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a wider spread than the default init: clear argmax margins
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_equals_transformers_for_each_family(family: str, tmp_path: Path):
+    hf = tiny_hf_model(family)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama-bias-tied"])
+def test_dummy_weights_are_seeded_and_give_both_implementations_the_same_model(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {**TINY, **FAMILIES[family]}
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    first = dict(dummy_weights(config, seed=3))
+    again = dict(dummy_weights(config, seed=3))
+    other = dict(dummy_weights(config, seed=4))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not any(torch.equal(first[k], other[k]) for k in first)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    result = hf.load_state_dict(first, strict=False)
+    tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert result.missing_keys == tied_head and not result.unexpected_keys
+    ours = model_class(config)(config)
+    ours.load_weights(first.items())
+    assert torch.equal(ours.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(
+        hf.get_output_embeddings().weight,
+        first.get("lm_head.weight", first["model.embed_tokens.weight"]),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(DUMMY_ARCHITECTURES))
+def test_named_architectures_match_our_parameter_shapes(name: str):
+    """Every HF tensor of the named architecture has a place of the right shape in our model (on the meta
+    device: nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    config = dummy_hf_config(name)
+    with torch.device("meta"):
+        ours = model_class(config)(config)
+        hf_tensors = AutoModelForCausalLM.from_config(config).state_dict()
+    # raises on unknown names, wrong shapes or missing tensors
+    ours.load_weights(hf_tensors.items())
+    spec = DUMMY_ARCHITECTURES[name]
+    assert (
+        ours.args.num_layers == spec["num_hidden_layers"] and ours.args.head_dim == spec["head_dim"]
+    )
+
+
+def test_unknown_architecture_is_a_clear_error():
+    with pytest.raises(ValueError, match="model_config"):
+        dummy_hf_config("gpt-5")

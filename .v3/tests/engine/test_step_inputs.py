@@ -1,0 +1,66 @@
+"""The packed step buffer (engine/worker/step_inputs.py): a padded decode-only step lays out its head as the CUDA
+graphs' static inputs read it, with padding rows that write nowhere; another rank's unpack gives the same
+tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_backend.paged import PagedKV
+from engine.sampling_params import SamplingParams
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.sequence import Sequence
+from engine.worker.step_inputs import PADDING_ROW, StepInputs
+
+BLOCK = 4
+# (its slot math only: no memory allocated)
+PAGED = PagedKV(1, 1, 1, torch.float32, torch.device("cpu"), BLOCK)
+
+
+def decoding(seq_id: int, tokens: list[int], blocks: list[int]) -> Sequence:
+    """A sequence whose every token but the last has KV: its next step is one decode row."""
+    seq = Sequence(
+        seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(tokens), params=SamplingParams()
+    )
+    seq.num_computed_tokens = len(tokens) - 1
+    seq.block_table = list(blocks)
+    return seq
+
+
+def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
+    inputs = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    seqs = [decoding(0, [5, 6, 7, 8, 9], [3, 1]), decoding(1, [11, 12], [2])]
+    step = inputs.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]), {}, pad_to=4)
+    view = inputs.decode_view(4)
+    assert view.ids.tolist() == [9, 12, PADDING_ROW["ids"], PADDING_ROW["ids"]]
+    assert view.positions.tolist() == [4, 1, 0, 0]
+    # slot = block * block_size + offset: position 4 is block 1 of [3, 1] at offset 0; position 1: block 2, 1
+    assert view.slots.tolist() == [1 * BLOCK + 0, 2 * BLOCK + 1, -1, -1]
+    assert view.context_lens.tolist() == [5, 2, 1, 1]
+    assert view.feed.tolist() == [-1] * 4 and view.cu_seqlens.tolist() == [0]
+    assert torch.equal(step.metadata.slot_mapping, view.slots)
+    view.fill_padding()
+    assert view.slots.tolist() == [-1] * 4 and view.context_lens.tolist() == [1] * 4
+
+
+def test_another_rank_unpacks_the_same_step():
+    driver = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    follower = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    prefill = Sequence(
+        seq_id=2, request_id="r2", token_ids=list(range(20, 27)), params=SamplingParams()
+    )
+    prefill.block_table = [4, 5]
+    seqs = [decoding(0, [5, 6, 7], [3]), prefill]
+    step = driver.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 7]), {}, pad_to=None)
+    copy = follower.unpack(memoryview(driver.packed.numpy()), driver.layout)
+    for name in ("input_ids", "feed", "positions", "sample_rows"):
+        assert torch.equal(getattr(copy, name), getattr(step, name)), name
+    for name in ("slot_mapping", "block_tables", "context_lens", "prefill_cu_seqlens_q"):
+        assert torch.equal(getattr(copy.metadata, name), getattr(step.metadata, name)), name
+    assert copy.metadata.num_decodes == 1 and copy.metadata.max_context_len == 7

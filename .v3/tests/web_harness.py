@@ -1,0 +1,114 @@
+"""Debian's Chromium driven by Playwright (from PyPI; its own browser downloads are never used), for the browser
+UI's tests and scripts/screenshot.py.
+
+CI installs ``apt-get install -y chromium`` and ``pip install playwright``; without either, the UI tests fail
+with the reason. The flags keep headless Chromium from reaching out (without the background-networking ones its
+connections get refused in a sandbox without network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# web/api.js keeps the UI's settings under this localStorage key
+SETTINGS_KEY = "pagedchat.settings"
+REPLY_TIMEOUT_MS = 90_000
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None when they can."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install playwright)"
+    if not CHROMIUM.exists() and not shutil.which("chromium"):
+        return "Debian's chromium is not installed (apt-get install -y chromium)"
+    return None
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium browser (playwright's Browser)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = str(CHROMIUM) if CHROMIUM.exists() else shutil.which("chromium")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def preset_settings(context: Any, **settings: Any) -> None:
+    """Store the UI's settings (temperature, maxTokens, apiKey) before any page of ``context`` loads."""
+    context.add_init_script(
+        f"localStorage.setItem({json.dumps(SETTINGS_KEY)}, {json.dumps(json.dumps(settings))})"
+    )
+
+
+def send_message(page: Any, text: str) -> None:
+    """Type ``text`` into the composer and press Enter, as a person would."""
+    mark_replies_seen(page)
+    page.fill("#composer-input", text)
+    page.press("#composer-input", "Enter")
+
+
+def mark_replies_seen(page: Any) -> None:
+    """Tag the replies on the page now, so wait_for_reply waits for a new one (not one already there)."""
+    page.evaluate(
+        "() => document.querySelectorAll('#messages .message.assistant')"
+        ".forEach((r) => { r.dataset.seenByTest = '1'; })"
+    )
+
+
+def wait_for_reply(page: Any, timeout_ms: int = REPLY_TIMEOUT_MS) -> Any:
+    """Wait until a reply newer than mark_replies_seen has finished streaming (its stats are written then);
+    return its element."""
+    page.wait_for_function(
+        "() => { const r = [...document.querySelectorAll('#messages .message.assistant')].pop();"
+        " return r && !r.dataset.seenByTest && !r.classList.contains('streaming')"
+        " && r.querySelector('.stats').textContent !== ''; }",
+        timeout=timeout_ms,
+    )
+    return page.locator("#messages .message.assistant").last
+
+
+def record_reply_lengths(page: Any) -> None:
+    """Start sampling, every 20 ms inside the page, the text length of the reply that is streaming."""
+    page.evaluate("""() => {
+        window.__replyLengths = [];
+        window.__sampler = setInterval(() => {
+            const reply = document.querySelector('#messages .message.assistant.streaming .content');
+            if (reply) window.__replyLengths.push(reply.textContent.length);
+        }, 20);
+    }""")
+
+
+def recorded_reply_lengths(page: Any) -> list[int]:
+    return page.evaluate("() => { clearInterval(window.__sampler); return window.__replyLengths; }")
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)

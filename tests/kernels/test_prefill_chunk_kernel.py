@@ -28,7 +28,11 @@ from tests.kernels.test_triton_kernels import (  # noqa: E402
 )
 
 TMA_HERE = DEVICE.type == "cpu" or has_tma(DEVICE)
-SMALL_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+# the chunk path from the first token (by default a pass needs 2048 query tokens)
+ANY_SIZE = PrefillConfig(chunk_tma_min_tokens=0)
+SMALL_TILES = PrefillConfig(
+    block_m=16, block_n=16, num_warps=4, num_stages=2, chunk_tma_min_tokens=0
+)
 
 
 def fused_projection(k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -64,7 +68,7 @@ def chunk_positions(kv: PagedKV, cases: list[tuple[int, int]]) -> torch.Tensor:
     "cases, config",
     [
         # a long plain prompt, prefixes that end inside a tile and on a tile edge, a one-token chunk
-        ([(0, 300), (32, 9), (40, 70), (16, 1), (0, 15)], None),
+        ([(0, 300), (32, 9), (40, 70), (16, 1), (0, 15)], ANY_SIZE),
         ([(0, 70), (100, 33), (5, 40), (48, 48)], SMALL_TILES),
     ],
     ids=["default-tiles", "small-tiles"],
@@ -147,6 +151,35 @@ def test_contiguous_layout_reads_chunk_rows_too():
         1.0,
         rows_k,
         rows_v,
+        config=ANY_SIZE,
+    )
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_short_passes_read_the_cache_not_the_chunk_rows():
+    """Under ``chunk_tma_min_tokens`` query tokens the host's descriptor work would outweigh the kernel: the
+    chunk rows (poisoned here) are not read."""
+    torch.manual_seed(12)
+    cases, heads, kv_heads = [(20, 40), (0, 30)], 4, 2
+    kv = PagedKV([c + n for c, n in cases], 16, kv_heads, seed=3)
+    cu = torch.tensor([0, 40, 70], dtype=torch.int32)
+    query = torch.randn(70, heads, HEAD_DIM)
+    poison = torch.full((70, (heads + 2 * kv_heads) * HEAD_DIM), float("nan"), device=DEVICE)
+    chunk_k, chunk_v = chunk_views(poison, heads, kv_heads)
+    k, v = kv.poisoned()
+    args = (kv.block_tables.to(DEVICE), cu.to(DEVICE), kv.context_lens.to(DEVICE), 0.125)
+    out = nan_like(query.shape, torch.float32)
+    prefill_attention(out, query.to(DEVICE), k, v, *args, 1.0, 1.0, chunk_k, chunk_v)
+    ref = torch.empty(query.shape, dtype=torch.float64)
+    reference.prefill_attention(
+        ref,
+        query.double(),
+        kv.k_cache.double(),
+        kv.v_cache.double(),
+        kv.block_tables,
+        cu,
+        kv.context_lens,
+        0.125,
     )
     assert relative_error(out, ref) < 1e-5
 

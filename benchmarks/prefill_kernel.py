@@ -10,7 +10,11 @@ other GPUs and of an FP8 cache). Peer in the same run: SDPA with the
 flash backend on contiguous K/V (repeated to all query heads outside the timing); for the prefix case with
 a bottom-right causal mask (``causal_lower_right``) where the backend accepts it.
 
-    python -m benchmarks.prefill_kernel [--sweep] [--json PATH]
+"host us/launch" is the host's time to make one launch (with and without the chunk rows): a kernel shorter
+than that is timed at the host's pace. ``--chunk-tma-min-tokens 0`` takes the chunk rows at every size (the
+default, PrefillConfig.chunk_tma_min_tokens, skips them under 2048 query tokens).
+
+    python -m benchmarks.prefill_kernel [--sweep] [--json PATH] [--chunk-tma-min-tokens N]
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import argparse
 import datetime
 import itertools
 import json
-from dataclasses import asdict
+import statistics
+import time
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -80,25 +86,42 @@ def make_inputs(batch: int, prompt: int, cached: int) -> dict:
     )
 
 
-def run_ours(x: dict, config: PrefillConfig | None = None, chunk_rows: bool = True) -> float:
+def ours_call(x: dict, config: PrefillConfig | None = None, chunk_rows: bool = True):
+    """One launch of our kernel on ``x``, as the engine makes it (``chunk_rows``: with the chunk's K/V rows)."""
     out = torch.empty_like(x["query"])
     chunk = (x["chunk_k"], x["chunk_v"]) if chunk_rows else (None, None)
-    return bench(
-        lambda: prefill_attention(
-            out,
-            x["query"],
-            x["k_cache"],
-            x["v_cache"],
-            x["block_tables"],
-            x["cu"],
-            x["context_lens"],
-            HEAD_DIM**-0.5,
-            1.0,
-            1.0,
-            *chunk,
-            config=config,
-        )
+    return lambda: prefill_attention(
+        out,
+        x["query"],
+        x["k_cache"],
+        x["v_cache"],
+        x["block_tables"],
+        x["cu"],
+        x["context_lens"],
+        HEAD_DIM**-0.5,
+        1.0,
+        1.0,
+        *chunk,
+        config=config,
     )
+
+
+def run_ours(x: dict, config: PrefillConfig | None = None, chunk_rows: bool = True) -> float:
+    return bench(ours_call(x, config, chunk_rows))
+
+
+def host_us(fn, launches: int = 200) -> float:
+    """Host microseconds per launch: ``launches`` calls queued without a sync (far fewer than CUDA's launch
+    queue holds), so the GPU never holds the host back. Where this reaches the kernel's time, the timing
+    above measures the host."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(launches):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / launches * 1e6
 
 
 def try_config(x: dict, config: PrefillConfig) -> float:
@@ -142,14 +165,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--chunk-tma-min-tokens", type=int, default=CONFIG.chunk_tma_min_tokens)
     args = parser.parse_args()
+    config = replace(CONFIG, chunk_tma_min_tokens=args.chunk_tma_min_tokens)
     rows = []
     for (batch, prompt), fraction in itertools.product(CASES, [0.0, 0.5]):
         cached = int(prompt * fraction)
         x = make_inputs(batch, prompt, cached)
         flops = causal_flops(batch, prompt, cached)
-        ours_ms, sdpa_ms = run_ours(x), run_sdpa(x, batch, prompt, cached)
-        cache_only_ms = run_ours(x, chunk_rows=False)
+        # alternated, median of three each: the two paths see the same clocks
+        timed = [(run_ours(x, config), run_ours(x, config, chunk_rows=False)) for _ in range(3)]
+        ours_ms = statistics.median(t[0] for t in timed)
+        cache_only_ms = statistics.median(t[1] for t in timed)
+        sdpa_ms = run_sdpa(x, batch, prompt, cached)
         row = dict(
             batch=batch,
             prompt=prompt,
@@ -157,6 +185,8 @@ def main() -> None:
             ours_ms=ours_ms,
             ours_tflops=flops / ours_ms / 1e9,
             cache_only_tflops=flops / cache_only_ms / 1e9,
+            host_us=host_us(ours_call(x, config)),
+            cache_only_host_us=host_us(ours_call(x, config, chunk_rows=False)),
             sdpa_tflops=flops / sdpa_ms / 1e9 if sdpa_ms else None,
         )
         if args.sweep:
@@ -168,33 +198,35 @@ def main() -> None:
                 sweep=[(asdict(c), flops / ms / 1e9) for ms, c in timed],
             )
         rows.append(row)
-    print_table(rows, args.sweep)
+    print_table(rows, args.sweep, config)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(device=torch.cuda.get_device_name(), default_config=asdict(CONFIG), rows=rows),
+                dict(device=torch.cuda.get_device_name(), config=asdict(config), rows=rows),
                 f,
                 indent=1,
             )
 
 
-def print_table(rows: list[dict], sweep: bool) -> None:
+def print_table(rows: list[dict], sweep: bool, config: PrefillConfig) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     print(
-        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n"
+        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(config)}\n"
     )
     print(
-        "| seqs x prompt | cached | ours ms | ours TFLOP/s | cache only TFLOP/s | SDPA flash TFLOP/s"
-        " | ours/SDPA |" + (" best TFLOP/s | best config |" if sweep else "")
+        "| seqs x prompt | cached | ours ms | host us/launch (cache only) | ours TFLOP/s | cache only TFLOP/s"
+        " | SDPA flash TFLOP/s | ours/SDPA |" + (" best TFLOP/s | best config |" if sweep else "")
     )
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if sweep else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if sweep else ""))
     for r in rows:
         sdpa = r["sdpa_tflops"]
         line = (
-            f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | "
+            f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | "
+            f"{r['host_us']:.0f} ({r['cache_only_host_us']:.0f}) | {r['ours_tflops']:.0f} | "
             f"{r['cache_only_tflops']:.0f} | {sdpa:.0f} | {r['ours_tflops'] / sdpa:.2f} |"
             if sdpa
-            else f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | "
+            else f"| {r['batch']}x{r['prompt']} | {r['cached']} | {r['ours_ms']:.3f} | "
+            f"{r['host_us']:.0f} ({r['cache_only_host_us']:.0f}) | {r['ours_tflops']:.0f} | "
             f"{r['cache_only_tflops']:.0f} | - | - |"
         )
         if sweep:

@@ -250,7 +250,7 @@ def attend_straddling(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``_attend`` over the one tile that holds both the prefix's end and the chunk's start."""
+    """``attend`` over the one tile that holds both the prefix's end and the chunk's start."""
     k, v = straddling_kv(
         k_seq,
         v_seq,

@@ -63,6 +63,22 @@ def chunk_positions(kv: PagedKV, cases: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(slots)
 
 
+def reference_output(query: torch.Tensor, kv: PagedKV, cu: torch.Tensor) -> torch.Tensor:
+    """The float64 reference on the clean cache (CPU)."""
+    ref = torch.empty(query.shape, dtype=torch.float64)
+    reference.prefill_attention(
+        ref,
+        query.double(),
+        kv.k_cache.double(),
+        kv.v_cache.double(),
+        kv.block_tables,
+        cu,
+        kv.context_lens,
+        0.125,
+    )
+    return ref
+
+
 @pytest.mark.skipif(not TMA_HERE, reason="the chunk path needs compute capability 9.0+ (TMA)")
 @pytest.mark.parametrize(
     "cases, config",
@@ -92,9 +108,8 @@ def test_chunk_rows_give_the_cache_path_bit_for_bit(cases, config, dtype):
     k, v = kv.poisoned()
     from_cache = nan_like(query.shape, dtype)
     prefill_attention(from_cache, query.to(DEVICE), k, v, *args, config=config)
-    k.view(-1, kv_heads, HEAD_DIM)[slots.to(DEVICE)] = float(
-        "nan"
-    )  # the chunk must come from its rows
+    # the chunk must come from its rows
+    k.view(-1, kv_heads, HEAD_DIM)[slots.to(DEVICE)] = float("nan")
     v.view(-1, kv_heads, HEAD_DIM)[slots.to(DEVICE)] = float("nan")
     from_rows = nan_like(query.shape, dtype)
     prefill_attention(
@@ -102,17 +117,7 @@ def test_chunk_rows_give_the_cache_path_bit_for_bit(cases, config, dtype):
     )
 
     assert torch.equal(from_rows, from_cache)
-    ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.prefill_attention(
-        ref,
-        query.double(),
-        kv.k_cache.double(),
-        kv.v_cache.double(),
-        kv.block_tables,
-        cu,
-        kv.context_lens,
-        0.125,
-    )
+    ref = reference_output(query, kv, cu)
     assert relative_error(from_rows, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -170,17 +175,7 @@ def test_short_passes_read_the_cache_not_the_chunk_rows():
     args = (kv.block_tables.to(DEVICE), cu.to(DEVICE), kv.context_lens.to(DEVICE), 0.125)
     out = nan_like(query.shape, torch.float32)
     prefill_attention(out, query.to(DEVICE), k, v, *args, 1.0, 1.0, chunk_k, chunk_v)
-    ref = torch.empty(query.shape, dtype=torch.float64)
-    reference.prefill_attention(
-        ref,
-        query.double(),
-        kv.k_cache.double(),
-        kv.v_cache.double(),
-        kv.block_tables,
-        cu,
-        kv.context_lens,
-        0.125,
-    )
+    ref = reference_output(query, kv, cu)
     assert relative_error(out, ref) < 1e-5
 
 

@@ -22,7 +22,7 @@ wrote). The query tile and every key tile wholly inside the chunk are then read 
 descriptors (one bulk copy per tile, pipelined), not gathered through the block table. Tiles of the cached
 prefix are gathered as before, and the one tile the prefix ends in reads each position from where it lives.
 Tiles start at the same positions either way, so the result is the same, bit for bit, as reading everything
-from the cache. Measured on an H100: 1x8192 causal 390 -> 520 TFLOP/s (docs/BENCHMARKS.md).
+from the cache. Measured on an H100: 1x8192 causal 389 -> 522 TFLOP/s (docs/BENCHMARKS.md).
 
 An FP8 cache (``KV_FP8``) is read as in the decode kernel (paged_attention.py): tiles widened to the query's
 dtype, ``k_scale`` folded into the softmax scale, ``v_scale`` applied to the output.

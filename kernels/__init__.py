@@ -38,6 +38,7 @@ _TRITON_MODULE = {
     "contiguous_prefill_attention": "contiguous_attention",
     "rms_norm": "rms_norm",
     "rotary_embedding": "rotary",
+    "rotary_store_kv": "rotary",
     "silu_and_mul": "activation",
     "skinny_gemm": "skinny_gemm",
     "skinny_gemm_silu_and_mul": "skinny_gemm",

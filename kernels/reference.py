@@ -283,6 +283,24 @@ def rotary_embedding(
     k.copy_(k * cos + _rotate_half(k) * sin)
 
 
+def rotary_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """``rotary_embedding`` of ``q`` and ``k`` in place, then ``store_kv`` of the rotated ``k`` and of ``v``."""
+    rotary_embedding(positions, q, k, cos_cache, sin_cache)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

@@ -1,4 +1,5 @@
-"""Rotary position embedding applied in place (Triton), rotate-half (NeoX) layout.
+"""Rotary position embedding applied in place (Triton), rotate-half (NeoX) layout, alone or fused with the
+KV store that follows it.
 
 Contract (that of ``reference.rotary_embedding``): ``q`` ``[T, heads, head_dim]`` and ``k``
 ``[T, kv_heads, head_dim]`` are overwritten with ``x * cos + rotate_half(x) * sin`` at their ``positions``.
@@ -7,6 +8,10 @@ last dim must be contiguous. One program per token rotates all its q and k heads
 per token, and only their first half: the cache rows are ``cat(freqs, freqs)``.
 
 Rounding follows torch's op order: each product, then the sum, rounded to the dtype of ``q * cos``.
+
+``rotary_store_kv`` (contract of ``reference.rotary_store_kv``) also writes the rotated K and the V rows into the
+cache at each token's slot, as ``store_kv`` would: one launch instead of two on the decode step's dependent
+chain (16 of its ~120 kernel boundaries for llama-3.2-1b).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cache_ops import quantize_e4m3
 from kernels.device_features import use_pdl
+from kernels.reference import FP8
 from kernels.pdl import release_next, wait_for_previous
 from kernels.specialization import per_step
 
@@ -45,11 +52,26 @@ def _rotate_heads(
     )
     out2 = (x2 * cos).to(PRODUCT_DTYPE).to(tl.float32) + (x1 * sin).to(PRODUCT_DTYPE).to(tl.float32)
     element = base_ptr.dtype.element_ty
-    tl.store(first, out1.to(PRODUCT_DTYPE).to(element), mask=mask)
-    tl.store(first + HALF, out2.to(PRODUCT_DTYPE).to(element), mask=mask)
+    out1 = out1.to(PRODUCT_DTYPE).to(element)
+    out2 = out2.to(PRODUCT_DTYPE).to(element)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2
 
 
-@triton.jit(**per_step("positions_ptr"))
+@triton.jit
+def _store_halves(cache_ptr, first, second, mask, scale, HALF: tl.constexpr, KV_FP8: tl.constexpr):
+    """Write one token's rows, given as their two halves, at ``cache_ptr`` (the slot's first element + the
+    heads' and dims' offsets); quantized with ``scale`` in an FP8 cache, as ``store_kv`` does."""
+    if KV_FP8:
+        first = quantize_e4m3(first, scale)
+        second = quantize_e4m3(second, scale)
+    element = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr, first.to(element), mask=mask)
+    tl.store(cache_ptr + HALF, second.to(element), mask=mask)
+
+
+@triton.jit(**per_step("positions_ptr", "slot_ptr"))
 def _rotary_kernel(
     positions_ptr,
     q_ptr,
@@ -62,6 +84,17 @@ def _rotary_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale,
+    v_scale,
+    stride_vt,
+    stride_vh,
+    stride_block,
+    stride_token,
+    stride_head,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -69,8 +102,13 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One program per token: rotates its q and k heads in place; with STORE also writes the rotated k and
+    its v into slot ``slot_ptr[token]`` of the caches (slot -1, padding: nothing)."""
     wait_for_previous(PDL)
     release_next(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -89,7 +127,7 @@ def _rotary_kernel(
         HALF,
         PRODUCT_DTYPE,
     )
-    _rotate_heads(
+    k1, k2 = _rotate_heads(
         k_ptr + token * stride_kt,
         stride_kh,
         cos,
@@ -100,6 +138,22 @@ def _rotary_kernel(
         HALF,
         PRODUCT_DTYPE,
     )
+    if STORE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+            mask = (heads < NUM_KV_HEADS) & (dims < HALF)
+            at = (
+                (slot // BLOCK_SIZE) * stride_block
+                + (slot % BLOCK_SIZE) * stride_token
+                + heads * stride_head
+                + dims
+            )
+            _store_halves(k_cache_ptr + at, k1, k2, mask, k_scale, HALF, KV_FP8)
+            v_row = v_ptr + token * stride_vt + heads * stride_vh + dims
+            v1 = tl.load(v_row, mask=mask)
+            v2 = tl.load(v_row + HALF, mask=mask)
+            _store_halves(v_cache_ptr + at, v1, v2, mask, v_scale, HALF, KV_FP8)
 
 
 def rotary_embedding(
@@ -110,6 +164,43 @@ def rotary_embedding(
     sin_cache: torch.Tensor,
 ) -> None:
     """Same contract as ``reference.rotary_embedding``: rotates ``q`` and ``k`` in place."""
+    _launch(positions, q, k, cos_cache, sin_cache, None)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Same contract as ``reference.rotary_store_kv``: ``rotary_embedding``, then ``store_kv`` of the rotated
+    ``k`` and of ``v``, in one launch."""
+    if v.shape != k.shape or v.stride(-1) != 1:
+        raise ValueError(
+            f"rotary_store_kv: v {tuple(v.shape)} needs k's shape {tuple(k.shape)} and a contiguous last dim"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("rotary_store_kv: K and V caches need one layout with head_dim contiguous")
+    _launch(
+        positions, q, k, cos_cache, sin_cache, (v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    )
+
+
+def _launch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    store: tuple | None,
+) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
         raise ValueError(
@@ -126,6 +217,8 @@ def rotary_embedding(
         )
     if num_tokens == 0:
         return
+    # without a store, k stands in for the store's tensors (never read: STORE is off)
+    v, k_cache, v_cache, slots, k_scale, v_scale = store or (k, k, k, positions, 1.0, 1.0)
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions,
@@ -139,6 +232,17 @@ def rotary_embedding(
         k.stride(1),
         cos_cache.stride(0),
         sin_cache.stride(0),
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k_scale,
+        v_scale,
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=k.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_heads),
@@ -146,6 +250,9 @@ def rotary_embedding(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(q.dtype, cos_cache.dtype)],
+        STORE=store is not None,
+        BLOCK_SIZE=k_cache.shape[1] if store is not None else 1,
+        KV_FP8=k_cache.dtype == FP8,
         PDL=(pdl := use_pdl(q.device)),
         num_warps=4,
         launch_pdl=pdl,

@@ -9,11 +9,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.worker.forward_context import AttentionMetadata
+from kernels import ops as kernel_ops
+
+
+@dataclass(slots=True, frozen=True)
+class Rotation:
+    """The rotary embedding a layer hands its KV backend, so that q and k are rotated in the launch that stores
+    K and V (``kernels.ops.rotary_store_kv``): each token's position and the ``[max_position, head_dim]`` cos and
+    sin rows (engine/layers/rotary.py)."""
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
 
 class KVBackend(ABC):
@@ -50,11 +63,44 @@ class KVBackend(ABC):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """One attention layer's pass over its caches (``layer_caches``): store this pass's ``k``/``v``
         ``[T, kv_heads, head_dim]`` at their slots, then attend each row of ``q`` ``[T, heads, head_dim]`` over its
         sequence's KV, the decode rows (the first ``meta.num_decodes``) and the prefill chunks after them each by
-        their own kernel -> ``[T, heads * head_dim]``. ``k_scale``/``v_scale``: an FP8 cache's scales."""
+        their own kernel -> ``[T, heads * head_dim]``. ``k_scale``/``v_scale``: an FP8 cache's scales.
+        ``rotation``: q and k are not rotated yet; ``store`` rotates them in place as it stores."""
+
+    def store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        k_scale: float,
+        v_scale: float,
+        rotation: Rotation | None,
+    ) -> None:
+        """``attend``'s first part: ``k``/``v`` into their slots, after ``rotation`` (if any) of ``q`` and
+        ``k`` in place, in the same launch."""
+        if rotation is None:
+            kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            return
+        kernel_ops.rotary_store_kv(
+            rotation.positions,
+            q,
+            k,
+            v,
+            rotation.cos_cache,
+            rotation.sin_cache,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            k_scale,
+            v_scale,
+        )
 
     # where a step's tokens live: the step inputs' slot math (engine/worker/step_inputs.py) ------------------
 

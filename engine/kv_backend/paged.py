@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_backend.base import KVBackend
+from engine.kv_backend.base import KVBackend, Rotation
 from engine.worker.forward_context import AttentionMetadata
 from kernels import cpu as cpu_kernels
 from kernels import ops as kernel_ops
@@ -57,10 +57,11 @@ class PagedKV(KVBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Through the kernel dispatch (kernels.ops: Triton on CUDA, the torch references on the CPU), over
         each sequence's block table."""
-        kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -110,9 +111,18 @@ class LeanCpuPagedKV(PagedKV):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         if k_cache.dtype == torch.float8_e4m3fn:
-            return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return super().attend(
+                q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, rotation
+            )
+        if (
+            rotation is not None
+        ):  # (the lean layers rotate before they call: kernels/cpu.py's rotary)
+            kernel_ops.rotary_embedding(
+                rotation.positions, q, k, rotation.cos_cache, rotation.sin_cache
+            )
         memo = meta.memo
         if (store := memo.get("store")) is None:
             store = memo["store"] = cpu_kernels.store_plan(meta.slot_mapping)

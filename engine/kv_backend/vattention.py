@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.kv_backend.base import KVBackend
+from engine.kv_backend.base import KVBackend, Rotation
 from engine.kv_backend.slot_jobs import SlotJobs
 from engine.kv_backend.slot_pages import SlotPages
 from engine.worker.forward_context import AttentionMetadata
@@ -237,9 +237,10 @@ class VAttentionKV(KVBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Each sequence's KV is its request slot (``meta.slot_ids``): no block table in the kernels."""
-        kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kv_backend.base import KVBackend
+from engine.kv_backend.base import KVBackend, Rotation
 from engine.worker.forward_context import AttentionMetadata, get_attention_metadata
 
 
@@ -48,14 +48,31 @@ class PagedAttention(nn.Module):
         """Whether this layer's cache is FP8 (float8_e4m3fn)."""
         return self.k_cache.dtype == torch.float8_e4m3fn
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, heads, head_dim]``, ``k``/``v`` ``[T, kv_heads, head_dim]`` -> ``[T, heads * head_dim]``."""
-        return self.attend(q, k, v, get_attention_metadata())
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: Rotation | None = None
+    ) -> torch.Tensor:
+        """``q`` ``[T, heads, head_dim]``, ``k``/``v`` ``[T, kv_heads, head_dim]`` -> ``[T, heads * head_dim]``.
+        ``rotation``: q and k still to be rotated, which the KV store does in its own launch."""
+        return self.attend(q, k, v, get_attention_metadata(), rotation)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """``forward`` with the pass's metadata given (the CPU decoder's layer loop has it at hand)."""
         return self.kv.attend(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            rotation,
         )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kv_backend.base import Rotation
 from engine.worker.forward_context import pass_memo
 from kernels import cpu as cpu_kernels
 from kernels import lean_cpu, ops as kernel_ops
@@ -60,6 +61,10 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        """This embedding at ``positions``, for the KV store to apply as it stores (``KVBackend.store``)."""
+        return Rotation(positions, self.cos_cache, self.sin_cache)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -37,6 +37,7 @@ from engine.layers.quantized_linear import (
 )
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
 
 from engine.layers.attention import PagedAttention
@@ -148,8 +149,11 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.attn(q, k, v)
+        if lean_cpu(q):
+            q, k = self.rotary(positions, q, k)
+            return self.attn(q, k, v)
+        # rotated in the launch that stores K and V (one kernel boundary less per layer)
+        return self.attn(q, k, v, self.rotary.rotation(positions))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -14,6 +14,11 @@ time in this measurement (the L2 flush before each call is the only head start t
 ``--kv-cache-dtype fp8``: the cache in float8 e4m3 (half the bytes; query and output stay bf16); the SDPA peer
 then reads a bfloat16 copy (its TB/s counts its own bytes), and ours/SDPA is the ratio of times.
 
+``--cuda-graph`` times ours in CUDA graph replays, each replay one call per copy of the cache (copies of >= 150 MB
+together, so every call reads HBM): the kernel without the host's launch. ``--head-dim 64 --table-tokens 131072
+--shapes 16x704`` is llama-3.2-1b's decode at 16 streams as the engine's graphs launch it (a table as wide as
+max_model_len).
+
 ``--sweep`` also times a grid of launch configurations (tiles, stages, when to split) per shape and reports
 the best next to the default.
 """
@@ -24,17 +29,23 @@ import argparse
 import datetime
 import itertools
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from kernels import reference
+import kernels.paged_attention as paged_attention_module
 from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
 
 SHAPES = [(32, 8192), (64, 8192), (128, 1024), (32, 2048)]
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+TABLE_TOKENS = 0  # main's --table-tokens
+CUDA_GRAPH = False  # main's --cuda-graph
+L2_ROTATION_BYTES = (
+    150 * 2**20
+)  # graph timing rotates over cache copies of at least this many bytes
 # the grid behind the defaults (docs/KERNELS_NOTES.md): tiles x stages x when to split
 SWEEP = [
     DecodeConfig(tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
@@ -61,11 +72,20 @@ def paged_inputs(batch: int, context: int, block_size: int, kv_dtype: torch.dtyp
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(
         batch, blocks_per_seq
     )
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    copies = -(-L2_ROTATION_BYTES // kv_bytes) - 1 if CUDA_GRAPH else 0
+    cache_copies = [(k_cache.clone(), v_cache.clone()) for _ in range(copies)]
+    # the kernel's view: a CUDA graph's table is as wide as max_model_len, padded with block 0
+    width = max(blocks_per_seq, TABLE_TOKENS // block_size)
+    padded = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    padded[:, :blocks_per_seq] = tables
     return dict(
         query=torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE),
         k_cache=k_cache,
         v_cache=v_cache,
         block_tables=tables,
+        kernel_tables=padded,
+        cache_copies=cache_copies,
         context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
     )
 
@@ -76,20 +96,28 @@ def run_ours(
     out = torch.empty_like(inputs["query"])
     scale = HEAD_DIM**-0.5
 
-    def call() -> None:
+    def call(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         paged_attention(
             out,
             inputs["query"],
-            inputs["k_cache"],
-            inputs["v_cache"],
-            inputs["block_tables"],
+            k_cache,
+            v_cache,
+            inputs["kernel_tables"],
             inputs["context_lens"],
             scale,
             config=config,
             split=split,
         )
 
-    return bench(call), out
+    if not CUDA_GRAPH:
+        return bench(lambda: call(inputs["k_cache"], inputs["v_cache"])), out
+    # replayed from a graph, one call per copy of the cache: together >= 3x L2, so each reads HBM
+    copies = [(inputs["k_cache"], inputs["v_cache"])] + inputs["cache_copies"]
+    ms = triton.testing.do_bench_cudagraph(
+        lambda: [call(k, v) for k, v in copies], rep=200, return_mode="median"
+    )
+    call(inputs["k_cache"], inputs["v_cache"])
+    return ms / len(copies), out
 
 
 def try_config(inputs: dict, config: DecodeConfig) -> float:
@@ -178,6 +206,7 @@ def measure(
 
 
 def main() -> None:
+    global HEAD_DIM, TABLE_TOKENS, CUDA_GRAPH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--sweep", action="store_true")
@@ -191,7 +220,27 @@ def main() -> None:
         "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="ours timed in graph replays (no host launch time)",
+    )
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64: llama-3.2-1b's")
+    parser.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="block tables as wide as this many tokens (a CUDA graph's: max_model_len)",
+    )
+    parser.add_argument(
+        "--num-warps", type=int, default=None, help="DecodeConfig.num_warps for every launch"
+    )
     args = parser.parse_args()
+    HEAD_DIM, TABLE_TOKENS, CUDA_GRAPH = args.head_dim, args.table_tokens, args.cuda_graph
+    sweep = SWEEP
+    if args.num_warps:  # the default every launch without a config takes, and the sweep's
+        paged_attention_module.CONFIG = replace(CONFIG, num_warps=args.num_warps)
+        sweep = [replace(c, num_warps=args.num_warps) for c in SWEEP]
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     rows = []
     for batch, context in [tuple(map(int, shape.split("x"))) for shape in args.shapes]:
@@ -203,7 +252,7 @@ def main() -> None:
         copy_tbps = copy_ceiling_tbps(kv_bytes)
         for block_size in args.block_sizes:
             row = measure(
-                batch, context, block_size, SWEEP[args.sweep_from :] if args.sweep else [], kv_dtype
+                batch, context, block_size, sweep[args.sweep_from :] if args.sweep else [], kv_dtype
             )
             row.update(
                 sdpa_ms=sdpa_ms,
@@ -220,7 +269,7 @@ def main() -> None:
                 dict(
                     device=torch.cuda.get_device_name(),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    default_config=asdict(CONFIG),
+                    default_config=asdict(paged_attention_module.CONFIG),
                     rows=rows,
                 ),
                 f,
@@ -231,7 +280,7 @@ def main() -> None:
 def print_table(rows: list[dict], sweep: bool) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     print(
-        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(CONFIG)}\n"
+        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(paged_attention_module.CONFIG)}\n"
     )
     head = (
         "| batch x ctx | block | KV GB | ours ms | ours TB/s | SDPA TB/s | ours/SDPA | copy TB/s | rel err |"

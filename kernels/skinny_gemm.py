@@ -22,8 +22,11 @@ Design, and why:
   does (gate and up to the output dtype, silu rounded, then the product; kernels/activation.py), so fusing
   changes no bit of an output computed with the same accumulation order.
 - Programmatic dependent launch (kernels/pdl.py) on Hopper: a program fetches the first ``prefetch_k`` elements of
-  its weight rows into L2 before it waits for the previous kernel, so the weight stream does not pause at the
-  kernel boundary (the weights are the one input no kernel of the step writes).
+  its weight rows into L2 before it waits for the previous kernel (the weights are the one input no kernel of the
+  step writes). Measured in the engine's 1-stream decode step on an H100 (docs/BENCHMARKS.md, seventh session):
+  one 128-byte line a row (64) is best: 1.191 ms a step, against 1.204 with none, 1.265 with 512 elements, 1.41
+  with 1024 and 1.76 with 2048. A longer prefetch, issued while the kernel ahead still streams its own weights,
+  costs that kernel more than it saves this one.
 - Launch parameters per (op, M rounded up to a power of two, N, K) come from ``TABLE``, else from
   ``heuristic_config``; ``python -m benchmarks.skinny_gemm`` measures both against a sweep and prints entries.
 """
@@ -52,12 +55,12 @@ class SkinnyConfig:
     split_k: int = 1  # programs per column block, each over 1/split_k of K
     num_warps: int = 4
     num_stages: int = 4
-    prefetch_k: int = 512  # weight-row elements fetched into L2 before waiting (PDL)
+    prefetch_k: int = 64  # weight-row elements fetched into L2 before waiting (PDL); 0: none
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "prefetch_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if (value < 16 and not (name == "prefetch_k" and value == 0)) or value & (value - 1):
                 raise ValueError(f"SkinnyConfig.{name}: must be a power of two >= 16, not {value}")
         if self.split_k < 1:
             raise ValueError(f"SkinnyConfig.split_k: must be >= 1, not {self.split_k}")
@@ -224,7 +227,7 @@ def _skinny_kernel(
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    if PDL:
+    if PDL and PREFETCH_K > 0:
         _prefetch_weights(
             w_ptr, cols, k_start, k_stop, N, stride_wn, PREFETCH_K, LINE, SILU_MUL, PDL
         )
@@ -378,9 +381,8 @@ def _launch(
         SILU_MUL=op == SILU_AND_MUL,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        PREFETCH_K=max(
-            line, min(config.prefetch_k, triton.next_power_of_2(per_split * config.block_k))
-        ),
+        PREFETCH_K=config.prefetch_k
+        and max(line, min(config.prefetch_k, triton.next_power_of_2(per_split * config.block_k))),
         LINE=line,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -159,6 +159,9 @@ def test_bad_arguments_are_refused_with_a_message():
         skinny_gemm_silu_and_mul(x[:2], weight[:47])
     with pytest.raises(ValueError, match="block_k"):
         SkinnyConfig(block_k=48)
+    with pytest.raises(ValueError, match="prefetch_k"):
+        SkinnyConfig(prefetch_k=8)
+    assert SkinnyConfig(prefetch_k=0).prefetch_k == 0  # no prefetch at all
 
 
 def test_heuristic_splits_k_where_column_blocks_leave_sms_idle():

@@ -117,9 +117,8 @@ class LeanCpuPagedKV(PagedKV):
             return super().attend(
                 q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, rotation
             )
-        if (
-            rotation is not None
-        ):  # (the lean layers rotate before they call: kernels/cpu.py's rotary)
+        # the lean layers rotate before they call (kernels/cpu.py's rotary); any other caller, here
+        if rotation is not None:
             kernel_ops.rotary_embedding(
                 rotation.positions, q, k, rotation.cos_cache, rotation.sin_cache
             )

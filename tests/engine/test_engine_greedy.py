@@ -4,6 +4,11 @@ too small for all of them — with sampled ids read at once or one step late (as
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from engine.llm import LLM
@@ -108,6 +113,44 @@ def test_decode_batches_padded_to_graph_sizes_equal_transformers(prompts, expect
     assert llm.engine.runner.decode_graphs.padded_steps[16] > 0
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+# run with PAGEDCHAT_KERNELS=reference (read when kernels is imported, hence a process of its own): prints the
+# greedy tokens and how often the attention layers handed their rotation to the KV store
+REFERENCE_KERNELS_RUN = """
+import json, sys
+import kernels
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+calls = []
+store = kernels.ops.rotary_store_kv
+kernels.ops.rotary_store_kv = lambda *args: calls.append(1) or store(*args)
+llm = LLM(cpu_weights="float32", kv_cache_memory_gib=KV_GIB, max_num_batched_tokens=64)
+greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+outputs = llm.generate(json.loads(sys.stdin.read()), greedy)
+print(json.dumps([[o.token_ids for o in outputs], len(calls)]))
+"""
+
+
+def test_the_gpu_layer_path_with_reference_kernels_equals_transformers(prompts, expected):
+    """The layers as the GPU runs them, the torch references standing in for the kernels: the attention layer
+    hands its rotation to the KV backend, which rotates q and k in the launch that stores K and V
+    (``kernels.ops.rotary_store_kv``), where the lean CPU path rotates first. Still transformers' tokens."""
+    script = REFERENCE_KERNELS_RUN.replace("KV_GIB", str(SMALL_KV_GIB)).replace(
+        "NEW_TOKENS", str(NEW_TOKENS)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PAGEDCHAT_KERNELS": "reference"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, rotated_stores = json.loads(result.stdout.strip().splitlines()[-1])
+    assert tokens == expected
+    assert rotated_stores > 0, "the layers should have handed their rotation to the KV store"
 
 
 def test_text_is_the_decoded_tokens(prompts, tokenizer):

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import prefetch_l2
-from kernels.skinny_gemm import _store_out, _sum_partials
+from kernels.persistent_decode import grid_barrier
+from kernels.skinny_gemm import store_out, sum_partials
 
 # llama-3.2-1b: hidden, q width (heads x head dim), qkv width, MLP intermediate
 HIDDEN, Q_WIDTH, QKV_WIDTH, INTERMEDIATE = 2048, 2048, 3072, 8192
@@ -67,19 +68,6 @@ class ChainConfig:
     prefetch_k: int = 256  # weight-row elements a program asks L2 for before each barrier; 0: none
     programs: int = 0  # 0: one per SM
     work: bool = True  # False: the barriers alone
-
-
-@triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Every program waits here until ``target`` arrivals are counted (release: its writes are seen first).
-    Measured on an H100 (132 programs): ~1.05 us a barrier. Two other forms measured slower and were taken out:
-    spinning on plain (volatile) loads, then one acquire (~1.26 us); a slot per program, written by its owner
-    and read by all in one vector load (~1.5 us)."""
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -122,7 +110,7 @@ def _phase(
             if GATE_UP:
                 up = tl.dot(tl.load(w_rows + n_cols * K + ks), tl.trans(x), up)
         if SPLITS == 1:
-            _store_out(out_ptr, gate, up, rows, cols, M, n_cols, n_cols, GATE_UP)
+            store_out(out_ptr, gate, up, rows, cols, M, n_cols, n_cols, GATE_UP)
         else:
             width = 2 * n_cols if GATE_UP else n_cols
             part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
@@ -132,10 +120,10 @@ def _phase(
             tl.debug_barrier()  # every thread's partials are written before the release below
             if tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 tl.store(counter_ptr + block, 0)
-                total_gate, total_up = _sum_partials(
+                total_gate, total_up = sum_partials(
                     part_ptr, rows, cols, M, n_cols, SPLITS, GATE_UP, BLOCK_M, BLOCK_N
                 )
-                _store_out(out_ptr, total_gate, total_up, rows, cols, M, n_cols, n_cols, GATE_UP)
+                store_out(out_ptr, total_gate, total_up, rows, cols, M, n_cols, n_cols, GATE_UP)
 
 
 @triton.jit
@@ -211,20 +199,20 @@ def _chain_kernel(
                    S_QKV, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         _prefetch_first_task(wo, H, Q_N, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
-        _grid_barrier(counter_ptr, arrived)
+        grid_barrier(counter_ptr, arrived)
         # (attention left out: o reads the q columns)
         if WORK:
             _phase(qkv_ptr, QKV_N, wo, part_ptr, o_counters, o_ptr, M, H, Q_N, pid, programs,
                    S_O, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         _prefetch_first_task(wgu, I, H, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
-        _grid_barrier(counter_ptr, arrived)
+        grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(o_ptr, H, wgu, part_ptr, gu_counters, act_ptr, M, I, H, pid, programs,
                    S_GU, True, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         _prefetch_first_task(wd, H, I, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
-        _grid_barrier(counter_ptr, arrived)
+        grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(act_ptr, I, wd, part_ptr, d_counters, h_ptr, M, H, I, pid, programs,
                    S_D, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
@@ -233,7 +221,7 @@ def _chain_kernel(
                 wqkv + QKV_N * H, QKV_N, H, pid, S_QKV, False, BLOCK_N, PREFETCH_K, LINE
             )
         arrived += programs
-        _grid_barrier(counter_ptr, arrived)
+        grid_barrier(counter_ptr, arrived)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.store(counter_ptr, 0)
         tl.store(counter_ptr + 1, 0)

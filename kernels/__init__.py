@@ -43,6 +43,7 @@ _TRITON_MODULE = {
     "skinny_gemm": "skinny_gemm",
     "skinny_gemm_silu_and_mul": "skinny_gemm",
     "greedy_argmax": "argmax",
+    "persistent_decode": "persistent_decode",
 }
 
 

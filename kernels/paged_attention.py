@@ -151,6 +151,96 @@ def _decode_kernel(
     wait_for_previous(PDL)
     release_next(PDL)
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    q = tl.load(
+        q_ptr + seq * stride_qb + (kv_head * GROUP + rows)[:, None] * stride_qh + dims[None, :],
+        mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    if Q_TO_F16:
+        q = q.to(tl.float16)  # (K, V and the probabilities follow q's dtype)
+    decode_task(
+        q,
+        kv_head,
+        seq,
+        part,
+        out_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        ctx_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        part_acc_ptr,
+        counter_ptr,
+        scale_log2,
+        v_scale,
+        stride_ob,
+        stride_oh,
+        stride_block,
+        stride_token,
+        stride_head,
+        stride_table,
+        num_kv_heads,
+        num_parts,
+        GROUP,
+        GROUP_PAD,
+        GROUP_POW2,
+        HEAD_DIM,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        SPLIT,
+        MERGE_CHUNK,
+        DOT_PRECISION,
+        CONTIGUOUS,
+        KV_FP8,
+    )
+
+
+@triton.jit
+def decode_task(
+    q,
+    kv_head,
+    seq,
+    part,
+    out_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    ctx_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    counter_ptr,
+    scale_log2,
+    v_scale,
+    stride_ob,
+    stride_oh,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_table,
+    num_kv_heads,
+    num_parts,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """One (KV head, sequence[, partition]) of decode attention for the query rows ``q`` ``[GROUP_PAD,
+    HEAD_PAD]`` (that KV head's query heads, loaded by the caller): the one-pass output, or the partition's
+    partials and, for the last partition to finish, the merge. The decode kernel runs one a program; the
+    persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase."""
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
         # this sequence's own partitions: its context over all of the launch's, in whole tiles (a short context
@@ -165,11 +255,6 @@ def _decode_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
     q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
-    )
-    if Q_TO_F16:
-        q = q.to(tl.float16)  # (K, V and the probabilities follow q's dtype)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
     k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
     row_max, row_sum, acc = _attend_range(

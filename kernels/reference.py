@@ -15,8 +15,13 @@ the scales. Block copies move bytes and do not care.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kernels.decoder_stack import DecoderStack
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -334,6 +339,40 @@ def skinny_gemm_silu_and_mul(
     rows first), into ``out`` when given. ``config`` is ignored."""
     result = silu_and_mul(x @ weight.T)
     return result if out is None else out.copy_(result)
+
+
+def persistent_decode(
+    h: torch.Tensor,
+    stack: DecoderStack,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    scale: float,
+    config: object | None = None,
+) -> None:
+    """Every decoder layer of ``stack`` for one decode token per row of ``h`` ``[M, hidden]`` (the residual
+    stream, updated in place to the stream after the last layer, before the final norm), as the engine's
+    layer path computes it: norm, qkv, rotary + KV store at ``slot_mapping``, decode attention, o + residual,
+    norm, gate/up + SiLU-and-mul, down + residual. ``config`` (the kernel's) is ignored."""
+    heads, kv_heads, head_dim = stack.num_heads, stack.num_kv_heads, stack.head_dim
+    rows = h.shape[0]
+    for layer in stack.layers:
+        x = rms_norm(h, layer.norm_in, stack.eps)
+        q, k, v = skinny_gemm(x, layer.qkv).split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        q = q.reshape(rows, heads, head_dim)
+        k, v = k.reshape(rows, kv_heads, head_dim), v.reshape(rows, kv_heads, head_dim)
+        rotary_store_kv(
+            positions, q, k, v, cos_cache, sin_cache, layer.k_cache, layer.v_cache, slot_mapping
+        )
+        attn = torch.empty_like(q)
+        paged_attention(attn, q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale)
+        x, _ = rms_norm(skinny_gemm(attn.view(rows, -1), layer.o), layer.norm_post, stack.eps, h)
+        torch.add(skinny_gemm(skinny_gemm_silu_and_mul(x, layer.gate_up), layer.down), h, out=h)
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _column_block_product(
 
 
 @triton.jit
-def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr):
+def store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.constexpr):
     """Round and store an ``[BLOCK_N, BLOCK_M]`` block (out.T); with SILU_MUL ``silu(gate) * up``, rounded as
     kernels/activation.py rounds the unfused output."""
     element = out_ptr.dtype.element_ty
@@ -144,7 +144,7 @@ def _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL: tl.cons
 
 
 @triton.jit
-def _sum_partials(
+def sum_partials(
     part_ptr,
     rows,
     cols,
@@ -283,12 +283,12 @@ def _skinny_kernel(
         # the last split merges, re-arms
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
-            total_gate, total_up = _sum_partials(
+            total_gate, total_up = sum_partials(
                 part_ptr, rows, cols, M, N, num_splits, SILU_MUL, BLOCK_M, BLOCK_N
             )
-            _store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)
+            store_out(out_ptr, total_gate, total_up, rows, cols, M, N, stride_om, SILU_MUL)
     else:
-        _store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
+        store_out(out_ptr, gate, up, rows, cols, M, N, stride_om, SILU_MUL)
 
 
 def skinny_gemm(

@@ -27,7 +27,12 @@ from benchmarks.persistent_chain import (  # noqa: E402
 )
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
-DIMS = (128, 128, 192, 256)  # hidden, q width, qkv width, intermediate (q narrower than qkv, as with GQA)
+DIMS = (
+    128,
+    128,
+    192,
+    256,
+)  # hidden, q width, qkv width, intermediate (q narrower than qkv, as with GQA)
 SMALL = dict(block_n=32, block_k=32, programs=1 if DEVICE.type == "cpu" else 0)
 
 

@@ -1,0 +1,227 @@
+"""The decoder layers of one decode step: the persistent kernel (kernels/persistent_decode.py, one launch)
+against the engine's layer path (a launch per norm, projection, rotary + KV store and attention), on an H100.
+
+llama-3.2-1b's shapes (16 layers, hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192), bf16 random weights
+(never zeros), a paged cache of 16-token blocks holding ``--context`` tokens per sequence, a block table as wide
+as ``--table-tokens`` (the engine's CUDA graphs use one sized for the longest context). Both paths end with the
+model's final norm and are replayed from a CUDA graph; CUDA events, median of ``--repeats`` replays. Before
+timing, the two outputs (the normed stream) are compared: relative error, and whether the persistent kernel
+repeats itself bit for bit.
+
+    python -m benchmarks.persistent_decode [--rows 1 16] [--context 700] [--table-tokens 4096]
+                                           [--prefetch-k 256] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+
+from kernels import ops, reference
+from kernels.decoder_stack import DecoderStack, LayerTensors
+from kernels.persistent_decode import PersistentConfig, persistent_decode
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 2048, 32, 8, 64, 8192
+BLOCK_SIZE, EPS = 16, 1e-5
+
+
+def make_stack(device: torch.device, num_blocks: int) -> tuple[DecoderStack, torch.Tensor]:
+    """Random layers (weights scaled by 1/sqrt(K), norms near 1) and the final norm's weight."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=device)).to(torch.bfloat16)
+
+    def cache() -> torch.Tensor:
+        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+
+    layers = [
+        LayerTensors(
+            weight((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+            weight(HIDDEN, HEADS * HEAD_DIM),
+            weight(2 * INTERMEDIATE, HIDDEN),
+            weight(HIDDEN, INTERMEDIATE),
+            norm(),
+            norm(),
+            cache(),
+            cache(),
+        )
+        for _ in range(LAYERS)
+    ]
+    return DecoderStack(layers, HEADS, KV_HEADS, HEAD_DIM, EPS), norm()
+
+
+def make_batch(rows: int, context: int, table_tokens: int, device: torch.device) -> dict:
+    """Each sequence's own blocks (shuffled), its new token at position ``context - 1``."""
+    width = table_tokens // BLOCK_SIZE
+    per_seq = -(-context // BLOCK_SIZE)
+    order = torch.randperm(rows * per_seq, generator=torch.Generator().manual_seed(1))
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    slots = torch.empty(rows, dtype=torch.int64)
+    for i in range(rows):
+        blocks = order[i * per_seq : (i + 1) * per_seq]
+        tables[i, :per_seq] = blocks.to(torch.int32)
+        slots[i] = blocks[(context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    return dict(
+        positions=torch.full((rows,), context - 1, dtype=torch.int64, device=device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device),
+        context_lens=torch.full((rows,), context, dtype=torch.int32, device=device),
+    )
+
+
+def rotary(device: torch.device, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM))
+    emb = torch.outer(torch.arange(max_position, device=device).float(), inv_freq).repeat(1, 2)
+    return emb.cos(), emb.sin()
+
+
+def layer_path(h, stack, final_norm, meta, cos, sin):
+    """The engine's launches (engine/models/llama.py): norm, then per layer qkv, rotary + KV store, attention,
+    o, add + norm, gate/up + SiLU, down, add + norm (the last with the final norm's weight)."""
+    rows, scale = h.shape[0], HEAD_DIM**-0.5
+    residual = h.clone()
+    x = ops.rms_norm(residual, stack.layers[0].norm_in, EPS)
+    for i, layer in enumerate(stack.layers):
+        q, k, v = ops.skinny_gemm(x, layer.qkv).split(
+            [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1
+        )
+        q, k = q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM)
+        v = v.view(rows, KV_HEADS, HEAD_DIM)
+        ops.rotary_store_kv(meta["positions"], q, k, v, cos, sin, layer.k_cache, layer.v_cache,
+                            meta["slot_mapping"], 1.0, 1.0)  # fmt: skip
+        attn = torch.empty_like(q)
+        ops.paged_attention(attn, q, layer.k_cache, layer.v_cache, meta["block_tables"],
+                            meta["context_lens"], scale, 1.0, 1.0)  # fmt: skip
+        x, residual = ops.rms_norm(ops.skinny_gemm(attn.view(rows, -1), layer.o), layer.norm_post,
+                                   EPS, residual)  # fmt: skip
+        act = ops.skinny_gemm_silu_and_mul(x, layer.gate_up)
+        following = stack.layers[i + 1].norm_in if i + 1 < len(stack.layers) else final_norm
+        x, residual = ops.rms_norm(ops.skinny_gemm(act, layer.down), following, EPS, residual)
+    return x
+
+
+def persistent_path(h, stack, final_norm, meta, cos, sin, config):
+    stream = h.clone()
+    persistent_decode(stream, stack, meta["positions"], meta["slot_mapping"], meta["block_tables"],
+                      meta["context_lens"], cos, sin, HEAD_DIM**-0.5, config)  # fmt: skip
+    return ops.rms_norm(stream, final_norm, EPS)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def compiled_resources() -> str:
+    """Registers, spills and shared memory of the persistent kernel's compiled variants."""
+    from kernels import persistent_decode as module
+
+    found = []
+    for caches in module._persistent_decode_kernel.device_caches.values():
+        for kernel in caches[0].values():
+            found.append(f"{kernel.n_regs} registers, {kernel.n_spills} spills, "
+                         f"{kernel.metadata.shared} B shared")  # fmt: skip
+    return "; ".join(found)
+
+
+def graph_ms(fn, repeats: int) -> tuple[float, torch.Tensor]:
+    """Median ms of a CUDA-graph replay of ``fn`` (warm replays first), and the graph's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, default=700)
+    parser.add_argument("--table-tokens", type=int, default=4096)
+    parser.add_argument("--prefetch-k", type=int, nargs="+", default=[256])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("persistent_decode: needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    max_rows = max(args.rows)
+    stack, final_norm = make_stack(device, max_rows * -(-args.context // BLOCK_SIZE) + 1)
+    cos, sin = rotary(device, args.table_tokens)
+    print(f"# {torch.cuda.get_device_name(device)}, llama-3.2-1b shapes, {LAYERS} layers, context "
+          f"{args.context}, table {args.table_tokens} tokens")  # fmt: skip
+    print(
+        "| M | path | ms | vs layer path | rel. error | repeats bit for bit |\n|---|---|---:|---:|---:|---|"
+    )
+    results = []
+    for rows in args.rows:
+        meta = make_batch(rows, args.context, args.table_tokens, device)
+        h = torch.randn(rows, HIDDEN, device=device).to(torch.bfloat16)
+        base_ms, want = graph_ms(
+            lambda: layer_path(h, stack, final_norm, meta, cos, sin), args.repeats
+        )
+        want = want.clone()
+        # the yardstick for the error: the layer path against the torch reference
+        ref_stack, _ = make_stack(device, max_rows * -(-args.context // BLOCK_SIZE) + 1)
+        stream = h.clone()
+        reference.persistent_decode(stream, ref_stack, *meta.values(), cos, sin, HEAD_DIM**-0.5)
+        ref_error = relative_error(want, reference.rms_norm(stream, final_norm, EPS))
+        del ref_stack
+        print(f"| {rows} | layer path (engine launches) | {base_ms:.4f} | 1.00x | "
+              f"{ref_error:.1e} (against torch) | |")  # fmt: skip
+        results.append(dict(rows=rows, path="layers", ms=base_ms))
+        for pf in args.prefetch_k:
+            config = replace(PersistentConfig(), prefetch_k=pf)
+            first = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
+            again = persistent_path(h, stack, final_norm, meta, cos, sin, config)
+            error = relative_error(first, want)
+            ms, _ = graph_ms(
+                lambda c=config: persistent_path(h, stack, final_norm, meta, cos, sin, c),
+                args.repeats,
+            )
+            same = bool(torch.equal(first, again))
+            print(f"| {rows} | persistent, prefetch_k {pf} | {ms:.4f} | {base_ms / ms:.2f}x | "
+                  f"{error:.1e} | {same} |")  # fmt: skip
+            results.append(dict(rows=rows, path=f"persistent prefetch_k={pf}", ms=ms, error=error,
+                                repeats=same))  # fmt: skip
+    try:
+        print("# compiled:", compiled_resources())
+    except (AttributeError, IndexError, TypeError) as e:
+        print("# compiled: not available", e)
+    if args.json:
+        meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device),
+                    context=args.context, table_tokens=args.table_tokens)  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

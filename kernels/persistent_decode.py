@@ -1,0 +1,491 @@
+"""Persistent decode (Triton): every decoder layer of a llama-family model, for one decode step of at most 16
+sequences, in ONE launch (issue 26; the experiment that measured the idea: benchmarks/persistent_chain.py).
+
+Contract (that of ``reference.persistent_decode``): ``h`` ``[M, hidden]`` is the residual stream entering the
+first layer (the embeddings); on return it holds the stream after the last layer, before the model's final norm.
+Each layer is the engine's layer path (engine/models/llama.py: RMSNorm, qkv, rotary with the KV store,
+paged decode attention, o + residual, RMSNorm, gate/up + SiLU-and-mul, down + residual), with the same roundings;
+the new tokens' K and V are written into the paged caches at ``slot_mapping``. Only the norms' sums of squares
+are added in another order (in chunks of the row), so a result may differ from the layer path in the last bit.
+
+Design, and why:
+- One program per SM, all resident (a cooperative launch on CUDA: it fails instead of hanging when they do not
+  fit). Five phases a layer, separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an
+  H100): qkv (+ rotary and the KV store) | attention | o (+ residual) | gate/up (+ SiLU) | down (+ residual).
+- A matmul phase's tasks (column block, K split) go round-robin over the programs; split-K merges as
+  kernels/skinny_gemm.py's does (the last split of a column block adds the fp32 partials in split order), and the
+  writer of a block also runs the phase's epilogue for it. The qkv phase's column block is one head
+  (``BLOCK_N = head_dim``), so its writer rotates q and k in place and stores k and v into the caches.
+- The norms need the whole row: each program of a normed phase computes the rows' 1/rms from the L2-resident
+  stream once, and normalizes x as it loads it, so there is no norm launch and no normed copy.
+- Attention tasks are (KV head, sequence, partition) of ``paged_attention.decode_task``: the decode kernel's own
+  code, split-K with its in-launch merge.
+- Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
+  its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
+- Everything another program wrote in this launch is loaded past L1 (``.cg``).
+- In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
+  forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.counters import zeroed_counters
+from kernels.decoder_stack import DecoderStack
+from kernels.device_features import num_sms
+from kernels.paged_attention import LOG2E, decode_task, dot_precision
+from kernels.pdl import prefetch_l2
+from kernels.rotary import _TL_DTYPE
+from kernels.skinny_gemm import store_out, sum_partials
+
+QKV, O, GATE_UP, DOWN, NORM_IN, NORM_POST = range(6)  # columns of the weight table
+
+
+@dataclass(frozen=True, slots=True)
+class PersistentConfig:
+    """Split-K of each matmul phase, tiles, prefetch depth (measured: benchmarks/persistent_chain.py)."""
+
+    qkv_splits: int = 2
+    o_splits: int = 4
+    gate_up_splits: int = 1
+    down_splits: int = 4
+    block_n: int = 64  # o, gate/up, down (qkv: the head dim)
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 5
+    prefetch_k: int = 256  # weight-row elements asked of L2 before each barrier; 0: none
+    tile_n: int = 64  # attention: key positions per loop step
+    attention_parts: int = (
+        0  # partitions of each context (split-K); 0: enough tasks for every program
+    )
+    programs: int = 0  # 0: one per SM
+
+
+@triton.jit
+def grid_barrier(counter_ptr, target):
+    """Every program waits here until ``target`` arrivals are counted (release: its writes are seen first).
+    ~1.05 us on an H100 (132 programs, benchmarks/persistent_chain.py). Two other forms measured slower: a spin
+    on plain (volatile) loads, then one acquire (~1.26 us); a slot per program, written by its owner and read
+    by all in one vector load (~1.5 us)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _row_rstd(h_ptr, M, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """``1 / rms`` of each of the M rows of ``h`` ``[M, H]`` (padding rows: a finite value, never used)."""
+    rows = tl.arange(0, BLOCK_M)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for c in tl.static_range(0, H, CHUNK):
+        ptrs = h_ptr + rows[:, None] * H + c + tl.arange(0, CHUNK)[None, :]
+        x = tl.load(ptrs, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        total += tl.sum(x * x, axis=1)
+    return tl.rsqrt(total / H + eps)
+
+
+@triton.jit
+def _product(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    K,
+    n_cols,
+    block,
+    split,
+    M,
+    norm_ptr,
+    rstd,
+    part_ptr,
+    counter_ptr,
+    SPLITS: tl.constexpr,
+    NORM: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Column block ``block``, K split ``split`` of ``x @ w.T`` (GATE_UP: gate rows, then up rows ``n_cols``
+    on): ``(gate, up, writer)``, the block's fp32 sums ``[BLOCK_N, BLOCK_M]`` (out.T) when this task is the one
+    that writes the block (``writer``: no split, or the last split to finish). NORM: x is normalized as it is
+    loaded, rounded as kernels/rms_norm.py rounds it."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rows[:, None] * stride_x
+    k_per_split = K // SPLITS
+    gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(x_rows + ks, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg")
+        if NORM:
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (tl.load(norm_ptr + ks).to(tl.float32) * normed).to(x.dtype)
+        gate = tl.dot(tl.load(w_rows + ks), tl.trans(x), gate, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            up = tl.dot(
+                tl.load(w_rows + n_cols * K + ks), tl.trans(x), up, input_precision=DOT_PRECISION
+            )
+    writer = block >= 0
+    if SPLITS > 1:
+        width = 2 * n_cols if GATE_UP else n_cols
+        part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
+        tl.store(part, gate, mask=(rows < M)[None, :])
+        if GATE_UP:
+            tl.store(part + n_cols, up, mask=(rows < M)[None, :])
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        writer = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+        if writer:
+            tl.store(counter_ptr + block, 0)  # re-armed for the next layer
+            gate, up = sum_partials(
+                part_ptr, rows, cols, M, n_cols, SPLITS, GATE_UP, BLOCK_M, BLOCK_N
+            )
+    return gate, up, writer
+
+
+@triton.jit
+def _add_residual(
+    h_ptr, total, M, block, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """``h[:, block] = round(h + round(total))``: the projection's output added to the stream, as the norm
+    kernel's residual add rounds it."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = h_ptr + rows[None, :] * H + cols[:, None]
+    mask = (rows < M)[None, :]
+    element = h_ptr.dtype.element_ty
+    stream = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(ptrs, (total.to(element).to(tl.float32) + stream).to(element), mask=mask)
+
+
+@triton.jit
+def _rotate_and_store(
+    qkv_ptr,
+    head,
+    M,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    slot_ptr,
+    k_cache,
+    v_cache,
+    stride_block,
+    stride_token,
+    stride_head,
+    QKV_W: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRODUCT_DTYPE: tl.constexpr,
+):
+    """Head ``head`` of the qkv output (just written by this program): a q head is rotated in place, a k head
+    rotated and stored into the K cache, a v head stored into the V cache, at each row's slot (-1: padding,
+    nothing stored). Rounded as kernels/rotary.py's ``_rotate_heads`` rounds."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    rows = tl.arange(0, BLOCK_M)
+    live = (rows < M)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    first = qkv_ptr + rows[:, None] * QKV_W + head * HEAD_DIM + dims
+    x1 = tl.load(first, mask=live, other=0.0, cache_modifier=".cg")
+    x2 = tl.load(first + HALF, mask=live, other=0.0, cache_modifier=".cg")
+    element = qkv_ptr.dtype.element_ty
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        position = tl.load(positions_ptr + rows, mask=rows < M, other=0).to(tl.int64)[:, None]
+        cos = tl.load(cos_ptr + position * stride_cos + dims, mask=live, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_sin + dims, mask=live, other=0.0).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        # rotate_half(x) = cat(-x2, x1): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin
+        out1 = (a * cos).to(PRODUCT_DTYPE).to(tl.float32) + (-b * sin).to(PRODUCT_DTYPE).to(
+            tl.float32
+        )
+        out2 = (b * cos).to(PRODUCT_DTYPE).to(tl.float32) + (a * sin).to(PRODUCT_DTYPE).to(
+            tl.float32
+        )
+        x1 = out1.to(PRODUCT_DTYPE).to(element)
+        x2 = out2.to(PRODUCT_DTYPE).to(element)
+    if head < NUM_HEADS:
+        tl.store(first, x1, mask=live)
+        tl.store(first + HALF, x2, mask=live)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)[:, None]
+        kv_head = head - NUM_HEADS
+        cache = k_cache
+        if head >= NUM_HEADS + NUM_KV_HEADS:
+            kv_head = head - NUM_HEADS - NUM_KV_HEADS
+            cache = v_cache
+        at = cache + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token
+        at += kv_head * stride_head + dims
+        keep = live & (slot >= 0)
+        tl.store(at, x1.to(cache.dtype.element_ty), mask=keep)
+        tl.store(at + HALF, x2.to(cache.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
+    """Ask L2 for the first ``PREFETCH_K`` elements of the weight rows of this program's first task of a
+    matmul phase (task ``pid``: column block ``pid // SPLITS``, split ``pid % SPLITS``)."""
+    if PREFETCH_K > 0:
+        if pid < (n_cols // BLOCK_N) * SPLITS:
+            cols = (pid // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = (pid % SPLITS) * (K // SPLITS) + tl.arange(0, PREFETCH_K // LINE) * LINE
+            ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + tl.minimum(ks, K - 1)[None, :]
+            prefetch_l2(ptrs, True)
+            if GATE_UP:
+                prefetch_l2(ptrs + n_cols * K, True)
+
+
+@triton.jit
+def _layer_pointer(base_ptr, table_ptr, layer, which):
+    """Tensor ``which`` of the layer: ``base_ptr`` plus its offset from the table, a multiple of 16 bytes
+    (kernels/decoder_stack.py checks), which lets the loads be vectorized as for a pointer argument."""
+    return base_ptr + tl.multiple_of(tl.load(table_ptr + layer * 8 + which), 8)
+
+
+@triton.jit
+def _persistent_decode_kernel(
+    h_ptr,
+    qkv_ptr,
+    attn_ptr,
+    act_ptr,
+    part_ptr,
+    counter_ptr,
+    base_ptr,
+    table_ptr,
+    positions_ptr,
+    slot_ptr,
+    block_table_ptr,
+    ctx_ptr,
+    cos_ptr,
+    sin_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    M,
+    layers,
+    eps,
+    scale_log2,
+    stride_block,
+    stride_token,
+    stride_head,
+    stride_table,
+    stride_cos,
+    stride_sin,
+    attn_parts,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    S_QKV: tl.constexpr,
+    S_O: tl.constexpr,
+    S_GU: tl.constexpr,
+    S_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_CHUNK: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
+    PRODUCT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """All ``layers`` for M rows (see the module docstring). Counters: [0] the barrier's arrivals, [1] exits
+    (the last program out re-arms both), then one per column block of each matmul phase, then one per
+    (sequence, KV head) of attention; all re-armed by their last user."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    QD: tl.constexpr = NUM_HEADS * HEAD_DIM
+    QKV_HEADS: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
+    QKV_W: tl.constexpr = QKV_HEADS * HEAD_DIM
+    qkv_counters = counter_ptr + 2
+    o_counters = qkv_counters + QKV_HEADS
+    gu_counters = o_counters + H // BLOCK_N
+    d_counters = gu_counters + I // BLOCK_N
+    attn_counters = d_counters + H // BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    group_rows = tl.arange(0, GROUP_PAD)
+    head_dims = tl.arange(0, HEAD_DIM)
+    arrived = pid * 0
+    for layer in range(layers):
+        w_qkv = _layer_pointer(base_ptr, table_ptr, layer, 0)
+        w_o = _layer_pointer(base_ptr, table_ptr, layer, 1)
+        w_gu = _layer_pointer(base_ptr, table_ptr, layer, 2)
+        w_d = _layer_pointer(base_ptr, table_ptr, layer, 3)
+        norm_in = _layer_pointer(base_ptr, table_ptr, layer, 4)
+        norm_post = _layer_pointer(base_ptr, table_ptr, layer, 5)
+        k_cache = _layer_pointer(base_ptr, table_ptr, layer, 6)
+        v_cache = _layer_pointer(base_ptr, table_ptr, layer, 7)
+        # qkv of the normed stream; each head's writer rotates it and stores K and V
+        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, NORM_CHUNK)
+        for task in range(pid, QKV_HEADS * S_QKV, programs):
+            head = task // S_QKV
+            gate, up, writer = _product(h_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M, norm_in,
+                                        rstd, part_ptr, qkv_counters, S_QKV, True, False, BLOCK_M,
+                                        HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if writer:
+                cols = head * HEAD_DIM + head_dims
+                store_out(qkv_ptr, gate, up, rows, cols, M, QKV_W, QKV_W, False)
+                tl.debug_barrier()  # the head's rows are written before they are read back
+                _rotate_and_store(qkv_ptr, head, M, positions_ptr, cos_ptr, sin_ptr, stride_cos,
+                                  stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
+                                  stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                  BLOCK_M, PRODUCT_DTYPE)  # fmt: skip
+        _prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
+        # attention: (KV head, sequence, partition) tasks of the decode kernel's code
+        for task in range(pid, NUM_KV_HEADS * M * attn_parts, programs):
+            kv_head, seq = task % NUM_KV_HEADS, (task // NUM_KV_HEADS) % M
+            q = tl.load(
+                qkv_ptr + seq * QKV_W + (kv_head * GROUP + group_rows)[:, None] * HEAD_DIM
+                + head_dims[None, :],
+                mask=(group_rows < GROUP)[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # fmt: skip
+            decode_task(q, kv_head, seq, task // (NUM_KV_HEADS * M), attn_ptr, k_cache, v_cache,
+                        block_table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                        attn_counters, scale_log2, 1.0, QD, HEAD_DIM, stride_block, stride_token,
+                        stride_head, stride_table, NUM_KV_HEADS, attn_parts, GROUP, GROUP_PAD,
+                        GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, True, 8, DOT_PRECISION,
+                        False, False)  # fmt: skip
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
+        # o, added to the stream
+        for task in range(pid, (H // BLOCK_N) * S_O, programs):
+            block = task // S_O
+            gate, up, writer = _product(attn_ptr, QD, w_o, QD, H, block, task % S_O, M, norm_in,
+                                        rstd, part_ptr, o_counters, S_O, False, False, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if writer:
+                _add_residual(h_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+        _prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
+        # gate/up of the normed stream, SiLU-and-mul
+        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, NORM_CHUNK)
+        for task in range(pid, (I // BLOCK_N) * S_GU, programs):
+            block = task // S_GU
+            gate, up, writer = _product(h_ptr, H, w_gu, H, I, block, task % S_GU, M, norm_post,
+                                        rstd, part_ptr, gu_counters, S_GU, True, True, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if writer:
+                cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+                store_out(act_ptr, gate, up, rows, cols, M, I, I, True)
+        _prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
+        # down, added to the stream
+        for task in range(pid, (H // BLOCK_N) * S_D, programs):
+            block = task // S_D
+            gate, up, writer = _product(act_ptr, I, w_d, I, H, block, task % S_D, M, norm_post,
+                                        rstd, part_ptr, d_counters, S_D, False, False, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if writer:
+                _add_residual(h_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+        if layer + 1 < layers:
+            w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
+            _prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
+    if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.store(counter_ptr, 0)
+        tl.store(counter_ptr + 1, 0)
+
+
+def _attention_parts(
+    programs: int, rows: int, num_kv_heads: int, max_tokens: int, tile: int
+) -> int:
+    """Partitions of each sequence's context: enough (KV head, sequence, partition) tasks for every program,
+    none shorter than a tile."""
+    return max(1, min(triton.cdiv(programs, rows * num_kv_heads), triton.cdiv(max_tokens, tile)))
+
+
+def persistent_decode(
+    h: torch.Tensor,
+    stack: DecoderStack,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    scale: float,
+    config: PersistentConfig | None = None,
+) -> None:
+    """Same contract as ``reference.persistent_decode``: ``h`` ``[M <= 16, hidden]``, in place."""
+    config = config or PersistentConfig()
+    m, hidden = h.shape
+    if not 1 <= m <= 16 or hidden != stack.hidden or h.dtype != stack.layers[0].qkv.dtype:
+        raise ValueError(
+            f"persistent_decode: h must be [1..16, {stack.hidden}], not {tuple(h.shape)}"
+        )
+    head_dim, kv_heads, heads = stack.head_dim, stack.num_kv_heads, stack.num_heads
+    for name, n, k, splits, block_n in (
+        ("qkv_splits", (heads + 2 * kv_heads) * head_dim, hidden, config.qkv_splits, head_dim),
+        ("o_splits", hidden, heads * head_dim, config.o_splits, config.block_n),
+        ("gate_up_splits", stack.intermediate, hidden, config.gate_up_splits, config.block_n),
+        ("down_splits", hidden, stack.intermediate, config.down_splits, config.block_n),
+    ):
+        if splits < 1 or k % (splits * config.block_k) or n % block_n:
+            raise ValueError(
+                f"PersistentConfig.{name}: {splits} splits of K {k} (or {n} columns) not whole"
+            )
+    device = h.device
+    programs = config.programs or (num_sms(device) if device.type == "cuda" else 1)
+    cache = stack.layers[0].k_cache
+    block_size = cache.shape[1]
+    parts = config.attention_parts or _attention_parts(
+        programs, m, kv_heads, block_tables.shape[1] * block_size, config.tile_n
+    )
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    f32 = dict(dtype=torch.float32, device=device)
+    part = torch.empty(
+        m * max(config.qkv_splits * qkv_width, config.o_splits * hidden,
+                config.gate_up_splits * 2 * stack.intermediate, config.down_splits * hidden),
+        **f32,
+    )  # fmt: skip
+    attn_partials = torch.empty(m * heads * parts * (head_dim + 2), **f32)
+    part_acc, part_max, part_sum = attn_partials.split(
+        [m * heads * parts * head_dim, m * heads * parts, m * heads * parts]
+    )
+    blocks = (heads + 2 * kv_heads) + (2 * hidden + stack.intermediate) // config.block_n
+    counters = zeroed_counters("persistent_decode", device, 2 + blocks + m * kv_heads)
+    qkv = torch.empty(m, qkv_width, dtype=h.dtype, device=device)
+    attn = torch.empty(m, heads * head_dim, dtype=h.dtype, device=device)
+    act = torch.empty(m, stack.intermediate, dtype=h.dtype, device=device)
+    extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
+    _persistent_decode_kernel[(programs,)](
+        h, qkv, attn, act, part, counters, stack.base, stack.table, positions, slot_mapping, block_tables,
+        context_lens, cos_cache, sin_cache, part_max, part_sum, part_acc,
+        m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),
+        cache.stride(2), block_tables.stride(0), cos_cache.stride(0), sin_cache.stride(0), parts,
+        H=hidden, I=stack.intermediate, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
+        GROUP_POW2=triton.next_power_of_2(heads // kv_heads), BLOCK_SIZE=block_size,
+        TILE_N=config.tile_n, S_QKV=config.qkv_splits, S_O=config.o_splits,
+        S_GU=config.gate_up_splits, S_D=config.down_splits, BLOCK_M=16, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, NORM_CHUNK=min(hidden, 256),
+        PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
+        PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
+        DOT_PRECISION=dot_precision(h.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=700)
     parser.add_argument("--table-tokens", type=int, default=4096)
     parser.add_argument("--prefetch-k", type=int, nargs="+", default=[256])
+    parser.add_argument("--attention-parts", type=int, nargs="+", default=[0],
+                        help="partitions of each context (0: the kernel's choice)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -197,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {rows} | layer path (engine launches) | {base_ms:.4f} | 1.00x | "
               f"{ref_error:.1e} (against torch) | |")  # fmt: skip
         results.append(dict(rows=rows, path="layers", ms=base_ms))
-        for pf in args.prefetch_k:
-            config = replace(PersistentConfig(), prefetch_k=pf)
+        for pf, parts in itertools.product(args.prefetch_k, args.attention_parts):
+            config = replace(PersistentConfig(), prefetch_k=pf, attention_parts=parts)
             first = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
             again = persistent_path(h, stack, final_norm, meta, cos, sin, config)
             error = relative_error(first, want)
@@ -207,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
             )
             same = bool(torch.equal(first, again))
-            print(f"| {rows} | persistent, prefetch_k {pf} | {ms:.4f} | {base_ms / ms:.2f}x | "
+            print(f"| {rows} | persistent, prefetch_k {pf}, attention parts {parts or "auto"} | {ms:.4f} | {base_ms / ms:.2f}x | "
                   f"{error:.1e} | {same} |")  # fmt: skip
-            results.append(dict(rows=rows, path=f"persistent prefetch_k={pf}", ms=ms, error=error,
+            results.append(dict(rows=rows, path=f"persistent prefetch_k={pf} attention_parts={parts}", ms=ms, error=error,
                                 repeats=same))  # fmt: skip
     try:
         print("# compiled:", compiled_resources())

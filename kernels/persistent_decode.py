@@ -1,30 +1,38 @@
 """Persistent decode (Triton): every decoder layer of a llama-family model, for one decode step of at most 16
-sequences, in ONE launch (issue 26; the experiment that measured the idea: benchmarks/persistent_chain.py).
+sequences, in ONE launch (issue 26; the experiment that measured the idea first: benchmarks/persistent_chain.py).
 
 Contract (that of ``reference.persistent_decode``): ``h`` ``[M, hidden]`` is the residual stream entering the
 first layer (the embeddings); on return it holds the stream after the last layer, before the model's final norm.
 Each layer is the engine's layer path (engine/models/llama.py: RMSNorm, qkv, rotary with the KV store,
 paged decode attention, o + residual, RMSNorm, gate/up + SiLU-and-mul, down + residual), with the same roundings;
-the new tokens' K and V are written into the paged caches at ``slot_mapping``. Only the norms' sums of squares
-are added in another order (in chunks of the row), so a result may differ from the layer path in the last bit.
+the new tokens' K and V are written into the paged caches at ``slot_mapping`` (-1: padding, nothing written).
+Only the norms' sums of squares are added in another order (per 64-column block, then over the blocks), so a
+result may differ from the layer path in the last bit; it never depends on timing (every sum has a fixed order).
 
 Design, and why:
 - One program per SM, all resident (a cooperative launch on CUDA: it fails instead of hanging when they do not
-  fit). Five phases a layer, separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an
-  H100): qkv (+ rotary and the KV store) | attention | o (+ residual) | gate/up (+ SiLU) | down (+ residual).
+  fit). Seven phases a layer, separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an
+  H100): norm | qkv (+ rotary and the KV store) | attention | o (+ residual) | norm | gate/up (+ SiLU) |
+  down (+ residual).
 - A matmul phase's tasks (column block, K split) go round-robin over the programs; split-K merges as
   kernels/skinny_gemm.py's does (the last split of a column block adds the fp32 partials in split order), and the
   writer of a block also runs the phase's epilogue for it. The qkv phase's column block is one head
   (``BLOCK_N = head_dim``), so its writer rotates q and k in place and stores k and v into the caches.
-- The norms need the whole row: each program of a normed phase computes the rows' 1/rms from the L2-resident
-  stream once, and normalizes x as it loads it, so there is no norm launch and no normed copy.
+- A norm is a phase of its own, into a normed copy of the stream (M x hidden): 1/rms comes from the sums of
+  squares that the writers of the stream's column blocks left, so no program reads whole rows. Normalizing inside
+  the matmul's loop instead (x transformed between its load and the dot) measured ~0.19 ms a step slower.
 - Attention tasks are (KV head, sequence, partition) of ``paged_attention.decode_task``: the decode kernel's own
   code, split-K with its in-launch merge.
 - Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
   its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
-- Everything another program wrote in this launch is loaded past L1 (``.cg``).
+- Everything another program wrote in this launch is loaded past L1 (``.cg``); weights and caches are addressed
+  from one base pointer plus 16-byte-aligned offsets (kernels/decoder_stack.py), which keeps loads vectorized.
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
   forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
+
+Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md): llama-3.2-1b's 16 layers at context
+700 take 0.980 ms against 1.000 ms for the engine's launches at one sequence, 1.216 against 1.177 ms at 16. Not
+yet in the engine.
 """
 
 from __future__ import annotations
@@ -92,6 +100,36 @@ def _row_rstd(h_ptr, M, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.c
 
 
 @triton.jit
+def _block_rstd(squares_ptr, eps, H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``1 / rms`` of each row from the sums of squares ``[BLOCKS, BLOCK_M]`` that the writers of the stream's
+    column blocks left (``_add_residual``), added in block order (one L2 round trip, not a pass over rows)."""
+    ptrs = squares_ptr + tl.arange(0, BLOCKS)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    return tl.rsqrt(tl.sum(tl.load(ptrs, cache_modifier=".cg"), axis=0) / H + eps)
+
+
+@triton.jit
+def _norm_phase(h_ptr, squares_ptr, norm_ptr, out_ptr, M, eps, pid, programs, FULL_ROWS: tl.constexpr,
+                H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr,
+                CHUNK: tl.constexpr):  # fmt: skip
+    """``out = norm(h) * weight`` (rounded as kernels/rms_norm.py rounds), ``COLS`` columns a task. 1/rms from
+    the sums of squares the stream's writers left (``_add_residual``), or with FULL_ROWS (the first layer's
+    input, which no writer produced) from the rows themselves. Measured: normalizing inside the matmul's loop
+    instead (in registers, or first into a per-program copy) cost ~6 us a phase; this costs a barrier and ~1 us."""
+    if FULL_ROWS:
+        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, CHUNK)
+    else:
+        rstd = _block_rstd(squares_ptr, eps, H, BLOCKS, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    for task in range(pid, H // COLS, programs):
+        cols = task * COLS + tl.arange(0, COLS)[None, :]
+        mask = (rows < M)[:, None]
+        x = tl.load(h_ptr + rows[:, None] * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+        out = (tl.load(norm_ptr + cols).to(tl.float32) * normed).to(x.dtype)
+        tl.store(out_ptr + rows[:, None] * H + cols, out, mask=mask)
+
+
+@triton.jit
 def _product(
     x_ptr,
     stride_x,
@@ -101,12 +139,9 @@ def _product(
     block,
     split,
     M,
-    norm_ptr,
-    rstd,
     part_ptr,
     counter_ptr,
     SPLITS: tl.constexpr,
-    NORM: tl.constexpr,
     GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -115,8 +150,7 @@ def _product(
 ):
     """Column block ``block``, K split ``split`` of ``x @ w.T`` (GATE_UP: gate rows, then up rows ``n_cols``
     on): ``(gate, up, writer)``, the block's fp32 sums ``[BLOCK_N, BLOCK_M]`` (out.T) when this task is the one
-    that writes the block (``writer``: no split, or the last split to finish). NORM: x is normalized as it is
-    loaded, rounded as kernels/rms_norm.py rounds it."""
+    that writes the block (``writer``: no split, or the last split to finish)."""
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
@@ -127,14 +161,10 @@ def _product(
     for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)[None, :]
         x = tl.load(x_rows + ks, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg")
-        if NORM:
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (tl.load(norm_ptr + ks).to(tl.float32) * normed).to(x.dtype)
         gate = tl.dot(tl.load(w_rows + ks), tl.trans(x), gate, input_precision=DOT_PRECISION)
         if GATE_UP:
-            up = tl.dot(
-                tl.load(w_rows + n_cols * K + ks), tl.trans(x), up, input_precision=DOT_PRECISION
-            )
+            up = tl.dot(tl.load(w_rows + n_cols * K + ks), tl.trans(x), up,
+                        input_precision=DOT_PRECISION)  # fmt: skip
     writer = block >= 0
     if SPLITS > 1:
         width = 2 * n_cols if GATE_UP else n_cols
@@ -153,18 +183,20 @@ def _product(
 
 
 @triton.jit
-def _add_residual(
-    h_ptr, total, M, block, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
+def _add_residual(h_ptr, squares_ptr, total, M, block, H: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
     """``h[:, block] = round(h + round(total))``: the projection's output added to the stream, as the norm
-    kernel's residual add rounds it."""
+    kernel's residual add rounds it; and each row's sum of squares over the block, for the next norm."""
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     ptrs = h_ptr + rows[None, :] * H + cols[:, None]
     mask = (rows < M)[None, :]
     element = h_ptr.dtype.element_ty
     stream = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(ptrs, (total.to(element).to(tl.float32) + stream).to(element), mask=mask)
+    stream = (total.to(element).to(tl.float32) + stream).to(element)
+    tl.store(ptrs, stream, mask=mask)
+    square = stream.to(tl.float32)
+    tl.store(squares_ptr + block * BLOCK_M + rows, tl.sum(square * square, axis=0))
 
 
 @triton.jit
@@ -263,6 +295,8 @@ def _persistent_decode_kernel(
     act_ptr,
     part_ptr,
     counter_ptr,
+    squares_ptr,
+    normed_ptr,
     base_ptr,
     table_ptr,
     positions_ptr,
@@ -302,6 +336,7 @@ def _persistent_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_CHUNK: tl.constexpr,
+    NORM_COLS: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
@@ -334,11 +369,16 @@ def _persistent_decode_kernel(
         k_cache = _layer_pointer(base_ptr, table_ptr, layer, 6)
         v_cache = _layer_pointer(base_ptr, table_ptr, layer, 7)
         # qkv of the normed stream; each head's writer rotates it and stores K and V
-        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, NORM_CHUNK)
+        _norm_phase(h_ptr, squares_ptr, norm_in, normed_ptr, M, eps, pid, programs, layer == 0, H,
+                    H // BLOCK_N, BLOCK_M, NORM_COLS, NORM_CHUNK)  # fmt: skip
+        if layer == 0:  # (later layers: asked for at the end of the layer before)
+            _prefetch_task(w_qkv, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
         for task in range(pid, QKV_HEADS * S_QKV, programs):
             head = task // S_QKV
-            gate, up, writer = _product(h_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M, norm_in,
-                                        rstd, part_ptr, qkv_counters, S_QKV, True, False, BLOCK_M,
+            gate, up, writer = _product(normed_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
+                                        part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 cols = head * HEAD_DIM + head_dims
@@ -372,20 +412,23 @@ def _persistent_decode_kernel(
         # o, added to the stream
         for task in range(pid, (H // BLOCK_N) * S_O, programs):
             block = task // S_O
-            gate, up, writer = _product(attn_ptr, QD, w_o, QD, H, block, task % S_O, M, norm_in,
-                                        rstd, part_ptr, o_counters, S_O, False, False, BLOCK_M,
+            gate, up, writer = _product(attn_ptr, QD, w_o, QD, H, block, task % S_O, M,
+                                        part_ptr, o_counters, S_O, False, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
-                _add_residual(h_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+                _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
         _prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # gate/up of the normed stream, SiLU-and-mul
-        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, NORM_CHUNK)
+        _norm_phase(h_ptr, squares_ptr, norm_post, normed_ptr, M, eps, pid, programs, False, H,
+                    H // BLOCK_N, BLOCK_M, NORM_COLS, NORM_CHUNK)  # fmt: skip
+        arrived += programs
+        grid_barrier(counter_ptr, arrived)
         for task in range(pid, (I // BLOCK_N) * S_GU, programs):
             block = task // S_GU
-            gate, up, writer = _product(h_ptr, H, w_gu, H, I, block, task % S_GU, M, norm_post,
-                                        rstd, part_ptr, gu_counters, S_GU, True, True, BLOCK_M,
+            gate, up, writer = _product(normed_ptr, H, w_gu, H, I, block, task % S_GU, M,
+                                        part_ptr, gu_counters, S_GU, True, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -396,11 +439,11 @@ def _persistent_decode_kernel(
         # down, added to the stream
         for task in range(pid, (H // BLOCK_N) * S_D, programs):
             block = task // S_D
-            gate, up, writer = _product(act_ptr, I, w_d, I, H, block, task % S_D, M, norm_post,
-                                        rstd, part_ptr, d_counters, S_D, False, False, BLOCK_M,
+            gate, up, writer = _product(act_ptr, I, w_d, I, H, block, task % S_D, M,
+                                        part_ptr, d_counters, S_D, False, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
-                _add_residual(h_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+                _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
             _prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
@@ -469,12 +512,14 @@ def persistent_decode(
     )
     blocks = (heads + 2 * kv_heads) + (2 * hidden + stack.intermediate) // config.block_n
     counters = zeroed_counters("persistent_decode", device, 2 + blocks + m * kv_heads)
+    squares = torch.empty(hidden // config.block_n, 16, **f32)
+    normed = torch.empty(m, hidden, dtype=h.dtype, device=device)
     qkv = torch.empty(m, qkv_width, dtype=h.dtype, device=device)
     attn = torch.empty(m, heads * head_dim, dtype=h.dtype, device=device)
     act = torch.empty(m, stack.intermediate, dtype=h.dtype, device=device)
     extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
     _persistent_decode_kernel[(programs,)](
-        h, qkv, attn, act, part, counters, stack.base, stack.table, positions, slot_mapping, block_tables,
+        h, qkv, attn, act, part, counters, squares, normed, stack.base, stack.table, positions, slot_mapping, block_tables,
         context_lens, cos_cache, sin_cache, part_max, part_sum, part_acc,
         m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),
         cache.stride(2), block_tables.stride(0), cos_cache.stride(0), sin_cache.stride(0), parts,
@@ -483,7 +528,7 @@ def persistent_decode(
         GROUP_POW2=triton.next_power_of_2(heads // kv_heads), BLOCK_SIZE=block_size,
         TILE_N=config.tile_n, S_QKV=config.qkv_splits, S_O=config.o_splits,
         S_GU=config.gate_up_splits, S_D=config.down_splits, BLOCK_M=16, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, NORM_CHUNK=min(hidden, 256),
+        BLOCK_K=config.block_k, NORM_CHUNK=min(hidden, 256), NORM_COLS=16,
         PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
         DOT_PRECISION=dot_precision(h.dtype),

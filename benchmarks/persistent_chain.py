@@ -385,16 +385,18 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def _graph_ms(fn, repeats: int) -> float:
-    """Median ms of one replay of ``fn`` captured in a CUDA graph (CUDA events, warm replays first)."""
+def graph_ms(fn, repeats: int) -> tuple[float, object]:
+    """Median ms of a CUDA-graph replay of ``fn`` (CUDA events, warm replays first), and the graph's output."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     for _ in range(3):
         graph.replay()
     times = []
@@ -405,15 +407,15 @@ def _graph_ms(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
 def _memory_tb_s(device: torch.device) -> tuple[float, float]:
     """The anchors, TB/s over 1 GiB: a device-to-device copy (bytes read + written) and a read (a sum)."""
     src = torch.randn(2**28, device=device)
     dst, total = torch.empty_like(src), torch.empty((), device=device)
-    copy_ms = _graph_ms(lambda: dst.copy_(src), 20)
-    read_ms = _graph_ms(lambda: torch.sum(src, dim=0, out=total), 20)
+    copy_ms, _ = graph_ms(lambda: dst.copy_(src), 20)
+    read_ms, _ = graph_ms(lambda: torch.sum(src, dim=0, out=total), 20)
     return 2 * src.numel() * 4 / copy_ms / 1e9, src.numel() * 4 / read_ms / 1e9
 
 
@@ -482,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             if error > 2e-2:  # (NaN: not checked)
                 print(f"| {m} | {name} | - | - | - | {error:.2e} (wrong) |")
                 continue
-            ms = _graph_ms(timed, args.repeats)
+            ms, _ = graph_ms(timed, args.repeats)
             row = dict(
                 m=m, variant=name, ms=ms, tb_s=gb / ms, copy_tb_s=copy, read_tb_s=read, error=error
             )

@@ -18,12 +18,12 @@ import argparse
 import datetime
 import itertools
 import json
-import statistics
 import sys
 from dataclasses import replace
 
 import torch
 
+from benchmarks.persistent_chain import graph_ms
 from kernels import ops, reference
 from kernels.decoder_stack import DecoderStack, LayerTensors
 from kernels.persistent_decode import PersistentConfig, persistent_decode
@@ -135,31 +135,6 @@ def compiled_resources() -> str:
     return "; ".join(found)
 
 
-def graph_ms(fn, repeats: int) -> tuple[float, torch.Tensor]:
-    """Median ms of a CUDA-graph replay of ``fn`` (warm replays first), and the graph's output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
@@ -210,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
             )
             same = bool(torch.equal(first, again))
-            print(f"| {rows} | persistent, prefetch_k {pf}, attention parts {parts or "auto"} | {ms:.4f} | {base_ms / ms:.2f}x | "
+            print(f"| {rows} | persistent, prefetch_k {pf}, attention parts {parts or 'auto'} | {ms:.4f} | {base_ms / ms:.2f}x | "
                   f"{error:.1e} | {same} |")  # fmt: skip
             results.append(dict(rows=rows, path=f"persistent prefetch_k={pf} attention_parts={parts}", ms=ms, error=error,
                                 repeats=same))  # fmt: skip

@@ -454,6 +454,44 @@ def _persistent_decode_kernel(
         tl.store(counter_ptr + 1, 0)
 
 
+def _tiling(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    config: PersistentConfig,
+) -> dict[str, bool]:
+    """Per matmul phase: whether its K splits into whole ``block_k`` tiles and its columns into whole blocks
+    (the qkv phase's block is a head)."""
+    phases = {
+        "qkv_splits": ((heads + 2 * kv_heads) * head_dim, hidden, config.qkv_splits, head_dim),
+        "o_splits": (hidden, heads * head_dim, config.o_splits, config.block_n),
+        "gate_up_splits": (intermediate, hidden, config.gate_up_splits, config.block_n),
+        "down_splits": (hidden, intermediate, config.down_splits, config.block_n),
+    }
+    return {
+        name: splits >= 1 and k % (splits * config.block_k) == 0 and n % block_n == 0
+        for name, (n, k, splits, block_n) in phases.items()
+    }
+
+
+def fits(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    config: PersistentConfig,
+) -> bool:
+    """Whether ``config`` tiles a layer of these sizes (a head dim of 16..256, a power of two)."""
+    return (
+        16 <= head_dim <= 256
+        and head_dim & (head_dim - 1) == 0
+        and all(_tiling(hidden, heads, kv_heads, head_dim, intermediate, config).values())
+    )
+
+
 def _attention_parts(
     programs: int, rows: int, num_kv_heads: int, max_tokens: int, tile: int
 ) -> int:
@@ -482,16 +520,11 @@ def persistent_decode(
             f"persistent_decode: h must be [1..16, {stack.hidden}], not {tuple(h.shape)}"
         )
     head_dim, kv_heads, heads = stack.head_dim, stack.num_kv_heads, stack.num_heads
-    for name, n, k, splits, block_n in (
-        ("qkv_splits", (heads + 2 * kv_heads) * head_dim, hidden, config.qkv_splits, head_dim),
-        ("o_splits", hidden, heads * head_dim, config.o_splits, config.block_n),
-        ("gate_up_splits", stack.intermediate, hidden, config.gate_up_splits, config.block_n),
-        ("down_splits", hidden, stack.intermediate, config.down_splits, config.block_n),
-    ):
-        if splits < 1 or k % (splits * config.block_k) or n % block_n:
-            raise ValueError(
-                f"PersistentConfig.{name}: {splits} splits of K {k} (or {n} columns) not whole"
-            )
+    for name, whole in _tiling(
+        hidden, heads, kv_heads, head_dim, stack.intermediate, config
+    ).items():
+        if not whole:
+            raise ValueError(f"PersistentConfig.{name}: does not split the layer into whole tiles")
     device = h.device
     programs = config.programs or (num_sms(device) if device.type == "cuda" else 1)
     cache = stack.layers[0].k_cache

@@ -37,6 +37,8 @@ from engine.layers.quantized_linear import (
 )
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from engine.models.llama_persistent import LlamaPersistentDecoder, persistent_decoder
+from engine.worker.forward_context import get_attention_metadata
 from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
 
@@ -185,8 +187,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # every layer of a small decode pass in one launch, where bound (engine/models/llama_persistent.py)
+        self.persistent: LlamaPersistentDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.persistent is not None:
+            meta = get_attention_metadata()
+            if self.persistent.takes(input_ids.shape[0], meta):
+                return self.persistent.forward(input_ids, positions, meta)
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
@@ -221,6 +229,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def bind_persistent_decode(self, paged: bool) -> None:
+        """After the attention layers are bound to a (new) cache: the persistent decode pass over it where the
+        model, device and cache qualify (``paged``: the paged KV backend); without a cache (``paged`` False,
+        at release), none."""
+        self.model.persistent = (
+            persistent_decoder(self.model, self.shard_args, self.tp.size)
+            if paged and self.cpu_decoder is None
+            else None
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.cpu_decoder is not None:

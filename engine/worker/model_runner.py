@@ -184,6 +184,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(ReleaseKv())
         self.decode_graphs.release()
+        if hasattr(self.model, "bind_persistent_decode"):
+            self.model.bind_persistent_decode(paged=False)
         self.kv.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
@@ -199,6 +201,8 @@ class ModelRunner:
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
+        if hasattr(self.model, "bind_persistent_decode"):
+            self.model.bind_persistent_decode(paged=not kv.contiguous)
         max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_size)
         self.inputs = StepInputs(
             self.device,

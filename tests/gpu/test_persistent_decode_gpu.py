@@ -64,3 +64,44 @@ def test_the_kernel_replays_from_a_cuda_graph() -> None:
     eager = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
     _, replayed = graph_ms(lambda: persistent_path(h, stack, final_norm, meta, cos, sin, config), 3)
     assert torch.equal(replayed, eager)
+
+
+def test_the_engine_takes_the_persistent_pass_and_agrees_with_the_layer_path(monkeypatch):
+    """One sequence at a time (the persistent pass's rows): the engine with the pass bound against the engine
+    with it switched off, same dummy weights, greedy, CUDA graphs on."""
+    import random
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.block_invariants import run_checked_outputs
+    from tests.greedy_agreement import assert_agree
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(
+            "the persistent pass is bound on compute capability 9.0 only (where it was measured)"
+        )
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    options = dict(load_format="dummy", model_config="llama-3.2-1b", dtype="bfloat16", device="cuda",
+                   max_model_len=512, num_kv_blocks=256, max_num_seqs=1)  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10000) for _ in range(n)] for n in (20, 75, 140)]
+    outputs = {}
+    for switch in ("off", "auto"):
+        monkeypatch.setenv("PAGEDCHAT_PERSISTENT_DECODE", switch)
+        calls = []
+        from kernels import ops as kernel_ops
+
+        kernel = kernel_ops.persistent_decode
+        monkeypatch.setattr(
+            kernel_ops, "persistent_decode", lambda *a: calls.append(1) or kernel(*a)
+        )
+        llm = LLM(**options)
+        try:
+            bound = llm.engine.runner.model.model.persistent is not None
+            outputs[switch] = run_checked_outputs(llm.engine, prompts, greedy)
+        finally:
+            llm.shutdown()
+            monkeypatch.setattr(kernel_ops, "persistent_decode", kernel)
+        assert bound == (switch == "auto")
+        assert bool(calls) == (switch == "auto")
+    assert_agree(outputs["auto"], outputs["off"], drift=0.1, near_tie=0.1)

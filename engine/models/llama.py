@@ -38,7 +38,7 @@ from engine.layers.quantized_linear import (
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
 from engine.models.llama_persistent import LlamaPersistentDecoder, persistent_decoder
-from engine.worker.forward_context import get_attention_metadata
+from engine.worker.forward_context import current_attention_metadata
 from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
 
@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.persistent is not None:
-            meta = get_attention_metadata()
+            meta = current_attention_metadata()
             if self.persistent.takes(input_ids.shape[0], meta):
                 return self.persistent.forward(input_ids, positions, meta)
         residual = self.embed_tokens(input_ids)

@@ -52,6 +52,11 @@ def get_attention_metadata() -> AttentionMetadata:
     return _current
 
 
+def current_attention_metadata() -> AttentionMetadata | None:
+    """The pass's metadata, or None outside a pass (a model called on its own)."""
+    return _current
+
+
 def pass_memo() -> dict[str, Any]:
     """The current pass's memo; a throwaway dict outside a pass (a layer called on its own)."""
     return _current.memo if _current is not None else {}

@@ -68,9 +68,8 @@ class PersistentConfig:
     num_stages: int = 5
     prefetch_k: int = 256  # weight-row elements asked of L2 before each barrier; 0: none
     tile_n: int = 64  # attention: key positions per loop step
-    attention_parts: int = (
-        0  # partitions of each context (split-K); 0: enough tasks for every program
-    )
+    # partitions of each context (split-K); 0: enough tasks for every program
+    attention_parts: int = 0
     programs: int = 0  # 0: one per SM
 
 

@@ -11,13 +11,14 @@ A pass takes it when all of these hold, else the module path runs unchanged:
   eight, 0.96x at sixteen);
 - ``PAGEDCHAT_PERSISTENT_DECODE`` is not ``off`` (``auto``, the default: where the above hold).
 
-The kernel reads the layers' weights and caches where they lie (a table of their addresses), so the stack is
+The kernel reads the layers' weights and caches where they lie (a table of their offsets), so the stack is
 rebuilt whenever the cache is allocated again (``LlamaForCausalLM.bind_persistent_decode``).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +26,12 @@ from engine.worker.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
 from kernels.decoder_stack import DecoderStack, LayerTensors
 
-MAX_ROWS = (
-    2  # decode rows up to which the persistent kernel measured faster (see the module docstring)
-)
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaArgs, LlamaModel
+    from kernels.persistent_decode import PersistentConfig
+
+# decode rows up to which the persistent kernel measured faster (see the module docstring)
+MAX_ROWS = 2
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -40,10 +44,12 @@ def switched_on() -> bool:
 
 
 class LlamaPersistentDecoder:
-    """A bound stack of a LlamaModel's layers and the pass's entry: ``forward`` returns the final norm's output,
-    as ``LlamaModel.forward`` does, or None where the pass is not one it takes."""
+    """A LlamaModel's layers bound for the persistent kernel: ``takes`` says whether a pass is one it runs,
+    ``forward`` returns what ``LlamaModel.forward`` returns (the final norm's output)."""
 
-    def __init__(self, model: torch.nn.Module, stack: DecoderStack, config: object) -> None:
+    def __init__(
+        self, model: LlamaModel, stack: DecoderStack, config: PersistentConfig | None
+    ) -> None:
         self.model, self.stack, self.config = model, stack, config
         rotary = model.layers[0].self_attn.rotary
         self.cos_cache, self.sin_cache = rotary.cos_cache, rotary.sin_cache
@@ -75,7 +81,7 @@ class LlamaPersistentDecoder:
 
 
 def persistent_decoder(
-    model: torch.nn.Module, args: object, tp_size: int
+    model: LlamaModel, args: LlamaArgs, tp_size: int
 ) -> LlamaPersistentDecoder | None:
     """The decoder for ``model`` (a LlamaModel whose attention layers are bound to their paged caches) where the
     model, device and cache qualify (module docstring), else None."""
@@ -106,7 +112,7 @@ def persistent_decoder(
     return LlamaPersistentDecoder(model, stack, config)
 
 
-def _qualifies(model: torch.nn.Module, args: object, tp_size: int) -> bool:
+def _qualifies(model: LlamaModel, args: LlamaArgs, tp_size: int) -> bool:
     first = model.layers[0].self_attn
     weight, cache = first.qkv_proj.weight, first.attn.k_cache
     return (

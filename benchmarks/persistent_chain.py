@@ -44,30 +44,11 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import prefetch_l2
-from kernels.persistent_decode import grid_barrier
+from kernels.persistent_decode import PersistentConfig, grid_barrier
 from kernels.skinny_gemm import store_out, sum_partials
 
 # llama-3.2-1b: hidden, q width (heads x head dim), qkv width, MLP intermediate
 HIDDEN, Q_WIDTH, QKV_WIDTH, INTERMEDIATE = 2048, 2048, 3072, 8192
-
-
-@dataclass(frozen=True, slots=True)
-class ChainConfig:
-    """Launch parameters of the persistent chain: split-K of each phase, tiles, prefetch depth."""
-
-    qkv_splits: int = 2
-    o_splits: int = 4
-    gate_up_splits: int = 1
-    down_splits: int = 4
-    block_n: int = 64
-    block_k: int = (
-        64  # 128 with 4 stages outgrows shared memory: every split's input tile is staged
-    )
-    num_warps: int = 4
-    num_stages: int = 5
-    prefetch_k: int = 256  # weight-row elements a program asks L2 for before each barrier; 0: none
-    programs: int = 0  # 0: one per SM
-    work: bool = True  # False: the barriers alone
 
 
 @triton.jit
@@ -287,7 +268,7 @@ class Chain:
         )
 
 
-def _check_config(chain: Chain, config: ChainConfig) -> None:
+def _check_config(chain: Chain, config: PersistentConfig) -> None:
     """Every phase's K must split into whole tiles and its columns into whole blocks."""
     phases = {
         "qkv_splits": (config.qkv_splits, chain.hidden, chain.qkv_width),
@@ -298,7 +279,7 @@ def _check_config(chain: Chain, config: ChainConfig) -> None:
     for name, (splits, k, n) in phases.items():
         if splits < 1 or k % (splits * config.block_k) or n % config.block_n:
             raise ValueError(
-                f"ChainConfig.{name}: {splits} splits of K {k} into tiles of {config.block_k}, "
+                f"PersistentConfig.{name}: {splits} splits of K {k} into tiles of {config.block_k}, "
                 f"{n} columns into blocks of {config.block_n}: not whole"
             )
 
@@ -306,7 +287,11 @@ def _check_config(chain: Chain, config: ChainConfig) -> None:
 class PersistentChain:
     """The persistent kernel's buffers for one chain and row count; ``run(x)`` launches it once."""
 
-    def __init__(self, chain: Chain, rows: int, config: ChainConfig) -> None:
+    def __init__(
+        self, chain: Chain, rows: int, config: PersistentConfig, work: bool = True
+    ) -> None:
+        """``config``: the persistent decode kernel's launch parameters (its attention fields unused); without
+        ``work`` only the barriers run."""
         _check_config(chain, config)
         if chain.layers * 2 * chain.intermediate * chain.hidden >= 2**31:
             raise ValueError(
@@ -314,7 +299,7 @@ class PersistentChain:
             )
         if not 1 <= rows <= 16:
             raise ValueError(f"rows: 1..16, not {rows}")
-        self.chain, self.rows, self.config = chain, rows, config
+        self.chain, self.rows, self.config, self.work = chain, rows, config, work
         device, dtype = chain.wqkv.device, chain.wqkv.dtype
         widths = (chain.qkv_width, chain.hidden, 2 * chain.intermediate, chain.hidden)
         splits = (config.qkv_splits, config.o_splits, config.gate_up_splits, config.down_splits)
@@ -345,7 +330,7 @@ class PersistentChain:
             config.qkv_splits, config.o_splits, config.gate_up_splits, config.down_splits,
             H=c.hidden, Q_N=c.q_width, QKV_N=c.qkv_width, I=c.intermediate,
             BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            PREFETCH_K=config.prefetch_k if c.wqkv.is_cuda else 0, LINE=64, WORK=config.work,
+            PREFETCH_K=config.prefetch_k if c.wqkv.is_cuda else 0, LINE=64, WORK=self.work,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
@@ -459,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             args.stages,
             args.programs_per_sm,
         ):
-            config = ChainConfig(
+            config = PersistentConfig(
                 *(int(v) for v in splits.split(",")),
                 block_k=block_k,
                 num_warps=warps,
@@ -473,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"stages={stages} programs/SM={per_sm}"
             )
             variants[name] = (run.run, lambda run=run: (run.load(x), run.run(), run.output())[2])
-        bare = PersistentChain(chain, m, ChainConfig(prefetch_k=0, work=False))
+        bare = PersistentChain(chain, m, PersistentConfig(prefetch_k=0), work=False)
         variants[f"barriers alone ({4 * args.layers})"] = (bare.run, None)
         for name, (timed, checked) in variants.items():
             try:

@@ -21,10 +21,10 @@ if not torch.cuda.is_available():
 
 from benchmarks.persistent_chain import (  # noqa: E402
     Chain,
-    ChainConfig,
     PersistentChain,
     reference_chain,
 )
+from kernels.persistent_decode import PersistentConfig  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 DIMS = (
@@ -49,7 +49,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_the_chain_equals_the_reference(rows: int, splits: tuple[int, int, int, int]) -> None:
     chain = Chain.random(2, DEVICE, dims=DIMS, dtype=torch.float16, seed=rows)
     x = torch.randn(rows, DIMS[0], generator=torch.Generator().manual_seed(7)).half().to(DEVICE)
-    run = PersistentChain(chain, rows, ChainConfig(*splits, **SMALL))
+    run = PersistentChain(chain, rows, PersistentConfig(*splits, **SMALL))
     run.load(x)
     run.run()
     want = reference_chain(chain, x)
@@ -66,7 +66,7 @@ def test_the_chain_equals_the_reference(rows: int, splits: tuple[int, int, int, 
 def test_a_wrong_input_changes_the_output() -> None:
     """The check above can fail: the chain's output depends on its input."""
     chain = Chain.random(1, DEVICE, dims=DIMS, dtype=torch.float16)
-    run = PersistentChain(chain, 1, ChainConfig(**SMALL))
+    run = PersistentChain(chain, 1, PersistentConfig(**SMALL))
     x = torch.randn(1, DIMS[0]).half().to(DEVICE)
     run.load(x)
     run.run()
@@ -76,12 +76,12 @@ def test_a_wrong_input_changes_the_output() -> None:
 @pytest.mark.parametrize(
     "config, message",
     [
-        (ChainConfig(qkv_splits=3, block_k=32), "qkv_splits"),
-        (ChainConfig(down_splits=0, block_k=32), "down_splits"),
-        (ChainConfig(block_n=96, block_k=32), "blocks of 96"),
+        (PersistentConfig(qkv_splits=3, block_k=32), "qkv_splits"),
+        (PersistentConfig(down_splits=0, block_k=32), "down_splits"),
+        (PersistentConfig(block_n=96, block_k=32), "blocks of 96"),
     ],
 )
-def test_a_config_that_does_not_tile_is_refused(config: ChainConfig, message: str) -> None:
+def test_a_config_that_does_not_tile_is_refused(config: PersistentConfig, message: str) -> None:
     chain = Chain.random(1, DEVICE, dims=DIMS, dtype=torch.float16)
     with pytest.raises(ValueError, match=message):
         PersistentChain(chain, 1, config)
@@ -90,6 +90,6 @@ def test_a_config_that_does_not_tile_is_refused(config: ChainConfig, message: st
 def test_rows_and_dims_are_checked() -> None:
     chain = Chain.random(1, DEVICE, dims=DIMS, dtype=torch.float16)
     with pytest.raises(ValueError, match="rows"):
-        PersistentChain(chain, 17, ChainConfig(**SMALL))
+        PersistentChain(chain, 17, PersistentConfig(**SMALL))
     with pytest.raises(ValueError, match="q width"):
         Chain.random(1, DEVICE, dims=(128, 256, 192, 256))

@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import prefetch_l2
-from kernels.persistent_decode import PersistentConfig, grid_barrier
-from kernels.skinny_gemm import store_out, sum_partials
+from kernels.paged_attention import dot_precision
+from kernels.persistent_decode import PersistentConfig, grid_barrier, matmul_task, prefetch_task
+from kernels.skinny_gemm import store_out
 
 # llama-3.2-1b: hidden, q width (heads x head dim), qkv width, MLP intermediate
 HIDDEN, Q_WIDTH, QKV_WIDTH, INTERMEDIATE = 2048, 2048, 3072, 8192
@@ -69,66 +69,21 @@ def _phase(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Tasks (column block, split) ``pid, pid + programs, ...`` of ``out = x @ w.T`` (with GATE_UP
-    ``silu(x @ Wg.T) * (x @ Wu.T)``, gate rows first in ``w``), out ``[M, n_cols]`` in the weights' dtype.
-    Split-K as kernels/skinny_gemm.py does it: fp32 partials, the last split of a column block to finish adds
-    them in split order and writes the block (its counter re-armed), so the next phase reads one rounded tile.
-    x is loaded past L1 (``.cg``): other programs wrote it in this launch."""
+    ``silu(x @ Wg.T) * (x @ Wu.T)``, gate rows first in ``w``), out ``[M, n_cols]`` in the weights' dtype: the
+    persistent decode kernel's own task (``matmul_task``: split-K merged by the last split of a column block),
+    whose writer stores the block."""
     rows = tl.arange(0, BLOCK_M)
-    k_per_split = K // SPLITS
     for task in range(pid, (n_cols // BLOCK_N) * SPLITS, programs):
-        block, split = task // SPLITS, task % SPLITS
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-        x_rows = x_ptr + rows[:, None] * stride_x
-        gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)[None, :]
-            x = tl.load(x_rows + ks, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg")
-            gate = tl.dot(tl.load(w_rows + ks), tl.trans(x), gate)
-            if GATE_UP:
-                up = tl.dot(tl.load(w_rows + n_cols * K + ks), tl.trans(x), up)
-        if SPLITS == 1:
+        block = task // SPLITS
+        gate, up, writer = matmul_task(x_ptr, stride_x, w_ptr, K, n_cols, block, task % SPLITS, M,
+                                    part_ptr, counter_ptr, SPLITS, GATE_UP, BLOCK_M, BLOCK_N,
+                                    BLOCK_K, DOT_PRECISION)  # fmt: skip
+        if writer:
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
             store_out(out_ptr, gate, up, rows, cols, M, n_cols, n_cols, GATE_UP)
-        else:
-            width = 2 * n_cols if GATE_UP else n_cols
-            part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
-            tl.store(part, gate, mask=(rows < M)[None, :])
-            if GATE_UP:
-                tl.store(part + n_cols, up, mask=(rows < M)[None, :])
-            tl.debug_barrier()  # every thread's partials are written before the release below
-            if tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                tl.store(counter_ptr + block, 0)
-                total_gate, total_up = sum_partials(
-                    part_ptr, rows, cols, M, n_cols, SPLITS, GATE_UP, BLOCK_M, BLOCK_N
-                )
-                store_out(out_ptr, total_gate, total_up, rows, cols, M, n_cols, n_cols, GATE_UP)
-
-
-@triton.jit
-def _prefetch_first_task(
-    w_ptr,
-    n_cols,
-    K,
-    pid,
-    SPLITS: tl.constexpr,
-    GATE_UP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-    LINE: tl.constexpr,
-):
-    """Ask L2 for the first ``PREFETCH_K`` elements of the weight rows of this program's first task."""
-    if PREFETCH_K > 0:
-        if pid < (n_cols // BLOCK_N) * SPLITS:
-            cols = (pid // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ks = (pid % SPLITS) * (K // SPLITS) + tl.arange(0, PREFETCH_K // LINE) * LINE
-            ks = tl.minimum(ks, K - 1)
-            ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-            prefetch_l2(ptrs, True)
-            if GATE_UP:
-                prefetch_l2(ptrs + n_cols * K, True)
 
 
 @triton.jit
@@ -159,6 +114,7 @@ def _chain_kernel(
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
     WORK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """``layers`` x (qkv, o, gate/up + SiLU, down), from ``h`` ``[M, H]`` back into it. Counters: [0] the
     barrier's arrivals, [1] exits (the last program out re-arms both), then one per column block of each
@@ -177,30 +133,28 @@ def _chain_kernel(
         wd = wd_ptr + layer * H * I
         if WORK:
             _phase(h_ptr, H, wqkv, part_ptr, qkv_counters, qkv_ptr, M, QKV_N, H, pid, programs,
-                   S_QKV, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _prefetch_first_task(wo, H, Q_N, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
+                   S_QKV, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        prefetch_task(wo, Q_N, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # (attention left out: o reads the q columns)
         if WORK:
             _phase(qkv_ptr, QKV_N, wo, part_ptr, o_counters, o_ptr, M, H, Q_N, pid, programs,
-                   S_O, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _prefetch_first_task(wgu, I, H, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
+                   S_O, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        prefetch_task(wgu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(o_ptr, H, wgu, part_ptr, gu_counters, act_ptr, M, I, H, pid, programs,
-                   S_GU, True, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _prefetch_first_task(wd, H, I, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
+                   S_GU, True, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        prefetch_task(wd, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(act_ptr, I, wd, part_ptr, d_counters, h_ptr, M, H, I, pid, programs,
-                   S_D, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                   S_D, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         if layer + 1 < layers:
-            _prefetch_first_task(
-                wqkv + QKV_N * H, QKV_N, H, pid, S_QKV, False, BLOCK_N, PREFETCH_K, LINE
-            )
+            prefetch_task(wqkv + QKV_N * H, H, QKV_N, pid, S_QKV, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
@@ -331,6 +285,7 @@ class PersistentChain:
             H=c.hidden, Q_N=c.q_width, QKV_N=c.qkv_width, I=c.intermediate,
             BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             PREFETCH_K=config.prefetch_k if c.wqkv.is_cuda else 0, LINE=64, WORK=self.work,
+            DOT_PRECISION=dot_precision(c.wqkv.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 

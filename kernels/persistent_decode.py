@@ -129,7 +129,7 @@ def _norm_phase(h_ptr, squares_ptr, norm_ptr, out_ptr, M, eps, pid, programs, FU
 
 
 @triton.jit
-def _product(
+def matmul_task(
     x_ptr,
     stride_x,
     w_ptr,
@@ -265,7 +265,7 @@ def _rotate_and_store(
 
 
 @triton.jit
-def _prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.constexpr,
+def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.constexpr,
                    BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
     """Ask L2 for the first ``PREFETCH_K`` elements of the weight rows of this program's first task of a
     matmul phase (task ``pid``: column block ``pid // SPLITS``, split ``pid % SPLITS``)."""
@@ -371,12 +371,12 @@ def _persistent_decode_kernel(
         _norm_phase(h_ptr, squares_ptr, norm_in, normed_ptr, M, eps, pid, programs, layer == 0, H,
                     H // BLOCK_N, BLOCK_M, NORM_COLS, NORM_CHUNK)  # fmt: skip
         if layer == 0:  # (later layers: asked for at the end of the layer before)
-            _prefetch_task(w_qkv, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
+            prefetch_task(w_qkv, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         for task in range(pid, QKV_HEADS * S_QKV, programs):
             head = task // S_QKV
-            gate, up, writer = _product(normed_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
+            gate, up, writer = matmul_task(normed_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
                                         part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
@@ -387,7 +387,7 @@ def _persistent_decode_kernel(
                                   stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
                                   stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                   BLOCK_M, PRODUCT_DTYPE)  # fmt: skip
-        _prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # attention: (KV head, sequence, partition) tasks of the decode kernel's code
@@ -411,12 +411,12 @@ def _persistent_decode_kernel(
         # o, added to the stream
         for task in range(pid, (H // BLOCK_N) * S_O, programs):
             block = task // S_O
-            gate, up, writer = _product(attn_ptr, QD, w_o, QD, H, block, task % S_O, M,
+            gate, up, writer = matmul_task(attn_ptr, QD, w_o, QD, H, block, task % S_O, M,
                                         part_ptr, o_counters, S_O, False, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
-        _prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # gate/up of the normed stream, SiLU-and-mul
@@ -426,26 +426,26 @@ def _persistent_decode_kernel(
         grid_barrier(counter_ptr, arrived)
         for task in range(pid, (I // BLOCK_N) * S_GU, programs):
             block = task // S_GU
-            gate, up, writer = _product(normed_ptr, H, w_gu, H, I, block, task % S_GU, M,
+            gate, up, writer = matmul_task(normed_ptr, H, w_gu, H, I, block, task % S_GU, M,
                                         part_ptr, gu_counters, S_GU, True, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
                 store_out(act_ptr, gate, up, rows, cols, M, I, I, True)
-        _prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # down, added to the stream
         for task in range(pid, (H // BLOCK_N) * S_D, programs):
             block = task // S_D
-            gate, up, writer = _product(act_ptr, I, w_d, I, H, block, task % S_D, M,
+            gate, up, writer = matmul_task(act_ptr, I, w_d, I, H, block, task % S_D, M,
                                         part_ptr, d_counters, S_D, False, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
-            _prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
+            prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:

@@ -280,6 +280,21 @@ def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.const
 
 
 @triton.jit
+def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, part_ptr, counters, M, pid, programs,
+                    SPLITS: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """A projection added to the stream (o, down): ``h += x @ w.T``, each column block's writer adding."""
+    for task in range(pid, (H // BLOCK_N) * SPLITS, programs):
+        block = task // SPLITS
+        total, _, writer = matmul_task(x_ptr, K, w_ptr, K, H, block, task % SPLITS, M, part_ptr,
+                                       counters, SPLITS, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       DOT_PRECISION)  # fmt: skip
+        if writer:
+            _add_residual(h_ptr, squares_ptr, total, M, block, H, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _layer_pointer(base_ptr, table_ptr, layer, which):
     """Tensor ``which`` of the layer: ``base_ptr`` plus its offset from the table, a multiple of 16 bytes
     (kernels/decoder_stack.py checks), which lets the loads be vectorized as for a pointer argument."""
@@ -409,13 +424,8 @@ def _persistent_decode_kernel(
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # o, added to the stream
-        for task in range(pid, (H // BLOCK_N) * S_O, programs):
-            block = task // S_O
-            gate, up, writer = matmul_task(attn_ptr, QD, w_o, QD, H, block, task % S_O, M,
-                                        part_ptr, o_counters, S_O, False, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
-            if writer:
-                _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+        _residual_phase(attn_ptr, QD, w_o, h_ptr, squares_ptr, part_ptr, o_counters, M, pid, programs,
+                        S_O, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
@@ -436,13 +446,8 @@ def _persistent_decode_kernel(
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # down, added to the stream
-        for task in range(pid, (H // BLOCK_N) * S_D, programs):
-            block = task // S_D
-            gate, up, writer = matmul_task(act_ptr, I, w_d, I, H, block, task % S_D, M,
-                                        part_ptr, d_counters, S_D, False, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
-            if writer:
-                _add_residual(h_ptr, squares_ptr, gate, M, block, H, BLOCK_M, BLOCK_N)
+        _residual_phase(act_ptr, I, w_d, h_ptr, squares_ptr, part_ptr, d_counters, M, pid, programs,
+                        S_D, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
             prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch-k", type=int, nargs="+", default=[256])
     parser.add_argument("--attention-parts", type=int, nargs="+", default=[0],
                         help="partitions of each context (0: the kernel's choice)")  # fmt: skip
+    parser.add_argument("--attention-min-tiles", type=int, nargs="+", default=[2])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -175,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {rows} | layer path (engine launches) | {base_ms:.4f} | 1.00x | "
               f"{ref_error:.1e} (against torch) | |")  # fmt: skip
         results.append(dict(rows=rows, path="layers", ms=base_ms))
-        for pf, parts in itertools.product(args.prefetch_k, args.attention_parts):
-            config = replace(PersistentConfig(), prefetch_k=pf, attention_parts=parts)
+        variants = itertools.product(
+            args.prefetch_k, args.attention_parts, args.attention_min_tiles
+        )
+        for pf, parts, min_tiles in variants:
+            config = replace(PersistentConfig(), prefetch_k=pf, attention_parts=parts,
+                             attention_min_tiles=min_tiles)  # fmt: skip
+            label = (f"prefetch_k {pf}, attention parts {parts or 'auto'} "
+                     f"(at least {min_tiles} tiles)")  # fmt: skip
             first = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
             again = persistent_path(h, stack, final_norm, meta, cos, sin, config)
             error = relative_error(first, want)
@@ -185,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
             )
             same = bool(torch.equal(first, again))
-            print(f"| {rows} | persistent, prefetch_k {pf}, attention parts {parts or 'auto'} | {ms:.4f} | {base_ms / ms:.2f}x | "
-                  f"{error:.1e} | {same} |")  # fmt: skip
-            results.append(dict(rows=rows, path=f"persistent prefetch_k={pf} attention_parts={parts}", ms=ms, error=error,
+            print(f"| {rows} | persistent, {label} | {ms:.4f} | {base_ms / ms:.2f}x | {error:.1e} | "
+                  f"{same} |")  # fmt: skip
+            results.append(dict(rows=rows, path=f"persistent, {label}", ms=ms, error=error,
                                 repeats=same))  # fmt: skip
     try:
         print("# compiled:", compiled_resources())

@@ -196,6 +196,7 @@ def _decode_kernel(
         DOT_PRECISION,
         CONTIGUOUS,
         KV_FP8,
+        1,
     )
 
 
@@ -236,16 +237,18 @@ def decode_task(
     DOT_PRECISION: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     """One (KV head, sequence[, partition]) of decode attention for the query rows ``q`` ``[GROUP_PAD,
     HEAD_PAD]`` (that KV head's query heads, loaded by the caller): the one-pass output, or the partition's
-    partials and, for the last partition to finish, the merge. The decode kernel runs one a program; the
+    partials and, for the last partition to finish, the merge. A partition is at least ``MIN_TILES`` tiles
+    (partitions past the context are empty). The decode kernel runs one a program; the
     persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase."""
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
         # this sequence's own partitions: its context over all of the launch's, in whole tiles (a short context
         # in a launch sized for the longest still spreads over as many programs as it has tiles)
-        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_parts), TILE_N), 1) * TILE_N
+        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_parts), TILE_N), MIN_TILES) * TILE_N
         start = part * partition
         end = tl.minimum(start + partition, ctx)
     else:

@@ -6,23 +6,31 @@ first layer (the embeddings); on return it holds the stream after the last layer
 Each layer is the engine's layer path (engine/models/llama.py: RMSNorm, qkv, rotary with the KV store,
 paged decode attention, o + residual, RMSNorm, gate/up + SiLU-and-mul, down + residual), with the same roundings;
 the new tokens' K and V are written into the paged caches at ``slot_mapping`` (-1: padding, nothing written).
-Only the norms' sums of squares are added in another order (per 64-column block, then over the blocks), so a
-result may differ from the layer path in the last bit; it never depends on timing (every sum has a fixed order).
+Only the norms differ: ``norm(x) @ W`` is computed as ``(round(x * weight) @ W) / rms(x)``, the 1/rms applied to
+the projection's fp32 sums (one rounding moved; within the layer path's own bf16 error, tests/gpu), and the
+sums of squares are added per 64-column block, then over the blocks. A result never depends on timing (every
+sum has a fixed order).
 
 Design, and why:
 - One program per SM, all resident (a cooperative launch on CUDA: it fails instead of hanging when they do not
-  fit). Seven phases a layer, separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an
-  H100): norm | qkv (+ rotary and the KV store) | attention | o (+ residual) | norm | gate/up (+ SiLU) |
-  down (+ residual).
+  fit). Five phases a layer, separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an
+  H100): qkv (+ rotary and the KV store) | attention | o (+ residual) | gate/up (+ SiLU) | down (+ residual).
 - A matmul phase's tasks (column block, K split) go round-robin over the programs; split-K merges as
   kernels/skinny_gemm.py's does (the last split of a column block adds the fp32 partials in split order), and the
   writer of a block also runs the phase's epilogue for it. The qkv phase's column block is one head
   (``BLOCK_N = head_dim``), so its writer rotates q and k in place and stores k and v into the caches.
-- A norm is a phase of its own, into a normed copy of the stream (M x hidden): 1/rms comes from the sums of
-  squares that the writers of the stream's column blocks left, so no program reads whole rows. Normalizing inside
-  the matmul's loop instead (x transformed between its load and the dot) measured ~0.19 ms a step slower.
+- A norm is no phase of its own: the writer of each column block of the stream (the o and down residual adds)
+  also leaves the block's sums of squares and the block times the next norm's weight (``_weigh``); the next
+  matmul phase reads that copy as it is, and its writers scale their fp32 sums by 1/rms, which every program
+  gets from the sums of squares (one L2 read a phase). Only the first layer's input, which no writer produced,
+  is weighed in a phase of its own. Measured against a norm phase of its own (a barrier and ~1 us each, 32 a
+  step): the same at one row (0.963 against 0.965 ms), 1.04x against 1.01x the layer path at four rows, 1.01x
+  against 0.97x at eight; normalizing inside the matmul's loop (x transformed between its load and the dot)
+  cost ~0.19 ms a step.
 - Attention tasks are (KV head, sequence, partition) of ``paged_attention.decode_task``: the decode kernel's own
-  code, split-K with its in-launch merge.
+  code, split-K with its in-launch merge. At most one task a program (a second round costs a whole task's
+  latency), partitions of at least two 64-position tiles (fewer partials to merge): measured best from one row
+  to eight (benchmarks/persistent_decode.py ``--attention-parts``).
 - Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
   its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
 - Everything another program wrote in this launch is loaded past L1 (``.cg``); weights and caches are addressed
@@ -30,9 +38,10 @@ Design, and why:
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
   forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
 
-Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md): llama-3.2-1b's 16 layers at context
-700 take 0.980 ms against 1.000 ms for the engine's launches at one sequence, 1.216 against 1.177 ms at 16. Not
-yet in the engine.
+Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, ninth session): llama-3.2-1b's 16
+layers and final norm at context 700 take 0.947 ms against 0.996 ms for the engine's launches at one sequence,
+1.135 against 1.174 ms at 16. The engine takes it for decode passes of up to 16 rows
+(engine/models/llama_persistent.py).
 """
 
 from __future__ import annotations
@@ -68,8 +77,10 @@ class PersistentConfig:
     num_stages: int = 5
     prefetch_k: int = 256  # weight-row elements asked of L2 before each barrier; 0: none
     tile_n: int = 64  # attention: key positions per loop step
-    # partitions of each context (split-K); 0: enough tasks for every program
+    # partitions of each context (split-K); 0: as many tasks as programs, at most (a second round of tasks
+    # costs a whole task's latency)
     attention_parts: int = 0
+    attention_min_tiles: int = 2  # a partition's least length, in tiles (fewer partials to merge)
     programs: int = 0  # 0: one per SM
 
 
@@ -87,18 +98,6 @@ def grid_barrier(counter_ptr, target):
 
 
 @triton.jit
-def _row_rstd(h_ptr, M, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """``1 / rms`` of each of the M rows of ``h`` ``[M, H]`` (padding rows: a finite value, never used)."""
-    rows = tl.arange(0, BLOCK_M)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for c in tl.static_range(0, H, CHUNK):
-        ptrs = h_ptr + rows[:, None] * H + c + tl.arange(0, CHUNK)[None, :]
-        x = tl.load(ptrs, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        total += tl.sum(x * x, axis=1)
-    return tl.rsqrt(total / H + eps)
-
-
-@triton.jit
 def _block_rstd(squares_ptr, eps, H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """``1 / rms`` of each row from the sums of squares ``[BLOCKS, BLOCK_M]`` that the writers of the stream's
     column blocks left (``_add_residual``), added in block order (one L2 round trip, not a pass over rows)."""
@@ -107,25 +106,30 @@ def _block_rstd(squares_ptr, eps, H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _norm_phase(h_ptr, squares_ptr, norm_ptr, out_ptr, M, eps, pid, programs, FULL_ROWS: tl.constexpr,
-                H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr,
-                CHUNK: tl.constexpr):  # fmt: skip
-    """``out = norm(h) * weight`` (rounded as kernels/rms_norm.py rounds), ``COLS`` columns a task. 1/rms from
-    the sums of squares the stream's writers left (``_add_residual``), or with FULL_ROWS (the first layer's
-    input, which no writer produced) from the rows themselves. Measured: normalizing inside the matmul's loop
-    instead (in registers, or first into a per-program copy) cost ~6 us a phase; this costs a barrier and ~1 us."""
-    if FULL_ROWS:
-        rstd = _row_rstd(h_ptr, M, eps, H, BLOCK_M, CHUNK)
-    else:
-        rstd = _block_rstd(squares_ptr, eps, H, BLOCKS, BLOCK_M)
+def _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Column block ``block`` of the stream (``stream``, ``[BLOCK_N, BLOCK_M]``, rounded as stored), for the
+    next norm: each row's sum of squares over the block, and ``round(stream * gamma)`` (the norm's weight
+    applied; its 1/rms, known only once every block is written, scales the next projection's output)."""
     rows = tl.arange(0, BLOCK_M)
-    for task in range(pid, H // COLS, programs):
-        cols = task * COLS + tl.arange(0, COLS)[None, :]
-        mask = (rows < M)[:, None]
-        x = tl.load(h_ptr + rows[:, None] * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-        out = (tl.load(norm_ptr + cols).to(tl.float32) * normed).to(x.dtype)
-        tl.store(out_ptr + rows[:, None] * H + cols, out, mask=mask)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    value = stream.to(tl.float32)
+    tl.store(squares_ptr + block * BLOCK_M + rows, tl.sum(value * value, axis=0))
+    gamma = tl.load(gamma_ptr + cols).to(tl.float32)
+    tl.store(weighted_ptr + rows[None, :] * H + cols[:, None], (value * gamma[:, None]).to(stream.dtype),
+             mask=(rows < M)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _weigh_phase(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, M, pid, programs, H: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``_weigh`` for every column block of the stream entering the first layer, which no writer produced."""
+    rows = tl.arange(0, BLOCK_M)
+    for block in range(pid, H // BLOCK_N, programs):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = h_ptr + rows[None, :] * H + cols[:, None]
+        stream = tl.load(ptrs, mask=(rows < M)[None, :], other=0.0, cache_modifier=".cg")
+        _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -182,10 +186,10 @@ def matmul_task(
 
 
 @triton.jit
-def _add_residual(h_ptr, squares_ptr, total, M, block, H: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
+def _add_residual(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, total, M, block, H: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """``h[:, block] = round(h + round(total))``: the projection's output added to the stream, as the norm
-    kernel's residual add rounds it; and each row's sum of squares over the block, for the next norm."""
+    kernel's residual add rounds it; then ``_weigh`` for the next norm (weight ``gamma_ptr``)."""
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     ptrs = h_ptr + rows[None, :] * H + cols[:, None]
@@ -194,8 +198,7 @@ def _add_residual(h_ptr, squares_ptr, total, M, block, H: tl.constexpr, BLOCK_M:
     stream = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     stream = (total.to(element).to(tl.float32) + stream).to(element)
     tl.store(ptrs, stream, mask=mask)
-    square = stream.to(tl.float32)
-    tl.store(squares_ptr + block * BLOCK_M + rows, tl.sum(square * square, axis=0))
+    _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -280,18 +283,20 @@ def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.const
 
 
 @triton.jit
-def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, part_ptr, counters, M, pid, programs,
-                    SPLITS: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr,
+def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr, part_ptr, counters,
+                    M, pid, programs, SPLITS: tl.constexpr, H: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """A projection added to the stream (o, down): ``h += x @ w.T``, each column block's writer adding."""
+    """A projection added to the stream (o, down): ``h += x @ w.T``, each column block's writer adding and
+    weighing the block for the next norm (``_add_residual``)."""
     for task in range(pid, (H // BLOCK_N) * SPLITS, programs):
         block = task // SPLITS
         total, _, writer = matmul_task(x_ptr, K, w_ptr, K, H, block, task % SPLITS, M, part_ptr,
                                        counters, SPLITS, False, BLOCK_M, BLOCK_N, BLOCK_K,
                                        DOT_PRECISION)  # fmt: skip
         if writer:
-            _add_residual(h_ptr, squares_ptr, total, M, block, H, BLOCK_M, BLOCK_N)
+            _add_residual(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, total, M, block, H, BLOCK_M,
+                          BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -310,7 +315,7 @@ def _persistent_decode_kernel(
     part_ptr,
     counter_ptr,
     squares_ptr,
-    normed_ptr,
+    weighted_ptr,
     base_ptr,
     table_ptr,
     positions_ptr,
@@ -342,6 +347,7 @@ def _persistent_decode_kernel(
     GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    ATTENTION_MIN_TILES: tl.constexpr,
     S_QKV: tl.constexpr,
     S_O: tl.constexpr,
     S_GU: tl.constexpr,
@@ -349,8 +355,6 @@ def _persistent_decode_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM_CHUNK: tl.constexpr,
-    NORM_COLS: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
@@ -372,31 +376,32 @@ def _persistent_decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     group_rows = tl.arange(0, GROUP_PAD)
     head_dims = tl.arange(0, HEAD_DIM)
-    arrived = pid * 0
+    # the stream entering the first layer, weighed for its first norm
+    _weigh_phase(h_ptr, squares_ptr, _layer_pointer(base_ptr, table_ptr, 0, 4), weighted_ptr, M, pid,
+                 programs, H, BLOCK_M, BLOCK_N)  # fmt: skip
+    prefetch_task(_layer_pointer(base_ptr, table_ptr, 0, 0), H, QKV_W, pid, S_QKV, False, HEAD_DIM,
+                  PREFETCH_K, LINE)  # fmt: skip
+    arrived = programs
+    grid_barrier(counter_ptr, arrived)
     for layer in range(layers):
         w_qkv = _layer_pointer(base_ptr, table_ptr, layer, 0)
         w_o = _layer_pointer(base_ptr, table_ptr, layer, 1)
         w_gu = _layer_pointer(base_ptr, table_ptr, layer, 2)
         w_d = _layer_pointer(base_ptr, table_ptr, layer, 3)
-        norm_in = _layer_pointer(base_ptr, table_ptr, layer, 4)
         norm_post = _layer_pointer(base_ptr, table_ptr, layer, 5)
+        norm_next = _layer_pointer(base_ptr, table_ptr, tl.minimum(layer + 1, layers - 1), 4)
         k_cache = _layer_pointer(base_ptr, table_ptr, layer, 6)
         v_cache = _layer_pointer(base_ptr, table_ptr, layer, 7)
-        # qkv of the normed stream; each head's writer rotates it and stores K and V
-        _norm_phase(h_ptr, squares_ptr, norm_in, normed_ptr, M, eps, pid, programs, layer == 0, H,
-                    H // BLOCK_N, BLOCK_M, NORM_COLS, NORM_CHUNK)  # fmt: skip
-        if layer == 0:  # (later layers: asked for at the end of the layer before)
-            prefetch_task(w_qkv, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
+        # qkv of the weighed stream, scaled by 1/rms; each head's writer rotates it, stores K and V
+        rstd = _block_rstd(squares_ptr, eps, H, H // BLOCK_N, BLOCK_M)
         for task in range(pid, QKV_HEADS * S_QKV, programs):
             head = task // S_QKV
-            gate, up, writer = matmul_task(normed_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
+            gate, up, writer = matmul_task(weighted_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
                                         part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 cols = head * HEAD_DIM + head_dims
-                store_out(qkv_ptr, gate, up, rows, cols, M, QKV_W, QKV_W, False)
+                store_out(qkv_ptr, gate * rstd[None, :], up, rows, cols, M, QKV_W, QKV_W, False)
                 tl.debug_barrier()  # the head's rows are written before they are read back
                 _rotate_and_store(qkv_ptr, head, M, positions_ptr, cos_ptr, sin_ptr, stride_cos,
                                   stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
@@ -420,34 +425,33 @@ def _persistent_decode_kernel(
                         attn_counters, scale_log2, 1.0, QD, HEAD_DIM, stride_block, stride_token,
                         stride_head, stride_table, NUM_KV_HEADS, attn_parts, GROUP, GROUP_PAD,
                         GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, True, 8, DOT_PRECISION,
-                        False, False)  # fmt: skip
+                        False, False, ATTENTION_MIN_TILES)  # fmt: skip
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # o, added to the stream
-        _residual_phase(attn_ptr, QD, w_o, h_ptr, squares_ptr, part_ptr, o_counters, M, pid, programs,
-                        S_O, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        _residual_phase(attn_ptr, QD, w_o, h_ptr, squares_ptr, norm_post, weighted_ptr, part_ptr,
+                        o_counters, M, pid, programs, S_O, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
-        # gate/up of the normed stream, SiLU-and-mul
-        _norm_phase(h_ptr, squares_ptr, norm_post, normed_ptr, M, eps, pid, programs, False, H,
-                    H // BLOCK_N, BLOCK_M, NORM_COLS, NORM_CHUNK)  # fmt: skip
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
+        # gate/up of the weighed stream, scaled by 1/rms, SiLU-and-mul
+        rstd = _block_rstd(squares_ptr, eps, H, H // BLOCK_N, BLOCK_M)
         for task in range(pid, (I // BLOCK_N) * S_GU, programs):
             block = task // S_GU
-            gate, up, writer = matmul_task(normed_ptr, H, w_gu, H, I, block, task % S_GU, M,
+            gate, up, writer = matmul_task(weighted_ptr, H, w_gu, H, I, block, task % S_GU, M,
                                         part_ptr, gu_counters, S_GU, True, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
                 cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-                store_out(act_ptr, gate, up, rows, cols, M, I, I, True)
+                store_out(
+                    act_ptr, gate * rstd[None, :], up * rstd[None, :], rows, cols, M, I, I, True
+                )
         prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # down, added to the stream
-        _residual_phase(act_ptr, I, w_d, h_ptr, squares_ptr, part_ptr, d_counters, M, pid, programs,
-                        S_D, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        _residual_phase(act_ptr, I, w_d, h_ptr, squares_ptr, norm_next, weighted_ptr, part_ptr,
+                        d_counters, M, pid, programs, S_D, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
             prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
@@ -499,9 +503,9 @@ def fits(
 def _attention_parts(
     programs: int, rows: int, num_kv_heads: int, max_tokens: int, tile: int
 ) -> int:
-    """Partitions of each sequence's context: enough (KV head, sequence, partition) tasks for every program,
-    none shorter than a tile."""
-    return max(1, min(triton.cdiv(programs, rows * num_kv_heads), triton.cdiv(max_tokens, tile)))
+    """Partitions of each sequence's context: at most one (KV head, sequence, partition) task a program, none
+    shorter than ``tile`` positions (``decode_task`` sizes them from each sequence's own context)."""
+    return max(1, min(programs // (rows * num_kv_heads), triton.cdiv(max_tokens, tile)))
 
 
 def persistent_decode(
@@ -534,7 +538,11 @@ def persistent_decode(
     cache = stack.layers[0].k_cache
     block_size = cache.shape[1]
     parts = config.attention_parts or _attention_parts(
-        programs, m, kv_heads, block_tables.shape[1] * block_size, config.tile_n
+        programs,
+        m,
+        kv_heads,
+        block_tables.shape[1] * block_size,
+        config.tile_n * config.attention_min_tiles,
     )
     qkv_width = (heads + 2 * kv_heads) * head_dim
     f32 = dict(dtype=torch.float32, device=device)
@@ -550,22 +558,22 @@ def persistent_decode(
     blocks = (heads + 2 * kv_heads) + (2 * hidden + stack.intermediate) // config.block_n
     counters = zeroed_counters("persistent_decode", device, 2 + blocks + m * kv_heads)
     squares = torch.empty(hidden // config.block_n, 16, **f32)
-    normed = torch.empty(m, hidden, dtype=h.dtype, device=device)
+    weighted = torch.empty(m, hidden, dtype=h.dtype, device=device)
     qkv = torch.empty(m, qkv_width, dtype=h.dtype, device=device)
     attn = torch.empty(m, heads * head_dim, dtype=h.dtype, device=device)
     act = torch.empty(m, stack.intermediate, dtype=h.dtype, device=device)
     extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
     _persistent_decode_kernel[(programs,)](
-        h, qkv, attn, act, part, counters, squares, normed, stack.base, stack.table, positions, slot_mapping, block_tables,
+        h, qkv, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions, slot_mapping, block_tables,
         context_lens, cos_cache, sin_cache, part_max, part_sum, part_acc,
         m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),
         cache.stride(2), block_tables.stride(0), cos_cache.stride(0), sin_cache.stride(0), parts,
         H=hidden, I=stack.intermediate, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
         GROUP_POW2=triton.next_power_of_2(heads // kv_heads), BLOCK_SIZE=block_size,
-        TILE_N=config.tile_n, S_QKV=config.qkv_splits, S_O=config.o_splits,
+        TILE_N=config.tile_n, ATTENTION_MIN_TILES=config.attention_min_tiles, S_QKV=config.qkv_splits, S_O=config.o_splits,
         S_GU=config.gate_up_splits, S_D=config.down_splits, BLOCK_M=16, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, NORM_CHUNK=min(hidden, 256), NORM_COLS=16,
+        BLOCK_K=config.block_k,
         PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
         DOT_PRECISION=dot_precision(h.dtype),

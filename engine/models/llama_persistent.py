@@ -6,9 +6,9 @@ A pass takes it when all of these hold, else the module path runs unchanged:
 - the device and cache: CUDA of compute capability 9.0 (H100, H200: where it was measured), bfloat16 or float16
   weights, the paged KV backend with a cache of the model's dtype (not FP8, not vAttention's slots), and the
   kernel's tiling dividing the model's sizes;
-- the pass: decode tokens only, at most ``MAX_ROWS`` of them (benchmarks/persistent_decode.py on an H100,
-  llama-3.2-1b at context 700: 1.03x the layer path at one sequence, 1.04x at two, 1.01x at four, 0.97x at
-  eight, 0.96x at sixteen);
+- the pass: decode tokens only, at most ``MAX_ROWS`` of them, the kernel's limit (benchmarks/persistent_decode.py
+  on an H100, llama-3.2-1b at context 700: 1.05x the layer path at one sequence, 1.06x at two, 1.05x at four,
+  1.06x at eight, 1.03x at sixteen; docs/BENCHMARKS.md, ninth session);
 - ``PAGEDCHAT_PERSISTENT_DECODE`` is not ``off`` (``auto``, the default: where the above hold).
 
 The kernel reads the layers' weights and caches where they lie (a table of their offsets), so the stack is
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kernels.persistent_decode import PersistentConfig
 
 # decode rows up to which the persistent kernel measured faster (see the module docstring)
-MAX_ROWS = 2
+MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -45,14 +45,17 @@ def test_the_kernel_agrees_with_the_layer_path_and_repeats_itself(rows: int) -> 
     want = layer_path(h, stack, final_norm, meta, cos, sin).clone()
     config = PersistentConfig()
     got = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
-    # the same math as the launches, sums of squares in another order: bf16's last bits
-    assert relative_error(got, want) < 2e-2
     assert torch.equal(persistent_path(h, stack, final_norm, meta, cos, sin, config), got)
-    # the torch reference (SDPA attention, cuBLAS matmuls) from the same stream
+    # the torch reference (SDPA attention, cuBLAS matmuls) from the same stream: the kernel (its norms'
+    # 1/rms applied to the projections' sums, one rounding moved) is no further from it than the launches
     stream = h.clone()
     ref_stack, _ = make_stack(DEVICE, rows * 40 + 1)
     reference.persistent_decode(stream, ref_stack, *meta.values(), cos, sin, HEAD_DIM**-0.5)
-    assert relative_error(got, reference.rms_norm(stream, final_norm, EPS)) < 3e-2
+    exact = reference.rms_norm(stream, final_norm, EPS)
+    yardstick = relative_error(want, exact)  # bf16 over 16 layers: ~2e-2
+    assert yardstick < 3e-2
+    assert relative_error(got, exact) < 1.25 * yardstick
+    assert relative_error(got, want) < 1.5 * yardstick
 
 
 def test_the_kernel_replays_from_a_cuda_graph() -> None:

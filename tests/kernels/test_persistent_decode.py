@@ -119,19 +119,21 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "contexts, splits, parts",
+    "contexts, splits, parts, min_tiles",
     [
-        ([9], (1, 1, 1, 1), 1),
-        ([9], (2, 2, 2, 4), 3),
-        ([5, 40, 17], (2, 4, 1, 2), 2),
-        ([33, 1, 16], (4, 1, 2, 8), 5),
+        ([9], (1, 1, 1, 1), 1, 2),
+        ([9], (2, 2, 2, 4), 3, 2),  # partitions 1 and 2 past the context: empty
+        ([5, 40, 17], (2, 4, 1, 2), 2, 2),
+        ([33, 1, 16], (4, 1, 2, 8), 5, 1),  # one-tile partitions
     ],
     ids=["one-row-no-split", "one-row-split", "three-rows", "three-rows-more-splits"],
 )
 def test_the_layers_equal_the_reference_in_float32(
-    contexts: list[int], splits: tuple[int, int, int, int], parts: int
+    contexts: list[int], splits: tuple[int, int, int, int], parts: int, min_tiles: int
 ) -> None:
-    config = PersistentConfig(*splits, attention_parts=parts, **SMALL)
+    config = PersistentConfig(
+        *splits, attention_parts=parts, attention_min_tiles=min_tiles, **SMALL
+    )
     stack, want_stack, h, want = run_both(torch.float32, contexts, config)
     assert relative_error(h, want) < 1e-5
     for got, expected in zip(stack.layers, want_stack.layers):

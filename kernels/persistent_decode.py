@@ -203,6 +203,7 @@ def _add_residual(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, total, M, block, 
 
 @triton.jit
 def _rotate_and_store(
+    values,
     qkv_ptr,
     head,
     M,
@@ -225,19 +226,19 @@ def _rotate_and_store(
     BLOCK_M: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
 ):
-    """Head ``head`` of the qkv output (just written by this program): a q head is rotated in place, a k head
-    rotated and stored into the K cache, a v head stored into the V cache, at each row's slot (-1: padding,
-    nothing stored). Rounded as kernels/rotary.py's ``_rotate_heads`` rounds."""
+    """Head ``head`` of the qkv output, ``values`` ``[HEAD_DIM, BLOCK_M]`` (out.T, fp32 sums), in registers: a
+    q head rotated into the qkv buffer, a k head rotated into the K cache, a v head into the V cache, at each
+    row's slot (-1: padding, nothing stored). Rounded as store_out and then kernels/rotary.py's
+    ``_rotate_heads`` round (the two halves split in registers: no store and reload between them)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.arange(0, BLOCK_M)
-    live = (rows < M)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    first = qkv_ptr + rows[:, None] * QKV_W + head * HEAD_DIM + dims
-    x1 = tl.load(first, mask=live, other=0.0, cache_modifier=".cg")
-    x2 = tl.load(first + HALF, mask=live, other=0.0, cache_modifier=".cg")
+    rows = tl.arange(0, BLOCK_M)[None, :]
+    live = rows < M
+    dims = tl.arange(0, HALF)[:, None]
     element = qkv_ptr.dtype.element_ty
+    halves = tl.permute(tl.reshape(values.to(element), [2, HALF, BLOCK_M]), (1, 2, 0))
+    x1, x2 = tl.split(halves)  # dims [0, HALF) and [HALF, HEAD_DIM), each [HALF, BLOCK_M]
     if head < NUM_HEADS + NUM_KV_HEADS:
-        position = tl.load(positions_ptr + rows, mask=rows < M, other=0).to(tl.int64)[:, None]
+        position = tl.load(positions_ptr + rows, mask=live, other=0).to(tl.int64)
         cos = tl.load(cos_ptr + position * stride_cos + dims, mask=live, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + position * stride_sin + dims, mask=live, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
@@ -251,10 +252,11 @@ def _rotate_and_store(
         x1 = out1.to(PRODUCT_DTYPE).to(element)
         x2 = out2.to(PRODUCT_DTYPE).to(element)
     if head < NUM_HEADS:
+        first = qkv_ptr + rows * QKV_W + head * HEAD_DIM + dims
         tl.store(first, x1, mask=live)
         tl.store(first + HALF, x2, mask=live)
     else:
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)[:, None]
+        slot = tl.load(slot_ptr + rows, mask=live, other=-1).to(tl.int64)
         kv_head = head - NUM_HEADS
         cache = k_cache
         if head >= NUM_HEADS + NUM_KV_HEADS:
@@ -400,10 +402,7 @@ def _persistent_decode_kernel(
                                         part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
-                cols = head * HEAD_DIM + head_dims
-                store_out(qkv_ptr, gate * rstd[None, :], up, rows, cols, M, QKV_W, QKV_W, False)
-                tl.debug_barrier()  # the head's rows are written before they are read back
-                _rotate_and_store(qkv_ptr, head, M, positions_ptr, cos_ptr, sin_ptr, stride_cos,
+                _rotate_and_store(gate * rstd[None, :], qkv_ptr, head, M, positions_ptr, cos_ptr, sin_ptr, stride_cos,
                                   stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
                                   stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                   BLOCK_M, PRODUCT_DTYPE)  # fmt: skip

@@ -9,12 +9,15 @@ timing, the two outputs (the normed stream) are compared: relative error, and wh
 repeats itself bit for bit.
 
     python -m benchmarks.persistent_decode [--rows 1 16] [--context 700] [--table-tokens 4096]
-                                           [--prefetch-k 256] [--json PATH]
+                                           [--prefetch-k 256] [--attention-parts 0]
+                                           [--attention-min-tiles 2] [--sweep o_splits=2,4 ...]
+                                           [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -135,6 +138,23 @@ def compiled_resources() -> str:
     return "; ".join(found)
 
 
+def parse_sweep(items: list[str]) -> dict[str, list[int]]:
+    """``FIELD=V1,V2`` items: PersistentConfig fields and the integer values to try."""
+    fields = {f.name for f in dataclasses.fields(PersistentConfig)}
+    sweep = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if name in ("prefetch_k", "attention_parts", "attention_min_tiles"):
+            raise SystemExit(f"--sweep: {name} has an option of its own")
+        if name not in fields or not values:
+            raise SystemExit(f"--sweep: {item!r} is not FIELD=V1,V2 with FIELD one of {sorted(fields)}")
+        try:
+            sweep[name] = [int(v) for v in values.split(",")]
+        except ValueError:
+            raise SystemExit(f"--sweep: {item!r}: the values must be integers") from None
+    return sweep
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
@@ -144,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-parts", type=int, nargs="+", default=[0],
                         help="partitions of each context (0: the kernel's choice)")  # fmt: skip
     parser.add_argument("--attention-min-tiles", type=int, nargs="+", default=[2])
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="FIELD=V1,V2",
+                        help="other PersistentConfig fields to sweep (integers), e.g. o_splits=4,8")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    sweep = parse_sweep(args.sweep)
     if not torch.cuda.is_available():
         print("persistent_decode: needs a CUDA device", file=sys.stderr)
         return 2
@@ -177,13 +200,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{ref_error:.1e} (against torch) | |")  # fmt: skip
         results.append(dict(rows=rows, path="layers", ms=base_ms))
         variants = itertools.product(
-            args.prefetch_k, args.attention_parts, args.attention_min_tiles
-        )
-        for pf, parts, min_tiles in variants:
+            args.prefetch_k, args.attention_parts, args.attention_min_tiles,
+            *(itertools.product([name], values) for name, values in sweep.items()),
+        )  # fmt: skip
+        for pf, parts, min_tiles, *fields in variants:
             config = replace(PersistentConfig(), prefetch_k=pf, attention_parts=parts,
-                             attention_min_tiles=min_tiles)  # fmt: skip
+                             attention_min_tiles=min_tiles, **dict(fields))  # fmt: skip
             label = (f"prefetch_k {pf}, attention parts {parts or 'auto'} "
                      f"(at least {min_tiles} tiles)")  # fmt: skip
+            label += "".join(f", {name} {value}" for name, value in fields)
             first = persistent_path(h, stack, final_norm, meta, cos, sin, config).clone()
             again = persistent_path(h, stack, final_norm, meta, cos, sin, config)
             error = relative_error(first, want)

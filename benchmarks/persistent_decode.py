@@ -147,7 +147,9 @@ def parse_sweep(items: list[str]) -> dict[str, list[int]]:
         if name in ("prefetch_k", "attention_parts", "attention_min_tiles"):
             raise SystemExit(f"--sweep: {name} has an option of its own")
         if name not in fields or not values:
-            raise SystemExit(f"--sweep: {item!r} is not FIELD=V1,V2 with FIELD one of {sorted(fields)}")
+            raise SystemExit(
+                f"--sweep: {item!r} is not FIELD=V1,V2 with FIELD one of {sorted(fields)}"
+            )
         try:
             sweep[name] = [int(v) for v in values.split(",")]
         except ValueError:

@@ -185,7 +185,9 @@ async def test_stream_interval_sends_fewer_larger_outputs():
     finally:
         await engine.stop()
     sizes = [len(out.token_ids_delta) for out in outputs]
-    assert sizes[0] == 1  # the first token is never held back
+    # the first token is not held back for the interval (a reader that is late finds the next step's tokens
+    # with it: the wake rule itself, deterministically, in tests/engine/test_request_stream.py)
+    assert sizes[0] < 4
     assert all(size >= 4 for size in sizes[1:-1]) and sum(sizes) == 18, sizes
     assert [t for out in outputs for t in out.token_ids_delta] == outputs[-1].token_ids
 

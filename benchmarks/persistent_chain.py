@@ -134,27 +134,29 @@ def _chain_kernel(
         if WORK:
             _phase(h_ptr, H, wqkv, part_ptr, qkv_counters, qkv_ptr, M, QKV_N, H, pid, programs,
                    S_QKV, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
-        prefetch_task(wo, Q_N, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(wo, Q_N, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         # (attention left out: o reads the q columns)
         if WORK:
             _phase(qkv_ptr, QKV_N, wo, part_ptr, o_counters, o_ptr, M, H, Q_N, pid, programs,
                    S_O, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
-        prefetch_task(wgu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(wgu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(o_ptr, H, wgu, part_ptr, gu_counters, act_ptr, M, I, H, pid, programs,
                    S_GU, True, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
-        prefetch_task(wd, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
+        prefetch_task(wd, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         if WORK:
             _phase(act_ptr, I, wd, part_ptr, d_counters, h_ptr, M, H, I, pid, programs,
                    S_D, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
         if layer + 1 < layers:
-            prefetch_task(wqkv + QKV_N * H, H, QKV_N, pid, S_QKV, False, BLOCK_N, PREFETCH_K, LINE)
+            prefetch_task(
+                wqkv + QKV_N * H, H, QKV_N, pid, S_QKV, False, BLOCK_N, PREFETCH_K, LINE, True
+            )
         arrived += programs
         grid_barrier(counter_ptr, arrived)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch-k", type=int, nargs="+", default=[0, 256])
     parser.add_argument("--splits", nargs="+", default=["2,4,1,4"],
                         help="qkv,o,gate_up,down split-K of the persistent kernel (each a variant)")  # fmt: skip
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64],
+                        help="weight rows per task (the persistent kernel's qkv block is a head: 64 there)")  # fmt: skip
     parser.add_argument("--block-k", type=int, nargs="+", default=[128])
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1],
                         help="more than 1 only where that many programs fit an SM (else the barrier hangs)")  # fmt: skip
@@ -391,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(m, HIDDEN, device=device).to(torch.bfloat16)
         want = reference_chain(chain, x)
         variants = {"launches": (lambda: launch_chain(chain, x), lambda: launch_chain(chain, x))}
-        for splits, pf, block_k, warps, stages, per_sm in itertools.product(
+        for splits, pf, block_n, block_k, warps, stages, per_sm in itertools.product(
             args.splits,
             args.prefetch_k,
+            args.block_n,
             args.block_k,
             args.warps,
             args.stages,
@@ -401,17 +406,22 @@ def main(argv: list[str] | None = None) -> int:
         ):
             config = PersistentConfig(
                 *(int(v) for v in splits.split(",")),
+                block_n=block_n,
                 block_k=block_k,
                 num_warps=warps,
                 num_stages=stages,
                 prefetch_k=pf,
                 programs=per_sm * torch.cuda.get_device_properties(device).multi_processor_count,
             )
-            run = PersistentChain(chain, m, config)
             name = (
-                f"persistent splits={splits} prefetch_k={pf} block_k={block_k} warps={warps} "
-                f"stages={stages} programs/SM={per_sm}"
+                f"persistent splits={splits} prefetch_k={pf} block_n={block_n} block_k={block_k} "
+                f"warps={warps} stages={stages} programs/SM={per_sm}"
             )
+            try:
+                run = PersistentChain(chain, m, config)
+            except ValueError as e:
+                print(f"| {m} | {name} | - | - | - | {e} |")
+                continue
             variants[name] = (run.run, lambda run=run: (run.load(x), run.run(), run.output())[2])
         bare = PersistentChain(chain, m, PersistentConfig(prefetch_k=0), work=False)
         variants[f"barriers alone ({4 * args.layers})"] = (bare.run, None)

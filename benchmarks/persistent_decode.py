@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import statistics
 import sys
 from dataclasses import replace
 
@@ -29,7 +30,7 @@ import torch
 from benchmarks.persistent_chain import graph_ms
 from kernels import ops, reference
 from kernels.decoder_stack import DecoderStack, LayerTensors
-from kernels.persistent_decode import PersistentConfig, persistent_decode
+from kernels.persistent_decode import STAMPS_PER_LAYER, PersistentConfig, persistent_decode
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 2048, 32, 8, 64, 8192
 BLOCK_SIZE, EPS = 16, 1e-5
@@ -122,6 +123,19 @@ def persistent_path(h, stack, final_norm, meta, cos, sin, config):
     return ops.rms_norm(stream, final_norm, EPS)
 
 
+def trace_path(h, stack, meta, cos, sin, config):
+    """One traced launch (after a warm one), its profile printed and returned."""
+    programs = config.programs or torch.cuda.get_device_properties(h.device).multi_processor_count
+    trace = torch.zeros(programs, 2 + STAMPS_PER_LAYER * LAYERS, 2, dtype=torch.int64,
+                        device=h.device)  # fmt: skip
+    for _ in range(2):
+        stream = h.clone()
+        persistent_decode(stream, stack, meta["positions"], meta["slot_mapping"], meta["block_tables"],
+                          meta["context_lens"], cos, sin, HEAD_DIM**-0.5, config, trace)  # fmt: skip
+    torch.cuda.synchronize()
+    return print_profile(h.shape[0], trace.cpu())
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -136,6 +150,62 @@ def compiled_resources() -> str:
             found.append(f"{kernel.n_regs} registers, {kernel.n_spills} spills, "
                          f"{kernel.metadata.shared} B shared")  # fmt: skip
     return "; ".join(found)
+
+
+# the trace's segments a layer: (name, start stamp, end stamp, weight bytes); stamp -1 is the previous layer's
+# last (kernels/persistent_decode.py ``_stamp``)
+SEGMENTS = (
+    ("qkv + rotary + KV store", -1, 0, (HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN * 2),
+    ("barrier", 0, 1, 0),
+    ("attention", 1, 2, 0),
+    ("o + residual (waits per KV head)", 2, 3, HIDDEN * HEADS * HEAD_DIM * 2),
+    ("barrier", 3, 4, 0),
+    ("gate/up + SiLU", 4, 5, 2 * INTERMEDIATE * HIDDEN * 2),
+    ("barrier", 5, 6, 0),
+    ("down + residual", 6, 7, HIDDEN * INTERMEDIATE * 2),
+    ("barrier", 7, 8, 0),
+)
+
+
+def phase_profile(trace: torch.Tensor) -> list[dict]:
+    """Where one launch's time went, from its trace (``[programs, 2 + 9 x layers, 2]``: the GPU's ns timer,
+    the SM's cycles). A segment's share is how far it moved the latest program on (the latest end minus the
+    latest start): the shares add up to the launch after its first barrier. Per segment, the median over
+    the layers of that share, and the mean time a program spent in it."""
+    ns = trace[:, :, 0].double()
+    layers = (ns.shape[1] - 2) // 9
+    rows = []
+    for name, first, last, nbytes in SEGMENTS:
+        shares, spent = [], []
+        for layer in range(layers):
+            base = 2 + 9 * layer
+            start = (
+                ns[:, base + first] if first >= 0 or layer else ns[:, 1]
+            )  # (-1: the last layer's end)
+            end = ns[:, base + last]
+            shares.append((end.max() - start.max()).item() / 1e3)
+            spent.append((end - start).mean().item() / 1e3)
+        share = statistics.median(shares)
+        rows.append(dict(segment=name, share_us=share, spent_us=statistics.median(spent),
+                         tb_s=nbytes / share / 1e6 if nbytes and share > 0 else None,
+                         total_us=sum(shares)))  # fmt: skip
+    return rows
+
+
+def print_profile(rows: int, trace: torch.Tensor) -> list[dict]:
+    ns = trace[:, :, 0]
+    steps = torch.unique(ns.flatten()).diff()
+    profile = phase_profile(trace)
+    launch_us = (ns[:, -1].max() - ns[:, 0].min()).item() / 1e3
+    print(f"\n# trace, M={rows}: launch {launch_us:.1f} us (first stamp to last), timer step >= "
+          f"{steps[steps > 0].min().item()} ns")  # fmt: skip
+    print("| segment | us a layer (median, critical path) | us a program spends | weights TB/s | "
+          "us a launch |\n|---|---:|---:|---:|---:|")  # fmt: skip
+    for row in profile:
+        rate = f"{row['tb_s']:.2f}" if row["tb_s"] else ""
+        print(f"| {row['segment']} | {row['share_us']:.2f} | {row['spent_us']:.2f} | {rate} | "
+              f"{row['total_us']:.1f} |")  # fmt: skip
+    return profile
 
 
 def parse_sweep(items: list[str]) -> dict[str, list[int]]:
@@ -169,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", nargs="+", default=[], metavar="FIELD=V1,V2",
                         help="other PersistentConfig fields to sweep (integers), e.g. o_splits=4,8")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--trace", action="store_true",
+                        help="also profile each variant's phases from one traced launch")  # fmt: skip
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     sweep = parse_sweep(args.sweep)
@@ -219,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
             )
             same = bool(torch.equal(first, again))
+            if args.trace:
+                profile = trace_path(h, stack, meta, cos, sin, config)
+                results.append(dict(rows=rows, path=f"trace, {label}", profile=profile))
             print(f"| {rows} | persistent, {label} | {ms:.4f} | {base_ms / ms:.2f}x | {error:.1e} | "
                   f"{same} |")  # fmt: skip
             results.append(dict(rows=rows, path=f"persistent, {label}", ms=ms, error=error,

@@ -35,14 +35,23 @@ Design, and why:
   to eight (benchmarks/persistent_decode.py ``--attention-parts``).
 - Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
   its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
+  Attention leaves HBM nearly idle (a chain of round trips over ~1.4 MB of KV a layer at one row): once its
+  attention tasks are done, a program also asks L2 for the first ``bubble_gate_up_k`` elements of its gate/up
+  task's rows (no eviction hint: lines kept evict_last pile up over a launch). Measured 1.7–1.8% at 1–4 rows,
+  0.5–0.8% at 16 (tenth session); deeper, 512–1024, wins at one row and loses at 4 and 16.
+- A profile (``trace``, ``benchmarks/persistent_decode.py --trace``): each program stamps the GPU's ns timer
+  at each phase's end and after each barrier; the benchmark gives each segment its share of the critical
+  path. At one row a layer takes ~58 us: qkv 6.9 (12.6 MB: 1.8 TB/s), a barrier 1.0, attention 5.9,
+  o 5.9 (8.4 MB), a barrier, gate/up 22.5 (67 MB: 3.0 TB/s), a barrier, down 12.8 (33.5 MB: 2.6 TB/s), a
+  barrier. The four small segments around attention are where the time is lost.
 - Everything another program wrote in this launch is loaded past L1 (``.cg``); weights and caches are addressed
   from one base pointer plus 16-byte-aligned offsets (kernels/decoder_stack.py), which keeps loads vectorized.
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
   forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
 
-Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, ninth session): llama-3.2-1b's 16
-layers and final norm at context 700 take 0.947 ms against 0.996 ms for the engine's launches at one sequence,
-1.135 against 1.174 ms at 16. The engine takes it for decode passes of up to 16 rows
+Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, tenth session): llama-3.2-1b's 16
+layers and final norm at context 700 take 0.943 ms against 1.004 ms for the engine's launches at one sequence,
+1.114 against 1.169 ms at 16. The engine takes it for decode passes of up to 16 rows
 (engine/models/llama_persistent.py).
 """
 
@@ -86,6 +95,9 @@ class PersistentConfig:
     programs: int = 0  # 0: one per SM
     # the o phase waits per KV head (a counter its attention tasks raise) instead of at a grid barrier
     o_waits_on_heads: bool = True
+    # the first elements of each gate/up row asked of L2 (no hint) by the program that reads them once its
+    # attention tasks are done (HBM is idle in attention); 0: none
+    bubble_gate_up_k: int = 256
 
 
 @triton.jit
@@ -99,6 +111,26 @@ def grid_barrier(counter_ptr, target):
     while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
         pass
     tl.debug_barrier()
+
+
+# the trace's slots a layer (``_stamp``; the kernel spells it 9; benchmarks/persistent_decode.py --trace)
+STAMPS_PER_LAYER = 9
+
+
+@triton.jit
+def _stamp(trace_ptr, pid, slot, layers, TRACE: tl.constexpr):
+    """With TRACE, when this program got here: the GPU's nanosecond timer and the SM's cycle counter into
+    ``trace[pid, slot]`` (``[programs, 2 + 9 * layers, 2]`` int64), once every warp of the program is here;
+    without TRACE nothing is compiled."""
+    if TRACE:
+        tl.debug_barrier()
+        at = trace_ptr + (pid * (2 + 9 * layers) + slot) * 2
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64,
+                                        is_pure=False, pack=1)  # fmt: skip
+        cycle = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64,
+                                          is_pure=False, pack=1)  # fmt: skip
+        tl.store(at, now)
+        tl.store(at + 1, cycle)
 
 
 @triton.jit
@@ -274,8 +306,27 @@ def _rotate_and_store(
 
 
 @triton.jit
+def _ask_l2(ptrs, EVICT_LAST: tl.constexpr):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (no registers filled): kept evict_last (``prefetch_l2``), or
+    with no hint, for lines asked long before their use (evict_last lines, piling up over a launch, made
+    deeper prefetches slower: 1.083 against 0.995 ms at 1024 elements a row, M=1)."""
+    if EVICT_LAST:
+        prefetch_l2(ptrs, True)
+    else:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
+                   BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
+                   EVICT_LAST: tl.constexpr):  # fmt: skip
     """Ask L2 for the first ``PREFETCH_K`` elements of the weight rows of this program's first task of a
     matmul phase (task ``pid``: column block ``pid // SPLITS``, split ``pid % SPLITS``)."""
     if PREFETCH_K > 0:
@@ -283,9 +334,9 @@ def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.const
             cols = (pid // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = (pid % SPLITS) * (K // SPLITS) + tl.arange(0, PREFETCH_K // LINE) * LINE
             ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + tl.minimum(ks, K - 1)[None, :]
-            prefetch_l2(ptrs, True)
+            _ask_l2(ptrs, EVICT_LAST)
             if GATE_UP:
-                prefetch_l2(ptrs + n_cols * K, True)
+                _ask_l2(ptrs + n_cols * K, EVICT_LAST)
 
 
 @triton.jit
@@ -344,6 +395,7 @@ def _persistent_decode_kernel(
     ctx_ptr,
     cos_ptr,
     sin_ptr,
+    trace_ptr,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
@@ -380,6 +432,8 @@ def _persistent_decode_kernel(
     PRODUCT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     O_WAITS: tl.constexpr,
+    TRACE: tl.constexpr,
+    BUBBLE_GU: tl.constexpr,
 ):
     """All ``layers`` for M rows (see the module docstring). Counters: [0] the barrier's arrivals, [1] exits
     (the last program out re-arms both), then one per column block of each matmul phase, then one per
@@ -401,14 +455,17 @@ def _persistent_decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     group_rows = tl.arange(0, GROUP_PAD)
     head_dims = tl.arange(0, HEAD_DIM)
+    _stamp(trace_ptr, pid, 0, layers, TRACE)
     # the stream entering the first layer, weighed for its first norm
     _weigh_phase(h_ptr, squares_ptr, _layer_pointer(base_ptr, table_ptr, 0, 4), weighted_ptr, M, pid,
                  programs, H, BLOCK_M, BLOCK_N)  # fmt: skip
     prefetch_task(_layer_pointer(base_ptr, table_ptr, 0, 0), H, QKV_W, pid, S_QKV, False, HEAD_DIM,
-                  PREFETCH_K, LINE)  # fmt: skip
+                  PREFETCH_K, LINE, True)  # fmt: skip
     arrived = programs
     grid_barrier(counter_ptr, arrived)
+    _stamp(trace_ptr, pid, 1, layers, TRACE)
     for layer in range(layers):
+        at = 2 + layer * 9
         w_qkv = _layer_pointer(base_ptr, table_ptr, layer, 0)
         w_o = _layer_pointer(base_ptr, table_ptr, layer, 1)
         w_gu = _layer_pointer(base_ptr, table_ptr, layer, 2)
@@ -429,9 +486,11 @@ def _persistent_decode_kernel(
                                   stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
                                   stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                   BLOCK_M, PRODUCT_DTYPE)  # fmt: skip
-        prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE)
+        _stamp(trace_ptr, pid, at, layers, TRACE)
+        prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
+        _stamp(trace_ptr, pid, at + 1, layers, TRACE)
         # attention: (KV head, sequence, partition) tasks of the decode kernel's code
         for task in range(pid, NUM_KV_HEADS * M * attn_parts, programs):
             kv_head, seq = task % NUM_KV_HEADS, (task // NUM_KV_HEADS) % M
@@ -451,6 +510,10 @@ def _persistent_decode_kernel(
             if O_WAITS:
                 tl.debug_barrier()  # every thread's stores are made before the release
                 tl.atomic_add(head_flags + kv_head, 1, sem="release", scope="gpu")
+        # while attention leaves HBM idle: the first BUBBLE_GU elements of this program's gate/up task's
+        # rows, asked of L2 with no hint
+        prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, BUBBLE_GU, LINE, False)
+        _stamp(trace_ptr, pid, at + 2, layers, TRACE)
         if not O_WAITS:
             arrived += programs
             grid_barrier(counter_ptr, arrived)
@@ -459,9 +522,11 @@ def _persistent_decode_kernel(
                         o_counters, M, pid, programs, head_flags, (layer + 1) * M * attn_parts, S_O, H,
                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
                         HEAD_DIM * GROUP if O_WAITS else 0)  # fmt: skip
-        prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE)
+        _stamp(trace_ptr, pid, at + 3, layers, TRACE)
+        prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
+        _stamp(trace_ptr, pid, at + 4, layers, TRACE)
         # gate/up of the weighed stream, scaled by 1/rms, SiLU-and-mul
         rstd = _block_rstd(squares_ptr, eps, H, H // BLOCK_N, BLOCK_M)
         for task in range(pid, (I // BLOCK_N) * S_GU, programs):
@@ -474,18 +539,22 @@ def _persistent_decode_kernel(
                 store_out(
                     act_ptr, gate * rstd[None, :], up * rstd[None, :], rows, cols, M, I, I, True
                 )
-        prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE)
+        _stamp(trace_ptr, pid, at + 5, layers, TRACE)
+        prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
+        _stamp(trace_ptr, pid, at + 6, layers, TRACE)
         # down, added to the stream
         _residual_phase(act_ptr, I, w_d, h_ptr, squares_ptr, norm_next, weighted_ptr, part_ptr,
                         d_counters, M, pid, programs, head_flags, 0, S_D, H, BLOCK_M, BLOCK_N,
                         BLOCK_K, DOT_PRECISION, 0)  # fmt: skip
+        _stamp(trace_ptr, pid, at + 7, layers, TRACE)
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
-            prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE)
+            prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE, True)
         arrived += programs
         grid_barrier(counter_ptr, arrived)
+        _stamp(trace_ptr, pid, at + 8, layers, TRACE)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.store(counter_ptr, 0)
         tl.store(counter_ptr + 1, 0)
@@ -550,8 +619,11 @@ def persistent_decode(
     sin_cache: torch.Tensor,
     scale: float,
     config: PersistentConfig | None = None,
+    trace: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as ``reference.persistent_decode``: ``h`` ``[M <= 16, hidden]``, in place."""
+    """Same contract as ``reference.persistent_decode``: ``h`` ``[M <= 16, hidden]``, in place. ``trace``
+    (CUDA only): int64 ``[programs, 2 + 9 x layers, 2]``, filled with when each program reached each point
+    of each layer (``_stamp``; the profile of benchmarks/persistent_decode.py --trace)."""
     config = config or PersistentConfig()
     m, hidden = h.shape
     if not 1 <= m <= 16 or hidden != stack.hidden or h.dtype != stack.layers[0].qkv.dtype:
@@ -575,6 +647,11 @@ def persistent_decode(
         block_tables.shape[1] * block_size,
         config.tile_n * config.attention_min_tiles,
     )
+    slots = (programs, 2 + STAMPS_PER_LAYER * len(stack.layers), 2)
+    if trace is not None and (
+        trace.dtype != torch.int64 or tuple(trace.shape) != slots or trace.device.type != "cuda"
+    ):
+        raise ValueError(f"persistent_decode: trace must be a CUDA int64 tensor of shape {slots}")
     qkv_width = (heads + 2 * kv_heads) * head_dim
     f32 = dict(dtype=torch.float32, device=device)
     part = torch.empty(
@@ -596,7 +673,7 @@ def persistent_decode(
     extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
     _persistent_decode_kernel[(programs,)](
         h, qkv, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions, slot_mapping, block_tables,
-        context_lens, cos_cache, sin_cache, part_max, part_sum, part_acc,
+        context_lens, cos_cache, sin_cache, h if trace is None else trace, part_max, part_sum, part_acc,
         m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),
         cache.stride(2), block_tables.stride(0), cos_cache.stride(0), sin_cache.stride(0), parts,
         H=hidden, I=stack.intermediate, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
@@ -608,5 +685,5 @@ def persistent_decode(
         PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
         DOT_PRECISION=dot_precision(h.dtype),
-        O_WAITS=config.o_waits_on_heads, num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        O_WAITS=config.o_waits_on_heads, TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if device.type == "cuda" else 0, num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )  # fmt: skip

@@ -184,6 +184,11 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="qkv_splits"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(qkv_splits=3, **SMALL))  # fmt: skip
+    wrong_trace = torch.zeros(1, 2 + 9 * LAYERS, 2, dtype=torch.int32, device=DEVICE)  # not int64
+    with pytest.raises(ValueError, match="trace must be"):
+        persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
+                          sin_cache=sin, scale=1.0, config=PersistentConfig(**SMALL),
+                          trace=wrong_trace)  # fmt: skip
     layer = stack.layers[0]
     with pytest.raises(ValueError, match="qkv weight"):
         DecoderStack([LayerTensors(**{**{n: getattr(layer, n) for n in LayerTensors.__slots__},

@@ -126,8 +126,7 @@ def persistent_path(h, stack, final_norm, meta, cos, sin, config):
 def trace_path(h, stack, meta, cos, sin, config):
     """One traced launch (after a warm one), its profile printed and returned."""
     programs = config.programs or torch.cuda.get_device_properties(h.device).multi_processor_count
-    trace = torch.zeros(programs, 2 + STAMPS_PER_LAYER * LAYERS, 2, dtype=torch.int64,
-                        device=h.device)  # fmt: skip
+    trace = torch.zeros(programs, 2 + STAMPS_PER_LAYER * LAYERS, dtype=torch.int64, device=h.device)
     for _ in range(2):
         stream = h.clone()
         persistent_decode(stream, stack, meta["positions"], meta["slot_mapping"], meta["block_tables"],
@@ -168,20 +167,18 @@ SEGMENTS = (
 
 
 def phase_profile(trace: torch.Tensor) -> list[dict]:
-    """Where one launch's time went, from its trace (``[programs, 2 + 9 x layers, 2]``: the GPU's ns timer,
-    the SM's cycles). A segment's share is how far it moved the latest program on (the latest end minus the
-    latest start): the shares add up to the launch after its first barrier. Per segment, the median over
-    the layers of that share, and the mean time a program spent in it."""
-    ns = trace[:, :, 0].double()
-    layers = (ns.shape[1] - 2) // 9
+    """Where one launch's time went, from its trace (``[programs, 2 + 9 x layers]``, the GPU's ns timer). A
+    segment's share is how far it moved the latest program on (the latest end minus the latest start): the
+    shares add up to the launch after its first barrier. Per segment, the median over the layers of that
+    share, and the mean time a program spent in it."""
+    ns = trace.double()
     rows = []
     for name, first, last, nbytes in SEGMENTS:
         shares, spent = [], []
-        for layer in range(layers):
-            base = 2 + 9 * layer
-            start = (
-                ns[:, base + first] if first >= 0 or layer else ns[:, 1]
-            )  # (-1: the last layer's end)
+        for layer in range((ns.shape[1] - 2) // STAMPS_PER_LAYER):
+            base = 2 + STAMPS_PER_LAYER * layer
+            # stamp -1 of the first layer: the end of the launch's first barrier
+            start = ns[:, base + first] if first >= 0 or layer else ns[:, 1]
             end = ns[:, base + last]
             shares.append((end.max() - start.max()).item() / 1e3)
             spent.append((end - start).mean().item() / 1e3)
@@ -193,7 +190,7 @@ def phase_profile(trace: torch.Tensor) -> list[dict]:
 
 
 def print_profile(rows: int, trace: torch.Tensor) -> list[dict]:
-    ns = trace[:, :, 0]
+    ns = trace
     steps = torch.unique(ns.flatten()).diff()
     profile = phase_profile(trace)
     launch_us = (ns[:, -1].max() - ns[:, 0].min()).item() / 1e3

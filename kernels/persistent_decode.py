@@ -119,18 +119,14 @@ STAMPS_PER_LAYER = 9
 
 @triton.jit
 def _stamp(trace_ptr, pid, slot, layers, TRACE: tl.constexpr):
-    """With TRACE, when this program got here: the GPU's nanosecond timer and the SM's cycle counter into
-    ``trace[pid, slot]`` (``[programs, 2 + 9 * layers, 2]`` int64), once every warp of the program is here;
-    without TRACE nothing is compiled."""
+    """With TRACE, when this program got here (the GPU's nanosecond timer) into ``trace[pid, slot]``
+    (``[programs, 2 + 9 * layers]`` int64), once every warp of the program is here; without TRACE nothing is
+    compiled."""
     if TRACE:
         tl.debug_barrier()
-        at = trace_ptr + (pid * (2 + 9 * layers) + slot) * 2
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64,
                                         is_pure=False, pack=1)  # fmt: skip
-        cycle = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64,
-                                          is_pure=False, pack=1)  # fmt: skip
-        tl.store(at, now)
-        tl.store(at + 1, cycle)
+        tl.store(trace_ptr + pid * (2 + 9 * layers) + slot, now)
 
 
 @triton.jit
@@ -622,7 +618,7 @@ def persistent_decode(
     trace: torch.Tensor | None = None,
 ) -> None:
     """Same contract as ``reference.persistent_decode``: ``h`` ``[M <= 16, hidden]``, in place. ``trace``
-    (CUDA only): int64 ``[programs, 2 + 9 x layers, 2]``, filled with when each program reached each point
+    (CUDA only): int64 ``[programs, 2 + 9 x layers]``, filled with when each program reached each point
     of each layer (``_stamp``; the profile of benchmarks/persistent_decode.py --trace)."""
     config = config or PersistentConfig()
     m, hidden = h.shape
@@ -647,7 +643,7 @@ def persistent_decode(
         block_tables.shape[1] * block_size,
         config.tile_n * config.attention_min_tiles,
     )
-    slots = (programs, 2 + STAMPS_PER_LAYER * len(stack.layers), 2)
+    slots = (programs, 2 + STAMPS_PER_LAYER * len(stack.layers))
     if trace is not None and (
         trace.dtype != torch.int64 or tuple(trace.shape) != slots or trace.device.type != "cuda"
     ):

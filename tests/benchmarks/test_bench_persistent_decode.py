@@ -12,7 +12,6 @@ def synthetic_trace(programs: int, layers: int) -> tuple[torch.Tensor, list[floa
     ``programs - 1`` (others get there earlier by a random amount): the expected shares, in us."""
     gen = torch.Generator().manual_seed(0)
     slots = 2 + STAMPS_PER_LAYER * layers
-    trace = torch.zeros(programs, slots, 2, dtype=torch.int64)
     latest = torch.zeros(slots, dtype=torch.int64)
     latest[1] = 5_000
     for layer in range(layers):
@@ -22,9 +21,7 @@ def synthetic_trace(programs: int, layers: int) -> tuple[torch.Tensor, list[floa
             latest[base + last] = latest[before] + (k + 1) * 1_000
     early = torch.randint(0, 900, (programs, slots), generator=gen)
     early[-1] = 0
-    trace[:, :, 0] = latest[None, :] - early
-    trace[:, :, 1] = trace[:, :, 0] * 2  # cycles at 2 GHz
-    return trace, [float(k + 1) for k in range(len(SEGMENTS))]
+    return latest[None, :] - early, [float(k + 1) for k in range(len(SEGMENTS))]
 
 
 def test_the_profile_gives_each_segment_its_share_and_the_shares_add_up() -> None:
@@ -33,7 +30,7 @@ def test_the_profile_gives_each_segment_its_share_and_the_shares_add_up() -> Non
     profile = phase_profile(trace)
     assert [row["segment"] for row in profile] == [name for name, *_ in SEGMENTS]
     assert [row["share_us"] for row in profile] == pytest.approx(want)
-    launch_us = (trace[:, -1, 0].max() - trace[:, 1, 0].max()).item() / 1e3
+    launch_us = (trace[:, -1].max() - trace[:, 1].max()).item() / 1e3
     assert sum(row["total_us"] for row in profile) == pytest.approx(launch_us)
     # a program that got somewhere earlier spent less there than the latest one
     assert all(row["spent_us"] <= row["share_us"] + 0.9 for row in profile)

@@ -184,7 +184,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="qkv_splits"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(qkv_splits=3, **SMALL))  # fmt: skip
-    wrong_trace = torch.zeros(1, 2 + 9 * LAYERS, 2, dtype=torch.int32, device=DEVICE)  # not int64
+    wrong_trace = torch.zeros(1, 2 + 9 * LAYERS, dtype=torch.int32, device=DEVICE)  # not int64
     with pytest.raises(ValueError, match="trace must be"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(**SMALL),

@@ -39,11 +39,20 @@ Design, and why:
   attention tasks are done, a program also asks L2 for the first ``bubble_gate_up_k`` elements of its gate/up
   task's rows (no eviction hint: lines kept evict_last pile up over a launch). Measured 1.7–1.8% at 1–4 rows,
   0.5–0.8% at 16 (tenth session); deeper, 512–1024, wins at one row and loses at 4 and 16.
+- The qkv phase has 96 tasks for 132 programs: while it runs, the 36 left idle ask L2 for the first
+  ``kv_prefetch`` (64) positions of every attention task's K and V, which attention then finds there
+  (eleventh session: 5.4 against 6.4 us at one row; 0.5–1.7% a launch at 1–16 rows). Asked by each attention
+  task's own program before the barrier instead, the asking delays the barrier; deeper, at 16 rows the
+  22 MB of KV compete with the weights.
+- A writer's epilogue operands that no matmul feeds (the sums of squares behind 1/rms, the stream block and
+  the norm weight of ``_add_residual``, rotary's cos and sin) are loaded before its matmul loop and used
+  after it: their L2 round trips hide under the weight stream instead of following the split-K merge
+  (0.25–0.5 us a matmul phase at one row, 2% a launch; eleventh session).
 - A profile (``trace``, ``benchmarks/persistent_decode.py --trace``): each program stamps the GPU's ns timer
   at each phase's end and after each barrier; the benchmark gives each segment its share of the critical
-  path. At one row a layer takes ~58 us: qkv 6.9 (12.6 MB: 1.8 TB/s), a barrier 1.0, attention 5.9,
-  o 5.9 (8.4 MB), a barrier, gate/up 22.5 (67 MB: 3.0 TB/s), a barrier, down 12.8 (33.5 MB: 2.6 TB/s), a
-  barrier. The four small segments around attention are where the time is lost.
+  path. At one row a layer takes ~56 us (eleventh session): qkv 6.1–6.8 (12.6 MB: 1.9–2.0 TB/s), a barrier
+  1.0, attention 5.4, o 4.4 (8.4 MB), a barrier, gate/up 22.3 (67 MB: 3.0 TB/s), a barrier, down 11.8
+  (33.5 MB: 2.85 TB/s), a barrier. The four small segments around attention are where the time is lost.
 - Everything another program wrote in this launch is loaded past L1 (``.cg``); weights and caches are addressed
   from one base pointer plus 16-byte-aligned offsets (kernels/decoder_stack.py), which keeps loads vectorized.
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
@@ -98,6 +107,9 @@ class PersistentConfig:
     # the first elements of each gate/up row asked of L2 (no hint) by the program that reads them once its
     # attention tasks are done (HBM is idle in attention); 0: none
     bubble_gate_up_k: int = 256
+    # the first positions of K and V of every attention task asked of L2 (no hint) by the programs that
+    # the qkv phase leaves idle, while it runs; 0: none
+    kv_prefetch: int = 64
 
 
 @triton.jit
@@ -130,24 +142,30 @@ def _stamp(trace_ptr, pid, slot, layers, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _block_rstd(squares_ptr, eps, H: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``1 / rms`` of each row from the sums of squares ``[BLOCKS, BLOCK_M]`` that the writers of the stream's
-    column blocks left (``_add_residual``), added in block order (one L2 round trip, not a pass over rows)."""
+def _load_squares(squares_ptr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The sums of squares ``[BLOCKS, BLOCK_M]`` that the writers of the stream's column blocks left
+    (``_add_residual``): one L2 round trip, issued before a matmul loop and used after it (``_rstd``)."""
     ptrs = squares_ptr + tl.arange(0, BLOCKS)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    return tl.rsqrt(tl.sum(tl.load(ptrs, cache_modifier=".cg"), axis=0) / H + eps)
+    return tl.load(ptrs, cache_modifier=".cg")
 
 
 @triton.jit
-def _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H: tl.constexpr,
+def _rstd(squares, eps, H: tl.constexpr):
+    """``1 / rms`` of each row from its sums of squares per column block, added in block order."""
+    return tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
+
+
+@triton.jit
+def _weigh(stream, squares_ptr, gamma, weighted_ptr, M, block, H: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Column block ``block`` of the stream (``stream``, ``[BLOCK_N, BLOCK_M]``, rounded as stored), for the
-    next norm: each row's sum of squares over the block, and ``round(stream * gamma)`` (the norm's weight
-    applied; its 1/rms, known only once every block is written, scales the next projection's output)."""
+    next norm: each row's sum of squares over the block, and ``round(stream * gamma)`` (``gamma``: the norm's
+    weight over the block, fp32; its 1/rms, known only once every block is written, scales the next
+    projection's output)."""
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     value = stream.to(tl.float32)
     tl.store(squares_ptr + block * BLOCK_M + rows, tl.sum(value * value, axis=0))
-    gamma = tl.load(gamma_ptr + cols).to(tl.float32)
     tl.store(weighted_ptr + rows[None, :] * H + cols[:, None], (value * gamma[:, None]).to(stream.dtype),
              mask=(rows < M)[None, :])  # fmt: skip
 
@@ -161,7 +179,8 @@ def _weigh_phase(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, M, pid, programs, 
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         ptrs = h_ptr + rows[None, :] * H + cols[:, None]
         stream = tl.load(ptrs, mask=(rows < M)[None, :], other=0.0, cache_modifier=".cg")
-        _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
+        gamma = tl.load(gamma_ptr + cols).to(tl.float32)
+        _weigh(stream, squares_ptr, gamma, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -218,19 +237,50 @@ def matmul_task(
 
 
 @triton.jit
-def _add_residual(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, total, M, block, H: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """``h[:, block] = round(h + round(total))``: the projection's output added to the stream, as the norm
-    kernel's residual add rounds it; then ``_weigh`` for the next norm (weight ``gamma_ptr``)."""
+def _stream_block(h_ptr, gamma_ptr, M, block, H: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """Column block ``block`` of the stream ``[BLOCK_N, BLOCK_M]`` and of the next norm's weight (fp32): what
+    ``_add_residual`` needs besides the projection, loaded before its matmul loop (their L2 round trips hide
+    under the weight stream instead of following the split-K merge)."""
     rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     ptrs = h_ptr + rows[None, :] * H + cols[:, None]
-    mask = (rows < M)[None, :]
+    stream = tl.load(ptrs, mask=(rows < M)[None, :], other=0.0, cache_modifier=".cg")
+    return stream, tl.load(gamma_ptr + cols).to(tl.float32)
+
+
+@triton.jit
+def _add_residual(h_ptr, squares_ptr, weighted_ptr, stream, gamma, total, M, block, H: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``h[:, block] = round(stream + round(total))`` (``stream``: the block as ``_stream_block`` loaded
+    it): the projection's output added to the stream, as the norm kernel's residual add rounds it; then
+    ``_weigh`` for the next norm (its weight over the block ``gamma``)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = h_ptr + rows[None, :] * H + cols[:, None]
     element = h_ptr.dtype.element_ty
-    stream = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    stream = (total.to(element).to(tl.float32) + stream).to(element)
-    tl.store(ptrs, stream, mask=mask)
-    _weigh(stream, squares_ptr, gamma_ptr, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
+    stream = (total.to(element).to(tl.float32) + stream.to(tl.float32)).to(element)
+    tl.store(ptrs, stream, mask=(rows < M)[None, :])
+    _weigh(stream, squares_ptr, gamma, weighted_ptr, M, block, H, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _row_slots(positions_ptr, slot_ptr, M, BLOCK_M: tl.constexpr):
+    """Each row's position and cache slot (int64 ``[1, BLOCK_M]``; padding rows: 0 and -1)."""
+    rows = tl.arange(0, BLOCK_M)[None, :]
+    position = tl.load(positions_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+    return position, tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _rope_rows(position, cos_ptr, sin_ptr, stride_cos, stride_sin, M, HALF: tl.constexpr,
+               BLOCK_M: tl.constexpr):  # fmt: skip
+    """The rotary cos and sin at each row's position, fp32 ``[HALF, BLOCK_M]``."""
+    live = tl.arange(0, BLOCK_M)[None, :] < M
+    dims = tl.arange(0, HALF)[:, None]
+    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=live, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_sin + dims, mask=live, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -239,12 +289,9 @@ def _rotate_and_store(
     qkv_ptr,
     head,
     M,
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_cos,
-    stride_sin,
-    slot_ptr,
+    cos,
+    sin,
+    slot,
     k_cache,
     v_cache,
     stride_block,
@@ -260,7 +307,7 @@ def _rotate_and_store(
 ):
     """Head ``head`` of the qkv output, ``values`` ``[HEAD_DIM, BLOCK_M]`` (out.T, fp32 sums), in registers: a
     q head rotated into the qkv buffer, a k head rotated into the K cache, a v head into the V cache, at each
-    row's slot (-1: padding, nothing stored). Rounded as store_out and then kernels/rotary.py's
+    row's ``slot`` (-1: padding, nothing stored; ``cos``, ``sin``: ``_rope_rows``). Rounded as store_out and then kernels/rotary.py's
     ``_rotate_heads`` round (the two halves split in registers: no store and reload between them)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, BLOCK_M)[None, :]
@@ -270,9 +317,6 @@ def _rotate_and_store(
     halves = tl.permute(tl.reshape(values.to(element), [2, HALF, BLOCK_M]), (1, 2, 0))
     x1, x2 = tl.split(halves)  # dims [0, HALF) and [HALF, HEAD_DIM), each [HALF, BLOCK_M]
     if head < NUM_HEADS + NUM_KV_HEADS:
-        position = tl.load(positions_ptr + rows, mask=live, other=0).to(tl.int64)
-        cos = tl.load(cos_ptr + position * stride_cos + dims, mask=live, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_sin + dims, mask=live, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         # rotate_half(x) = cat(-x2, x1): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin
         out1 = (a * cos).to(PRODUCT_DTYPE).to(tl.float32) + (-b * sin).to(PRODUCT_DTYPE).to(
@@ -288,7 +332,6 @@ def _rotate_and_store(
         tl.store(first, x1, mask=live)
         tl.store(first + HALF, x2, mask=live)
     else:
-        slot = tl.load(slot_ptr + rows, mask=live, other=-1).to(tl.int64)
         kv_head = head - NUM_HEADS
         cache = k_cache
         if head >= NUM_HEADS + NUM_KV_HEADS:
@@ -336,6 +379,30 @@ def prefetch_task(w_ptr, K, n_cols, pid, SPLITS: tl.constexpr, GATE_UP: tl.const
 
 
 @triton.jit
+def prefetch_kv(k_cache, v_cache, block_table_ptr, ctx_ptr, task, M, attn_parts, stride_table,
+                stride_block, stride_token, stride_head, NUM_KV_HEADS: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                HEAD_DIM: tl.constexpr, KV_LINES: tl.constexpr, POSITIONS: tl.constexpr):  # fmt: skip
+    """Ask L2 (no hint) for the K and V of the first ``POSITIONS`` keys that attention task ``task``
+    (``decode_task``'s partition of (KV head, sequence)) reads: rows of the KV head, ``KV_LINES`` 128-byte
+    lines each."""
+    if task < NUM_KV_HEADS * M * attn_parts:
+        kv_head, seq = task % NUM_KV_HEADS, (task // NUM_KV_HEADS) % M
+        ctx = tl.load(ctx_ptr + seq)
+        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, attn_parts), TILE_N), MIN_TILES) * TILE_N
+        start = (task // (NUM_KV_HEADS * M)) * partition
+        end = tl.minimum(start + tl.minimum(partition, POSITIONS), ctx)
+        table_row = block_table_ptr + seq.to(tl.int64) * stride_table
+        for first in range(start, end, 64):
+            pos = tl.minimum(first + tl.arange(0, 64), end - 1)
+            block = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
+            rows = block * stride_block + (pos % BLOCK_SIZE) * stride_token + kv_head * stride_head
+            offs = rows[:, None] + tl.arange(0, KV_LINES)[None, :] * (HEAD_DIM // KV_LINES)
+            _ask_l2(k_cache + offs, False)
+            _ask_l2(v_cache + offs, False)
+
+
+@triton.jit
 def _wait_for_heads(flags_ptr, target, split, K, SPLITS: tl.constexpr, HEAD_K: tl.constexpr):
     """Wait until the counters of the KV heads whose outputs K split ``split`` reads (``HEAD_K`` columns a KV
     head) reach ``target`` (acquire: their writers' outputs are seen)."""
@@ -355,15 +422,17 @@ def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr
     weighing the block for the next norm (``_add_residual``). HEAD_K > 0: a task first waits for the KV heads
     it reads (``_wait_for_heads``)."""
     for task in range(pid, (H // BLOCK_N) * SPLITS, programs):
+        block = task // SPLITS
+        # the writer's operands besides the projection, loaded before the loop (hidden under it)
+        stream, gamma = _stream_block(h_ptr, gamma_ptr, M, block, H, BLOCK_M, BLOCK_N)
         if HEAD_K > 0:
             _wait_for_heads(flags_ptr, flag_target, task % SPLITS, K, SPLITS, HEAD_K)
-        block = task // SPLITS
         total, _, writer = matmul_task(x_ptr, K, w_ptr, K, H, block, task % SPLITS, M, part_ptr,
                                        counters, SPLITS, False, BLOCK_M, BLOCK_N, BLOCK_K,
                                        DOT_PRECISION)  # fmt: skip
         if writer:
-            _add_residual(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, total, M, block, H, BLOCK_M,
-                          BLOCK_N)  # fmt: skip
+            _add_residual(h_ptr, squares_ptr, weighted_ptr, stream, gamma, total, M, block, H,
+                          BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -430,6 +499,8 @@ def _persistent_decode_kernel(
     O_WAITS: tl.constexpr,
     TRACE: tl.constexpr,
     BUBBLE_GU: tl.constexpr,
+    KV_PREFETCH: tl.constexpr,
+    KV_LINES: tl.constexpr,
 ):
     """All ``layers`` for M rows (see the module docstring). Counters: [0] the barrier's arrivals, [1] exits
     (the last program out re-arms both), then one per column block of each matmul phase, then one per
@@ -452,6 +523,8 @@ def _persistent_decode_kernel(
     group_rows = tl.arange(0, GROUP_PAD)
     head_dims = tl.arange(0, HEAD_DIM)
     _stamp(trace_ptr, pid, 0, layers, TRACE)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    position, slot = _row_slots(positions_ptr, slot_ptr, M, BLOCK_M)
     # the stream entering the first layer, weighed for its first norm
     _weigh_phase(h_ptr, squares_ptr, _layer_pointer(base_ptr, table_ptr, 0, 4), weighted_ptr, M, pid,
                  programs, H, BLOCK_M, BLOCK_N)  # fmt: skip
@@ -471,19 +544,28 @@ def _persistent_decode_kernel(
         k_cache = _layer_pointer(base_ptr, table_ptr, layer, 6)
         v_cache = _layer_pointer(base_ptr, table_ptr, layer, 7)
         # qkv of the weighed stream, scaled by 1/rms; each head's writer rotates it, stores K and V
-        rstd = _block_rstd(squares_ptr, eps, H, H // BLOCK_N, BLOCK_M)
+        # (operands of the writers' epilogue, loaded before the loop: their round trips hide under it)
+        squares = _load_squares(squares_ptr, H // BLOCK_N, BLOCK_M)
+        cos, sin = _rope_rows(position, cos_ptr, sin_ptr, stride_cos, stride_sin, M, HALF, BLOCK_M)
         for task in range(pid, QKV_HEADS * S_QKV, programs):
             head = task // S_QKV
             gate, up, writer = matmul_task(weighted_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
                                         part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
-                _rotate_and_store(gate * rstd[None, :], qkv_ptr, head, M, positions_ptr, cos_ptr, sin_ptr, stride_cos,
-                                  stride_sin, slot_ptr, k_cache, v_cache, stride_block, stride_token,
+                _rotate_and_store(gate * _rstd(squares, eps, H)[None, :], qkv_ptr, head, M, cos, sin, slot, k_cache, v_cache, stride_block, stride_token,
                                   stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                   BLOCK_M, PRODUCT_DTYPE)  # fmt: skip
         _stamp(trace_ptr, pid, at, layers, TRACE)
         prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE, True)
+        # the programs without a qkv task ask L2 for the start of every attention task's K and V
+        if KV_PREFETCH > 0 and pid >= QKV_HEADS * S_QKV:
+            for task in range(pid - QKV_HEADS * S_QKV, NUM_KV_HEADS * M * attn_parts,
+                              programs - QKV_HEADS * S_QKV):  # fmt: skip
+                prefetch_kv(k_cache, v_cache, block_table_ptr, ctx_ptr, task, M, attn_parts,
+                            stride_table, stride_block, stride_token, stride_head, NUM_KV_HEADS,
+                            BLOCK_SIZE, TILE_N, ATTENTION_MIN_TILES, HEAD_DIM, KV_LINES,
+                            KV_PREFETCH)  # fmt: skip
         arrived += programs
         grid_barrier(counter_ptr, arrived)
         _stamp(trace_ptr, pid, at + 1, layers, TRACE)
@@ -524,13 +606,14 @@ def _persistent_decode_kernel(
         grid_barrier(counter_ptr, arrived)
         _stamp(trace_ptr, pid, at + 4, layers, TRACE)
         # gate/up of the weighed stream, scaled by 1/rms, SiLU-and-mul
-        rstd = _block_rstd(squares_ptr, eps, H, H // BLOCK_N, BLOCK_M)
+        squares = _load_squares(squares_ptr, H // BLOCK_N, BLOCK_M)
         for task in range(pid, (I // BLOCK_N) * S_GU, programs):
             block = task // S_GU
             gate, up, writer = matmul_task(weighted_ptr, H, w_gu, H, I, block, task % S_GU, M,
                                         part_ptr, gu_counters, S_GU, True, BLOCK_M,
                                         BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
+                rstd = _rstd(squares, eps, H)
                 cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
                 store_out(
                     act_ptr, gate * rstd[None, :], up * rstd[None, :], rows, cols, M, I, I, True
@@ -681,5 +764,5 @@ def persistent_decode(
         PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
         DOT_PRECISION=dot_precision(h.dtype),
-        O_WAITS=config.o_waits_on_heads, TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if device.type == "cuda" else 0, num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        O_WAITS=config.o_waits_on_heads, TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if device.type == "cuda" else 0, KV_PREFETCH=config.kv_prefetch if device.type == "cuda" else 0, KV_LINES=max(1, head_dim * cache.element_size() // 128),  num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )  # fmt: skip

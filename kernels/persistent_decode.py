@@ -58,9 +58,9 @@ Design, and why:
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
   forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
 
-Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, tenth session): llama-3.2-1b's 16
-layers and final norm at context 700 take 0.943 ms against 1.004 ms for the engine's launches at one sequence,
-1.114 against 1.169 ms at 16. The engine takes it for decode passes of up to 16 rows
+Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, eleventh session): llama-3.2-1b's 16
+layers and final norm at context 700 take 0.899 ms against 1.000 ms for the engine's launches at one sequence,
+1.081 against 1.173 ms at 16. The engine takes it for decode passes of up to 16 rows
 (engine/models/llama_persistent.py).
 """
 

@@ -307,8 +307,9 @@ def _rotate_and_store(
 ):
     """Head ``head`` of the qkv output, ``values`` ``[HEAD_DIM, BLOCK_M]`` (out.T, fp32 sums), in registers: a
     q head rotated into the qkv buffer, a k head rotated into the K cache, a v head into the V cache, at each
-    row's ``slot`` (-1: padding, nothing stored; ``cos``, ``sin``: ``_rope_rows``). Rounded as store_out and then kernels/rotary.py's
-    ``_rotate_heads`` round (the two halves split in registers: no store and reload between them)."""
+    row's ``slot`` (-1: padding, nothing stored; ``cos``, ``sin``: ``_rope_rows``). Rounded as store_out
+    and then kernels/rotary.py's ``_rotate_heads`` round (the two halves split in registers: no store and
+    reload between them)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, BLOCK_M)[None, :]
     live = rows < M
@@ -553,9 +554,10 @@ def _persistent_decode_kernel(
                                         part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
                                         HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
             if writer:
-                _rotate_and_store(gate * _rstd(squares, eps, H)[None, :], qkv_ptr, head, M, cos, sin, slot, k_cache, v_cache, stride_block, stride_token,
-                                  stride_head, QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                  BLOCK_M, PRODUCT_DTYPE)  # fmt: skip
+                _rotate_and_store(gate * _rstd(squares, eps, H)[None, :], qkv_ptr, head, M, cos, sin,
+                                  slot, k_cache, v_cache, stride_block, stride_token, stride_head,
+                                  QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
+                                  PRODUCT_DTYPE)  # fmt: skip
         _stamp(trace_ptr, pid, at, layers, TRACE)
         prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE, True)
         # the programs without a qkv task ask L2 for the start of every attention task's K and V
@@ -750,19 +752,24 @@ def persistent_decode(
     attn = torch.empty(m, heads * head_dim, dtype=h.dtype, device=device)
     act = torch.empty(m, stack.intermediate, dtype=h.dtype, device=device)
     extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
+    gpu = device.type == "cuda"  # (L2 prefetches are inline PTX: none in the CPU interpreter)
     _persistent_decode_kernel[(programs,)](
-        h, qkv, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions, slot_mapping, block_tables,
-        context_lens, cos_cache, sin_cache, h if trace is None else trace, part_max, part_sum, part_acc,
+        h, qkv, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions,
+        slot_mapping, block_tables, context_lens, cos_cache, sin_cache,
+        h if trace is None else trace, part_max, part_sum, part_acc,
         m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),
         cache.stride(2), block_tables.stride(0), cos_cache.stride(0), sin_cache.stride(0), parts,
         H=hidden, I=stack.intermediate, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
         GROUP_POW2=triton.next_power_of_2(heads // kv_heads), BLOCK_SIZE=block_size,
-        TILE_N=config.tile_n, ATTENTION_MIN_TILES=config.attention_min_tiles, S_QKV=config.qkv_splits, S_O=config.o_splits,
-        S_GU=config.gate_up_splits, S_D=config.down_splits, BLOCK_M=16, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        PREFETCH_K=config.prefetch_k if device.type == "cuda" else 0, LINE=128 // h.element_size(),
+        TILE_N=config.tile_n, ATTENTION_MIN_TILES=config.attention_min_tiles,
+        S_QKV=config.qkv_splits, S_O=config.o_splits, S_GU=config.gate_up_splits,
+        S_D=config.down_splits, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        PREFETCH_K=config.prefetch_k if gpu else 0, LINE=128 // h.element_size(),
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
-        DOT_PRECISION=dot_precision(h.dtype),
-        O_WAITS=config.o_waits_on_heads, TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if device.type == "cuda" else 0, KV_PREFETCH=config.kv_prefetch if device.type == "cuda" else 0, KV_LINES=max(1, head_dim * cache.element_size() // 128),  num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        DOT_PRECISION=dot_precision(h.dtype), O_WAITS=config.o_waits_on_heads,
+        TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if gpu else 0,
+        KV_PREFETCH=config.kv_prefetch if gpu else 0,
+        KV_LINES=max(1, head_dim * cache.element_size() // 128),
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )  # fmt: skip

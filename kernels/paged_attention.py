@@ -201,6 +201,17 @@ def _decode_kernel(
 
 
 @triton.jit
+def partition_bounds(ctx, part, num_parts, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Key positions ``start .. end - 1`` of partition ``part`` of a context of ``ctx`` split ``num_parts``
+    ways, and the partition's length: the sequence's own context over all of the launch's partitions, in whole
+    tiles of at least ``MIN_TILES`` (a short context in a launch sized for the longest still spreads over as
+    many programs as it has tiles; partitions past the context are empty)."""
+    partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_parts), TILE_N), MIN_TILES) * TILE_N
+    start = part * partition
+    return start, tl.minimum(start + partition, ctx), partition
+
+
+@triton.jit
 def decode_task(
     q,
     kv_head,
@@ -246,11 +257,7 @@ def decode_task(
     persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase."""
     ctx = tl.load(ctx_ptr + seq)
     if SPLIT:
-        # this sequence's own partitions: its context over all of the launch's, in whole tiles (a short context
-        # in a launch sized for the longest still spreads over as many programs as it has tiles)
-        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_parts), TILE_N), MIN_TILES) * TILE_N
-        start = part * partition
-        end = tl.minimum(start + partition, ctx)
+        start, end, partition = partition_bounds(ctx, part, num_parts, TILE_N, MIN_TILES)
     else:
         start = 0
         end = ctx

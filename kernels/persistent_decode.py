@@ -75,7 +75,7 @@ import triton.language as tl
 from kernels.counters import zeroed_counters
 from kernels.decoder_stack import DecoderStack
 from kernels.device_features import num_sms
-from kernels.paged_attention import LOG2E, decode_task, dot_precision
+from kernels.paged_attention import LOG2E, decode_task, dot_precision, partition_bounds
 from kernels.pdl import prefetch_l2
 from kernels.rotary import _TL_DTYPE
 from kernels.skinny_gemm import store_out, sum_partials
@@ -389,10 +389,11 @@ def prefetch_kv(k_cache, v_cache, block_table_ptr, ctx_ptr, task, M, attn_parts,
     lines each."""
     if task < NUM_KV_HEADS * M * attn_parts:
         kv_head, seq = task % NUM_KV_HEADS, (task // NUM_KV_HEADS) % M
-        ctx = tl.load(ctx_ptr + seq)
-        partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, attn_parts), TILE_N), MIN_TILES) * TILE_N
-        start = (task // (NUM_KV_HEADS * M)) * partition
-        end = tl.minimum(start + tl.minimum(partition, POSITIONS), ctx)
+        part = task // (NUM_KV_HEADS * M)
+        start, end, _ = partition_bounds(
+            tl.load(ctx_ptr + seq), part, attn_parts, TILE_N, MIN_TILES
+        )
+        end = tl.minimum(end, start + POSITIONS)
         table_row = block_table_ptr + seq.to(tl.int64) * stride_table
         for first in range(start, end, 64):
             pos = tl.minimum(first + tl.arange(0, 64), end - 1)

@@ -190,10 +190,9 @@ def phase_profile(trace: torch.Tensor) -> list[dict]:
 
 
 def print_profile(rows: int, trace: torch.Tensor) -> list[dict]:
-    ns = trace
-    steps = torch.unique(ns.flatten()).diff()
+    steps = torch.unique(trace.flatten()).diff()
     profile = phase_profile(trace)
-    launch_us = (ns[:, -1].max() - ns[:, 0].min()).item() / 1e3
+    launch_us = (trace[:, -1].max() - trace[:, 0].min()).item() / 1e3
     print(f"\n# trace, M={rows}: launch {launch_us:.1f} us (first stamp to last), timer step >= "
           f"{steps[steps > 0].min().item()} ns")  # fmt: skip
     print("| segment | us a layer (median, critical path) | us a program spends | weights TB/s | "
@@ -205,13 +204,17 @@ def print_profile(rows: int, trace: torch.Tensor) -> list[dict]:
     return profile
 
 
-def parse_sweep(items: list[str]) -> dict[str, list[int]]:
-    """``FIELD=V1,V2`` items: PersistentConfig fields and the integer values to try."""
+def parse_sweep(
+    items: list[str],
+    own: tuple[str, ...] = ("prefetch_k", "attention_parts", "attention_min_tiles"),
+) -> dict[str, list[int]]:
+    """``FIELD=V1,V2`` items: PersistentConfig fields and the integer values to try (``own``: fields the
+    caller has options of its own for, refused here)."""
     fields = {f.name for f in dataclasses.fields(PersistentConfig)}
     sweep = {}
     for item in items:
         name, _, values = item.partition("=")
-        if name in ("prefetch_k", "attention_parts", "attention_min_tiles"):
+        if name in own:
             raise SystemExit(f"--sweep: {name} has an option of its own")
         if name not in fields or not values:
             raise SystemExit(

@@ -24,6 +24,17 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.persistent_decode import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    HIDDEN,
+    make_batch,
+    make_stack,
+    parse_sweep,
+    rotary,
+)
+from kernels.persistent_decode import PersistentConfig, persistent_decode
+
 # (metric, label); a metric the device's ncu does not know is left out (``available``)
 METRICS = (
     ("gpu__time_duration.sum", "launch ns"),
@@ -58,31 +69,15 @@ def parse_metrics(csv_text: str) -> dict[str, float]:
     return values
 
 
-def parse_sweep(items: list[str]) -> list[dict[str, int]]:
-    """``FIELD=V1,V2`` items (PersistentConfig fields): their cartesian product."""
-    from kernels.persistent_decode import PersistentConfig  # (the parent needs no kernel imports)
-
-    fields = PersistentConfig.__dataclass_fields__
-    axes = []
-    for item in items:
-        name, _, values = item.partition("=")
-        if name not in fields or not values:
-            raise SystemExit(
-                f"--sweep: {item!r} is not FIELD=V1,V2 with FIELD one of {sorted(fields)}"
-            )
-        try:
-            axes.append([(name, int(v)) for v in values.split(",")])
-        except ValueError:
-            raise SystemExit(f"--sweep: {item!r}: the values must be integers") from None
-    return [dict(combo) for combo in itertools.product(*axes)]
+def variants(items: list[str]) -> list[dict[str, int]]:
+    """``FIELD=V1,V2`` items (any PersistentConfig field; benchmarks/persistent_decode.py's ``parse_sweep``):
+    their cartesian product."""
+    sweep = parse_sweep(items, own=())
+    return [dict(zip(sweep, combo)) for combo in itertools.product(*sweep.values())]
 
 
 def child(rows: int, context: int, table_tokens: int, fields: dict[str, int]) -> None:
     """Two launches of the kernel with ``fields`` set (ncu counts the second)."""
-    from benchmarks.persistent_decode import BLOCK_SIZE, HEAD_DIM, HIDDEN, make_batch, make_stack
-    from benchmarks.persistent_decode import rotary
-    from kernels.persistent_decode import PersistentConfig, persistent_decode
-
     device = torch.device("cuda")
     stack, _ = make_stack(device, rows * -(-context // BLOCK_SIZE) + 1)
     meta = make_batch(rows, context, table_tokens, device)
@@ -107,7 +102,9 @@ def profile(ncu: str, metrics: list[tuple[str, str]], args: argparse.Namespace, 
         "--context", str(args.context), "--table-tokens", str(args.table_tokens),
         "--fields", json.dumps(fields),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=args.timeout
+    )
     if done.returncode != 0:
         raise RuntimeError(f"ncu failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
     return parse_metrics(done.stdout)
@@ -132,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() or not shutil.which(ncu):
         print("persistent_l2: needs a CUDA device and Nsight Compute (ncu)", file=sys.stderr)
         return 2
-    query = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True, timeout=120)
+    query = subprocess.run(
+        [ncu, "--query-metrics"], check=False, capture_output=True, text=True, timeout=120
+    )
     metrics = available(METRICS, query.stdout) or list(
         METRICS
     )  # (a listing it cannot read: ask all)
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|" + "---:|" * (len(metrics) + 1))
     results = []
     for rows in args.rows:
-        for fields in parse_sweep(args.sweep):
+        for fields in variants(args.sweep):
             values = profile(ncu, metrics, args, rows, fields)
             label = ", ".join(f"{k} {v}" for k, v in fields.items()) or "defaults"
             cells = [f"{values.get(metric, float('nan')):,.0f}" for metric, _ in metrics]

@@ -3,7 +3,7 @@
 import pytest
 
 from benchmarks import persistent_l2
-from benchmarks.persistent_l2 import METRICS, available, parse_metrics, parse_sweep
+from benchmarks.persistent_l2 import METRICS, available, parse_metrics, variants
 
 # the shape of ``ncu --csv --print-units base`` (a launch line before the table, thousands separators)
 NCU_CSV = """==PROF== Connected to process 4242
@@ -40,18 +40,18 @@ lts__t_sectors_op_read              # of LTS sectors for reads
 
 
 def test_the_sweep_is_the_product_of_its_fields() -> None:
-    variants = parse_sweep(["bubble_gate_up_k=0,1024", "kv_prefetch=0,64"])
-    assert variants == [
+    assert variants(["bubble_gate_up_k=0,1024", "kv_prefetch=0,64"]) == [
         {"bubble_gate_up_k": 0, "kv_prefetch": 0},
         {"bubble_gate_up_k": 0, "kv_prefetch": 64},
         {"bubble_gate_up_k": 1024, "kv_prefetch": 0},
         {"bubble_gate_up_k": 1024, "kv_prefetch": 64},
     ]
-    assert parse_sweep([]) == [{}]
+    assert variants(["prefetch_k=0,256"]) == [{"prefetch_k": 0}, {"prefetch_k": 256}]
+    assert variants([]) == [{}]
     with pytest.raises(SystemExit, match="not FIELD"):
-        parse_sweep(["no_such_field=1"])
+        variants(["no_such_field=1"])
     with pytest.raises(SystemExit, match="integers"):
-        parse_sweep(["kv_prefetch=a"])
+        variants(["kv_prefetch=a"])
 
 
 def test_without_a_gpu_or_ncu_it_says_so(monkeypatch, capsys) -> None:

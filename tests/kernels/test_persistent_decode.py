@@ -22,7 +22,11 @@ if not torch.cuda.is_available():
 
 from kernels import reference  # noqa: E402
 from kernels.decoder_stack import DecoderStack, LayerTensors  # noqa: E402
-from kernels.persistent_decode import PersistentConfig, persistent_decode  # noqa: E402
+from kernels.persistent_decode import (  # noqa: E402
+    STAMPS_PER_LAYER,
+    PersistentConfig,
+    persistent_decode,
+)
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 128, 4, 2, 32, 256
@@ -184,7 +188,8 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="qkv_splits"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(qkv_splits=3, **SMALL))  # fmt: skip
-    wrong_trace = torch.zeros(1, 2 + 9 * LAYERS, dtype=torch.int32, device=DEVICE)  # not int64
+    # not int64
+    wrong_trace = torch.zeros(1, 2 + STAMPS_PER_LAYER * LAYERS, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="trace must be"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(**SMALL),

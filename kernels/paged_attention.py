@@ -169,7 +169,7 @@ def _decode_kernel(
         k_ptr,
         v_ptr,
         table_ptr,
-        ctx_ptr,
+        tl.load(ctx_ptr + seq),
         part_max_ptr,
         part_sum_ptr,
         part_acc_ptr,
@@ -221,7 +221,7 @@ def decode_task(
     k_ptr,
     v_ptr,
     table_ptr,
-    ctx_ptr,
+    ctx,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
@@ -254,8 +254,8 @@ def decode_task(
     HEAD_PAD]`` (that KV head's query heads, loaded by the caller): the one-pass output, or the partition's
     partials and, for the last partition to finish, the merge. A partition is at least ``MIN_TILES`` tiles
     (partitions past the context are empty). The decode kernel runs one a program; the
-    persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase."""
-    ctx = tl.load(ctx_ptr + seq)
+    persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase.
+    ``ctx``: the sequence's context length (loaded by the caller, which may have it early)."""
     if SPLIT:
         start, end, partition = partition_bounds(ctx, part, num_parts, TILE_N, MIN_TILES)
     else:

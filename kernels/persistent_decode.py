@@ -32,7 +32,10 @@ Design, and why:
 - Attention tasks are (KV head, sequence, partition) of ``paged_attention.decode_task``: the decode kernel's own
   code, split-K with its in-launch merge. At most one task a program (a second round costs a whole task's
   latency), partitions of at least two 64-position tiles (fewer partials to merge): measured best from one row
-  to eight (benchmarks/persistent_decode.py ``--attention-parts``).
+  to eight (benchmarks/persistent_decode.py ``--attention-parts``). With one partition a sequence (nine rows
+  and more) a task writes its output directly, with no partials, counter or merge; and each program loads its
+  first task's context length once a launch, not once a layer (twelfth session: attention 15.1 -> 13.1 us at
+  16 rows, 2.5% a launch; 0.6% at one and four rows).
 - Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
   its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
   Attention leaves HBM nearly idle (a chain of round trips over ~1.4 MB of KV a layer at one row): once its
@@ -503,6 +506,7 @@ def _persistent_decode_kernel(
     BUBBLE_GU: tl.constexpr,
     KV_PREFETCH: tl.constexpr,
     KV_LINES: tl.constexpr,
+    ATTENTION_SPLIT: tl.constexpr,
 ):
     """All ``layers`` for M rows (see the module docstring). Counters: [0] the barrier's arrivals, [1] exits
     (the last program out re-arms both), then one per column block of each matmul phase, then one per
@@ -535,6 +539,9 @@ def _persistent_decode_kernel(
     arrived = programs
     grid_barrier(counter_ptr, arrived)
     _stamp(trace_ptr, pid, 1, layers, TRACE)
+    # the context length of this program's first attention task, the same in every layer (loaded once:
+    # its round trip left each layer's attention chain)
+    first_ctx = tl.load(ctx_ptr + (pid // NUM_KV_HEADS) % M)
     for layer in range(layers):
         at = 2 + layer * 9
         w_qkv = _layer_pointer(base_ptr, table_ptr, layer, 0)
@@ -582,12 +589,16 @@ def _persistent_decode_kernel(
                 other=0.0,
                 cache_modifier=".cg",
             )  # fmt: skip
+            if task == pid:
+                ctx = first_ctx
+            else:  # (only where attention_parts gives more tasks than programs)
+                ctx = tl.load(ctx_ptr + seq)
             decode_task(q, kv_head, seq, task // (NUM_KV_HEADS * M), attn_ptr, k_cache, v_cache,
-                        block_table_ptr, ctx_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                        block_table_ptr, ctx, part_max_ptr, part_sum_ptr, part_acc_ptr,
                         attn_counters, scale_log2, 1.0, QD, HEAD_DIM, stride_block, stride_token,
                         stride_head, stride_table, NUM_KV_HEADS, attn_parts, GROUP, GROUP_PAD,
-                        GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, True, 8, DOT_PRECISION,
-                        False, False, ATTENTION_MIN_TILES)  # fmt: skip
+                        GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, ATTENTION_SPLIT, 8,
+                        DOT_PRECISION, False, False, ATTENTION_MIN_TILES)  # fmt: skip
             if O_WAITS:
                 tl.debug_barrier()  # every thread's stores are made before the release
                 tl.atomic_add(head_flags + kv_head, 1, sem="release", scope="gpu")
@@ -770,7 +781,7 @@ def persistent_decode(
         PRODUCT_DTYPE=_TL_DTYPE[torch.promote_types(h.dtype, cos_cache.dtype)],
         DOT_PRECISION=dot_precision(h.dtype), O_WAITS=config.o_waits_on_heads,
         TRACE=trace is not None, BUBBLE_GU=config.bubble_gate_up_k if gpu else 0,
-        KV_PREFETCH=config.kv_prefetch if gpu else 0,
+        KV_PREFETCH=config.kv_prefetch if gpu else 0, ATTENTION_SPLIT=parts > 1,
         KV_LINES=max(1, head_dim * cache.element_size() // 128),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )  # fmt: skip

@@ -11,6 +11,7 @@ repeats itself bit for bit.
     python -m benchmarks.persistent_decode [--rows 1 16] [--context 700] [--table-tokens 4096]
                                            [--prefetch-k 256] [--attention-parts 0]
                                            [--attention-min-tiles 2] [--sweep o_splits=2,4 ...]
+                                           [--shared-kv] [--trace]
                                            [--json PATH]
 """
 
@@ -66,15 +67,20 @@ def make_stack(device: torch.device, num_blocks: int) -> tuple[DecoderStack, tor
     return DecoderStack(layers, HEADS, KV_HEADS, HEAD_DIM, EPS), norm()
 
 
-def make_batch(rows: int, context: int, table_tokens: int, device: torch.device) -> dict:
-    """Each sequence's own blocks (shuffled), its new token at position ``context - 1``."""
+def make_batch(
+    rows: int, context: int, table_tokens: int, device: torch.device, shared: bool = False
+) -> dict:
+    """Each sequence's own blocks (shuffled), its new token at position ``context - 1``. ``shared``: every
+    sequence reads (and writes its new token into) the first one's blocks, so after the first reads the
+    attention's K and V come from L2 (what attention costs when HBM is not the limit)."""
     width = table_tokens // BLOCK_SIZE
     per_seq = -(-context // BLOCK_SIZE)
     order = torch.randperm(rows * per_seq, generator=torch.Generator().manual_seed(1))
     tables = torch.zeros(rows, width, dtype=torch.int32)
     slots = torch.empty(rows, dtype=torch.int64)
     for i in range(rows):
-        blocks = order[i * per_seq : (i + 1) * per_seq]
+        first = 0 if shared else i * per_seq
+        blocks = order[first : first + per_seq]
         tables[i, :per_seq] = blocks.to(torch.int32)
         slots[i] = blocks[(context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
     return dict(
@@ -232,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=700)
     parser.add_argument("--table-tokens", type=int, default=4096)
+    parser.add_argument("--shared-kv", action="store_true",
+                        help="every sequence reads the first one's blocks (K and V from L2; the new tokens "
+                             "share one slot, so the error column means nothing)")  # fmt: skip
     parser.add_argument("--prefetch-k", type=int, nargs="+", default=[256])
     parser.add_argument("--attention-parts", type=int, nargs="+", default=[0],
                         help="partitions of each context (0: the kernel's choice)")  # fmt: skip
@@ -252,13 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     stack, final_norm = make_stack(device, max_rows * -(-args.context // BLOCK_SIZE) + 1)
     cos, sin = rotary(device, args.table_tokens)
     print(f"# {torch.cuda.get_device_name(device)}, llama-3.2-1b shapes, {LAYERS} layers, context "
-          f"{args.context}, table {args.table_tokens} tokens")  # fmt: skip
+          f"{args.context}, table {args.table_tokens} tokens"
+          f"{', one sequence of KV shared by all' if args.shared_kv else ''}")  # fmt: skip
     print(
         "| M | path | ms | vs layer path | rel. error | repeats bit for bit |\n|---|---|---:|---:|---:|---|"
     )
     results = []
     for rows in args.rows:
-        meta = make_batch(rows, args.context, args.table_tokens, device)
+        meta = make_batch(rows, args.context, args.table_tokens, device, args.shared_kv)
         h = torch.randn(rows, HIDDEN, device=device).to(torch.bfloat16)
         base_ms, want = graph_ms(
             lambda: layer_path(h, stack, final_norm, meta, cos, sin), args.repeats
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print("# compiled: not available", e)
     if args.json:
         meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device),
-                    context=args.context, table_tokens=args.table_tokens)  # fmt: skip
+                    context=args.context, table_tokens=args.table_tokens,
+                    shared_kv=args.shared_kv)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=results), f, indent=1)
     return 0

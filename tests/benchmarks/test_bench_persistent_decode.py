@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.persistent_decode import SEGMENTS, phase_profile
+from benchmarks.persistent_decode import SEGMENTS, make_batch, phase_profile
 from kernels.persistent_decode import STAMPS_PER_LAYER
 
 
@@ -36,3 +36,17 @@ def test_the_profile_gives_each_segment_its_share_and_the_shares_add_up() -> Non
     assert all(row["spent_us"] <= row["share_us"] + 0.9 for row in profile)
     gate_up = next(row for row in profile if row["segment"].startswith("gate/up"))
     assert gate_up["tb_s"] == pytest.approx(SEGMENTS[5][3] / 6.0 / 1e6)
+
+
+def test_each_sequence_has_its_own_blocks_unless_shared() -> None:
+    own = make_batch(3, 40, 256, torch.device("cpu"))
+    used = own["block_tables"][:, :3]  # 40 tokens: 3 blocks of 16 a sequence
+    assert used.unique().numel() == 9
+    assert own["slot_mapping"].unique().numel() == 3
+    shared = make_batch(3, 40, 256, torch.device("cpu"), shared=True)
+    assert torch.equal(shared["block_tables"], shared["block_tables"][:1].expand(3, -1))
+    assert torch.equal(shared["block_tables"][0], own["block_tables"][0])
+    assert shared["slot_mapping"].unique().numel() == 1
+    # the new token's slot lies in the last block the table names
+    slot = int(shared["slot_mapping"][0])
+    assert slot // 16 == int(shared["block_tables"][0, 2]) and slot % 16 == (40 - 1) % 16

@@ -41,7 +41,8 @@ Design, and why:
   Attention leaves HBM nearly idle (a chain of round trips over ~1.4 MB of KV a layer at one row): once its
   attention tasks are done, a program also asks L2 for the first ``bubble_gate_up_k`` elements of its gate/up
   task's rows (no eviction hint: lines kept evict_last pile up over a launch). Measured 1.7–1.8% at 1–4 rows,
-  0.5–0.8% at 16 (tenth session); deeper, 512–1024, wins at one row and loses at 4 and 16.
+  0.5–0.8% at 16 (tenth session); deeper, 512–1024, wins at one row and loses at 4 and 16, so one row asks
+  for 512 (``bubble_gate_up_k_one_row``).
 - The qkv phase has 96 tasks for 132 programs: while it runs, the 36 left idle ask L2 for the first
   ``kv_prefetch`` (64) positions of every attention task's K and V, which attention then finds there
   (eleventh session: 5.4 against 6.4 us at one row; 0.5–1.7% a launch at 1–16 rows). Asked by each attention

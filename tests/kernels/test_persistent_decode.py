@@ -129,8 +129,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
         ([9], (2, 2, 2, 4), 3, 2),  # partitions 1 and 2 past the context: empty
         ([5, 40, 17], (2, 4, 1, 2), 2, 2),
         ([33, 1, 16], (4, 1, 2, 8), 5, 1),  # one-tile partitions
+        ([20, 3, 33], (2, 4, 1, 2), 1, 2),  # one partition: each task writes its output, no merge
     ],
-    ids=["one-row-no-split", "one-row-split", "three-rows", "three-rows-more-splits"],
+    ids=[
+        "one-row-no-split",
+        "one-row-split",
+        "three-rows",
+        "three-rows-more-splits",
+        "three-rows-one-partition",
+    ],
 )
 def test_the_layers_equal_the_reference_in_float32(
     contexts: list[int], splits: tuple[int, int, int, int], parts: int, min_tiles: int

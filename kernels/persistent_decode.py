@@ -110,7 +110,7 @@ class PersistentConfig:
     o_waits_on_heads: bool = True
     # the first elements of each gate/up row asked of L2 (no hint) by the program that reads them once its
     # attention tasks are done (HBM is idle in attention); 0: none. One row has the longest idle window
-    # (least KV): deeper there (512 against 256: -0.5 to -1.6% in four calls; +0.7% at 4 rows, +1.7% at 16)
+    # (least KV): deeper there (512 against 256: -0.05 to -1.6% in five calls; +0.7% at 4 rows, +1.7% at 16)
     bubble_gate_up_k: int = 256
     bubble_gate_up_k_one_row: int = 512
     # the first positions of K and V of every attention task asked of L2 (no hint) by the programs that

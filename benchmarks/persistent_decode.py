@@ -160,9 +160,9 @@ def compiled_resources() -> str:
 # the trace's segments a layer: (name, start stamp, end stamp, weight bytes); stamp -1 is the previous layer's
 # last (kernels/persistent_decode.py ``_stamp``)
 SEGMENTS = (
-    ("qkv + rotary + KV store", -1, 0, (HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN * 2),
-    ("barrier", 0, 1, 0),
-    ("attention", 1, 2, 0),
+    ("qkv (partials)", -1, 0, (HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN * 2),
+    ("prefetches (o's weights; K and V, by programs with no qkv task)", 0, 1, 0),
+    ("attention (waits per KV head; + rotary, KV store)", 1, 2, 0),
     ("o + residual (waits per KV head)", 2, 3, HIDDEN * HEADS * HEAD_DIM * 2),
     ("barrier", 3, 4, 0),
     ("gate/up + SiLU", 4, 5, 2 * INTERMEDIATE * HIDDEN * 2),

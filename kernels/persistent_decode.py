@@ -13,14 +13,20 @@ sum has a fixed order).
 
 Design, and why:
 - One program per SM, all resident (a cooperative launch on CUDA: it fails instead of hanging when they do not
-  fit). Five phases a layer: qkv (+ rotary and the KV store) | attention | o (+ residual) | gate/up (+ SiLU) |
+  fit). Five phases a layer: qkv | attention (+ rotary and the KV store) | o (+ residual) | gate/up (+ SiLU) |
   down (+ residual), separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an H100),
-  except between attention and o: an o task waits only for the KV heads its K split reads (a counter per KV
-  head that each attention task raises when done; measured 1.00–1.02x at 1–16 rows, ``o_waits_on_heads``).
+  except around attention, where a task waits only for what it reads: an attention task for its KV head's qkv
+  tasks, an o task for the KV heads its K split reads (a counter per KV head, raised by each task it counts;
+  o: measured 1.00–1.02x at 1–16 rows, ``o_waits_on_heads``).
 - A matmul phase's tasks (column block, K split) go round-robin over the programs; split-K merges as
   kernels/skinny_gemm.py's does (the last split of a column block adds the fp32 partials in split order), and the
-  writer of a block also runs the phase's epilogue for it. The qkv phase's column block is one head
-  (``BLOCK_N = head_dim``), so its writer rotates q and k in place and stores k and v into the caches.
+  writer of a block also runs the phase's epilogue for it.
+- The qkv phase has no writer: its tasks (a head, a K split) only leave fp32 partials, and each attention task
+  adds those of its own heads in split order, scales them by 1/rms, rotates q, and, when its partition ends the
+  context, rotates k and stores the new K and V where its own loop then reads them. The merge's chain (a
+  counter's round trip, the partials' reload, the epilogue) left the qkv phase; with the grid barrier after qkv
+  replaced by the per-KV-head wait, 2.0–2.4% a launch at 1–16 rows (thirteenth session; each change alone
+  gained at most 1.1%).
 - A norm is no phase of its own: the writer of each column block of the stream (the o and down residual adds)
   also leaves the block's sums of squares and the block times the next norm's weight (``_weigh``); the next
   matmul phase reads that copy as it is, and its writers scale their fp32 sums by 1/rms, which every program
@@ -190,6 +196,43 @@ def _weigh_phase(h_ptr, squares_ptr, gamma_ptr, weighted_ptr, M, pid, programs, 
 
 
 @triton.jit
+def partial_sums(x_ptr, stride_x, w_ptr, K, n_cols, block, split, M, SPLITS: tl.constexpr,
+                 GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Column block ``block``, K split ``split`` of ``x @ w.T`` (GATE_UP: gate rows, then up rows ``n_cols``
+    on): ``(gate, up)``, fp32 sums ``[BLOCK_N, BLOCK_M]`` (out.T) over the split's part of K."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rows[:, None] * stride_x
+    k_per_split = K // SPLITS
+    gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(x_rows + ks, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg")
+        gate = tl.dot(tl.load(w_rows + ks), tl.trans(x), gate, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            up = tl.dot(tl.load(w_rows + n_cols * K + ks), tl.trans(x), up,
+                        input_precision=DOT_PRECISION)  # fmt: skip
+    return gate, up
+
+
+@triton.jit
+def store_partial(part_ptr, gate, up, block, split, M, n_cols, GATE_UP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A split's sums into the partials ``[splits, M, width]`` (width ``2 n_cols`` with GATE_UP: gate, then
+    up), as ``sum_partials`` reads them."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    width = 2 * n_cols if GATE_UP else n_cols
+    part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
+    tl.store(part, gate, mask=(rows < M)[None, :])
+    if GATE_UP:
+        tl.store(part + n_cols, up, mask=(rows < M)[None, :])
+
+
+@triton.jit
 def matmul_task(
     x_ptr,
     stride_x,
@@ -208,34 +251,20 @@ def matmul_task(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Column block ``block``, K split ``split`` of ``x @ w.T`` (GATE_UP: gate rows, then up rows ``n_cols``
-    on): ``(gate, up, writer)``, the block's fp32 sums ``[BLOCK_N, BLOCK_M]`` (out.T) when this task is the one
-    that writes the block (``writer``: no split, or the last split to finish)."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-    x_rows = x_ptr + rows[:, None] * stride_x
-    k_per_split = K // SPLITS
-    gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
-        x = tl.load(x_rows + ks, mask=(rows < M)[:, None], other=0.0, cache_modifier=".cg")
-        gate = tl.dot(tl.load(w_rows + ks), tl.trans(x), gate, input_precision=DOT_PRECISION)
-        if GATE_UP:
-            up = tl.dot(tl.load(w_rows + n_cols * K + ks), tl.trans(x), up,
-                        input_precision=DOT_PRECISION)  # fmt: skip
+    """``partial_sums`` and split-K's merge: ``(gate, up, writer)``, the block's fp32 sums ``[BLOCK_N,
+    BLOCK_M]`` (out.T) when this task is the one that writes the block (``writer``: no split, or the last
+    split to finish)."""
+    gate, up = partial_sums(x_ptr, stride_x, w_ptr, K, n_cols, block, split, M, SPLITS, GATE_UP,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
     writer = block >= 0
     if SPLITS > 1:
-        width = 2 * n_cols if GATE_UP else n_cols
-        part = part_ptr + split * M * width + rows[None, :] * width + cols[:, None]
-        tl.store(part, gate, mask=(rows < M)[None, :])
-        if GATE_UP:
-            tl.store(part + n_cols, up, mask=(rows < M)[None, :])
+        store_partial(part_ptr, gate, up, block, split, M, n_cols, GATE_UP, BLOCK_M, BLOCK_N)
         tl.debug_barrier()  # every thread's partials are written before the release below
         writer = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
         if writer:
             tl.store(counter_ptr + block, 0)  # re-armed for the next layer
+            rows = tl.arange(0, BLOCK_M)
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
             gate, up = sum_partials(
                 part_ptr, rows, cols, M, n_cols, SPLITS, GATE_UP, BLOCK_M, BLOCK_N
             )
@@ -279,76 +308,93 @@ def _row_slots(positions_ptr, slot_ptr, M, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rope_rows(position, cos_ptr, sin_ptr, stride_cos, stride_sin, M, HALF: tl.constexpr,
-               BLOCK_M: tl.constexpr):  # fmt: skip
-    """The rotary cos and sin at each row's position, fp32 ``[HALF, BLOCK_M]``."""
-    live = tl.arange(0, BLOCK_M)[None, :] < M
-    dims = tl.arange(0, HALF)[:, None]
-    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=live, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_sin + dims, mask=live, other=0.0).to(tl.float32)
-    return cos, sin
+def _summed_heads(qkv_part_ptr, seq, heads, rstd, cos, sin, rotate, live, M, S_QKV: tl.constexpr,
+                  QKV_W: tl.constexpr, HEAD_DIM: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+                  ELEMENT: tl.constexpr):  # fmt: skip
+    """Heads ``heads`` ``[R]`` of row ``seq`` of the qkv output ``[R, HEAD_DIM]``, from the qkv phase's
+    split-K partials (added in split order, scaled by the row's ``rstd``), rotated where ``rotate`` (``cos``,
+    ``sin``: ``[HEAD_DIM]`` at the row's position, each half's repeated); rows not ``live``: 0. Rounded as the
+    layer path rounds them: the projection's output as stored (store_out), then kernels/rotary.py's
+    ``_rotate_heads`` (each half's partner, the other half, loaded as well: no shuffle in registers)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    base = qkv_part_ptr + seq * QKV_W + heads[:, None] * HEAD_DIM
+    own_ptrs = base + dims[None, :]
+    partner_ptrs = base + ((dims + HALF) % HEAD_DIM)[None, :]  # rotate_half's other half
+    own = 0.0 + tl.load(own_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    partner = 0.0 + tl.load(partner_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, S_QKV):
+        own += tl.load(own_ptrs + split * M * QKV_W, mask=live[:, None], other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+        partner += tl.load(partner_ptrs + split * M * QKV_W, mask=live[:, None], other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+    x = (own * rstd).to(ELEMENT)
+    a = x.to(tl.float32)
+    b = (partner * rstd).to(ELEMENT).to(tl.float32)
+    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]
+    # rotate_half(x) = cat(-x2, x1): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin
+    out = (a * cos[None, :]).to(PRODUCT_DTYPE).to(tl.float32) + (sign * b * sin[None, :]).to(
+        PRODUCT_DTYPE
+    ).to(tl.float32)
+    return tl.where(rotate[:, None], out.to(PRODUCT_DTYPE).to(ELEMENT), x)
 
 
 @triton.jit
-def _rotate_and_store(
-    values,
-    qkv_ptr,
-    head,
-    M,
-    cos,
-    sin,
-    slot,
-    k_cache,
-    v_cache,
-    stride_block,
-    stride_token,
-    stride_head,
-    QKV_W: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    PRODUCT_DTYPE: tl.constexpr,
-):
-    """Head ``head`` of the qkv output, ``values`` ``[HEAD_DIM, BLOCK_M]`` (out.T, fp32 sums), in registers: a
-    q head rotated into the qkv buffer, a k head rotated into the K cache, a v head into the V cache, at each
-    row's ``slot`` (-1: padding, nothing stored; ``cos``, ``sin``: ``_rope_rows``). Rounded as store_out
-    and then kernels/rotary.py's ``_rotate_heads`` round (the two halves split in registers: no store and
-    reload between them)."""
+def _attention_q(qkv_part_ptr, k_cache, v_cache, kv_head, seq, part, ctx, attn_parts, rstd_rows,
+                 position_row, slot_row, cos_ptr, sin_ptr, stride_cos, stride_sin, stride_block,
+                 stride_token, stride_head, M, S_QKV: tl.constexpr, NUM_HEADS: tl.constexpr,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                 GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+                 ELEMENT: tl.constexpr):  # fmt: skip
+    """An attention task's query rows ``[GROUP_PAD, HEAD_DIM]`` (its KV head's query heads, rotated), from
+    the qkv phase's partials; the task whose partition ends the context also stores the row's new K and V
+    into the caches first (at its slot; -1: padding, none), where its own loop reads them."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.arange(0, BLOCK_M)[None, :]
-    live = rows < M
-    dims = tl.arange(0, HALF)[:, None]
-    element = qkv_ptr.dtype.element_ty
-    halves = tl.permute(tl.reshape(values.to(element), [2, HALF, BLOCK_M]), (1, 2, 0))
-    x1, x2 = tl.split(halves)  # dims [0, HALF) and [HALF, HEAD_DIM), each [HALF, BLOCK_M]
-    if head < NUM_HEADS + NUM_KV_HEADS:
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        # rotate_half(x) = cat(-x2, x1): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin
-        out1 = (a * cos).to(PRODUCT_DTYPE).to(tl.float32) + (-b * sin).to(PRODUCT_DTYPE).to(
-            tl.float32
-        )
-        out2 = (b * cos).to(PRODUCT_DTYPE).to(tl.float32) + (a * sin).to(PRODUCT_DTYPE).to(
-            tl.float32
-        )
-        x1 = out1.to(PRODUCT_DTYPE).to(element)
-        x2 = out2.to(PRODUCT_DTYPE).to(element)
-    if head < NUM_HEADS:
-        first = qkv_ptr + rows * QKV_W + head * HEAD_DIM + dims
-        tl.store(first, x1, mask=live)
-        tl.store(first + HALF, x2, mask=live)
-    else:
-        kv_head = head - NUM_HEADS
-        cache = k_cache
-        if head >= NUM_HEADS + NUM_KV_HEADS:
-            kv_head = head - NUM_HEADS - NUM_KV_HEADS
-            cache = v_cache
-        at = cache + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token
-        at += kv_head * stride_head + dims
-        keep = live & (slot >= 0)
-        tl.store(at, x1.to(cache.dtype.element_ty), mask=keep)
-        tl.store(at + HALF, x2.to(cache.dtype.element_ty), mask=keep)
+    QKV_W: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    at_row = tl.arange(0, BLOCK_M)[None, :] == seq
+    rstd = tl.sum(tl.where(tl.arange(0, BLOCK_M) == seq, rstd_rows, 0.0))
+    position = tl.sum(tl.where(at_row, position_row, 0))
+    dims = tl.arange(0, HEAD_DIM)
+    cos = tl.load(cos_ptr + position * stride_cos + dims % HALF).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_sin + dims % HALF).to(tl.float32)
+    group_rows = tl.arange(0, GROUP_PAD)
+    q = _summed_heads(qkv_part_ptr, seq, kv_head * GROUP + group_rows, rstd, cos, sin,
+                      group_rows >= 0, group_rows < GROUP, M, S_QKV, QKV_W, HEAD_DIM, PRODUCT_DTYPE,
+                      ELEMENT)  # fmt: skip
+    start, end, _ = partition_bounds(ctx, part, attn_parts, TILE_N, MIN_TILES)
+    if (end == ctx) & (start < end):
+        slot = tl.sum(tl.where(at_row, slot_row, 0))
+        pair = tl.arange(0, 2)  # K's head, then V's
+        kv = _summed_heads(qkv_part_ptr, seq, NUM_HEADS + kv_head + pair * NUM_KV_HEADS, rstd, cos,
+                           sin, pair == 0, pair >= 0, M, S_QKV, QKV_W, HEAD_DIM, PRODUCT_DTYPE,
+                           ELEMENT)  # fmt: skip
+        at = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token
+        at += kv_head * stride_head + dims[None, :] + 0 * pair[:, None]  # (both rows: one slot)
+        which = pair[:, None] + tl.where(slot >= 0, 0, 2)  # (padding: neither)
+        tl.store(k_cache + at, kv.to(k_cache.dtype.element_ty), mask=which == 0)
+        tl.store(v_cache + at, kv.to(v_cache.dtype.element_ty), mask=which == 1)
+        tl.debug_barrier()  # every thread's stores are made before the loop reads the new position
+    return q
+
+
+@triton.jit
+def _count_qkv_task(qkv_flags, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    GROUP: tl.constexpr):  # fmt: skip
+    """A qkv task of head ``head`` is done: counted for the KV head whose attention tasks read it (its query
+    heads, its K, its V)."""
+    tl.debug_barrier()  # every thread's partials are written before the release
+    kv_head = tl.where(head < NUM_HEADS, head // GROUP, (head - NUM_HEADS) % NUM_KV_HEADS)
+    tl.atomic_add(qkv_flags + kv_head, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_for_qkv(qkv_flags, kv_head, target):
+    """Wait until the qkv tasks counted for ``kv_head`` reach ``target`` (acquire: their partials are
+    seen)."""
+    while tl.atomic_add(qkv_flags + kv_head, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -453,7 +499,7 @@ def _layer_pointer(base_ptr, table_ptr, layer, which):
 @triton.jit
 def _persistent_decode_kernel(
     h_ptr,
-    qkv_ptr,
+    qkv_part_ptr,
     attn_ptr,
     act_ptr,
     part_ptr,
@@ -512,27 +558,25 @@ def _persistent_decode_kernel(
     ATTENTION_SPLIT: tl.constexpr,
 ):
     """All ``layers`` for M rows (see the module docstring). Counters: [0] the barrier's arrivals, [1] exits
-    (the last program out re-arms both), then one per column block of each matmul phase, then one per
-    (sequence, KV head) of attention (room for 16 rows), then one per KV head counting its attention tasks
-    done in this launch (the o phase's wait); all re-armed by their last user."""
+    (the last program out re-arms both), then one per column block of the o, gate/up and down phases, then
+    one per (sequence, KV head) of attention (room for 16 rows), then two per KV head counting, over the
+    launch, its attention tasks done (the o phase's wait) and its qkv tasks done (attention's wait); all
+    re-armed by their last user."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     QD: tl.constexpr = NUM_HEADS * HEAD_DIM
     QKV_HEADS: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
     QKV_W: tl.constexpr = QKV_HEADS * HEAD_DIM
-    qkv_counters = counter_ptr + 2
-    o_counters = qkv_counters + QKV_HEADS
+    o_counters = counter_ptr + 2
     gu_counters = o_counters + H // BLOCK_N
     d_counters = gu_counters + I // BLOCK_N
     attn_counters = d_counters + H // BLOCK_N
     head_flags = (
         attn_counters + 16 * NUM_KV_HEADS
     )  # (after the attention counters of 16 rows at most)
+    qkv_flags = head_flags + NUM_KV_HEADS
     rows = tl.arange(0, BLOCK_M)
-    group_rows = tl.arange(0, GROUP_PAD)
-    head_dims = tl.arange(0, HEAD_DIM)
     _stamp(trace_ptr, pid, 0, layers, TRACE)
-    HALF: tl.constexpr = HEAD_DIM // 2
     position, slot = _row_slots(positions_ptr, slot_ptr, M, BLOCK_M)
     # the stream entering the first layer, weighed for its first norm
     _weigh_phase(h_ptr, squares_ptr, _layer_pointer(base_ptr, table_ptr, 0, 4), weighted_ptr, M, pid,
@@ -555,20 +599,16 @@ def _persistent_decode_kernel(
         norm_next = _layer_pointer(base_ptr, table_ptr, tl.minimum(layer + 1, layers - 1), 4)
         k_cache = _layer_pointer(base_ptr, table_ptr, layer, 6)
         v_cache = _layer_pointer(base_ptr, table_ptr, layer, 7)
-        # qkv of the weighed stream, scaled by 1/rms; each head's writer rotates it, stores K and V
-        # (operands of the writers' epilogue, loaded before the loop: their round trips hide under it)
+        # qkv of the weighed stream: split-K partials, each counted for its KV head (the attention tasks
+        # add them up); the sums of squares behind 1/rms, loaded first, are kept for attention
         squares = _load_squares(squares_ptr, H // BLOCK_N, BLOCK_M)
-        cos, sin = _rope_rows(position, cos_ptr, sin_ptr, stride_cos, stride_sin, M, HALF, BLOCK_M)
         for task in range(pid, QKV_HEADS * S_QKV, programs):
             head = task // S_QKV
-            gate, up, writer = matmul_task(weighted_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M,
-                                        part_ptr, qkv_counters, S_QKV, False, BLOCK_M,
-                                        HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
-            if writer:
-                _rotate_and_store(gate * _rstd(squares, eps, H)[None, :], qkv_ptr, head, M, cos, sin,
-                                  slot, k_cache, v_cache, stride_block, stride_token, stride_head,
-                                  QKV_W, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M,
-                                  PRODUCT_DTYPE)  # fmt: skip
+            sums, _ = partial_sums(weighted_ptr, H, w_qkv, H, QKV_W, head, task % S_QKV, M, S_QKV,
+                                   False, BLOCK_M, HEAD_DIM, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            store_partial(qkv_part_ptr, sums, sums, head, task % S_QKV, M, QKV_W, False, BLOCK_M,
+                          HEAD_DIM)  # fmt: skip
+            _count_qkv_task(qkv_flags, head, NUM_HEADS, NUM_KV_HEADS, GROUP)
         _stamp(trace_ptr, pid, at, layers, TRACE)
         prefetch_task(w_o, QD, H, pid, S_O, False, BLOCK_N, PREFETCH_K, LINE, True)
         # the programs without a qkv task ask L2 for the start of every attention task's K and V
@@ -579,23 +619,22 @@ def _persistent_decode_kernel(
                             stride_table, stride_block, stride_token, stride_head, NUM_KV_HEADS,
                             BLOCK_SIZE, TILE_N, ATTENTION_MIN_TILES, HEAD_DIM, KV_LINES,
                             KV_PREFETCH)  # fmt: skip
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
-        _stamp(trace_ptr, pid, at + 1, layers, TRACE)
-        # attention: (KV head, sequence, partition) tasks of the decode kernel's code
+        _stamp(trace_ptr, pid, at + 1, layers, TRACE)  # (no barrier: attention waits per KV head)
+        # attention: (KV head, sequence, partition) tasks of the decode kernel's code, each once its KV
+        # head's qkv tasks are done
         for task in range(pid, NUM_KV_HEADS * M * attn_parts, programs):
             kv_head, seq = task % NUM_KV_HEADS, (task // NUM_KV_HEADS) % M
-            q = tl.load(
-                qkv_ptr + seq * QKV_W + (kv_head * GROUP + group_rows)[:, None] * HEAD_DIM
-                + head_dims[None, :],
-                mask=(group_rows < GROUP)[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )  # fmt: skip
             if task == pid:
                 ctx = first_ctx
             else:  # (only where attention_parts gives more tasks than programs)
                 ctx = tl.load(ctx_ptr + seq)
+            _wait_for_qkv(qkv_flags, kv_head, (layer + 1) * (GROUP + 2) * S_QKV)
+            q = _attention_q(qkv_part_ptr, k_cache, v_cache, kv_head, seq, task // (NUM_KV_HEADS * M),
+                             ctx, attn_parts, _rstd(squares, eps, H), position, slot, cos_ptr, sin_ptr,
+                             stride_cos, stride_sin, stride_block, stride_token, stride_head, M, S_QKV,
+                             NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP, GROUP_PAD, BLOCK_SIZE, BLOCK_M,
+                             TILE_N, ATTENTION_MIN_TILES, PRODUCT_DTYPE,
+                             h_ptr.dtype.element_ty)  # fmt: skip
             decode_task(q, kv_head, seq, task // (NUM_KV_HEADS * M), attn_ptr, k_cache, v_cache,
                         block_table_ptr, ctx, part_max_ptr, part_sum_ptr, part_acc_ptr,
                         attn_counters, scale_log2, 1.0, QD, HEAD_DIM, stride_block, stride_token,
@@ -656,6 +695,7 @@ def _persistent_decode_kernel(
         tl.store(counter_ptr + 1, 0)
         for head in range(NUM_KV_HEADS):
             tl.store(head_flags + head, 0)
+            tl.store(qkv_flags + head, 0)
 
 
 def _tiling(
@@ -756,7 +796,7 @@ def persistent_decode(
     qkv_width = (heads + 2 * kv_heads) * head_dim
     f32 = dict(dtype=torch.float32, device=device)
     part = torch.empty(
-        m * max(config.qkv_splits * qkv_width, config.o_splits * hidden,
+        m * max(config.o_splits * hidden,
                 config.gate_up_splits * 2 * stack.intermediate, config.down_splits * hidden),
         **f32,
     )  # fmt: skip
@@ -764,17 +804,17 @@ def persistent_decode(
     part_acc, part_max, part_sum = attn_partials.split(
         [m * heads * parts * head_dim, m * heads * parts, m * heads * parts]
     )
-    blocks = (heads + 2 * kv_heads) + (2 * hidden + stack.intermediate) // config.block_n
-    counters = zeroed_counters("persistent_decode", device, 2 + blocks + 17 * kv_heads)
+    blocks = (2 * hidden + stack.intermediate) // config.block_n
+    counters = zeroed_counters("persistent_decode", device, 2 + blocks + 18 * kv_heads)
     squares = torch.empty(hidden // config.block_n, 16, **f32)
     weighted = torch.empty(m, hidden, dtype=h.dtype, device=device)
-    qkv = torch.empty(m, qkv_width, dtype=h.dtype, device=device)
+    qkv_part = torch.empty(config.qkv_splits * m * qkv_width, **f32)
     attn = torch.empty(m, heads * head_dim, dtype=h.dtype, device=device)
     act = torch.empty(m, stack.intermediate, dtype=h.dtype, device=device)
     extra = dict(launch_cooperative_grid=True) if device.type == "cuda" else {}
     gpu = device.type == "cuda"  # (L2 prefetches are inline PTX: none in the CPU interpreter)
     _persistent_decode_kernel[(programs,)](
-        h, qkv, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions,
+        h, qkv_part, attn, act, part, counters, squares, weighted, stack.base, stack.table, positions,
         slot_mapping, block_tables, context_lens, cos_cache, sin_cache,
         h if trace is None else trace, part_max, part_sum, part_acc,
         m, len(stack.layers), stack.eps, scale * LOG2E, cache.stride(0), cache.stride(1),

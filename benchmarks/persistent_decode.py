@@ -164,11 +164,11 @@ SEGMENTS = (
     ("prefetches (o's weights; K and V, by programs with no qkv task)", 0, 1, 0),
     ("attention (waits per KV head; + rotary, KV store)", 1, 2, 0),
     ("o + residual (waits per KV head)", 2, 3, HIDDEN * HEADS * HEAD_DIM * 2),
-    ("barrier", 3, 4, 0),
+    ("wait for o's writers", 3, 4, 0),
     ("gate/up + SiLU", 4, 5, 2 * INTERMEDIATE * HIDDEN * 2),
-    ("barrier", 5, 6, 0),
-    ("down + residual", 6, 7, HIDDEN * INTERMEDIATE * 2),
-    ("barrier", 7, 8, 0),
+    ("prefetch (down's weights)", 5, 6, 0),
+    ("down + residual (waits per quarter of gate/up)", 6, 7, HIDDEN * INTERMEDIATE * 2),
+    ("wait for down's writers", 7, 8, 0),
 )
 
 

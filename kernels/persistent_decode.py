@@ -14,10 +14,14 @@ sum has a fixed order).
 Design, and why:
 - One program per SM, all resident (a cooperative launch on CUDA: it fails instead of hanging when they do not
   fit). Five phases a layer: qkv | attention (+ rotary and the KV store) | o (+ residual) | gate/up (+ SiLU) |
-  down (+ residual), separated by a grid-wide barrier (an arrival counter and a spin on it, ~1 us on an H100),
-  except around attention, where a task waits only for what it reads: an attention task for its KV head's qkv
-  tasks, an o task for the KV heads its K split reads (a counter per KV head, raised by each task it counts;
-  o: measured 1.00–1.02x at 1–16 rows, ``o_waits_on_heads``).
+  down (+ residual). No grid-wide barrier separates them (one, an arrival counter and a spin on it, ~1 us
+  on an H100, follows the first layer's weighing): a task waits only for the writers of what it reads, on a
+  counter they raise (release) and it reads (acquire). An attention task waits for its KV head's qkv tasks, an
+  o task for the KV heads its K split reads, gate/up for o's 32 column blocks, a down task for the gate/up
+  blocks of its K split, the next layer for down's 32 blocks. Every writer of a buffer depends, through
+  these waits, on every reader of the buffer's previous contents, so nothing is overwritten early. Measured
+  against grid barriers: o per KV head 1.00–1.02x at 1–16 rows (``o_waits_on_heads``); gate/up, down and the
+  next qkv 1.7–3.2% a launch at 1–16 rows (thirteenth session).
 - A matmul phase's tasks (column block, K split) go round-robin over the programs; split-K merges as
   kernels/skinny_gemm.py's does (the last split of a column block adds the fp32 partials in split order), and the
   writer of a block also runs the phase's epilogue for it.
@@ -42,8 +46,8 @@ Design, and why:
   and more) a task writes its output directly, with no partials, counter or merge; and each program loads its
   first task's context length once a launch, not once a layer (twelfth session: attention 15.1 -> 13.1 us at
   16 rows, 2.5% a launch; 0.6% at one and four rows).
-- Before a program arrives at a barrier it asks L2 for the first ``prefetch_k`` elements of the weight rows of
-  its next matmul task: weights never depend on activations, so HBM keeps streaming while the barrier waits.
+- Before a program waits for the next phase it asks L2 for the first ``prefetch_k`` elements of the weight
+  rows of its next matmul task: weights never depend on activations, so HBM keeps streaming while it waits.
   Attention leaves HBM nearly idle (a chain of round trips over ~1.4 MB of KV a layer at one row): once its
   attention tasks are done, a program also asks L2 for the first ``bubble_gate_up_k`` elements of its gate/up
   task's rows (no eviction hint: lines kept evict_last pile up over a launch). Measured 1.7–1.8% at 1–4 rows,
@@ -389,10 +393,9 @@ def _count_qkv_task(qkv_flags, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.c
 
 
 @triton.jit
-def _wait_for_qkv(qkv_flags, kv_head, target):
-    """Wait until the qkv tasks counted for ``kv_head`` reach ``target`` (acquire: their partials are
-    seen)."""
-    while tl.atomic_add(qkv_flags + kv_head, 0, sem="acquire", scope="gpu") < target:
+def _wait_for_count(counter_ptr, target):
+    """Wait until the counter reaches ``target`` (acquire: what its raisers wrote before is seen)."""
+    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
         pass
     tl.debug_barrier()
 
@@ -471,7 +474,7 @@ def _wait_for_heads(flags_ptr, target, split, K, SPLITS: tl.constexpr, HEAD_K: t
 def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr, part_ptr, counters,
                     M, pid, programs, flags_ptr, flag_target, SPLITS: tl.constexpr, H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, HEAD_K: tl.constexpr):  # fmt: skip
+                    DOT_PRECISION: tl.constexpr, HEAD_K: tl.constexpr, done_ptr):  # fmt: skip
     """A projection added to the stream (o, down): ``h += x @ w.T``, each column block's writer adding and
     weighing the block for the next norm (``_add_residual``). HEAD_K > 0: a task first waits for the KV heads
     it reads (``_wait_for_heads``)."""
@@ -487,6 +490,8 @@ def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr
         if writer:
             _add_residual(h_ptr, squares_ptr, weighted_ptr, stream, gamma, total, M, block, H,
                           BLOCK_M, BLOCK_N)  # fmt: skip
+            tl.debug_barrier()  # every thread's stores are made before the release
+            tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -575,6 +580,10 @@ def _persistent_decode_kernel(
         attn_counters + 16 * NUM_KV_HEADS
     )  # (after the attention counters of 16 rows at most)
     qkv_flags = head_flags + NUM_KV_HEADS
+    o_done = qkv_flags + NUM_KV_HEADS
+    d_done = o_done + 1
+    gu_quarters = d_done + 1
+    GU_QUARTER: tl.constexpr = I // BLOCK_N // S_D  # gate/up blocks a down split reads
     rows = tl.arange(0, BLOCK_M)
     _stamp(trace_ptr, pid, 0, layers, TRACE)
     position, slot = _row_slots(positions_ptr, slot_ptr, M, BLOCK_M)
@@ -628,7 +637,7 @@ def _persistent_decode_kernel(
                 ctx = first_ctx
             else:  # (only where attention_parts gives more tasks than programs)
                 ctx = tl.load(ctx_ptr + seq)
-            _wait_for_qkv(qkv_flags, kv_head, (layer + 1) * (GROUP + 2) * S_QKV)
+            _wait_for_count(qkv_flags + kv_head, (layer + 1) * (GROUP + 2) * S_QKV)
             q = _attention_q(qkv_part_ptr, k_cache, v_cache, kv_head, seq, task // (NUM_KV_HEADS * M),
                              ctx, attn_parts, _rstd(squares, eps, H), position, slot, cos_ptr, sin_ptr,
                              stride_cos, stride_sin, stride_block, stride_token, stride_head, M, S_QKV,
@@ -655,11 +664,10 @@ def _persistent_decode_kernel(
         _residual_phase(attn_ptr, QD, w_o, h_ptr, squares_ptr, norm_post, weighted_ptr, part_ptr,
                         o_counters, M, pid, programs, head_flags, (layer + 1) * M * attn_parts, S_O, H,
                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                        HEAD_DIM * GROUP if O_WAITS else 0)  # fmt: skip
+                        HEAD_DIM * GROUP if O_WAITS else 0, o_done)  # fmt: skip
         _stamp(trace_ptr, pid, at + 3, layers, TRACE)
         prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, PREFETCH_K, LINE, True)
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
+        _wait_for_count(o_done, (layer + 1) * (H // BLOCK_N))
         _stamp(trace_ptr, pid, at + 4, layers, TRACE)
         # gate/up of the weighed stream, scaled by 1/rms, SiLU-and-mul
         squares = _load_squares(squares_ptr, H // BLOCK_N, BLOCK_M)
@@ -674,21 +682,20 @@ def _persistent_decode_kernel(
                 store_out(
                     act_ptr, gate * rstd[None, :], up * rstd[None, :], rows, cols, M, I, I, True
                 )
+                tl.debug_barrier()  # every thread's stores are made before the release
+                tl.atomic_add(gu_quarters + block // GU_QUARTER, 1, sem="release", scope="gpu")
         _stamp(trace_ptr, pid, at + 5, layers, TRACE)
         prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE, True)
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
         _stamp(trace_ptr, pid, at + 6, layers, TRACE)
         # down, added to the stream
         _residual_phase(act_ptr, I, w_d, h_ptr, squares_ptr, norm_next, weighted_ptr, part_ptr,
-                        d_counters, M, pid, programs, head_flags, 0, S_D, H, BLOCK_M, BLOCK_N,
-                        BLOCK_K, DOT_PRECISION, 0)  # fmt: skip
+                        d_counters, M, pid, programs, gu_quarters, (layer + 1) * GU_QUARTER, S_D, H,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, I // S_D, d_done)  # fmt: skip
         _stamp(trace_ptr, pid, at + 7, layers, TRACE)
         if layer + 1 < layers:
             w_next = _layer_pointer(base_ptr, table_ptr, layer + 1, 0)
             prefetch_task(w_next, H, QKV_W, pid, S_QKV, False, HEAD_DIM, PREFETCH_K, LINE, True)
-        arrived += programs
-        grid_barrier(counter_ptr, arrived)
+        _wait_for_count(d_done, (layer + 1) * (H // BLOCK_N))
         _stamp(trace_ptr, pid, at + 8, layers, TRACE)
     if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.store(counter_ptr, 0)
@@ -696,6 +703,10 @@ def _persistent_decode_kernel(
         for head in range(NUM_KV_HEADS):
             tl.store(head_flags + head, 0)
             tl.store(qkv_flags + head, 0)
+        tl.store(o_done, 0)
+        tl.store(d_done, 0)
+        for split in range(S_D):
+            tl.store(gu_quarters + split, 0)
 
 
 def _tiling(
@@ -714,10 +725,13 @@ def _tiling(
         "gate_up_splits": (intermediate, hidden, config.gate_up_splits, config.block_n),
         "down_splits": (hidden, intermediate, config.down_splits, config.block_n),
     }
-    return {
+    whole = {
         name: splits >= 1 and k % (splits * config.block_k) == 0 and n % block_n == 0
         for name, (n, k, splits, block_n) in phases.items()
     }
+    # a down split waits for the gate/up column blocks it reads: whole blocks
+    whole["down_splits"] &= intermediate % (max(1, config.down_splits) * config.block_n) == 0
+    return whole
 
 
 def fits(
@@ -805,7 +819,9 @@ def persistent_decode(
         [m * heads * parts * head_dim, m * heads * parts, m * heads * parts]
     )
     blocks = (2 * hidden + stack.intermediate) // config.block_n
-    counters = zeroed_counters("persistent_decode", device, 2 + blocks + 18 * kv_heads)
+    counters = zeroed_counters(
+        "persistent_decode", device, 2 + blocks + 18 * kv_heads + 2 + config.down_splits
+    )
     squares = torch.empty(hidden // config.block_n, 16, **f32)
     weighted = torch.empty(m, hidden, dtype=h.dtype, device=device)
     qkv_part = torch.empty(config.qkv_splits * m * qkv_width, **f32)

@@ -195,6 +195,11 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="qkv_splits"):
         persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
                           sin_cache=sin, scale=1.0, config=PersistentConfig(qkv_splits=3, **SMALL))  # fmt: skip
+    # a down split of 32 columns of the MLP, but gate/up blocks of 64: it could not wait for whole blocks
+    with pytest.raises(ValueError, match="down_splits"):
+        persistent_decode(torch.zeros(1, HIDDEN, device=DEVICE), stack, **meta, cos_cache=cos,
+                          sin_cache=sin, scale=1.0,
+                          config=PersistentConfig(down_splits=8, **{**SMALL, "block_n": 64}))  # fmt: skip
     # not int64
     wrong_trace = torch.zeros(1, 2 + STAMPS_PER_LAYER * LAYERS, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="trace must be"):

@@ -57,24 +57,25 @@ Design, and why:
   ``kv_prefetch`` (64) positions of every attention task's K and V, which attention then finds there
   (eleventh session: 5.4 against 6.4 us at one row; 0.5–1.7% a launch at 1–16 rows). Asked by each attention
   task's own program before the barrier instead, the asking delays the barrier; deeper, at 16 rows the
-  22 MB of KV compete with the weights.
+  22 MB of KV compete with the weights. (A stream-K qkv, which leaves no program idle, lost 3–4%:
+  thirteenth session.)
 - A writer's epilogue operands that no matmul feeds (the sums of squares behind 1/rms, the stream block and
   the norm weight of ``_add_residual``, rotary's cos and sin) are loaded before its matmul loop and used
   after it: their L2 round trips hide under the weight stream instead of following the split-K merge
   (0.25–0.5 us a matmul phase at one row, 2% a launch; eleventh session).
 - A profile (``trace``, ``benchmarks/persistent_decode.py --trace``): each program stamps the GPU's ns timer
-  at each phase's end and after each barrier; the benchmark gives each segment its share of the critical
-  path. At one row a layer takes ~56 us (eleventh session): qkv 6.1–6.8 (12.6 MB: 1.9–2.0 TB/s), a barrier
-  1.0, attention 5.4, o 4.4 (8.4 MB), a barrier, gate/up 22.3 (67 MB: 3.0 TB/s), a barrier, down 11.8
-  (33.5 MB: 2.85 TB/s), a barrier. The four small segments around attention are where the time is lost.
+  at each phase's end and after each wait; the benchmark gives each segment its share of the critical
+  path. At one row a layer takes ~53 us (thirteenth session): qkv 5.6 (12.6 MB: 2.2 TB/s), attention 6.1–6.4
+  (its wait for qkv included), o 4.9 (8.4 MB), a wait 0.5, gate/up 22.3 (67 MB: 3.0 TB/s), down 12.3–12.5
+  (33.5 MB: 2.7 TB/s), a wait 0.5. The three small segments around attention are where the time is lost.
 - Everything another program wrote in this launch is loaded past L1 (``.cg``); weights and caches are addressed
   from one base pointer plus 16-byte-aligned offsets (kernels/decoder_stack.py), which keeps loads vectorized.
 - In Triton's CPU interpreter, which runs programs one after another, a barrier over several programs would wait
   forever: there the kernel runs as one program, which takes every task (tests/kernels/test_persistent_decode.py).
 
-Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, eleventh session): llama-3.2-1b's 16
-layers and final norm at context 700 take 0.899 ms against 1.000 ms for the engine's launches at one sequence,
-1.081 against 1.173 ms at 16. The engine takes it for decode passes of up to 16 rows
+Measured on an H100 (benchmarks/persistent_decode.py, docs/BENCHMARKS.md, thirteenth session): llama-3.2-1b's
+16 layers and final norm at context 700 take 0.860–0.870 ms against 1.007 ms for the engine's launches at one
+sequence, 1.018–1.025 against 1.175 ms at 16. The engine takes it for decode passes of up to 16 rows
 (engine/models/llama_persistent.py).
 """
 

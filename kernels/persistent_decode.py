@@ -326,6 +326,7 @@ def _summed_heads(qkv_part_ptr, seq, heads, rstd, cos, sin, rotate, live, M, S_Q
     base = qkv_part_ptr + seq * QKV_W + heads[:, None] * HEAD_DIM
     own_ptrs = base + dims[None, :]
     partner_ptrs = base + ((dims + HALF) % HEAD_DIM)[None, :]  # rotate_half's other half
+    # (0.0 + ...: the sum starts at zero, as sum_partials' does)
     own = 0.0 + tl.load(own_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
     partner = 0.0 + tl.load(partner_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
     for split in tl.static_range(1, S_QKV):
@@ -461,12 +462,13 @@ def prefetch_kv(k_cache, v_cache, block_table_ptr, ctx_ptr, task, M, attn_parts,
 
 
 @triton.jit
-def _wait_for_heads(flags_ptr, target, split, K, SPLITS: tl.constexpr, HEAD_K: tl.constexpr):
-    """Wait until the counters of the KV heads whose outputs K split ``split`` reads (``HEAD_K`` columns a KV
-    head) reach ``target`` (acquire: their writers' outputs are seen)."""
+def _wait_for_columns(flags_ptr, target, split, K, SPLITS: tl.constexpr, GROUP_K: tl.constexpr):
+    """Wait until the counters of the column groups of the input that K split ``split`` reads (``GROUP_K``
+    columns a group: a KV head's outputs for o, a quarter of gate/up's for down) reach ``target`` (acquire:
+    their writers' outputs are seen)."""
     k_split = K // SPLITS
-    for head in range(split * k_split // HEAD_K, ((split + 1) * k_split - 1) // HEAD_K + 1):
-        while tl.atomic_add(flags_ptr + head, 0, sem="acquire", scope="gpu") < target:
+    for group in range(split * k_split // GROUP_K, ((split + 1) * k_split - 1) // GROUP_K + 1):
+        while tl.atomic_add(flags_ptr + group, 0, sem="acquire", scope="gpu") < target:
             pass
     tl.debug_barrier()
 
@@ -475,16 +477,17 @@ def _wait_for_heads(flags_ptr, target, split, K, SPLITS: tl.constexpr, HEAD_K: t
 def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr, part_ptr, counters,
                     M, pid, programs, flags_ptr, flag_target, SPLITS: tl.constexpr, H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, HEAD_K: tl.constexpr, done_ptr):  # fmt: skip
+                    DOT_PRECISION: tl.constexpr, GROUP_K: tl.constexpr, done_ptr):  # fmt: skip
     """A projection added to the stream (o, down): ``h += x @ w.T``, each column block's writer adding and
-    weighing the block for the next norm (``_add_residual``). HEAD_K > 0: a task first waits for the KV heads
-    it reads (``_wait_for_heads``)."""
+    weighing the block for the next norm (``_add_residual``), then counting it done (``done_ptr``, which the
+    next phase waits on). GROUP_K > 0: a task first waits for the column groups of x it reads
+    (``_wait_for_columns``)."""
     for task in range(pid, (H // BLOCK_N) * SPLITS, programs):
         block = task // SPLITS
         # the writer's operands besides the projection, loaded before the loop (hidden under it)
         stream, gamma = _stream_block(h_ptr, gamma_ptr, M, block, H, BLOCK_M, BLOCK_N)
-        if HEAD_K > 0:
-            _wait_for_heads(flags_ptr, flag_target, task % SPLITS, K, SPLITS, HEAD_K)
+        if GROUP_K > 0:
+            _wait_for_columns(flags_ptr, flag_target, task % SPLITS, K, SPLITS, GROUP_K)
         total, _, writer = matmul_task(x_ptr, K, w_ptr, K, H, block, task % SPLITS, M, part_ptr,
                                        counters, SPLITS, False, BLOCK_M, BLOCK_N, BLOCK_K,
                                        DOT_PRECISION)  # fmt: skip

@@ -130,6 +130,22 @@ class PersistentConfig:
 
 
 @triton.jit
+def _spin_until(counter_ptr, target):
+    """Spin until the counter reaches ``target`` (acquire: what its raisers wrote before raising it is seen
+    by this thread)."""
+    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+
+
+@triton.jit
+def _wait_for_count(counter_ptr, target):
+    """Wait until the counter reaches ``target``; then every thread of the program sees what its raisers
+    wrote."""
+    _spin_until(counter_ptr, target)
+    tl.debug_barrier()
+
+
+@triton.jit
 def grid_barrier(counter_ptr, target):
     """Every program waits here until ``target`` arrivals are counted (release: its writes are seen first).
     ~1.05 us on an H100 (132 programs, benchmarks/persistent_chain.py). Two other forms measured slower: a spin
@@ -137,8 +153,7 @@ def grid_barrier(counter_ptr, target):
     by all in one vector load (~1.5 us)."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
-        pass
+    _spin_until(counter_ptr, target)
     tl.debug_barrier()
 
 
@@ -395,14 +410,6 @@ def _count_qkv_task(qkv_flags, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.c
 
 
 @triton.jit
-def _wait_for_count(counter_ptr, target):
-    """Wait until the counter reaches ``target`` (acquire: what its raisers wrote before is seen)."""
-    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
 def _ask_l2(ptrs, EVICT_LAST: tl.constexpr):
     """Ask L2 for the 128-byte lines at ``ptrs`` (no registers filled): kept evict_last (``prefetch_l2``), or
     with no hint, for lines asked long before their use (evict_last lines, piling up over a launch, made
@@ -468,8 +475,7 @@ def _wait_for_columns(flags_ptr, target, split, K, SPLITS: tl.constexpr, GROUP_K
     their writers' outputs are seen)."""
     k_split = K // SPLITS
     for group in range(split * k_split // GROUP_K, ((split + 1) * k_split - 1) // GROUP_K + 1):
-        while tl.atomic_add(flags_ptr + group, 0, sem="acquire", scope="gpu") < target:
-            pass
+        _spin_until(flags_ptr + group, target)
     tl.debug_barrier()
 
 

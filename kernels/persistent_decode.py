@@ -29,8 +29,8 @@ Design, and why:
   adds those of its own heads in split order, scales them by 1/rms, rotates q, and, when its partition ends the
   context, rotates k and stores the new K and V where its own loop then reads them. The merge's chain (a
   counter's round trip, the partials' reload, the epilogue) left the qkv phase; with the grid barrier after qkv
-  replaced by the per-KV-head wait, 2.0–2.4% a launch at 1–16 rows (thirteenth session; each change alone
-  gained at most 1.1%).
+  replaced by the per-KV-head wait, 2.0–2.4% a launch at 1–16 rows (thirteenth session; alone, the merge
+  gained 0–1.1% and the wait -0.6 to 2.3%).
 - A norm is no phase of its own: the writer of each column block of the stream (the o and down residual adds)
   also leaves the block's sums of squares and the block times the next norm's weight (``_weigh``); the next
   matmul phase reads that copy as it is, and its writers scale their fp32 sums by 1/rms, which every program

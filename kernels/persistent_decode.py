@@ -138,6 +138,14 @@ def _spin_until(counter_ptr, target):
 
 
 @triton.jit
+def _count_done(counter_ptr):
+    """Raise the counter by one (release) once every thread of the program has made its stores: whoever
+    then sees the count (``_wait_for_count``) sees what the program wrote."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def _wait_for_count(counter_ptr, target):
     """Wait until the counter reaches ``target``; then every thread of the program sees what its raisers
     wrote."""
@@ -151,8 +159,7 @@ def grid_barrier(counter_ptr, target):
     ~1.05 us on an H100 (132 programs, benchmarks/persistent_chain.py). Two other forms measured slower: a spin
     on plain (volatile) loads, then one acquire (~1.26 us); a slot per program, written by its owner and read
     by all in one vector load (~1.5 us)."""
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    _count_done(counter_ptr)
     _spin_until(counter_ptr, target)
     tl.debug_barrier()
 
@@ -404,9 +411,8 @@ def _count_qkv_task(qkv_flags, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.c
                     GROUP: tl.constexpr):  # fmt: skip
     """A qkv task of head ``head`` is done: counted for the KV head whose attention tasks read it (its query
     heads, its K, its V)."""
-    tl.debug_barrier()  # every thread's partials are written before the release
     kv_head = tl.where(head < NUM_HEADS, head // GROUP, (head - NUM_HEADS) % NUM_KV_HEADS)
-    tl.atomic_add(qkv_flags + kv_head, 1, sem="release", scope="gpu")
+    _count_done(qkv_flags + kv_head)
 
 
 @triton.jit
@@ -500,8 +506,7 @@ def _residual_phase(x_ptr, K, w_ptr, h_ptr, squares_ptr, gamma_ptr, weighted_ptr
         if writer:
             _add_residual(h_ptr, squares_ptr, weighted_ptr, stream, gamma, total, M, block, H,
                           BLOCK_M, BLOCK_N)  # fmt: skip
-            tl.debug_barrier()  # every thread's stores are made before the release
-            tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+            _count_done(done_ptr)
 
 
 @triton.jit
@@ -661,8 +666,7 @@ def _persistent_decode_kernel(
                         GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, ATTENTION_SPLIT, 8,
                         DOT_PRECISION, False, False, ATTENTION_MIN_TILES)  # fmt: skip
             if O_WAITS:
-                tl.debug_barrier()  # every thread's stores are made before the release
-                tl.atomic_add(head_flags + kv_head, 1, sem="release", scope="gpu")
+                _count_done(head_flags + kv_head)
         # while attention leaves HBM idle: the first BUBBLE_GU elements of this program's gate/up task's
         # rows, asked of L2 with no hint
         prefetch_task(w_gu, H, I, pid, S_GU, True, BLOCK_N, BUBBLE_GU, LINE, False)
@@ -692,8 +696,7 @@ def _persistent_decode_kernel(
                 store_out(
                     act_ptr, gate * rstd[None, :], up * rstd[None, :], rows, cols, M, I, I, True
                 )
-                tl.debug_barrier()  # every thread's stores are made before the release
-                tl.atomic_add(gu_quarters + block // GU_QUARTER, 1, sem="release", scope="gpu")
+                _count_done(gu_quarters + block // GU_QUARTER)
         _stamp(trace_ptr, pid, at + 5, layers, TRACE)
         prefetch_task(w_d, I, H, pid, S_D, False, BLOCK_N, PREFETCH_K, LINE, True)
         _stamp(trace_ptr, pid, at + 6, layers, TRACE)

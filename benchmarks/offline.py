@@ -191,6 +191,7 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
         "kernels_added_ms": dict(
             list(kernel_times(kernels, steps, by="added").items())[:TOP_KERNELS]
         ),
+        "idle_before_ms": dict(list(idle_before(events, steps).items())[:TOP_KERNELS]),
     }
 
 
@@ -205,6 +206,20 @@ def kernel_times(kernels: list, steps: int, by: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for e, us in zip(kernels, own):
         totals[e.name[:80]] = totals.get(e.name[:80], 0.0) + us * 1e-3 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def idle_before(events: list, steps: int) -> dict[str, float]:
+    """ms per step that the device sat idle (no kernel, copy or set running) just before each event name
+    (first 80 characters) started, most first: where a step's wall goes beyond its busy time."""
+    totals: dict[str, float] = {}
+    reach = None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if reach is not None and start > reach:
+            name = e.name[:80]
+            totals[name] = totals.get(name, 0.0) + (start - reach) * 1e-3 / steps
+        reach = end if reach is None else max(reach, end)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
@@ -315,6 +330,10 @@ def split_table(split: dict[str, Any]) -> str:
     rows += [
         f"| kernel (added to busy): {name[:60]} | {value:.3f} |"
         for name, value in split.get("kernels_added_ms", {}).items()
+    ]
+    rows += [
+        f"| device idle before: {name[:60]} | {value:.3f} |"
+        for name, value in split.get("idle_before_ms", {}).items()
     ]
     return "\n".join(rows)
 

@@ -70,35 +70,6 @@ def prepare_inputs(
     static_tables: torch.Tensor | None,
 ) -> None:
     """Same contract as ``reference.prepare_inputs``."""
-    _check(ids, feed, last_sampled, packed, table_at, static_tables)
-    static = static_tables is not None
-    programs = max(triton.cdiv(ids.numel(), BLOCK_T), static_tables.shape[0] if static else 0)
-    if programs == 0:
-        return
-    _prepare_inputs_kernel[(programs,)](
-        ids,
-        feed,
-        last_sampled,
-        packed if static else ids,
-        table_at if static else ids,
-        static_tables if static else ids,
-        ids.numel(),
-        static_tables.stride(0) if static else 0,
-        STATIC=static,
-        BLOCK_T=BLOCK_T,
-        BLOCK_W=BLOCK_W,
-        num_warps=4,
-    )
-
-
-def _check(
-    ids: torch.Tensor,
-    feed: torch.Tensor,
-    last_sampled: torch.Tensor,
-    packed: torch.Tensor | None,
-    table_at: torch.Tensor | None,
-    static_tables: torch.Tensor | None,
-) -> None:
     if (
         ids.dim() != 1
         or feed.shape != ids.shape
@@ -124,3 +95,21 @@ def _check(
             "prepare_inputs: packed, static_tables (rows contiguous) and table_at (3 values: offset, rows, "
             "width) must be int32"
         )
+    static = static_tables is not None
+    programs = max(triton.cdiv(ids.numel(), BLOCK_T), static_tables.shape[0] if static else 0)
+    if programs == 0:
+        return
+    _prepare_inputs_kernel[(programs,)](
+        ids,
+        feed,
+        last_sampled,
+        packed if static else ids,
+        table_at if static else ids,
+        static_tables if static else ids,
+        ids.numel(),
+        static_tables.stride(0) if static else 0,
+        STATIC=static,
+        BLOCK_T=BLOCK_T,
+        BLOCK_W=BLOCK_W,
+        num_warps=4,
+    )

@@ -379,3 +379,21 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value, the lowest among ties, as int64 ``[rows]`` (greedy sampling).
     NaN counts as the largest value, as in torch's argmax."""
     return logits.argmax(dim=-1)
+
+
+def prepare_inputs(
+    ids: torch.Tensor,
+    feed: torch.Tensor,
+    last_sampled: torch.Tensor,
+    packed: torch.Tensor | None,
+    table_at: torch.Tensor | None,
+    static_tables: torch.Tensor | None,
+) -> None:
+    """A step's inputs made ready on its device, in place: ``ids[t] = last_sampled[feed[t]]`` where
+    ``feed[t] >= 0`` (a token sampled by the step before, which the host does not know yet). With
+    ``static_tables`` (a CUDA graph's static block table), ``table_at`` holds (offset, rows, width) and
+    ``static_tables[:rows, :width] = packed[offset : offset + rows * width]`` (rows of ``width``)."""
+    ids.copy_(torch.where(feed >= 0, last_sampled[feed.clamp(min=0).long()], ids))
+    if static_tables is not None:
+        offset, rows, width = table_at.tolist()
+        static_tables[:rows, :width].copy_(packed[offset : offset + rows * width].view(rows, width))

@@ -1,10 +1,11 @@
 """CUDA graphs for decode-only steps, and the runner of padded decode passes that owns them.
 
 A decode step of a small model launches hundreds of small kernels; launching them from Python costs more
-host time than the GPU needs to run them. Each graph records one decode pass (input feed, forward, logits)
-for a fixed padded batch size over static input buffers; a step copies its inputs into those buffers and
-replays the graph of the smallest size that holds its batch. Sizes: 1, 2, 4, 8, then every 8 up to the
-largest. Graphs are captured largest first into one memory pool, so the smaller ones reuse its memory.
+host time than the GPU needs to run them. Each graph records one decode pass (the input feed and table
+copy, forward, logits) for a fixed padded batch size over static input buffers; a step uploads its inputs
+into those buffers and replays the graph of the smallest size that holds its batch. Sizes: 1, 2, 4, 8, then
+every 8 up to the largest. Graphs are captured largest first into one memory pool, so the smaller ones
+reuse its memory.
 
 ``DecodeGraphRunner`` owns all of it: the ladder of sizes, the static buffers a decode pass reads besides the
 step inputs' packed view (the block-table rows) and the logits it writes, the padding, capture and replay.
@@ -26,9 +27,11 @@ from engine.config import EngineConfig
 from engine.kv_backend.base import KVBackend
 from engine.worker.forward_context import AttentionMetadata
 from engine.worker.step_inputs import StepInputs, StepTensors
+from kernels import ops as kernel_ops
 
-# the model over one step's tokens: (input ids, feed rows, positions, attention metadata) -> hidden states
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# the model over one step's tokens, their pending ids fed: (input ids, positions, attention metadata) ->
+# hidden states
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 ComputeLogits = Callable[..., torch.Tensor]  # (hidden, out=) -> logits
 
 logger = logging.getLogger(__name__)
@@ -101,12 +104,14 @@ class DecodeGraphRunner:
         forward: Forward,
         compute_logits: ComputeLogits,
         kv: KVBackend,
+        last_sampled: torch.Tensor,
     ) -> None:
         """``forward`` runs the model over a step's inputs; ``compute_logits(hidden, out=)`` its output layer;
-        ``kv``: the KV backend, whose tables the decode pass reads."""
+        ``kv``: the KV backend, whose tables the decode pass reads; ``last_sampled``: the ids the step before
+        sampled, which feed a step's pending ids."""
         self.config, self.device = config, config.torch_device
         self.vocab_size, self.forward, self.compute_logits = vocab_size, forward, compute_logits
-        self.kv = kv
+        self.kv, self.last_sampled = kv, last_sampled
         max_padded = min(config.max_graph_batch_size, config.max_num_seqs)
         self.sizes = graph_sizes(max_padded) if max_padded else []
         self.use_graphs = (
@@ -161,8 +166,6 @@ class DecodeGraphRunner:
     def run(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
         """The logits of a decode-only step of ``num_seqs`` rows, packed at ladder size ``size``."""
         self.padded_steps[size] += 1
-        rows, width = step.metadata.block_tables.shape
-        self.tables[:rows, :width].copy_(step.metadata.block_tables)
         logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
         return logits[:num_seqs]
 
@@ -170,6 +173,10 @@ class DecodeGraphRunner:
         """One decode pass over the static inputs of size ``size`` (what each graph records)."""
         view = self.inputs.decode_view(size)
         tables = self.tables[:size]
+        # pending ids fed, the step's table rows into the static table (where ``table_at`` says they lie)
+        kernel_ops.prepare_inputs(
+            view.ids, view.feed, self.last_sampled, self.inputs.device_buffer, view.table_at, tables
+        )
         metadata = AttentionMetadata(
             slot_mapping=view.slots,
             block_tables=tables,
@@ -179,7 +186,7 @@ class DecodeGraphRunner:
             slot_ids=self.kv.slot_ids(tables),
             max_context_len=self.config.max_model_len,
         )
-        hidden = self.forward(view.ids, view.feed, view.positions, metadata)
+        hidden = self.forward(view.ids, view.positions, metadata)
         return self.compute_logits(hidden, out=self.logits[:size])
 
     def _idle_inputs(self, size: int) -> None:

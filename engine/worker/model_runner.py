@@ -26,7 +26,7 @@ from engine.kv_backend import make_kv_backend
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.worker.step_inputs import StepInputs
+from engine.worker.step_inputs import StepInputs, StepTensors
 from engine.worker.step_sampler import LaunchedStep, StepSampler
 from engine.worker.worker_group import (
     AllocateHostCache,
@@ -80,7 +80,12 @@ class ModelRunner:
         self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         self.decode_graphs = DecodeGraphRunner(
-            config, model.args.vocab_size, self._forward, model.compute_logits, self.kv
+            config,
+            model.args.vocab_size,
+            self._forward,
+            model.compute_logits,
+            self.kv,
+            self.sampling.last_sampled,
         )
         if self.device.type == "cpu":
             model.store_weights_column_major()
@@ -313,7 +318,8 @@ class ModelRunner:
             if num_rows != len(batch.seqs) or batch.forks:
                 logits = logits[step.sample_rows]
         else:
-            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            self._feed(step)
+            hidden = self._forward(step.input_ids, step.positions, step.metadata)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
         launched = self.sampling.launch(logits, batch.sampling_seqs, prepared - start)
         self.inputs.step_launched()
@@ -327,7 +333,8 @@ class ModelRunner:
         if command.pad is not None:
             self.decode_graphs.run(step, command.pad, command.layout.num_seqs)
         else:
-            hidden = self._forward(step.input_ids, step.feed, step.positions, step.metadata)
+            self._feed(step)
+            hidden = self._forward(step.input_ids, step.positions, step.metadata)
             if command.num_sampled:
                 self.model.compute_logits(hidden[step.sample_rows])
         if command.num_sampled:
@@ -356,14 +363,16 @@ class ModelRunner:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
         torch.cuda.current_stream(self.device).synchronize()
 
+    def _feed(self, step: StepTensors) -> None:
+        """An eager step's pending ids (``feed >= 0``), from the last sampled ids (a graph step's graph does
+        this itself, with its table copy)."""
+        kernel_ops.prepare_inputs(
+            step.input_ids, step.feed, self.sampling.last_sampled, None, None, None
+        )
+
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        feed: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """The model over one step's tokens; pending ids (``feed >= 0``) come from the last sampled ids."""
-        input_ids = torch.where(feed >= 0, self.sampling.last_sampled[feed.clamp(min=0)], input_ids)
+        """The model over one step's tokens (their pending ids fed)."""
         with forward_context(metadata):
             return self.model(input_ids, positions)

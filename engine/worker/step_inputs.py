@@ -9,10 +9,12 @@ block tables and the rows to sample. Building them from Python lists costs milli
   step N's, the host fills step N+1's.
 
 Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
-sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the host does not know yet (sampled
-by the step in flight): the device takes it from row ``r`` of the previous step's sampled ids. For a
-decode-only step padded to a CUDA-graph size G (padding rows need no table row: the model runner copies
-the B real rows into the graphs' static block table), the first 5G entries are the graph's static inputs.
+table_at[3] | sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the host does not
+know yet (sampled by the step in flight): the device takes it from row ``r`` of the previous step's sampled
+ids (kernels/prepare_inputs.py). ``table_at`` is (the block tables' offset, B, W). For a decode-only step
+padded to a CUDA-graph size G, the first 5G + 4 entries are the graph's static inputs: the graph's first
+kernel feeds the ids and copies the B real table rows into the graphs' static block table (padding rows need
+none), reading where they lie from ``table_at``, so no copy runs between the upload and the graph.
 
 The KV backend (engine/kv_backend/base.py) owns the slot math: each token's slot, the packed tables' shape
 and contents, and which row a new sequence takes. With a contiguous backend (vAttention) a sequence's table
@@ -39,7 +41,9 @@ from engine.core.sequence import PENDING_TOKEN, Sequence
 class StepTensors:
     """Device views of one step's inputs (valid until the next step's copy overwrites the device buffer)."""
 
-    input_ids: torch.Tensor  # [T]; PENDING_TOKEN where ``feed`` supplies the id on the device
+    input_ids: (
+        torch.Tensor
+    )  # [T]; PENDING_TOKEN where ``feed`` supplies the id (``prepare_inputs``)
     feed: torch.Tensor  # [T]: row of the previous step's sampled ids, or -1
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
@@ -55,7 +59,8 @@ PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens"
 @dataclass(slots=True)
 class DecodeView:
     """The device buffer's head as a padded decode-only step of ``size`` rows lays it out (the packed order's
-    first five vectors, then the one-entry prefill offsets): a CUDA graph's static inputs."""
+    first five vectors, the one-entry prefill offsets, then where the table lies): a CUDA graph's static
+    inputs."""
 
     ids: torch.Tensor
     feed: torch.Tensor
@@ -63,12 +68,14 @@ class DecodeView:
     slots: torch.Tensor
     context_lens: torch.Tensor
     cu_seqlens: torch.Tensor
+    table_at: torch.Tensor  # (offset, rows, width) of the block tables in the packed buffer
 
     def fill_padding(self) -> None:
-        """Every row a padding row (a harmless batch for capture)."""
+        """Every row a padding row (a harmless batch for capture), and no table rows."""
         for name, value in PADDING_ROW.items():
             getattr(self, name).fill_(value)
         self.cu_seqlens.zero_()
+        self.table_at.zero_()
 
 
 @dataclass(slots=True)
@@ -120,7 +127,7 @@ class StepInputs:
         self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
         self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
         self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
-        capacity = 4 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks_per_seq
+        capacity = 4 * max_tokens + 3 * max_seqs + 4 + max_seqs * max_blocks_per_seq
         pinned = device.type == "cuda"
         self._staging = [
             torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
@@ -273,11 +280,12 @@ class StepInputs:
             total,
             total_seqs,
             len(v.prefill_cu),
+            3,
             len(v.sample_rows),
             table_rows * width,
         ]
         offsets = np.cumsum([0] + sizes).tolist()
-        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, rows_v, table_v = (
+        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, table_at_v, rows_v, table_v = (
             flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
         )
         ids_v[:num_tokens] = v.ids
@@ -288,6 +296,7 @@ class StepInputs:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
         cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
+        table_at_v[:] = (offsets[-2], table_rows, width)
         self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
             pad = PADDING_ROW
@@ -306,7 +315,9 @@ class StepInputs:
         """The static inputs of a decode-only step padded to ``size`` rows (``build`` packs such a step so)."""
         head = self.device_buffer
         return DecodeView(
-            *(head[i * size : (i + 1) * size] for i in range(5)), head[5 * size : 5 * size + 1]
+            *(head[i * size : (i + 1) * size] for i in range(5)),
+            head[5 * size : 5 * size + 1],
+            head[5 * size + 1 : 5 * size + 4],
         )
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
@@ -330,7 +341,7 @@ class StepInputs:
         buffer = self.device_buffer
         buffer[:used].copy_(host[:used], non_blocking=True)
         parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-        ids, feed, positions, slots, ctx, cu, rows, table = parts
+        ids, feed, positions, slots, ctx, cu, _, rows, table = parts
         tables = table.view(-1, layout.width)
         metadata = AttentionMetadata(
             slot_mapping=slots,

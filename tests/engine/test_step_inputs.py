@@ -41,8 +41,15 @@ def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
     assert view.context_lens.tolist() == [5, 2, 1, 1]
     assert view.feed.tolist() == [-1] * 4 and view.cu_seqlens.tolist() == [0]
     assert torch.equal(step.metadata.slot_mapping, view.slots)
+    # where the graph's first kernel finds the table rows it copies into the static table
+    offset, rows, width = view.table_at.tolist()
+    assert (rows, width) == tuple(step.metadata.block_tables.shape) == (2, 2)
+    table = inputs.device_buffer[offset : offset + rows * width].view(rows, width)
+    assert table.tolist() == [[3, 1], [2, 0]]  # (a short row padded with block 0)
+    assert torch.equal(table, step.metadata.block_tables)
     view.fill_padding()
     assert view.slots.tolist() == [-1] * 4 and view.context_lens.tolist() == [1] * 4
+    assert view.table_at.tolist() == [0, 0, 0]  # a capture copies no table rows
 
 
 def test_another_rank_unpacks_the_same_step():

@@ -41,9 +41,7 @@ from engine.core.sequence import PENDING_TOKEN, Sequence
 class StepTensors:
     """Device views of one step's inputs (valid until the next step's copy overwrites the device buffer)."""
 
-    input_ids: (
-        torch.Tensor
-    )  # [T]; PENDING_TOKEN where ``feed`` supplies the id (``prepare_inputs``)
+    input_ids: torch.Tensor  # [T]; PENDING_TOKEN where ``feed`` gives the id (``prepare_inputs``)
     feed: torch.Tensor  # [T]: row of the previous step's sampled ids, or -1
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata

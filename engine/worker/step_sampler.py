@@ -111,9 +111,8 @@ class StepSampler:
             host.copy_(sampled.token_ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        sampled.token_ids.record_stream(
-            stream
-        )  # (its memory is not reused before the copy has read it)
+        # (the ids' memory is not reused before the copy has read them)
+        sampled.token_ids.record_stream(stream)
         return LaunchedStep(
             seqs,
             sampled,

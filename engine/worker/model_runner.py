@@ -318,8 +318,7 @@ class ModelRunner:
             if num_rows != len(batch.seqs) or batch.forks:
                 logits = logits[step.sample_rows]
         else:
-            self._feed(step)
-            hidden = self._forward(step.input_ids, step.positions, step.metadata)
+            hidden = self._eager_forward(step)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
         launched = self.sampling.launch(logits, batch.sampling_seqs, prepared - start)
         self.inputs.step_launched()
@@ -333,8 +332,7 @@ class ModelRunner:
         if command.pad is not None:
             self.decode_graphs.run(step, command.pad, command.layout.num_seqs)
         else:
-            self._feed(step)
-            hidden = self._forward(step.input_ids, step.positions, step.metadata)
+            hidden = self._eager_forward(step)
             if command.num_sampled:
                 self.model.compute_logits(hidden[step.sample_rows])
         if command.num_sampled:
@@ -363,12 +361,13 @@ class ModelRunner:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""
         torch.cuda.current_stream(self.device).synchronize()
 
-    def _feed(self, step: StepTensors) -> None:
-        """An eager step's pending ids (``feed >= 0``), from the last sampled ids (a graph step's graph does
-        this itself, with its table copy)."""
+    def _eager_forward(self, step: StepTensors) -> torch.Tensor:
+        """The model over a step run outside the graphs: its pending ids (``feed >= 0``) first taken from the
+        last sampled ids (a graph step's graph does this itself, with its table copy)."""
         kernel_ops.prepare_inputs(
             step.input_ids, step.feed, self.sampling.last_sampled, None, None, None
         )
+        return self._forward(step.input_ids, step.positions, step.metadata)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

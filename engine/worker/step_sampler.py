@@ -70,6 +70,9 @@ class StepSampler:
         # the ids' copy to the host runs on a stream of its own: on the compute stream, the copy engine's turn
         # between two kernels left the device idle ~5 us a step before the next step's first kernel
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # marks the sampler's work on the compute stream for the copy stream to wait on; re-recorded each step (a
+        # wait takes the record made before it)
+        self._sampled = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def launch(
         self, logits: torch.Tensor | None, seqs: list[Sequence], prepare_seconds: float
@@ -103,10 +106,9 @@ class StepSampler:
         # two buffers: the host may still read the previous one
         host = self._host_ids[self._turn % 2][:rows]
         self._turn += 1
-        sampled_event = torch.cuda.Event()
-        sampled_event.record()
+        self._sampled.record()
         stream = self._copy_stream
-        stream.wait_event(sampled_event)
+        stream.wait_event(self._sampled)
         with torch.cuda.stream(stream):
             host.copy_(sampled.token_ids, non_blocking=True)
             event = torch.cuda.Event()

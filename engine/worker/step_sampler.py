@@ -1,7 +1,7 @@
 """Sampling a launched step: the sampler over the rows whose chunk reached its end, the sampled ids kept on the
-device for the next step's pending inputs (``last_sampled``, read there by the inputs' upload), and their
-copy to the host started on a stream of its own, not waited for: ``LaunchedStep.wait`` blocks when the engine
-reads them.
+device for the next step's pending inputs (``last_sampled``, read there by the step's first kernel,
+kernels/prepare_inputs.py), and their copy to the host started on a stream of its own, not waited for:
+``LaunchedStep.wait`` blocks when the engine reads them.
 
 A row whose own parameters or grammar make sampling fail ends its request with an error; the batch is sampled
 again with a greedy stand-in in its place, so one request's failure never fails the step.

@@ -4,9 +4,11 @@ checked at the end.
 Tenants are API keys. Each runs a session client (multi-turn sessions, half of them on the tenant's preset) and a
 stateless client (streamed chats in turn plain, n = 2, beam search, json_object, cut by the client after two
 events, or read slowly); each client pauses 0.5-1.5x ``--think-s`` after an answer, as a user reading it (0: back
-to back, which on 2 vCPUs measures the CPU's batching limit more than the scheduler: docs/BENCHMARKS.md). Faults, at fixed shares of ``--duration``: Redis killed (SIGKILL) and restarted 3 s later;
-Redis frozen (SIGSTOP) for 3 s; a storm of 100 clients that connect and drop; the engine core killed, the server
-exiting 3 and started again by this script (its supervisor).
+to back, which on 2 vCPUs measures the CPU's batching limit more than the scheduler: docs/BENCHMARKS.md).
+
+Faults, at fixed shares of ``--duration``: Redis killed (SIGKILL) and restarted 3 s later; Redis frozen (SIGSTOP)
+for 3 s; a storm of 100 clients that connect and drop; the engine core killed, the server exiting 3 and started
+again by this script (its supervisor).
 
 Checked at the end (exit status 1 if any fails):
 - every session turn a client saw complete (its finish_reason, ``[DONE]``, no error event) is in the store, with

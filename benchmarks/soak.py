@@ -61,6 +61,11 @@ FAULT_GRACE_S = 30.0
 FAULT_SETTLE_S = 10.0
 
 
+def overlaps(start: float, end: float, spans: list[tuple[float, float]]) -> bool:
+    """Whether the time from ``start`` to ``end`` meets any of ``spans`` (each a begin and an end)."""
+    return any(begin <= end and start <= until for begin, until in spans)
+
+
 @dataclass(slots=True)
 class Tally:
     statuses: dict[str, int] = field(default_factory=dict)
@@ -79,8 +84,7 @@ class Tally:
 
     def in_fault(self, start: float) -> bool:
         """Whether a request that started at ``start`` and ends now overlapped a fault window."""
-        now = time.monotonic()
-        return any(begin <= now and start <= end for begin, end in self.windows)
+        return overlaps(start, time.monotonic(), self.windows)
 
     def loaded_tpot(self, key: str, during_faults: bool) -> tuple[float | None, int]:
         """A tenant's TPOT p50 under the soak and its number of streams: those that ran clear of every fault's
@@ -88,7 +92,7 @@ class Tally:
         values = [
             tpot
             for start, end, tpot in self.tpots.get(key, [])
-            if during_faults == any(start <= until and begin <= end for begin, until in self.spans)
+            if during_faults == overlaps(start, end, self.spans)
         ]
         return (statistics.median(values) if values else None), len(values)
 

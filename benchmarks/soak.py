@@ -61,9 +61,10 @@ FAULT_GRACE_S = 30.0
 FAULT_SETTLE_S = 10.0
 
 
-def overlaps(start: float, end: float, spans: list[tuple[float, float]]) -> bool:
-    """Whether the time from ``start`` to ``end`` meets any of ``spans`` (each a begin and an end)."""
-    return any(begin <= end and start <= until for begin, until in spans)
+def overlaps(start: float, end: float, spans: list[tuple[float, float]], after: float) -> bool:
+    """Whether the time from ``start`` to ``end`` meets any of ``spans`` (each a begin and an end), each span
+    lasting ``after`` seconds more."""
+    return any(begin <= end and start <= until + after for begin, until in spans)
 
 
 @dataclass(slots=True)
@@ -74,25 +75,23 @@ class Tally:
     tpots: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     # key, session, text, tokens
     turns: list[tuple[str, str, str, int]] = field(default_factory=list)
-    # fault start, end + grace (monotonic)
-    windows: list[tuple[float, float]] = field(default_factory=list)
-    # each fault's own span, start to end + FAULT_SETTLE_S (monotonic)
-    spans: list[tuple[float, float]] = field(default_factory=list)
+    # each fault's start and end (monotonic; the end infinite while it lasts)
+    faults: list[tuple[float, float]] = field(default_factory=list)
 
     def count(self, what: str) -> None:
         self.statuses[what] = self.statuses.get(what, 0) + 1
 
     def in_fault(self, start: float) -> bool:
         """Whether a request that started at ``start`` and ends now overlapped a fault window."""
-        return overlaps(start, time.monotonic(), self.windows)
+        return overlaps(start, time.monotonic(), self.faults, FAULT_GRACE_S)
 
     def loaded_tpot(self, key: str, during_faults: bool) -> tuple[float | None, int]:
-        """A tenant's TPOT p50 under the soak and its number of streams: those that ran clear of every fault's
-        span, or (``during_faults``) the others."""
+        """A tenant's TPOT p50 under the soak and its number of streams: those that ran clear of every fault and
+        the ``FAULT_SETTLE_S`` after it, or (``during_faults``) the others."""
         values = [
             tpot
             for start, end, tpot in self.tpots.get(key, [])
-            if during_faults == overlaps(start, end, self.spans)
+            if during_faults == overlaps(start, end, self.faults, FAULT_SETTLE_S)
         ]
         return (statistics.median(values) if values else None), len(values)
 
@@ -435,8 +434,7 @@ async def inject(fault: str, redis: Redis, server: Supervisor, tally: Tally, url
         os.kill(pid, signal.SIGKILL)
         await asyncio.sleep(1.0)
         await wait_healthy(url)
-    tally.windows[-1] = (tally.windows[-1][0], time.monotonic() + FAULT_GRACE_S)
-    tally.spans.append((start, time.monotonic() + FAULT_SETTLE_S))
+    tally.faults[-1] = (tally.faults[-1][0], time.monotonic())
     print(f"  fault {fault}: {time.monotonic() - start:.1f} s", flush=True)
 
 
@@ -453,7 +451,7 @@ async def faults(
         await asyncio.sleep(max(begin + share * duration - time.monotonic(), 0))
         if fault == "core_killed":
             memory["before_core_killed"] = server.rss_bytes()
-        tally.windows.append((time.monotonic(), float("inf")))
+        tally.faults.append((time.monotonic(), float("inf")))
         await inject(fault, redis, server, tally, url)
 
 

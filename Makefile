@@ -34,7 +34,7 @@ test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench-cpu: install-dev
-	$(BIN)/python -m benchmarks.cpu $(ARGS)
+	$(BIN)/python -m benchmarks.cpu.throughput $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

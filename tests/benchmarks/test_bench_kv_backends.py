@@ -1,4 +1,4 @@
-"""benchmarks.kv_backends on the CPU (the paged backend on a tiny dummy architecture), its allocation
+"""benchmarks.offline.kv_backends on the CPU (the paged backend on a tiny dummy architecture), its allocation
 arithmetic, its refusal of vattention without CUDA, and the chart it feeds."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.decode_kernel import HEAD_DIM, HEADS, KV_HEADS
-from benchmarks.kv_backends import allocation, contiguous_inputs, main
+from benchmarks.kernel.decode_attention import HEAD_DIM, HEADS, KV_HEADS
+from benchmarks.offline.kv_backends import allocation, contiguous_inputs, main
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from kernels import reference
 
@@ -127,7 +127,7 @@ def test_chart_renders_both_backends_and_the_kernel_panel(tmp_path):
     pytest.importorskip(
         "matplotlib", reason="matplotlib is not installed (the chart is drawn where it is)"
     )
-    from benchmarks.kv_backends_chart import main as chart_main
+    from benchmarks.offline.kv_backends_chart import main as chart_main
 
     rows = [
         {"model": m, "backend": b, "error": None, "tok_s": t, "useful": u}

@@ -1,4 +1,4 @@
-"""benchmarks.offline's pure helpers: the nano workload as WORKLOADS.md defines it (benchmarks.workloads), and
+"""benchmarks.offline.nano's pure helpers: the nano workload as WORKLOADS.md defines it (benchmarks.harness.workloads), and
 the report."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from benchmarks.common import Run
-from benchmarks.offline import added_us, busy_us, kernel_times, parse_args, throughput_table
-from benchmarks.workloads import capped, nano_workload
+from benchmarks.harness.engine import Run
+from benchmarks.offline.nano import added_us, busy_us, kernel_times, parse_args, throughput_table
+from benchmarks.harness.workloads import capped, nano_workload
 
 
 def test_nano_workload_follows_the_spec_draw_order():

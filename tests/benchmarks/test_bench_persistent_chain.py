@@ -1,4 +1,4 @@
-"""benchmarks/persistent_chain.py: the persistent chain kernel computes what the chain of matmuls computes.
+"""benchmarks/kernel/persistent_chain.py: the persistent chain kernel computes what the chain of matmuls computes.
 
 On a machine without CUDA the kernel runs in Triton's CPU interpreter, which runs programs one after another: a
 grid-wide barrier over several programs would wait forever there, so the CPU runs the kernel with one program
@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from benchmarks.persistent_chain import (  # noqa: E402
+from benchmarks.kernel.persistent_chain import (  # noqa: E402
     Chain,
     PersistentChain,
     reference_chain,

@@ -1,9 +1,9 @@
-"""benchmarks/persistent_decode.py --trace: the profile gives each segment its share of the launch."""
+"""benchmarks/kernel/persistent_decode.py --trace: the profile gives each segment its share of the launch."""
 
 import pytest
 import torch
 
-from benchmarks.persistent_decode import SEGMENTS, make_batch, phase_profile
+from benchmarks.kernel.persistent_decode import SEGMENTS, make_batch, phase_profile
 from kernels.persistent_decode import STAMPS_PER_LAYER
 
 

@@ -1,9 +1,9 @@
-"""benchmarks/persistent_l2.py: reading Nsight Compute's CSV and metric listing, and the sweep's variants."""
+"""benchmarks/kernel/persistent_l2.py: reading Nsight Compute's CSV and metric listing, and the sweep's variants."""
 
 import pytest
 
-from benchmarks import persistent_l2
-from benchmarks.persistent_l2 import METRICS, available, parse_metrics, variants
+from benchmarks.kernel import persistent_l2
+from benchmarks.kernel.persistent_l2 import METRICS, available, parse_metrics, variants
 
 # the shape of ``ncu --csv --print-units base`` (a launch line before the table, thousands separators)
 NCU_CSV = """==PROF== Connected to process 4242

@@ -1,4 +1,4 @@
-"""benchmarks.serve's pure parts: the flags of --compare-offline, the engine options read from --server-args,
+"""benchmarks.online.serve's pure parts: the flags of --compare-offline, the engine options read from --server-args,
 the lean SSE client's parsing, and the serve-vs-engine numbers on timings made up by hand. No network, no model."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
-from benchmarks.engine_step import engine_config_from_server_args, engine_max_tokens
-from benchmarks.http_client import StreamResult, apply_chunk
-from benchmarks.serve import parse_args, summarize
-from benchmarks.serve_compare import (
+from benchmarks.offline.engine_step import engine_config_from_server_args, engine_max_tokens
+from benchmarks.online.http_client import StreamResult, apply_chunk
+from benchmarks.online.serve import parse_args, summarize
+from benchmarks.online.serve_compare import (
     client_warnings,
     comparison,
     comparison_table,
     steady_window,
     tokens_between,
 )
-from benchmarks.sse_client import (
+from benchmarks.online.sse_client import (
     ClientLoad,
     body_pieces,
     concurrency_share,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.waste import ReservingScheduler, next_pow2, reservation_slots
-from benchmarks.workloads import nano_workload
+from benchmarks.offline.waste import ReservingScheduler, next_pow2, reservation_slots
+from benchmarks.harness.workloads import nano_workload
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from benchmarks.kv_fp8_quality import chat_prompts, compare, engine_run
+from benchmarks.cpu.kv_fp8_quality import chat_prompts, compare, engine_run
 from engine.config import EngineConfig
 from engine.kv_backend import VAttentionKV
 from engine.llm import LLM

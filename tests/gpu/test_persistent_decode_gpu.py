@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from benchmarks.persistent_decode import (  # noqa: E402
+from benchmarks.kernel.persistent_decode import (  # noqa: E402
     EPS,
     HEAD_DIM,
     HIDDEN,

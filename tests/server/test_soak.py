@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_minutes_of_soak_and_chaos_keep_every_promise():
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--duration", "120"],
+        [sys.executable, "-m", "benchmarks.online.soak", "--duration", "120"],
         cwd=ROOT,
         capture_output=True,
         text=True,

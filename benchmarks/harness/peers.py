@@ -1,0 +1,180 @@
+"""The nano workload's peer: transformers continuous batching on the engine's dummy weights.
+
+``continuous_batching_context_manager(...)`` (or init + start + stop on older 5.x), ``add_request(ids,
+request_id=..., max_new_tokens=n)`` per request, ``get_result()`` until all finish. Its failure is a result to
+report (``Run.error``), never fatal to the benchmark that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.harness.engine import Run, synchronize
+from benchmarks.harness.workloads import Request, capped, nano_workload
+from engine.worker.dummy_model import dummy_hf_config, dummy_weights
+
+# the peer runs inside, and logs as, the offline benchmark
+logger = logging.getLogger("benchmarks.offline.nano")
+
+
+def build_peer(
+    name: str, device: torch.device, dtype: torch.dtype, seed: int, attn: str | None
+) -> Any:
+    """transformers' model of ``name`` holding the engine's dummy weights (the same seeded tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    config = dummy_hf_config(name)
+    extra = {"attn_implementation": attn} if attn else {}
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    state = model.state_dict()
+    with torch.no_grad():
+        # one at a time: low peak
+        for weight_name, tensor in dummy_weights(config, seed=seed, device=device):
+            state[weight_name].copy_(tensor)
+    return model.eval()
+
+
+def _accepted(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes (transformers 5.x releases differ in these)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params and v is not None}
+
+
+def _cb_config(attn: str | None) -> Any:
+    if not attn:
+        return None
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    return ContinuousBatchingConfig(auto_switch_to_flash=False)  # keep the attention asked for
+
+
+@contextlib.contextmanager
+def peer_manager(
+    model: Any, gen_config: Any, requests: list[Request], attn: str | None
+) -> Iterator[Any]:
+    """A started ContinuousBatchingManager (context manager API, or init + start + stop on older 5.x)."""
+    hints = None
+    with contextlib.suppress(ImportError):
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        hints = WorkloadHints(
+            max_prompt_length=max(len(r.prompt) for r in requests),
+            max_generated_length=max(r.output_len for r in requests),
+            num_requests=len(requests),
+        )
+    if hasattr(model, "continuous_batching_context_manager"):
+        cm = model.continuous_batching_context_manager
+        with cm(
+            **_accepted(
+                cm,
+                generation_config=gen_config,
+                block=True,
+                timeout=30,
+                workload_hints=hints,
+                continuous_batching_config=_cb_config(attn),
+            )
+        ) as manager:
+            yield manager
+        return
+    init = model.init_continuous_batching
+    manager = init(
+        **_accepted(
+            init,
+            generation_config=gen_config,
+            workload_hints=hints,
+            continuous_batching_config=_cb_config(attn),
+        )
+    )
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
+def peer_generate(
+    manager: Any, requests: list[Request], prefix: str, deadline: float, progress: bool = False
+) -> dict[str, int]:
+    """Submit all, collect every finished result; request id -> generated tokens."""
+    eos = (
+        {"eos_token_id": -1}
+        if "eos_token_id" in inspect.signature(manager.add_request).parameters
+        else {}
+    )
+    for i, request in enumerate(requests):
+        manager.add_request(
+            request.prompt, request_id=f"{prefix}-{i}", max_new_tokens=request.output_len, **eos
+        )
+    produced: dict[str, int] = {}
+    with tqdm(
+        total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress
+    ) as bar:
+        while len(produced) < len(requests):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"{prefix}: {len(produced)} of {len(requests)} requests finished in time"
+                )
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"{prefix}: the generation thread stopped")
+                continue
+            if getattr(result, "error", None):
+                raise RuntimeError(f"{prefix}: request {result.request_id} failed: {result.error}")
+            if result.is_finished():
+                produced[result.request_id] = len(result.generated_tokens)
+                bar.update(len(result.generated_tokens))
+    return produced
+
+
+def run_peer(
+    args: argparse.Namespace, requests: list[Request], device: torch.device, dtype: torch.dtype
+) -> Run:
+    from transformers import GenerationConfig
+
+    run = Run("transformers CB", len(requests), sum(r.output_len for r in requests))
+    try:
+        start = time.perf_counter()
+        model = build_peer(args.model_config, device, dtype, args.seed, args.peer_attn)
+        gen_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(r.output_len for r in requests),
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        model.generation_config = gen_config
+        deadline = time.perf_counter() + args.peer_timeout
+        with peer_manager(model, gen_config, requests, args.peer_attn) as manager:
+            run.start_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            peer_generate(
+                manager,
+                nano_workload(2, 1_000_003, capped(64), capped(16)),
+                "peer-warm-up",
+                deadline,
+            )
+            synchronize(device)
+            run.warmup_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            produced = peer_generate(manager, requests, "peer", deadline, progress=True)
+            synchronize(device)
+            run.seconds = time.perf_counter() - start
+        run.output_tokens = sum(produced.values())
+        if run.output_tokens != run.requested_tokens:
+            run.error = f"produced {run.output_tokens} tokens, {run.requested_tokens} requested"
+    except Exception as exc:  # the peer's failure is a result to report, not a reason to lose ours
+        logger.exception("transformers continuous batching failed")
+        run.error = f"{type(exc).__name__}: {exc}"[:500]
+    return run

@@ -1,1 +1,17 @@
-"""TODO index."""
+"""The embedded default model (SmolLM2-135M-Instruct, its 4-bit GGUF) on the CPU, against what a CPU user would
+pick instead, and the CPU kernels and weight formats behind it.
+
+- ``throughput``: 1 and 8 streams of 128 tokens and a 500-token prompt's TTFT, against transformers and llama.cpp
+  built for the same instruction-set level (workload ``cpu``; ``--isa avx2|avx512|avx512_vnni``).
+  ``python -m benchmarks.cpu.throughput --peer transformers llama-cpp`` (``make bench-cpu``)
+- ``step``: where a CPU decode step spends its time, per path (modules, lean Python, native step).
+  ``python -m benchmarks.cpu.step``
+- ``agreement``: how close each ``--cpu-weights`` mode stays to the float32 engine, beside llama.cpp on the GGUF.
+  ``python -m benchmarks.cpu.agreement``
+- ``kv_fp8_quality``: how far an FP8 KV cache moves the default model's greedy output, with the weights' own drift
+  for scale. ``python -m benchmarks.cpu.kv_fp8_quality``
+- ``quant_linear``: each weight-only quantized matmul on the default model's shapes, torch's and ours.
+  ``python -m benchmarks.cpu.quant_linear``
+- ``linear_layout``: why CPU linear weights are kept column-major: one matmul, three memory layouts.
+  ``python -m benchmarks.cpu.linear_layout``
+"""

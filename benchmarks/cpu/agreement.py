@@ -9,10 +9,11 @@ to float32's before the first difference.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from benchmarks.harness import record
+from benchmarks.harness.peers import LlamaCppPeer
 from engine.llm import LLM
 from engine.worker.model_sources import _default_gguf_file
 from engine.sampling_params import SamplingParams
@@ -28,19 +29,7 @@ def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str,
 
 
 def llama_cpp_tokens(prompts: list[list[int]], threads: int) -> list[list[int]]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(_default_gguf_file()), n_threads=threads, n_ctx=1024, verbose=False)
-    outputs = []
-    for prompt in prompts:
-        llm.reset()
-        tokens: list[int] = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            tokens.append(int(token))
-            if len(tokens) == NEW_TOKENS:
-                break
-        outputs.append(tokens)
-    return outputs
+    return LlamaCppPeer(str(_default_gguf_file()), threads).generate(prompts, NEW_TOKENS)[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = record.load_average()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results: dict[str, dict[str, float]] = {}
     reference_llm = LLM(cpu_weights="float32", num_threads=args.threads)
@@ -75,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {name} | {r['first_token_equal']}/{r['prompts']} | {r['identical_prefix_share']:.2f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    env = record.environment(__spec__.name, "cpu", load_before=load_before, threads=args.threads)
+    print(record.environment_line(env))
+    record.write_json(args.json, {"environment": env, "engines": results})
 
 
 if __name__ == "__main__":

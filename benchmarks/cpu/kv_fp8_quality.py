@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.harness import record
 
 from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = record.load_average()
     results = measure(args.prompts, args.tokens, args.threads, args.weights_drift)
     print(
         f"\n{args.prompts} prompts x {args.tokens} greedy tokens; reference: float32 weights, float32 KV"
@@ -155,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['positions_equal']:.2f} | {r['mean_abs_logprob_diff']:.4f} | {r['max_abs_logprob_diff']:.3f} | "
             f"{r['tokens_per_s']:.0f} ({r['reference_tokens_per_s']:.0f}) |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    env = record.environment(__spec__.name, "cpu", load_before=load_before, threads=args.threads)
+    print(record.environment_line(env))
+    record.write_json(args.json, {"environment": env, "runs": results})
 
 
 if __name__ == "__main__":

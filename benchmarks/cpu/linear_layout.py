@@ -9,12 +9,13 @@ input of M rows (M = sequences decoding together). Effective bandwidth = weight 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.harness import record
 
 NUM_WEIGHTS, OUT_FEATURES, IN_FEATURES = 40, 3072, 576
 
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = record.load_average()
     row_major = [torch.randn(OUT_FEATURES, IN_FEATURES) for _ in range(NUM_WEIGHTS)]
     # same [out, in] values, [in, out] memory
     column_major = [w.t().contiguous().t() for w in row_major]
@@ -51,9 +53,8 @@ def main() -> None:
     for name, fn in layouts.items():
         rates = [weight_bytes / timed(fn, m) / 1e9 for m in args.rows]
         print(f"| {name} | {' | '.join(f'{r:.1f}' for r in rates)} |")
-    print(
-        f"\n{args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
-    )
+    env = record.environment(__spec__.name, "cpu", load_before=load_before, threads=args.threads)
+    print(f"\n{args.threads} threads; {record.environment_line(env)}")
 
 
 if __name__ == "__main__":

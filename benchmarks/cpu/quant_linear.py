@@ -12,7 +12,6 @@ weight bytes / time; 30 copies of each weight (a decode step's layers, beyond L2
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import record
 from engine.config import EngineConfig
 from engine.layers.quantized_linear import (
     PACKED_OUTPUTS,
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
+    load = record.load_average()
     print("| weight [out, in] | rows | weights | activation | µs per matmul | GB/s |")
     print("|---|---:|---|---|---:|---:|")
     for out_features, in_features in SHAPES:
@@ -147,10 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {out_features}x{in_features} | {rows} | {weights} | {activation} | {seconds * 1e6:.0f} "
                     f"| {gbs:.1f} |"
                 )
-    print(
-        f"\n{args.threads} threads, torch {torch.__version__}, load average {load:.2f} before / "
-        f"{os.getloadavg()[0]:.2f} after"
-    )
+    env = record.environment(__spec__.name, "cpu", load_before=load, threads=args.threads)
+    print(f"\n{args.threads} threads; {record.environment_line(env)}")
 
 
 if __name__ == "__main__":

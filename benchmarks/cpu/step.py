@@ -13,7 +13,6 @@ the rest (attention, norms, rotary, glue, sampling, Python).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.harness import record
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = record.load_average()
     results = []
     for path, (weights, native) in PATHS.items():
         llm = LLM(num_threads=args.threads, dtype="float32", cpu_weights=weights)
@@ -134,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r.path} | {r.streams} | {r.wall_ms:.2f} | {r.matmul_ms:.2f} | {r.other_ms:.2f} | "
             f"{r.other_share:.0%} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**asdict(r), "other_share": r.other_share} for r in results], f, indent=2)
+    env = record.environment(__spec__.name, "cpu", load_before=load_before, threads=args.threads)
+    print(record.environment_line(env))
+    steps = [{**asdict(r), "other_share": r.other_share} for r in results]
+    record.write_json(args.json, {"environment": env, "steps": steps})
 
 
 if __name__ == "__main__":

@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import itertools
-import json
 import logging
 import os
-import platform
 import pstats
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from benchmarks.harness import record
+from benchmarks.harness.peers import LlamaCppPeer, Peer, TransformersPeer
 from engine.layers.quantized_linear import CPU_WEIGHTS
 from engine.llm import LLM
 from kernels.cpu_native import CPU_ISA_CHOICES
@@ -145,104 +144,6 @@ def best_latency(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: i
     return min(runs, key=lambda lat: lat.ttft_s + (new_tokens - 1) * lat.tpot_s)
 
 
-# peers ---------------------------------------------------------------------------------------------------
-
-
-class Peer(Protocol):
-    name: str
-
-    def generate(
-        self, prompts: list[list[int]], new_tokens: int
-    ) -> tuple[float, list[list[int]]]: ...
-
-    def first_token_seconds(self, prompt: list[int]) -> float: ...
-
-
-class TransformersPeer:
-    name = "transformers"
-
-    def __init__(self, model_path: str, pad_id: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.pad_id = pad_id
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        ids, mask = left_pad(prompts, self.pad_id)
-        start = time.perf_counter()
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=self.pad_id,
-        )
-        seconds = time.perf_counter() - start
-        return seconds, out[:, ids.shape[1] :].tolist()
-
-    def first_token_seconds(self, prompt: list[int]) -> float:
-        return self.generate([prompt], 1)[0]
-
-
-class LlamaCppPeer:
-    """llama-cpp-python on the GGUF file itself (greedy; its own sampler chain at temperature 0)."""
-
-    name = "llama.cpp"
-
-    def __init__(self, gguf_file: str, threads: int) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError as exc:
-            raise SystemExit(
-                "--peer llama-cpp needs llama-cpp-python (a benchmark-only dependency): see "
-                "docs/BENCHMARKS.md for the build flags that work here, e.g. CMAKE_ARGS=... "
-                "pip install llama-cpp-python==0.3.36"
-            ) from exc
-        import llama_cpp
-
-        self.version = llama_cpp.__version__
-        # (the instruction sets it uses)
-        self.system_info = llama_cpp.llama_print_system_info().decode().strip()
-        self.llm = Llama(
-            model_path=gguf_file,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_ctx=2048,
-            n_batch=512,
-            verbose=False,
-        )
-
-    def _one(self, prompt: list[int], new_tokens: int) -> list[int]:
-        # (the next eval drops every cached position: no prefix reuse between runs)
-        self.llm.reset()
-        tokens = []
-        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            tokens.append(int(token))
-            if len(tokens) == new_tokens:
-                break
-        return tokens
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        outputs = [self._one(prompt, new_tokens) for prompt in prompts]
-        return time.perf_counter() - start, outputs
-
-    def first_token_seconds(self, prompt: list[int]) -> float:
-        start = time.perf_counter()
-        self._one(prompt, 1)
-        return time.perf_counter() - start
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding keeps every prompt's last token in the last column, where generation continues."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
 def long_prompt(llm: LLM, tokens: int) -> list[int]:
     """A chat prompt of about ``tokens`` tokens: a user message of repeated prose, asking for a summary."""
     text = (
@@ -325,25 +226,16 @@ def table(
 def environment(threads: int, load_before: float, llm: LLM, peers: list[Peer]) -> dict[str, Any]:
     """Where and how the numbers were taken; the 1-minute load averages show whether other work shared the
     cores (2 threads on a 2-core machine slow down sharply when anything else runs)."""
-    import transformers
-
-    return {
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg()[0],
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": threads,
-        "cpu_weights": llm.engine.config.cpu_weights,
-        "cpu_isa": native_level(llm),
-        "llama_cpp": next((p.version for p in peers if isinstance(p, LlamaCppPeer)), None),
-        "llama_cpp_system_info": next(
-            (p.system_info for p in peers if isinstance(p, LlamaCppPeer)), None
-        ),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "command": " ".join(["python -m benchmarks.cpu.throughput", *sys.argv[1:]]),
-    }
+    llama_cpp = next((p for p in peers if isinstance(p, LlamaCppPeer)), None)
+    return record.environment(
+        __spec__.name,
+        "cpu",
+        load_before=load_before,
+        threads=threads,
+        cpu_weights=llm.engine.config.cpu_weights,
+        cpu_isa=native_level(llm),
+        llama_cpp_system_info=llama_cpp.system_info if llama_cpp else None,
+    )
 
 
 def native_level(llm: LLM) -> str:
@@ -408,12 +300,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_peer(name: str, llm: LLM, threads: int) -> Any:
+def make_peer(name: str, llm: LLM, args: argparse.Namespace) -> Any:
     if name == "transformers":
         return TransformersPeer(llm.engine.config.model_path, llm.engine.config.eos_token_ids[0])
     from engine.worker.model_sources import _default_gguf_file
 
-    return LlamaCppPeer(str(_default_gguf_file()), threads)
+    return LlamaCppPeer(str(_default_gguf_file()), args.threads, args.llama_cpp_dir)
 
 
 def warm_up(llm: LLM, peers: list[Peer], prompts: list[list[int]]) -> None:
@@ -478,12 +370,7 @@ def report(
     )
     print(table(results, ttft, long_tokens, latency))
     print(f"\ngreedy check (single prompt): {check}")
-    print(
-        f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, llama-cpp-python "
-        f"{env['llama_cpp']}, {env['threads']} threads, {env['processor']} ({env['cpu_count']} CPUs), load "
-        f"average {env['load_average_before']:.2f} before / {env['load_average_after']:.2f} after; "
-        f"command: {env['command']}"
-    )
+    print(f"{env['threads']} threads; {record.environment_line(env)}")
     if env["llama_cpp_system_info"]:
         print(f"llama.cpp system info: {env['llama_cpp_system_info']}")
     if args.json:
@@ -505,21 +392,18 @@ def report(
             "ttft_long_prompt": {"tokens": long_tokens, "best_seconds": ttft},
             "latency": [asdict(lat) for lat in latency],
         }
-        with open(args.json, "w") as f:
-            json.dump(dump, f, indent=2)
+        record.write_json(args.json, dump)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]
-    if args.llama_cpp_dir:
-        sys.path.insert(0, args.llama_cpp_dir)
+    load_before = record.load_average()
     llm = LLM(
         num_threads=args.threads, dtype="float32", cpu_weights=args.cpu_weights, cpu_isa=args.isa
     )
-    peers = [make_peer(name, llm, args.threads) for name in args.peer]
+    peers = [make_peer(name, llm, args) for name in args.peer]
     prompts = chat_prompts(llm, args.streams)
     long = long_prompt(llm, args.long_prompt)
     logger.info("prompt lengths: %s; TTFT prompt: %d tokens", [len(p) for p in prompts], len(long))

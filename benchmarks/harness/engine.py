@@ -1,16 +1,14 @@
-"""What the in-process benchmarks (offline, prefix, waste) share: the engine options and the dummy-weights engine,
-greedy sampling, freeing an engine, the throughput result of one run, and where and when a run happened."""
+"""What the in-process benchmarks (offline/, and the in-process halves of online/) share: the engine options and
+the dummy-weights engine, greedy sampling, a warm-up, freeing an engine, the throughput result of one run, and the
+Triton variants compiled (a compile inside a timed run is ~1 s of it). Where and when a run happened:
+harness/record.py."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib
-import os
 import pkgutil
-import platform
-import sys
 from dataclasses import dataclass, field
 from random import Random
 from typing import Any
@@ -113,39 +111,6 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-# where and when -------------------------------------------------------------------------------------------
-
-
-def device_name(device: torch.device) -> str:
-    """The device as torch reports it (the CPU: as the platform does)."""
-    return (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine()
-    )
-
-
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def command_line(script: str) -> str:
-    return " ".join([f"python -m {script}", *sys.argv[1:]])
-
-
-def environment(device: torch.device, load_before: float, script: str) -> dict[str, Any]:
-    """Where and when, with the machine's load average before and after the run."""
-    return {
-        "date": utc_now(),
-        "command": command_line(script),
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg()[0],
-    }
 
 
 def compiled_variants() -> dict[str, int]:

@@ -1,8 +1,13 @@
-"""The nano workload's peer: transformers continuous batching on the engine's dummy weights.
+"""The peers a benchmark runs beside ours, in the same command (WORKLOADS.md: ratios then hold on a noisy
+machine). Their failure is a result to report, never fatal to the benchmark that runs them.
 
-``continuous_batching_context_manager(...)`` (or init + start + stop on older 5.x), ``add_request(ids,
-request_id=..., max_new_tokens=n)`` per request, ``get_result()`` until all finish. Its failure is a result to
-report (``Run.error``), never fatal to the benchmark that runs it.
+- transformers continuous batching on the engine's dummy weights (the nano workload's peer, GPU):
+  ``continuous_batching_context_manager(...)`` (or init + start + stop on older 5.x), ``add_request(ids,
+  request_id=..., max_new_tokens=n)`` per request, ``get_result()`` until all finish (``run_peer``: a ``Run``
+  with ``error`` set when it fails).
+- transformers ``generate`` on a converted HF directory (single prompt; a left-padded batch): ``TransformersPeer``.
+- llama.cpp (llama-cpp-python) on a GGUF file, one sequence at a time with its KV cleared before each, optionally
+  from a ``pip install --target DIR`` build for one instruction-set level: ``LlamaCppPeer``.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import argparse
 import contextlib
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -22,8 +28,10 @@ from benchmarks.harness.engine import Run, synchronize
 from benchmarks.harness.workloads import Request, capped, nano_workload
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 
-# the peer runs inside, and logs as, the offline benchmark
-logger = logging.getLogger("benchmarks.offline.nano")
+logger = logging.getLogger(__name__)
+
+
+# transformers continuous batching (nano) -------------------------------------------------------------------
 
 
 def build_peer(
@@ -178,3 +186,109 @@ def run_peer(
         logger.exception("transformers continuous batching failed")
         run.error = f"{type(exc).__name__}: {exc}"[:500]
     return run
+
+
+# the CPU peers: transformers generate and llama.cpp --------------------------------------------------------
+
+
+class Peer(Protocol):
+    """A peer of the cpu workload: greedy tokens for a batch of prompts, and one prompt's first token."""
+
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], new_tokens: int
+    ) -> tuple[float, list[list[int]]]: ...
+
+    def first_token_seconds(self, prompt: list[int]) -> float: ...
+
+
+class TransformersPeer:
+    """transformers ``generate`` in float32 on an HF directory (the engine's converted copy of the model)."""
+
+    name = "transformers"
+
+    def __init__(self, model_path: str, pad_id: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.pad_id = pad_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        ids, mask = left_pad(prompts, self.pad_id)
+        start = time.perf_counter()
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )
+        seconds = time.perf_counter() - start
+        return seconds, out[:, ids.shape[1] :].tolist()
+
+    def first_token_seconds(self, prompt: list[int]) -> float:
+        return self.generate([prompt], 1)[0]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding keeps every prompt's last token in the last column, where generation continues."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+class LlamaCppPeer:
+    """llama-cpp-python on a GGUF file (greedy: its own sampler chain at temperature 0). It serves one sequence at
+    a time, so N streams are N sequential generations; its KV cache is cleared before each. ``import_dir`` takes
+    llama-cpp-python from a ``pip install --target DIR`` build (one per instruction-set level; the CMAKE_ARGS are
+    in docs/benchmarks/cpu.md), so that it runs at the level ours runs at."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_file: str, threads: int, import_dir: str | None = None) -> None:
+        if import_dir:
+            sys.path.insert(0, import_dir)
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise SystemExit(
+                "the llama.cpp peer needs llama-cpp-python (a benchmark-only dependency): see "
+                "docs/benchmarks/cpu.md for the build flags that work here, e.g. CMAKE_ARGS=... "
+                "pip install llama-cpp-python==0.3.36"
+            ) from exc
+
+        self.version = llama_cpp.__version__
+        # (the instruction sets it uses)
+        self.system_info = llama_cpp.llama_print_system_info().decode().strip()
+        self.llm = llama_cpp.Llama(
+            model_path=gguf_file,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=2048,
+            n_batch=512,
+            verbose=False,
+        )
+
+    def _one(self, prompt: list[int], new_tokens: int) -> list[int]:
+        # (the next eval drops every cached position: no prefix reuse between runs)
+        self.llm.reset()
+        tokens = []
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        return tokens
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outputs = [self._one(prompt, new_tokens) for prompt in prompts]
+        return time.perf_counter() - start, outputs
+
+    def first_token_seconds(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self._one(prompt, 1)
+        return time.perf_counter() - start

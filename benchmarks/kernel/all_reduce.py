@@ -22,7 +22,6 @@ the buffer, also where the engine uses NCCL.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.harness.engine import command_line, device_name, utc_now
+from benchmarks.harness.record import environment, environment_line, require_cuda, write_json
 from engine.worker import parallel_state, peer_memory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -127,25 +126,21 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     dist.all_reduce(mismatches)
     if rank == 0:
         report = {
-            "environment": {
-                "date": utc_now(),
-                "command": command_line("benchmarks.kernel.all_reduce"),
-                "device": device_name(device),
-                "ranks": args.ranks,
-                "torch": torch.__version__,
-                "peer_buffer_mib": peer_memory.PEER_ALL_REDUCE_BYTES / 2**20,
-                "symmetric_memory": parallel_state.peer_all_reduce_active(),
-                "programs": peer.programs if peer is not None else None,
-            },
+            "environment": environment(
+                __spec__.name,
+                device,
+                ranks=args.ranks,
+                peer_buffer_mib=peer_memory.PEER_ALL_REDUCE_BYTES / 2**20,
+                symmetric_memory=parallel_state.peer_all_reduce_active(),
+                programs=peer.programs if peer is not None else None,
+            ),
             "dtype": args.dtype,
             "hidden": args.hidden,
             "mismatches_all_ranks": int(mismatches.item()),
             "sizes": results,
         }
         print_report(report)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+        write_json(args.json, report)
     dist.barrier()
     parallel_state.destroy_tensor_parallel()
 
@@ -153,12 +148,12 @@ def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
 def print_report(report: dict[str, Any]) -> None:
     env = report["environment"]
     print(
-        f"## all-reduce: {env['ranks']} x {env['device']}, {report['dtype']} x {report['hidden']}, {env['date']}"
+        f"## all-reduce: {env['ranks']} x {env['device']}, {report['dtype']} x {report['hidden']}"
     )
+    print(environment_line(env))
     print(
-        f"command: {env['command']}; symmetric memory active: {env['symmetric_memory']} (our kernel's programs: "
-        f"{env['programs']}); results differing from "
-        f"NCCL's on any rank: {report['mismatches_all_ranks']}\n"
+        f"symmetric memory active: {env['symmetric_memory']} (our kernel's programs: {env['programs']}); "
+        f"results differing from NCCL's on any rank: {report['mismatches_all_ranks']}\n"
     )
     methods = peer_memory.PEER_METHODS
     print("| rows | MiB | NCCL us | " + " | ".join(f"{m} us" for m in methods) + " | best / NCCL |")
@@ -194,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:
-        parser.error(f"needs {args.ranks} CUDA devices")
+    require_cuda(__spec__.name, args.ranks)
     if min(args.ranks, args.hidden, args.calls, args.repeats, *args.rows) < 1 or args.ranks < 2:
         parser.error("--ranks must be >= 2; --hidden, --rows, --calls and --repeats >= 1")
     if args.calls % peer_memory.EXCHANGES == 1:

@@ -26,15 +26,14 @@ the best next to the default.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.harness import record
 from kernels import reference
 import kernels.paged_attention as paged_attention_module
 from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
@@ -236,6 +235,7 @@ def main() -> None:
         "--num-warps", type=int, default=None, help="DecodeConfig.num_warps for every launch"
     )
     args = parser.parse_args()
+    record.require_cuda(__spec__.name)
     HEAD_DIM, TABLE_TOKENS, CUDA_GRAPH = args.head_dim, args.table_tokens, args.cuda_graph
     sweep = SWEEP
     if args.num_warps:  # the default every launch without a config takes, and the sweep's
@@ -262,26 +262,16 @@ def main() -> None:
             )
             rows.append(row)
             torch.cuda.empty_cache()
-    print_table(rows, args.sweep)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    device=torch.cuda.get_device_name(),
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    default_config=asdict(paged_attention_module.CONFIG),
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
-
-
-def print_table(rows: list[dict], sweep: bool) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print(
-        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(paged_attention_module.CONFIG)}\n"
+    env = record.environment(__spec__.name, "cuda", config=asdict(paged_attention_module.CONFIG))
+    print_table(rows, args.sweep, env)
+    record.write_json(
+        args.json,
+        dict(environment=env, default_config=asdict(paged_attention_module.CONFIG), rows=rows),
     )
+
+
+def print_table(rows: list[dict], sweep: bool, env: dict) -> None:
+    print(f"\n{record.environment_line(env)}\nconfig: {env['config']}\n")
     head = (
         "| batch x ctx | block | KV GB | ours ms | ours TB/s | SDPA TB/s | ours/SDPA | copy TB/s | rel err |"
         " one-pass TB/s |"

@@ -32,9 +32,7 @@ error < 2e-2); results in docs/BENCHMARKS.md ("A persistent decode kernel: the e
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.harness import record
 from kernels.paged_attention import dot_precision
 from kernels.persistent_decode import PersistentConfig, grid_barrier, matmul_task, prefetch_task
 from kernels.skinny_gemm import store_out
@@ -442,12 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {m} | {name} | {ms:.4f} | {gb / ms:.2f} | {gb / ms / read:.0%} | {error:.1e} |"
             )
-    if args.json:
-        meta = dict(
-            date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device)
-        )
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows_out), f, indent=1)
+    env = record.environment(__spec__.name, device, layers=args.layers)
+    print(f"# {record.environment_line(env)}")
+    record.write_json(args.json, dict(environment=env, rows=rows_out))
     return 0
 
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
-import json
 import statistics
 import sys
 from dataclasses import replace
 
 import torch
 
+from benchmarks.harness import record
 from benchmarks.kernel.persistent_chain import graph_ms
 from kernels import ops, reference
 from kernels.decoder_stack import DecoderStack, LayerTensors
@@ -312,12 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         print("# compiled:", compiled_resources())
     except (AttributeError, IndexError, TypeError) as e:
         print("# compiled: not available", e)
-    if args.json:
-        meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device),
-                    context=args.context, table_tokens=args.table_tokens,
-                    shared_kv=args.shared_kv)  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=results), f, indent=1)
+    env = record.environment(__spec__.name, device, context=args.context,
+                             table_tokens=args.table_tokens, shared_kv=args.shared_kv)  # fmt: skip
+    print(f"# {record.environment_line(env)}")
+    record.write_json(args.json, dict(environment=env, rows=results))
     return 0
 
 

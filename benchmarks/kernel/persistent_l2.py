@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.harness import record
 from benchmarks.kernel.persistent_decode import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -150,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             rate = f"{hits / total:.1%}" if hits is not None and total else ""
             print(f"| {rows} | {label} | " + " | ".join(cells) + f" | {rate} |")
             results.append(dict(rows=rows, fields=fields, metrics=values))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=results), f, indent=1)
+    env = record.environment(__spec__.name, "cuda", context=args.context)
+    print(f"# {record.environment_line(env)}")
+    record.write_json(args.json, dict(environment=env, rows=results))
     return 0
 
 

@@ -23,9 +23,7 @@ in L2; these shapes are compute-bound).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -36,6 +34,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from benchmarks.harness import record
 from kernels.prefill_attention import CONFIG, PrefillConfig, prefill_attention
 
 CASES = [(1, 2048), (1, 4096), (1, 8192), (4, 2048)]  # (sequences, prompt tokens each)
@@ -178,6 +177,7 @@ def main() -> None:
         "--cuda-graph", action="store_true", help="time calls replayed from a graph"
     )
     args = parser.parse_args()
+    record.require_cuda(__spec__.name)
     global CUDA_GRAPH
     CUDA_GRAPH = args.cuda_graph
     config = replace(CONFIG, chunk_tma_min_tokens=args.chunk_tma_min_tokens)
@@ -211,27 +211,16 @@ def main() -> None:
                 sweep=[(asdict(c), flops / ms / 1e9) for ms, c in timed],
             )
         rows.append(row)
-    print_table(rows, args.sweep, config)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    device=torch.cuda.get_device_name(),
-                    config=asdict(config),
-                    cuda_graph=CUDA_GRAPH,
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
-
-
-def print_table(rows: list[dict], sweep: bool, config: PrefillConfig) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print(
-        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  config: {asdict(config)}"
-        f"  timing: {'CUDA graph replay' if CUDA_GRAPH else 'events per call, L2 flushed'}\n"
+    timing = "CUDA graph replay" if CUDA_GRAPH else "events per call, L2 flushed"
+    env = record.environment(__spec__.name, "cuda", config=asdict(config), timing=timing)
+    print_table(rows, args.sweep, env)
+    record.write_json(
+        args.json, dict(environment=env, config=asdict(config), cuda_graph=CUDA_GRAPH, rows=rows)
     )
+
+
+def print_table(rows: list[dict], sweep: bool, env: dict) -> None:
+    print(f"\n{record.environment_line(env)}\nconfig: {env['config']}  timing: {env['timing']}\n")
     print(
         "| seqs x prompt | cached | ours ms | host us/launch (cache only) | ours TFLOP/s | cache only TFLOP/s"
         " | SDPA flash TFLOP/s | ours/SDPA |" + (" best TFLOP/s | best config |" if sweep else "")

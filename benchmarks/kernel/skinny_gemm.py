@@ -25,9 +25,7 @@ Runs in about 2 minutes on an H100 (compiles included).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -38,6 +36,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import record
 from kernels.activation import silu_and_mul
 from kernels.skinny_gemm import (
     GEMM,
@@ -367,16 +366,13 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "benchmarks.kernel.skinny_gemm needs a CUDA GPU (torch.cuda.is_available() is False here)"
-        )
+    record.require_cuda(__spec__.name)
+    load_before = record.load_average()
     started, timer = time.perf_counter(), Timer(args.graphs)
     copy = copy_gbps(Timer(graphs=False))  # in a graph the copy becomes a copy-engine node: slower
-    now = datetime.datetime.now(datetime.timezone.utc)
     print(
-        f"\ndevice: {torch.cuda.get_device_name()}  date: {now:%Y-%m-%d %H:%M}Z  timing: "
-        f"{'CUDA graphs' if args.graphs else 'eager'}  copy: {copy:.0f} GB/s\n\n{HEADER}",
+        f"\n{torch.cuda.get_device_name()}, timing: {'CUDA graphs' if args.graphs else 'eager'}, "
+        f"copy: {copy:.0f} GB/s\n\n{HEADER}",
         flush=True,
     )
     rows = []
@@ -390,20 +386,11 @@ def main() -> None:
         + "\n".join(table_entries(rows))
         + "\n}"
     )
-    print(f"\n{time.perf_counter() - started:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    device=torch.cuda.get_device_name(),
-                    date=now.isoformat(),
-                    graphs=args.graphs,
-                    copy_gbps=copy,
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
+    env = record.environment(__spec__.name, "cuda", load_before, graphs=args.graphs)
+    print(f"\n{time.perf_counter() - started:.0f} s; {record.environment_line(env)}")
+    record.write_json(
+        args.json, dict(environment=env, graphs=args.graphs, copy_gbps=copy, rows=rows)
+    )
 
 
 if __name__ == "__main__":

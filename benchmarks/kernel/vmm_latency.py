@@ -12,14 +12,13 @@ Last, all pages mapped and unmapped by 1, 2, 4 and 8 threads: does the driver ru
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from benchmarks.harness.engine import device_name, utc_now
+from benchmarks.harness import record
 from engine.kv_backend.cuda_vmm import CudaDriver
 
 
@@ -86,8 +85,6 @@ def measure(pages: int, busy_ms: float) -> dict:
         driver.release(handle)
     driver.free_address(base, (pages + 1) * page)
     return {
-        "device": device_name(torch.device("cuda")),
-        "date": utc_now(),
         "page_bytes": page,
         "pages": pages,
         "create_us_median": statistics.median(create),
@@ -106,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--busy-ms", type=float, default=50.0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    record.require_cuda(__spec__.name)
     result = measure(args.pages, args.busy_ms)
     print("| call | µs per 2 MiB page (median) |\n|---|---|")
     for key in ("create", "map", "unmap"):
@@ -119,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
             f"| map / unmap, {threads} threads (wall per page) | {result[f'map_us_per_page_{threads}_threads']:.1f}"
             f" / {result[f'unmap_us_per_page_{threads}_threads']:.1f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    env = record.environment(__spec__.name, "cuda")
+    print(record.environment_line(env))
+    record.write_json(args.json, {"environment": env, **result})
 
 
 if __name__ == "__main__":

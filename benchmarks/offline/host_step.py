@@ -9,13 +9,13 @@ below the device time. This measures that host work on any machine (no GPU neede
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
 import torch
 
+from benchmarks.harness import record
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -78,12 +78,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    load_before = record.load_average()
     rows = {batch: measure(batch, args.context, args.steps, pad=True) for batch in args.batch}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"context": args.context, "steps": args.steps, "median_ms": rows}, f, indent=2
-            )
+    env = record.environment(__spec__.name, "cpu", load_before=load_before)
+    record.write_json(
+        args.json,
+        {"environment": env, "context": args.context, "steps": args.steps, "median_ms": rows},
+    )
     print(f"\nhost work per decode step, context {args.context}, median of {args.steps} steps (ms)")
     print("| batch | schedule | prepare inputs | advance + append | total |")
     print("|---:|---:|---:|---:|---:|")
@@ -92,6 +93,7 @@ def main() -> None:
             f"| {batch} | {row['schedule']:.3f} | {row['prepare']:.3f} | {row['advance']:.3f} "
             f"| {sum(row.values()):.3f} |"
         )
+    print(record.environment_line(env))
 
 
 if __name__ == "__main__":

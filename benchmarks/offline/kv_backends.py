@@ -33,19 +33,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.harness.engine import (
-    Run,
-    build_engine,
-    environment,
-    release_memory,
-    synchronize,
-)
+from benchmarks.harness import record
+from benchmarks.harness.engine import Run, build_engine, release_memory, synchronize
+from benchmarks.harness.workloads import Request, capped, nano_workload
 from benchmarks.kernel.decode_attention import (
     DTYPE,
     HEAD_DIM,
@@ -55,9 +50,8 @@ from benchmarks.kernel.decode_attention import (
     paged_inputs,
 )
 from benchmarks.kernel.decode_attention import run_ours as run_paged_kernel
-from benchmarks.offline.nano import run_ours, write_json
+from benchmarks.offline.nano import run_ours
 from benchmarks.offline.waste import ModeResult, account, sample
-from benchmarks.harness.workloads import Request, capped, nano_workload
 from engine.config import KV_BACKENDS, EngineConfig, resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
@@ -216,7 +210,7 @@ def run_nano(
                 row = {"model": model, "backend": backend, "error": f"{type(err).__name__}: {err}"}
             release_memory(device)
             result["nano"].append(row)
-            write_json(args.json, result)
+            record.write_json(args.json, result)
 
 
 def check_backends(args: argparse.Namespace) -> None:
@@ -347,7 +341,7 @@ def run_kernels(args: argparse.Namespace, result: dict[str, Any]) -> None:
         logger.info("decode kernel: %d x %d", batch, context)
         result["kernel"].append(kernel_row(batch, context))
         torch.cuda.empty_cache()
-        write_json(args.json, result)
+        record.write_json(args.json, result)
 
 
 # report --------------------------------------------------------------------------------------------------
@@ -410,9 +404,9 @@ def print_report(result: dict[str, Any]) -> None:
     env, workload = result["environment"], result["workload"]
     print(
         f"\n## kv backends: nano, {workload['num_requests']} requests, dummy weights, max_model_len "
-        f"{workload['max_model_len']}; {env['device']}, {env['date']}"
+        f"{workload['max_model_len']}; {env['device']}"
     )
-    print(f"torch {env['torch']}; command: {env['command']}\n")
+    print(record.environment_line(env) + "\n")
     print(nano_table(result["nano"]))
     if table := allocation_table(result["nano"]):
         print(
@@ -475,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     check_backends(args)
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     requests = nano_workload(
         args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
     )
@@ -489,12 +483,12 @@ def main(argv: list[str] | None = None) -> None:
     }
     result: dict[str, Any] = {"workload": workload, "nano": [], "kernel": []}
     device = resolve_device(args.device)
-    result["environment"] = environment(device, load_before, "benchmarks.offline.kv_backends")
+    result["environment"] = record.environment(__spec__.name, device, load_before)
     run_nano(args, requests, device, result)
     if args.kernel:
         run_kernels(args, result)
-    result["environment"]["load_average_after"] = os.getloadavg()[0]
-    write_json(args.json, result)
+    result["environment"] = record.environment(__spec__.name, device, load_before)
+    record.write_json(args.json, result)
     print_report(result)
 
 

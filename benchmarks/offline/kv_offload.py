@@ -20,9 +20,7 @@ to it the TTFT of the same prompt when its prefix is still on the device, and of
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
 import time
 from random import Random
@@ -30,10 +28,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import (
     add_engine_options,
     build_engine,
-    environment,
     greedy,
     release_memory,
     warm_up,
@@ -205,20 +203,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     result: dict[str, Any] = {}
     if "preemption" in args.parts:
         result["preemption"] = preemption_part(args)
     if "host-tier" in args.parts:
         result["host_tier"] = host_tier_part(args)
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
-    result["environment"] = env = environment(device, load_before, "benchmarks.offline.kv_offload")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    print(
-        f"\n## kv offload: {args.model_config} dummy, {env['device']}, {env['date']}; command: {env['command']}"
-    )
+    result["environment"] = env = record.environment(__spec__.name, device, load_before)
+    record.write_json(args.json, result)
+    print(f"\n## kv offload: {args.model_config} dummy, {env['device']}")
+    print(record.environment_line(env))
     if "preemption" in result:
         print(
             f"\n{args.requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "

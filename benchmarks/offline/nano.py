@@ -17,8 +17,6 @@ GPU kernel ms per step (torch.profiler) and the engine's host phases per step (`
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import random
 import statistics
@@ -29,16 +27,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import (
     Run,
     build_engine,
-    command_line,
     compiled_variants,
-    device_name,
     greedy,
     release_memory,
     synchronize,
-    utc_now,
 )
 from benchmarks.harness.peers import run_peer
 from benchmarks.harness.workloads import VOCAB, Request, capped, nano_workload
@@ -273,19 +269,6 @@ def measure_split(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]
 # report --------------------------------------------------------------------------------------------------
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    versions = {"torch": torch.__version__}
-    for name in ("triton", "transformers"):
-        with contextlib.suppress(ImportError):
-            versions[name] = __import__(name).__version__
-    return {
-        "device": device_name(device),
-        "date": utc_now(),
-        "command": command_line("benchmarks.offline.nano"),
-        **versions,
-    }
-
-
 def throughput_table(model: str, runs: list[Run]) -> str:
     ours, peer = runs[0], runs[1] if len(runs) > 1 else None
     rows = [
@@ -338,22 +321,13 @@ def split_table(split: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def write_json(path: str | None, result: dict[str, Any]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-
-
 def print_report(args: argparse.Namespace, result: dict[str, Any], runs: list[Run]) -> None:
     env = result["environment"]
     print(
-        f"\n## nano: {args.model_config}, dummy weights, {result['dtype']}, {env['device']}, {env['date']}",
+        f"\n## nano: {args.model_config}, dummy weights, {result['dtype']}, {env['device']}",
         flush=True,
     )
-    print(
-        f"torch {env['torch']}, triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; "
-        f"command: {env['command']}"
-    )
+    print(record.environment_line(env))
     for run in runs:
         print(
             f"{run.engine}: start {run.start_seconds:.1f} s (weights, KV cache, CUDA graphs), warm-up "
@@ -431,6 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    load_before = record.load_average()
     requests = nano_workload(
         args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
     )
@@ -448,17 +423,21 @@ def main(argv: list[str] | None = None) -> None:
         if f.name != "hf_config"
     }
     result: dict[str, Any] = {
-        "environment": environment(device),
         "model": args.model_config,
         "dtype": str(dtype),
         "engine_config": config,
     }
+
+    def save() -> None:  # after each part, so that a later part's failure keeps the earlier numbers
+        result["environment"] = record.environment(__spec__.name, device, load_before)
+        record.write_json(args.json, result)
+
     runs = [run_ours(engine, requests, start_seconds)]
     result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
-    write_json(args.json, result)
+    save()
     if args.split:
         result["split"] = measure_split(engine, args)
-        write_json(args.json, result)
+        save()
     del engine
     release_memory(device)
     if device.type == "cuda":
@@ -470,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
         if runs[1].tok_s:
             result["ratio_vs_peer"] = runs[0].tok_s / runs[1].tok_s
-        write_json(args.json, result)
+        save()
     print_report(args, result, runs)
 
 

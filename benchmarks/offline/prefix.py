@@ -24,10 +24,8 @@ One warm-up round per engine (its own cache salt, so the timed run cannot hit it
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from random import Random
@@ -37,10 +35,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import (
     add_engine_options,
     build_engine,
-    environment,
     greedy,
     release_memory,
     warm_up,
@@ -232,14 +230,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     prompts = shared_prefix_prompts(
         args.groups, args.per_group, args.prefix_len, args.question_len, args.seed
     )
     results, engine_info = run_both(args, prompts)
-    env = environment(
-        torch.device(engine_info["torch_device"]), load_before, "benchmarks.offline.prefix"
-    )
+    env = record.environment(__spec__.name, torch.device(engine_info["torch_device"]), load_before)
     on, off = results
     ratio = off.ttft_p50_ms / on.ttft_p50_ms
     if args.json:
@@ -256,18 +252,16 @@ def main(argv: list[str] | None = None) -> None:
             )
         }
         workload["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "workload": workload,
-                    "engine": engine_info,
-                    "environment": env,
-                    "modes": [asdict(r) for r in results],
-                    "ttft_p50_ratio_off_on": ratio,
-                },
-                f,
-                indent=2,
-            )
+        record.write_json(
+            args.json,
+            {
+                "workload": workload,
+                "engine": engine_info,
+                "environment": env,
+                "modes": [asdict(r) for r in results],
+                "ttft_p50_ratio_off_on": ratio,
+            },
+        )
     print(
         f"\n## shared-prefix: {args.groups} groups x {args.per_group} requests, prefix {args.prefix_len} + "
         f"question {args.question_len} tokens, {args.output_len} output tokens, "
@@ -276,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{engine_info['dtype']}, {env['device']}, {engine_info['num_kv_blocks']} KV blocks x "
         f"{engine_info['block_size']}"
     )
-    print(f"{env['date']}, torch {env['torch']}; command: {env['command']}")
+    print(record.environment_line(env))
     print(f"p50 TTFT off / on: {ratio:.2f}x\n")
     print(table(results))
 

@@ -21,17 +21,15 @@ Beam search runs with EOS ignored for ``--output-len`` tokens, like the samples.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import torch
 
-from benchmarks.harness.engine import add_engine_options, build_engine, environment, release_memory
+from benchmarks.harness import record
+from benchmarks.harness.engine import add_engine_options, build_engine, release_memory
 from benchmarks.harness.workloads import VOCAB
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -160,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     rng = random.Random(args.seed)
     prompt = [rng.randrange(VOCAB) for _ in range(args.prompt_len)]
     engine = build_engine(args, seed=args.seed, num_kv_blocks=args.num_kv_blocks)
@@ -178,28 +176,25 @@ def main(argv: list[str] | None = None) -> None:
         r.sequences: -(-args.prompt_len // block) + r.sequences * (-(-args.output_len // block) + 1)
         for r in results
     }
-    env = environment(device, load_before, "benchmarks.offline.sharing")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "workload": {
-                        k: getattr(args, k)
-                        for k in ("n", "prompt_len", "output_len", "seed", "model_config")
-                    },
-                    "block_size": block,
-                    "bounds": bounds,
-                    "environment": env,
-                    "modes": [asdict(r) for r in results],
-                },
-                f,
-                indent=2,
-            )
+    env = record.environment(__spec__.name, device, load_before)
+    workload = {
+        k: getattr(args, k) for k in ("n", "prompt_len", "output_len", "seed", "model_config")
+    }
+    record.write_json(
+        args.json,
+        {
+            "workload": workload,
+            "block_size": block,
+            "bounds": bounds,
+            "environment": env,
+            "modes": [asdict(r) for r in results],
+        },
+    )
     print(
         f"\n## sharing: one {args.prompt_len}-token prompt, {args.n} samples of {args.output_len} tokens; "
         f"{args.model_config} dummy, {env['device']}, block size {block}"
     )
-    print(f"{env['date']}, torch {env['torch']}; command: {env['command']}\n")
+    print(record.environment_line(env) + "\n")
     print(table(results, bounds))
 
 

@@ -14,15 +14,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import (
     add_engine_options,
     build_engine,
-    command_line,
     compiled_variants,
-    device_name,
     greedy,
     synchronize,
-    utc_now,
 )
 from benchmarks.harness.workloads import capped, nano_workload
 from engine.llm_engine import LLMEngine
@@ -95,10 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     engine = build_engine(args, seed=args.seed, enforce_eager=args.enforce_eager)
-    print(
-        f"## step trace: {args.model_config}, {device_name(engine.config.torch_device)}, {utc_now()}\n"
-        f"command: {command_line('benchmarks.offline.step_trace')}; engine start {time.perf_counter() - start:.1f} s"
-    )
+    env = record.environment(__spec__.name, engine.config.torch_device)
+    print(f"## step trace: {args.model_config}, engine start {time.perf_counter() - start:.1f} s")
+    print(record.environment_line(env))
     print(f"kernel variants after start: {compiled_variants()}")
     for p in range(args.passes):
         records = run_pass(engine, args, f"pass{p}")

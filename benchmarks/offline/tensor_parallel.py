@@ -43,18 +43,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.engine import build_engine, command_line, release_memory, synchronize
+from benchmarks.harness import record
+from benchmarks.harness.engine import build_engine, release_memory, synchronize
+from benchmarks.harness.workloads import Request, capped, nano_workload
 from benchmarks.offline.nano import (
     add_run_options,
     busy_us,
-    environment,
     fill_decode_batch,
     kernel_times,
     measure_split,
     run_ours,
-    write_json,
 )
-from benchmarks.harness.workloads import Request, capped, nano_workload
 from engine.config import resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
@@ -198,11 +197,10 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     env, sizes = result["environment"], result["sizes"]
     gpus = f" x {env['device_count']} visible" if sizes[0]["collectives"] is not None else ""
     print(
-        f"\n## tensor parallel: {args.model_config}, dummy weights, {sizes[0]['dtype']}, {env['device']}{gpus}, "
-        f"{env['date']}",
+        f"\n## tensor parallel: {args.model_config}, dummy weights, {sizes[0]['dtype']}, {env['device']}{gpus}",
         flush=True,
     )
-    print(f"torch {env['torch']}, triton {env.get('triton', '-')}; command: {env['command']}")
+    print(record.environment_line(env))
     print(
         f"nano: {args.num_requests} requests; decode step: batch {args.split_batch} x {args.split_prompt_len}-token "
         f"prompts, {args.split_steps} steps"
@@ -270,19 +268,15 @@ def main(argv: list[str] | None = None) -> None:
         sum(r.output_len for r in requests),
         args.sizes,
     )
-    device = resolve_device(args.device)
-    result: dict[str, Any] = {
-        "environment": environment(device)
-        | {
-            "command": command_line("benchmarks.offline.tensor_parallel"),
-            "device_count": torch.cuda.device_count() if device.type == "cuda" else 1,
-        },
-        "model": args.model_config,
-        "sizes": [],
-    }
+    device, load_before = resolve_device(args.device), record.load_average()
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    result: dict[str, Any] = {"model": args.model_config, "sizes": []}
     for size in args.sizes:
         result["sizes"].append(run_size(args, size, requests))
-        write_json(args.json, result)
+        result["environment"] = record.environment(
+            __spec__.name, device, load_before, device_count=count
+        )
+        record.write_json(args.json, result)
     print_report(args, result)
 
 

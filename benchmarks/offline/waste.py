@@ -30,19 +30,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import (
     add_engine_options,
     build_engine,
-    environment,
     greedy,
     warm_up,
 )
@@ -339,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     requests = nano_workload(args.num_requests, args.seed, args.prompt_len, args.output_len)
     engine = build_engine(args, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
     config = engine.config
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         results.append(run_mode(engine, mode, requests, args.sample_every))
         logger.info("%s: %s", mode, results[-1].summary())
-    env = environment(config.torch_device, load_before, "benchmarks.offline.waste")
+    env = record.environment(__spec__.name, config.torch_device, load_before)
     pool = {
         "num_kv_blocks": engine.core.block_manager.num_blocks,
         "block_size": config.block_size,
@@ -368,23 +366,21 @@ def main(argv: list[str] | None = None) -> None:
             "model_config": args.model_config,
             "sample_every": args.sample_every,
         }
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "workload": workload,
-                    "engine": pool,
-                    "environment": env,
-                    "modes": [r.summary() for r in results],
-                },
-                f,
-                indent=2,
-            )
+        record.write_json(
+            args.json,
+            {
+                "workload": workload,
+                "engine": pool,
+                "environment": env,
+                "modes": [r.summary() for r in results],
+            },
+        )
     print(
         f"\n## waste: nano workload, {args.num_requests} requests; {args.model_config} dummy, {pool['dtype']}, "
         f"{env['device']}; KV pool {pool['num_kv_blocks']} blocks x {pool['block_size']} = {pool['pool_slots']} "
         f"slots, max_model_len {pool['max_model_len']}"
     )
-    print(f"{env['date']}, torch {env['torch']}; command: {env['command']}\n")
+    print(record.environment_line(env) + "\n")
     print(table(results))
 
 

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import statistics
 import time
 from random import Random
@@ -31,16 +30,15 @@ from typing import Any
 import httpx
 import torch
 
+from benchmarks.harness import record
 from benchmarks.online.http_client import (
     StreamResult,
     add_server_options,
     banner,
-    environment,
     new_client,
     row,
     server_from_args,
     stream_request,
-    write_json,
 )
 
 HEAVY_KEY, LIGHT_KEY = "fairness-heavy", "fairness-light"
@@ -269,13 +267,15 @@ def report(output: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     with server_from_args(args, ["--api-key", f"{HEAVY_KEY},{LIGHT_KEY}"]) as base_url:
         output = asyncio.run(run(base_url, args))
-    output["environment"] = environment("python -m benchmarks.online.fairness", load_before, None)
+    output["environment"] = record.environment(
+        __spec__.name, load_before=load_before, argv=argv, server_args=args.server_args
+    )
     report(output)
-    if args.json:
-        write_json(args.json, output)
+    print(record.environment_line(output["environment"]))
+    record.write_json(args.json, output)
 
 
 if __name__ == "__main__":

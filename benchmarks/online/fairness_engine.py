@@ -17,8 +17,8 @@ import statistics
 import time
 from random import Random
 
-import torch
 
+from benchmarks.harness import record
 from benchmarks.harness.engine import add_engine_options, build_engine, greedy, synchronize, warm_up
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     shared, rows = light_intervals(
         engine, prompt, args.light_tokens, True, heavy_prompt, args.heavy_tokens
     )
-    device = torch.cuda.get_device_name() if engine.config.torch_device.type == "cuda" else "cpu"
+    print(record.environment_line(record.environment(__spec__.name, engine.config.torch_device)))
     print(
-        f"device {device}; factor {engine.config.shared_step_time_factor}; "
+        f"factor {engine.config.shared_step_time_factor}; "
         f"prices {engine.core.scheduler.step_cost.prices()}"
     )
     print(f"light alone:      {statistics.median(alone) * 1e3:.3f} ms per token (median)")

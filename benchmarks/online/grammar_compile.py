@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.harness import record
 from engine.config import EngineConfig
 from engine.worker.loader import load_tokenizer
 from engine.worker.model_sources import ensure_default_model
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=20000)
     parser.add_argument("--samples", type=int, default=128, help="n of the request")
     args = parser.parse_args()
+    load_before = record.load_average()
     tokenizer = load_tokenizer(ensure_default_model(Path(EngineConfig().cache_dir)))
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
     compiler._ll_tokenizer()  # (built once per server; not part of a request's cost)
@@ -88,6 +90,7 @@ def main() -> None:
         f"one matcher: {result['one_matcher_ms']:.1f} ms; {args.samples - 1} copies: {result['copies_ms']:.1f} ms "
         f"(one matcher per sample, as before: {result['matchers_built_before_ms']:.0f} ms)"
     )
+    print(record.environment_line(record.environment(__spec__.name, "cpu", load_before)))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import logging
 import math
-import os
-import platform
 import shlex
 import signal
 import socket
@@ -31,7 +28,7 @@ import httpx
 
 logger = logging.getLogger("benchmarks.http")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # (benchmarks/online/ -> the repository)
 REDIS_SERVER = "/usr/bin/redis-server"
 
 # Common English words that byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen) encode as one token each when
@@ -242,26 +239,6 @@ def row(label: str, value: float | str | None, decimals: int = 2) -> str:
     else:
         shown = str(value)
     return f"{label:<40} {shown:<10}"
-
-
-def environment(command: str, load_before: float, server_args: list[str] | None) -> dict[str, Any]:
-    """Where the numbers were taken. The server's device is whatever it runs on: name it with the number."""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "server_args": server_args,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg()[0],
-        "cpu_count": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-    }
-
-
-def write_json(path: str, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    logger.info("numbers written to %s", path)
 
 
 # processes: the server under test, and Redis ---------------------------------------------------------------

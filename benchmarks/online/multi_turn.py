@@ -29,9 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import shlex
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -40,11 +38,11 @@ from typing import Any
 
 import httpx
 
+from benchmarks.harness import record
 from benchmarks.online.http_client import (
     StreamResult,
     add_server_options,
     draw,
-    environment,
     filler_text,
     int_range,
     local_redis,
@@ -53,7 +51,6 @@ from benchmarks.online.http_client import (
     server_from_args,
     shown,
     stream_request,
-    write_json,
 )
 
 logger = logging.getLogger("benchmarks.online.multi_turn")
@@ -416,14 +413,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     with server_with_store(args) as base_url:
         model, turns = asyncio.run(benchmark(base_url, args))
-    command = shlex.join(
-        ["python", "-m", "benchmarks.online.multi_turn", *(sys.argv[1:] if argv is None else argv)]
-    )
-    env = environment(
-        command, load_before, None if args.base_url else shlex.split(args.server_args)
+    server_args = None if args.base_url else shlex.split(args.server_args)
+    env = record.environment(
+        __spec__.name, load_before=load_before, argv=argv, server_args=server_args
     )
     rows, totals = per_turn(turns, args.apis), overall(turns, args.apis)
     store = (
@@ -442,21 +437,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     for error in errors(turns):
         print(f"warning: {error}")
-    print(
-        f"{env['date']}, load average {env['load_average_before']:.2f} before / "
-        f"{env['load_average_after']:.2f} after; command: {env['command']}"
+    print(record.environment_line(env))
+    record.write_json(
+        args.json,
+        {
+            "environment": env,
+            "arguments": vars(args),
+            "per_turn": rows,
+            "overall": totals,
+            "turns": [asdict(t) for t in turns],
+        },
     )
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "environment": env,
-                "arguments": vars(args),
-                "per_turn": rows,
-                "overall": totals,
-                "turns": [asdict(t) for t in turns],
-            },
-        )
 
 
 if __name__ == "__main__":

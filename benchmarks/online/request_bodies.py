@@ -8,11 +8,13 @@ calling thread, as the event loop runs them.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
 import time
 
+from benchmarks.harness import record
 from app.errors import APIError
 from app.protocol.completions import ChatCompletionRequest
 from app.protocol.fields import MAX_MESSAGES
@@ -81,10 +83,15 @@ async def measure(body: bytes) -> tuple[float, str]:
     return statistics.median(times), outcome
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
+    load_before = record.load_average()
     for name, body in bodies().items():
         seconds, outcome = asyncio.run(measure(body))
         print(f"{name:32s} {len(body) / 2**20:5.2f} MiB  {seconds * 1e3:7.1f} ms  {outcome}")
+    print(record.environment_line(record.environment(__spec__.name, "cpu", load_before)))
 
 
 if __name__ == "__main__":

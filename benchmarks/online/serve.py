@@ -48,9 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shlex
-import sys
 import time
 import uuid
 from dataclasses import asdict
@@ -59,13 +57,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks.harness import record
 from benchmarks.online.http_client import (
     StreamResult,
     add_server_options,
     banner,
     distribution_ms,
     draw,
-    environment,
     filler_text,
     int_range,
     new_client,
@@ -74,7 +72,6 @@ from benchmarks.online.http_client import (
     server_from_args,
     shown,
     stream_request,
-    write_json,
 )
 from benchmarks.online.serve_compare import (
     check_compare_args,
@@ -446,15 +443,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
+    load_before = record.load_average()
     engine = measure_engine(args) if args.compare_offline else None
     with server_from_args(args) as base_url:
         summary, results = benchmark(base_url, args)
-    command = shlex.join(
-        ["python", "-m", "benchmarks.online.serve", *(sys.argv[1:] if argv is None else argv)]
-    )
-    env = environment(
-        command, load_before, None if args.base_url else shlex.split(args.server_args)
+    server_args = None if args.base_url else shlex.split(args.server_args)
+    env = record.environment(
+        __spec__.name, load_before=load_before, argv=argv, server_args=server_args
     )
     output: dict[str, Any] = {"environment": env, "summary": summary}
     if engine is not None:
@@ -463,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         # JSON has no inf
         arguments = {k: (None if v == float("inf") else v) for k, v in vars(args).items()}
-        write_json(args.json, {"arguments": arguments, **output})
+        record.write_json(args.json, {"arguments": arguments, **output})
 
 
 def print_report(output: dict[str, Any], args: argparse.Namespace) -> None:
@@ -493,11 +488,7 @@ def print_report(output: dict[str, Any], args: argparse.Namespace) -> None:
                 )
             )
         )
-    print(
-        f"{env['date']}, {env['processor']} ({env['cpu_count']} CPUs on the client), load average "
-        f"{env['load_average_before']:.2f} before / {env['load_average_after']:.2f} after; "
-        f"command: {env['command']}"
-    )
+    print(record.environment_line(env))
 
 
 if __name__ == "__main__":

@@ -42,15 +42,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from random import Random
 from typing import Any
 
 import httpx
 
-from benchmarks.online.http_client import REDIS_SERVER, _wait_for_redis, free_port
+from benchmarks.harness import record
+from benchmarks.online.http_client import REDIS_SERVER, REPO_ROOT, _wait_for_redis, free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("soak-tenant-a", "soak-tenant-b", "soak-tenant-c")
 FAULTS = ((0.2, "redis_killed"), (0.4, "redis_frozen"), (0.6, "storm"), (0.8, "core_killed"))
 # after a fault ends, errors are still expected this long (retries, the restart)
@@ -621,6 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    load_before = record.load_average()
     with tempfile.TemporaryDirectory(prefix="pagedchat-soak-") as directory:
         redis = Redis(directory)
         redis.start()
@@ -648,11 +648,14 @@ def main(argv: list[str] | None = None) -> int:
             redis.signal(signal.SIGKILL)
         checks = verdicts(result)
         result["checks"] = checks
+        result["environment"] = record.environment(
+            __spec__.name, load_before=load_before, argv=argv, server_args=args.server_args
+        )
         print(json.dumps({k: v for k, v in result.items() if k != "checks"}, indent=1, default=str))
         for name, ok in checks.items():
             print(f"{'PASS' if ok else 'FAIL'}  {name}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        print(record.environment_line(result["environment"]))
+        record.write_json(args.json, result)
         if not all(checks.values()):
             print(open(log_path).read()[-3000:])
         return 0 if all(checks.values()) else 1

@@ -10,7 +10,7 @@ Peers in the same run (``--peer``, one or more):
 - ``llama-cpp``: llama-cpp-python on the very GGUF file the default model comes from. It serves one sequence at
   a time, so N streams are N sequential generations (its aggregate tok/s); its KV cache is cleared before each.
   ``--llama-cpp-dir DIR`` takes it from a ``pip install --target DIR`` build (one per instruction-set level: the
-  CMAKE_ARGS are in docs/BENCHMARKS.md), so that it runs at the level ours runs at (``--isa``).
+  CMAKE_ARGS are in docs/benchmarks/cpu.md), so that it runs at the level ours runs at (``--isa``).
 
 Output tokens/s = streams x new tokens / wall seconds from submit to all finished. Each of ours' runs gets a fresh
 ``cache_salt`` so no run reuses the previous run's prefix-cache blocks. With ``--repeats`` the sides alternate

@@ -26,7 +26,7 @@ barriers beats one launch per matmul, and by how much.
 Each list option is a sweep (every combination is a variant). Prints, per M and variant, the median time of a
 graph replay of the chain (CUDA events, 30 replays), the weights' bytes over it in TB/s, and that as a fraction of
 a 1 GiB read (a sum) measured in the same run. Each variant is first checked against ``reference_chain`` (relative
-error < 2e-2); results in docs/BENCHMARKS.md ("A persistent decode kernel: the experiment").
+error < 2e-2); results in docs/benchmarks/chat-latency.md (eighth session).
 """
 
 from __future__ import annotations

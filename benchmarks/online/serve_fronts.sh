@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# serve-vs-engine (WORKLOADS.md) with 1 or more front processes over one engine core, as in docs/BENCHMARKS.md:
+# serve-vs-engine (WORKLOADS.md) with 1 or more front processes over one engine core, as in docs/benchmarks/serve.md:
 #   REDIS_URL=redis://127.0.0.1:6379/0 RUNS="256:1 256:2 64:1 64:2" bash benchmarks/online/serve_fronts.sh OUT_DIR
 # RUNS: concurrency:fronts pairs. More than one front needs Redis (sessions are shared); one front uses it too, so
 # both run the same server. Each run prints its table; the JSON goes to OUT_DIR.

@@ -4,7 +4,7 @@ checked at the end.
 Tenants are API keys. Each runs a session client (multi-turn sessions, half of them on the tenant's preset) and a
 stateless client (streamed chats in turn plain, n = 2, beam search, json_object, cut by the client after two
 events, or read slowly); each client pauses 0.5-1.5x ``--think-s`` after an answer, as a user reading it (0: back
-to back, which on 2 vCPUs measures the CPU's batching limit more than the scheduler: docs/BENCHMARKS.md).
+to back, which on 2 vCPUs measures the CPU's batching limit more than the scheduler: docs/benchmarks/fairness-soak.md).
 
 Faults, at fixed shares of ``--duration``: Redis killed (SIGKILL) and restarted 3 s later; Redis frozen (SIGSTOP)
 for 3 s; a storm of 100 clients that connect and drop; the engine core killed, the server exiting 3 and started
@@ -24,7 +24,7 @@ Checked at the end (exit status 1 if any fails):
   prefix): their TPOT is reported apart. (One plain stream's TPOT alone is reported too: on 2 vCPUs a step of
   the soak's ~6 rows costs about 2x a 1-row step, so no scheduler keeps every tenant within 2x of that.)
 
-    python -m benchmarks.online.soak --duration 1800          # the 30-minute run (docs/BENCHMARKS.md)
+    python -m benchmarks.online.soak --duration 1800          # the 30-minute run (docs/benchmarks/fairness-soak.md)
     python -m benchmarks.online.soak --duration 120           # CI's run (tests/server/test_soak.py)
 """
 

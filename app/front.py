@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.core.core_process import CoreEndpoint
+from engine.runtime.core_process import CoreEndpoint
 
 
 @dataclass(frozen=True, slots=True)

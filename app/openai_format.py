@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.layers.sampler import TokenLogprobs
+from engine.sample.sampler import TokenLogprobs
 from engine.output.outputs import Usage
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from app.front import Front
 from app.metrics import MULTIPROC_DIR_ENV
 from app.settings import ServerSettings
-from engine.core.core_process import launch_core
+from engine.runtime.core_process import launch_core
 from engine.log_format import configure_logging
 
 logger = logging.getLogger("pagedchat")

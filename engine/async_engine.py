@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
-from engine.core.core_messages import (
+from engine.runtime.core_messages import (
     AbortRequest,
     AddFailed,
     AddRequest,
@@ -37,10 +37,10 @@ from engine.core.core_messages import (
     UtilityCall,
     UtilityResult,
 )
-from engine.core.core_process import CoreEndpoint
+from engine.runtime.core_process import CoreEndpoint
 from engine.core.metrics import EngineStats
 from engine.core_connection import CoreConnection
-from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.output.output_processor import OutputProcessor
 from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -170,7 +170,7 @@ class AsyncEngine:
         check_request(self.info, prompt_token_ids, params, grammars)
 
     async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
-        """``spec`` checked and compiled in a grammar worker process (engine/output/grammar_worker.py: a large schema takes
+        """``spec`` checked and compiled in a grammar worker process (engine/grammar_worker.py: a large schema takes
         seconds and hundreds of MB), within ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither
         ``generate`` nor the core compiles it again. ValueError naming ``response_format`` when it cannot be
         compiled, takes too long or too much memory."""

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from engine.layers.quantized_linear import CPU_WEIGHTS
-from engine.worker.parallel_state import ALL_REDUCE_CHOICES
 from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -23,6 +21,10 @@ PREFIX_HASHES = ("sha256", "xxh128")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_BACKENDS = ("paged", "vattention")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# the CPU linear layers' weights (engine/layers/quantized_linear.py)
+CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
+# tensor parallelism's all-reduce paths (engine/distributed/parallel_state.py)
+ALL_REDUCE_CHOICES = ("auto", "two_shot", "nccl")
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton and the hardware: Ada (sm89), Hopper (sm90) and newer
 
 

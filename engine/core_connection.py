@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core.core_messages import Ready, Shutdown, StartFailed, encoder, from_core_decoder
-from engine.core.core_process import CoreEndpoint, LaunchedCore, launch_core
+from engine.runtime.core_messages import Ready, Shutdown, StartFailed, encoder, from_core_decoder
+from engine.runtime.core_process import CoreEndpoint, LaunchedCore, launch_core
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from engine.core.core_process import die_with_parent, name_process
+from engine.child_process import die_with_parent, name_process
 from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.runtime.engine_core import EngineCore
 from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.output.output_processor import OutputProcessor

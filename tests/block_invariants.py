@@ -12,7 +12,7 @@ import struct
 import xxhash
 
 from engine.core.block_manager import BlockManager
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 ROOT_TAG = "pagedchat-block-root-v1"
 
@@ -136,8 +136,8 @@ def snapshot(bm: BlockManager, seqs: list[Sequence]) -> tuple:
         list(pool.free_queue),
         {h: b.block_id for h, b in pool.cached.items()},
         pool.num_evictions,
-        bm.prefix_queries,
-        bm.prefix_hits,
+        bm.lookups.queries,
+        bm.lookups.hits,
         list(bm.pending_copies),
         sorted(bm.holders),
         [
@@ -150,7 +150,7 @@ def snapshot(bm: BlockManager, seqs: list[Sequence]) -> tuple:
             )
             for s in seqs
         ],
-        bm.prefix_host_hits,
+        bm.lookups.host_hits,
         list(bm.pending_swap_out),
         list(bm.pending_swap_in),
         list(bm.host.free),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine.layers.sampler import Sampler
+from engine.sample.sampler import Sampler
 
 
 def fail_model_after(core: Any, num_calls: int) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from engine.kv_backend import KVBackend, LeanCpuPagedKV, PagedKV, VAttentionKV, make_kv_backend
 from engine.worker.dummy_model import dummy_hf_config
-from engine.models.llama import LlamaArgs
+from engine.models.llama_args import LlamaArgs
 from tests.fake_vmm_driver import FakeDriver
 
 

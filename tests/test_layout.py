@@ -3,8 +3,13 @@
 - Imports only go one way, kernels <- engine <- app (ARCHITECTURE.md): kernels/ never imports engine or app,
   engine/ never imports app, not even inside a function or under TYPE_CHECKING, so each layer can be used,
   tested and reasoned about without the ones above it.
+- Inside engine/ the tiers are layers too (ENGINE_TIERS, lowest first): a module imports only modules of its
+  own tier or of the tiers below it, at import time, inside a function or under TYPE_CHECKING alike (a type
+  hint is an import too, STYLE.md). Every module of engine/ has its tier.
 - No import cycles between the modules of kernels/, engine/ and app/ at import time: a cycle makes the
-  import order matter and half-initialised modules show up as confusing AttributeErrors.
+  import order matter and half-initialised modules show up as confusing AttributeErrors. Nor any cycle through
+  imports of any kind (inside a function, under TYPE_CHECKING): such a cycle is two modules that each need the
+  other, whatever the import order.
 - The stateless routes (openai_api, tokenize_api) import nothing of app/sessions.
 - No module over ~400 lines and no function over ~40 lines without a reason (STYLE.md). Modules are held to
   MAX_MODULE_LINES; functions on the hot path (the scheduler/runner/model step) to MAX_FUNCTION_LINES, since
@@ -35,14 +40,59 @@ HOT_PATH = (
     "engine/core/block_pool.py",
     "engine/worker/model_runner.py",
     "engine/worker/step_inputs.py",
-    "engine/core/engine_core.py",
+    "engine/runtime/engine_core.py",
     "engine/output/output_processor.py",
     "engine/output/detokenizer.py",
     "engine/layers/*.py",
+    "engine/sample/*.py",
+    "engine/core/run_queues.py",
     "engine/models/*.py",
     "engine/kv_backend/*.py",
     "engine/worker/cuda_graphs.py",
-    "engine/core/core_process.py",
+    "engine/runtime/core_process.py",
+)
+
+# engine/'s tiers, lowest first: (what it is, the packages and modules in it). A package stands for every module in
+# it; ``engine`` alone is the package's own __init__ (its public names), at the top with the front-facing modules.
+ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "shared types",
+        (
+            "engine.config",
+            "engine.sampling_params",
+            "engine.sequence",
+            "engine.forward_context",
+            "engine.log_format",
+            "engine.child_process",
+        ),
+    ),
+    (
+        "weights",
+        ("engine.weights",),
+    ),  # GGUF files and weight formats: torch, numpy, gguf, kernels only
+    ("core", ("engine.core",)),  # what runs in each step: scheduler, block books, pins, stats
+    ("distributed", ("engine.distributed",)),  # tensor parallelism's group and collectives
+    ("kv_backend", ("engine.kv_backend",)),
+    ("layers", ("engine.layers",)),
+    ("models", ("engine.models",)),
+    ("sample", ("engine.sample",)),
+    ("output", ("engine.output",)),  # output types, detokenizing, beam search, structured output
+    ("worker", ("engine.worker",)),  # how a step runs: model runner, loader, CUDA graphs, TP ranks
+    ("runtime", ("engine.runtime",)),  # the loop that drives core and worker, and its process
+    (
+        "front",
+        (
+            "engine",
+            "engine.async_engine",
+            "engine.llm_engine",
+            "engine.llm",
+            "engine.core_connection",
+            "engine.request_stream",
+            "engine.engine_client",
+            "engine.chat_template",
+            "engine.grammar_worker",
+        ),
+    ),
 )
 
 
@@ -102,21 +152,31 @@ def is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def import_time_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Imports run when the module is imported: top level and inside top-level if/try/with, not in
-    `if TYPE_CHECKING:` (its else branch does run), functions or classes."""
-    for stmt in body:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            yield stmt
-        elif isinstance(stmt, ast.If):
-            if not is_type_checking(stmt.test):
-                yield from import_time_imports(stmt.body)
-            yield from import_time_imports(stmt.orelse)
-        elif isinstance(stmt, (ast.Try, ast.TryStar)):
-            for block in (stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody):
-                yield from import_time_imports(block)
-        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-            yield from import_time_imports(stmt.body)
+# where an import statement runs
+AT_IMPORT = "at import time"
+IN_FUNCTION = "inside a function"
+TYPE_ONLY = "under TYPE_CHECKING"
+
+
+def imports_in(
+    node: ast.AST, kind: str = AT_IMPORT
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement under ``node``, with where it runs: when the module is imported (top level, class
+    bodies, if/try/with blocks), inside a function (when it is called), or never (``if TYPE_CHECKING:``; its
+    else branch does run)."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node, kind
+        return
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind == AT_IMPORT:
+        kind = IN_FUNCTION
+    if isinstance(node, ast.If) and is_type_checking(node.test):
+        for stmt in node.body:
+            yield from imports_in(stmt, TYPE_ONLY if kind == AT_IMPORT else kind)
+        for stmt in node.orelse:
+            yield from imports_in(stmt, kind)
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from imports_in(child, kind)
 
 
 def test_no_upward_imports() -> None:
@@ -198,20 +258,101 @@ def cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
     return component
 
 
-def test_no_import_cycles_among_modules() -> None:
+def import_graph(
+    kinds: tuple[str, ...],
+) -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
+    """Module -> the modules it imports by imports of ``kinds``; and for each edge, where its first import is
+    (file:line, and its kind)."""
     graph: dict[str, set[str]] = {module: set() for module in modules()}
+    where: dict[tuple[str, str], str] = {}
     for module, path in modules().items():
-        for node in import_time_imports(parse(path).body):
+        for node, kind in imports_in(parse(path)):
+            if kind not in kinds:
+                continue
             for name in imported(module, node):
                 target = most_specific(name)
                 if target is not None and target != module:
                     graph[module].add(target)
-    cycles = [
-        " -> ".join(cycle_in(c, graph)) + f"   (component: {', '.join(c)})"
-        for c in strongly_connected(graph)
-        if len(c) > 1
-    ]
+                    where.setdefault((module, target), f"{rel(path)}:{node.lineno} {kind}")
+    return graph, where
+
+
+def cycles_of(graph: dict[str, set[str]], where: dict[tuple[str, str], str]) -> list[str]:
+    """One cycle of each strongly connected component, each import named by its file:line and kind."""
+    cycles = []
+    for component in strongly_connected(graph):
+        if len(component) > 1:
+            path = cycle_in(component, graph)
+            steps = [f"{a} ({where[a, b]})" for a, b in zip(path, path[1:])]
+            cycles.append(
+                " -> ".join([*steps, path[-1]]) + f"   (component: {', '.join(component)})"
+            )
+    return cycles
+
+
+def test_no_import_cycles_among_modules() -> None:
+    cycles = cycles_of(*import_graph((AT_IMPORT,)))
     assert not cycles, "import cycles at import time:\n" + "\n".join(cycles)
+
+
+def test_no_import_cycles_through_function_level_or_type_checking_imports() -> None:
+    """A cycle that closes only through an import inside a function or under TYPE_CHECKING imports fine, but it
+    is two modules that each need the other: one of them is in the wrong place (or is one class split in two)."""
+    cycles = cycles_of(*import_graph((AT_IMPORT, IN_FUNCTION, TYPE_ONLY)))
+    assert not cycles, "import cycles (any kind of import):\n" + "\n".join(cycles)
+
+
+def engine_tier(module: str) -> int | None:
+    """The index in ENGINE_TIERS of an engine module's tier: the tier naming it, else the one naming the closest
+    package above it (``engine`` names the package's own __init__ only); None when none does."""
+    for index, (_, names) in enumerate(ENGINE_TIERS):
+        if module in names:
+            return index
+    owners = [
+        (len(name), index)
+        for index, (_, names) in enumerate(ENGINE_TIERS)
+        for name in names
+        if name != "engine" and module.startswith(name + ".")
+    ]
+    return max(owners)[1] if owners else None
+
+
+def engine_modules() -> dict[str, Path]:
+    return {module: path for module, path in modules().items() if module.split(".")[0] == "engine"}
+
+
+def test_every_engine_module_has_its_tier() -> None:
+    named = [name for _, names in ENGINE_TIERS for name in names]
+    unknown = [name for name in named if name not in modules()]
+    assert not unknown, f"ENGINE_TIERS names what is no module or package of engine/: {unknown}"
+    assert len(named) == len(set(named)), "ENGINE_TIERS names a module twice"
+    unplaced = [
+        rel(path) for module, path in engine_modules().items() if engine_tier(module) is None
+    ]
+    assert not unplaced, "modules in no tier of ENGINE_TIERS (give each its tier):\n" + "\n".join(
+        unplaced
+    )
+
+
+def test_no_upward_imports_between_engine_tiers() -> None:
+    """Every import of every kind: at import time, inside a function, under TYPE_CHECKING."""
+    offenders = []
+    for module, path in engine_modules().items():
+        rank = engine_tier(module)
+        if rank is None:
+            continue  # (test_every_engine_module_has_its_tier)
+        for node, kind in imports_in(parse(path)):
+            for name in imported(module, node):
+                target = most_specific(name)
+                above = engine_tier(target) if target is not None else None
+                if above is not None and above > rank:
+                    offenders.append(
+                        f"{rel(path)}:{node.lineno}: {module} (tier {ENGINE_TIERS[rank][0]!r}) imports "
+                        f"{target} (tier {ENGINE_TIERS[above][0]!r}) {kind}"
+                    )
+    assert not offenders, (
+        "engine/'s tiers import only their own and those below them:\n" + "\n".join(offenders)
+    )
 
 
 def test_no_module_over_400_lines_in_engine_and_app() -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import Block, BlockPool, HostBlocks
-from engine.core.block_stats import BlockStats, collect_block_stats
+from engine.core.block_stats import BlockStats, PrefixLookups, count_blocks
 from engine.core.host_prefix_cache import HostPrefixCache
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,13 +57,11 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         # pin id -> cached blocks it holds one reference to each
         self.pins: dict[str, list[int]] = {}
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+        self.lookups = PrefixLookups()  # the prefix cache's, at admission
         self.host = HostBlocks(num_host_blocks)
         # (device block, host block), drained by the scheduler
         self.pending_swap_out: list[tuple[int, int]] = []
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
-        self.prefix_host_hits = 0
         self.host_cache: HostPrefixCache | None = None
         if enable_prefix_caching and num_host_cache_blocks > 0:
             self.host_cache = HostPrefixCache(num_host_blocks, num_host_cache_blocks)
@@ -158,8 +156,8 @@ class BlockManager:
         host hits' slots claimed: taking blocks for host hits must not evict a device hit or store an evicted
         block into the slot of a host hit still to be restored."""
         if not seq.block_table:  # admission: count the lookup
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(prefix_hits) * self.block_size
+            self.lookups.queries += seq.num_tokens
+            self.lookups.hits += len(prefix_hits) * self.block_size
         restores = {}
         for hit in prefix_hits:
             if isinstance(hit, Block):
@@ -186,7 +184,7 @@ class BlockManager:
         block = self.pool.take()
         self.pending_swap_in.append((slot, block.block_id))
         self.pool.register(block, block_hash)
-        self.prefix_host_hits += self.block_size
+        self.lookups.host_hits += self.block_size
         return block.block_id
 
     def _store_on_host(self, block: Block, block_hash: bytes) -> None:
@@ -397,4 +395,11 @@ class BlockManager:
         return dropped + (self.host_cache.clear() if self.host_cache is not None else 0)
 
     def stats(self) -> BlockStats:
-        return collect_block_stats(self)
+        return count_blocks(
+            self.pool,
+            self.block_size,
+            self.holders.values(),
+            self.pins,
+            self.lookups,
+            self.host_cache,
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 # rough rates: host link bytes/s and achievable FLOP/s, by device type
 _RATES = {"cuda": (25e9, 4e14), "cpu": (5e9, 2e11)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 
 from engine.core.block_manager import BlockManager
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 from engine.sampling_params import SamplingParams
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ single rank) every collective is the identity, so model code has no branch for i
 
 The decode step's all-reduces are small (a batch of 256 rows of 4096 bf16 is 2 MiB) and there are two per
 layer, so their latency, not NVLink's bandwidth, is what they cost. On CUDA with ``all_reduce="auto"`` those of
-1 .. 8 MiB go through symmetric memory (engine/worker/peer_memory.py: one kernel per rank reads the peers' parts
+1 .. 8 MiB go through symmetric memory (engine/distributed/peer_memory.py: one kernel per rank reads the peers' parts
 over NVLink directly, one barrier per sum, the residual add and the next RMSNorm in the same kernel), and the
 logits are written straight into rank 0's; NCCL takes the rest and every other collective.
 """
@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from engine.worker.peer_memory import LogitsExchange, PeerAllReduce
+from engine.config import ALL_REDUCE_CHOICES
+from engine.distributed.peer_memory import LogitsExchange, PeerAllReduce
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: a program using it can take a shared host's GPUs out of
 # service (the device notes); set before the first NCCL call, and inherited by the processes we start
@@ -52,8 +53,6 @@ class TensorParallel:
 
 _SINGLE = TensorParallel(0, 1)
 _current = _SINGLE
-
-ALL_REDUCE_CHOICES = ("auto", "two_shot", "nccl")
 
 
 _peer: PeerAllReduce | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
 
 

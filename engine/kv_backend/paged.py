@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv_backend.base import KVBackend, Rotation
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from kernels import cpu as cpu_kernels
 from kernels import ops as kernel_ops
 

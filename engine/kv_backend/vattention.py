@@ -30,7 +30,7 @@ import torch
 from engine.kv_backend.base import KVBackend, Rotation
 from engine.kv_backend.slot_jobs import SlotJobs
 from engine.kv_backend.slot_pages import SlotPages
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
 
 logger = logging.getLogger(__name__)

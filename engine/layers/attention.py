@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.kv_backend.base import KVBackend, Rotation
-from engine.worker.forward_context import AttentionMetadata, get_attention_metadata
+from engine.forward_context import AttentionMetadata, get_attention_metadata
 
 
 class PagedAttention(nn.Module):

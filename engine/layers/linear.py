@@ -1,11 +1,11 @@
 """Linear and Embedding without random initialisation: every weight comes from the loader (which fails on
 any tensor left unset), so initialising 100M+ parameters first would only cost seconds at start.
 
-Their tensor-parallel forms (engine/worker/parallel_state.py): a column-parallel layer holds this rank's slice of the
+Their tensor-parallel forms (engine/distributed/parallel_state.py): a column-parallel layer holds this rank's slice of the
 outputs, a row-parallel layer this rank's slice of the inputs and adds the ranks' partial outputs with one
 all-reduce (its bias once, after the sum), and the vocabulary-parallel embedding this rank's rows of the
 table. With one rank each is the plain layer. Each all-reduce names its call site's exchange (the embedding 0,
-attention's output 1, the MLP's 2; engine/worker/peer_memory.py says why consecutive sums must not share one).
+attention's output 1, the MLP's 2; engine/distributed/peer_memory.py says why consecutive sums must not share one).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 from kernels import ops as kernel_ops
 from kernels.skinny_choice import GEMM, prefer_skinny
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import CPU_WEIGHTS
 from kernels.cpu_native import CpuKernels
 
-CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
 Q4_GROUP = 32
 # outputs per block of the Q4_1 x Q8 / Q8_0 x Q8 layouts (one AVX-512 or two AVX2 vectors)
 Q4Q8_OUTPUTS = 16

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.kv_backend.base import Rotation
-from engine.worker.forward_context import pass_memo
+from engine.forward_context import pass_memo
 from kernels import cpu as cpu_kernels
 from kernels import lean_cpu, ops as kernel_ops
 

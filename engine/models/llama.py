@@ -3,20 +3,19 @@
 Weights use the Hugging Face names, except that q/k/v and gate/up are fused into one matmul each;
 ``load_weights`` places each HF tensor into its shard of the fused parameter.
 
-Under tensor parallelism (engine/worker/parallel_state.py) each rank builds the layers of its shard: its heads of
+Under tensor parallelism (engine/distributed/parallel_state.py) each rank builds the layers of its shard: its heads of
 q/k/v (kv heads replicated where the ranks outnumber them), its columns of gate/up, the matching inputs of
 o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only that slice of each tensor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 from engine.layers.linear import (
     ATTENTION_EXCHANGE,
     ColumnParallelLinear,
@@ -35,81 +34,18 @@ from engine.layers.quantized_linear import (
     Q8Head,
     quantized_linear,
 )
+from engine.models.llama_args import LlamaArgs
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
 from engine.models.llama_cpu_decoder import LlamaCpuDecoder
 from engine.models.llama_persistent import LlamaPersistentDecoder, persistent_decoder
-from engine.worker.forward_context import current_attention_metadata
+from engine.forward_context import current_attention_metadata
 from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
-
-
-@dataclass(slots=True, frozen=True)
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position: int
-    rope: dict[str, Any]
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf(cls, cfg: Any) -> "LlamaArgs":
-        model_type = cfg.model_type
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            rms_norm_eps=cfg.rms_norm_eps,
-            max_position=cfg.max_position_embeddings,
-            rope=rope_parameters(cfg),
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )
-
-    def sharded(self, size: int) -> "LlamaArgs":
-        """One rank's shape of ``size``: its heads, kv heads (one each where the ranks outnumber them: then
-        replicated) and intermediate columns; ValueError naming tensor_parallel_size where they do not divide."""
-        if size == 1:
-            return self
-        problems = []
-        if self.num_heads % size:
-            problems.append(f"{self.num_heads} attention heads")
-        if self.num_kv_heads % size and size % self.num_kv_heads:
-            problems.append(f"{self.num_kv_heads} kv heads (nor do they divide it)")
-        if self.intermediate_size % size:
-            problems.append(f"intermediate size {self.intermediate_size}")
-        if problems:
-            raise ValueError(
-                f"tensor_parallel_size: {size} does not divide the model's " + ", ".join(problems)
-            )
-        return replace(
-            self,
-            num_heads=self.num_heads // size,
-            num_kv_heads=max(1, self.num_kv_heads // size),
-            intermediate_size=self.intermediate_size // size,
-        )
+from engine.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -194,7 +130,9 @@ class LlamaModel(nn.Module):
         if self.persistent is not None:
             meta = current_attention_metadata()
             if self.persistent.takes(input_ids.shape[0], meta):
-                return self.persistent.forward(input_ids, positions, meta)
+                return self.norm(
+                    self.persistent.forward(self.embed_tokens(input_ids), positions, meta)
+                )
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
@@ -235,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         model, device and cache qualify (``paged``: the paged KV backend); without a cache (``paged`` False,
         at release), none."""
         self.model.persistent = (
-            persistent_decoder(self.model, self.shard_args, self.tp.size)
+            persistent_decoder(self.model.layers, self.shard_args, self.tp.size)
             if paged and self.cpu_decoder is None
             else None
         )

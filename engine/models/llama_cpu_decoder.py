@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.worker.forward_context import AttentionMetadata, get_attention_metadata
+from engine.forward_context import AttentionMetadata, get_attention_metadata
 from engine.layers.quantized_linear import Q4Linear
 from kernels import cpu as cpu_kernels
 from kernels.cpu_native import CpuKernels

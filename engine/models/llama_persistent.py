@@ -12,22 +12,26 @@ A pass takes it when all of these hold, else the module path runs unchanged:
 - ``PAGEDCHAT_PERSISTENT_DECODE`` is not ``off`` (``auto``, the default: where the above hold).
 
 The kernel reads the layers' weights and caches where they lie (a table of their offsets), so the stack is
-rebuilt whenever the cache is allocated again (``LlamaForCausalLM.bind_persistent_decode``).
+rebuilt whenever the cache is allocated again (``LlamaForCausalLM.bind_persistent_decode``). It replaces the
+decoder layers only: the model embeds the tokens before it and applies the final norm after it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from kernels import ops as kernel_ops
 from kernels.decoder_stack import DecoderStack, LayerTensors
 
+from engine.models.llama_args import LlamaArgs
+
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaArgs, LlamaModel
     from kernels.persistent_decode import PersistentConfig
 
 # decode rows up to which the persistent kernel measured faster (see the module docstring)
@@ -44,16 +48,17 @@ def switched_on() -> bool:
 
 
 class LlamaPersistentDecoder:
-    """A LlamaModel's layers bound for the persistent kernel: ``takes`` says whether a pass is one it runs,
-    ``forward`` returns what ``LlamaModel.forward`` returns (the final norm's output)."""
+    """A LlamaModel's decoder layers bound for the persistent kernel: ``takes`` says whether a pass is one it
+    runs, ``forward`` runs every layer over the embedded tokens (what the layer loop gives before the final
+    norm)."""
 
     def __init__(
-        self, model: LlamaModel, stack: DecoderStack, config: PersistentConfig | None
+        self, layers: Sequence[nn.Module], stack: DecoderStack, config: PersistentConfig | None
     ) -> None:
-        self.model, self.stack, self.config = model, stack, config
-        rotary = model.layers[0].self_attn.rotary
-        self.cos_cache, self.sin_cache = rotary.cos_cache, rotary.sin_cache
-        self.scale = model.layers[0].self_attn.attn.scale
+        self.stack, self.config = stack, config
+        first = layers[0].self_attn
+        self.cos_cache, self.sin_cache = first.rotary.cos_cache, first.rotary.sin_cache
+        self.scale = first.attn.scale
 
     def takes(self, num_tokens: int, meta: AttentionMetadata | None) -> bool:
         return (
@@ -63,8 +68,10 @@ class LlamaPersistentDecoder:
             and 1 <= num_tokens <= MAX_ROWS
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        h = self.model.embed_tokens(input_ids)
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``h``: the embedded tokens, updated in place through every layer (and returned)."""
         kernel_ops.persistent_decode(
             h,
             self.stack,
@@ -77,15 +84,15 @@ class LlamaPersistentDecoder:
             self.scale,
             self.config,
         )
-        return self.model.norm(h)
+        return h
 
 
 def persistent_decoder(
-    model: LlamaModel, args: LlamaArgs, tp_size: int
+    layers: Sequence[nn.Module], args: LlamaArgs, tp_size: int
 ) -> LlamaPersistentDecoder | None:
-    """The decoder for ``model`` (a LlamaModel whose attention layers are bound to their paged caches) where the
-    model, device and cache qualify (module docstring), else None."""
-    if not _qualifies(model, args, tp_size):
+    """The decoder for a LlamaModel's ``layers`` (their attention bound to their paged caches) where the model,
+    device and cache qualify (module docstring), else None."""
+    if not _qualifies(layers, args, tp_size):
         return None
     from kernels.persistent_decode import PersistentConfig, fits  # (imports Triton: GPU only)
 
@@ -101,7 +108,7 @@ def persistent_decoder(
         return None
     try:
         stack = DecoderStack(
-            [_tensors(layer) for layer in model.layers],
+            [_tensors(layer) for layer in layers],
             args.num_heads,
             args.num_kv_heads,
             args.head_dim,
@@ -109,11 +116,11 @@ def persistent_decoder(
         )
     except ValueError:  # a layout the kernel does not read (a strided or misaligned tensor)
         return None
-    return LlamaPersistentDecoder(model, stack, config)
+    return LlamaPersistentDecoder(layers, stack, config)
 
 
-def _qualifies(model: LlamaModel, args: LlamaArgs, tp_size: int) -> bool:
-    first = model.layers[0].self_attn
+def _qualifies(layers: Sequence[nn.Module], args: LlamaArgs, tp_size: int) -> bool:
+    first = layers[0].self_attn
     weight, cache = first.qkv_proj.weight, first.attn.k_cache
     return (
         switched_on()
@@ -129,7 +136,7 @@ def _qualifies(model: LlamaModel, args: LlamaArgs, tp_size: int) -> bool:
     )
 
 
-def _tensors(layer: torch.nn.Module) -> LayerTensors:
+def _tensors(layer: nn.Module) -> LayerTensors:
     attn, mlp = layer.self_attn, layer.mlp
     return LayerTensors(
         qkv=attn.qkv_proj.weight,

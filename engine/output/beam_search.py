@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 _NEG = -1.0e9  # transformers' "impossible" score
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.layers.sampler import TokenLogprobs
+from engine.sample.sampler import TokenLogprobs
 
 
 class SampleDelta(msgspec.Struct, array_like=True, gc=False):

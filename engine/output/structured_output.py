@@ -26,7 +26,7 @@ import torch
 
 from engine.sampling_params import StructuredOutput
 from engine.output.schema_check import unsatisfiable
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 _OBJECT_SCHEMA = '{"type": "object"}'
 CHECK_STEPS = 4  # grammar steps tried before a request is admitted

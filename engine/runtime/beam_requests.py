@@ -19,7 +19,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.metrics import EngineCounters
 from engine.output.outputs import SampleDelta
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 
 
 class BeamRequests:

@@ -11,7 +11,6 @@ then it is stopped), and a failed step is reported as ``CoreFailed`` to every fr
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -19,7 +18,6 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.core_messages import (
+from engine.runtime.core_messages import (
     AbortRequest,
     AddFailed,
     AddRequest,
@@ -42,6 +40,7 @@ from engine.core.core_messages import (
     encoder,
     to_core_decoder,
 )
+from engine.child_process import die_with_parent, name_process
 from engine.log_format import configure_logging
 from engine.output.outputs import SampleDelta
 
@@ -50,8 +49,6 @@ logger = logging.getLogger("engine.core")
 _STATS_PERIOD_S = 0.05  # a stats snapshot rides on a step's outputs at most this often
 # while idle (or waiting for a front to connect): how often the parent is looked for
 _IDLE_POLL_MS = 500
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +147,7 @@ def run_engine_core(
 
 
 def _start(config: EngineConfig, outputs: list[zmq.Socket], parent_pid: int) -> Any | None:
-    from engine.core.engine_core import EngineCore
+    from engine.runtime.engine_core import EngineCore
 
     try:
         core = EngineCore(config)
@@ -174,20 +171,6 @@ def _tell_every_front(outputs: list[zmq.Socket], message: Any, parent_pid: int) 
             if os.getppid() != parent_pid:
                 raise SystemExit(0)
         socket.send(frame)
-
-
-def die_with_parent() -> None:
-    """Linux: the kernel kills this process when the front's process ends (no orphan holds device memory)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def name_process(name: str) -> None:
-    """Linux: the name ``ps``, ``top`` and /proc/PID/comm show (15 bytes), so operators can tell the processes apart."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 class CoreLoop:

@@ -16,29 +16,35 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from engine.core.beam_requests import BeamRequests
+from engine.runtime.beam_requests import BeamRequests
 from engine.output.beam_search import new_beam_group
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
-from engine.layers.sampler import TokenLogprobs
+from engine.sample.sampler import TokenLogprobs
 from engine.worker.loader import load_model
 from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
 from engine.output.outputs import SampleDelta
 from engine.core.preemption import SwapPolicy
-from engine.core.requests import Request, Sample, new_sequences, reaches_length_limit, stop_status
+from engine.runtime.requests import (
+    Request,
+    Sample,
+    new_sequences,
+    reaches_length_limit,
+    stop_status,
+)
 from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.output.structured_output import GrammarCompiler
 from engine.output.structured_output import accept as accept_grammar
 from engine.output.structured_output import release_free_heap
-from engine.worker.parallel_state import set_rank_threads
+from engine.distributed.parallel_state import set_rank_threads
 from engine.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.layers.sampler import TokenLogprobs
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.sample.sampler import TokenLogprobs
 from engine.output.beam_search import BeamGroup
 from engine.output.outputs import SampleDelta
 from engine.sampling_params import SamplingParams

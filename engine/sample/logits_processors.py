@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.sampling_batch import BatchParams
+from engine.sample.sampling_batch import BatchParams
 
 _NEG_INF = float("-inf")
 

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.sequence import Sequence
-from engine.layers.logits_processors import (
+from engine.sequence import Sequence
+from engine.sample.logits_processors import (
     apply_logit_bias_,
     apply_min_tokens_,
     apply_penalties_,
     sampling_probs,
     unpack_bitmask,
 )
-from engine.layers.sampling_batch import BatchParams
-from engine.layers.seeded_noise import exponential_noise
+from engine.sample.sampling_batch import BatchParams
+from engine.sample.seeded_noise import exponential_noise
 from kernels import ops as kernel_ops
 
 _NEG_INF = float("-inf")

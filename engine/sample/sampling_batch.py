@@ -14,8 +14,8 @@ from itertools import chain
 
 import torch
 
-from engine.core.sequence import Sequence
-from engine.layers.seeded_noise import draw_key
+from engine.sequence import Sequence
+from engine.sample.seeded_noise import draw_key
 
 _INT_FIELDS = (
     "sampled_rows",

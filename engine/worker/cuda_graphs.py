@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.kv_backend.base import KVBackend
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from engine.worker.step_inputs import StepInputs, StepTensors
 from kernels import ops as kernel_ops
 

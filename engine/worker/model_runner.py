@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from kernels import ops as kernel_ops
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 from engine.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphRunner
-from engine.worker.forward_context import AttentionMetadata, forward_context
+from engine.forward_context import AttentionMetadata, forward_context
 from engine.kv_backend import make_kv_backend
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 from engine.worker.step_inputs import StepInputs, StepTensors
 from engine.worker.step_sampler import LaunchedStep, StepSampler
 from engine.worker.worker_group import (

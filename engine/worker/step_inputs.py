@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from engine.kv_backend.base import KVBackend
-from engine.worker.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata
 from engine.core.scheduled_batch import ScheduledBatch
-from engine.core.sequence import PENDING_TOKEN, Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.core.sequence import Sequence
-from engine.layers.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sequence import Sequence
+from engine.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.output.structured_output import token_masks
 from engine.sampling_params import SamplingParams
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 
 
 @dataclass(slots=True, eq=False)

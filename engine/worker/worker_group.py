@@ -9,36 +9,34 @@ only where rank 0 needs one (start-up, free memory).
 
 A rank that dies ends the engine: a gloo collective fails at once, and rank 0's watcher notices the exit; on
 CUDA, where an NCCL collective would wait for the lost peer, the watcher ends the process (exit status 3, the
-engine's death) after a short grace. The workers die with rank 0's process (PR_SET_PDEATHSIG) and on ``stop``.
+engine's death) after a short grace. The workers (tp_worker.py: a rank's process, which carries out the commands
+defined here) die with rank 0's process (PR_SET_PDEATHSIG) and on ``stop``.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 
-from engine.worker import parallel_state, peer_memory
+from engine.distributed import parallel_state, peer_memory
 from engine.config import EngineConfig
 from engine.worker.step_inputs import StepLayout
 
 logger = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = 600.0  # a rank loading its shard of a large model from a slow disk
+START_TIMEOUT_S = 600.0  # a rank loading its shard of a large model from a slow disk
 _LEAVE_TIMEOUT_S = 30.0  # leaving the process group at shutdown, before giving up on it
 # CUDA: how long rank 0's own collective may take to fail before the watcher ends it
 _DEATH_GRACE_S = 10.0
@@ -172,7 +170,7 @@ class WorkerGroup:
                 all_reduce,
             )
             process = subprocess.Popen(
-                [sys.executable, "-m", "engine.worker.worker_group"], stdin=subprocess.PIPE
+                [sys.executable, "-m", "engine.worker.tp_worker"], stdin=subprocess.PIPE
             )
             process.stdin.write(pickle.dumps(spec))
             process.stdin.close()
@@ -180,7 +178,7 @@ class WorkerGroup:
         logger.info("tensor parallel: %d ranks, workers %s", size, [p.pid for p in self.processes])
         try:
             parallel_state.init_tensor_parallel(
-                0, size, rank_device(config, 0), rendezvous, _START_TIMEOUT_S, all_reduce
+                0, size, rank_device(config, 0), rendezvous, START_TIMEOUT_S, all_reduce
             )
         except Exception:
             self.stop()
@@ -204,7 +202,7 @@ class WorkerGroup:
         """Block until every worker has loaded its shard; RuntimeError (ValueError for a configuration mistake)
         with the first failure."""
         ready: set[int] = set()
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while len(ready) < self.size - 1:
             message = self._receive(deadline)
             if isinstance(message, WorkerFailed):
@@ -230,7 +228,7 @@ class WorkerGroup:
         """Send ``command`` and return the workers' replies, by rank (1 .. N-1)."""
         self.send(command)
         values: dict[int, Any] = {}
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while len(values) < self.size - 1:
             message = self._receive(deadline)
             if isinstance(message, WorkerFailed):
@@ -301,86 +299,3 @@ def _leave_group() -> None:
             "tensor parallel: leaving the process group took over %.0f s; left behind",
             _LEAVE_TIMEOUT_S,
         )
-
-
-# the worker process --------------------------------------------------------------------------------------
-
-
-def run_worker(spec: WorkerSpec) -> None:
-    from engine.core.core_process import die_with_parent, name_process
-    from engine.worker.loader import load_model
-    from engine.log_format import configure_logging
-    from engine.worker.model_runner import ModelRunner
-
-    die_with_parent()
-    name_process(f"pagedchat-tp{spec.rank}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # (kill -USR1: every thread's stack on stderr, for a rank that seems stuck)
-    faulthandler.register(signal.SIGUSR1)
-    configure_logging(logging.getLevelName(spec.log_level), "text", f"tp rank {spec.rank}")
-    context = zmq.Context()
-    commands = context.socket(zmq.PULL)
-    commands.connect(spec.commands)
-    replies = context.socket(zmq.PUSH)
-    replies.connect(spec.replies)
-    try:
-        device = rank_device(spec.config, spec.rank)
-        parallel_state.init_tensor_parallel(
-            spec.rank, spec.size, device, spec.rendezvous, _START_TIMEOUT_S, spec.all_reduce
-        )
-        # (its device stays "cuda": the current device, this rank's, set by the group)
-        config = spec.config
-        parallel_state.set_rank_threads(config.num_threads, spec.size, device)
-        torch.manual_seed(config.seed)
-        model, _ = load_model(config)
-        runner = ModelRunner(config, model)
-        replies.send(pickle.dumps(WorkerReady(spec.rank)))
-        _serve(runner, commands, replies, spec.rank)
-    except Exception as exc:  # noqa: BLE001 - rank 0 reports it
-        logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, traceback.format_exc())
-        replies.send(pickle.dumps(WorkerFailed(spec.rank, f"{type(exc).__name__}: {exc}")))
-        replies.close(linger=2000)
-        raise SystemExit(1) from None
-    replies.close(linger=0)
-    commands.close(linger=0)
-    parallel_state.destroy_tensor_parallel()
-
-
-def _serve(runner: Any, commands: zmq.Socket, replies: zmq.Socket, rank: int) -> None:
-    """Carry out rank 0's commands until ``Stop``."""
-    with torch.inference_mode():
-        while True:
-            frames = commands.recv_multipart(copy=False)
-            command = pickle.loads(frames[0].buffer)
-            if isinstance(command, RunStep):
-                runner.follow_step(command, frames[1].buffer)
-            elif isinstance(command, AllocateKv):
-                runner.config.max_model_len = command.max_model_len
-                runner.allocate_kv_cache(command.num_blocks)
-            elif isinstance(command, AllocateHostCache):
-                runner.allocate_host_cache(command.num_blocks)
-            elif isinstance(command, ReserveLogits):
-                runner.reserve_logits(command.max_rows, command.width)
-            elif isinstance(command, CaptureGraphs):
-                runner.capture_graphs(command.sizes)
-            elif isinstance(command, ReleaseKv):
-                runner.release_kv_cache()
-            elif isinstance(command, MemoryInfo):
-                replies.send(pickle.dumps(Reply(rank, torch.cuda.mem_get_info(runner.device))))
-            elif isinstance(command, Stop):
-                # (before the group goes: their captured collectives hold its communicator)
-                runner.release_graphs()
-                return
-            else:
-                raise RuntimeError(f"unknown command {type(command).__name__}")
-
-
-if __name__ == "__main__":
-    # (by its module name: the commands rank 0 pickles are engine.worker.worker_group's classes, not __main__'s)
-    from engine.worker.worker_group import run_worker as _run
-
-    _run(pickle.loads(sys.stdin.buffer.read()))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (no interpreter teardown: CUDA and NCCL state is simply dropped with the process)

@@ -11,7 +11,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
 

@@ -33,7 +33,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager, HostHit
 from engine.core.block_pool import Block
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 BS = 4
 MODEL = "test/model"
@@ -767,7 +767,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             len(bm.pending_swap_out),
             len(bm.pending_swap_in),
         )
-        host_hits_before = bm.prefix_host_hits
+        host_hits_before = bm.lookups.host_hits
 
         ok = bm.allocate(seq, n, hits) if admission else bm.allocate(seq, n)
         assert ok == (need <= free_before), (
@@ -811,7 +811,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 "restore not registered"
             )
             assert bm.host_cache.entries.get(h.block_hash) == h.slot
-        assert bm.prefix_host_hits - host_hits_before == BS * len(host_hits)
+        assert bm.lookups.host_hits - host_hits_before == BS * len(host_hits)
         self.host_hits += BS * len(host_hits)
         # evicted blocks this allocation stored on the host tier (copied in the step's first phase)
         stores = bm.pending_swap_out[num_outs:]

@@ -14,7 +14,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.fair_share import TenantService, max_min_shares
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 from engine.core.step_cost import StepCostModel
 from tests.block_invariants import check_pool
 
@@ -169,7 +169,7 @@ def test_a_light_tenant_runs_every_step_while_a_heavy_tenants_rows_take_turns():
 def test_a_measured_step_cost_caps_a_shared_step_by_time():
     scheduler = make_scheduler(budget=64)
     _, light = heavy_and_light(scheduler, 8)
-    scheduler.shared_step_time_factor = 1.5
+    scheduler.shared_step.time_factor = 1.5
     fixed, per_token = 0.010, 0.005
     for tokens in (1, 8):  # a 1-token step 15 ms; 1.5 x 15 = 22.5 ms: 2 tokens (light 1, heavy 1)
         scheduler.step_cost.observe(tokens, fixed + per_token * tokens)
@@ -198,7 +198,7 @@ def test_a_step_time_target_cuts_a_lone_tenants_prefill_but_not_its_decodes():
 def test_a_new_request_gets_its_prefill_even_when_a_step_with_prefill_costs_many_paces():
     scheduler = make_scheduler(budget=256, num_blocks=1024)
     _, light = heavy_and_light(scheduler, 12)
-    scheduler.shared_step_time_factor = 1.2
+    scheduler.shared_step.time_factor = 1.2
     # a one-token step 1 ms (+10 us a token); a step with prefill costs 14 ms more
     for tokens in (1, 8):
         scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)
@@ -367,7 +367,7 @@ def test_with_only_prompts_waiting_a_shared_step_computes_them_whatever_its_cred
     """No stream runs, so nothing is kept at pace: a dear step with prefill runs at once (an empty step would
     stall the engine)."""
     scheduler = make_scheduler(budget=256)
-    scheduler.shared_step_time_factor = 1.2
+    scheduler.shared_step.time_factor = 1.2
     for tokens in (1, 8):
         scheduler.step_cost.observe(tokens, 0.001 + 0.00001 * tokens)
     for _ in range(20):

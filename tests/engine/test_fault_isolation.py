@@ -11,7 +11,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.request_stream import RequestFailedError
-from engine.layers.sampler import Sampler
+from engine.sample.sampler import Sampler
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.output import output_processor

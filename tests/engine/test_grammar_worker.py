@@ -1,4 +1,4 @@
-"""Grammar workers (engine/output/grammar_worker.py): a schema compiles in a process of its own, which a compile past its
+"""Grammar workers (engine/grammar_worker.py): a schema compiles in a process of its own, which a compile past its
 time or heap limit ends (a 400 naming response_format, and the next compile works), which is replaced once it has
 grown too large, and whose memory never shows up in the front."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.output.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.grammar_worker import GrammarWorkers, WorkerSetup
 from engine.worker.model_sources import ensure_default_model
 from engine.sampling_params import StructuredOutput
 

@@ -13,14 +13,15 @@ import torch
 
 from engine.kv_backend.paged import PagedKV
 from engine.models import llama_persistent
-from engine.models.llama import LlamaArgs, LlamaModel
+from engine.models.llama import LlamaModel
+from engine.models.llama_args import LlamaArgs
 from engine.models.llama_persistent import (
     MAX_ROWS,
     LlamaPersistentDecoder,
     persistent_decoder,
     switched_on,
 )
-from engine.worker.forward_context import AttentionMetadata, forward_context
+from engine.forward_context import AttentionMetadata, forward_context
 from kernels.decoder_stack import DecoderStack, LayerTensors
 
 ARGS = LlamaArgs(
@@ -105,7 +106,7 @@ def test_the_pass_gives_what_the_layers_give(contexts: list[int]) -> None:
     written = kv.k_caches.clone(), kv.v_caches.clone()
     kv.k_caches.copy_(caches[0])
     kv.v_caches.copy_(caches[1])
-    model.persistent = LlamaPersistentDecoder(model, stack_of(model), None)
+    model.persistent = LlamaPersistentDecoder(model.layers, stack_of(model), None)
     calls = []
     with torch.no_grad(), forward_context(meta):
         original = model.persistent.forward
@@ -121,7 +122,7 @@ def test_the_pass_gives_what_the_layers_give(contexts: list[int]) -> None:
 
 def test_passes_it_does_not_take() -> None:
     model, _ = make_model()
-    decoder = LlamaPersistentDecoder(model, stack_of(model), None)
+    decoder = LlamaPersistentDecoder(model.layers, stack_of(model), None)
     meta, _ = decode_metadata([5] * (MAX_ROWS + 1))
     assert decoder.takes(MAX_ROWS, decode_metadata([5] * MAX_ROWS)[0])
     assert not decoder.takes(MAX_ROWS + 1, meta)  # more rows than measured faster
@@ -133,7 +134,7 @@ def test_passes_it_does_not_take() -> None:
 
 def test_the_cpu_binds_no_pass_and_the_switch_is_checked(monkeypatch) -> None:
     model, _ = make_model()
-    assert persistent_decoder(model, ARGS, 1) is None  # CPU tensors
+    assert persistent_decoder(model.layers, ARGS, 1) is None  # CPU tensors
     monkeypatch.setenv("PAGEDCHAT_PERSISTENT_DECODE", "off")
     assert not switched_on()
     monkeypatch.setenv("PAGEDCHAT_PERSISTENT_DECODE", "on")

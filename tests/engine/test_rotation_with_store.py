@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from engine.kv_backend.base import Rotation  # noqa: E402
 from engine.kv_backend.paged import LeanCpuPagedKV, PagedKV  # noqa: E402
-from engine.worker.forward_context import AttentionMetadata  # noqa: E402
+from engine.forward_context import AttentionMetadata  # noqa: E402
 from kernels import ops as kernel_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 16

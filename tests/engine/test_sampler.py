@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, SamplerOutput
-from engine.layers.seeded_noise import draw_key, exponential_noise, splitmix64
+from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sample.seeded_noise import draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 EOS = 2
 VOCAB = 32

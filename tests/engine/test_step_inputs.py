@@ -9,7 +9,7 @@ import torch
 from engine.kv_backend.paged import PagedKV
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 from engine.worker.step_inputs import PADDING_ROW, StepInputs
 
 BLOCK = 4

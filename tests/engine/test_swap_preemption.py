@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import SequenceStatus
+from engine.sequence import SequenceStatus
 from tests.block_invariants import check_pool, run_checked as run_pool_checked
 from tests.conftest import SMALL_KV_GIB
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -153,7 +153,7 @@ def test_tensor_parallel_options_are_checked():
 
 def worker_pids(parent: int) -> list[int]:
     """Tensor-parallel worker processes whose parent is ``parent``."""
-    return child_processes(parent, b"engine.worker.worker_group")
+    return child_processes(parent, b"engine.worker.tp_worker")
 
 
 async def test_a_killed_rank_ends_every_stream_with_an_error_and_marks_the_engine_dead(model_dirs):

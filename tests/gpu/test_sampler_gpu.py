@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler
-from engine.layers.seeded_noise import draw_key, exponential_noise, splitmix64
+from engine.sample.sampler import Sampler
+from engine.sample.seeded_noise import draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"

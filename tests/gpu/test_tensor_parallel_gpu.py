@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine.worker import parallel_state
+from engine.distributed import parallel_state
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ NEW_TOKENS = 16
 SHARED_LEN = 80  # the prefix the last two prompts share: 5 full blocks of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # steps of up to 160 tokens: llama-3.2-1b's all-reduces of 128 .. 160 rows of 2048 float32 (1 .. 1.25 MiB) take the
-# symmetric-memory path of the process's first tensor-parallel engine (engine/worker/parallel_state.py), the rest NCCL
+# symmetric-memory path of the process's first tensor-parallel engine (engine/distributed/parallel_state.py), the rest NCCL
 OPTIONS = {
     "load_format": "dummy",
     "dtype": "float32",

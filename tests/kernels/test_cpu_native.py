@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.worker.forward_context import get_attention_metadata
+from engine.forward_context import get_attention_metadata
 from engine.layers.quantized_linear import (
     PACKED_OUTPUTS,
     PackedInt8Head,

@@ -203,6 +203,8 @@ def test_the_options_table_matches_the_dataclasses_and_their_defaults():
 
 def test_choices_are_the_engines_own():
     from engine.config import (
+        ALL_REDUCE_CHOICES,
+        CPU_WEIGHTS,
         DTYPES,
         KV_BACKENDS,
         KV_CACHE_DTYPES,
@@ -210,9 +212,7 @@ def test_choices_are_the_engines_own():
         PREEMPTION_MODES,
         PREFIX_HASHES,
     )
-    from engine.layers.quantized_linear import CPU_WEIGHTS
     from engine.worker.dummy_model import DUMMY_ARCHITECTURES
-    from engine.worker.parallel_state import ALL_REDUCE_CHOICES
     from kernels.cpu_native import CPU_ISA_CHOICES
 
     choices = {o.name: set(o.choices) for o in ENGINE_OPTIONS if o.choices}

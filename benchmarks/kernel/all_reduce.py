@@ -1,4 +1,4 @@
-"""The tensor-parallel all-reduce, NCCL against the symmetric-memory sums (engine/worker/peer_memory.py's
+"""The tensor-parallel all-reduce, NCCL against the symmetric-memory sums (engine/distributed/peer_memory.py's
 ``PeerAllReduce``: our Triton kernel's one-barrier one shot (the engine's, from 1 to 8 MiB), two shot and
 two-barrier one shot, kernels/all_reduce.py, and PyTorch's own two-shot and one-shot ops), at the sizes a decode
 or prefill step adds: ``rows`` x ``--hidden`` values of ``--dtype``. The one-barrier sums go round the three
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.harness.record import environment, environment_line, require_cuda, write_json
-from engine.worker import parallel_state, peer_memory
+from engine.distributed import parallel_state, peer_memory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

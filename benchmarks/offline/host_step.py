@@ -20,7 +20,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 from engine.kv_backend.paged import PagedKV
 from engine.worker.step_inputs import StepInputs
 

@@ -57,7 +57,7 @@ from benchmarks.offline.nano import (
 from engine.config import resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
-from engine.worker.parallel_state import ALL_REDUCE_CHOICES
+from engine.distributed.parallel_state import ALL_REDUCE_CHOICES
 
 logger = logging.getLogger("benchmarks.offline.tensor_parallel")
 

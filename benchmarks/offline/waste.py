@@ -48,7 +48,7 @@ from benchmarks.harness.workloads import NANO_LENGTHS, Request, nano_workload
 from engine.core.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.sequence import Sequence
 
 logger = logging.getLogger("benchmarks.offline.waste")
 

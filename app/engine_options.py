@@ -163,10 +163,12 @@ ENGINE_OPTIONS = (
     ),
     Option(
         "cpu_weights",
-        "How the CPU stores linear weights (activations stay float32); auto is q4 for a model "
-        "shipped as Q4_1 GGUF (the default model), float32 otherwise",
+        "How the CPU stores linear weights (activations stay float32): file keeps a GGUF model's own "
+        "block formats (Q4_K, Q6_K, Q8_0, ...: the default for .gguf models, the default model "
+        "included), float32 de-quantizes them, q4 and int8 round float weights; auto is file for a "
+        "GGUF model and float32 for others",
         "auto",
-        choices=("auto", "float32", "bfloat16", "int8", "q4"),
+        choices=("auto", "file", "float32", "bfloat16", "int8", "q4"),
     ),
     Option(
         "cpu_isa",

@@ -22,7 +22,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_BACKENDS = ("paged", "vattention")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # the CPU linear layers' weights (engine/layers/quantized_linear.py)
-CPU_WEIGHTS = ("float32", "bfloat16", "int8", "q4")
+CPU_WEIGHTS = ("file", "float32", "bfloat16", "int8", "q4")
 # tensor parallelism's all-reduce paths (engine/distributed/parallel_state.py)
 ALL_REDUCE_CHOICES = ("auto", "two_shot", "nccl")
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton and the hardware: Ada (sm89), Hopper (sm90) and newer

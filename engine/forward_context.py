@@ -29,6 +29,11 @@ class AttentionMetadata:
     slot_ids: torch.Tensor | None = None
     # host-known bound of context_lens (contiguous decode sizes split-K from it)
     max_context_len: int = 0
+    # sliding-window layers' own KV group (a model with such layers): its slots and block tables, laid out as
+    # slot_mapping and block_tables; blocks wholly before a sequence's window are left out (null). None: the
+    # model's layers all read the one group above.
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
     # values derived from the above once per pass and shared by every layer (the lean CPU path, kernels/cpu.py)
     memo: dict[str, Any] = field(default_factory=dict)
 

@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 // One library per instruction-set level, each with its own op namespace (torch.ops.pagedchat_cpu_avx2, ...) and
 // C++ namespace, so that one process can load several levels side by side (the tests compare them).
@@ -21,11 +23,21 @@ inline void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedchat_cpu: "
 
 // logits [M, N] = x [M, K] float32 times int8 weights packed [N / 16, K, 16] with a scale per output
 at::Tensor int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
-// [M, N] = x [M, K] float32 (quantized to 8 bits per 32 inputs) times Q4_1 weights (AVX2 and AVX-512 builds)
-at::Tensor q4q8_linear(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m);
-// [M, N] = x [M, K] float32 (quantized as above) times Q8_0 weights (AVX2 and AVX-512 builds)
-at::Tensor q8q8_linear(at::Tensor x, at::Tensor packed, at::Tensor d);
-bool has_q4q8();
+
+// activations of a matmul, quantized per 32 inputs (and their sums per 16, for Q6_K's scales): cpu_gguf_matmul.cpp
+struct QuantizedActivations {
+  std::vector<int8_t> codes;               // [rows, K]
+  std::vector<float> scales, scaled_sums;  // [rows, K / 32]: s, and s * sum(a)
+  std::vector<int32_t> sums;               // [rows, K / 32]: sum(a)
+  std::vector<int32_t> half_sums;          // [rows, K / 16]
+  int64_t rows = 0, k = 0;
+};
+void quantize_activations(const float* x, int64_t rows, int64_t k, QuantizedActivations& out);
+// out [rows, n] (row stride n) = the activations times each part's tiles, the parts' outputs side by side
+void gguf_matmul(const QuantizedActivations& act, at::TensorList tiles, at::IntArrayRef formats, float* out, int64_t n);
+void check_tiles(const at::Tensor& tiles, int64_t format, int64_t k);
+// [M, sum of the parts' N] = x [M, K] float32 times GGUF-format weights repacked into tiles (kernels/cpu_tiles.py)
+at::Tensor gguf_linear(at::Tensor x, at::TensorList tiles, at::IntArrayRef formats);
 std::string isa();
 
 }  // namespace PAGEDCHAT_CPU_NS

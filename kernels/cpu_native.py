@@ -6,8 +6,9 @@ Levels (``--cpu-isa`` / ``PAGEDCHAT_CPU_ISA``), each a superset of the one befor
 - ``avx2``: x86-64-v3 (AVX2, FMA, F16C; AMD Zen 1-3, Intel client CPUs, most cloud instances);
 - ``avx512``: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL);
 - ``avx512_vnni``: x86-64-v4 with AVX-512 VNNI (vpdpbusd: the Q4_1 x Q8 products in one instruction);
-- ``auto``: the highest level this CPU has; ``generic`` (the compiler's default target, no Q4_1 x Q8 kernel:
-  q4 runs torch's int4 kernel) where it has none of them (not x86, or x86 before AVX2).
+- ``generic``: the compiler's baseline target (x86-64 without AVX; any other CPU), the same kernels written lane
+  by lane in plain C++ (kernels/cpu_simd.h): slower, bit-equal to the vector levels; every CPU can run it;
+- ``auto``: the highest level this CPU has; ``generic`` where it has none of them (not x86, or x86 before AVX2).
 
 Any level the CPU has can be forced, so every level is built, tested and benchmarked on one machine; a level the
 CPU lacks is refused with a ValueError naming ``cpu_isa`` (its code would die of SIGILL). Each level is its own
@@ -39,8 +40,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 ISA_LEVELS = ("avx2", "avx512", "avx512_vnni")  # ascending; each needs the flags of the ones before
-CPU_ISA_CHOICES = ("auto", *ISA_LEVELS)
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_quant_matmul.cpp")]
+CPU_ISA_CHOICES = ("auto", "generic", *ISA_LEVELS)
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode.cpp", "cpu_quant_matmul.cpp", "cpu_gguf_matmul.cpp")
+]
 _X86_64_V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _NEEDS = {"avx2": _X86_64_V3, "avx512": _X86_64_V4, "avx512_vnni": _X86_64_V4 | {"avx512_vnni"}}
@@ -49,6 +53,8 @@ _TARGETS = {  # level -> (build tag, compiler flags)
     "avx512": ("x86-64-v4", ["-march=x86-64-v4"]),
     "avx512_vnni": ("x86-64-v4-vnni", ["-march=x86-64-v4", "-mavx512vnni"]),
 }
+if platform.machine() in ("x86_64", "AMD64"):  # (elsewhere the compiler's own default target)
+    _TARGETS["generic"] = ("x86-64", ["-march=x86-64"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +63,6 @@ class CpuKernels:
 
     level: str
     ops: Any  # torch._ops._OpNamespace
-    has_q4q8: bool  # the Q4_1 x Q8 and Q8_0 x Q8 kernels exist (every level but generic)
 
 
 _loaded: dict[str, CpuKernels | None] = {}
@@ -92,11 +97,11 @@ def resolve_isa(requested: str) -> str:
     levels = supported_levels()
     if requested == "auto":
         return levels[-1] if levels else "generic"
-    if requested not in levels:
+    if requested != "generic" and requested not in levels:
         missing = sorted(_NEEDS[requested] - _cpu_flags())
         raise ValueError(
             f"cpu_isa: this CPU cannot run {requested} code (it lacks {', '.join(missing)}); "
-            f"levels it can run: {', '.join(['auto', *levels])}"
+            f"levels it can run: {', '.join(['auto', 'generic', *levels])}"
         )
     return requested
 
@@ -157,4 +162,4 @@ def _build(build_root: Path, level: str) -> CpuKernels | None:
     logger.info(
         "native CPU kernels loaded in %.2f s (%s, %s)", time.perf_counter() - start, level, tag
     )
-    return CpuKernels(level, ops, bool(ops.has_q4q8()))
+    return CpuKernels(level, ops)

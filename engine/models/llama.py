@@ -25,22 +25,15 @@ from engine.layers.linear import (
     matmul,
     project_then_norm,
 )
-from engine.layers.quantized_linear import (
-    PACKED_OUTPUTS,
-    Q4_GROUP,
-    Q4Q8_OUTPUTS,
-    PackedInt8Head,
-    Q4Blocks,
-    Q8Head,
-    quantized_linear,
-)
+from engine.layers.quantized_linear import cpu_linear, cpu_logits_head
 from engine.models.llama_args import LlamaArgs
 from engine.models.hf_weights import copy_checked, fused_name, hf_names, read_part
-from engine.models.llama_cpu_decoder import LlamaCpuDecoder
+from engine.models.cpu_decoder import SILU, CpuDecoder, CpuLayer, CpuLayout
 from engine.models.llama_persistent import LlamaPersistentDecoder, persistent_decoder
 from engine.forward_context import current_attention_metadata
 from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
+from kernels.quant_blocks import QuantBlocks
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -160,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         # a quantized output layer (--cpu-weights), if set
         self.logits_head: nn.Module | None = None
         # the lean pass over quantized layers, if set
-        self.cpu_decoder: LlamaCpuDecoder | None = None
+        self.cpu_decoder: CpuDecoder | None = None
+        # a GGUF file's blocks by HF name, from load_weights until quantize_cpu_weights takes them
+        self.file_blocks: dict[str, QuantBlocks] = {}
         # weights of the model as defined (quantized layers keep theirs in buffers of other sizes)
         self.num_parameters = sum(p.numel() for p in self.parameters())
 
@@ -210,45 +205,78 @@ class LlamaForCausalLM(nn.Module):
             self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
 
     def quantize_cpu_weights(
-        self,
-        mode: str,
-        q4_blocks: dict[str, Q4Blocks] | None = None,
-        native: CpuKernels | None = None,
+        self, mode: str, native: CpuKernels | None, embedding: nn.Module | None = None
     ) -> None:
-        """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py), q4 from the
-        given 4-bit blocks (HF names) where all of a fused projection's shards have them. The output layer
-        becomes int8 per output channel for q4 and int8 (GGUF files keep it at 6-8 bits too; the native packed
-        kernel with ``native``), bfloat16 for bfloat16; a tied embedding keeps its float32 table for lookups.
-        ``native``: the native CPU kernels of the configured level (kernels/cpu_native.py: the decode step, the
-        quantized matmuls and heads), None where they are off or not built."""
-        q4_blocks = q4_blocks or {}
+        """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py): ``file`` from the
+        blocks ``load_weights`` kept (HF names; a fused projection from its shards' blocks side by side), the
+        others from the float weights. The output layer too (a tied one from the embedding's blocks or table);
+        ``embedding``: a lookup that replaces the float table (a GGUF's, read in place). ``native``: the native
+        CPU kernels of the configured level (kernels/cpu_native.py), None where they are off or not built."""
+        blocks = self.file_blocks
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
                 continue
-            shards = hf_names(f"{name}.weight")
-            blocks = (
-                Q4Blocks.cat([q4_blocks[h] for h in shards])
-                if all(h in q4_blocks for h in shards)
-                else None
+            shards = (
+                [f"{name}.weight"] if f"{name}.weight" in blocks else hf_names(f"{name}.weight")
             )
+            parts = [blocks[h] for h in shards] if all(h in blocks for h in shards) else None
             parent, attr = name.rsplit(".", 1)
             setattr(
                 self.get_submodule(parent),
                 attr,
-                quantized_linear(mode, module.weight, module.bias, blocks, native),
+                cpu_linear(mode, module.weight, module.bias, parts, native),
             )
-        head = (
-            self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        )
-        self.logits_head = _cpu_logits_head(mode, head, native)
-        if not self.args.tie_word_embeddings:
+        tied = self.args.tie_word_embeddings
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head_blocks = blocks.get(head_name)
+        head = None if head_blocks else (self.model.embed_tokens if tied else self.lm_head).weight
+        self.logits_head = cpu_logits_head(mode, head, head_blocks, native)
+        if embedding is not None:
+            self.model.embed_tokens = embedding
+        if not tied:
             del self.lm_head
         self.logits_weight = None
-        self.cpu_decoder = LlamaCpuDecoder(self, native)
+        self.file_blocks = {}
+        self.cpu_decoder = CpuDecoder(self.cpu_layout(), native)
+
+    def cpu_layout(self) -> CpuLayout:
+        """The model's tensors as the lean CPU pass walks them (engine/models/cpu_decoder.py)."""
+        args, model = self.args, self.model
+        rotary = model.layers[0].self_attn.rotary
+
+        def layer(lay: LlamaDecoderLayer) -> CpuLayer:
+            attn = lay.self_attn
+            return CpuLayer(
+                lay.input_layernorm.weight,
+                lay.post_attention_layernorm.weight,
+                attn.qkv_proj,
+                attn.o_proj,
+                lay.mlp.gate_up_proj,
+                lay.mlp.down_proj,
+                attn.attn.attend,
+                q_norm=attn.q_norm.weight if attn.qk_norm else None,
+                k_norm=attn.k_norm.weight if attn.qk_norm else None,
+            )
+
+        return CpuLayout(
+            model.embed_tokens,
+            None,
+            model.norm.weight,
+            args.rms_norm_eps,
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+            args.intermediate_size,
+            SILU,
+            args.head_dim**-0.5,
+            [(rotary.cos_cache, rotary.sin_cache)],
+            [layer(lay) for lay in model.layers],
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors in, each a tensor or a lazy safetensors slice (of which only this rank's part is
-        read); raises ValueError naming any parameter left unset or tensor unknown."""
+        read), or a GGUF tensor's blocks (QuantBlocks: kept for ``quantize_cpu_weights``); raises ValueError naming
+        any parameter left unset or tensor unknown."""
         params = dict(self.named_parameters())
         shard_sizes = self._shard_sizes()
         loaded: set[tuple[str, int | None]] = set()
@@ -258,6 +286,10 @@ class LlamaForCausalLM(nn.Module):
             target, shard = fused_name(name)
             if target not in params:
                 raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
+            if isinstance(source, QuantBlocks):  # kept for quantize_cpu_weights ("file")
+                self.file_blocks[name] = source
+                loaded.add((target, shard))
+                continue
             dst = params[target].data
             if shard is not None:
                 sizes = shard_sizes[target.rsplit(".", 2)[-2]]
@@ -312,22 +344,3 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
             "gate_up_proj": [self.shard_args.intermediate_size] * 2,
         }
-
-
-def _cpu_logits_head(mode: str, head: torch.Tensor, native: CpuKernels | None) -> nn.Module:
-    """The output layer of ``mode`` over the float32 ``head`` weight: bfloat16 for bfloat16; for the 8-bit and
-    4-bit modes int8, as the native Q8_0 x Q8 head where the Q4_1 x Q8 kernels run (x86 with AVX2 or AVX-512)
-    and the shape fits, else the native packed int8 head, else torch's int8 matmul."""
-    q4q8 = native is not None and native.has_q4q8
-    if mode == "bfloat16":
-        return quantized_linear("bfloat16", head, None)
-    if (
-        q4q8
-        and mode == "q4"
-        and head.shape[0] % Q4Q8_OUTPUTS == 0
-        and head.shape[1] % Q4_GROUP == 0
-    ):
-        return Q8Head(head, native)
-    if native is not None and head.shape[0] % PACKED_OUTPUTS == 0:
-        return PackedInt8Head(head, native)
-    return quantized_linear("int8", head, None)

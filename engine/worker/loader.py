@@ -1,8 +1,11 @@
-"""Loading a model: its weights (an HF directory's safetensors, or dummy weights) into the model code, and its
-tokenizer; ``load_model`` fills the config's derived model fields (hf_config, model_path, EOS ids, max_model_len).
+"""Loading a model: its weights (an HF directory's safetensors, a GGUF file read in place, or dummy weights) into
+the model code, and its tokenizer; ``load_model`` fills the config's derived model fields (hf_config, model_path,
+EOS ids, max_model_len).
 
-Where the directory comes from (a local directory, a .gguf file converted once, a hub id, or the embedded default
-model) is model_sources.py; the dummy architectures and their seeded weights are dummy_model.py.
+Where the directory comes from (a local directory, a .gguf file's described directory, a hub id, or the embedded
+default model) is model_sources.py; the dummy architectures and their seeded weights are dummy_model.py. A GGUF
+file's blocks stay in their formats on the CPU (``--cpu-weights file``) and are de-quantized on the device
+otherwise (engine/weights/).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.models.registry import model_class
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
-from engine.worker.gguf_q4 import Q4_FILE, load_q4
+from engine.layers.gguf_linear import GGUFEmbedding
+from engine.weights.gguf_file import GGUFFile
+from engine.weights.gguf_model_dir import gguf_file_of
+from engine.weights.gguf_weights import gguf_weights
 from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
 from kernels import cpu_native
 
@@ -46,12 +52,15 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     with _default_dtype(config.torch_dtype), config.torch_device:
         model = model_class(hf_config)(hf_config)
     model.to(config.torch_dtype)
+    gguf = gguf_file_of(path) if path is not None else None
     if config.load_format == "dummy":
         model.load_weights(dummy_weights(hf_config, config.seed, config.torch_device))
+    elif gguf is not None:
+        _load_gguf(model, config, gguf)
     else:
         model.load_weights(_safetensors_weights(path))
-    if config.torch_device.type == "cpu":
-        _apply_cpu_weights(model, config, path)
+    if config.torch_device.type == "cpu" and gguf is None:
+        _apply_cpu_weights(model, config)
     model.eval().requires_grad_(False)
     logger.info(
         "model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)",
@@ -65,25 +74,44 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     return model, tokenizer
 
 
-def _apply_cpu_weights(model: nn.Module, config: EngineConfig, path: Path | None) -> None:
-    """Resolve ``cpu_weights`` (auto: q4 where the model ships Q4_1 blocks) and swap the model's linear layers."""
-    q4_file = path / Q4_FILE if path is not None else None
-    has_q4 = q4_file is not None and q4_file.is_file()
-    if config.cpu_weights == "auto":
-        config.cpu_weights = (
-            "q4"
-            if has_q4 and config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
-            else "float32"
-        )
+def _apply_cpu_weights(model: nn.Module, config: EngineConfig) -> None:
+    """Resolve ``cpu_weights`` for float weights (auto: float32) and swap the model's linear layers."""
+    if config.cpu_weights in (
+        "auto",
+        "file",
+    ):  # (file: a model without a GGUF file has no blocks to keep)
+        config.cpu_weights = "float32"
     if config.cpu_weights == "float32":
         return
-    blocks = load_q4(q4_file) if config.cpu_weights == "q4" and has_q4 else None
-    native = (
-        cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
-        if config.cpu_weights in ("q4", "int8")
-        else None
-    )
-    model.quantize_cpu_weights(config.cpu_weights, blocks, native)
+    model.quantize_cpu_weights(config.cpu_weights, _native(config))
+
+
+def _native(config: EngineConfig) -> cpu_native.CpuKernels | None:
+    return cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
+
+
+def _load_gguf(model: nn.Module, config: EngineConfig, gguf_path: Path) -> None:
+    """A GGUF file's weights, read in place: on the CPU with ``file`` (auto, at float32 on one rank) each layer in
+    its file's block format and the embedding looked up in the map; otherwise de-quantized into the model's dtype
+    on its device, then (CPU) the ``cpu_weights`` layers built from them."""
+    gguf = GGUFFile(gguf_path)
+    cpu = config.torch_device.type == "cpu"
+    if config.cpu_weights == "auto":
+        plain = config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
+        config.cpu_weights = "file" if cpu and plain else "float32"
+    if not (cpu and config.cpu_weights == "file"):
+        model.load_weights(
+            gguf_weights(gguf, config.hf_config, config.torch_dtype, config.torch_device)
+        )
+        gguf.close()
+        if cpu:
+            _apply_cpu_weights(model, config)
+        return
+    model.load_weights(gguf_weights(gguf, config.hf_config, None))
+    table = gguf.tensors["token_embd.weight"]
+    embedding = GGUFEmbedding(table) if "model.embed_tokens.weight" in model.file_blocks else None
+    model.quantize_cpu_weights("file", _native(config), embedding)
+    gguf.release_pages()  # (the map's pages read while repacking leave this process; lookups fault rows in)
 
 
 def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
@@ -97,6 +125,8 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
     )
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {path} is not a Hugging Face model directory (no config.json)")
+    if (gguf := gguf_file_of(path)) is not None and not gguf.is_file():
+        raise ValueError(f"model: {gguf} (described in {path}) is gone")
     config.model_id = config.model or DEFAULT_MODEL_ID
     hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
     return hf_config, path, load_tokenizer(path)
@@ -142,7 +172,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _weight_files(path: Path) -> list[Path]:
     """The checkpoint's files as transformers picks them: the index's shards, else ``model.safetensors``, else
-    every ``*.safetensors`` but our 4-bit side file (other files beside a checkpoint are not its weights)."""
+    every ``*.safetensors``."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return sorted(
@@ -150,7 +180,7 @@ def _weight_files(path: Path) -> list[Path]:
         )
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    return sorted(f for f in path.glob("*.safetensors") if f.name != Q4_FILE)
+    return sorted(path.glob("*.safetensors"))
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, Any]]:

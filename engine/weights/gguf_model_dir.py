@@ -1,0 +1,69 @@
+"""A GGUF model's directory in the cache: the config.json, generation_config.json and tokenizer that its metadata
+describes, written once (keyed by the file's path, size and modification time: an edited file gets a new one).
+The weights stay in the GGUF file and are read from it in place at every start; the directory holds a few MB.
+
+The first start builds the tokenizer from the metadata (a SentencePiece vocabulary without merges, as Gemma's,
+has them derived: the slow part, ~5-15 s for 262k tokens); later starts read it back in well under a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from engine.weights.gguf_config import hf_config
+from engine.weights.gguf_file import GGUFFile
+from engine.weights.gguf_tokenizer import build_tokenizer, end_of_turn_ids
+
+logger = logging.getLogger(__name__)
+
+GGUF_LINK = "model.gguf.path"  # in the directory: the GGUF file it describes
+
+
+def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
+    """The directory describing ``gguf_file`` under ``cache_dir/models``, built on first use (one builder at a
+    time: parallel workers and replicas wait for it). ValueError naming ``model`` for a bad file."""
+    gguf_file = gguf_file.resolve()
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir / "models" / f"{gguf_file.stem}-{key}"
+    if (target / GGUF_LINK).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / GGUF_LINK).is_file():
+            _describe(gguf_file, target)
+    return target
+
+
+def _describe(gguf_file: Path, target: Path) -> None:
+    start = time.perf_counter()
+    gguf = GGUFFile(gguf_file)
+    config = hf_config(gguf)
+    logger.info("reading %s once: its config and tokenizer into %s", gguf_file.name, target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"eos_token_id": end_of_turn_ids(gguf)}
+    if config.get("bos_token_id") is not None:
+        generation["bos_token_id"] = config["bos_token_id"]
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    build_tokenizer(gguf).save_pretrained(tmp)
+    (tmp / GGUF_LINK).write_text(str(gguf_file))
+    gguf.close()
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    logger.info("%s described in %.1f s", gguf_file.name, time.perf_counter() - start)
+
+
+def gguf_file_of(model_dir: Path) -> Path | None:
+    """The GGUF file a cached model directory describes (None: an ordinary Hugging Face directory)."""
+    link = model_dir / GGUF_LINK
+    return Path(link.read_text()) if link.is_file() else None

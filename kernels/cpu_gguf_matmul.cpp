@@ -1,0 +1,358 @@
+// GGUF's block formats as matmuls on the CPU: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights times float32
+// activations quantized to 8 bits per 32 inputs (llama.cpp's Q8 scheme), each weight in its file's own codes and
+// scales (no re-quantization). kernels/cpu_tiles.py repacks a tensor's blocks into tiles of 16 outputs; each level
+// (cpu_simd.h: AVX-512 VNNI, AVX-512, AVX2, generic) computes the same integer sums exactly and the same float
+// steps per output, so every level gives the very same floats, and a row's result depends on no other row.
+//
+// Per output n and group g of 32 inputs, with activations x ~ s a (a in -127..127, s = max|x| / 127):
+//   Q4_0, Q5_0   d (q . a - o sum(a))                      codes q in 0..15 / 0..31, o = 8 / 16
+//   Q4_1         d (q . a) + m sum(a)                       (per row: times s, summed over groups)
+//   Q8_0         d (w . a)                                  w in -128..127, stored w + 128
+//   Q4_K, Q5_K   d sc (q . a) - dmin mn sum(a)              6-bit sc, mn per group; d, dmin per 256 inputs
+//   Q6_K         d (sc0 (q . a - 32 sum(a))_0..15 + sc1 (...)_16..31)   int8 sc per 16 inputs; d per 256
+// A tile holds 16 outputs x one block of inputs (32, or 256 for the K formats); the codes of a group are four
+// 64-byte vectors (vector c: for each output 4 bytes, inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high
+// ones), Q8_0's eight (vector c: inputs 4c..4c+3 as bytes). Byte offsets: the Layout of each format below.
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace PAGEDCHAT_CPU_NS {
+
+using at::Tensor;
+using namespace simd;
+
+namespace {
+
+constexpr int kQVecs = 16 / kQLanes;  // vectors per tile of 16 outputs (AVX2, generic: outputs 0..7, then 8..15)
+
+// ggml's type ids (the GGUF file's), the format argument of the ops
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct Layout {
+  int64_t inputs;  // per tile: 32, or 256 (8 groups) for the K formats
+  int64_t bytes;   // per tile
+};
+
+constexpr Layout layout(int64_t format) {
+  switch (format) {
+    case kQ4_0: return {32, 288};     // codes 256 | d 16 x f16
+    case kQ4_1: return {32, 320};     // codes 256 | d | m
+    case kQ5_0: return {32, 352};     // codes 256 | high bits 64 | d
+    case kQ8_0: return {32, 544};     // codes 8 x 64 (w + 128) | d
+    case kQ4_K: return {256, 2368};   // d | dmin | sc 8 x 16 | mn 8 x 16 | codes 8 x 256
+    case kQ5_K: return {256, 2880};   // as Q4_K | high bits 8 x 64
+    case kQ6_K: return {256, 3360};   // d | sc 8 x 2 x 16 (int8) | codes 8 x 256 | high bits 8 x 128
+    default: return {0, 0};
+  }
+}
+
+}  // namespace
+
+void quantize_activations(const float* x, int64_t rows, int64_t k, QuantizedActivations& out) {
+  const int64_t groups = k / 32;
+  out.rows = rows;
+  out.k = k;
+  out.codes.resize(rows * k);
+  out.scales.resize(rows * groups);
+  out.scaled_sums.resize(rows * groups);
+  out.sums.resize(rows * groups);
+  out.half_sums.resize(rows * groups * 2);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * k + g * 32;
+      float top = 0.0f;
+      for (int i = 0; i < 32; ++i) top = std::max(top, std::abs(xg[i]));
+      const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      int8_t* a = out.codes.data() + r * k + g * 32;
+      int32_t half[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        a[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inverse));
+        half[i / 16] += a[i];
+      }
+      const int64_t at = r * groups + g;
+      out.scales[at] = scale;
+      out.sums[at] = half[0] + half[1];
+      out.scaled_sums[at] = scale * static_cast<float>(half[0] + half[1]);
+      out.half_sums[2 * at] = half[0];
+      out.half_sums[2 * at + 1] = half[1];
+    }
+  }
+}
+
+namespace {
+
+// sum over chunks c in [first, first + count) of q[c] . a[4c .. 4c + 3] per lane, exactly: 16-bit partial sums
+// widen to 32 bits every `per16` chunks, as many as add up without saturating (2 * max_code * 127 each)
+template <int kMaxCode>
+inline IVec dot_chunks(const IVec* q, const int8_t* a, int first, int count) {
+  IVec sum = set1_32(0);
+  if constexpr (kVnni) {
+    for (int c = first; c < first + count; ++c) sum = dpbusd(sum, q[c], broadcast4(a + 4 * c));
+  } else {
+    constexpr int per16 = 32767 / (2 * kMaxCode * 127);
+    for (int c = first; c < first + count; c += per16) {
+      IVec s16 = maddubs(q[c], broadcast4(a + 4 * c));
+      for (int j = c + 1; j < std::min(c + per16, first + count); ++j)
+        s16 = add16(s16, maddubs(q[j], broadcast4(a + 4 * j)));
+      sum = add32(sum, pairs_to_32(s16));
+    }
+  }
+  return sum;
+}
+
+// a group's 4-bit codes (lane v's outputs): q[2c] low nibbles, q[2c + 1] high nibbles of vector c
+inline void nibbles(const uint8_t* codes, int v, IVec* q) {
+  for (int c = 0; c < 4; ++c) {
+    const IVec packed = load_i(codes + c * 64 + v * kQLanes * 4);
+    q[2 * c] = low_nibbles(packed);
+    q[2 * c + 1] = high_nibbles(packed);
+  }
+}
+
+// Q5: one 64-byte vector of fifth bits per group; byte (output, i): bit c = input 8c + i's, bit 4 + c = input
+// 8c + 4 + i's
+inline void fifth_bits(const uint8_t* high, int v, IVec* q) {
+  const IVec hb = load_i(high + v * kQLanes * 4);
+  for (int c = 0; c < 4; ++c) {
+    q[2 * c] = or_i(q[2 * c], bits_left(hb, 4 - c, 0x10));
+    q[2 * c + 1] = or_i(q[2 * c + 1], bits_right(hb, c, 0x10));
+  }
+}
+
+// Q6: two 64-byte vectors of the codes' top two bits per group; vector p, byte (output, i): bits 2t, 2t + 1 for
+// t = 0..3 = inputs 8c + i, 8c + 4 + i, 8c' + i, 8c' + 4 + i of chunks c = 2p, c' = 2p + 1
+inline void top_bits(const uint8_t* high, int v, IVec* q) {
+  for (int p = 0; p < 2; ++p) {
+    const IVec hb = load_i(high + p * 64 + v * kQLanes * 4);
+    q[4 * p + 0] = or_i(q[4 * p + 0], bits_left(hb, 4, 0x30));
+    q[4 * p + 1] = or_i(q[4 * p + 1], bits_left(hb, 2, 0x30));
+    q[4 * p + 2] = or_i(q[4 * p + 2], bits_left(hb, 0, 0x30));
+    q[4 * p + 3] = or_i(q[4 * p + 3], bits_right(hb, 2, 0x30));
+  }
+}
+
+const c10::Half* halves(const uint8_t* p) { return reinterpret_cast<const c10::Half*>(p); }
+
+// One tile of Rows rows x 16 outputs per format: acc[r][v] += the tile's part of the rows' dot products.
+struct Step {
+  const QuantizedActivations& act;
+  int64_t row0;
+  FVec (&acc)[8][kQVecs];  // [Rows <= 8][vector]
+};
+
+inline const int8_t* act_codes(const Step& s, int r, int64_t g) { return s.act.codes.data() + (s.row0 + r) * s.act.k + g * 32; }
+inline int64_t act_at(const Step& s, int r, int64_t g) { return (s.row0 + r) * (s.act.k / 32) + g; }
+
+// Q4_0, Q5_0: d (q . a - o sum(a)) s
+template <int Rows, int kBits>
+inline void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
+  constexpr int offset = 1 << (kBits - 1);
+  const uint8_t* d16 = tile + (kBits == 4 ? 256 : 320);
+  for (int v = 0; v < kQVecs; ++v) {
+    IVec q[8];
+    nibbles(tile, v, q);
+    if constexpr (kBits == 5) fifth_bits(tile + 256, v, q);
+    const FVec d = half_to_float(halves(d16) + v * kQLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = act_at(s, r, g);
+      const IVec sum = sub32(dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g), 0, 8), set1_32(offset * s.act.sums[at]));
+      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+    }
+  }
+}
+
+// Q4_1: d (q . a) s + m s sum(a)
+template <int Rows>
+inline void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
+  for (int v = 0; v < kQVecs; ++v) {
+    IVec q[8];
+    nibbles(tile, v, q);
+    const FVec d = half_to_float(halves(tile + 256) + v * kQLanes), m = half_to_float(halves(tile + 288) + v * kQLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = act_at(s, r, g);
+      const IVec sum = dot_chunks<15>(q, act_codes(s, r, g), 0, 8);
+      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+      s.acc[r][v] = fmadd(m, set1(s.act.scaled_sums[at]), s.acc[r][v]);
+    }
+  }
+}
+
+// Q8_0: d (w . a) s with the weights stored w + 128: vpdpbusd takes unsigned bytes on one side (128 sum(a) is taken
+// off again, exactly); without VNNI, vpmaddubsw's pairs would saturate on 255 * 127 * 2, so the products are
+// |w| x (a with w's sign): at most 2 * 128 * 127 = 32512 per pair, exact (llama.cpp's AVX2 Q8_0 dot)
+template <int Rows>
+inline void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
+  for (int v = 0; v < kQVecs; ++v) {
+    IVec biased[8], magnitude[8], signs[8];
+    for (int c = 0; c < 8; ++c) {
+      biased[c] = load_i(tile + c * 64 + v * kQLanes * 4);
+      if constexpr (!kVnni) {
+        signs[c] = unbias(biased[c]);
+        magnitude[c] = abs8(signs[c]);
+      }
+    }
+    const FVec d = half_to_float(halves(tile + 512) + v * kQLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = act_at(s, r, g);
+      const int8_t* a = act_codes(s, r, g);
+      IVec sum;
+      if constexpr (kVnni) {
+        sum = set1_32(-128 * s.act.sums[at]);
+        for (int c = 0; c < 8; ++c) sum = dpbusd(sum, biased[c], broadcast4(a + 4 * c));
+      } else {
+        sum = pairs_to_32(maddubs(magnitude[0], sign8(broadcast4(a), signs[0])));
+        for (int c = 1; c < 8; ++c)
+          sum = add32(sum, pairs_to_32(maddubs(magnitude[c], sign8(broadcast4(a + 4 * c), signs[c]))));
+      }
+      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+    }
+  }
+}
+
+// Q4_K, Q5_K: (d sc) (q . a) s - (dmin mn) s sum(a); d sc and dmin mn are exact in float32 (11 x 6 bits)
+template <int Rows, int kBits>
+inline void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
+  for (int v = 0; v < kQVecs; ++v) {
+    const FVec d = half_to_float(halves(tile) + v * kQLanes), dmin = half_to_float(halves(tile + 32) + v * kQLanes);
+    for (int gi = 0; gi < 8; ++gi) {
+      IVec q[8];
+      nibbles(tile + 320 + gi * 256, v, q);
+      if constexpr (kBits == 5) fifth_bits(tile + 2368 + gi * 64, v, q);
+      const FVec dsub = mul(d, cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
+      const FVec msub = mul(dmin, cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t at = act_at(s, r, g0 + gi);
+        const IVec sum = dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g0 + gi), 0, 8);
+        s.acc[r][v] = fmadd(cvt(sum), mul(dsub, set1(s.act.scales[at])), s.acc[r][v]);
+        s.acc[r][v] = fnmadd(msub, set1(s.act.scaled_sums[at]), s.acc[r][v]);
+      }
+    }
+  }
+}
+
+// Q6_K: d s (sc0 (q . a - 32 sum(a)) over inputs 0..15 + sc1 (...) over 16..31), the bracket in exact integers
+template <int Rows>
+inline void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
+  for (int v = 0; v < kQVecs; ++v) {
+    const FVec d = half_to_float(halves(tile) + v * kQLanes);
+    for (int gi = 0; gi < 8; ++gi) {
+      IVec q[8];
+      nibbles(tile + 288 + gi * 256, v, q);
+      top_bits(tile + 2336 + gi * 128, v, q);
+      const IVec sc0 = s8_to_32(sc + (2 * gi) * 16 + v * kQLanes), sc1 = s8_to_32(sc + (2 * gi + 1) * 16 + v * kQLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t at = act_at(s, r, g0 + gi);
+        const int8_t* a = act_codes(s, r, g0 + gi);
+        const IVec low = sub32(dot_chunks<63>(q, a, 0, 4), set1_32(32 * s.act.half_sums[2 * at]));
+        const IVec high = sub32(dot_chunks<63>(q, a, 4, 4), set1_32(32 * s.act.half_sums[2 * at + 1]));
+        const IVec sum = add32(mullo32(sc0, low), mullo32(sc1, high));
+        s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+      }
+    }
+  }
+}
+
+// Rows rows (from row0) times one 16-output column of tiles (all of K), into out[row, 0..15] (row stride n)
+template <int64_t F, int Rows>
+void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* tiles, float* out, int64_t n) {
+  constexpr Layout lay = layout(F);
+  FVec acc[8][kQVecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
+  Step s{act, row0, acc};
+  const int64_t count = act.k / lay.inputs;
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* tile = tiles + t * lay.bytes;
+    const int64_t g = t * (lay.inputs / 32);
+    if constexpr (F == kQ4_0) legacy_tile<Rows, 4>(s, tile, g);
+    if constexpr (F == kQ5_0) legacy_tile<Rows, 5>(s, tile, g);
+    if constexpr (F == kQ4_1) q4_1_tile<Rows>(s, tile, g);
+    if constexpr (F == kQ8_0) q8_0_tile<Rows>(s, tile, g);
+    if constexpr (F == kQ4_K) k4_tile<Rows, 4>(s, tile, g);
+    if constexpr (F == kQ5_K) k4_tile<Rows, 5>(s, tile, g);
+    if constexpr (F == kQ6_K) q6_k_tile<Rows>(s, tile, g);
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
+}
+
+using Column = void (*)(const QuantizedActivations&, int64_t, const uint8_t*, float*, int64_t);
+template <int64_t F, int... Rows>
+constexpr std::array<Column, sizeof...(Rows)> columns(std::integer_sequence<int, Rows...>) {
+  return {tile_column<F, Rows + 1>...};
+}
+template <int64_t F>
+constexpr auto kColumns = columns<F>(std::make_integer_sequence<int, kQ4Rows>{});
+
+Column column_for(int64_t format, int64_t rows) {
+  const int64_t i = std::min<int64_t>(kQ4Rows, rows) - 1;
+  switch (format) {
+    case kQ4_0: return kColumns<kQ4_0>[i];
+    case kQ4_1: return kColumns<kQ4_1>[i];
+    case kQ5_0: return kColumns<kQ5_0>[i];
+    case kQ8_0: return kColumns<kQ8_0>[i];
+    case kQ4_K: return kColumns<kQ4_K>[i];
+    case kQ5_K: return kColumns<kQ5_K>[i];
+    case kQ6_K: return kColumns<kQ6_K>[i];
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+void check_tiles(const Tensor& tiles, int64_t format, int64_t k) {
+  const Layout lay = layout(format);
+  check(lay.inputs > 0, "gguf_linear: format must be a ggml type id of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K");
+  check(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() && tiles.size(2) == lay.bytes &&
+            tiles.size(1) * lay.inputs == k,
+        "gguf_linear: tiles must be uint8 [N / 16, K / tile inputs, tile bytes] for the format (kernels/cpu_tiles.py)");
+}
+
+// out[:, column offset of part p ...] = act times part p's tiles, for every part, the parts' 16-output columns
+// shared out between the threads
+void gguf_matmul(const QuantizedActivations& act, at::TensorList tiles, at::IntArrayRef formats, float* out, int64_t n) {
+  std::vector<int64_t> first_column(tiles.size() + 1, 0);
+  for (size_t p = 0; p < tiles.size(); ++p) first_column[p + 1] = first_column[p] + tiles[p].size(0);
+  const int64_t rows = act.rows;
+  at::parallel_for(0, first_column.back(), 2, [&](int64_t begin, int64_t end) {
+    size_t p = std::upper_bound(first_column.begin(), first_column.end(), begin) - first_column.begin() - 1;
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= first_column[p + 1]) ++p;
+      const Tensor& part = tiles[p];
+      const uint8_t* column = part.data_ptr<uint8_t>() + (c - first_column[p]) * part.size(1) * part.size(2);
+      for (int64_t r = 0; r < rows; r += kQ4Rows)
+        column_for(formats[p], rows - r)(act, r, column, out + r * n + c * 16, n);
+    }
+  });
+}
+
+Tensor gguf_linear(Tensor x, at::TensorList tiles, at::IntArrayRef formats) {
+  RECORD_FUNCTION("pagedchat_cpu::gguf_linear", std::vector<c10::IValue>());
+  check(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 32 == 0, "gguf_linear: x must be float32 [M, K], K a multiple of 32");
+  check(!tiles.empty() && tiles.size() == formats.size(), "gguf_linear: one format per part");
+  Tensor rows = x.contiguous();
+  int64_t n = 0;
+  for (size_t p = 0; p < tiles.size(); ++p) {
+    check_tiles(tiles[p], formats[p], rows.size(1));
+    n += tiles[p].size(0) * 16;
+  }
+  Tensor out = at::empty({rows.size(0), n}, rows.options());
+  QuantizedActivations act;
+  quantize_activations(rows.data_ptr<float>(), rows.size(0), rows.size(1), act);
+  gguf_matmul(act, tiles, formats, out.data_ptr<float>(), n);
+  return out;
+}
+
+}  // namespace PAGEDCHAT_CPU_NS

@@ -1,12 +1,12 @@
 """AsyncEngine: the front's handle on an engine core running in its own process.
 
-The core (core_process.py) schedules and steps at the device's pace; this side, on the server's event loop,
-validates and submits requests, turns each step's token-id deltas into RequestOutputs (output_processor.py:
-detokenizing, stop strings, logprobs) and hands them to per-request streams. A stream that is behind gets
-everything ready for it as one output (never more than one per step), so a slow reader costs one event, not
-many. A consumer that stops iterating (disconnect, cancellation) aborts its request in the core, whose blocks
-are free at its next step. If the core fails or its process dies, every waiting consumer gets EngineDeadError
-and ``healthy`` turns False; if this process ends, the core ends with it.
+The core (engine/runtime/core_process.py) schedules and steps at the device's pace; this side, on the server's
+event loop, validates and submits requests, turns each step's token-id deltas into RequestOutputs
+(engine/output/output_processor.py: detokenizing, stop strings, logprobs) and hands them to per-request streams.
+A stream that is behind gets everything ready for it as one output (never more than one per step), so a slow
+reader costs one event, not many. A consumer that stops iterating (disconnect, cancellation) aborts its request
+in the core, whose blocks are free at its next step. If the core fails or its process dies, every waiting
+consumer gets EngineDeadError and ``healthy`` turns False; if this process ends, the core ends with it.
 
 By default the engine starts its own core. Given a ``CoreEndpoint`` (``--api-server-count``: several front
 processes share one core, started by the process that runs them), it attaches to that core as one of its clients

@@ -6,7 +6,9 @@ chunk, preempting when blocks run out (``schedule_running``, ``victim``, ``preem
 other sequences, or dropped and recomputed later); bring swapped-out requests back (``swap_in``); release forked
 samples into the batch; commit a pass's KV (``advance``); end a sequence wherever it is (``finish``). Which moves a
 step makes is the scheduler's choice (scheduler.py: one tenant's step in order; shared_step.py: a step shared among
-tenants); which blocks a sequence holds is the block manager's.
+tenants); which blocks a sequence holds is the block manager's. The queues also hold the limits both ways of
+filling a step obey (seats, tokens per step) and the step's cost model, with the token budget of a step of one
+tenant (``solo_budget``).
 """
 
 from __future__ import annotations

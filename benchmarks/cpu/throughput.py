@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.harness import record
 from benchmarks.harness.peers import LlamaCppPeer, Peer, TransformersPeer
-from engine.layers.quantized_linear import CPU_WEIGHTS
+from engine.config import CPU_WEIGHTS
 from engine.llm import LLM
 from kernels.cpu_native import CPU_ISA_CHOICES
 from engine.sampling_params import SamplingParams

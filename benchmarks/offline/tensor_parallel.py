@@ -54,10 +54,9 @@ from benchmarks.offline.nano import (
     measure_split,
     run_ours,
 )
-from engine.config import resolve_device
+from engine.config import ALL_REDUCE_CHOICES, resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
-from engine.distributed.parallel_state import ALL_REDUCE_CHOICES
 
 logger = logging.getLogger("benchmarks.offline.tensor_parallel")
 

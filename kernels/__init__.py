@@ -3,7 +3,8 @@
 Every kernel has a torch reference with the same signature (kernels/reference.py), which is the CPU path;
 the Triton kernels (paged_attention.py, prefill_attention.py, contiguous_attention.py, cache_ops.py, and the
 fused layer kernels rms_norm.py, rotary.py, activation.py, the decode matmul skinny_gemm.py, greedy sampling's
-argmax.py and a step's inputs, prepare_inputs.py) run when a tensor argument is on CUDA.
+argmax.py, a step's inputs, prepare_inputs.py, and the mixture-of-experts MLP fused_moe.py) run when a tensor
+argument is on CUDA.
 ``PAGEDCHAT_KERNELS``: ``auto`` (default), ``reference`` (always the reference) or ``triton`` (always Triton;
 with CPU tensors on a machine without CUDA that is Triton's interpreter: slow, for tests). Triton is imported
 on first use, so a CPU-only install runs without it and ``TRITON_INTERPRET`` is set before it loads.
@@ -45,6 +46,7 @@ _TRITON_MODULE = {
     "greedy_argmax": "argmax",
     "persistent_decode": "persistent_decode",
     "prepare_inputs": "prepare_inputs",
+    "fused_moe": "fused_moe",
 }
 
 

@@ -397,3 +397,37 @@ def prepare_inputs(
     if static_tables is not None:
         offset, rows, width = table_at.tolist()
         static_tables[:rows, :width].copy_(packed[offset : offset + rows * width].view(rows, width))
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router (Qwen3-MoE's): softmax over the ``[T, E]`` logits in float32, the ``top_k``
+    largest per token, renormalised to sum to 1 when asked; -> (weights float32, expert ids int32), ``[T, K]``.
+    Plain torch on every device (the GPU path too): it is a few small ops beside the experts' matmuls."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: object | None = None,
+) -> torch.Tensor:
+    """Mixture-of-experts MLP: ``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for
+    ``e = topk_ids[t, k]``, with ``hidden`` ``[T, H]``, ``w_gate_up`` ``[E, 2I, H]`` (gate rows, then up rows),
+    ``w_down`` ``[E, H, I]``, ``[T, K]`` weights and ids. Computed in float32 one expert at a time, only the
+    experts some token chose; the output in hidden's dtype. ``config`` (the Triton kernel's) is ignored."""
+    x, out = hidden.float(), torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        act = silu_and_mul(x[tokens] @ w_gate_up[expert].float().T)
+        weighted = (act @ w_down[expert].float().T) * topk_weights[tokens, slots, None].float()
+        out.index_add_(0, tokens, weighted)
+    return out.to(hidden.dtype)

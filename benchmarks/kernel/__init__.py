@@ -7,6 +7,9 @@ machine without CUDA each script still answers ``--help`` and exits with a messa
   without a cached prefix (``--cuda-graph`` times graph replays). ``python -m benchmarks.kernel.prefill_attention``
 - ``skinny_gemm``: decode matmuls of M <= 32 rows against cuBLAS and the weight-read limit, every projection of
   llama-3.2-1b and llama-3-8b. ``python -m benchmarks.kernel.skinny_gemm``
+- ``fused_moe``: Qwen3-30B-A3B's MoE layer (kernels/fused_moe.py) at 1-256 tokens against the weight-read limit
+  of the experts chosen, beside a dense MLP of the same active bytes (``--sweep`` for launch configs).
+  ``python -m benchmarks.kernel.fused_moe``
 - ``all_reduce``: the tensor-parallel all-reduce, NCCL against our symmetric-memory kernels, captured in CUDA
   graphs (2+ GPUs). ``python -m benchmarks.kernel.all_reduce --ranks 2``
 - ``persistent_chain``: the experiment behind the persistent decode kernel: a decode step's matmul chain in one

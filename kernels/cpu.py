@@ -14,15 +14,19 @@ import torch.nn.functional as F
 
 
 def decode_plan(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int = 0
 ) -> tuple[torch.Tensor | int, torch.Tensor, int]:
     """For decode rows: what to gather — the flat block ids (``[B * blocks]``), or for a single sequence whose
     blocks are consecutive (a fresh pool hands them out in order) the first id, read as a view without any
-    copy — the visibility mask ``[B, 1, 1, L]`` and ``L``, the gathered length."""
+    copy — the visibility mask ``[B, 1, 1, L]`` (the last ``window`` positions only, for a sliding-window layer)
+    and ``L``, the gathered length."""
     max_len = int(context_lens.max())
     width = -(-max_len // block_size)
     blocks = block_tables[:, :width].reshape(-1)
-    visible = torch.arange(width * block_size)[None, :] < context_lens[:, None]
+    positions = torch.arange(width * block_size)[None, :]
+    visible = positions < context_lens[:, None]
+    if window > 0:
+        visible &= positions >= context_lens[:, None] - window
     if len(context_lens) == 1:
         first = int(blocks[0])
         if bool((blocks == torch.arange(first, first + width, dtype=blocks.dtype)).all()):

@@ -103,6 +103,7 @@ def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.conste
     **per_step(
         "table_ptr",
         "ctx_ptr",
+        "window",
         "part_max_ptr",
         "part_sum_ptr",
         "counter_ptr",
@@ -117,6 +118,7 @@ def _decode_kernel(
     v_ptr,
     table_ptr,
     ctx_ptr,
+    window,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
@@ -160,6 +162,7 @@ def _decode_kernel(
     )
     if Q_TO_F16:
         q = q.to(tl.float16)  # (K, V and the probabilities follow q's dtype)
+    ctx = tl.load(ctx_ptr + seq)
     decode_task(
         q,
         kv_head,
@@ -169,7 +172,8 @@ def _decode_kernel(
         k_ptr,
         v_ptr,
         table_ptr,
-        tl.load(ctx_ptr + seq),
+        ctx,
+        tl.where(window > 0, tl.maximum(ctx - window, 0), 0),
         part_max_ptr,
         part_sum_ptr,
         part_acc_ptr,
@@ -222,6 +226,7 @@ def decode_task(
     v_ptr,
     table_ptr,
     ctx,
+    first,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
@@ -255,11 +260,15 @@ def decode_task(
     partials and, for the last partition to finish, the merge. A partition is at least ``MIN_TILES`` tiles
     (partitions past the context are empty). The decode kernel runs one a program; the
     persistent decode kernel (kernels/persistent_decode.py) runs them as tasks of its attention phase.
-    ``ctx``: the sequence's context length (loaded by the caller, which may have it early)."""
+    ``ctx``: the sequence's context length (loaded by the caller, which may have it early); ``first``: the first
+    key position it attends (a sliding-window layer's ``ctx - window``, else 0): partitions split ``first ..
+    ctx - 1``."""
     if SPLIT:
-        start, end, partition = partition_bounds(ctx, part, num_parts, TILE_N, MIN_TILES)
+        start, end, partition = partition_bounds(ctx - first, part, num_parts, TILE_N, MIN_TILES)
+        start += first
+        end += first
     else:
-        start = 0
+        start = first
         end = ctx
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
@@ -292,7 +301,7 @@ def decode_task(
     if KV_FP8:
         acc = acc * v_scale  # (before split-K's partials: the merge is linear in them)
     if SPLIT:
-        used = tl.cdiv(ctx, partition)
+        used = tl.cdiv(ctx - first, partition)
         if part < used:  # partitions past the context hold no keys: they neither count nor write
             num_heads = num_kv_heads * GROUP
             slot = (seq * num_heads + heads) * num_parts + part  # partials [seq, head, part(, dim)]
@@ -509,6 +518,7 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
     *,
     split: bool | None = None,
     config: DecodeConfig | None = None,
@@ -527,6 +537,7 @@ def paged_attention(
         contiguous=False,
         split=split,
         config=config,
+        window=window,
     )
 
 
@@ -545,6 +556,7 @@ def launch_decode(
     split: bool | None,
     config: DecodeConfig | None,
     max_context: int = 0,
+    window: int = 0,
 ) -> None:
     """Launch ``_decode_kernel`` over either layout. Paged: ``table`` is the block tables ``[B, width]`` of a
     ``[num_blocks, block_size, ...]`` cache. Contiguous: ``table`` is the slot ids ``[B]`` of a
@@ -570,6 +582,8 @@ def launch_decode(
         if contiguous
         else table.shape[1] * block_size
     )
+    if window > 0:  # (a sliding-window layer attends at most its window)
+        max_tokens = min(max_tokens, window + block_size)
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
     partition = choose_partition(batch * num_kv_heads, max_tokens, query.device, config, split)
@@ -604,6 +618,7 @@ def launch_decode(
         v_cache,
         table,
         context_lens,
+        window,
         part_max,
         part_sum,
         part_acc,

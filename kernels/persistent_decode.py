@@ -660,7 +660,7 @@ def _persistent_decode_kernel(
                              TILE_N, ATTENTION_MIN_TILES, PRODUCT_DTYPE,
                              h_ptr.dtype.element_ty)  # fmt: skip
             decode_task(q, kv_head, seq, task // (NUM_KV_HEADS * M), attn_ptr, k_cache, v_cache,
-                        block_table_ptr, ctx, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                        block_table_ptr, ctx, 0, part_max_ptr, part_sum_ptr, part_acc_ptr,
                         attn_counters, scale_log2, 1.0, QD, HEAD_DIM, stride_block, stride_token,
                         stride_head, stride_table, NUM_KV_HEADS, attn_parts, GROUP, GROUP_PAD,
                         GROUP_POW2, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, ATTENTION_SPLIT, 8,

@@ -72,7 +72,31 @@ def _find_sequence(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo
 
 
-@triton.jit(**per_step("table_ptr", "cu_ptr", "ctx_ptr", "stride_table", "num_seqs", "num_tiles"))
+@triton.jit
+def _attend_windowed(
+    q, k, v, row_max, row_sum, acc, pos, rows, prefix, ctx, window, scale_log2,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """``attend`` for a sliding-window layer: row r sees keys ``prefix + r - window + 1 .. prefix + r``. A row may
+    see none of a tile's keys (its window starts after it): its maximum stays -inf and adds nothing."""
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    query_at = prefix + rows[:, None]
+    visible = (pos[None, :] <= query_at) & (pos[None, :] > query_at - window) & (pos < ctx)[None, :]
+    scores = tl.where(visible, scores * scale_log2, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.exp2(scores - safe[:, None])
+    alpha = tl.exp2(row_max - safe)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
+
+
+@triton.jit(
+    **per_step("table_ptr", "cu_ptr", "ctx_ptr", "window", "stride_table", "num_seqs", "num_tiles")
+)
 def _prefill_kernel(
     out_ptr,
     q_ptr,
@@ -86,6 +110,7 @@ def _prefill_kernel(
     table_ptr,
     cu_ptr,
     ctx_ptr,
+    window,
     scale_log2,
     v_scale,
     stride_qt,
@@ -109,6 +134,7 @@ def _prefill_kernel(
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
     CHUNK_TMA: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = num_tiles - 1 - tl.program_id(1)  # heavy tiles (late in a sequence) first
@@ -139,9 +165,28 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         table_row = table_ptr + seq.to(tl.int64) * stride_table
         k_seq, v_seq = sequence_kv(k_ptr, v_ptr, table_row, stride_block, CONTIGUOUS)
-        unmasked_end = (prefix + first_row) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
-        # tiles wholly in the cache: with CHUNK_TMA the prefix's, else every tile
-        cached_end = (prefix if CHUNK_TMA else ctx) // BLOCK_N * BLOCK_N
+        if WINDOWED:  # every tile from the first key the tile's first row sees, masked
+            first_key = tl.maximum(prefix + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+            for start in range(first_key, tl.minimum(prefix + first_row + BLOCK_M, ctx), BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
+                k, v = cached_kv(k_seq, v_seq, table_row, pos, ctx, kv_head, dims, stride_block,
+                                 stride_token, stride_head, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, CONTIGUOUS,
+                                 True)  # fmt: skip
+                # keys before every row's window: p = 0 there, and 0 * a stale value must stay 0
+                v = tl.where((pos >= prefix + first_row - window + 1)[:, None], v, 0.0)
+                row_max, row_sum, acc = _attend_windowed(
+                    q, k, v, row_max, row_sum, acc, pos, rows, prefix, ctx, window, scale_log2,
+                    DOT_PRECISION, KV_FP8,
+                )  # fmt: skip
+            unmasked_end = 0
+            cached_end = 0
+            diagonal_end = 0
+        else:
+            unmasked_end = (
+                (prefix + first_row) // BLOCK_N * BLOCK_N
+            )  # keys every row of the tile sees
+            # tiles wholly in the cache: with CHUNK_TMA the prefix's, else every tile
+            cached_end = (prefix if CHUNK_TMA else ctx) // BLOCK_N * BLOCK_N
         for start in range(0, tl.minimum(cached_end, unmasked_end), BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             k, v = cached_kv(
@@ -227,7 +272,8 @@ def _prefill_kernel(
                     DOT_PRECISION,
                     KV_FP8,
                 )
-        diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
+        if not WINDOWED:
+            diagonal_end = tl.minimum(prefix + first_row + BLOCK_M, ctx)
         if CHUNK_TMA:
             diagonal_start = unmasked_end
             if cached_end < prefix and cached_end == unmasked_end:  # the prefix ends in this tile
@@ -344,6 +390,7 @@ def prefill_attention(
     v_scale: float = 1.0,
     chunk_k: torch.Tensor | None = None,
     chunk_v: torch.Tensor | None = None,
+    window: int = 0,
     *,
     config: PrefillConfig | None = None,
 ) -> None:
@@ -364,6 +411,7 @@ def prefill_attention(
         chunk_v,
         contiguous=False,
         config=config,
+        window=window,
     )
 
 
@@ -383,6 +431,7 @@ def launch_prefill(
     *,
     contiguous: bool,
     config: PrefillConfig | None,
+    window: int = 0,
 ) -> None:
     """Launch ``_prefill_kernel`` over either layout: ``table`` is the block tables ``[num_seqs, width]``
     (paged) or the slot ids ``[num_slots]`` of a ``[num_slots, max_len, ...]`` cache (contiguous). The scales
@@ -412,7 +461,7 @@ def launch_prefill(
     kv_fp8 = k_cache.dtype == FP8
     chunk = (
         chunk_descriptors(query, k_cache, chunk_k, chunk_v, config.block_m, block_n)
-        if num_tokens >= config.chunk_tma_min_tokens
+        if num_tokens >= config.chunk_tma_min_tokens and window == 0
         else None
     )
     _prefill_kernel[(num_heads, num_tiles)](
@@ -428,6 +477,7 @@ def launch_prefill(
         table,
         cu_seqlens_q,
         context_lens,
+        window,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         query.stride(0),
@@ -452,6 +502,7 @@ def launch_prefill(
         CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8,
         CHUNK_TMA=chunk is not None,
+        WINDOWED=window > 0,
         num_warps=config.num_warps,
         num_stages=stages,
     )

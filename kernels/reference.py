@@ -81,9 +81,11 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> None:
     """Decode: one query token per sequence ``[B, heads, head_dim]`` attends to its first
-    ``context_lens[b]`` cached tokens (its own token included, already stored)."""
+    ``context_lens[b]`` cached tokens (its own token included, already stored); with ``window`` > 0 (a
+    sliding-window layer) only the last ``window`` of them (blocks before those may be absent from the table)."""
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
@@ -92,7 +94,10 @@ def paged_attention(
     values = dequantize_kv(select_rows(v_cache, blocks), v_scale, query.dtype)
     keys = keys.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
     values = values.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(keys.shape[2], device=query.device)[None, :] < context_lens[:, None]
+    positions = torch.arange(keys.shape[2], device=query.device)[None, :]
+    visible = positions < context_lens[:, None]
+    if window > 0:
+        visible &= positions >= context_lens[:, None] - window
     result = F.scaled_dot_product_attention(
         query.unsqueeze(2),
         keys,
@@ -117,11 +122,14 @@ def prefill_attention(
     v_scale: float = 1.0,
     chunk_k: torch.Tensor | None = None,
     chunk_v: torch.Tensor | None = None,
+    window: int = 0,
 ) -> None:
     """Causal attention for variable-length query chunks ``[T, heads, head_dim]`` (sequence b owns rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). Keys are the sequence's first ``context_lens[b]`` cached tokens:
     a cached prefix, earlier chunks, and this chunk (already stored). The chunk's last query sits at
-    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``.
+    position ``context_lens[b] - 1``, so query i of a chunk of length q sees keys ``0 .. ctx - q + i``; with
+    ``window`` > 0 (a sliding-window layer) only keys ``ctx - q + i - window + 1 ..`` of those (the blocks of
+    earlier keys may be absent from the table: they are not read).
     ``chunk_k``/``chunk_v`` (optional, ``[T, kv_heads, head_dim]``): the chunk's K/V as they were stored, which
     a kernel may read in place of the cache's copy (the Triton kernel does on Hopper); the reference reads the
     cache."""
@@ -130,9 +138,11 @@ def prefill_attention(
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b, ctx in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
-        table = block_tables[b, : -(-ctx // block_size)].long()
-        keys = select_rows(k_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
-        values = select_rows(v_cache, table).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        # (a window reads from the first block any query of the chunk sees; earlier keys drop out)
+        first = max(0, ctx - (hi - lo) - window + 1) // block_size * block_size if window else 0
+        table = block_tables[b, first // block_size : -(-ctx // block_size)].long()
+        keys = select_rows(k_cache, table).reshape(-1, num_kv_heads, head_dim)[: ctx - first]
+        values = select_rows(v_cache, table).reshape(-1, num_kv_heads, head_dim)[: ctx - first]
         keys, values = (
             dequantize_kv(keys, k_scale, query.dtype),
             dequantize_kv(values, v_scale, query.dtype),
@@ -141,9 +151,12 @@ def prefill_attention(
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
         mask = None
-        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
-            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        if hi - lo != ctx or window:  # causal mask aligned to the bottom-right, and the window
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)[:, None]
+            keys_at = torch.arange(first, ctx, device=query.device)[None, :]
+            mask = keys_at <= rows
+            if window:
+                mask &= keys_at > rows - window
         o = F.scaled_dot_product_attention(
             q,
             k,
@@ -226,9 +239,12 @@ def contiguous_prefill_attention(
             .unsqueeze(0)
         )
         mask = None
-        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
-            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
+        if hi - lo != ctx or window:  # causal mask aligned to the bottom-right, and the window
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)[:, None]
+            keys_at = torch.arange(first, ctx, device=query.device)[None, :]
+            mask = keys_at <= rows
+            if window:
+                mask &= keys_at > rows - window
         o = F.scaled_dot_product_attention(
             q,
             k,

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.config import EngineConfig
-from engine.worker.model_sources import ensure_default_model
+from engine.worker.model_sources import default_gguf_file, ensure_default_model
 
 # Small KV pools keep engine start-up cheap in tests; each test states the sizes it depends on.
 SMALL_KV_GIB = 0.1
@@ -41,7 +41,16 @@ async def engine():
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
+    """The default model's directory: its config and tokenizer, described from its GGUF file."""
     return ensure_default_model(Path(EngineConfig().cache_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir() -> Path:
+    """The default model as a Hugging Face directory in float32 (tests/hf_export.py), for transformers."""
+    from tests.hf_export import hf_directory
+
+    return hf_directory(default_gguf_file(), Path(EngineConfig().cache_dir))
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +61,11 @@ def tokenizer(default_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(default_model_dir: Path):
+def hf_model(hf_model_dir: Path):
     """transformers' own implementation of the same weights: the oracle for greedy outputs."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
     return model.eval()
 
 

@@ -64,12 +64,15 @@ class KVBackend(ABC):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rotation: Rotation | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """One attention layer's pass over its caches (``layer_caches``): store this pass's ``k``/``v``
         ``[T, kv_heads, head_dim]`` at their slots, then attend each row of ``q`` ``[T, heads, head_dim]`` over its
         sequence's KV, the decode rows (the first ``meta.num_decodes``) and the prefill chunks after them each by
         their own kernel -> ``[T, heads * head_dim]``. ``k_scale``/``v_scale``: an FP8 cache's scales.
-        ``rotation``: q and k are not rotated yet; ``store`` rotates them in place as it stores."""
+        ``rotation``: q and k are not rotated yet; ``store`` rotates them in place as it stores. ``window`` > 0:
+        a sliding-window layer (its keys: the last ``window`` positions; its slots and tables: the window
+        group's where the pass has one, ``kv_group``)."""
 
     def store(
         self,
@@ -82,11 +85,13 @@ class KVBackend(ABC):
         k_scale: float,
         v_scale: float,
         rotation: Rotation | None,
+        window: int = 0,
     ) -> None:
         """``attend``'s first part: ``k``/``v`` into their slots, after ``rotation`` (if any) of ``q`` and
         ``k`` in place, in the same launch."""
+        slot_mapping, _ = kv_group(meta, window)
         if rotation is None:
-            kernel_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            kernel_ops.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             return
         kernel_ops.rotary_store_kv(
             rotation.positions,
@@ -97,7 +102,7 @@ class KVBackend(ABC):
             rotation.sin_cache,
             k_cache,
             v_cache,
-            meta.slot_mapping,
+            slot_mapping,
             k_scale,
             v_scale,
         )
@@ -165,3 +170,11 @@ class KVBackend(ABC):
     def stats(self) -> dict[str, float]:
         """Backend numbers for the metrics (mapping time, pages mapped, ...)."""
         return {}
+
+
+def kv_group(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot mapping and block tables a layer reads: a sliding-window layer's (``window`` > 0) are its own
+    group's where the pass has one (a model with such layers), every other layer's the pass's."""
+    if window > 0 and meta.window_slot_mapping is not None:
+        return meta.window_slot_mapping, meta.window_block_tables
+    return meta.slot_mapping, meta.block_tables

@@ -3,9 +3,11 @@ head_dim]``; attention reads each sequence's blocks through its block table."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from engine.kv_backend.base import KVBackend, Rotation
+from engine.kv_backend.base import KVBackend, Rotation, kv_group
 from engine.forward_context import AttentionMetadata
 from kernels import cpu as cpu_kernels
 from kernels import ops as kernel_ops
@@ -58,10 +60,12 @@ class PagedKV(KVBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rotation: Rotation | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Through the kernel dispatch (kernels.ops: Triton on CUDA, the torch references on the CPU), over
-        each sequence's block table."""
-        self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation)
+        each sequence's block table (a sliding-window layer's: its group's, its window)."""
+        self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation, window)
+        _, tables = kv_group(meta, window)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -70,11 +74,12 @@ class PagedKV(KVBackend):
                 q[:nd],
                 k_cache,
                 v_cache,
-                meta.block_tables[:nd],
+                tables[:nd],
                 meta.context_lens[:nd],
                 scale,
                 k_scale,
                 v_scale,
+                window,
             )
         if nd < q.shape[0]:
             kernel_ops.prefill_attention(
@@ -82,7 +87,7 @@ class PagedKV(KVBackend):
                 q[nd:],
                 k_cache,
                 v_cache,
-                meta.block_tables[nd:],
+                tables[nd:],
                 meta.prefill_cu_seqlens_q,
                 meta.context_lens[nd:],
                 scale,
@@ -90,6 +95,7 @@ class PagedKV(KVBackend):
                 v_scale,
                 k[nd:],
                 v[nd:],
+                window,
             )
         return out.view(q.shape[0], -1)
 
@@ -112,37 +118,43 @@ class LeanCpuPagedKV(PagedKV):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rotation: Rotation | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         if k_cache.dtype == torch.float8_e4m3fn:
             return super().attend(
-                q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, rotation
+                q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, rotation, window
             )
         # the lean layers rotate before they call (kernels/cpu.py's rotary); any other caller, here
         if rotation is not None:
             kernel_ops.rotary_embedding(
                 rotation.positions, q, k, rotation.cos_cache, rotation.sin_cache
             )
-        memo = meta.memo
-        if (store := memo.get("store")) is None:
-            store = memo["store"] = cpu_kernels.store_plan(meta.slot_mapping)
+        slot_mapping, tables = kv_group(meta, window)
+        # (per-pass values shared by the layers of one kind: its window, and whether it has its own group)
+        kind = (window, tables is not meta.block_tables)
+        store = _memo(meta, ("store", kind), lambda: cpu_kernels.store_plan(slot_mapping))
         cpu_kernels.store_kv(k, v, k_cache, v_cache, store)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            if (plan := memo.get("decode")) is None:
-                plan = memo["decode"] = cpu_kernels.decode_plan(
-                    meta.block_tables[:nd], meta.context_lens[:nd], k_cache.shape[1]
-                )
+            plan = _memo(
+                meta,
+                ("decode", kind),
+                lambda: cpu_kernels.decode_plan(
+                    tables[:nd], meta.context_lens[:nd], k_cache.shape[1], window
+                ),
+            )
             cpu_kernels.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, plan, scale)
         if nd < q.shape[0]:
+            args = (meta.prefill_cu_seqlens_q, meta.context_lens[nd:], scale, 1.0, 1.0)
             kernel_ops.prefill_attention(
-                out[nd:],
-                q[nd:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                meta.prefill_cu_seqlens_q,
-                meta.context_lens[nd:],
-                scale,
+                out[nd:], q[nd:], k_cache, v_cache, tables[nd:], *args, None, None, window
             )
         return out.view(q.shape[0], -1)
+
+
+def _memo(meta: AttentionMetadata, key: object, compute: Callable[[], object]) -> object:
+    """``meta.memo[key]``, computed by the first layer of the pass that asks."""
+    if (value := meta.memo.get(key)) is None:
+        value = meta.memo[key] = compute()
+    return value

@@ -238,8 +238,11 @@ class VAttentionKV(KVBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rotation: Rotation | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
-        """Each sequence's KV is its request slot (``meta.slot_ids``): no block table in the kernels."""
+        """Each sequence's KV is its request slot (``meta.slot_ids``): no block table in the kernels. (Models
+        with sliding-window layers run on the paged backend: EngineConfig refuses them here, ``window`` is 0.)"""
+        assert window == 0, "sliding-window layers need the paged KV backend"
         self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation)
         out = torch.empty_like(q)
         nd = meta.num_decodes

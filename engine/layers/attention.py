@@ -21,8 +21,13 @@ class PagedAttention(nn.Module):
     V are stored and which kernels read them (paged block tables, vattention's request slots, the CPU's lean
     kernels)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0
+    ) -> None:
+        """``window`` > 0: a sliding-window layer (Gemma 3's local layers): a token attends to the last
+        ``window`` positions, its own included."""
         super().__init__()
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
             num_heads,
             num_kv_heads,
@@ -75,4 +80,5 @@ class PagedAttention(nn.Module):
             self.k_scale,
             self.v_scale,
             rotation,
+            self.window,
         )

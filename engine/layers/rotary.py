@@ -72,9 +72,9 @@ class RotaryEmbedding(nn.Module):
         """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
         in place by their positions; returns the same two tensors."""
         if lean_cpu(q):  # cos/sin rows gathered by the first layer of the pass only
-            memo = pass_memo()
-            if (plan := memo.get("rotary")) is None:
-                plan = memo["rotary"] = cpu_kernels.rotary_plan(
+            memo = pass_memo()  # (per embedding: Gemma's local and global layers have their own)
+            if (plan := memo.get(("rotary", id(self)))) is None:
+                plan = memo[("rotary", id(self))] = cpu_kernels.rotary_plan(
                     positions, self.cos_cache, self.sin_cache
                 )
             cpu_kernels.rotary_embedding(q, k, plan)

@@ -42,8 +42,11 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
-        """``args``: this rank's shard (LlamaArgs.sharded)."""
+    def __init__(
+        self, args: LlamaArgs, rotary: RotaryEmbedding, scale: float | None = None, window: int = 0
+    ) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded); ``scale``: the softmax's (default head_dim^-0.5);
+        ``window`` > 0: a sliding-window layer."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             args.num_heads,
@@ -66,7 +69,11 @@ class LlamaAttention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(
-            args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+            args.head_dim**-0.5 if scale is None else scale,
+            window,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""``cpu_weights``: the quantized CPU layers compute with the weights they claim (q4: the packaged Q4_1 GGUF's
-own 4-bit blocks, scales rounded to bfloat16), and each quantized engine agrees with the float32 engine on
-chat prompts closely enough (the agreement numbers are printed: ``pytest -s``)."""
+"""``cpu_weights``: the quantized CPU layers compute with the weights they claim (file: the packaged GGUF's own
+Q4_1 and Q8_0 blocks; q4: float weights rounded to Q4_1), and each quantized engine agrees with the float32
+engine on chat prompts closely enough (the agreement numbers are printed: ``pytest -s``)."""
 
 from __future__ import annotations
 
@@ -11,30 +11,32 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from engine.config import EngineConfig
-from engine.worker.gguf_q4 import Q4_FILE, load_q4, read_gguf_q4, save_q4
+from engine.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from engine.layers.linear import Linear
 from engine.layers.quantized_linear import (
     BFloat16Linear,
     Int8Linear,
-    PackedInt8Head,
-    Q4Blocks,
     Q4Linear,
-    Q8Head,
-    quantized_linear,
+    cpu_linear,
+    q4_1_from_float,
 )
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.worker.model_sources import _default_gguf_file
+from engine.weights.gguf_file import GGUFFile
+from engine.weights.gguf_names import hf_row_order
+from engine.weights.gguf_weights import gguf_weights
+from engine.worker.model_sources import default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
+from kernels.cpu_tiles import tiles
+from kernels.quant_blocks import QuantBlocks
 from tests.conftest import SMALL_KV_GIB
 from tests.engine.test_engine_greedy import TEXTS
 from tests.engine.test_models import tiny_hf_model
 
-QUANTIZED = ("bfloat16", "int8", "q4")
+QUANTIZED = ("bfloat16", "int8", "q4", "file")
 # bfloat16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-8 of its magnitude
 BF16_ROUNDING = 2.0**-8
 FP16_ROUNDING = 2.0**-11
@@ -72,6 +74,7 @@ FLOORS = {
     "bfloat16": (14, 0.25, 0.15),
     "int8": (14, 0.15, 0.6),
     "q4": (14, 0.15, 0.3),
+    "file": (14, 0.15, 0.3),
 }
 
 
@@ -79,8 +82,14 @@ FLOORS = {
 
 
 @pytest.fixture(scope="module")
-def gguf_blocks() -> dict[str, Q4Blocks]:
-    return read_gguf_q4(_default_gguf_file())
+def gguf_blocks(default_model_dir: Path) -> dict[str, QuantBlocks]:
+    """The default model's GGUF blocks by Hugging Face name (query/key rows in Hugging Face's order)."""
+    from types import SimpleNamespace
+    import json
+
+    config = SimpleNamespace(**json.loads((default_model_dir / "config.json").read_text()))
+    found = dict(gguf_weights(GGUFFile(default_gguf_file()), config, None))
+    return {name: blocks for name, blocks in found.items() if isinstance(blocks, QuantBlocks)}
 
 
 @pytest.fixture(scope="module")
@@ -160,76 +169,51 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.float().bfloat16().float()
 
 
-# ---------------------------------------------------------------- q4: the GGUF's own blocks
+# ---------------------------------------------------------------- file: the GGUF's own blocks
 
 
-def test_q4_blocks_dequantize_to_the_converted_float32_weights(
-    gguf_blocks, default_model_dir: Path
-):
-    """transformers de-quantized the same GGUF (query/key rows in Hugging Face order) into the float32
-    safetensors: every projection of every layer must equal the blocks' d * q + m bit for bit."""
-    with safe_open(default_model_dir / "model.safetensors", framework="pt", device="cpu") as f:
-        projections = {name for name in f.keys() if name.endswith("_proj.weight")}
-        assert set(gguf_blocks) == projections, (
-            "every projection must come from the GGUF's 4-bit blocks"
-        )
-        for name in sorted(projections):
-            assert torch.equal(gguf_blocks[name].dequantize(), f.get_tensor(name)), name
-
-
-def test_q4_blocks_dequantize_as_gguf_does(gguf_blocks):
-    """Against gguf-py's own Q4_1 de-quantization of the file (layers whose rows the reader keeps in order)."""
+def test_file_blocks_dequantize_as_the_gguf_package_does(gguf_blocks):
+    """Every projection's blocks against gguf-py's own de-quantization of the file's tensor (its rows in llama.cpp's
+    order: query and key rows put back in Hugging Face's order here); the embedding is the file's Q8_0."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     parts = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj",
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
+    heads = {"attn_q": 9, "attn_k": 3}  # SmolLM2-135M: 9 query heads, 3 KV heads
     layers = {0, 14, 29}
     checked = 0
-    for tensor in GGUFReader(_default_gguf_file()).tensors:
+    for tensor in GGUFReader(default_gguf_file()).tensors:
         layer, _, part = tensor.name.removeprefix("blk.").partition(".")
         part = part.removesuffix(".weight")
         if not tensor.name.startswith("blk.") or int(layer) not in layers or part not in parts:
             continue
         expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
-        assert torch.equal(
-            gguf_blocks[f"model.layers.{layer}.{parts[part]}.weight"].dequantize(), expected
-        )
+        if part in heads:
+            expected = expected[hf_row_order(expected.shape[0], heads[part])]
+        blocks = gguf_blocks[f"model.layers.{layer}.{parts[part]}.weight"]
+        assert blocks.format == "q4_1" and torch.equal(blocks.dequantize(), expected), tensor.name
         checked += 1
     assert checked == len(layers) * len(parts)
-
-
-def test_q4_file_round_trip_keeps_codes_and_scales(
-    gguf_blocks, default_model_dir: Path, tmp_path: Path
-):
-    """save_q4 + load_q4 give the same codes, scales and minimums; so does the file beside the default model."""
-    save_q4(gguf_blocks, tmp_path / Q4_FILE)
-    for loaded in (load_q4(tmp_path / Q4_FILE), load_q4(default_model_dir / Q4_FILE)):
-        assert set(loaded) == set(gguf_blocks)
-        for name, blocks in gguf_blocks.items():
-            got = loaded[name]
-            assert got.q.dtype == torch.uint8 and got.d.dtype == got.m.dtype == torch.float16
-            assert (
-                torch.equal(got.q, blocks.q)
-                and torch.equal(got.d, blocks.d)
-                and torch.equal(got.m, blocks.m)
-            )
+    assert gguf_blocks["model.embed_tokens.weight"].format == "q8_0"
 
 
 def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
     """Q4Linear applied to the identity gives its weight (transposed). torch's kernel de-quantizes
     ``(q - 8) * scale + zero`` with ``scale = d``, ``zero = m + 8 d`` held in bfloat16, and returns bfloat16."""
     blocks = gguf_blocks["model.layers.3.mlp.down_proj.weight"]  # [576, 1536]: the longest rows
-    k = blocks.q.shape[1]
+    k = blocks.codes.shape[1]
     kernel = Q4Linear(blocks, None)(torch.eye(k)).t()  # (the identity is exact in bfloat16)
     d, m = per_column(blocks.d), per_column(blocks.m)
     zero = m + 8 * d
-    expected = (blocks.q.float() - 8) * bf16(d) + bf16(zero)
+    expected = (blocks.codes.float() - 8) * bf16(d) + bf16(zero)
     # one bfloat16 rounding of the output (and fp32 rounding order inside the kernel: far below it)
     torch.testing.assert_close(kernel, bf16(expected), rtol=2 * BF16_ROUNDING, atol=1e-6)
     # Against GGUF's exact d * q + m: rounding d moves a weight by |q - 8| <= 8 times 2^-8 |d|, rounding the
@@ -247,26 +231,11 @@ def test_q4_linear_computes_with_the_blocks_and_bfloat16_scales(gguf_blocks):
     )
 
 
-def unpack_q4q8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[N / 16, K / 32, 4, 16, 4] bytes (vector v, output j: inputs 8v + t low nibble, 8v + 4 + t high) and
-    [N / 16, K / 32, 16] scales back to codes [N, K] and d, m [N, K / 32]."""
-    blocks, groups = codes.shape[:2]
-    nibbles = torch.stack((codes & 0x0F, codes >> 4), dim=3)  # [b, g, v, half, j, t]
-    q = nibbles.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 16, groups * 32)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.permute(0, 2, 1).reshape(blocks * 16, groups)
-
-    return q, rows(d), rows(m)
-
-
-def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks):
-    """The q4 engine's fused projections are the GGUF blocks of their shards, in shard order (q, k, v and
-    gate, up); the logits head is int8 per channel."""
-    model = engine("q4").engine.model
-    native = cpu_native.load(Path(EngineConfig().cache_dir) / "native")
-    # the native Q4_1 x Q8 kernel on x86 with AVX2 or more
-    expect_q4q8 = native is not None and native.has_q4q8
+def test_file_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks):
+    """The file engine's fused projections are the GGUF blocks of their shards, in shard order (q, k, v and
+    gate, up), as the native kernel's tiles; the logits head is the tied embedding's Q8_0 blocks; the embedding is
+    looked up in the file."""
+    model = engine("file").engine.model
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         expected = {
@@ -276,35 +245,18 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
             layer.mlp.down_proj: [f"{prefix}.mlp.down_proj.weight"],
         }
         for module, names in expected.items():
-            assert isinstance(module, Q4Linear) and (module.q4q8 is not None) == expect_q4q8
-            blocks = Q4Blocks.cat([gguf_blocks[name] for name in names])
-            # the native Q4_1 x Q8 layout: the file's codes, d and m exactly
-            if module.q4q8 is not None:
-                codes, d, m = unpack_q4q8(*module.q4q8)
-                assert (
-                    torch.equal(codes, blocks.q)
-                    and torch.equal(d, blocks.d)
-                    and torch.equal(m, blocks.m)
-                )
-                continue
-            scales = torch.stack(
-                [blocks.d.float().t(), (blocks.m.float() + 8 * blocks.d.float()).t()], dim=-1
+            assert isinstance(module, GGUFLinear) and module.part_formats == ["q4_1"] * len(names)
+            assert all(
+                torch.equal(t, tiles(gguf_blocks[name])) for t, name in zip(module.tiles, names)
             )
-            assert torch.equal(module.scales_and_zeros, scales.bfloat16()), names[0]
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 2)
-            assert torch.equal(module.packed, packed), names[0]
-    # with the Q4_1 x Q8 kernels, the tied embedding's own Q8_0 blocks (d q exactly: the float32 table's values);
-    # else int8 per output channel, packed for the native kernel (built wherever a C++ compiler is) or torch's
     head = model.logits_head
-    assert isinstance(
-        head, Q8Head if expect_q4q8 else PackedInt8Head if native is not None else Int8Linear
+    assert isinstance(head, GGUFLinear) and head.part_formats == ["q8_0"]
+    assert torch.equal(head.tiles[0], tiles(gguf_blocks["model.embed_tokens.weight"]))
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    ids = torch.tensor([0, 7, 49151, 7])
+    assert torch.equal(
+        model.model.embed_tokens(ids), gguf_blocks["model.embed_tokens.weight"].dequantize()[ids]
     )
-    if expect_q4q8:
-        table = model.model.embed_tokens.weight
-        n, k = table.shape
-        codes = head.packed.permute(0, 3, 1, 2, 4).reshape(n, k).to(torch.int16) - 128
-        scales = head.d.permute(0, 2, 1).reshape(n, k // 32, 1).float()
-        assert torch.equal((codes.float().view(n, k // 32, 32) * scales).view(n, k), table)
 
 
 # ---------------------------------------------------------------- the layers on random weights
@@ -313,9 +265,9 @@ def test_q4_engine_holds_the_gguf_blocks_in_every_projection(engine, gguf_blocks
 def test_q4_from_float_rounds_each_weight_to_its_nearest_code():
     torch.manual_seed(0)
     weight = torch.randn(48, 256) * torch.logspace(-3, 0, 48)[:, None] + 0.01
-    blocks = Q4Blocks.from_float(weight)
-    assert blocks.q.dtype == torch.uint8 and int(blocks.q.max()) <= 15
-    groups = blocks.q.view(48, 8, 32)
+    blocks = q4_1_from_float(weight)
+    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
+    groups = blocks.codes.view(48, 8, 32)
     # a group's minimum takes code 0 and its maximum code 15: the whole 4-bit range is used
     assert bool((groups.amin(-1) == 0).all()) and bool((groups.amax(-1) == 15).all())
     d, m = per_column(blocks.d), per_column(blocks.m)
@@ -326,10 +278,10 @@ def test_q4_from_float_rounds_each_weight_to_its_nearest_code():
 
 
 def test_q4_from_float_keeps_a_constant_group_exact_and_rejects_ragged_rows():
-    blocks = Q4Blocks.from_float(torch.full((2, 32), 0.5))
+    blocks = q4_1_from_float(torch.full((2, 32), 0.5))
     assert torch.equal(blocks.dequantize(), torch.full((2, 32), 0.5))
     with pytest.raises(ValueError, match="cpu_weights"):
-        Q4Blocks.from_float(torch.randn(2, 48))
+        q4_1_from_float(torch.randn(2, 48))
 
 
 def weight_error(mode: str, weight: torch.Tensor) -> torch.Tensor:
@@ -349,7 +301,7 @@ def test_linear_layer_matches_float32_linear_within_its_rounding(mode: str, with
     weight = torch.randn(96, 256) * torch.logspace(-2, 0, 96)[:, None]
     bias = torch.randn(96) if with_bias else None
     x = torch.randn(2, 5, 256)
-    layer = quantized_linear(mode, weight, bias)
+    layer = cpu_linear(mode, weight, bias)
     assert isinstance(layer, BFloat16Linear if mode == "bfloat16" else Int8Linear)
     out = layer(x)
     assert out.shape == (2, 5, 96) and out.dtype == torch.float32
@@ -366,10 +318,13 @@ def test_linear_layer_matches_float32_linear_within_its_rounding(mode: str, with
 
 
 @pytest.mark.parametrize("mode", QUANTIZED)
-def test_quantized_layer_adds_its_bias_in_float32(mode: str):
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_quantized_layer_adds_its_bias_in_float32(mode: str, native: bool):
     torch.manual_seed(2)
+    kernels = cpu_native.load(Path(EngineConfig().cache_dir) / "native") if native else None
     weight, bias, x = torch.randn(64, 128) * 0.05, torch.randn(64), torch.randn(3, 128)
-    with_bias, without = quantized_linear(mode, weight, bias), quantized_linear(mode, weight, None)
+    with_bias = cpu_linear(mode, weight, bias, native=kernels)
+    without = cpu_linear(mode, weight, None, native=kernels)
     torch.testing.assert_close(with_bias(x) - without(x), bias.expand(3, 64), rtol=0, atol=1e-5)
 
 
@@ -406,19 +361,27 @@ def test_quantized_engine_agrees_with_float32_engine(greedy_run, mode: str):
     assert logit_diff <= max_diff
 
 
-def test_auto_is_q4_for_the_default_model():
-    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
-    assert llm.engine.config.cpu_weights == "q4"
+def test_auto_is_file_for_the_default_model(engine):
+    llm = engine("file")
+    assert llm.engine.config.cpu_weights == "file"
     modules = list(llm.engine.model.modules())
-    assert sum(isinstance(m, Q4Linear) for m in modules) == 4 * len(llm.engine.model.model.layers)
+    assert (
+        sum(isinstance(m, GGUFLinear) for m in modules)
+        == 4 * len(llm.engine.model.model.layers) + 1
+    )  # (and the output layer)
     assert not any(isinstance(m, Linear) for m in modules)
+    assert EngineConfig(cpu_weights="auto").cpu_weights == "auto"  # (resolved at load, not before)
 
 
 @pytest.mark.parametrize(
-    "mode, resolved, layer", [("auto", "float32", Linear), ("q4", "q4", Q4Linear)]
+    "mode, resolved, layer",
+    [("auto", "float32", Linear), ("q4", "q4", GGUFLinear), ("file", "float32", Linear)],
 )
 def test_model_without_gguf_blocks(tmp_path: Path, mode: str, resolved: str, layer: type):
-    """A Hugging Face directory ships no 4-bit blocks: auto keeps float32; q4 quantizes its float weights."""
+    """A Hugging Face directory ships no blocks: auto (and file) keep float32; q4 quantizes its float weights
+    (on the native kernel where one was built, else torch's int4 kernel)."""
+    if layer is GGUFLinear and cpu_native.load(Path(EngineConfig().cache_dir) / "native") is None:
+        layer = Q4Linear
     tiny_hf_model("llama").save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), num_kv_blocks=16, cpu_weights=mode)
     assert llm.engine.config.cpu_weights == resolved
@@ -446,16 +409,16 @@ def test_bad_cpu_weights_are_rejected_naming_the_field(options: dict):
         EngineConfig(**options)
 
 
-# ---------------------------------------------------------------- q4 determinism
+# ---------------------------------------------------------------- determinism of the native step
 
 
-def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
-    """The engine's other tests compare batched runs with single ones: the q4 kernel must give each row the
+def test_file_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
+    """The engine's other tests compare batched runs with single ones: the native kernels must give each row the
     same result whatever rows it is computed with, and a prompt cut into chunks the same as one in a piece
     (prefix caching off: every prompt computed in full)."""
     llm = LLM(
         kv_cache_memory_gib=SMALL_KV_GIB,
-        cpu_weights="q4",
+        cpu_weights="file",
         enable_prefix_caching=False,
         max_num_batched_tokens=64,
     )
@@ -469,11 +432,11 @@ def test_q4_greedy_tokens_do_not_depend_on_the_batch(tokenizer):
     assert batched == single
 
 
-def test_q4_greedy_output_under_memory_pressure_equals_each_request_alone(tokenizer):
+def test_file_greedy_output_under_memory_pressure_equals_each_request_alone(tokenizer):
     """Issue 22's reproduction: 48 KV blocks, preemption by recompute, 16 concurrent temperature-0 requests (4
     with n=4) against each sent alone. A preempted sequence's tokens are computed again as a prompt: the same
     numbers as when they were decoded, so every request and every one of an n=4 request's samples is the same."""
-    llm = LLM(num_kv_blocks=48, preemption_mode="recompute", cpu_weights="q4")
+    llm = LLM(num_kv_blocks=48, preemption_mode="recompute", cpu_weights="file")
     prompts = [tokenizer.encode(f"{TEXTS[i % len(TEXTS)]} ({i})") for i in range(16)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=4 if i % 4 == 0 else 1)
@@ -491,11 +454,11 @@ def test_q4_greedy_output_under_memory_pressure_equals_each_request_alone(tokeni
         assert all(tokens == alone.token_ids for tokens in samples)
 
 
-def test_q4_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):
+def test_file_greedy_tokens_do_not_depend_on_a_prefill_beside_them(tokenizer):
     """A request that arrives while another decodes makes mixed steps (its prefill beside the other's decode
     row): the decoding row must come out as in a decode-only step, whatever arrives when (the server's load)."""
     engine = LLMEngine(
-        kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="q4", enable_prefix_caching=False
+        kv_cache_memory_gib=SMALL_KV_GIB, cpu_weights="file", enable_prefix_caching=False
     )
     first, other = (tokenizer.encode(t) for t in TEXTS[:2])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

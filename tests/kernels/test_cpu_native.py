@@ -1,17 +1,16 @@
 """The native CPU kernels (kernels/cpu_decode.cpp, kernels/cpu_quant_matmul.cpp) against the Python path they
 replace and against float64 references of their schemes, at every instruction-set level this CPU can run
-(kernels/cpu_native.py: avx2, avx512, avx512_vnni; a level it lacks is skipped, naming the level), and the lean
-Python decoder (engine/models/llama_cpu_decoder.py) against the model's modules.
+(kernels/cpu_native.py: generic, avx2, avx512, avx512_vnni; a level it lacks is skipped, naming the level), and the
+lean Python decoder (engine/models/cpu_decoder.py) against the model's modules. The GGUF formats' matmul itself:
+tests/kernels/test_gguf_kernels.py.
 
-The native decode step rounds to bfloat16 where the Python path does (projection inputs and outputs) but sums in
-its own order (norms, attention, the exp of SiLU and softmax), so it is held to the Python path within a few
-bfloat16 steps; a wrong index, rotation or cache slot moves values by whole units. The lean Python decoder only
-skips conversions whose values are exact, so it must equal the module path bit for bit.
+The native decode step sums in its own order (norms, attention, the exp of SiLU and softmax), so it is held to the
+Python path within float32 rounding; a wrong index, rotation or cache slot moves values by whole units. The lean
+Python decoder only skips conversions whose values are exact, so it must equal the module path bit for bit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -23,9 +22,9 @@ from engine.forward_context import get_attention_metadata
 from engine.layers.quantized_linear import (
     PACKED_OUTPUTS,
     PackedInt8Head,
-    Q4Blocks,
-    Q8Head,
-    q4q8_layout,
+    Q4Linear,
+    cpu_linear,
+    cpu_logits_head,
 )
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -39,6 +38,7 @@ if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
 
 
 BUILD_ROOT = Path(EngineConfig().cache_dir) / "native"
+LEVELS = ("generic", *cpu_native.ISA_LEVELS)  # every level this project ships
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,25 +49,25 @@ def native_built() -> None:
 
 def kernels_at(level: str) -> cpu_native.CpuKernels:
     """The kernels of ``level``, built for it; a level this CPU lacks cannot run here (skipped, named)."""
-    if level not in cpu_native.supported_levels():
+    if level != "generic" and level not in cpu_native.supported_levels():
         pytest.skip(
             f"this CPU cannot run {level} code (levels it has: {cpu_native.supported_levels()})"
         )
     native = cpu_native.load(BUILD_ROOT, level)
-    assert native is not None and native.has_q4q8, f"the {level} kernels did not build"
+    assert native is not None, f"the {level} kernels did not build"
     return native
 
 
-@pytest.fixture(params=cpu_native.ISA_LEVELS)
+@pytest.fixture(params=LEVELS)
 def native(request) -> cpu_native.CpuKernels:
-    """The kernels of each instruction-set level (the Q4_1 x Q8 and Q8_0 x Q8 products exist at every level)."""
+    """The kernels of each instruction-set level (every kernel exists at every level)."""
     return kernels_at(request.param)
 
 
 # ---------------------------------------------------------------- levels
 
 
-@pytest.mark.parametrize("level", cpu_native.ISA_LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_each_level_is_compiled_for_its_own_instruction_set(level: str):
     assert str(kernels_at(level).ops.isa()) == level
 
@@ -90,13 +90,16 @@ def test_a_level_the_cpu_lacks_is_refused_naming_the_field(monkeypatch):
     assert cpu_native.resolve_isa("auto") == "avx2"
     monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"sse2"})
     assert cpu_native.resolve_isa("auto") == "generic"
+    assert cpu_native.resolve_isa("generic") == "generic"  # (every CPU runs the generic build)
     with pytest.raises(ValueError, match="cpu_isa"):
         cpu_native.resolve_isa("avx2")
 
 
 @pytest.mark.parametrize("value", ["avx", "AVX2", "native", ""])
 def test_an_unknown_level_is_refused(value: str):
-    with pytest.raises(ValueError, match="cpu_isa: must be one of auto, avx2, avx512, avx512_vnni"):
+    with pytest.raises(
+        ValueError, match="cpu_isa: must be one of auto, generic, avx2, avx512, avx512_vnni"
+    ):
         EngineConfig(cpu_isa=value)
 
 
@@ -110,15 +113,15 @@ def test_the_environment_variable_sets_the_level(monkeypatch):
 
 
 def test_every_level_gives_the_same_floats():
-    """The integer sums are exact and the float steps the same per output at every level: bit-equal results."""
-    levels = [kernels_at(level) for level in cpu_native.supported_levels()]
+    """The integer sums are exact and the float steps the same per output at every level: bit-equal results
+    (the q4 layers and the Q8_0 output layer here; every GGUF format: tests/kernels/test_gguf_kernels.py)."""
+    levels = [kernels_at(level) for level in ("generic", *cpu_native.supported_levels())]
     torch.manual_seed(3)
-    blocks = Q4Blocks.from_float(torch.randn(96, 256))
-    head_weight = torch.randn(64, 256)
+    weight, head_weight = torch.randn(96, 256), torch.randn(64, 256)
     for rows in (1, 4, 5, 8, 13):
         x = torch.randn(rows, 256) * torch.logspace(-1, 1, 256)
-        q4 = [k.ops.q4q8_linear(x, *q4q8_layout(blocks)) for k in levels]
-        q8 = [Q8Head(head_weight, k)(x) for k in levels]
+        q4 = [cpu_linear("q4", weight, None, native=k)(x) for k in levels]
+        q8 = [cpu_logits_head("q4", head_weight, None, k)(x) for k in levels]
         assert all(torch.equal(q4[0], out) for out in q4) and all(
             torch.equal(q8[0], out) for out in q8
         )
@@ -158,69 +161,6 @@ def test_packed_int8_head_gives_a_row_the_same_logits_in_any_batch(native):
 def test_packed_int8_head_rejects_ragged_outputs():
     with pytest.raises(ValueError, match="cpu_weights"):
         PackedInt8Head(torch.randn(PACKED_OUTPUTS + 1, 32), cpu_native.load(BUILD_ROOT))
-
-
-# ---------------------------------------------------------------- the Q4_1 x Q8 matmul
-
-
-def q8_reference(x: torch.Tensor, blocks: Q4Blocks) -> torch.Tensor:
-    """llama.cpp's Q4_1 x Q8 product in float64: x quantized per 32 inputs to a in [-127, 127] with scale
-    s = max|x| / 127; y = sum over groups of d s (q . a) + m s sum(a)."""
-    rows, k = x.shape
-    groups = x.view(rows, k // 32, 32).double()
-    scale = groups.abs().amax(dim=-1, keepdim=True) / 127
-    # half to even, as nearbyint
-    codes = torch.where(scale > 0, groups / scale, torch.zeros_like(groups)).round()
-    q = blocks.q.view(-1, k // 32, 32).double()
-    dots = torch.einsum("rgi,ngi->rng", codes, q)
-    scale = scale.squeeze(-1)[:, None, :]
-    return (
-        blocks.d.double()[None] * scale * dots
-        + blocks.m.double()[None] * scale * codes.sum(-1)[:, None, :]
-    ).sum(-1)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_q4q8_matmul_equals_llama_cpp_scheme_in_float64(rows: int, native):
-    torch.manual_seed(rows)
-    blocks = Q4Blocks.from_float(torch.randn(48, 128) * torch.logspace(-2, 0, 48)[:, None])
-    x = torch.randn(rows, 128) * torch.logspace(-1, 1, 128)  # inputs of different scales per group
-    got = native.ops.q4q8_linear(x, *q4q8_layout(blocks))
-    expected = q8_reference(x, blocks)
-    torch.testing.assert_close(
-        got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
-    )
-    alone = torch.cat(
-        [native.ops.q4q8_linear(x[i : i + 1], *q4q8_layout(blocks)) for i in range(rows)]
-    )
-    assert torch.equal(got, alone), "a row's result must not depend on the other rows"
-
-
-@pytest.mark.parametrize("rows", [1, 8, 11])
-def test_q8_head_equals_llama_cpp_q8_0_scheme_in_float64(rows: int, native):
-    """Q8_0 weights (int8, a float16 scale per 32 inputs, from the rounding of each block to its maximum) times
-    8-bit activations per 32 inputs: y = sum over groups of d s (w . a)."""
-    torch.manual_seed(rows)
-    weight = torch.randn(64, 96) * torch.logspace(-2, 0, 64)[:, None]
-    head = Q8Head(weight, native)
-    codes = head.packed.permute(0, 3, 1, 2, 4).reshape(64, 96).double() - 128
-    d = head.d.permute(0, 2, 1).reshape(64, 3).double()
-    # (+ fp16 scale)
-    half_step = (weight.abs().view(64, 3, 32).amax(-1) / 127).repeat_interleave(32, 1) * 0.502
-    stored = (codes.view(64, 3, 32) * d[..., None]).view(64, 96)
-    assert bool(((stored - weight).abs() <= half_step + 1e-6).all()), (
-        "each weight within half a step of its block"
-    )
-    x = torch.randn(rows, 96) * torch.logspace(-1, 1, 96)
-    groups = x.view(rows, 3, 32).double()
-    scale = groups.abs().amax(-1, keepdim=True) / 127
-    a = (groups / scale).round()
-    expected = torch.einsum("rgi,ngi,ng,rg->rn", a, codes.view(64, 3, 32), d, scale.squeeze(-1))
-    got = head(x)
-    torch.testing.assert_close(
-        got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
-    )
-    assert torch.equal(got, torch.cat([head(x[i : i + 1]) for i in range(rows)]))
 
 
 # ---------------------------------------------------------------- the decoder, step by step
@@ -268,18 +208,11 @@ class TwoPaths:
         return second
 
 
-@pytest.fixture(params=[*cpu_native.ISA_LEVELS, "int4"])
+@pytest.fixture(params=LEVELS)
 def kernel(request, monkeypatch) -> str:
-    """The native step on the Q4_1 x Q8 kernel of each level, and on torch's int4 kernel (the generic build's
-    q4, where the CPU is not x86 or predates AVX2: forced here by hiding the Q4_1 x Q8 kernels)."""
-    if request.param != "int4":
-        kernels_at(request.param)
-        monkeypatch.setenv("PAGEDCHAT_CPU_ISA", request.param)
-        return request.param
-    load = cpu_native.load
-    monkeypatch.setattr(
-        cpu_native, "load", lambda *args: dataclasses.replace(load(*args), has_q4q8=False)
-    )
+    """The native step on the kernels of each level."""
+    kernels_at(request.param)
+    monkeypatch.setenv("PAGEDCHAT_CPU_ISA", request.param)
     return request.param
 
 
@@ -318,10 +251,9 @@ def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     llm = tiny_q4_llm(tmp_path)
     model = llm.engine.model
     decoder = model.cpu_decoder
-    assert decoder.native_weights is not None, (
+    assert decoder.native_step is not None, (
         "the tiny llama (4-bit, no biases) takes the native step"
     )
-    assert (len(decoder.native_weights) == 6) == (kernel != "int4")
     model.cpu_decoder = recorder = TwoPaths(model, decoder.forward, python_path(decoder))
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     decodes = [p for p in recorder.passes if p["decode"]]
@@ -331,20 +263,25 @@ def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     assert prefills and max(p["rows"] for p in prefills) > 300, (
         "prompts go through the native step too"
     )
-    # torch's int4 kernel rounds its outputs to bfloat16: a bfloat16 step (2^-8 relative) apart at most, once the
-    # two paths' inputs round differently
-    kv_tolerance = 1e-4 if kernel != "int4" else 2**-7
     for p in recorder.passes:
         assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
-        # measured: 2.4e-7 (int4), 9.5e-7 (q4q8)
-        assert p["kv_diff"] <= kv_tolerance * max(1.0, p["kv_written"]), p
-        # measured: 0.0017 (int4), 4.7e-7 (q4q8)
+        # measured: 9.5e-7
+        assert p["kv_diff"] <= 1e-4 * max(1.0, p["kv_written"]), p
+        # measured: 4.7e-7
         assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p
 
 
-def test_lean_python_decoder_equals_the_modules_bit_for_bit(tmp_path: Path, kernel: str):
+@pytest.mark.parametrize("layers", ["native", "torch-int4"])
+def test_lean_python_decoder_equals_the_modules_bit_for_bit(
+    tmp_path: Path, layers: str, monkeypatch
+):
+    """With the native GGUF layers, and with torch's int4 layers (where no native kernels were built: forced
+    here by hiding them)."""
+    if layers == "torch-int4":
+        monkeypatch.setattr(cpu_native, "load", lambda *args: None)
     llm = tiny_q4_llm(tmp_path)
     model = llm.engine.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, Q4Linear) == (layers == "torch-int4")
     decoder = model.cpu_decoder
     model.cpu_decoder = recorder = TwoPaths(model, model.model.forward, python_path(decoder))
     llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -368,7 +305,7 @@ def test_native_and_python_engines_agree_on_greedy_tokens(tmp_path: Path, kernel
     assert min(firsts) >= 4 and sum(firsts) / len(firsts) >= 10, firsts
 
 
-@pytest.mark.parametrize("level", cpu_native.ISA_LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_greedy_output_does_not_depend_on_load(tmp_path: Path, level: str, monkeypatch):
     """A token's numbers are the same whether its sequence runs alone or among others, its prompt in one step
     or in chunks, with its prefix cached, or recomputed after preemption (issue 22: temperature-0 requests must

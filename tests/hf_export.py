@@ -1,0 +1,45 @@
+"""A GGUF model as a Hugging Face directory for transformers, the tests' oracle: the config and tokenizer pagedchat
+describes from the file's metadata, and every tensor de-quantized to float32 by engine/weights (whose formulas
+tests/kernels/test_gguf_blocks.py holds equal to the gguf package's), so transformers computes with the very
+weights the engine's float32 mode loads. Written once per file into the cache dir."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+
+from engine.weights.gguf_file import GGUFFile
+from engine.weights.gguf_model_dir import GGUF_LINK, gguf_file_of, gguf_model_dir
+from engine.weights.gguf_weights import gguf_weights
+
+
+def hf_directory(gguf_file: Path, cache_dir: Path) -> Path:
+    """The HF directory (config, tokenizer, float32 model.safetensors) of ``gguf_file``."""
+    described = gguf_model_dir(gguf_file, cache_dir)
+    target = described.with_name(described.name + "-hf")
+    if (target / "model.safetensors").is_file():
+        return target
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors").is_file():
+            _export(described, target)
+    return target
+
+
+def _export(described: Path, target: Path) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(described, tmp, ignore=shutil.ignore_patterns(GGUF_LINK))
+    config = SimpleNamespace(**json.loads((described / "config.json").read_text()))
+    gguf = GGUFFile(gguf_file_of(described))
+    tensors = {name: t.contiguous() for name, t in gguf_weights(gguf, config, torch.float32)}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    gguf.close()
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)

@@ -363,6 +363,7 @@ Tensor decode_layers(Tensor residual, Tensor slots, Tensor block_tables, Tensor 
 
 PAGEDCHAT_LIBRARY(PAGEDCHAT_CPU_NS, m) {
   m.def("gguf_linear(Tensor x, Tensor[] tiles, int[] formats) -> Tensor");
+  m.def("gguf_tiles(Tensor raw, int format, int rows, int cols) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("isa() -> str", &pagedchat_cpu_level::isa);
   m.def("decode_layers(Tensor(a!) residual, Tensor slots, Tensor block_tables, Tensor window_slots, "
@@ -375,6 +376,7 @@ PAGEDCHAT_LIBRARY(PAGEDCHAT_CPU_NS, m) {
 
 PAGEDCHAT_LIBRARY_IMPL(PAGEDCHAT_CPU_NS, CPU, m) {
   m.impl("gguf_linear", &pagedchat_cpu_level::gguf_linear);
+  m.impl("gguf_tiles", &pagedchat_cpu_level::gguf_tiles);
   m.impl("int8_linear", &pagedchat_cpu_level::int8_linear);
   m.impl("decode_layers", &decode_layers);
 }

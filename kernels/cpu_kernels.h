@@ -38,6 +38,8 @@ void gguf_matmul(const QuantizedActivations& act, at::TensorList tiles, at::IntA
 void check_tiles(const at::Tensor& tiles, int64_t format, int64_t k);
 // [M, sum of the parts' N] = x [M, K] float32 times GGUF-format weights repacked into tiles (kernels/cpu_tiles.py)
 at::Tensor gguf_linear(at::Tensor x, at::TensorList tiles, at::IntArrayRef formats);
+// a GGUF tensor's raw bytes [rows, cols / block * block bytes] -> its tiles (cpu_gguf_repack.cpp)
+at::Tensor gguf_tiles(at::Tensor raw, int64_t format, int64_t rows, int64_t cols);
 std::string isa();
 
 }  // namespace PAGEDCHAT_CPU_NS

@@ -43,7 +43,12 @@ ISA_LEVELS = ("avx2", "avx512", "avx512_vnni")  # ascending; each needs the flag
 CPU_ISA_CHOICES = ("auto", "generic", *ISA_LEVELS)
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_decode.cpp", "cpu_quant_matmul.cpp", "cpu_gguf_matmul.cpp")
+    for name in (
+        "cpu_decode.cpp",
+        "cpu_quant_matmul.cpp",
+        "cpu_gguf_matmul.cpp",
+        "cpu_gguf_repack.cpp",
+    )
 ]
 _X86_64_V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}

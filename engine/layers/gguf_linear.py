@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.weights.gguf_blocks import rows_from_bytes
+from engine.weights.gguf_blocks import GGUFBlocks, rows_from_bytes
 from engine.weights.gguf_file import GGUFTensor
 from kernels.cpu_native import CpuKernels
 from kernels.cpu_tiles import FORMAT_IDS, OUTPUTS, tiles
@@ -24,8 +24,9 @@ class GGUFLinear(nn.Module):
     input_dtype = torch.float32
 
     def __init__(
-        self, parts: list[QuantBlocks], bias: torch.Tensor | None, native: CpuKernels
+        self, parts: list[QuantBlocks | GGUFBlocks], bias: torch.Tensor | None, native: CpuKernels
     ) -> None:
+        """``parts``: a file's blocks as they are (repacked natively) or unpacked codes and scales."""
         super().__init__()
         widths = {p.shape[1] for p in parts}
         if len(widths) != 1 or widths.pop() % 32:
@@ -37,7 +38,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.shape[0] for p in parts)
         self.formats = [FORMAT_IDS[p.format] for p in parts]
         self.part_formats = [p.format for p in parts]
-        self.tiles = [tiles(p) for p in parts]
+        self.tiles = [_tiles(p, native) for p in parts]
         self._gguf_linear = native.ops.gguf_linear.default
         # the outputs' columns where a part's rows were padded to whole tiles (None: all columns are outputs)
         self.columns: torch.Tensor | None = None
@@ -66,6 +67,12 @@ class GGUFLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def _tiles(part: QuantBlocks | GGUFBlocks, native: CpuKernels) -> torch.Tensor:
+    if isinstance(part, GGUFBlocks):
+        return native.ops.gguf_tiles(part.data.contiguous(), FORMAT_IDS[part.format], *part.shape)
+    return tiles(part)
 
 
 class GGUFEmbedding(nn.Module):

@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.config import CPU_WEIGHTS
 from engine.layers.gguf_linear import GGUFLinear
+from engine.weights.gguf_blocks import GGUFBlocks
 from kernels.cpu_native import CpuKernels
 from kernels.quant_blocks import QuantBlocks
 
@@ -188,7 +189,7 @@ def cpu_linear(
     mode: str,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    parts: list[QuantBlocks] | None = None,
+    parts: list[QuantBlocks | GGUFBlocks] | None = None,
     native: CpuKernels | None = None,
 ) -> nn.Module:
     """The ``mode`` layer of a linear weight ``[out, in]``: its file's blocks ``parts`` (a fused projection's
@@ -204,7 +205,8 @@ def cpu_linear(
         if native is not None:
             return GGUFLinear(parts, bias, native)
         if all(p.format == "q4_1" for p in parts) and len(parts) == 1:
-            return Q4Linear(parts[0], bias)
+            part = parts[0]
+            return Q4Linear(part.unpack() if isinstance(part, GGUFBlocks) else part, bias)
         weight = torch.cat([p.dequantize() for p in parts])
         mode = "bfloat16"
     elif parts is not None:
@@ -217,7 +219,7 @@ def cpu_linear(
 def cpu_logits_head(
     mode: str,
     weight: torch.Tensor | None,
-    blocks: QuantBlocks | None,
+    blocks: QuantBlocks | GGUFBlocks | None,
     native: CpuKernels | None,
 ) -> nn.Module:
     """The output layer of ``mode``: bfloat16 for bfloat16; for ``file`` and ``q4`` the file's blocks (else the

@@ -26,7 +26,7 @@ from engine.models.cpu_decoder import GELU_TANH, CpuLayer, CpuLayout
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.models.llama_args import LlamaArgs
 from engine.distributed import parallel_state
-from kernels.quant_blocks import QuantBlocks
+from engine.weights.gguf_blocks import GGUFBlocks
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,7 +128,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.logits_weight = None
         self.logits_head = None
         self.cpu_decoder = None
-        self.file_blocks: dict[str, QuantBlocks] = {}
+        self.file_blocks: dict[str, GGUFBlocks] = {}
         self.num_parameters = sum(p.numel() for p in self.parameters())
 
     @property
@@ -187,7 +187,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 def _norm_scale(name: str, weight: Any) -> Any:
     """A norm's ``w`` as the ``1 + w`` Gemma's RMSNorm scales by, in float32 (other tensors as they are)."""
-    if not name.endswith("norm.weight") or isinstance(weight, QuantBlocks):
+    if not name.endswith("norm.weight") or isinstance(weight, GGUFBlocks):
         return weight
     tensor = weight if isinstance(weight, torch.Tensor) else weight[:]
     return 1.0 + tensor.float()

@@ -33,7 +33,7 @@ from engine.models.llama_persistent import LlamaPersistentDecoder, persistent_de
 from engine.forward_context import current_attention_metadata
 from kernels import lean_cpu
 from kernels.cpu_native import CpuKernels
-from kernels.quant_blocks import QuantBlocks
+from engine.weights.gguf_blocks import GGUFBlocks
 
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         # the lean pass over quantized layers, if set
         self.cpu_decoder: CpuDecoder | None = None
         # a GGUF file's blocks by HF name, from load_weights until quantize_cpu_weights takes them
-        self.file_blocks: dict[str, QuantBlocks] = {}
+        self.file_blocks: dict[str, GGUFBlocks] = {}
         # weights of the model as defined (quantized layers keep theirs in buffers of other sizes)
         self.num_parameters = sum(p.numel() for p in self.parameters())
 
@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors in, each a tensor or a lazy safetensors slice (of which only this rank's part is
-        read), or a GGUF tensor's blocks (QuantBlocks: kept for ``quantize_cpu_weights``); raises ValueError naming
+        read), or a GGUF tensor's blocks (GGUFBlocks: kept for ``quantize_cpu_weights``); raises ValueError naming
         any parameter left unset or tensor unknown."""
         params = dict(self.named_parameters())
         shard_sizes = self._shard_sizes()
@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = fused_name(name)
             if target not in params:
                 raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
-            if isinstance(source, QuantBlocks):  # kept for quantize_cpu_weights ("file")
+            if isinstance(source, GGUFBlocks):  # kept for quantize_cpu_weights ("file")
                 self.file_blocks[name] = source
                 loaded.add((target, shard))
                 continue

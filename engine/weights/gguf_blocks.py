@@ -17,6 +17,8 @@ ggml's block layouts (ggml-common.h), bytes per block of 32 (or 256) weights:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -37,14 +39,37 @@ BLOCK_FORMATS = {
 SUPPORTED = sorted(t.name for t in [*FLOAT_TYPES, *BLOCK_FORMATS])
 
 
+@dataclass(slots=True)
+class GGUFBlocks:
+    """A weight ``[N, K]`` as its file holds it: ``data`` uint8 ``[N, bytes per row]`` of ``format``'s blocks
+    (whole rows: a row's blocks are its own). The CPU repacks these bytes into tiles natively; ``unpack`` gives
+    the codes and scales (kernels/quant_blocks.py) for everything else."""
+
+    format: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def unpack(self) -> QuantBlocks:
+        return unpack(self.format, self.data, *self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpack().dequantize()
+
+    def rows(self, start: int, end: int) -> "GGUFBlocks":
+        return GGUFBlocks(self.format, self.data[start:end], (end - start, self.shape[1]))
+
+    def reorder_rows(self, order: torch.Tensor) -> "GGUFBlocks":
+        return GGUFBlocks(self.format, self.data.index_select(0, order), self.shape)
+
+
 def raw_bytes(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor:
     """The tensor's bytes as a uint8 torch tensor on ``device`` (a copy out of the map: the map is read-only)."""
     return torch.from_numpy(np.array(tensor.data, copy=True)).to(device)
 
 
-def read(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor | QuantBlocks:
-    """The float tensor (its file type: float32, float16 or bfloat16) or the unpacked blocks of ``tensor``;
-    ValueError naming the tensor for a block type no kernel reads."""
+def read(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor | GGUFBlocks:
+    """The float tensor (its file type: float32, float16 or bfloat16) or the blocks of ``tensor``; ValueError
+    naming the tensor for a block type no kernel reads."""
     data = raw_bytes(tensor, device)
     if tensor.type in FLOAT_TYPES:
         return data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
@@ -53,7 +78,8 @@ def read(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor
             f"weights: tensor {tensor.name!r} is {tensor.type.name} "
             f"{list(tensor.shape)}; pagedchat reads {', '.join(SUPPORTED)} (2-D for block types)"
         )
-    return unpack(BLOCK_FORMATS[tensor.type], data, *tensor.shape)
+    rows, cols = tensor.shape
+    return GGUFBlocks(BLOCK_FORMATS[tensor.type], data.view(rows, -1), (rows, cols))
 
 
 def rows_from_bytes(kind: T, data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

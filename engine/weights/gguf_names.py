@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from kernels.quant_blocks import QuantBlocks
+from engine.weights.gguf_blocks import GGUFBlocks
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,11 +76,7 @@ def hf_row_order(rows: int, heads: int, device: torch.device | str = "cpu") -> t
     return order.transpose(1, 2).reshape(rows)
 
 
-def unpermuted(weight: torch.Tensor | QuantBlocks, heads: int) -> torch.Tensor | QuantBlocks:
-    rows = weight.shape[0]
-    order = hf_row_order(
-        rows, heads, weight.codes.device if isinstance(weight, QuantBlocks) else weight.device
-    )
-    if isinstance(weight, QuantBlocks):
-        return weight.reorder_rows(order)
-    return weight.index_select(0, order)
+def unpermuted(weight: torch.Tensor | GGUFBlocks, heads: int) -> torch.Tensor | GGUFBlocks:
+    if isinstance(weight, GGUFBlocks):
+        return weight.reorder_rows(hf_row_order(weight.shape[0], heads, weight.data.device))
+    return weight.index_select(0, hf_row_order(weight.shape[0], heads, weight.device))

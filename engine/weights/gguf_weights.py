@@ -12,10 +12,9 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.weights.gguf_blocks import read
+from engine.weights.gguf_blocks import GGUFBlocks, read
 from engine.weights.gguf_file import GGUFFile
 from engine.weights.gguf_names import hf_name, needs_unpermute, unpermuted
-from kernels.quant_blocks import QuantBlocks
 
 # tensors kept in the file and looked up in place by the CPU's GGUF mode (embedding rows), never read whole
 IN_PLACE = ("model.embed_tokens.weight",)
@@ -27,9 +26,10 @@ def gguf_weights(
     dtype: torch.dtype | None,
     device: torch.device | str = "cpu",
     skip: tuple[str, ...] = (),
-) -> Iterator[tuple[str, torch.Tensor | QuantBlocks]]:
-    """Every tensor of ``gguf`` by its HF name (but ``skip``): block formats as QuantBlocks when ``dtype`` is
-    None, else de-quantized to ``dtype``; float tensors in ``dtype`` (float32 when None). On ``device``."""
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Every tensor of ``gguf`` by its HF name (but ``skip``): block formats as they are (GGUFBlocks) when
+    ``dtype`` is None, else de-quantized to ``dtype``; float tensors in ``dtype`` (float32 when None). On
+    ``device``."""
     arch = gguf.architecture
     for name, tensor in gguf.tensors.items():
         target = hf_name(name, arch)
@@ -43,7 +43,7 @@ def gguf_weights(
                 else hf_config.num_key_value_heads
             )
             weight = unpermuted(weight, heads)
-        if isinstance(weight, QuantBlocks):
+        if isinstance(weight, GGUFBlocks):
             if dtype is None:
                 yield target, weight
                 continue

@@ -24,6 +24,7 @@ from engine.layers.quantized_linear import (
 )
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.weights.gguf_blocks import GGUFBlocks
 from engine.weights.gguf_file import GGUFFile
 from engine.weights.gguf_names import hf_row_order
 from engine.weights.gguf_weights import gguf_weights
@@ -89,7 +90,7 @@ def gguf_blocks(default_model_dir: Path) -> dict[str, QuantBlocks]:
 
     config = SimpleNamespace(**json.loads((default_model_dir / "config.json").read_text()))
     found = dict(gguf_weights(GGUFFile(default_gguf_file()), config, None))
-    return {name: blocks for name, blocks in found.items() if isinstance(blocks, QuantBlocks)}
+    return {name: b.unpack() for name, b in found.items() if isinstance(b, GGUFBlocks)}
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,13 @@ def test_bad_tiles_are_refused_with_a_message():
         native.ops.gguf_linear(x, [torch.zeros(1, 2, 100, dtype=torch.uint8)], [FORMAT_IDS["q4_0"]])
     with pytest.raises(RuntimeError, match="gguf_linear"):
         native.ops.gguf_linear(x, [torch.zeros(1, 2, 288, dtype=torch.uint8)], [99])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_native_repack_of_a_files_bytes_equals_the_torch_tiles(fmt: str):
+    """kernels/cpu_gguf_repack.cpp (what loading takes) against kernels/cpu_tiles.py (the reference layout), on
+    rows that are not a whole number of tiles (padded with zero rows)."""
+    native = kernels_at("generic")
+    raw = torch.from_numpy(random_file_bytes(fmt, 40, 512, seed=3))
+    expected = tiles(unpack(fmt, raw, 40, 512))
+    assert torch.equal(native.ops.gguf_tiles(raw, FORMAT_IDS[fmt], 40, 512), expected)

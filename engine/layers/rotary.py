@@ -34,9 +34,37 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if rope_type == "factors":  # per-frequency divisors (a GGUF's rope_freqs / rope_factors tensor)
+        return inv_freq / torch.tensor(params["factors"], dtype=torch.float32)
+    if (
+        rope_type == "longrope"
+    ):  # Phi-3's short factors (positions up to the original context), as transformers
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**shape)
     raise ValueError(
-        f"rope_parameters: rope_type {rope_type!r} is not supported (default, linear, llama3)"
+        f"rope_parameters: rope_type {rope_type!r} is not supported "
+        "(default, linear, llama3, longrope, factors)"
     )
+
+
+def attention_factor(params: dict[str, Any], max_position: int) -> float:
+    """LongRoPE's scale of cos and sin (transformers' default: sqrt(1 + ln(factor) / ln(original positions)) for a
+    model extended ``factor`` times); 1 for every other rotary type."""
+    if params.get("rope_type") not in ("longrope",) and "attention_factor" not in params:
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = float(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def position_limit(params: dict[str, Any], max_position: int) -> int:
+    """The positions the rotary embedding serves: LongRoPE's short factors hold up to the original context (its
+    long factors would change every earlier position's rotation, so a longer sequence is not served)."""
+    if params.get("rope_type") == "longrope":
+        return min(max_position, int(params["original_max_position_embeddings"]))
+    return max_position
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -59,8 +87,12 @@ class RotaryEmbedding(nn.Module):
             torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, params)
         )
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        scale = attention_factor(params, max_position)
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """This embedding at ``positions``, for the KV store to apply as it stores (``KVBackend.store``)."""

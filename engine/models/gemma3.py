@@ -31,7 +31,6 @@ from engine.weights.gguf_blocks import GGUFBlocks
 
 @dataclass(slots=True, frozen=True)
 class Gemma3Args(LlamaArgs):
-    window: int = 0  # the local layers' sliding window
     layer_windows: tuple[int, ...] = ()  # per layer: its window (0: global)
     local_rope: dict[str, Any] | None = None
     attention_scale: float = 1.0
@@ -62,7 +61,6 @@ class Gemma3Args(LlamaArgs):
         fields.update(rope=global_rope, qk_norm=True)
         return cls(
             **fields,
-            window=window,
             layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
             local_rope=local_rope,
             attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5,

@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, rotary)
+        self.self_attn = LlamaAttention(args, rotary, window=args.window)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -261,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
                 lay.mlp.gate_up_proj,
                 lay.mlp.down_proj,
                 attn.attn.attend,
+                window=attn.attn.window,
                 q_norm=attn.q_norm.weight if attn.qk_norm else None,
                 k_norm=attn.k_norm.weight if attn.qk_norm else None,
             )
@@ -295,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
             if isinstance(source, GGUFBlocks):  # kept for quantize_cpu_weights ("file")
                 self.file_blocks[name] = source
-                loaded.add((target, shard))
+                loaded.update([(target, shard)] if shard is not None else self._loaded_as(target))
                 continue
             dst = params[target].data
             if shard is not None:
@@ -306,7 +307,8 @@ class LlamaForCausalLM(nn.Module):
                 dst[tensor.shape[0] :].zero_()  # (rows padding the last rank's vocabulary slice)
                 dst = dst[: tensor.shape[0]]
             copy_checked(dst, tensor, name)
-            loaded.add((target, shard))
+            # (a checkpoint that ships q/k/v or gate/up fused, as Phi-3's, fills every shard at once)
+            loaded.update([(target, shard)] if shard is not None else self._loaded_as(target))
         expected = {(name, shard) for name in params for shard in self._shards_of(name)}
         if missing := sorted(str(item) for item in expected - loaded):
             raise ValueError(f"weights: missing tensors for {missing[:5]} ({len(missing)} in all)")
@@ -338,6 +340,15 @@ class LlamaForCausalLM(nn.Module):
             embed = self.model.embed_tokens
             return 0, embed.start, min(embed.start + embed.num_embeddings, args.vocab_size)
         return None
+
+    def _loaded_as(self, param_name: str) -> list[tuple[str, int | None]]:
+        """What one whole tensor for ``param_name`` fills: every shard of a fused parameter."""
+        if self.tp.size > 1 and len(self._shards_of(param_name)) > 1:
+            raise ValueError(
+                f"tensor_parallel_size: {param_name} comes fused in the checkpoint (Phi-3); "
+                "tensor parallelism takes checkpoints with separate q/k/v and gate/up"
+            )
+        return [(param_name, shard) for shard in self._shards_of(param_name)]
 
     def _shards_of(self, param_name: str) -> list[int | None]:
         fused = param_name.rsplit(".", 2)[-2]

@@ -27,11 +27,24 @@ class LlamaArgs:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    window: int = 0  # every layer's sliding window (Mistral, Phi-3 configs that set one); 0: none
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "LlamaArgs":
         model_type = cfg.model_type
         attention_bias = bool(getattr(cfg, "attention_bias", False))
+        rope = rope_parameters(cfg)
+        if (
+            float(
+                rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+            )
+            < 1
+        ):
+            raise ValueError(
+                "model: a partial rotary embedding (partial_rotary_factor < 1, e.g. Phi-4-mini) is not "
+                "supported"
+            )
+        window = getattr(cfg, "sliding_window", None) if model_type in ("mistral", "phi3") else None
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -42,12 +55,13 @@ class LlamaArgs:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=cfg.max_position_embeddings,
-            rope=rope_parameters(cfg),
+            rope=rope,
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            window=int(window or 0),
         )
 
     def sharded(self, size: int) -> "LlamaArgs":

@@ -125,7 +125,7 @@ def _qualifies(layers: Sequence[nn.Module], args: LlamaArgs, tp_size: int) -> bo
     return (
         switched_on()
         and tp_size == 1
-        and not (args.qkv_bias or args.o_bias or args.mlp_bias or args.qk_norm)
+        and not (args.qkv_bias or args.o_bias or args.mlp_bias or args.qk_norm or args.window)
         and args.head_dim == 64
         and weight.device.type == "cuda"
         and torch.cuda.get_device_capability(weight.device) == (9, 0)

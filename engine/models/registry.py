@@ -15,6 +15,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -24,6 +25,7 @@ MODEL_TYPES = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 

@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.models.registry import model_class
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.layers.gguf_linear import GGUFEmbedding
+from engine.layers.rotary import position_limit, rope_parameters
 from engine.weights.gguf_file import GGUFFile
 from engine.weights.gguf_model_dir import gguf_file_of
 from engine.weights.gguf_weights import gguf_weights
@@ -43,7 +44,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
     hf_config, path, tokenizer = _resolve(config)
     config.hf_config, config.model_path = hf_config, str(path) if path else None
     config.eos_token_ids = _eos_token_ids(hf_config, path)
-    max_position = hf_config.max_position_embeddings
+    max_position = position_limit(rope_parameters(hf_config), hf_config.max_position_embeddings)
     if config.max_model_len is not None and config.max_model_len > max_position:
         raise ValueError(
             f"max_model_len: {config.max_model_len} exceeds the model's {max_position} positions"

@@ -13,6 +13,7 @@ from engine.worker.dummy_model import DUMMY_ARCHITECTURES, dummy_hf_config, dumm
 from engine.models.registry import model_class
 from engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
+from tests.greedy_agreement import assert_transformers_greedy
 
 TINY = dict(
     hidden_size=64,
@@ -52,6 +53,44 @@ FAMILIES = {
     ),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+    # every layer a sliding window shorter than two of the prompts
+    "mistral-window": dict(
+        model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=12
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        sliding_window=None,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "phi3-longrope": dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        sliding_window=None,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=2048,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)],
+            "original_max_position_embeddings": 512,
+        },
+    ),
+    # Gemma 3: local layers with a window of 8 and every third layer global
+    "gemma3": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        num_hidden_layers=3,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        tie_word_embeddings=True,
+    ),
 }
 PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [7] * 23]
 
@@ -75,7 +114,8 @@ def test_greedy_equals_transformers_for_each_family(family: str, tmp_path: Path)
     hf.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
+    expected = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    assert_transformers_greedy(hf, PROMPTS, [o.token_ids for o in outputs], expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama-bias-tied"])

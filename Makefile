@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install install-dev serve test bench-cpu clean
+.PHONY: install install-dev serve test test-avx2 bench-cpu clean
 
 install: $(STAMP)
 
@@ -30,8 +30,21 @@ $(DEV_STAMP): $(STAMP)
 serve: install
 	$(BIN)/pagedchat serve $(ARGS)
 
+# The whole suite, then the tests marked `isa` (they depend on the CPU's numerics or speed: tests/conftest.py) once
+# more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU. With PYTEST_ARGS,
+# only that one run: `make test PYTEST_ARGS="tests/server/test_cli.py -k version"`.
+AVX2_HELD := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDCHAT_CPU_ISA=avx2
+
 test: install-dev
+ifdef PYTEST_ARGS
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+else
+	$(BIN)/python -m pytest -q
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -m isa
+endif
+
+test-avx2: install-dev
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -m isa $(PYTEST_ARGS)
 
 bench-cpu: install-dev
 	$(BIN)/python -m benchmarks.cpu.throughput $(ARGS)

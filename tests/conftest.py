@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# OpenMP threads waiting at a barrier sleep instead of spinning (libgomp reads this as torch loads it): on a small
+# shared CPU a spinning thread holds the core its sibling needs, and each of a step's parallel loops then waits for
+# the scheduler (a 16-token greedy run on 2 threads took 2-32 s instead of 0.35 s beside one busy process). The
+# servers the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
@@ -17,6 +23,27 @@ from engine.worker.model_sources import default_gguf_file, ensure_default_model
 
 # Small KV pools keep engine start-up cheap in tests; each test states the sizes it depends on.
 SMALL_KV_GIB = 0.1
+
+# The modules whose outcome depends on the CPU's numerics (greedy agreement with transformers or between weight
+# formats, the native kernels at each level) or its speed (the soak's TPOT). They are marked ``isa``: `make test`
+# runs them once more with torch, oneDNN, MKL and our kernels held to AVX2, as on an AVX2-only x86 CPU.
+ISA_SENSITIVE = frozenset(
+    {
+        "tests/engine/test_cpu_weights.py",
+        "tests/engine/test_engine_greedy.py",
+        "tests/engine/test_models.py",
+        "tests/kernels/test_cpu_native.py",
+        "tests/kernels/test_gguf_kernels.py",
+        "tests/server/test_soak.py",
+        "tests/test_greedy_agreement.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(config.rootpath).as_posix() in ISA_SENSITIVE:
+            item.add_marker(pytest.mark.isa)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,10 @@
 before the two sequences part, the sampled tokens' logprobs agree closely, and they may part only at a near-tie:
 for a token among the reference's top logprobs there, within a small gap of its best (a wrong value, such as a
 wrong KV block, moves logits by their spread). bfloat16 logits are coarse (steps of 1/16 near 10), so a near-tie
-may hold three or more tokens: ask for ``logprobs >= 2`` (more to see deeper ties)."""
+may hold three or more tokens: ask for ``logprobs >= 2`` (more to see deeper ties).
+
+Against transformers in float32 (``assert_transformers_greedy``) the rule is the same with a near-tie of float32's
+own noise, checked in transformers' logits: tokens equal, or parted once where its best two were that close."""
 
 from __future__ import annotations
 
@@ -39,4 +42,38 @@ def assert_agree(got: list, expected: list, drift: float, near_tie: float) -> li
     assert all(n > 0 for n, _, _ in partings), ("every first token agrees", partings)
     assert max(d for _, d, _ in partings) <= drift, partings
     assert all(gap is None or gap <= near_tie for _, _, gap in partings), partings
+    return partings
+
+
+# float32 on both sides, yet summed in different orders (the engine's kernels and transformers', and torch, oneDNN
+# and MKL each pick their code path from the CPU): logits differ by about 1e-5 of their size, so two tokens that
+# close may swap places on one CPU and not on the next, and nothing else may
+FLOAT32_NEAR_TIE = 1e-3
+
+
+def assert_transformers_greedy(
+    hf_model, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]
+) -> list[tuple[int, float]]:
+    """Each run's tokens equal transformers' greedy ones (``expected``, from tests/conftest.py's ``hf_greedy``), or
+    part from them once, for a token within ``FLOAT32_NEAR_TIE`` nats of transformers' best there (its logits
+    recomputed over the shared prefix); after a parting the runs follow different prefixes and are not
+    compared. Returns the partings: (token index, gap in nats)."""
+    import torch
+
+    partings = []
+    for prompt, tokens, reference in zip(prompts, got, expected, strict=True):
+        assert len(tokens) == len(reference), (len(tokens), len(reference))
+        n = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        if n is None:
+            continue
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + reference[:n]])).logits[0, -1].double()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        gap = float(logprobs[reference[n]] - logprobs[tokens[n]])
+        assert gap <= FLOAT32_NEAR_TIE, (
+            f"parted from transformers at token {n}: {tokens[n]} is {gap:.2e} nats below its "
+            f"{reference[n]} (prompt {prompt[:8]}...)"
+        )
+        partings.append((n, gap))
+    print("partings from transformers' greedy tokens (token index, gap in nats):", partings)
     return partings

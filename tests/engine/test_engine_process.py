@@ -24,6 +24,9 @@ from tests.engine_faults import check_idle_pool
 from tests.server_harness import REPO_ROOT, running_server, server_env
 
 PROMPT = "Tell me about the ocean and the creatures that live in it."
+# a death seen by watching the process is seen at once; the margin is for a busy 2-vCPU machine, and still far
+# below any timeout that could stand in for the watch (the streams' own are 10 s or more)
+SEEN_AT_ONCE_S = 3.0
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
@@ -89,7 +92,7 @@ async def test_killed_core_ends_every_stream_and_the_engine_turns_unhealthy(engi
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert "exited" in str(results[0])
     # the front watches the process itself: no timeout involved
-    assert time.monotonic() - killed_at < 1.0
+    assert time.monotonic() - killed_at < SEEN_AT_ONCE_S
     assert not engine.healthy
     with pytest.raises(EngineDeadError):
         engine.generate(prompt, LONG)
@@ -168,7 +171,10 @@ async def test_a_reader_behind_gets_every_ready_token_in_one_output(engine: Asyn
     outputs = [out async for out in stream]
     assert len(outputs) == 1 and outputs[0].finished  # 24 steps' outputs, one event
     assert outputs[0].token_ids_delta == outputs[0].token_ids and len(outputs[0].token_ids) == 24
-    assert outputs[0].text_delta == outputs[0].text == engine.tokenizer.decode(outputs[0].token_ids)
+    # (the text skips special tokens: a greedy reply may hold some, e.g. on an AVX2-only CPU this one starts with
+    # <|im_end|>)
+    text = engine.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+    assert outputs[0].text_delta == outputs[0].text == text
 
 
 async def test_stream_interval_sends_fewer_larger_outputs():
@@ -226,15 +232,15 @@ def test_core_killed_under_the_server_ends_streams_with_an_error_and_exits_3():
         assert server.process.wait(30) == 3  # a supervisor restarts it
 
 
-def test_core_killed_without_exit_on_death_turns_health_503_within_a_second():
+def test_core_killed_without_exit_on_death_turns_health_503_at_once():
     with running_server("--no-exit-on-engine-death") as server:
         (core_pid,) = core_processes_of(server.process.pid)
         os.kill(core_pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_until(
-            lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, 1.0
+            lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, SEEN_AT_ONCE_S
         )
-        assert time.monotonic() - killed <= 1.0
+        assert time.monotonic() - killed <= SEEN_AT_ONCE_S
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         assert (
             httpx.post(server.url("/v1/chat/completions"), json=body, timeout=10).status_code == 503

@@ -80,6 +80,15 @@ FAMILIES = {
             "original_max_position_embeddings": 512,
         },
     ),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
     # Gemma 3: local layers with a window of 8 and every third layer global
     "gemma3": dict(
         model_type="gemma3_text",

@@ -5,11 +5,12 @@ OpenAI's error shape, answers conform to the document (status codes, content typ
 afterwards the server is healthy and no KV block is held by anyone (nothing leaked by the refused, failed or cut
 requests).
 
-Bounded for CI (about two minutes on a CPU): ``PAGEDCHAT_FUZZ_EXAMPLES`` examples per operation and mode (100 by default),
-a 128-token context, 4 tokens for requests without max_tokens and at most 1024 tokens a request
-(``--max-request-tokens``: prompts x n x max_tokens would otherwise let one schema-valid completion keep the engine
-busy for minutes) keep each answer short. Hypothesis is derandomized (its seed is a hash of the test), so every run
-sends the same examples and takes about the same time."""
+Bounded for CI (under a minute on 2 vCPUs): ``PAGEDCHAT_FUZZ_EXAMPLES`` examples per operation and mode (40 by
+default; more for a deeper search), a 128-token context, 4 tokens for requests without max_tokens and at most 256
+tokens a request (``--max-request-tokens``: prompts x n x max_tokens would otherwise let one schema-valid completion
+keep the engine busy for minutes; at 1024, 100 examples of each generating operation took 65-105 s) keep each answer
+short. Hypothesis is derandomized (its seed is a hash of the test), so every run sends the same examples and takes
+about the same time."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from tests.server_harness import SMALL_KV_GIB
 
 pytestmark = pytest.mark.slow
 
-MAX_EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "100"))
-MAX_REQUEST_TOKENS = 1024  # of one request: 8 full contexts
+MAX_EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "40"))
+MAX_REQUEST_TOKENS = 256  # of one request: 2 full contexts
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 

@@ -83,6 +83,10 @@ class Sequence:
     unforked: list[Sequence] = field(default_factory=list)
     # while SWAPPED: its blocks in the host pool, in order
     host_blocks: list[int] = field(default_factory=list)
+    # its blocks of the sliding-window layers' own pool (engine/core/window_blocks.py), positional as block_table;
+    # released blocks are 0; the first window_registered entries were entered in that pool's hash map
+    window_table: list[int] = field(default_factory=list)
+    window_registered: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -202,6 +202,26 @@ def check_pool(bm: BlockManager, seqs: list[Sequence]) -> None:
     assert all(pool.cached.get(b.block_hash) is b for b in hashed)
     assert len(hashed) == len(pool.cached)
     assert bm.holders == {s.seq_id: s for s in seqs if s.block_table}
+    if bm.window is not None:
+        check_window_pool(bm.window, seqs)
+
+
+def check_window_pool(window, seqs: list[Sequence]) -> None:
+    """The sliding-window layers' pool (engine/core/window_blocks.py): block 0 is the null entry, held once and
+    never in a table's live part; every other block free or referenced, references equal table entries."""
+    pool = window.pool
+    refs = [0] * len(pool.blocks)
+    refs[0] = 1  # (null: held by the pool itself)
+    for seq in seqs:
+        live = [b for b in seq.window_table if b != 0]
+        assert len(set(live)) == len(live), f"window block twice in seq {seq.seq_id}'s table"
+        for block_id in live:
+            refs[block_id] += 1
+    assert [b.ref_count for b in pool.blocks] == refs, "window ref counts differ from the tables"
+    free = set(pool.free_queue)
+    referenced = {i for i, r in enumerate(refs) if r > 0}
+    assert free.isdisjoint(referenced) and free | referenced == set(range(len(pool.blocks)))
+    assert all(pool.cached.get(b.block_hash) is b for b in pool.blocks if b.block_hash is not None)
 
 
 def check_contents(bm: BlockManager, seqs: list[Sequence], kv: KV, ref: ReferenceHashes) -> None:

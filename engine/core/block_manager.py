@@ -11,21 +11,13 @@ is reused for other tokens.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import Block, BlockPool, HostBlocks
 from engine.core.block_stats import BlockStats, PrefixLookups, count_blocks
-from engine.core.host_prefix_cache import HostPrefixCache
+from engine.core.host_prefix_cache import HostHit, HostPrefixCache
+from engine.core.window_blocks import WindowBlocks
 from engine.sequence import Sequence
-
-
-@dataclass(slots=True, frozen=True)
-class HostHit:
-    """A prefix block found in the host tier (not on the device): admission copies it back into a fresh block."""
-
-    block_hash: bytes
-    slot: int
 
 
 class BlockManager:
@@ -39,11 +31,14 @@ class BlockManager:
         num_host_cache_blocks: int = 0,
         lookahead_tokens: int = 0,
         max_blocks_per_seq: int | None = None,
+        window: WindowBlocks | None = None,
     ) -> None:
         """``num_host_blocks`` host slots for swapped-out sequences (slots 0 ..), then ``num_host_cache_blocks``
         for the host tier of the prefix cache (with prefix caching only). ``lookahead_tokens``: a sequence gets
         the block it grows into that many tokens early, while free blocks are plentiful (the vattention
-        backend maps its pages in the background meanwhile); never more than ``max_blocks_per_seq``."""
+        backend maps its pages in the background meanwhile); never more than ``max_blocks_per_seq``. ``window``:
+        the sliding-window layers' own blocks (a model with such layers), kept in step with these."""
+        self.window = window
         self.block_size = block_size
         self.lookahead_tokens = lookahead_tokens
         self.max_blocks_per_seq = max_blocks_per_seq or sys.maxsize
@@ -104,6 +99,8 @@ class BlockManager:
                     break
                 block = HostHit(block_hash, slot)
             hits.append(block)
+        if self.window is not None:  # (a hit must be one for the sliding-window layers too)
+            return hits[: self.window.usable_prefix(seq.block_hashes, len(hits))]
         return hits
 
     def allocate(
@@ -118,8 +115,10 @@ class BlockManager:
             and not prefix_hits
             and start + num_new_tokens + ahead <= len(table) * self.block_size
             and self.pool.blocks[table[start // self.block_size]].ref_count == 1
-        ):
-            return True  # the common decode step: its slots are in blocks it owns alone
+        ):  # the common decode step: its slots are in blocks it owns alone
+            if self.window is not None:
+                self.window.release_passed(seq, start)
+            return True
         prefix_hits = prefix_hits or []
         num_computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
         num_table = len(seq.block_table) + len(prefix_hits)
@@ -130,8 +129,13 @@ class BlockManager:
         needs_copy = (
             write_block < num_table and self._block_of(seq, prefix_hits, write_block).ref_count > 1
         )
-        if num_fresh + num_revived + needs_copy > self.pool.num_free:
+        window, counts = self.window, (len(prefix_hits), num_computed, num_new_tokens)
+        if num_fresh + num_revived + needs_copy > self.pool.num_free or not (
+            window is None or window.fits(seq, *counts)
+        ):
             return False
+        if window is not None:
+            window.allocate(seq, *counts)
         self._take_hits(seq, prefix_hits)
         seq.num_computed_tokens = num_computed
         seq.num_registered_blocks = max(seq.num_registered_blocks, len(prefix_hits))
@@ -213,6 +217,8 @@ class BlockManager:
         for i in range(seq.num_registered_blocks, num_full):
             self.pool.register(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
         seq.num_registered_blocks = num_full
+        if self.window is not None:
+            self.window.commit(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (whose tokens equal ``parent``'s) shares every block of ``parent``; the first write into
@@ -223,6 +229,8 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
+        if self.window is not None:
+            self.window.share(parent, child)
         if child.block_table:
             self.holders[child.seq_id] = child
 
@@ -243,8 +251,11 @@ class BlockManager:
         for table, *_ in snapshots:
             for block_id in table:
                 self.pool.acquire(self.pool.blocks[block_id])
+        windows = [self.window.held_copy(src) for src in sources] if self.window else []
         for seq in seqs:
             self.free(seq)
+        for seq, (table, registered) in zip(seqs, windows):
+            seq.window_table, seq.window_registered = table, registered
         for seq, (table, hashes, computed, registered) in zip(seqs, snapshots):
             seq.block_table, seq.block_hashes = table, hashes
             seq.num_computed_tokens, seq.num_registered_blocks = computed, registered
@@ -259,6 +270,8 @@ class BlockManager:
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id])
+        if self.window is not None:
+            self.window.free(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

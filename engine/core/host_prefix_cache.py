@@ -15,6 +15,15 @@ the step could hand a restore the wrong block.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class HostHit:
+    """A prefix block found in the host tier (not on the device): admission copies it back into a fresh block."""
+
+    block_hash: bytes
+    slot: int
 
 
 class HostPrefixCache:

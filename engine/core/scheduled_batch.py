@@ -19,8 +19,9 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    # copy-on-write (src, dst) before the pass
+    # copy-on-write (src, dst) before the pass, and in the sliding-window layers' own pool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # (device, host) blocks copied out first
     swap_out: list[tuple[int, int]] = field(default_factory=list)

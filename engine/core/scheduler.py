@@ -71,6 +71,9 @@ class Scheduler(RunQueues):
             seqs=[seq for seq, _ in entries],
             num_new_tokens=[n for _, n in entries],
             block_copies=self.block_manager.take_pending_copies(),
+            window_copies=window.take_pending_copies()
+            if (window := self.block_manager.window)
+            else [],
             preempted=preempted,
             swap_out=swap_out,
             swap_in=swap_in,

@@ -28,10 +28,20 @@ def make_kv_backend(
     block_size: int,
     max_model_len: int,
     num_slots: int,
+    layer_windows: tuple[int, ...] = (),
 ) -> KVBackend:
+    """``layer_windows``: each layer's sliding window, for a model with both kinds of layers (a window group)."""
     if name == "paged":
         paged = LeanCpuPagedKV if lean_cpu(torch.empty(0, device=device)) else PagedKV
-        return paged(args.num_layers, args.num_kv_heads, args.head_dim, dtype, device, block_size)
+        return paged(
+            args.num_layers,
+            args.num_kv_heads,
+            args.head_dim,
+            dtype,
+            device,
+            block_size,
+            layer_windows,
+        )
     from engine.kv_backend.cuda_vmm import CudaDriver  # noqa: PLC0415 - cuda-bindings only where it runs
 
     return VAttentionKV(

@@ -35,13 +35,22 @@ class KVBackend(ABC):
     lookahead_tokens: int = 0  # a sequence is given the block it grows into this many tokens early
     scratch_slot: int = 0  # what padding rows of a CUDA graph read: always allocated memory
     block_size: int  # tokens per block, for the block manager
-    bytes_per_block: int  # device bytes of one block, K and V of every layer
+    bytes_per_block: (
+        int  # device bytes of one block, K and V of every layer (of the full-attention group)
+    )
     k_caches: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
     v_caches: torch.Tensor
+    # a model with sliding-window and full-attention layers: the window layers' own group of blocks
+    # (engine/core/window_blocks.py): its window (0: no such group), bytes of one of its blocks, its caches
+    window: int = 0
+    window_bytes_per_block: int = 0
+    window_k_caches: torch.Tensor
+    window_v_caches: torch.Tensor
 
     @abstractmethod
-    def allocate(self, num_blocks: int) -> None:
-        """The memory of ``num_blocks`` blocks (zeroed: a masked-out stale slot never carries NaN)."""
+    def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
+        """The memory of ``num_blocks`` blocks (zeroed: a masked-out stale slot never carries NaN), and of the
+        window group's ``num_window_blocks``."""
 
     @abstractmethod
     def free(self) -> None:

@@ -1,10 +1,14 @@
 """The paged KV backend (PagedAttention): one K and one V tensor ``[layers, blocks, block_size, kv_heads,
-head_dim]``; attention reads each sequence's blocks through its block table."""
+head_dim]``; attention reads each sequence's blocks through its block table. A model with both sliding-window and
+full-attention layers (Gemma 3) has two such pairs: the full layers' over the block manager's pool, the window
+layers' over their own, smaller pool (engine/core/window_blocks.py), which the step inputs address by the
+window tables packed beside the block tables (``table_shape``)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.kv_backend.base import KVBackend, Rotation, kv_group
@@ -26,27 +30,60 @@ class PagedKV(KVBackend):
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
+        layer_windows: tuple[int, ...] = (),
     ) -> None:
-        self.shape = (num_layers, block_size, num_kv_heads, head_dim)
+        """``layer_windows``: each layer's sliding window (0: full attention); with both kinds of layers, the
+        window layers get a group of their own."""
+        windows = list(layer_windows) or [0] * num_layers
+        grouped = 0 in windows and any(windows)
+        self.window = max(windows) if grouped else 0
+        # layer -> (its group: 0 full, 1 window, its index in the group's caches)
+        self.groups: list[tuple[int, int]] = []
+        counts = [0, 0]
+        for w in windows:
+            group = int(grouped and w > 0)
+            self.groups.append((group, counts[group]))
+            counts[group] += 1
+        self.shape = (block_size, num_kv_heads, head_dim)
+        self.counts = counts
         self.dtype, self.device, self.block_size = dtype, device, block_size
-        self.bytes_per_block = (
-            2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-        )
-        self.k_caches = self.v_caches = torch.empty(0)
+        per_layer = 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.bytes_per_block = per_layer * counts[0]
+        self.window_bytes_per_block = per_layer * counts[1]
+        self.free()
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         """Zeroed, so that masked-out stale slots never carry NaN into a softmax."""
-        layers, *rest = self.shape
-        self.k_caches = torch.zeros(
-            (layers, num_blocks, *rest), dtype=self.dtype, device=self.device
-        )
-        self.v_caches = torch.zeros_like(self.k_caches)
+        self.k_caches, self.v_caches = self._pair(self.counts[0], num_blocks)
+        self.window_k_caches, self.window_v_caches = self._pair(self.counts[1], num_window_blocks)
+
+    def _pair(self, layers: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not layers:
+            return torch.empty(0), torch.empty(0)
+        k = torch.zeros((layers, blocks, *self.shape), dtype=self.dtype, device=self.device)
+        return k, torch.zeros_like(k)
 
     def free(self) -> None:
         self.k_caches = self.v_caches = torch.empty(0)
+        self.window_k_caches = self.window_v_caches = torch.empty(0)
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_caches[layer], self.v_caches[layer]
+        group, index = self.groups[layer]
+        if group:
+            return self.window_k_caches[index], self.window_v_caches[index]
+        return self.k_caches[index], self.v_caches[index]
+
+    def table_shape(self, num_seqs: int, padded_seqs: int, width: int) -> tuple[int, int]:
+        """With a window group each row is the block table, then the window table, ``width`` columns each."""
+        return num_seqs, width * (2 if self.window else 1)
+
+    def pack_tables(self, out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
+        if not self.window:
+            out[:] = table[rows, : out.shape[1]]
+            return
+        width, half = out.shape[1] // 2, table.shape[1] // 2
+        out[:, :width] = table[rows, :width]
+        out[:, width:] = table[rows, half : half + width]
 
     def attend(
         self,

@@ -96,7 +96,7 @@ class VAttentionKV(KVBackend):
 
     # memory -------------------------------------------------------------------------------------------
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         """Create ``num_blocks`` blocks (+ the scratch page), map each into the home range and reserve the
         slot ranges (nothing mapped there until a request needs it)."""
         self.free()

@@ -48,6 +48,9 @@ class CpuLayer:
         None  # Gemma: the attention's output normed before the residual add
     )
     mlp_out_norm: torch.Tensor | None = None  # Gemma: the MLP's output too
+    moe: nn.Module | None = (
+        None  # a mixture of experts in place of gate_up / down (float32 rows in and out)
+    )
 
 
 @dataclass(slots=True)
@@ -95,6 +98,8 @@ class CpuDecoder:
         """The native step's per-layer lists, or None where it does not apply (biases, layers other than GGUF
         ones, a part whose outputs are not whole tiles)."""
         layers = self.layers
+        if any(lay.moe is not None for lay in layers):
+            return None
         projections = [p for lay in layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         if not all(
             isinstance(p, GGUFLinear) and p.bias is None and p.columns is None for p in projections
@@ -224,6 +229,8 @@ class CpuDecoder:
         return _project(layer.o, out.to(self.act_dtype), _bias(layer.o))
 
     def _mlp(self, layer: CpuLayer, xb: torch.Tensor) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(xb.float())
         gate_up = _project(layer.gate_up, xb, _bias(layer.gate_up))
         gate = gate_up[:, : self.layout.intermediate].float()
         if self.layout.activation == SILU:

@@ -116,12 +116,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
-        """``args``: this rank's shard (LlamaArgs.sharded)."""
+    def __init__(self, args: LlamaArgs, layer_class: type[nn.Module] | None = None) -> None:
+        """``args``: this rank's shard (LlamaArgs.sharded); ``layer_class``: the decoder layer (a family's own,
+        e.g. Qwen3-MoE's), LlamaDecoderLayer by default."""
         super().__init__()
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary) for _ in range(args.num_layers))
+        layer_class = layer_class or LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_class(args, rotary) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # every layer of a small decode pass in one launch, where bound (engine/models/llama_persistent.py)
         self.persistent: LlamaPersistentDecoder | None = None
@@ -144,13 +146,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    args_class: type[LlamaArgs] = LlamaArgs
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        self.args = LlamaArgs.from_hf(hf_config)
+        self.args = self.args_class.from_hf(hf_config)
         self.tp = parallel_state.current()
         # this rank's heads, kv heads, columns (its KV cache's)
         self.shard_args = self.args.sharded(self.tp.size)
-        self.model = LlamaModel(self.shard_args)
+        self.model = LlamaModel(self.shard_args, self.layer_class)
         if not self.args.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(
                 self.args.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
@@ -258,8 +263,10 @@ class LlamaForCausalLM(nn.Module):
                 lay.post_attention_layernorm.weight,
                 attn.qkv_proj,
                 attn.o_proj,
-                lay.mlp.gate_up_proj,
-                lay.mlp.down_proj,
+                getattr(
+                    lay.mlp, "gate_up_proj", None
+                ),  # (None: a mixture of experts, its own call)
+                getattr(lay.mlp, "down_proj", None),
                 attn.attn.attend,
                 window=attn.attn.window,
                 q_norm=attn.q_norm.weight if attn.qk_norm else None,
@@ -281,10 +288,12 @@ class LlamaForCausalLM(nn.Module):
             [layer(lay) for lay in model.layers],
         )
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, Any]], placed: set[str] | frozenset[str] = frozenset()
+    ) -> None:
         """Copy HF-named tensors in, each a tensor or a lazy safetensors slice (of which only this rank's part is
         read), or a GGUF tensor's blocks (GGUFBlocks: kept for ``quantize_cpu_weights``); raises ValueError naming
-        any parameter left unset or tensor unknown."""
+        any parameter left unset or tensor unknown. ``placed``: parameters a family's own loading filled."""
         params = dict(self.named_parameters())
         shard_sizes = self._shard_sizes()
         loaded: set[tuple[str, int | None]] = set()
@@ -309,7 +318,12 @@ class LlamaForCausalLM(nn.Module):
             copy_checked(dst, tensor, name)
             # (a checkpoint that ships q/k/v or gate/up fused, as Phi-3's, fills every shard at once)
             loaded.update([(target, shard)] if shard is not None else self._loaded_as(target))
-        expected = {(name, shard) for name in params for shard in self._shards_of(name)}
+        expected = {
+            (name, shard)
+            for name in params
+            if name not in placed
+            for shard in self._shards_of(name)
+        }
         if missing := sorted(str(item) for item in expected - loaded):
             raise ValueError(f"weights: missing tensors for {missing[:5]} ({len(missing)} in all)")
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -26,6 +28,7 @@ MODEL_TYPES = {
     "qwen3": LlamaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "phi3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -20,6 +20,7 @@ from engine.runtime.beam_requests import BeamRequests
 from engine.output.beam_search import new_beam_group
 from engine.core.block_hash import BlockHasher
 from engine.core.block_manager import BlockManager
+from engine.core.window_blocks import WindowBlocks
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
 from engine.sample.sampler import TokenLogprobs
@@ -66,7 +67,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
-        num_blocks = self._load()
+        num_blocks, window_blocks = self._load()
         self.grammars = GrammarCompiler(
             self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
         )
@@ -78,6 +79,14 @@ class EngineCore:
             *self.runner.allocate_host_pools(),
             self.runner.kv.lookahead_tokens,
             config.max_blocks_per_seq,
+            WindowBlocks(
+                window_blocks,
+                config.block_size,
+                self.runner.kv.window,
+                config.enable_prefix_caching,
+            )
+            if window_blocks
+            else None,
         )
         self.scheduler = self._new_scheduler()
         self.counters = EngineCounters()
@@ -99,20 +108,20 @@ class EngineCore:
         # the latest step's schedule (benchmarks read its shape)
         self.last_batch: ScheduledBatch | None = None
 
-    def _load(self) -> int:
-        """The model, its runner and the KV cache sized to the memory budget (its blocks), the CUDA graphs
-        recorded over it; the other ranks stopped if any of it fails."""
+    def _load(self) -> tuple[int, int]:
+        """The model, its runner and the KV cache sized to the memory budget (its blocks, and the sliding-window
+        layers' own), the CUDA graphs recorded over it; the other ranks stopped if any of it fails."""
         try:
             self.model, self.tokenizer = load_model(self.config)
             if self.workers is not None:
                 self.workers.wait_ready()
             self.runner = ModelRunner(self.config, self.model, self.workers)
-            num_blocks = self.runner.size_kv_cache()
+            blocks = self.runner.size_kv_cache()
             self.runner.capture_graphs()
         except BaseException:
             self.shutdown()
             raise
-        return num_blocks
+        return blocks
 
     def _new_scheduler(self) -> Scheduler:
         config, runner = self.config, self.runner

@@ -73,12 +73,14 @@ def read(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor
     data = raw_bytes(tensor, device)
     if tensor.type in FLOAT_TYPES:
         return data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
-    if tensor.type not in BLOCK_FORMATS or len(tensor.shape) != 2:
+    if tensor.type not in BLOCK_FORMATS or len(tensor.shape) not in (2, 3):
         raise ValueError(
             f"weights: tensor {tensor.name!r} is {tensor.type.name} "
-            f"{list(tensor.shape)}; pagedchat reads {', '.join(SUPPORTED)} (2-D for block types)"
+            f"{list(tensor.shape)}; pagedchat reads {', '.join(SUPPORTED)} (2-D or 3-D for block types)"
         )
-    rows, cols = tensor.shape
+    # (a stack of matrices, as MoE experts: their rows one after another)
+    cols = tensor.shape[-1]
+    rows = tensor.num_elements // cols
     return GGUFBlocks(BLOCK_FORMATS[tensor.type], data.view(rows, -1), (rows, cols))
 
 

@@ -69,7 +69,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         config.update(_gemma3(gguf, config))
     if arch == "qwen3moe":
         config.update(
-            num_experts=int(key("expert_count")),
+            num_local_experts=int(key("expert_count")),
             num_experts_per_tok=int(key("expert_used_count")),
             moe_intermediate_size=int(key("expert_feed_forward_length")),
             norm_topk_prob=True,  # (llama.cpp's qwen3moe graph normalizes the top-k weights)

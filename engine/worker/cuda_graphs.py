@@ -186,8 +186,22 @@ class DecodeGraphRunner:
             slot_ids=self.kv.slot_ids(tables),
             max_context_len=self.config.max_model_len,
         )
+        if self.kv.window:
+            self._window_group(metadata, view.positions)
         hidden = self.forward(view.ids, view.positions, metadata)
         return self.compute_logits(hidden, out=self.logits[:size])
+
+    def _window_group(self, metadata: AttentionMetadata, positions: torch.Tensor) -> None:
+        """A window group's tables (the static rows' second half) and its slots, derived on the device from the
+        positions (a decode row's token is its table row's): recorded in the graph with the pass."""
+        tables = metadata.block_tables
+        width, block_size = tables.shape[1] // 2, self.kv.block_size
+        window = tables[:, width:]
+        slots = window.gather(1, (positions // block_size).long()[:, None])[:, 0]
+        slots = slots * block_size + positions % block_size
+        metadata.block_tables = tables[:, :width]
+        metadata.window_block_tables = window
+        metadata.window_slot_mapping = torch.where(metadata.slot_mapping >= 0, slots, -1)
 
     def _idle_inputs(self, size: int) -> None:
         """Static inputs of a harmless batch (every row a padding row) for capture."""

@@ -47,9 +47,7 @@ class ModelRunner:
         self, config: EngineConfig, model: nn.Module, workers: WorkerGroup | None = None
     ) -> None:
         """``workers``: the other tensor-parallel ranks, which this (rank 0's) runner drives."""
-        self.config = config
-        self.model = model
-        self.workers = workers
+        self.config, self.model, self.workers = config, model, workers
         self.device = config.torch_device
         # a contiguous backend gives each live sequence a request slot; slots freed by a finished sequence
         # wait for the step in flight, hence up to twice the running limit
@@ -62,6 +60,7 @@ class ModelRunner:
             config.block_size,
             config.max_model_len,
             self.num_slots,
+            window_group(model, config),
         )
         if self.kv.block_size != config.block_size:
             logger.info(
@@ -104,29 +103,46 @@ class ModelRunner:
 
     # KV cache sizing ---------------------------------------------------------------------------------
 
-    def num_blocks_for_budget(self) -> int:
-        """KV blocks that fit: the configured CPU budget, or on CUDA the memory left under
-        ``gpu_memory_utilization`` after the weights, a warm-up pass of the largest batch and the CUDA graphs."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+    def num_blocks_for_budget(self) -> tuple[int, int]:
+        """KV blocks that fit, of the full layers and of a window group (0: none): the configured CPU budget, or on
+        CUDA the memory left under ``gpu_memory_utilization`` after the weights, a warm-up pass of the largest
+        batch and the CUDA graphs."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks, config.num_kv_blocks if self.kv.window else 0
         if self.device.type != "cuda":
-            return int(self.config.kv_cache_memory_gib * 2**30) // self.bytes_per_block
+            return self._split(int(config.kv_cache_memory_gib * 2**30))
         ranks = [torch.cuda.mem_get_info(self.device)]
         if self.workers is not None:
             ranks += self.workers.gather(MemoryInfo())
         peak = self._warm_up_peak_memory()  # (rank 0's: the ranks hold equal shards)
-        budget = (
-            min(
-                total * self.config.gpu_memory_utilization - (total - free) for free, total in ranks
-            )
-            - peak
+        budget = min(
+            total * config.gpu_memory_utilization - (total - free) for free, total in ranks
         )
-        return max(0, int(budget)) // self.bytes_per_block
+        return self._split(max(0, int(budget - peak)))
 
-    def size_kv_cache(self) -> int:
-        """Allocate the KV pool of the memory budget (capping ``max_model_len`` to what it holds); its blocks."""
+    def _split(self, budget: int) -> tuple[int, int]:
+        """``budget`` bytes as (full blocks, window blocks): the window group takes what its running sequences
+        can hold (a window and two blocks each, and a step's prompt tokens) twice over, so that finished
+        sessions' windows stay cached, but at most its layers' share; the full layers the rest."""
+        kv, config = self.kv, self.config
+        if not kv.window:
+            return budget // self.bytes_per_block, 0
+        per_seq = -(-kv.window // self.block_size) + 2
+        wanted = 2 * (
+            config.max_num_seqs * per_seq + config.max_num_batched_tokens // self.block_size
+        )
+        share = kv.window_bytes_per_block / (kv.window_bytes_per_block + kv.bytes_per_block)
+        window_blocks = max(2, min(wanted, int(budget * share) // kv.window_bytes_per_block))
+        return (
+            budget - window_blocks * kv.window_bytes_per_block
+        ) // self.bytes_per_block, window_blocks
+
+    def size_kv_cache(self) -> tuple[int, int]:
+        """Allocate the KV pool of the memory budget (capping ``max_model_len`` to what it holds); its blocks
+        (and the window group's)."""
         config = self.config
-        num_blocks = self.num_blocks_for_budget()
+        num_blocks, window_blocks = self.num_blocks_for_budget()
         if num_blocks < 2:
             raise RuntimeError(
                 f"KV cache: room for only {num_blocks} blocks of {self.bytes_per_block} bytes; "
@@ -139,30 +155,36 @@ class ModelRunner:
                 num_blocks * config.block_size,
             )
             config.max_model_len = num_blocks * config.block_size
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks, window_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens, %s); max_model_len %d",
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %d tokens, %s); max_model_len %d%s",
             num_blocks,
             config.block_size,
-            num_blocks * self.bytes_per_block / 2**30,
+            (num_blocks * self.bytes_per_block + window_blocks * self.kv.window_bytes_per_block)
+            / 2**30,
             num_blocks * config.block_size,
             str(config.kv_cache_torch_dtype).removeprefix("torch."),
             config.max_model_len,
+            f"; sliding-window layers: {window_blocks} blocks of their own"
+            if window_blocks
+            else "",
         )
-        return num_blocks
+        return num_blocks, window_blocks
 
     def _warm_up_peak_memory(self) -> int:
         """Activation memory of a forward pass over ``max_num_batched_tokens`` tokens (a scratch KV), plus
         what the CUDA graph of the largest decode batch holds (captured once on the scratch KV)."""
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        scratch = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(scratch, scratch if self.kv.window else 0)
         seq = Sequence(
             seq_id=-1,
             request_id="warm-up",
             token_ids=[0] * num_tokens,
             params=SamplingParams(temperature=0.0),
         )
-        seq.block_table = list(range(-(-num_tokens // self.block_size)))
+        seq.block_table = list(range(scratch))
+        seq.window_table = list(range(scratch)) if self.kv.window else []
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -195,14 +217,15 @@ class ModelRunner:
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         """The KV backend's memory for ``num_blocks`` blocks (block-addressed ``k_caches``/``v_caches``
-        ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap); each attention
-        layer gets its layer's view. Also the step input buffers, sized by the (now final) ``max_model_len``."""
+        ``[layers, blocks, block_size, kv_heads, head_dim]`` for copy-on-write and swap), and the window
+        group's; each attention layer gets its layer's view. Also the step input buffers, sized by the (now
+        final) ``max_model_len``."""
         config, kv = self.config, self.kv
         if self.workers is not None:
             self.workers.send(AllocateKv(num_blocks, config.max_model_len))
-        kv.allocate(num_blocks)
+        kv.allocate(num_blocks, num_window_blocks)
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
@@ -224,6 +247,10 @@ class ModelRunner:
         (``swap_space_gib`` where preemption may swap, ``host_cache_gib`` with prefix caching); their counts."""
         config = self.config
         num_swap = num_cache = 0
+        if (
+            self.kv.window
+        ):  # (a window group's blocks are not swapped or kept on the host: recompute)
+            return 0, 0
         if config.preemption_mode != "recompute":
             num_swap = int(config.swap_space_gib * 2**30) // self.bytes_per_block
         if config.enable_prefix_caching:
@@ -301,7 +328,7 @@ class ModelRunner:
                 ),
                 memoryview(self.inputs.packed.numpy()),
             )
-        self._move_blocks(batch.swap_out, batch.block_copies, batch.swap_in)
+        self._move_blocks(batch.swap_out, batch.block_copies, batch.swap_in, batch.window_copies)
         if self.kv.contiguous:
             inputs = self.inputs
             self.kv.map_rows(
@@ -343,6 +370,7 @@ class ModelRunner:
         swap_out: list[tuple[int, int]],
         copies: list[tuple[int, int]],
         swap_in: list[tuple[int, int]],
+        window_copies: list[tuple[int, int]] = (),
     ) -> None:
         # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
         if swap_out:
@@ -352,6 +380,9 @@ class ModelRunner:
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+        if window_copies:
+            mapping = torch.tensor(window_copies, dtype=torch.int64, device=self.device)
+            kernel_ops.copy_blocks(self.kv.window_k_caches, self.kv.window_v_caches, mapping)
         if swap_in:
             self._swap(
                 swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches)
@@ -375,3 +406,12 @@ class ModelRunner:
         """The model over one step's tokens (their pending ids fed)."""
         with forward_context(metadata):
             return self.model(input_ids, positions)
+
+
+def window_group(model: nn.Module, config: EngineConfig) -> tuple[int, ...]:
+    """The model's per-layer sliding windows where its window layers get a KV group of their own (a model with
+    both kinds of layers, on one rank, the paged backend), else ()."""
+    windows = tuple(getattr(model, "layer_windows", ()))
+    if config.tensor_parallel_size > 1 or config.kv_backend != "paged" or not windows:
+        return ()
+    return windows if 0 in windows and any(windows) else ()

@@ -9,7 +9,9 @@ block tables and the rows to sample. Building them from Python lists costs milli
   step N's, the host fills step N+1's.
 
 Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
-table_at[3] | sample_rows[R] | block_tables[B, W]``. ``feed[t] = r >= 0`` marks a token the host does not
+table_at[3] | sample_rows[R] | block_tables[B, W]``, and with a window group (a model whose sliding-window layers
+have blocks of their own: engine/core/window_blocks.py) each table row is the block table then the window table
+(``W`` twice) and ``window_slots[T]`` follows. ``feed[t] = r >= 0`` marks a token the host does not
 know yet (sampled by the step in flight): the device takes it from row ``r`` of the previous step's sampled
 ids (kernels/prepare_inputs.py). ``table_at`` is (the block tables' offset, B, W). For a decode-only step
 padded to a CUDA-graph size G, the first 5G + 4 entries are the graph's static inputs: the graph's first
@@ -121,11 +123,15 @@ class StepInputs:
         self.rows = np.zeros(0, dtype=np.int64)  # the latest step's table rows, one per sequence
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
-        # persistent, one row per seq
-        self.table = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
-        self._rows: dict[int, list[int]] = {}  # seq_id -> [row, entries synced]
+        # persistent, one row per seq: its block table (then, with a window group, its window table)
+        self.windowed = kv.window > 0
+        columns = max_blocks_per_seq * (2 if self.windowed else 1)
+        self.table = np.zeros((max_seqs, columns), dtype=np.int32)
+        self._rows: dict[
+            int, list[int]
+        ] = {}  # seq_id -> [row, entries synced, window entries synced]
         self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
-        capacity = 4 * max_tokens + 3 * max_seqs + 4 + max_seqs * max_blocks_per_seq
+        capacity = 5 * max_tokens + 3 * max_seqs + 4 + max_seqs * columns
         pinned = device.type == "cuda"
         self._staging = [
             torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
@@ -183,18 +189,26 @@ class StepInputs:
                 self._release_cooled(wait=True)
             if not self._free_rows:
                 raise RuntimeError(f"step inputs: more than {len(self.table)} live sequences")
-            entry = self._rows[seq.seq_id] = [self._take_row(seq), 0]
-        row, synced = entry
-        table = seq.block_table
+            entry = self._rows[seq.seq_id] = [self._take_row(seq), 0, 0]
+        row = entry[0]
+        entry[1] = self._sync(self.table[row, : self.max_blocks], seq.block_table, entry[1])
+        if (
+            self.windowed
+        ):  # (released entries need no sync: nothing reads a table before its window)
+            entry[2] = self._sync(self.table[row, self.max_blocks :], seq.window_table, entry[2])
+        return row
+
+    @staticmethod
+    def _sync(out: np.ndarray, table: list[int], synced: int) -> int:
+        """The entries ``table`` gained since ``synced`` into ``out``, and its last synced entry again
+        (copy-on-write may have replaced it); the new count."""
         n = len(table)
-        # re-copy the last synced entry: copy-on-write may have replaced it
         start = max(0, min(synced, n) - 1)
         if n - start == 1:
-            self.table[row, start] = table[start]
+            out[start] = table[start]
         elif n > start:
-            self.table[row, start:n] = table[start:n]
-        entry[1] = n
-        return row
+            out[start:n] = table[start:n]
+        return n
 
     def _take_row(self, seq: Sequence) -> int:
         row = self.kv.choose_slot(seq.block_table[0]) if seq.block_table else None
@@ -245,6 +259,11 @@ class StepInputs:
         positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu_tokens - starts, lens)
         seq_of_token = np.repeat(np.arange(num_seqs), lens)
         slots = self.kv.slot_mapping(self.table, rows[seq_of_token], positions)
+        self.window_slots = (
+            self.kv.slot_mapping(self.table[:, self.max_blocks :], rows[seq_of_token], positions)
+            if self.windowed
+            else None
+        )
         ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
         sample_rows = [
             int(cu) + n - 1
@@ -271,21 +290,14 @@ class StepInputs:
         num_tokens, num_seqs = len(v.ids), len(v.rows)
         total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
         table_rows, width = self.kv.table_shape(num_seqs, total_seqs, v.width)
-        sizes = [
-            total,
-            total,
-            total,
-            total,
-            total_seqs,
-            len(v.prefill_cu),
-            3,
-            len(v.sample_rows),
-            table_rows * width,
-        ]
+        sizes = [total] * 4 + [total_seqs, len(v.prefill_cu), 3, len(v.sample_rows)]
+        sizes += [table_rows * width] + ([total] if self.windowed else [])
         offsets = np.cumsum([0] + sizes).tolist()
-        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, table_at_v, rows_v, table_v = (
+        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, table_at_v, rows_v, table_v, *window_v = (
             flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
         )
+        if self.windowed:
+            window_v[0][:num_tokens], window_v[0][num_tokens:] = self.window_slots, -1
         ids_v[:num_tokens] = v.ids
         feed_v.fill(-1)
         # a pending token is always a decode row's input
@@ -294,7 +306,7 @@ class StepInputs:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
         cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
-        table_at_v[:] = (offsets[-2], table_rows, width)
+        table_at_v[:] = (offsets[8], table_rows, width)
         self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
             pad = PADDING_ROW
@@ -339,15 +351,18 @@ class StepInputs:
         buffer = self.device_buffer
         buffer[:used].copy_(host[:used], non_blocking=True)
         parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-        ids, feed, positions, slots, ctx, cu, _, rows, table = parts
+        ids, feed, positions, slots, ctx, cu, _, rows, table, *window_slots = parts
         tables = table.view(-1, layout.width)
+        width = layout.width // 2 if self.windowed else layout.width
         metadata = AttentionMetadata(
             slot_mapping=slots,
-            block_tables=tables,
+            block_tables=tables[:, :width],
             context_lens=ctx,
             num_decodes=layout.num_decodes,
             prefill_cu_seqlens_q=cu,
             slot_ids=self.kv.slot_ids(tables),
             max_context_len=layout.max_context_len,
+            window_slot_mapping=window_slots[0] if window_slots else None,
+            window_block_tables=tables[:, width:] if window_slots else None,
         )
         return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

@@ -30,7 +30,8 @@ from block_invariants import (
     with_pending,
 )
 from engine.core.block_hash import BlockHasher
-from engine.core.block_manager import BlockManager, HostHit
+from engine.core.block_manager import BlockManager
+from engine.core.host_prefix_cache import HostHit
 from engine.core.block_pool import Block
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

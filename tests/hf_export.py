@@ -39,7 +39,21 @@ def _export(described: Path, target: Path) -> None:
     config = SimpleNamespace(**json.loads((described / "config.json").read_text()))
     gguf = GGUFFile(gguf_file_of(described))
     tensors = {name: t.contiguous() for name, t in gguf_weights(gguf, config, torch.float32)}
+    _fuse_experts(tensors, config)
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     gguf.close()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor], config: SimpleNamespace) -> None:
+    """A GGUF's experts, stacked per projection (``mlp.experts.gate_proj.weight`` ...), under transformers 5's
+    fused names: ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``."""
+    experts = getattr(config, "num_local_experts", None)
+    for name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
+        prefix = name.removesuffix(".gate_proj.weight")
+        gate = tensors.pop(name).view(experts, -1, config.hidden_size)
+        up = tensors.pop(f"{prefix}.up_proj.weight").view(experts, -1, config.hidden_size)
+        down = tensors.pop(f"{prefix}.down_proj.weight")
+        tensors[f"{prefix}.gate_up_proj"] = torch.cat((gate, up), dim=1).contiguous()
+        tensors[f"{prefix}.down_proj"] = down.view(experts, config.hidden_size, -1).contiguous()

@@ -168,6 +168,23 @@ class PackedInt8Head(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Float32Linear(nn.Module):
+    """A float weight kept as it is (``file`` mode: a GGUF file's F32 / F16 / BF16 tensors stay float), in float32."""
+
+    input_dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().float().contiguous(), persistent=False)
+        self.bias = _float_bias(bias)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight)
+
+    forward = _forward
+
+
 class BFloat16Linear(nn.Module):
     input_dtype = torch.bfloat16
 
@@ -198,6 +215,8 @@ def cpu_linear(
         raise ValueError(
             f"cpu_weights: no quantized layer for {mode!r}; one of {CPU_WEIGHTS[:1] + CPU_WEIGHTS[2:]}"
         )
+    if mode == "file" and parts is None:  # (a float tensor of the file: computed as it is)
+        return Float32Linear(weight, bias)
     if mode in ("file", "q4"):
         if parts is None or mode == "q4":
             source = weight if parts is None else torch.cat([p.dequantize() for p in parts])

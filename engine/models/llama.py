@@ -41,6 +41,10 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 
+# the tensors a GGUF model keeps in its file's blocks on the CPU (``file``): the projections, embedding and head
+_KEPT_AS_BLOCKS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, args: LlamaArgs, rotary: RotaryEmbedding, scale: float | None = None, window: int = 0
@@ -303,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
             target, shard = fused_name(name)
             if target not in params:
                 raise ValueError(f"weights: unexpected tensor {name!r} for this architecture")
+            if isinstance(source, GGUFBlocks) and not name.endswith(_KEPT_AS_BLOCKS):
+                source = source.dequantize()  # (a router or norm stored in blocks: plain floats)
             if isinstance(source, GGUFBlocks):  # kept for quantize_cpu_weights ("file")
                 self.file_blocks[name] = source
                 loaded.update([(target, shard)] if shard is not None else self._loaded_as(target))

@@ -168,23 +168,17 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         }
         experts = []
         for e in range(moe.num_experts):
-            if all(stacked.values()):
-                gate, up = (stacked[k].rows(e * inter, (e + 1) * inter) for k in ("gate", "up"))
-                down = stacked["down"].rows(e * hidden, (e + 1) * hidden)
-                experts.append(
-                    (
-                        cpu_linear(mode, None, None, [gate, up], native),
-                        cpu_linear(mode, None, None, [down], native),
-                    )
-                )
-                continue
-            gate_up, down = moe.experts.gate_up_proj[e], moe.experts.down_proj[e]
-            experts.append(
-                (
-                    cpu_linear(mode, gate_up, None, None, native),
-                    cpu_linear(mode, down, None, None, native),
-                )
-            )
+            if stacked["gate"] is not None and stacked["up"] is not None:
+                parts = [stacked[k].rows(e * inter, (e + 1) * inter) for k in ("gate", "up")]
+                gate_up = cpu_linear(mode, None, None, parts, native)
+            else:
+                gate_up = cpu_linear(mode, moe.experts.gate_up_proj[e], None, None, native)
+            if stacked["down"] is not None:
+                parts = [stacked["down"].rows(e * hidden, (e + 1) * hidden)]
+                down = cpu_linear(mode, None, None, parts, native)
+            else:
+                down = cpu_linear(mode, moe.experts.down_proj[e], None, None, native)
+            experts.append((gate_up, down))
         return experts
 
     def cpu_layout(self) -> CpuLayout:

@@ -64,6 +64,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gguf.get("tokenizer.ggml.padding_token_id"),
     }
     if arch == "gemma3":
         config.update(_gemma3(gguf, config))

@@ -142,18 +142,17 @@ class BlockManager:
         if needs_copy:
             self._copy_on_write(seq, write_block)
         seq.block_table.extend(self.pool.take().block_id for _ in range(num_fresh))
-        if (
-            ahead
-            and self.pool.num_free > self.lookahead_reserve
-            and len(seq.block_table)
-            < min(
-                self.blocks_needed(num_computed + num_new_tokens + ahead), self.max_blocks_per_seq
-            )
-        ):
-            seq.block_table.append(self.pool.take().block_id)
+        if ahead:
+            self._take_ahead(seq, num_computed + num_new_tokens + ahead)
         if seq.block_table:
             self.holders[seq.seq_id] = seq
         return True
+
+    def _take_ahead(self, seq: Sequence, num_tokens: int) -> None:
+        """The block ``seq`` grows into within ``num_tokens``, early, while free blocks are plentiful."""
+        wanted = min(self.blocks_needed(num_tokens), self.max_blocks_per_seq)
+        if self.pool.num_free > self.lookahead_reserve and len(seq.block_table) < wanted:
+            seq.block_table.append(self.pool.take().block_id)
 
     def _take_hits(self, seq: Sequence, prefix_hits: list[Block | HostHit]) -> None:
         """``seq``'s table gains its prefix hits (and an admission's lookup is counted). Device hits first, and

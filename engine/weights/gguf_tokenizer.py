@@ -56,7 +56,11 @@ _DEFAULT_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
 def build_tokenizer(gguf: GGUFFile) -> Any:
     """A ``PreTrainedTokenizerFast`` with the file's vocabulary, special tokens and chat template."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    try:  # (transformers >= 5.20; older releases keep the builders in integrations.ggml)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
 
     meta = gguf.metadata
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -766,7 +766,8 @@ def test_a_failed_request_ends_with_request_failed_and_the_server_keeps_serving(
     assert whole.status_code == 500 and whole.json()["error"]["code"] == "request_failed"
     assert in_process.get("/health").status_code == 200
     after = in_process.post(
-        "/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "temperature": 0}
+        "/v1/chat/completions",
+        json={"messages": HI, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
     )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
     deadline = time.monotonic() + 10

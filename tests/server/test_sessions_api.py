@@ -359,7 +359,12 @@ def test_bad_message_bodies_get_400_and_leave_the_session_usable(
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     # not left locked
-    assert say(server, session_id, "Hello", max_tokens=4)["usage"]["completion_tokens"] == 4
+    assert (
+        say(server, session_id, "Hello", max_tokens=4, ignore_eos=True)["usage"][
+            "completion_tokens"
+        ]
+        == 4
+    )
 
 
 def test_redis_outage_gives_503_on_session_routes_only(
@@ -390,7 +395,12 @@ def test_redis_outage_gives_503_on_session_routes_only(
         redis_server.start()
     body = stored(server, session_id, 2)
     assert body["messages"][0]["content"] == "Remember the word 'teal'."
-    assert say(server, session_id, "Which word?", max_tokens=4)["usage"]["completion_tokens"] == 4
+    assert (
+        say(server, session_id, "Which word?", max_tokens=4, ignore_eos=True)["usage"][
+            "completion_tokens"
+        ]
+        == 4
+    )
     log = server.log()  # four failed requests, one line; and one when it came back
     assert (
         log.count("session store: Redis is unreachable") == 1
@@ -407,7 +417,10 @@ def test_the_first_session_request_after_a_redis_restart_is_served(
     # the server's pooled connections are stale now: the first use of one fails
     redis_server.start()
     assert httpx.get(server.url(f"/v1/sessions/{session_id}")).status_code == 200
-    assert say(server, session_id, "Hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert (
+        say(server, session_id, "Hi", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"]
+        == 2
+    )
 
 
 def test_history_survives_a_server_restart_with_the_same_redis(redis_server: RedisServer):
@@ -510,7 +523,12 @@ def test_oversized_preset_is_rejected_and_startup_survives_bad_ones(redis_server
             unusable = post(server, "/v1/sessions", {"preset": "huge"})
             assert unusable.status_code == 400 and unusable.json()["error"]["param"] == "preset"
             session_id = new_session(server, preset="small")
-            assert say(server, session_id, "Hi", max_tokens=4)["usage"]["completion_tokens"] == 4
+            assert (
+                say(server, session_id, "Hi", max_tokens=4, ignore_eos=True)["usage"][
+                    "completion_tokens"
+                ]
+                == 4
+            )
             assert httpx.get(server.url("/health")).status_code == 200
     finally:
         for name in ("huge", "small"):

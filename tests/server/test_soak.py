@@ -1,7 +1,12 @@
-"""The soak and chaos benchmark's two-minute run (benchmarks/soak.py): three tenants with a mixed workload while
-Redis is killed, then frozen, a storm of clients connects and drops, and the engine core is killed (the server is
-started again); every turn a client saw complete is stored, nothing fails outside the faults, KV usage is 0 at idle,
-memory holds, and each tenant's TPOT p50 stays within 2x its unloaded one (its own workload run alone first).
+"""The soak and chaos benchmark's one-minute run (benchmarks/online/soak.py): three tenants with a mixed workload
+for 30 s clear of faults, then Redis killed, Redis frozen, a storm of clients that connect and drop, and the engine
+core killed (the server is started again), one every 7.5 s; every turn a client saw complete is stored, nothing
+fails outside the faults, KV usage is 0 at idle, memory holds, and each tenant's TPOT p50 stays within 2x its
+unloaded one (its own workload run alone first, 8 s a tenant).
+
+The two-minute run (faults from 24 s on) checks the same promises; this schedule keeps each fault and the loaded
+stretch the TPOT is read from, for half the time on a 2-vCPU CI machine that runs it twice (`make test`: natively
+and held to AVX2).
 
 The benchmark runs in a process of its own, as its command line does: its clients time every streamed token, and
 inside the test runner they would share a process (and its garbage collector's pauses over a whole suite's heap)
@@ -15,11 +20,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SOAK = ["--duration", "60", "--faults-from", "0.5", "--alone-s", "8"]
 
 
-def test_two_minutes_of_soak_and_chaos_keep_every_promise():
+def test_a_minute_of_soak_and_chaos_keeps_every_promise():
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.online.soak", "--duration", "120"],
+        [sys.executable, "-m", "benchmarks.online.soak", *SOAK],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -28,3 +34,5 @@ def test_two_minutes_of_soak_and_chaos_keep_every_promise():
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "FAIL" not in run.stdout
     assert run.stdout.count("PASS") == 6, run.stdout[-3000:]
+    for fault in ("redis_killed", "redis_frozen", "storm", "core_killed"):
+        assert f"fault {fault}:" in run.stdout, run.stdout[-3000:]

@@ -57,10 +57,10 @@ def build_tokenizer(gguf: GGUFFile) -> Any:
     """A ``PreTrainedTokenizerFast`` with the file's vocabulary, special tokens and chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    try:  # (transformers >= 5.20; older releases keep the builders in integrations.ggml)
+    try:  # (transformers >= 5.20; older releases keep the builders in integrations.ggml, by architecture)
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:
-        from transformers.integrations.ggml import convert_gguf_tokenizer
+        convert_gguf_tokenizer = _by_architecture
 
     meta = gguf.metadata
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -87,6 +87,28 @@ def build_tokenizer(gguf: GGUFFile) -> Any:
         gguf.architecture
     )
     return tokenizer
+
+
+# older transformers: an architecture without a builder of its own takes one of the same tokenizer
+_SAME_TOKENIZER = {
+    "qwen3moe": "qwen3",
+    "qwen3": "qwen2",
+    "gemma3": "gemma2",
+    "gemma2": "gemma",
+    "mistral": "llama",
+}
+
+
+def _by_architecture(architecture: str, spec: dict[str, Any]) -> Any:
+    from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, convert_gguf_tokenizer
+
+    if spec.get("tokenizer_type") == "gpt2":  # byte-level BPE, whatever the architecture
+        return convert_gguf_tokenizer("qwen2", spec)
+    while architecture not in GGUF_TO_FAST_CONVERTERS and architecture in _SAME_TOKENIZER:
+        architecture = _SAME_TOKENIZER[architecture]
+    if architecture not in GGUF_TO_FAST_CONVERTERS:
+        architecture = "llama"
+    return convert_gguf_tokenizer(architecture, spec)
 
 
 def end_of_turn_ids(gguf: GGUFFile) -> list[int]:

@@ -187,19 +187,27 @@ class DecodeGraphRunner:
             max_context_len=self.config.max_model_len,
         )
         if self.kv.window:
-            self._window_group(metadata, view.positions)
+            self._window_group(metadata, view.positions, view.table_at)
         hidden = self.forward(view.ids, view.positions, metadata)
         return self.compute_logits(hidden, out=self.logits[:size])
 
-    def _window_group(self, metadata: AttentionMetadata, positions: torch.Tensor) -> None:
-        """A window group's tables (the static rows' second half) and its slots, derived on the device from the
-        positions (a decode row's token is its table row's): recorded in the graph with the pass."""
-        tables = metadata.block_tables
-        width, block_size = tables.shape[1] // 2, self.kv.block_size
-        window = tables[:, width:]
+    def _window_group(
+        self, metadata: AttentionMetadata, positions: torch.Tensor, table_at: torch.Tensor
+    ) -> None:
+        """A window group's tables and slots, recorded in the graph with the pass: each packed row is the block
+        table then the window table, ``table_at[2] / 2`` columns each (the static table's first half, read by
+        the full layers, only as far as their contexts), so the window half is gathered from the packed buffer
+        into a table of its own, and a decode row's slot derived from its position."""
+        tables, block_size = metadata.block_tables, self.kv.block_size
+        rows, width = tables.shape
+        half = table_at[2] // 2
+        columns = torch.arange(width, device=tables.device)
+        at = table_at[0] + torch.arange(rows, device=tables.device)[:, None] * table_at[2] + half
+        packed = self.inputs.device_buffer
+        index = (at + columns[None, :]).clamp(max=packed.numel() - 1).long()
+        window = torch.where(columns[None, :] < half, packed[index], 0)
         slots = window.gather(1, (positions // block_size).long()[:, None])[:, 0]
         slots = slots * block_size + positions % block_size
-        metadata.block_tables = tables[:, :width]
         metadata.window_block_tables = window
         metadata.window_slot_mapping = torch.where(metadata.slot_mapping >= 0, slots, -1)
 

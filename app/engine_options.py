@@ -5,14 +5,23 @@ from __future__ import annotations
 
 from app.options import Option
 
-DUMMY_MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3-8b", "llama-3-70b")
+DUMMY_MODELS = (
+    "llama-3.2-1b",
+    "qwen3-0.6b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "qwen3-30b-a3b",
+    "qwen3-30b-a3b-dense",
+    "gemma-3-1b",
+)
 
 ENGINE_OPTIONS = (
     Option(
         "model",
-        "The model (Llama, Mistral, Qwen2, Qwen3): a local Hugging Face directory, a local .gguf file "
-        "(converted once into --cache-dir), or a hub id such as Qwen/Qwen3-0.6B (downloaded once; the hub "
-        "cache with HF_HUB_OFFLINE=1)",
+        "The model (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3: docs/MODELS.md): a local Hugging "
+        "Face directory, a local .gguf file (served from the file in its own block formats; its config and "
+        "tokenizer described once into --cache-dir), or a hub id such as Qwen/Qwen3-0.6B (downloaded once; "
+        "the hub cache with HF_HUB_OFFLINE=1)",
         "the embedded SmolLM2-135M-Instruct",
         env="PAGEDCHAT_MODEL",
     ),
@@ -172,9 +181,10 @@ ENGINE_OPTIONS = (
     ),
     Option(
         "cpu_isa",
-        "Instruction-set level of the native CPU kernels; a level this CPU lacks is refused",
+        "Instruction-set level of the native CPU kernels (generic: plain C++ for any x86-64 or ARM CPU); "
+        "a level this CPU lacks is refused",
         "auto (the highest this CPU has)",
-        choices=("auto", "avx2", "avx512", "avx512_vnni"),
+        choices=("auto", "generic", "avx2", "avx512", "avx512_vnni"),
         env="PAGEDCHAT_CPU_ISA",
     ),
     Option(

@@ -2,7 +2,8 @@
 download): llama.cpp's tensor names and metadata keys, the Llama query/key rows in its interleaved rotary order,
 Gemma's norms stored as 1 + w, experts stacked per projection; matrices in a block format the gguf package can
 quantize (Q8_0, Q4_0, Q4_1, Q5_0), norms in F32; and a small byte-level tokenizer (256 byte tokens and a few
-control tokens). Nothing here reads pagedchat's own GGUF code."""
+control tokens). Also random raw blocks of every format the engine reads (K-quants included), for kernel
+tests and benchmarks. Nothing here reads pagedchat's own GGUF code."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+
+from kernels.quant_blocks import FORMATS
 
 # transformers model_type -> GGUF architecture
 ARCH = {
@@ -147,3 +150,27 @@ def _metadata(writer: GGUFWriter, cfg, arch: str) -> None:
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)
+
+
+BLOCK_BYTES = {  # ggml's bytes per block
+    "q4_0": 18,
+    "q4_1": 20,
+    "q5_0": 22,
+    "q8_0": 34,
+    "q4_k": 144,
+    "q5_k": 176,
+    "q6_k": 210,
+}
+
+
+def random_file_bytes(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw blocks of a ``[rows, cols]`` tensor: random bytes everywhere (codes, packed scales, high bits), with the
+    float16 scales set to finite values of a realistic size."""
+    rng = np.random.default_rng(seed)
+    block = FORMATS[fmt][1]
+    raw = rng.integers(0, 256, (rows, cols // block, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    scales = {"q6_k": [208]}.get(fmt, [0, 2] if fmt in ("q4_1", "q4_k", "q5_k") else [0])
+    for at in scales:
+        value = (rng.random((rows, cols // block)) * 0.02 + 1e-4).astype(np.float16)
+        raw[..., at : at + 2] = value.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)

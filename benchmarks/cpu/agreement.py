@@ -15,7 +15,7 @@ import torch
 from benchmarks.harness import record
 from benchmarks.harness.peers import LlamaCppPeer
 from engine.llm import LLM
-from engine.worker.model_sources import _default_gguf_file
+from engine.worker.model_sources import default_gguf_file
 from engine.sampling_params import SamplingParams
 from tests.engine.test_cpu_weights import NEW_TOKENS, QUESTIONS, first_divergence
 
@@ -29,7 +29,7 @@ def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str,
 
 
 def llama_cpp_tokens(prompts: list[list[int]], threads: int) -> list[list[int]]:
-    return LlamaCppPeer(str(_default_gguf_file()), threads).generate(prompts, NEW_TOKENS)[1]
+    return LlamaCppPeer(str(default_gguf_file()), threads).generate(prompts, NEW_TOKENS)[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,8 +3,9 @@ shapes, with the activation in float32, bfloat16 and float16, at 1 and 8 rows.
 
 Why torch's quantized layers cast their input to bfloat16: its weight-only int4/int8 CPU kernels are vectorized
 for bfloat16 inputs only (float32 and float16 inputs take a scalar path many times slower). Also our native
-kernels (kernels/cpu_decode.cpp) where they build. Effective bandwidth =
-weight bytes / time; 30 copies of each weight (a decode step's layers, beyond L2) are cycled through.
+tile kernel (kernels/cpu_gguf_matmul.cpp, ``file`` and ``q4`` modes) on random blocks of every GGUF format at the
+configured level (``PAGEDCHAT_CPU_ISA``), and the packed int8 output layer. Effective bandwidth = weight bytes /
+time; 30 copies of each weight (a decode step's layers, beyond L2) are cycled through.
 
     python -m benchmarks.cpu.quant_linear [--threads 2] [--rows 1 8]
 """
@@ -21,16 +22,19 @@ import torch.nn.functional as F
 
 from benchmarks.harness import record
 from engine.config import EngineConfig
+from engine.layers.gguf_linear import GGUFLinear
 from engine.layers.quantized_linear import (
+    GROUP,
     PACKED_OUTPUTS,
-    Q4_GROUP,
     Int8Linear,
     PackedInt8Head,
-    Q4Blocks,
     Q4Linear,
-    Q8Head,
+    q4_1_from_float,
 )
+from engine.weights.gguf_blocks import GGUFBlocks
 from kernels import cpu_native
+from kernels.quant_blocks import FORMATS
+from tests.gguf_writer import BLOCK_BYTES, random_file_bytes
 
 # SmolLM2-135M: [out, in] of the fused QKV, gate/up, down projections and the tied output layer
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -50,7 +54,7 @@ def timed(fn: Callable[[int], torch.Tensor], copies: int, repeats: int = 5) -> f
 def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, str, float, float]]:
     copies = 1 if out_features > 10_000 else COPIES
     weights = [torch.randn(out_features, in_features) * 0.02 for _ in range(copies)]
-    q4 = [Q4Linear(Q4Blocks.from_float(w), None) for w in weights]
+    q4 = [Q4Linear(q4_1_from_float(w), None) for w in weights]
     i8 = [Int8Linear(w, None) for w in weights]
     columns = [w.t().contiguous().t() for w in weights]
     bf16 = [w.to(torch.bfloat16) for w in weights]
@@ -68,10 +72,10 @@ def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, s
             (
                 "q4",
                 name,
-                0.5 + 4 / Q4_GROUP,
+                0.5 + 4 / GROUP,
                 timed(
                     lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                        xd, q4[i].packed, Q4_GROUP, sz[i]
+                        xd, q4[i].packed, GROUP, sz[i]
                     ),
                     copies,
                 ),
@@ -91,31 +95,38 @@ def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, s
 def measure_native(
     weights: list[torch.Tensor], x: torch.Tensor, copies: int
 ) -> list[tuple[str, str, float, float]]:
-    """Our kernels (kernels/cpu_decode.cpp) at the configured level (``PAGEDCHAT_CPU_ISA``), where they build: the
-    Q4_1 x Q8 and Q8_0 x Q8 products (x86 with AVX2 or AVX-512) and the packed int8 output layer."""
+    """Our kernels at the configured level (``PAGEDCHAT_CPU_ISA``), where they build: the tile matmul on random
+    blocks of each GGUF format (activations quantized to 8 bits per 32 inputs inside it), and the packed int8
+    output layer."""
     config = EngineConfig()
     native = cpu_native.load(Path(config.cache_dir) / "native", config.cpu_isa)
     if native is None:
         return []
-    out_features = weights[0].shape[0]
+    out_features, in_features = weights[0].shape
     results = []
-    if native.has_q4q8:
-        q8 = [Q4Linear(Q4Blocks.from_float(w), None, native) for w in weights]
-        results.append(
-            (
-                "q4, native Q4_1 x Q8",
-                "float32 (8-bit per 32)",
-                0.5 + 4 / Q4_GROUP,
-                timed(lambda i: q8[i].matmul(x), copies),
+    for fmt, (_, block, _) in FORMATS.items():
+        if in_features % block:
+            continue
+        layers = [
+            GGUFLinear(
+                [
+                    GGUFBlocks(
+                        fmt,
+                        torch.from_numpy(random_file_bytes(fmt, out_features, in_features, seed)),
+                        (out_features, in_features),
+                    )
+                ],
+                None,
+                native,
             )
-        )
-        heads = [Q8Head(w, native) for w in weights]
+            for seed in range(copies)
+        ]
         results.append(
             (
-                "Q8_0, native Q8_0 x Q8",
+                f"{fmt}, native tiles ({native.level})",
                 "float32 (8-bit per 32)",
-                1 + 2 / Q4_GROUP,
-                timed(lambda i: heads[i](x), copies),
+                BLOCK_BYTES[fmt] / block,
+                timed(lambda i: layers[i].matmul(x), copies),
             )
         )
     if out_features % PACKED_OUTPUTS == 0:

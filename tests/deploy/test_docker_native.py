@@ -1,6 +1,6 @@
 """What the containers of docker/compose.yml run, run natively: CI has no Docker engine, so the app service's
 command and environment are taken from compose.yml (service host names become 127.0.0.1, ports free ones)
-and started against a real local Redis; the image's build-time model conversion runs as the Dockerfile says.
+and started against a real local Redis; the image's build-time default-model step runs as the Dockerfile says.
 
 Also the helpers the nginx tests share (free ports, a throw-away Redis, app processes).
 """
@@ -313,10 +313,13 @@ def test_compose_app_command_and_environment_serve_health_and_chat(
 
 
 @pytest.mark.slow
-def test_image_model_conversion_step_runs_natively(default_model_dir: Path) -> None:
-    """The Dockerfile's conversion RUN, run as written (with this Python): it finds or makes the HF directory
-    of the default model in PAGEDCHAT_CACHE_DIR (here the test cache, where conftest converted it already)."""
+def test_image_model_step_runs_natively(default_model_dir: Path) -> None:
+    """The Dockerfile's default-model RUN, run as written (with this Python): it finds or makes the default
+    model's directory in PAGEDCHAT_CACHE_DIR (its config and tokenizer described from the packaged GGUF file,
+    whose weights stay in the file; here the test cache, where conftest described it already)."""
     from engine.config import EngineConfig
+    from engine.weights.gguf_model_dir import gguf_file_of
+    from engine.worker.model_sources import default_gguf_file
 
     for name in ("Dockerfile", "Dockerfile.cuda"):
         step = next(run for run in run_steps(DOCKER_DIR / name) if "ensure_default_model" in run)
@@ -333,7 +336,9 @@ def test_image_model_conversion_step_runs_natively(default_model_dir: Path) -> N
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert Path(done.stdout.strip()) == default_model_dir
-        assert (default_model_dir / "model.safetensors").is_file()
+        assert gguf_file_of(default_model_dir) == default_gguf_file().resolve()
+        assert (default_model_dir / "config.json").is_file()
+        assert not list(default_model_dir.glob("*.safetensors"))  # no float copy of the weights
 
 
 def run_steps(dockerfile: Path) -> list[str]:

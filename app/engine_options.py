@@ -122,7 +122,8 @@ ENGINE_OPTIONS = (
     ),
     Option(
         "cache_dir",
-        "Where converted models are kept",
+        "Where GGUF models' described directories (config, tokenizer), the native CPU kernels and the "
+        "default sessions file are kept",
         "~/.cache/pagedchat",
         env="PAGEDCHAT_CACHE_DIR",
     ),

@@ -72,7 +72,7 @@ def preflight(settings: ServerSettings) -> None:
     if engine.model is not None and engine.load_format != "dummy":
         from engine.worker.model_sources import resolve_model
 
-        # a hub id is downloaded (or found in the hub cache) and a .gguf file converted here, once
+        # a hub id is downloaded (or found in the hub cache) and a .gguf file described here, once
         try:
             path = resolve_model(engine.model, Path(engine.cache_dir))
         except ValueError as exc:

@@ -1,7 +1,16 @@
 """The pagedchat serving engine (knows nothing of HTTP)."""
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+import os
+
+# OpenMP threads (torch's and the native CPU kernels') sleep at a barrier instead of spinning, unless the user set
+# a policy: libgomp reads it once, when torch loads it, so it is set before the first torch import (the engine core
+# process inherits it). On a small CPU shared with anything else a spinning thread holds the core its sibling
+# needs, and every parallel loop of a step then waits for the scheduler: the default model's decode step took
+# ~940 ms on 2 threads beside a busy test run, ~8 ms sleeping (issue 49; docs/benchmarks/cpu.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["EngineConfig", "SamplingParams", "LLM", "LLMEngine", "AsyncEngine", "RequestOutput"]
 

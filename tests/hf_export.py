@@ -1,6 +1,6 @@
 """A GGUF model as a Hugging Face directory for transformers, the tests' oracle: the config and tokenizer pagedchat
 describes from the file's metadata, and every tensor de-quantized to float32 by engine/weights (whose formulas
-tests/kernels/test_gguf_blocks.py holds equal to the gguf package's), so transformers computes with the very
+tests/kernels/test_gguf_kernels.py holds equal to the gguf package's), so transformers computes with the very
 weights the engine's float32 mode loads. Written once per file into the cache dir."""
 
 from __future__ import annotations

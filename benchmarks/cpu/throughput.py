@@ -1,11 +1,11 @@
 """Workload ``cpu`` (shared WORKLOADS.md): the embedded default model on a small CPU budget.
 
-SmolLM2-135M-Instruct with ``--cpu-weights`` (default: the engine's auto, q4 for this model), ``--threads``
+SmolLM2-135M-Instruct with ``--cpu-weights`` (default: the engine's auto, the file's own blocks), ``--threads``
 threads; one stream and ``--streams`` concurrent streams of ``--new-tokens`` greedy tokens each (EOS ignored, so
 every stream produces exactly that many), and the time to the first token of a ~``--long-prompt``-token prompt.
 Peers in the same run (``--peer``, one or more):
 
-- ``transformers``: ``generate`` on the engine's converted (float32) HF directory of the same model (single
+- ``transformers``: ``generate`` on the float32 export of the same GGUF file (tests/hf_export.py; single
   prompt; a left-padded batch).
 - ``llama-cpp``: llama-cpp-python on the very GGUF file the default model comes from. It serves one sequence at
   a time, so N streams are N sequential generations (its aggregate tok/s); its KV cache is cleared before each.
@@ -33,6 +33,7 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -243,7 +244,10 @@ def native_level(llm: LLM) -> str:
     from kernels import cpu_native
 
     config = llm.engine.config
-    if config.cpu_weights not in ("q4", "int8") or os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0":
+    if (
+        config.cpu_weights in ("float32", "bfloat16")
+        or os.environ.get("PAGEDCHAT_CPU_NATIVE") == "0"
+    ):
         return "none"
     return cpu_native.resolve_isa(config.cpu_isa)
 
@@ -301,10 +305,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_peer(name: str, llm: LLM, args: argparse.Namespace) -> Any:
-    if name == "transformers":
-        return TransformersPeer(llm.engine.config.model_path, llm.engine.config.eos_token_ids[0])
     from engine.worker.model_sources import default_gguf_file
 
+    if name == "transformers":
+        from tests.hf_export import hf_directory
+
+        export = hf_directory(default_gguf_file(), Path(llm.engine.config.cache_dir))
+        return TransformersPeer(str(export), llm.engine.config.eos_token_ids[0])
     return LlamaCppPeer(str(default_gguf_file()), args.threads, args.llama_cpp_dir)
 
 

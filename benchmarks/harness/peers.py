@@ -5,7 +5,7 @@ machine). Their failure is a result to report, never fatal to the benchmark that
   ``continuous_batching_context_manager(...)`` (or init + start + stop on older 5.x), ``add_request(ids,
   request_id=..., max_new_tokens=n)`` per request, ``get_result()`` until all finish (``run_peer``: a ``Run``
   with ``error`` set when it fails).
-- transformers ``generate`` on a converted HF directory (single prompt; a left-padded batch): ``TransformersPeer``.
+- transformers ``generate`` on an HF directory (single prompt; a left-padded batch): ``TransformersPeer``.
 - llama.cpp (llama-cpp-python) on a GGUF file, one sequence at a time with its KV cleared before each, optionally
   from a ``pip install --target DIR`` build for one instruction-set level: ``LlamaCppPeer``.
 """
@@ -204,7 +204,8 @@ class Peer(Protocol):
 
 
 class TransformersPeer:
-    """transformers ``generate`` in float32 on an HF directory (the engine's converted copy of the model)."""
+    """transformers ``generate`` in float32 on an HF directory (for a GGUF model: its float32 export,
+    tests/hf_export.py)."""
 
     name = "transformers"
 

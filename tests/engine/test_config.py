@@ -1,5 +1,6 @@
 """EngineConfig's device-dependent step limits (vLLM's rule: larger on GPUs of >= 70 GiB that are not A100s)."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -77,3 +78,21 @@ def test_dummy_weights_for_a_model_directory(tmp_path):
     assert llm.engine.tokenizer is None
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and all(0 <= t < 300 for t in out.token_ids)
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_openmp_threads_sleep_at_barriers_unless_the_user_chose(given: str | None):
+    """Importing the engine sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp (a spinning thread starves its
+    sibling on a shared CPU, issue 49) and keeps a policy the user set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = "import os, sys, engine; assert 'torch' in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (given or "PASSIVE")

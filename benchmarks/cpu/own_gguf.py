@@ -1,0 +1,346 @@
+"""Workload "Your own GGUF vs llama.cpp" (shared WORKLOADS.md): a user's GGUF file (K-quants: Q4_K_M, Q5_K_M, Q6_K,
+Q8_0; ``benchmarks.cpu.make_kquants`` makes them from one source with llama.cpp's quantizer) served by pagedchat in
+the file's own block formats and by llama.cpp (llama-cpp-python) built for the same instruction-set level, with the
+same threads and the same prompt tokens. Per file:
+
+- time to healthy: ``pagedchat serve --model FILE`` until ``GET /health`` answers, on a cache that has never seen
+  the file (first start: its config and tokenizer described once) and again (second start). The native kernels
+  are built already (they are per machine, not per model: a fresh cache dir is given the built ones).
+- load: each engine's own construction in a fresh process (``LLM(model=FILE)``, ``llama_cpp.Llama(FILE)``).
+- greedy agreement on the first 16 tokens of 8 chat prompts, between the two engines and each against pagedchat's
+  float32 mode on the same file (its weights de-quantized: token-exact with transformers in tests).
+- 1-stream and 8-stream output tok/s (``--new-tokens`` each, EOS ignored; llama.cpp runs streams one after the
+  other, as it serves one sequence at a time), and the time to the first token of a ~500-token prompt.
+- resident memory: each engine's process peak (VmHWM) and its RSS at the end (the mapped file's touched pages
+  count in both engines).
+
+Each engine runs in a process of its own, so load times and memory are its own.
+
+    python -m benchmarks.cpu.own_gguf --model FILE.gguf [FILE.gguf ...] [--isa auto] [--llama-cpp-dir DIR]
+                                      [--threads 2] [--new-tokens 64] [--streams 8] [--repeats 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.harness import record
+from kernels.cpu_native import CPU_ISA_CHOICES
+
+logger = logging.getLogger("benchmarks.cpu.own_gguf")
+
+AGREEMENT_TOKENS = 16
+SIDES = ("ours", "llama.cpp", "float32")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# one engine, in its own process -----------------------------------------------------------------------------
+
+
+def memory() -> dict[str, float]:
+    """This process's peak and current resident memory, MiB."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) / 1024
+    return {"peak_rss_mib": fields["VmHWM"], "rss_mib": fields["VmRSS"]}
+
+
+def run_side(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.side`` on ``args.model``: its numbers, and (ours) the prompts every side then uses."""
+    import torch
+
+    from benchmarks.cpu.throughput import Side, chat_prompts, long_prompt, run_ours
+
+    torch.set_num_threads(args.threads)
+    (model,) = args.model
+    prompts_file = Path(args.prompts)
+    start = time.perf_counter()
+    if args.side == "llama.cpp":
+        from benchmarks.harness.peers import LlamaCppPeer
+
+        peer = LlamaCppPeer(model, args.threads, args.llama_cpp_dir)
+        load_s = time.perf_counter() - start
+        generate, first_token = peer.generate, peer.first_token_seconds
+        extra = {"system_info": peer.system_info, "version": peer.version}
+    else:
+        from engine.llm import LLM
+
+        weights = "float32" if args.side == "float32" else "file"
+        llm = LLM(model=model, num_threads=args.threads, cpu_weights=weights, cpu_isa=args.isa)
+        load_s = time.perf_counter() - start
+        if args.side == "ours":
+            prompts = chat_prompts(llm, args.streams)
+            prompts_file.write_text(
+                json.dumps({"prompts": prompts, "long": long_prompt(llm, args.long_prompt)})
+            )
+
+        def generate(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+            return run_ours(llm, batch, n)
+
+        def first_token(prompt: list[int]) -> float:
+            return run_ours(llm, [prompt], 1)[0]
+
+        from kernels.cpu_native import resolve_isa
+
+        extra = {"cpu_weights": weights, "cpu_isa": resolve_isa(llm.engine.config.cpu_isa)}
+    given = json.loads(prompts_file.read_text())
+    prompts, long = given["prompts"], given["long"]
+    agreement = [generate([p], AGREEMENT_TOKENS)[1][0] for p in prompts]
+    result: dict[str, Any] = {"load_s": load_s, "agreement_tokens": agreement, **extra}
+    if args.side != "float32":
+        generate(prompts[:2], 4)  # warm-up: one-time costs outside the timing
+        scenarios = {"1 stream": prompts[:1], f"{len(prompts)} streams": prompts}
+        sides = {name: Side(len(batch), args.new_tokens) for name, batch in scenarios.items()}
+        ttft = []
+        for _ in range(args.repeats):
+            for name, batch in scenarios.items():
+                seconds, outputs = generate(batch, args.new_tokens)
+                if {len(o) for o in outputs} != {args.new_tokens}:
+                    raise RuntimeError(f"{args.side}, {name}: not {args.new_tokens} tokens each")
+                sides[name].seconds.append(seconds)
+            ttft.append(first_token(long))
+        result["tok_s"] = {name: side.best_tok_s for name, side in sides.items()}
+        result["ttft_long_s"] = min(ttft)
+        result["long_tokens"] = len(long)
+    return {**result, **memory()}
+
+
+# the server's start ----------------------------------------------------------------------------------------
+
+
+def time_to_healthy(model: Path, cache_dir: Path, args: argparse.Namespace) -> float:
+    """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200."""
+    from tests.server_harness import free_port
+
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--cache-dir",
+        str(cache_dir),
+        "--num-threads",
+        str(args.threads),
+        "--cpu-isa",
+        args.isa,
+        "--kv-cache-memory-gib",
+        "0.5",
+        "--session-db-path",
+        str(cache_dir / "sessions.sqlite3"),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PAGEDCHAT_API_KEY", None)
+    start = time.perf_counter()
+    log = open(cache_dir / f"server-{port}.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+    try:
+        while time.perf_counter() - start < 600:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited: {(cache_dir / log.name).read_text()[-2000:]}"
+                )
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the server was not healthy within 600 s")
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def starts(model: Path, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """First start on a cache that has not seen ``model`` (the built native kernels copied in), then again."""
+    from engine.config import EngineConfig
+
+    cache_dir = work / "cache"
+    built = Path(EngineConfig().cache_dir) / "native"
+    if built.is_dir() and not (cache_dir / "native").exists():
+        shutil.copytree(built, cache_dir / "native", symlinks=True)
+    shutil.rmtree(cache_dir / "models", ignore_errors=True)
+    first = time_to_healthy(model, cache_dir, args)
+    second = time_to_healthy(model, cache_dir, args)
+    return {"first_start_s": first, "second_start_s": second}
+
+
+# one file: every side, then the comparison -------------------------------------------------------------------
+
+
+def side_in_process(side: str, model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    out = work / f"{side}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.cpu.own_gguf",
+        "--side",
+        side,
+        "--model",
+        str(model),
+        "--prompts",
+        str(work / "prompts.json"),
+        "--out",
+        str(out),
+        "--isa",
+        args.isa,
+        "--threads",
+        str(args.threads),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--streams",
+        str(args.streams),
+        "--long-prompt",
+        str(args.long_prompt),
+        "--repeats",
+        str(args.repeats),
+    ]
+    if args.llama_cpp_dir:
+        command += ["--llama-cpp-dir", args.llama_cpp_dir]
+    logger.info("%s on %s", side, model.name)
+    subprocess.run(command, cwd=REPO_ROOT, check=True)
+    return json.loads(out.read_text())
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Prompts whose first AGREEMENT_TOKENS tokens are all equal, and the mean length of the equal prefix."""
+    prefixes = [
+        next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b)
+    ]
+    return {
+        "identical": sum(p == AGREEMENT_TOKENS for p in prefixes),
+        "prompts": len(prefixes),
+        "mean_equal_prefix": sum(prefixes) / len(prefixes),
+    }
+
+
+def measure_file(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="own-gguf-") as tmp:
+        work = Path(tmp)
+        result: dict[str, Any] = {"file": model.name, "size_mib": model.stat().st_size / 2**20}
+        result.update(starts(model, args, work))
+        sides = [s for s in SIDES if args.llama_cpp or s != "llama.cpp"]
+        result["sides"] = {side: side_in_process(side, model, args, work) for side in sides}
+    tokens = {side: r.pop("agreement_tokens") for side, r in result["sides"].items()}
+    pairs = [("ours", "float32"), ("llama.cpp", "float32"), ("ours", "llama.cpp")]
+    result["agreement"] = {
+        f"{a} vs {b}": agreement(tokens[a], tokens[b])
+        for a, b in pairs
+        if a in tokens and b in tokens
+    }
+    return result
+
+
+def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    rows = [
+        "| file | MiB | engine | load s | 1-stream tok/s | 8-stream tok/s | TTFT ms | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for side in ("ours", "llama.cpp"):
+            s = r["sides"].get(side)
+            if s is None:
+                continue
+            one, many = list(s["tok_s"].values())
+            rows.append(
+                f"| {r['file']} | {r['size_mib']:.0f} | {side} | {s['load_s']:.1f} | {one:.1f} | {many:.1f} | "
+                f"{s['ttft_long_s'] * 1e3:.0f} | {s['peak_rss_mib']:.0f} |"
+            )
+    rows += [
+        "",
+        f"| file | first start s | second start s | {' | '.join(results[0]['agreement'])} (all {AGREEMENT_TOKENS} "
+        "tokens equal / prompts; mean equal prefix) |",
+        "|---|---:|---:|" + "---|" * len(results[0]["agreement"]),
+    ]
+    for r in results:
+        agree = " | ".join(
+            f"{a['identical']}/{a['prompts']}; {a['mean_equal_prefix']:.1f}"
+            for a in r["agreement"].values()
+        )
+        rows.append(
+            f"| {r['file']} | {r['first_start_s']:.1f} | {r['second_start_s']:.1f} | {agree} |"
+        )
+    long = results[0]["sides"]["ours"]["long_tokens"]
+    rows.append(f"\nTTFT: a {long}-token prompt; {record.environment_line(env)}")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", nargs="+", required=True, metavar="FILE.gguf")
+    parser.add_argument("--isa", default="auto", choices=CPU_ISA_CHOICES)
+    parser.add_argument(
+        "--llama-cpp-dir", metavar="DIR", help="llama-cpp-python from a pip --target build"
+    )
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--long-prompt", type=int, default=500)
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each scenario; the best counts"
+    )
+    parser.add_argument("--json", metavar="PATH")
+    # (one engine in its own process: what the parent runs)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if (
+        min(args.threads, args.new_tokens - 1, args.streams - 1, args.repeats) < 1
+        or args.long_prompt < 16
+    ):
+        parser.error(
+            "--threads, --repeats >= 1, --new-tokens and --streams >= 2, --long-prompt >= 16"
+        )
+    for model in args.model:
+        if not Path(model).is_file() or not model.endswith(".gguf"):
+            parser.error(f"--model: {model} is not a .gguf file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.side:
+        Path(args.out).write_text(json.dumps(run_side(args)))
+        return
+    load_before = record.load_average()
+    results = [measure_file(Path(m).resolve(), args) for m in args.model]
+    env = record.environment(
+        __spec__.name, "cpu", load_before=load_before, threads=args.threads, isa=args.isa
+    )
+    env["llama_cpp"] = next(
+        (r["sides"]["llama.cpp"]["version"] for r in results if "llama.cpp" in r["sides"]), None
+    )
+    print(report(results, env))
+    record.write_json(args.json, {"environment": env, "files": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -9,10 +9,10 @@ import os
 # ~940 ms on 2 threads beside a busy test run, ~8 ms sleeping (issue 49; docs/benchmarks/cpu.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "SamplingParams", "LLM", "LLMEngine", "AsyncEngine", "RequestOutput"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):  # the heavy parts load on first use

@@ -271,8 +271,10 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             )
     rows += [
         "",
-        f"| file | first start s | second start s | {' | '.join(results[0]['agreement'])} (all {AGREEMENT_TOKENS} "
-        "tokens equal / prompts; mean equal prefix) |",
+        (
+            f"| file | first start s | second start s | {' | '.join(results[0]['agreement'])} "
+            f"(all {AGREEMENT_TOKENS} tokens equal / prompts; mean equal prefix) |"
+        ),
         "|---|---:|---:|" + "---|" * len(results[0]["agreement"]),
     ]
     for r in results:

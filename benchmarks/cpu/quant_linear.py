@@ -126,7 +126,7 @@ def measure_native(
                 f"{fmt}, native tiles ({native.level})",
                 "float32 (8-bit per 32)",
                 BLOCK_BYTES[fmt] / block,
-                timed(lambda i: layers[i].matmul(x), copies),
+                timed(lambda i, layers=layers: layers[i].matmul(x), copies),
             )
         )
     if out_features % PACKED_OUTPUTS == 0:

@@ -49,6 +49,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # one engine, in its own process -----------------------------------------------------------------------------
 
 
+def kv_bytes_per_token(model: Path, element_bytes: int) -> int:
+    """K and V of every layer for one position, from the file's metadata."""
+    from engine.weights.gguf_config import hf_config
+    from engine.weights.gguf_file import GGUFFile
+
+    gguf = GGUFFile(model)
+    config = hf_config(gguf)
+    gguf.close()
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * element_bytes
+
+
 def memory() -> dict[str, float]:
     """This process's peak and current resident memory, MiB."""
     fields = {}
@@ -75,12 +88,23 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         peer = LlamaCppPeer(model, args.threads, args.llama_cpp_dir)
         load_s = time.perf_counter() - start
         generate, first_token = peer.generate, peer.first_token_seconds
-        extra = {"system_info": peer.system_info, "version": peer.version}
+        # (its KV cache: n_ctx positions of float16 K and V per layer)
+        extra = {
+            "system_info": peer.system_info,
+            "version": peer.version,
+            "kv_pool_mib": peer.llm.n_ctx() * kv_bytes_per_token(Path(model), 2) / 2**20,
+        }
     else:
         from engine.llm import LLM
 
         weights = "float32" if args.side == "float32" else "file"
-        llm = LLM(model=model, num_threads=args.threads, cpu_weights=weights, cpu_isa=args.isa)
+        llm = LLM(
+            model=model,
+            num_threads=args.threads,
+            cpu_weights=weights,
+            cpu_isa=args.isa,
+            kv_cache_memory_gib=args.kv_gib,
+        )
         load_s = time.perf_counter() - start
         if args.side == "ours":
             prompts = chat_prompts(llm, args.streams)
@@ -96,11 +120,17 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
 
         from kernels.cpu_native import resolve_isa
 
-        extra = {"cpu_weights": weights, "cpu_isa": resolve_isa(llm.engine.config.cpu_isa)}
+        extra = {
+            "cpu_weights": weights,
+            "cpu_isa": resolve_isa(llm.engine.config.cpu_isa),
+            "kv_pool_mib": args.kv_gib * 1024,
+        }
     given = json.loads(prompts_file.read_text())
     prompts, long = given["prompts"], given["long"]
     agreement = [generate([p], AGREEMENT_TOKENS)[1][0] for p in prompts]
     result: dict[str, Any] = {"load_s": load_s, "agreement_tokens": agreement, **extra}
+    if args.side == "float32":
+        result["partings"] = partings(llm, prompts, prompts_file.parent)
     if args.side != "float32":
         generate(prompts[:2], 4)  # warm-up: one-time costs outside the timing
         scenarios = {"1 stream": prompts[:1], f"{len(prompts)} streams": prompts}
@@ -117,6 +147,39 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         result["ttft_long_s"] = min(ttft)
         result["long_tokens"] = len(long)
     return {**result, **memory()}
+
+
+def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, Any]]:
+    """Where ours and llama.cpp part on a prompt: the float32 model's log-probabilities of each one's token there
+    (given the tokens both produced before it). A small gap is a near-tie that 4-bit weights may tip either way."""
+    from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+    sides = {name: work / f"{name}.json" for name in ("ours", "llama.cpp")}
+    if not all(path.is_file() for path in sides.values()):
+        return []
+    ours, theirs = (json.loads(path.read_text())["agreement_tokens"] for path in sides.values())
+    found = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=1, logprobs=MAX_LOGPROBS)
+        (top,) = llm.generate([prompt + a[:at]], params)[0].logprobs
+        ranked = dict(top.top)
+        floor = min(ranked.values())
+        found.append(
+            {
+                "prompt": i,
+                "position": at,
+                "float32_top": top.token_id,
+                "ours": a[at],
+                "llama.cpp": b[at],
+                # (below the top MAX_LOGPROBS: at most the last one's)
+                "ours_logprob": ranked.get(a[at], floor),
+                "llama.cpp_logprob": ranked.get(b[at], floor),
+            }
+        )
+    return found
 
 
 # the server's start ----------------------------------------------------------------------------------------
@@ -217,6 +280,8 @@ def side_in_process(side: str, model: Path, args: argparse.Namespace, work: Path
         str(args.long_prompt),
         "--repeats",
         str(args.repeats),
+        "--kv-gib",
+        str(args.kv_gib),
     ]
     if args.llama_cpp_dir:
         command += ["--llama-cpp-dir", args.llama_cpp_dir]
@@ -256,8 +321,9 @@ def measure_file(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows = [
-        "| file | MiB | engine | load s | 1-stream tok/s | 8-stream tok/s | TTFT ms | peak RSS MiB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| file | MiB | engine | load s | 1-stream tok/s | 8-stream tok/s | TTFT ms | peak RSS MiB "
+        "| peak RSS / (file + KV pool) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for side in ("ours", "llama.cpp"):
@@ -267,7 +333,8 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             one, many = list(s["tok_s"].values())
             rows.append(
                 f"| {r['file']} | {r['size_mib']:.0f} | {side} | {s['load_s']:.1f} | {one:.1f} | {many:.1f} | "
-                f"{s['ttft_long_s'] * 1e3:.0f} | {s['peak_rss_mib']:.0f} |"
+                f"{s['ttft_long_s'] * 1e3:.0f} | {s['peak_rss_mib']:.0f} | "
+                f"{s['peak_rss_mib'] / (r['size_mib'] + s['kv_pool_mib']):.2f} |"
             )
     rows += [
         "",
@@ -286,6 +353,15 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {r['file']} | {r['first_start_s']:.1f} | {r['second_start_s']:.1f} | {agree} |"
         )
     long = results[0]["sides"]["ours"]["long_tokens"]
+    for r in results:
+        for part in r["sides"].get("float32", {}).get("partings", []):
+            choice = {part["ours"]: "ours", part["llama.cpp"]: "llama.cpp"}
+            rows.append(
+                f"\n{r['file']}, prompt {part['prompt']}: parted at token {part['position']}; float32 "
+                f"log-probabilities: ours' token {part['ours_logprob']:.3f}, llama.cpp's "
+                f"{part['llama.cpp_logprob']:.3f} (float32 chose "
+                f"{choice.get(part['float32_top'], 'neither')}'s)"
+            )
     rows.append(f"\nTTFT: a {long}-token prompt; {record.environment_line(env)}")
     return "\n".join(rows)
 
@@ -306,6 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-prompt", type=int, default=500)
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of each scenario; the best counts"
+    )
+    parser.add_argument(
+        "--kv-gib",
+        type=float,
+        default=0.25,
+        help="ours' KV pool (llama.cpp: a 2,048-token context)",
     )
     parser.add_argument("--json", metavar="PATH")
     # (one engine in its own process: what the parent runs)

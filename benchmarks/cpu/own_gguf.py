@@ -321,8 +321,10 @@ def measure_file(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows = [
-        "| file | MiB | engine | load s | 1-stream tok/s | 8-stream tok/s | TTFT ms | peak RSS MiB "
-        "| peak RSS / (file + KV pool) |",
+        (
+            "| file | MiB | engine | load s | 1-stream tok/s | 8-stream tok/s | TTFT ms | peak RSS MiB "
+            "| peak RSS / (file + KV pool) |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:

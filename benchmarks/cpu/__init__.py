@@ -4,6 +4,13 @@ pick instead, and the CPU kernels and weight formats behind it.
 - ``throughput``: 1 and 8 streams of 128 tokens and a 500-token prompt's TTFT, against transformers and llama.cpp
   built for the same instruction-set level (workload ``cpu``; ``--isa avx2|avx512|avx512_vnni``).
   ``python -m benchmarks.cpu.throughput --peer transformers llama-cpp`` (``make bench-cpu``)
+- ``own_gguf``: a user's GGUF file (K-quants) against llama.cpp on the same file: time to healthy, 16-token
+  greedy agreement, 1/8-stream tok/s, TTFT, resident memory (workload "your own GGUF").
+  ``python -m benchmarks.cpu.own_gguf --model FILE.gguf --llama-cpp-dir DIR``
+- ``make_kquants``: Q4_K_M / Q5_K_M / Q6_K / Q8_0 files of one model by llama.cpp's own quantizer.
+  ``python -m benchmarks.cpu.make_kquants --out DIR``
+- ``window_session``: a sliding-window GGUF's next turn after a 2,000-token turn: cached share, window blocks held.
+  ``python -m benchmarks.cpu.window_session --model gemma-3-*.gguf``
 - ``step``: where a CPU decode step spends its time, per path (modules, lean Python, native step).
   ``python -m benchmarks.cpu.step``
 - ``agreement``: how close each ``--cpu-weights`` mode stays to the float32 engine, beside llama.cpp on the GGUF.

@@ -12,6 +12,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
+import pytest_asyncio
 import torch
 
 if not torch.cuda.is_available():
@@ -58,6 +59,19 @@ def redis_server():
 @pytest.fixture
 async def engine():
     """An AsyncEngine on the default model (the core in its own process), stopped afterwards."""
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared_engine():
+    """``engine`` once for a module's tests that leave it as they found it (no fault, kill or stop; nothing
+    running at their end): one core process and one model load for them all. Their coroutines run in the
+    module's event loop, where the engine's own tasks live: ``@pytest.mark.asyncio(loop_scope="module")``."""
     from engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB, max_num_batched_tokens=256)

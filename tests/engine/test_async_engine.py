@@ -51,17 +51,18 @@ async def abort_after_first_token(engine: AsyncEngine, prompt_ids: list[int]) ->
     return outputs
 
 
-async def test_concurrent_streams_with_aborts_leave_every_block_free(engine: AsyncEngine):
-    tok = engine.tokenizer
+@pytest.mark.asyncio(loop_scope="module")
+async def test_concurrent_streams_with_aborts_leave_every_block_free(shared_engine: AsyncEngine):
+    tok = shared_engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tasks = {}
     for i, text in enumerate(PROMPTS):
         stop_after = 3 if i % 4 == 1 else None
         tasks[i] = asyncio.create_task(
-            consume(engine, tok.encode(text), params, f"r{i}", stop_after)
+            consume(shared_engine, tok.encode(text), params, f"r{i}", stop_after)
         )
     explicit = asyncio.create_task(
-        abort_after_first_token(engine, tok.encode("Abort me explicitly."))
+        abort_after_first_token(shared_engine, tok.encode("Abort me explicitly."))
     )
     results = {i: await t for i, t in tasks.items()}
     aborted = await explicit
@@ -72,28 +73,32 @@ async def test_concurrent_streams_with_aborts_leave_every_block_free(engine: Asy
             assert outputs[-1].finished and len(outputs[-1].token_ids) == 24
             assert [t for o in outputs for t in o.token_ids_delta] == outputs[-1].token_ids
     assert aborted[-1].finish_reason == "abort" and len(aborted[-1].token_ids) < 1000
-    await wait_for(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
-    stats = engine.stats()
+    await wait_for(
+        lambda: shared_engine.stats().num_running == 0 and shared_engine.stats().num_waiting == 0
+    )
+    stats = shared_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
-    assert await engine.call(check_idle_pool) == stats.num_blocks
-    assert engine.healthy
+    assert await shared_engine.call(check_idle_pool) == stats.num_blocks
+    assert shared_engine.healthy
 
 
-async def test_streamed_deltas_equal_offline_output(engine: AsyncEngine):
-    tok = engine.tokenizer
+@pytest.mark.asyncio(loop_scope="module")
+async def test_streamed_deltas_equal_offline_output(shared_engine: AsyncEngine):
+    tok = shared_engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    outputs = await consume(engine, tok.encode(PROMPTS[0]), params, "delta")
+    outputs = await consume(shared_engine, tok.encode(PROMPTS[0]), params, "delta")
     text = "".join(o.text_delta for o in outputs)
     assert text == outputs[-1].text == tok.decode(outputs[-1].token_ids, skip_special_tokens=True)
 
 
-async def test_bad_request_raises_value_error_and_engine_keeps_serving(engine: AsyncEngine):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_bad_request_raises_value_error_and_engine_keeps_serving(shared_engine: AsyncEngine):
     with pytest.raises(ValueError, match="prompt"):
-        await consume(engine, [], SamplingParams(), "empty")
+        await consume(shared_engine, [], SamplingParams(), "empty")
     outputs = await consume(
-        engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), "after"
+        shared_engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), "after"
     )
-    assert outputs[-1].finished and engine.healthy
+    assert outputs[-1].finished and shared_engine.healthy
 
 
 async def test_model_error_reaches_every_stream_and_marks_unhealthy(engine: AsyncEngine):

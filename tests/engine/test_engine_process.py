@@ -138,16 +138,19 @@ def test_the_core_exits_when_its_front_is_killed(tmp_path):
         front.kill()
 
 
-async def test_stop_string_found_in_the_front_ends_the_request_in_the_core(engine: AsyncEngine):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stop_string_found_in_the_front_ends_the_request_in_the_core(
+    shared_engine: AsyncEngine,
+):
     """The output processor (front) sees the text; the core only tokens: the core must hear of the stop."""
-    prompt = engine.tokenizer.encode(PROMPT)
+    prompt = shared_engine.tokenizer.encode(PROMPT)
     offline = LLM(kv_cache_memory_gib=SMALL_KV_GIB).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     )[0]
     words = offline.text.split()
     stop = words[len(words) // 2]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, stop=[stop])
-    outputs = [out async for out in engine.generate(prompt, params)]
+    outputs = [out async for out in shared_engine.generate(prompt, params)]
     final = outputs[-1]
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert final.text == offline.text[: offline.text.index(stop)]
@@ -155,25 +158,27 @@ async def test_stop_string_found_in_the_front_ends_the_request_in_the_core(engin
         final.token_ids == offline.token_ids[: len(final.token_ids)] and len(final.token_ids) < 40
     )
     deadline = time.monotonic() + 10
-    while engine.stats().num_running and time.monotonic() < deadline:
+    while shared_engine.stats().num_running and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert engine.stats().num_running == 0  # not the 400 tokens asked for
-    assert await engine.call(check_idle_pool) == engine.stats().num_blocks
+    assert shared_engine.stats().num_running == 0  # not the 400 tokens asked for
+    assert await shared_engine.call(check_idle_pool) == shared_engine.stats().num_blocks
 
 
-async def test_a_reader_behind_gets_every_ready_token_in_one_output(engine: AsyncEngine):
-    prompt = engine.tokenizer.encode(PROMPT)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_reader_behind_gets_every_ready_token_in_one_output(shared_engine: AsyncEngine):
+    prompt = shared_engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    stream = engine.generate(prompt, params)
+    before = shared_engine.stats().generation_tokens
+    stream = shared_engine.generate(prompt, params)
     deadline = time.monotonic() + 60
-    while engine.stats().generation_tokens < 24 and time.monotonic() < deadline:
+    while shared_engine.stats().generation_tokens < before + 24 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)  # the core runs ahead; nobody reads
     outputs = [out async for out in stream]
     assert len(outputs) == 1 and outputs[0].finished  # 24 steps' outputs, one event
     assert outputs[0].token_ids_delta == outputs[0].token_ids and len(outputs[0].token_ids) == 24
     # (the text skips special tokens: a greedy reply may hold some, e.g. on an AVX2-only CPU this one starts with
     # <|im_end|>)
-    text = engine.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+    text = shared_engine.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
     assert outputs[0].text_delta == outputs[0].text == text
 
 

@@ -67,19 +67,23 @@ def test_the_event_loop_answers_while_a_large_schema_compiles(server: RunningSer
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the schema compiled"
 
 
-async def test_a_schema_that_takes_too_long_is_a_400_naming_response_format(engine, monkeypatch):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_schema_that_takes_too_long_is_a_400_naming_response_format(
+    shared_engine, monkeypatch
+):
     monkeypatch.setattr(async_engine, "GRAMMAR_TIMEOUT_S", 0.05)
     spec = StructuredOutput("json_schema", schema=enum_schema(20001))  # (not in any cache yet)
     with pytest.raises(ValueError, match="response_format: the schema did not compile within"):
-        await engine.compile_structured_output(spec)
+        await shared_engine.compile_structured_output(spec)
 
 
-async def test_a_compiled_spec_carries_its_grammar_and_is_not_compiled_again(engine):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_compiled_spec_carries_its_grammar_and_is_not_compiled_again(shared_engine):
     spec = StructuredOutput("json_schema", schema=enum_schema(50))
-    compiled = await engine.compile_structured_output(spec)
+    compiled = await shared_engine.compile_structured_output(spec)
     assert compiled.grammar and compiled.schema == spec.schema
     params = SamplingParams(temperature=0.0, max_tokens=12, n=3, structured_output=compiled)
-    outputs = [out async for out in engine.generate([1, 2, 3, 4], params)]
+    outputs = [out async for out in shared_engine.generate([1, 2, 3, 4], params)]
     finals = [out for out in outputs if out.finished]
     assert len(finals) == 3 and all(
         out.text.replace(" ", "").startswith('{"x":"value-') for out in finals

@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
+from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
@@ -92,20 +93,46 @@ class AsyncEngine:
         anything else."""
         self._loop = asyncio.get_running_loop()
         self._core.open()
+        # (here: the model code is the core's, not imported by the front)
+        from engine.worker.loader import load_tokenizer
+
+        # the tokenizer loads while the core loads the model, where its directory is known already
+        known = self._known_model_dir()
+        early = (
+            None
+            if known is None
+            else asyncio.ensure_future(asyncio.to_thread(load_tokenizer, known))
+        )
         try:
             ready = await self._core.wait_ready()
         except BaseException:
+            if early is not None:
+                early.cancel()
             await self._close()
             raise
         self.info, self._stats = ready.info, ready.stats
         ready.info.apply_to(self.config)
-        # (here: the model code is the core's, not imported by the front)
-        from engine.worker.loader import load_tokenizer
-
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, ready.info.model_path)
+        path = ready.info.model_path
+        if early is not None and path is not None and Path(path) == known:
+            self.tokenizer = await early
+        else:
+            if early is not None:
+                early.cancel()
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
+
+    def _known_model_dir(self) -> Path | None:
+        """The model's directory when it is there before the core says so (never for dummy weights)."""
+        if self.config.load_format == "dummy":
+            return None
+        from engine.worker.model_sources import known_model_dir
+
+        try:
+            return known_model_dir(self.config.model, Path(self.config.cache_dir))
+        except (OSError, ValueError, RuntimeError):  # (the core says what is wrong)
+            return None
 
     async def stop(self) -> None:
         """Stop the core (it finishes nothing: call after the requests worth finishing have finished). An attached

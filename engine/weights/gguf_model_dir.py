@@ -29,9 +29,7 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
     """The directory describing ``gguf_file`` under ``cache_dir/models``, built on first use (one builder at a
     time: parallel workers and replicas wait for it). ValueError naming ``model`` for a bad file."""
     gguf_file = gguf_file.resolve()
-    stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir / "models" / f"{gguf_file.stem}-{key}"
+    target = described_dir(gguf_file, cache_dir)
     if (target / GGUF_LINK).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -40,6 +38,14 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
         if not (target / GGUF_LINK).is_file():
             _describe(gguf_file, target)
     return target
+
+
+def described_dir(gguf_file: Path, cache_dir: Path) -> Path:
+    """Where ``gguf_file``'s directory is (or will be): keyed by the file's path, size and modification time."""
+    gguf_file = gguf_file.resolve()
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir / "models" / f"{gguf_file.stem}-{key}"
 
 
 def _describe(gguf_file: Path, target: Path) -> None:

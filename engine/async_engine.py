@@ -17,6 +17,7 @@ The sockets and the process are core_connection.py's; the requests, their stream
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import pickle
@@ -52,6 +53,15 @@ T = TypeVar("T")
 GRAMMAR_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
 
 
+def _tokenizers(path: Path | str | None) -> tuple[Any | None, Any | None]:
+    """The model's tokenizer and a copy of it (the prompt thread's own)."""
+    # (here: the model code is the core's, not imported by the front)
+    from engine.worker.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    return tokenizer, copy.deepcopy(tokenizer)
+
+
 class EngineDeadError(RuntimeError):
     """The engine core stopped (an error, its process died, or stop()); no request can be served."""
 
@@ -66,6 +76,7 @@ class AsyncEngine:
     ) -> None:
         self.config = config or EngineConfig(**options)
         self.tokenizer: Any | None = None
+        self.prompt_tokenizer: Any | None = None
         self.info: CoreInfo | None = None
         # endpoint None: start our own core
         self._core = CoreConnection(self.config, endpoint, log_format)
@@ -93,15 +104,10 @@ class AsyncEngine:
         anything else."""
         self._loop = asyncio.get_running_loop()
         self._core.open()
-        # (here: the model code is the core's, not imported by the front)
-        from engine.worker.loader import load_tokenizer
-
-        # the tokenizer loads while the core loads the model, where its directory is known already
+        # the tokenizers load while the core loads the model, where its directory is known already
         known = self._known_model_dir()
         early = (
-            None
-            if known is None
-            else asyncio.ensure_future(asyncio.to_thread(load_tokenizer, known))
+            None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizers, known))
         )
         try:
             ready = await self._core.wait_ready()
@@ -114,11 +120,11 @@ class AsyncEngine:
         ready.info.apply_to(self.config)
         path = ready.info.model_path
         if early is not None and path is not None and Path(path) == known:
-            self.tokenizer = await early
+            self.tokenizer, self.prompt_tokenizer = await early
         else:
             if early is not None:
                 early.cancel()
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+            self.tokenizer, self.prompt_tokenizer = await asyncio.to_thread(_tokenizers, path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")

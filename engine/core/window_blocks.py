@@ -19,6 +19,7 @@ the non-NULL table entries and pins naming it.
 
 from __future__ import annotations
 
+from engine.config import EngineConfig
 from engine.core.block_pool import Block, BlockPool
 from engine.sequence import Sequence
 
@@ -35,6 +36,13 @@ class WindowBlocks:
         self.pool = BlockPool(num_blocks)
         self.pool.take()  # NULL: held forever, so never handed out
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) into this pool
+
+    @classmethod
+    def of(cls, num_blocks: int, config: EngineConfig, window: int) -> WindowBlocks | None:
+        """The window group of a model whose sliding-window layers got ``num_blocks`` (None: it has none)."""
+        if not num_blocks:
+            return None
+        return cls(num_blocks, config.block_size, window, config.enable_prefix_caching)
 
     @property
     def num_free(self) -> int:

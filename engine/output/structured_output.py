@@ -20,6 +20,7 @@ import json
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -39,8 +40,9 @@ class GrammarCompiler:
     """Compiles StructuredOutput specs into matchers for one tokenizer (compiled grammars are cached)."""
 
     def __init__(
-        self, hf_tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...]
+        self, hf_tokenizer: Any | Future | None, vocab_size: int, eos_token_ids: tuple[int, ...]
     ) -> None:
+        """``hf_tokenizer``: the model's, or a Future of it (loading in the background: the first grammar waits)."""
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
@@ -50,6 +52,8 @@ class GrammarCompiler:
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
+                if isinstance(self._hf_tokenizer, Future):
+                    self._hf_tokenizer = self._hf_tokenizer.result()
                 if self._hf_tokenizer is None:
                     raise ValueError("response_format: this model has no tokenizer (dummy weights)")
                 try:

@@ -150,7 +150,7 @@ def _start(config: EngineConfig, outputs: list[zmq.Socket], parent_pid: int) -> 
     from engine.runtime.engine_core import EngineCore
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, tokenizer_in_background=True)
     except ValueError as exc:
         _tell_every_front(outputs, StartFailed(str(exc), True), parent_pid)
         return None

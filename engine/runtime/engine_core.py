@@ -24,7 +24,7 @@ from engine.core.window_blocks import WindowBlocks
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
 from engine.sample.sampler import TokenLogprobs
-from engine.worker.loader import load_model
+from engine.worker.loader import load_model, tokenizer_loading
 from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
@@ -58,7 +58,13 @@ _FINISH_STATUS = {
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, **options: object) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        tokenizer_in_background: bool = False,
+        **options: object,
+    ) -> None:
+        """``tokenizer_in_background``: the tokenizer (structured output's) loads after the model, on a thread."""
         self.config = config = config or EngineConfig(**options)
         # (restored by shutdown: ranks on the CPU share the cores)
         self._threads_before = set_rank_threads(
@@ -67,7 +73,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
-        num_blocks, window_blocks = self._load()
+        num_blocks, window_blocks = self._load(tokenizer_in_background)
         self.grammars = GrammarCompiler(
             self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
         )
@@ -79,14 +85,7 @@ class EngineCore:
             *self.runner.allocate_host_pools(),
             self.runner.kv.lookahead_tokens,
             config.max_blocks_per_seq,
-            WindowBlocks(
-                window_blocks,
-                config.block_size,
-                self.runner.kv.window,
-                config.enable_prefix_caching,
-            )
-            if window_blocks
-            else None,
+            WindowBlocks.of(window_blocks, config, self.runner.kv.window),
         )
         self.scheduler = self._new_scheduler()
         self.counters = EngineCounters()
@@ -108,11 +107,13 @@ class EngineCore:
         # the latest step's schedule (benchmarks read its shape)
         self.last_batch: ScheduledBatch | None = None
 
-    def _load(self) -> tuple[int, int]:
+    def _load(self, tokenizer_later: bool) -> tuple[int, int]:
         """The model, its runner and the KV cache sized to the memory budget (its blocks, and the sliding-window
         layers' own), the CUDA graphs recorded over it; the other ranks stopped if any of it fails."""
         try:
-            self.model, self.tokenizer = load_model(self.config)
+            self.model, self.tokenizer = load_model(self.config, not tokenizer_later)
+            if tokenizer_later and self.config.model_path is not None:  # (a Future: grammars wait)
+                self.tokenizer = tokenizer_loading(self.config.model_path)
             if self.workers is not None:
                 self.workers.wait_ready()
             self.runner = ModelRunner(self.config, self.model, self.workers)

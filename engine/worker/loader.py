@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -24,24 +25,25 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.models.registry import model_class
-from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.layers.gguf_linear import GGUFEmbedding
 from engine.layers.rotary import position_limit, rope_parameters
+from engine.models.registry import model_class
 from engine.weights.gguf_file import GGUFFile
 from engine.weights.gguf_model_dir import gguf_file_of
 from engine.weights.gguf_weights import gguf_weights
+from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(config: EngineConfig) -> tuple[nn.Module, Any | None]:
+def load_model(config: EngineConfig, with_tokenizer: bool = True) -> tuple[nn.Module, Any | None]:
     """Build the model with its weights on ``config.torch_device``; fill the config's derived model fields.
-    Returns (model, tokenizer); the tokenizer is None for a dummy architecture."""
+    Returns (model, tokenizer); the tokenizer is None for a dummy architecture (and unless ``with_tokenizer``:
+    ``load_tokenizer(config.model_path)`` then loads it)."""
     start = time.perf_counter()
-    hf_config, path, tokenizer = _resolve(config)
+    hf_config, path, tokenizer = _resolve(config, with_tokenizer)
     config.hf_config, config.model_path = hf_config, str(path) if path else None
     config.eos_token_ids = _eos_token_ids(hf_config, path)
     max_position = position_limit(rope_parameters(hf_config), hf_config.max_position_embeddings)
@@ -115,7 +117,7 @@ def _load_gguf(model: nn.Module, config: EngineConfig, gguf_path: Path) -> None:
     gguf.release_pages()  # (the map's pages read while repacking leave this process; lookups fault rows in)
 
 
-def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
+def _resolve(config: EngineConfig, with_tokenizer: bool) -> tuple[Any, Path | None, Any | None]:
     if config.load_format == "dummy" and config.model is None:
         config.model_id = f"dummy:{config.model_config}"
         return dummy_hf_config(config.model_config), None, None
@@ -130,7 +132,7 @@ def _resolve(config: EngineConfig) -> tuple[Any, Path | None, Any | None]:
         raise ValueError(f"model: {gguf} (described in {path}) is gone")
     config.model_id = config.model or DEFAULT_MODEL_ID
     hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
-    return hf_config, path, load_tokenizer(path)
+    return hf_config, path, load_tokenizer(path) if with_tokenizer else None
 
 
 def load_tokenizer(path: Path | str | None) -> Any | None:
@@ -149,6 +151,14 @@ def load_tokenizer(path: Path | str | None) -> Any | None:
 
         return AutoTokenizer.from_pretrained(path)
     return None
+
+
+def tokenizer_loading(path: Path | str) -> Future:
+    """``load_tokenizer(path)`` on a thread of its own: its result when done."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="pagedchat-tokenizer")
+    future = executor.submit(load_tokenizer, path)
+    executor.shutdown(wait=False)
+    return future
 
 
 def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:

@@ -17,7 +17,6 @@
 // Float32 everywhere; tests/kernels/test_cpu_native.py compares every step with the Python path.
 #include "cpu_kernels.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>

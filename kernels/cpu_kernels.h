@@ -2,7 +2,9 @@
 // (cpu_quant_matmul.cpp) that the decode step (cpu_decode.cpp) calls, and the registration of every op there.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <string>

@@ -137,7 +137,7 @@ def _build(build_root: Path, level: str) -> CpuKernels | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
             logger.info(
-                "building the native CPU kernels for %s (once per machine, ~30 s): %s",
+                "building the native CPU kernels for %s (once per machine, ~15-30 s): %s",
                 level,
                 build_dir,
             )

@@ -239,12 +239,9 @@ def contiguous_prefill_attention(
             .unsqueeze(0)
         )
         mask = None
-        if hi - lo != ctx or window:  # causal mask aligned to the bottom-right, and the window
-            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)[:, None]
-            keys_at = torch.arange(first, ctx, device=query.device)[None, :]
-            mask = keys_at <= rows
-            if window:
-                mask &= keys_at > rows - window
+        if hi - lo != ctx:  # chunk after a cached prefix: causal mask aligned to the bottom-right
+            rows = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows[:, None]
         o = F.scaled_dot_product_attention(
             q,
             k,

@@ -31,16 +31,21 @@ serve: install
 	$(BIN)/pagedchat serve $(ARGS)
 
 # The whole suite, then the tests marked `isa` (they depend on the CPU's numerics or speed: tests/conftest.py) once
-# more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU. With PYTEST_ARGS,
-# only that one run: `make test PYTEST_ARGS="tests/server/test_cli.py -k version"`.
+# more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU. Each run spreads
+# its tests over TEST_WORKERS processes (pytest-xdist), except the tests marked `serial` (the soak: it times
+# streams against their own unloaded speed), which run alone after the others. With PYTEST_ARGS, only that one run
+# (in one process): `make test PYTEST_ARGS="tests/server/test_cli.py -k version"`.
 AVX2_HELD := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDCHAT_CPU_ISA=avx2
+TEST_WORKERS ?= 2
 
 test: install-dev
 ifdef PYTEST_ARGS
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 else
-	$(BIN)/python -m pytest -q
-	$(AVX2_HELD) $(BIN)/python -m pytest -q -m isa
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "isa and not serial"
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -m "isa and serial"
 endif
 
 test-avx2: install-dev

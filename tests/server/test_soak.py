@@ -19,6 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# alone, after the tests spread over workers: it times streams (Makefile)
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 SOAK = ["--duration", "60", "--faults-from", "0.5", "--alone-s", "8"]
 

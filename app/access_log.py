@@ -3,7 +3,8 @@ status and time, and for a generation its prompt, cached and completion tokens, 
 reasons. The line is written when the response has ended, so a stream's line comes at its end, with its numbers.
 
 The request id is the client's ``X-Request-ID`` when it is a plain token (letters, digits, ``._-``, at most 64),
-else a fresh one; it is sent back in ``X-Request-ID``. Health probes and scrapes are not logged.
+else a fresh one; it is sent back in ``X-Request-ID``. Health probes and scrapes are not logged. The path is logged
+with its control characters escaped (a ``%0a`` in it cannot forge a second line), whatever formatter writes it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.log_format import escape_controls
 
 logger = logging.getLogger("pagedchat.access")
 
@@ -68,7 +71,13 @@ class AccessLog:
                     "ms": round(1000 * (time.monotonic() - start), 1),
                     **generation_fields(state),
                 }
-                logger.info("%s %s %d", scope["method"], scope["path"], status or 500, extra=fields)
+                logger.info(
+                    "%s %s %d",
+                    escape_controls(scope["method"]),
+                    escape_controls(scope["path"]),
+                    status or 500,
+                    extra=fields,
+                )
 
 
 def generation_fields(state: dict[str, Any]) -> dict[str, Any]:

@@ -102,7 +102,8 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     if WEB_DIR.is_dir():  # the browser UI: static files, no build step
-        routes.append(WebMount("/", app=StaticFiles(directory=WEB_DIR, html=True), name="web"))
+        api_paths = frozenset(route.path for route in routes)
+        routes.append(WebMount(StaticFiles(directory=WEB_DIR, html=True), api_paths))
     app = Starlette(
         routes=routes,
         middleware=[
@@ -269,12 +270,19 @@ class OneLineStartupErrors:
 
 
 class WebMount(Mount):
-    """The UI's static files answer GET and HEAD outside /v1/ only, so an unknown API route is a 404 and a
-    wrong method on an API route a 405, as for any other route (not the static app's answers)."""
+    """The UI's static files answer GET and HEAD outside /v1/ and the API's own paths only, so an unknown API
+    route is a 404 and a wrong method on an API route (``GET /tokenize``) a 405, as for any other route (not the
+    static app's answers)."""
+
+    def __init__(self, files: ASGIApp, api_paths: frozenset[str]) -> None:
+        super().__init__("/", app=files, name="web")
+        self._api_paths = api_paths
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         if scope["type"] == "http" and (
-            scope["path"].startswith("/v1/") or scope["method"] not in ("GET", "HEAD")
+            scope["path"].startswith("/v1/")
+            or scope["path"] in self._api_paths
+            or scope["method"] not in ("GET", "HEAD")
         ):
             return Match.NONE, {}
         return super().matches(scope)

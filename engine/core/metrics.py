@@ -52,6 +52,8 @@ class EngineStats:
     steps: int
     finished: dict[str, int]
     num_swapped: int = 0  # sequences swapped out to host memory, waiting to come back
+    # tokens computed in prefill chunks (prompts, recomputes): the prompt tok/s the engine achieves
+    prefill_tokens: int = 0
 
     @classmethod
     def collect(
@@ -80,6 +82,7 @@ class EngineStats:
             steps=counters.steps,
             finished=dict(counters.finished),
             num_swapped=len(scheduler.swapped),
+            prefill_tokens=scheduler.num_prefill_tokens,
         )
 
     @property

@@ -53,6 +53,8 @@ class RunQueues:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
+        # tokens of the prefill chunks scheduled (prompts, recomputes): the prompt tok/s the engine achieves
+        self.num_prefill_tokens = 0
         # samples of running parents, not forked yet: they hold places in the batch
         self.num_unforked = 0
 
@@ -65,14 +67,19 @@ class RunQueues:
         return bool(self.waiting or self.running or self.swapped)
 
     def solo_budget(self) -> int:
-        """Tokens of a step of one tenant: the step's token budget, within ``step_time_target_s`` of measured time
-        (every decode row still runs, with a block's worth of prefill beside them)."""
+        """Tokens of a step of one tenant: the step's token budget, cut to ``step_time_target_s`` of measured time
+        only while a stream decodes beside the prefill (its next token waits for the step); the cut never takes
+        a prefill chunk below the efficient chunk (step_cost.py), and every decode row still runs. A prompt with
+        no stream beside it prefills at the machine's speed: a request already waiting gains nothing from
+        shorter steps (it is admitted after the prompts ahead of it, or with its tenant's share of this step)."""
         if not self.step_time_target_s or (prices := self.step_cost.prices()) is None:
             return self.max_num_batched_tokens
         decodes = sum(seq.num_uncomputed_tokens == 1 for seq in self.running)
+        if not decodes:
+            return self.max_num_batched_tokens
         tokens = max(
             prices.tokens_within(self.step_time_target_s, prefill=True),
-            decodes + self.block_manager.block_size,
+            decodes + prices.efficient_chunk(self.block_manager.block_size),
         )
         return min(self.max_num_batched_tokens, tokens)
 

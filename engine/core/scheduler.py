@@ -66,6 +66,7 @@ class Scheduler(RunQueues):
         else:
             self._schedule_in_order(chosen, preempted)
         entries = sorted(chosen.items(), key=lambda item: item[1] != 1)
+        self.num_prefill_tokens += sum(n for _, n in entries if n > 1)
         swap_out, swap_in = self.block_manager.take_pending_swaps()
         return ScheduledBatch(
             seqs=[seq for seq, _ in entries],

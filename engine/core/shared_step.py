@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.core.fair_share import TenantService, max_min_shares
 from engine.core.run_queues import RunQueues
+from engine.core.step_cost import StepPrices
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -40,9 +41,11 @@ class _TenantWork:
         return tokens + sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
 
 
-def num_tokens_for_prefill(num_tenants: int, block_size: int) -> int:
-    """A shared step computes prefill only with room for a row per tenant and a block's worth of prompt."""
-    return num_tenants + block_size
+def num_tokens_for_prefill(num_tenants: int, prices: StepPrices, queues: RunQueues) -> int:
+    """A shared step computes prefill only with room for a row per tenant and an efficient chunk of prompt
+    (step_cost.py: never a block whose step is nearly all fixed cost), within the step's token budget."""
+    chunk = prices.efficient_chunk(queues.block_manager.block_size)
+    return min(num_tenants + chunk, max(queues.max_num_batched_tokens, num_tenants + 1))
 
 
 # a shared step may save up this many paces of time (for a dearer step with prefill)
@@ -116,7 +119,7 @@ class SharedStep:
         if prices is None or not self.time_factor:
             return queues.max_num_batched_tokens, True
         pace = self.time_factor * prices.one_token_step()
-        least = num_tokens_for_prefill(num_tenants, queues.block_manager.block_size)
+        least = num_tokens_for_prefill(num_tenants, prices, queues)
         # (the bank holds at least the cheapest step with prefill: whatever its price, prefill gets its turn)
         self._credit = min(
             self._credit + pace, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True))

@@ -10,21 +10,30 @@ native decode step cannot take prefill rows: such a step runs the Python layer l
 model). One price b for both kinds of token: measured, a decode row and a prefill token cost about the same on the
 CPU (q4, 2.2 and 1.7 ms) and on an H100 (llama-3.2-1b, ~7 and ~6 us). The scheduler spends step-time budgets at
 these prices: while several tenants have work, steps take on average at most a set multiple of a one-token step
-(scheduler.py, fair_share.py), and on the CPU no step runs much past a target (so a request arriving during
-another's long prompt waits one short step, not seconds).
+(scheduler.py, fair_share.py), and on the CPU a step beside running streams runs not much past a target (their
+tokens keep coming while a long prompt is computed). A prefill chunk is never cut below the efficient chunk, where
+its own work b * x reaches the step's fixed cost a + p: when every step is slow (a busy machine), chunks grow
+rather than shrink to a block whose step is nearly all fixed cost.
 
-Fitted online: decode-only steps fall in buckets by their token count (1, 2-3, 4-7, 8-15, ...); each bucket is an
-exponential average of its tokens and seconds, and the line is fitted through the buckets, each counted once, so a
-long run at one batch size does not wash the others out; p is an exponential average of what steps with prefill
-took beyond the line. Until decode-only steps fill two buckets, a line through every step's buckets stands in
-(without p); before that there is no fit (``prices`` is None) and the scheduler shares tokens.
+Fitted online: decode-only steps fall in buckets by their token count (1, 2-3, 4-7, 8-15, ...); each bucket's point
+is the median of its last few steps' tokens and seconds, and the line is fitted through the buckets, each counted
+once, so a long run at one batch size does not wash the others out; p is the median of what the last few steps with
+prefill took beyond the line. Medians, not averages: the first steps of a process (pages of the weights read in,
+buffers grown) or a step the OS descheduled can take 100x a usual one, and an average would carry that for dozens
+of steps; a median forgets it once most of the window is usual, and follows a lasting change (a neighbour starts)
+as fast. Until decode-only steps fill two buckets, a line through every step's buckets stands in (without p);
+before that there is no fit (``prices`` is None) and the scheduler shares tokens.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
-ALPHA = 0.2  # weight of a new observation in its bucket's average
+# steps a bucket (and p) remembers; odd, so that for a noiseless line the median seconds are the median tokens' time
+WINDOW = 9
 # a floor for b (a batch-size-free device would otherwise price tokens at zero)
 MIN_TOKEN_SECONDS = 1e-7
 
@@ -47,11 +56,28 @@ class StepPrices:
         spare = seconds - self.fixed - (self.prefill_fixed if prefill else 0.0)
         return int(max(spare, 0.0) / self.per_token + 1e-9)  # (not lost to rounding)
 
+    def efficient_chunk(self, block_size: int) -> int:
+        """The smallest prefill chunk (whole blocks) whose own work is at least a step's fixed cost (a + p): a step
+        of it computes prompt tokens at half the machine's prefill speed or better, whatever the step costs."""
+        tokens = math.ceil((self.fixed + self.prefill_fixed) / self.per_token - 1e-9)
+        return max(1, -(-tokens // block_size)) * block_size
 
-@dataclass(slots=True)
+
 class _Bucket:
-    tokens: float
-    seconds: float
+    """A bucket's last ``WINDOW`` steps; its point: their median tokens and median seconds (kept as they come:
+    the line is refitted every step)."""
+
+    __slots__ = ("point", "seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: deque[float] = deque(maxlen=WINDOW)
+        self.seconds: deque[float] = deque(maxlen=WINDOW)
+        self.point = (0.0, 0.0)
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
+        self.point = (statistics.median(self.tokens), statistics.median(self.seconds))
 
 
 class StepCostModel:
@@ -59,7 +85,8 @@ class StepCostModel:
         self._decode: dict[int, _Bucket] = {}  # decode-only steps
         # every step: a first line before decode-only steps vary in size
         self._all: dict[int, _Bucket] = {}
-        self._prefill_fixed = 0.0
+        # what the last steps with prefill took beyond the decode line
+        self._prefill_extra: deque[float] = deque(maxlen=WINDOW)
         # (refitted at each observation, read several times a step)
         self._prices: StepPrices | None = None
 
@@ -76,9 +103,9 @@ class StepCostModel:
             self._prices = StepPrices(*line) if line is not None else None
             return
         if prefill:
-            extra = max(seconds - line[0] - line[1] * num_tokens, 0.0)
-            self._prefill_fixed += ALPHA * (extra - self._prefill_fixed)
-        self._prices = StepPrices(*line, self._prefill_fixed)
+            self._prefill_extra.append(max(seconds - line[0] - line[1] * num_tokens, 0.0))
+        extra = statistics.median(self._prefill_extra) if self._prefill_extra else 0.0
+        self._prices = StepPrices(*line, extra)
 
     def prices(self) -> StepPrices | None:
         return self._prices
@@ -87,21 +114,19 @@ class StepCostModel:
 def _add(buckets: dict[int, _Bucket], num_tokens: int, seconds: float) -> None:
     bucket = buckets.get(num_tokens.bit_length())
     if bucket is None:
-        buckets[num_tokens.bit_length()] = _Bucket(float(num_tokens), seconds)
-    else:
-        bucket.tokens += ALPHA * (num_tokens - bucket.tokens)
-        bucket.seconds += ALPHA * (seconds - bucket.seconds)
+        bucket = buckets[num_tokens.bit_length()] = _Bucket()
+    bucket.add(num_tokens, seconds)
 
 
 def _fit(buckets: dict[int, _Bucket]) -> tuple[float, float] | None:
     """Least squares through the buckets' (tokens, seconds): (a, b), b the slope (>= a floor), a the rest
     (>= 0); None without two buckets."""
-    points = buckets.values()
-    if len(points) < 2:
+    if len(buckets) < 2:
         return None
-    mean_tokens = sum(p.tokens for p in points) / len(points)
-    mean_seconds = sum(p.seconds for p in points) / len(points)
-    spread = sum((p.tokens - mean_tokens) ** 2 for p in points)
-    slope = sum((p.tokens - mean_tokens) * (p.seconds - mean_seconds) for p in points) / spread
+    points = [bucket.point for bucket in buckets.values()]
+    mean_tokens = sum(tokens for tokens, _ in points) / len(points)
+    mean_seconds = sum(seconds for _, seconds in points) / len(points)
+    spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in points)
+    slope = sum((t - mean_tokens) * (s - mean_seconds) for t, s in points) / spread
     per_token = max(slope, MIN_TOKEN_SECONDS)
     return max(mean_seconds - per_token * mean_tokens, 0.0), per_token

@@ -327,8 +327,8 @@ class CoreLoop:
 class StepLog:
     """Every ``interval_s`` while the core works, one line of its own numbers: steps per second and their mean
     time (the whole step as the loop sees it, host and device), the share of the wall time spent stepping, prompt
-    and generated tokens per second, running and waiting requests, KV usage and the prefix-cache hit rate over the
-    interval. Nothing while idle."""
+    tokens computed (prefill chunks as they run: a long prompt shows its speed) and generated tokens per second,
+    running and waiting requests, KV usage and the prefix-cache hit rate over the interval. Nothing while idle."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -368,7 +368,7 @@ class StepLog:
             self._steps / wall_s,
             1000 * self._step_s / self._steps,
             100 * self._step_s / wall_s,
-            (stats.prompt_tokens - first.prompt_tokens) / wall_s,
+            (stats.prefill_tokens - first.prefill_tokens) / wall_s,
             (stats.generation_tokens - first.generation_tokens) / wall_s,
             stats.num_running,
             stats.num_waiting,

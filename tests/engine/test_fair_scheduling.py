@@ -189,10 +189,11 @@ def test_a_step_time_target_cuts_a_lone_tenants_prefill_but_not_its_decodes():
     scheduled = step(scheduler)
     assert all(seq in scheduled for seq in running)
     assert scheduled[long_prompt] == 20 - len(running)
-    # below the decode rows' own time: they run, with one block of prefill
+    # below the decode rows' own time: they run, with the efficient chunk of prefill (its own work at least the
+    # step's fixed 10 ms: 5 tokens, 2 blocks), not one block
     scheduler.step_time_target_s = 0.001
     scheduled = step(scheduler)
-    assert all(seq in scheduled for seq in running) and scheduled[long_prompt] == BLOCK
+    assert all(seq in scheduled for seq in running) and scheduled[long_prompt] == 2 * BLOCK
 
 
 def test_a_new_request_gets_its_prefill_even_when_a_step_with_prefill_costs_many_paces():

@@ -21,11 +21,12 @@ from app.openai_format import (
     sum_usage,
 )
 from app.protocol.completions import ChatCompletionRequest, CompletionRequest
-from app.request_body import cancel_on_disconnect, read_model
 from app.replies import ReplyWriter
+from app.request_body import cancel_on_disconnect, read_model
+from app.request_budget import check_least_tokens
 from app.serving import Serving
-from app.timed_stream import TimedStream
 from app.sse import sse_response
+from app.timed_stream import TimedStream
 from engine.llm_engine import RequestOutput, best_choices
 
 
@@ -58,7 +59,10 @@ async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     body = await read_model(request, CompletionRequest, server.max_request_bytes)
     server.admission.check_model(body.model)
-    prompts = [await _prompt_ids(server, prompt) for prompt in body.prompts()]
+    given = body.prompts()
+    # the budget's bound from below before the tokenizer sees a prompt (app/request_budget.py)
+    check_least_tokens(body, given, server.replies.max_request_tokens)
+    prompts = await server.prompts.encode_each(given)
     params = server.replies.sampling_params_each(body, [len(ids) for ids in prompts])
     salt = server.admission.cache_salt(request, body.cache_salt)
     streams: list[TimedStream] = []
@@ -71,7 +75,7 @@ async def completions(request: Request) -> Response:
         for stream in streams:
             await stream.aclose()
         raise
-    echoes = [await server.prompts.decode(ids) if body.echo else "" for ids in prompts]
+    echoes = await server.prompts.decode_each(prompts) if body.echo else [""] * len(prompts)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     header = ResponseHeader.new(
         "text_completion",
@@ -104,10 +108,6 @@ async def completions(request: Request) -> Response:
             )
     usage = sum_usage([samples_usage([out.usage for out in finals]) for finals in results])
     return JSONResponse(header.wrap(choices, usage))
-
-
-async def _prompt_ids(server: Serving, prompt: str | list[int]) -> list[int]:
-    return await server.prompts.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 async def _completion_chunks(

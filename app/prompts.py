@@ -46,6 +46,22 @@ class PromptRenderer:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self._require().decode, token_ids, skip_special_tokens=False)
 
+    async def encode_each(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids (a text tokenized, token ids as given), in one trip to the tokenizer thread: a
+        batch costs the event loop one wake-up, not one per prompt."""
+        if all(isinstance(prompt, list) for prompt in prompts):
+            return [list(prompt) for prompt in prompts]
+        tokenizer = self._require()
+        return await self._run(
+            lambda: [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]
+        )
+
+    async def decode_each(self, prompts: list[list[int]]) -> list[str]:
+        tokenizer = self._require()
+        return await self._run(
+            lambda: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+        )
+
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return await self._run(self.tokens_as_text, token_ids)
 

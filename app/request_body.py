@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -32,7 +33,7 @@ async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
     if not body.strip():
         raise APIError.bad_request("the request body must be a JSON object")
     top = _top_level_fields(body)
-    _check_message_count(model, top)
+    _check_counts(model, top)
     schema, body = (
         _set_schema_aside(top, body) if "response_format" in model.model_fields else (None, body)
     )
@@ -78,6 +79,12 @@ LARGE_SCHEMA_BYTES = 64 * 1024
 # (values stay raw bytes: nothing built for them)
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _raw_list = msgspec.json.Decoder(list[msgspec.Raw])
+# of one /v1/completions request (a batch; the most inputs OpenAI's embeddings take in one)
+MAX_PROMPTS = 2048
+# list fields counted before they are parsed: (the most items, what they are)
+_COUNTED = {"messages": (MAX_MESSAGES, "messages"), "prompt": (MAX_PROMPTS, "prompts")}
+# a list of texts or of token-id lists: several prompts
+_PROMPT_LIST = re.compile(rb'\s*\[\s*["\[]')
 
 
 def _top_level_fields(body: bytes) -> dict[str, msgspec.Raw] | None:
@@ -89,19 +96,25 @@ def _top_level_fields(body: bytes) -> dict[str, msgspec.Raw] | None:
         return None
 
 
-def _check_message_count(model: type[BaseModel], top: dict[str, msgspec.Raw] | None) -> None:
-    """More than MAX_MESSAGES messages is a 400 before pydantic builds each one (60,000 small ones would hold the
-    event loop ~0.3 s before their count is checked)."""
-    if top is None or "messages" not in top or "messages" not in model.model_fields:
+def _check_counts(model: type[BaseModel], top: dict[str, msgspec.Raw] | None) -> None:
+    """More items in a list field than its bound is a 400 before pydantic builds each one: 60,000 small messages
+    would hold the event loop ~0.3 s before their count is checked, 400,000 one-letter prompts (2 MB) seconds to
+    build and minutes to tokenize. A prompt of token ids is one prompt, however long."""
+    if top is None:
         return
-    try:
-        count = len(_raw_list.decode(top["messages"]))
-    except msgspec.DecodeError:
-        return  # (not a list: pydantic says so)
-    if count > MAX_MESSAGES:
-        raise APIError.bad_request(
-            f"messages: at most {MAX_MESSAGES} messages per request (got {count})", param="messages"
-        )
+    for field, (most, items) in _COUNTED.items():
+        if field not in top or field not in model.model_fields:
+            continue
+        if field == "prompt" and not _PROMPT_LIST.match(top[field]):
+            continue  # one prompt of token ids (or not a list: pydantic says so)
+        try:
+            values = _raw_list.decode(top[field])
+        except msgspec.DecodeError:
+            continue  # (not a list: pydantic says so)
+        if len(values) > most:
+            raise APIError.bad_request(
+                f"{field}: at most {most} {items} per request (got {len(values)})", param=field
+            )
 
 
 def _note_unknown_fields(path: str, model: type[BaseModel], top: dict[str, msgspec.Raw]) -> None:

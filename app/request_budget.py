@@ -6,7 +6,11 @@ reaches the engine. A request's tokens, summed over its prompts (a completions b
 where ``sequences`` are the samples the engine runs (``best_of``, else ``n``) or, with beam search, its beams
 (``beam_width``), and ``max_tokens`` is where the engine stops: a request that leaves it unset counts the server's
 default (``--default-max-tokens``, capped by the room left in the context), as that is what it gets. A prompt
-counts once: its samples share its KV blocks and its prefill."""
+counts once: its samples share its KV blocks and its prefill.
+
+Before any prompt is tokenized, a bound from below is checked first (``check_least_tokens``): a text is at least one
+token and every prompt generates at least one, so a batch too large for the budget is refused at its count, not
+after the tokenizer has gone through all of it."""
 
 from __future__ import annotations
 
@@ -17,6 +21,23 @@ from engine.sampling_params import SamplingParams
 
 def request_tokens(prompt_lengths: list[int], params: list[SamplingParams]) -> int:
     return sum(n + p.num_sequences * p.max_tokens for n, p in zip(prompt_lengths, params))
+
+
+def check_least_tokens(body: SamplingFields, prompts: list[str | list[int]], limit: int) -> None:
+    """A 400 naming the prompt when ``prompts`` (texts not yet tokenized, or token ids) must take more than
+    ``limit`` tokens whatever their texts tokenize to (0: no limit)."""
+    least = sum(len(p) if isinstance(p, list) else 1 for p in prompts) + len(prompts)
+    if not limit or least <= limit:
+        return
+    field = body.prompt_field()
+    what = f"{len(prompts)} prompts take" if len(prompts) > 1 else "the prompt takes"
+    raise APIError(
+        400,
+        f"{field}: {what} at least {least} tokens (a text one or more, and one generated for each "
+        f"prompt); this server takes at most {limit} per request (--max-request-tokens)",
+        param=field,
+        code="request_too_large",
+    )
 
 
 def check_request_tokens(

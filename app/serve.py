@@ -83,6 +83,13 @@ def preflight(settings: ServerSettings) -> None:
             )
     if settings.redis_url is not None:
         _check_redis(settings.redis_url)
+    if settings.resolved_session_store == "sqlite":
+        from app.sessions.sqlite_file import check_database
+
+        try:
+            check_database(settings.sessions_path)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
 
 
 def _check_redis(url: str) -> None:

@@ -6,6 +6,9 @@ multi-step change (create with the owner's quota, a turn against its revision, a
 transaction, and expiry times are wall-clock seconds: several front processes of one server
 (``--api-server-count``) may share the file (WAL mode). Expired sessions and locks are treated as absent at once
 and deleted by the next write that meets them.
+
+The file is created private, refused at start when corrupt, and watched while serving (deleted, replaced, the disk
+full): app/sessions/sqlite_file.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from app.sessions.sqlite_file import FileWatch, create_private, is_file_fault
 from app.sessions.store import (
     JSON_FIELDS,
     Preset,
@@ -70,6 +74,7 @@ class SQLiteSessionStore:
         self._ttl_s = ttl_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedchat-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._watch = FileWatch(self.path)
 
     # plumbing ----------------------------------------------------------------------------------------
 
@@ -79,17 +84,36 @@ class SQLiteSessionStore:
 
     def _call(self, fn: Callable[..., T], args: tuple) -> T:
         try:
-            if self._db is None:
-                self._db = self._open()
-            return fn(self._db, *args)
+            db = self._connection()
+            if gone := self._watch.gone():
+                raise SessionStoreUnavailable(gone)
+            changes = db.total_changes
+            result = fn(db, *args)
         # a locked or unreadable file: the store is away
-        except (sqlite3.OperationalError, OSError) as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
+            if not isinstance(exc, (sqlite3.OperationalError, OSError)) and not is_file_fault(exc):
+                raise  # (a bug of ours: a constraint, a statement)
+            if is_file_fault(exc):
+                self._watch.write_failed(exc)
             raise SessionStoreUnavailable(
                 f"the session database {self.path} cannot be used: {exc}"
             ) from exc
+        if db.total_changes != changes:
+            self._watch.wrote()
+        return result
+
+    def _connection(self) -> sqlite3.Connection:
+        """The open database; opened again when another file has taken its path (restored from a backup)."""
+        if self._db is not None and self._watch.replaced():
+            self._db.close()
+            self._db = None
+        if self._db is None:
+            self._db = self._open()
+            self._watch.opened_now()
+        return self._db
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(self.path)
         db = sqlite3.connect(self.path, timeout=5, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         # with WAL: a power cut may lose the last turns, never corrupt
@@ -103,21 +127,30 @@ class SQLiteSessionStore:
         try:
             result = fn()
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # (SQLite has rolled back itself after some errors: a full disk)
+                db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         return result
 
     async def ping(self) -> None:
-        await self._run(lambda db: db.execute("SELECT 1").fetchone())
+        """SessionStoreUnavailable when the file cannot be read, or has a problem (deleted, disk full, the last
+        write failed): /health says so."""
+
+        def ping(db: sqlite3.Connection) -> None:
+            db.execute("SELECT 1").fetchone()
+            if problem := self._watch.problem():
+                raise SessionStoreUnavailable(problem)
+
+        await self._run(ping)
 
     async def close(self) -> None:
-        def close(db: sqlite3.Connection) -> None:
-            db.close()
-            self._db = None
+        def close() -> None:  # (on the connection's thread; also once its file is gone)
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
-        if self._db is not None:
-            await self._run(close)
+        await asyncio.get_running_loop().run_in_executor(self._executor, close)
         self._executor.shutdown(wait=False)
 
     # sessions ----------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -192,6 +193,41 @@ def stop_server(server: RunningServer) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@dataclass(slots=True)
+class ProbedAnswer:
+    response: httpx.Response
+    seconds: float  # until the answer came
+    slowest_health: float  # the longest /health took meanwhile: how long the event loop was held
+
+
+def post_probing_health(
+    server: RunningServer, path: str, content: bytes, timeout: float = 120
+) -> ProbedAnswer:
+    """POST ``content`` (JSON) to ``path`` while /health is asked again and again until the answer comes."""
+    answer: dict[str, Any] = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        answer["response"] = httpx.post(
+            server.url(path),
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=timeout,
+        )
+        answer["seconds"] = time.monotonic() - start
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        start = time.monotonic()
+        assert httpx.get(server.url("/health"), timeout=timeout).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    sender.join()
+    return ProbedAnswer(answer["response"], answer["seconds"], slowest)
 
 
 def server_fixture(

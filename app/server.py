@@ -154,7 +154,10 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     watcher = pinning = None
     try:
         try:
-            await _warm_up(engine, f"warm-up-{front.index}")
+            # (the grammar workers too: a busy machine's first response_format must not wait for their start)
+            await asyncio.gather(
+                _warm_up(engine, f"warm-up-{front.index}"), engine.start_grammar_workers()
+            )
             if front.pins_stored_presets:
                 pinning = presets.pin_stored_presets_later(server.sessions)
         # the core died while this front started: the engine's death, not a mistake

@@ -50,8 +50,6 @@ from engine.sampling_params import SamplingParams, StructuredOutput
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-GRAMMAR_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
-
 
 def _tokenizers(path: Path | str | None) -> tuple[Any | None, Any | None]:
     """The model's tokenizer and a copy of it (the prompt thread's own)."""
@@ -202,17 +200,26 @@ class AsyncEngine:
         grammars = self._grammar_compiler() if params.structured_output is not None else None
         check_request(self.info, prompt_token_ids, params, grammars)
 
+    async def start_grammar_workers(self) -> None:
+        """Start the grammar workers now, warm (tokenizer loaded, one grammar compiled): the server's start pays
+        for them, not its first response_format (seconds on a busy machine). Nothing to warm without a tokenizer."""
+        if self.info is not None and self.info.model_path is not None:
+            await self._grammar_pool().start()
+
     async def compile_structured_output(self, spec: StructuredOutput) -> StructuredOutput:
         """``spec`` checked and compiled in a grammar worker process (engine/grammar_worker.py: a large schema takes
-        seconds and hundreds of MB), within ``GRAMMAR_TIMEOUT_S``; the result carries its grammar, so neither
-        ``generate`` nor the core compiles it again. ValueError naming ``response_format`` when it cannot be
-        compiled, takes too long or too much memory."""
+        seconds and hundreds of MB; limited by its CPU time), or known from an earlier request; the result carries
+        its grammar, so neither ``generate`` nor the core compiles it again. ValueError naming ``response_format``
+        when it cannot be compiled, takes too long or too much memory."""
         self._check_alive()
+        return await self._grammar_pool().compile(spec)
+
+    def _grammar_pool(self) -> GrammarWorkers:
         if self._grammar_workers is None:
             self._grammar_workers = GrammarWorkers(
                 WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids)
             )
-        return await self._grammar_workers.compile(spec, GRAMMAR_TIMEOUT_S)
+        return self._grammar_workers
 
     def generate(
         self,

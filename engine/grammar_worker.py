@@ -1,16 +1,22 @@
-"""GrammarWorkers: response_format schemas compiled and checked in processes of their own, within time and memory
-limits.
+"""GrammarWorkers: response_format schemas compiled and checked in processes of their own, within limits of CPU
+time and memory, warm before the first request, and remembered across requests.
 
 A large or hostile schema costs seconds of CPU and hundreds of megabytes inside llguidance. Compiled in a worker
 process instead of a thread of the front:
 - the front's event loop and heap never see it: the front receives only the compiled grammar (text);
-- a compile past its time limit is stopped by killing the worker (a thread cannot be stopped) and the request gets
-  a 400 naming ``response_format``;
+- a compile is limited by the CPU time its worker spends on it (``cpu_limit_s``, read from /proc/PID/stat, with
+  ``RLIMIT_CPU`` in the worker as the backstop), not by a wall clock that a busy machine stretches; a much longer
+  wall-clock limit (``wall_limit_s``) remains for a worker the OS does not run at all. Past either, the worker is
+  killed (a thread cannot be stopped) and the request gets a 400 that says so; the other worker answers the next
+  request at once while a replacement starts in the background;
 - the worker's heap is capped (``RLIMIT_DATA``): a schema that needs more ends the worker (or raises MemoryError
   in it), and the request gets a 400 instead of the host swapping;
 - a worker whose resident memory has grown past ``recycle_bytes`` after a compile is replaced, so what the allocator
   keeps of large compiles goes back to the system with it.
-``count`` workers (started on first use, each loading the tokenizer once) serve compiles one at a time each.
+``start()`` starts ``count`` workers (each loads the tokenizer and compiles ``{"type": "json_object"}``, whose
+grammar is kept: the start, not the first request, pays llguidance's set-up); each serves one compile at a time.
+Outcomes are kept by a hash of the spec (engine/output/grammar_cache.py): a schema seen before is not compiled
+again, and a requester that leaves does not stop a compile whose outcome the next one will want.
 """
 
 from __future__ import annotations
@@ -18,21 +24,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
+import os
 import resource
+import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from engine.child_process import die_with_parent, name_process
+from engine.output.grammar_cache import GrammarCache, Outcome, spec_key
 from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
+CPU_LIMIT_S = 10.0  # CPU seconds one compile may take in its worker
+WALL_LIMIT_S = 120.0  # a compile's wall clock, for a worker the machine does not run at all
 MEMORY_BYTES = 4 * 2**30  # heap of one worker
 RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0  # wall clock of a start (imports, tokenizer, llguidance) on a busy machine
+WARM_SPEC = StructuredOutput("json_object")
+_POLL_S = 0.05  # how often a compile's CPU time is read
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+OUT_OF_MEMORY = "response_format: compiling the schema needs more memory than allowed; simplify it"
+
+
+def cpu_limit_message(limit_s: float) -> str:
+    return (
+        f"response_format: compiling the schema took more than {limit_s:g} s of CPU on this machine; "
+        "simplify it"
+    )
+
+
+def wall_limit_message(limit_s: float) -> str:
+    return (
+        f"response_format: the schema did not compile within {limit_s:g} s: this machine is too busy to "
+        "run the compile; try again later"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,41 +78,67 @@ class WorkerSetup:
 
 
 def _serve(conn: Connection, setup: WorkerSetup) -> None:
-    """The worker: compile each spec it is sent, answering ("ok", spec) or ("invalid", message), with its RSS."""
+    """The worker: warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS)
+    with kind "ok", "invalid" (refused: the same schema is refused again) or "memory"."""
     die_with_parent()  # (no orphan when the front is killed)
     name_process("pagedchat-gramm")
     resource.setrlimit(resource.RLIMIT_DATA, (setup.memory_bytes, setup.memory_bytes))
-    from engine.worker.loader import load_tokenizer
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
     from engine.output.structured_output import GrammarCompiler
+    from engine.worker.loader import load_tokenizer
 
     tokenizer = load_tokenizer(Path(setup.model_path)) if setup.model_path else None
     compiler = GrammarCompiler(tokenizer, setup.vocab_size, setup.eos_token_ids)
-    conn.send("ready")
+    # (the tokenizer's llguidance form and the grammar library's first compile: the start's work, not a request's)
+    conn.send(("ready", *_answer(compiler, WARM_SPEC)))
     while True:
         try:
-            spec = conn.recv()
+            spec, cpu_limit_s = conn.recv()
         except EOFError:
             return
-        try:
-            answer: tuple[str, Any] = ("ok", compiler.compiled(spec))
-        except ValueError as exc:
-            answer = ("invalid", str(exc))
-        except MemoryError:
-            answer = ("invalid", _OUT_OF_MEMORY)
-        except Exception as exc:  # noqa: BLE001 - the grammar library's own failure: this request's
-            answer = (
-                "invalid",
-                f"response_format: the schema could not be compiled: {type(exc).__name__}: {exc}",
-            )
+        _limit_cpu(cpu_limit_s)
+        answer = _answer(compiler, spec)
+        _limit_cpu(None)
         conn.send((*answer, _rss_bytes()))
 
 
-_OUT_OF_MEMORY = "response_format: compiling the schema needs more memory than allowed; simplify it"
+def _answer(compiler: Any, spec: StructuredOutput) -> tuple[str, Any]:
+    try:
+        return "ok", compiler.compiled(spec)
+    except ValueError as exc:
+        return "invalid", str(exc)
+    except MemoryError:
+        return "memory", OUT_OF_MEMORY
+    except Exception as exc:  # noqa: BLE001 - the grammar library's own failure: this request's
+        message = f"response_format: the schema could not be compiled: {type(exc).__name__}: {exc}"
+        return "invalid", message
+
+
+def _limit_cpu(limit_s: float | None) -> None:
+    """The backstop of the front's own check: SIGXCPU (its default action ends this process) a second or two
+    past ``limit_s`` more CPU seconds, should the front not have stopped the compile; None: no limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = hard if limit_s is None else math.ceil(time.process_time() + limit_s) + 1
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc/PID/stat; 0.0 where it cannot be
+    read (then RLIMIT_CPU and the wall clock still hold)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # (after the name, which may hold spaces)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # (fields 14 and 15: utime, stime)
 
 
 class _Worker:
@@ -89,39 +147,8 @@ class _Worker:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
 
-    async def compile(
-        self, spec: StructuredOutput, timeout_s: float, recycle_bytes: int
-    ) -> StructuredOutput:
-        try:
-            await self._start()
-            assert self._conn is not None
-            self._conn.send(spec)
-            answered = await asyncio.to_thread(self._conn.poll, timeout_s)
-        # (cancelled: the client left; its answer must not reach the next compile)
-        except BaseException:
-            self.stop()
-            raise
-        if not answered:
-            self.stop()  # (the only way to stop a compile)
-            raise ValueError(
-                f"response_format: the schema did not compile within {timeout_s:.0f} s; simplify it"
-            )
-        try:
-            kind, value, rss = self._conn.recv()
-        # the worker died: its heap limit (an allocation the grammar library aborts on)
-        except (EOFError, OSError):
-            self.stop()
-            raise ValueError(_OUT_OF_MEMORY) from None
-        if rss > recycle_bytes:
-            logger.info("grammar worker at %d MiB after a compile: replaced", rss >> 20)
-            self.stop()
-        if kind != "ok":
-            raise ValueError(value)
-        return value
-
-    async def _start(self) -> None:
-        if self.alive:
-            return
+    async def start(self) -> Outcome:
+        """A fresh process, warm (tokenizer loaded, one grammar compiled); the outcome of ``WARM_SPEC``."""
         self.stop()
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
@@ -131,13 +158,93 @@ class _Worker:
         self._process.start()
         child.close()
         self._conn = parent
-        if not await asyncio.to_thread(parent.poll, START_TIMEOUT_S) or parent.recv() != "ready":
+        why, answer = f"no answer within {START_TIMEOUT_S:g} s", None
+        try:
+            if await self._wait(START_TIMEOUT_S) is None:
+                answer = parent.recv()
+        except (EOFError, OSError) as exc:  # (it ended while starting)
+            why = repr(exc)
+        except BaseException:
             self.stop()
-            raise RuntimeError("the grammar worker did not start")
+            raise
+        if answer is None:
+            self.stop()
+            raise RuntimeError(f"the grammar worker did not start: {why}")
+        _, kind, value = answer
+        return Outcome(compiled=value) if kind == "ok" else Outcome(refusal=value)
+
+    async def compile(
+        self, spec: StructuredOutput, cpu_limit_s: float, wall_limit_s: float, recycle_bytes: int
+    ) -> Outcome:
+        """What compiling ``spec`` gave; ValueError past a limit or when the worker died (outcomes of this
+        machine and moment, not of the schema: not to be kept)."""
+        if not self.alive:
+            await self.start()
+        assert self._conn is not None
+        try:
+            self._conn.send((spec, cpu_limit_s))
+            over = await self._wait(wall_limit_s, cpu_limit_s)
+        except BaseException:
+            self.stop()  # (cancelled: its answer must not reach the next compile)
+            raise
+        if over is not None:
+            self.stop()  # (the only way to stop a compile)
+            raise ValueError(
+                cpu_limit_message(cpu_limit_s)
+                if over == "cpu"
+                else wall_limit_message(wall_limit_s)
+            )
+        try:
+            kind, value, rss = self._conn.recv()
+        except (EOFError, OSError):
+            raise ValueError(self._died_of(cpu_limit_s)) from None
+        if rss > recycle_bytes:
+            logger.info("grammar worker at %d MiB after a compile: replaced", rss >> 20)
+            self.stop()
+        if kind == "memory":
+            raise ValueError(value)
+        return Outcome(compiled=value) if kind == "ok" else Outcome(refusal=value)
+
+    async def _wait(self, wall_limit_s: float, cpu_limit_s: float | None = None) -> str | None:
+        """Until the worker answers or dies (None), its CPU time since now passes ``cpu_limit_s`` ("cpu"), or the
+        wall clock ``wall_limit_s`` ("wall")."""
+        assert self._conn is not None and self._process is not None
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+        fd = self._conn.fileno()
+        loop.add_reader(fd, lambda: answered.done() or answered.set_result(None))
+        cpu_start, deadline = cpu_seconds(self._process.pid), loop.time() + wall_limit_s
+        try:
+            while not (await asyncio.wait([answered], timeout=_POLL_S))[0]:
+                spent = cpu_seconds(self._process.pid) - cpu_start
+                if cpu_limit_s is not None and spent > cpu_limit_s:
+                    return "cpu"
+                if loop.time() > deadline:
+                    return "wall"
+            return None
+        finally:
+            loop.remove_reader(fd)
+            os.set_blocking(
+                fd, True
+            )  # (uvloop's add_reader made it non-blocking: a large send would fail)
+
+    def _died_of(self, cpu_limit_s: float) -> str:
+        """Why the worker ended during a compile: RLIMIT_CPU (SIGXCPU), else its heap limit (an allocation the
+        grammar library aborts on)."""
+        assert self._process is not None
+        self._process.join(5.0)
+        exitcode = self._process.exitcode
+        logger.warning("grammar worker ended during a compile (exit code %s)", exitcode)
+        self.stop()
+        return cpu_limit_message(cpu_limit_s) if exitcode == -signal.SIGXCPU else OUT_OF_MEMORY
 
     @property
     def alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self.alive else None
 
     def stop(self) -> None:
         if self._conn is not None:
@@ -151,32 +258,121 @@ class _Worker:
 
 
 class GrammarWorkers:
+    """``count`` warm workers, each serving one compile at a time: while one compiles (or is being replaced), the
+    others are its warm spares; the outcomes by spec in ``cache``."""
+
     def __init__(
-        self, setup: WorkerSetup, count: int = 2, recycle_bytes: int = RECYCLE_BYTES
+        self,
+        setup: WorkerSetup,
+        count: int = 2,
+        recycle_bytes: int = RECYCLE_BYTES,
+        cpu_limit_s: float = CPU_LIMIT_S,
+        wall_limit_s: float = WALL_LIMIT_S,
+        cache: GrammarCache | None = None,
     ) -> None:
         self._workers = [_Worker(setup) for _ in range(count)]
-        self._idle: asyncio.Queue[_Worker] | None = None
         self._recycle_bytes = recycle_bytes
+        self.cpu_limit_s = cpu_limit_s
+        self.wall_limit_s = wall_limit_s
+        self.cache = cache or GrammarCache()
+        self.compiles = 0  # specs sent to a worker (the cache had no outcome for them)
+        self.starts = 0  # worker processes started
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._starting: asyncio.Future | None = None
+        self._compiling: dict[str, asyncio.Future[Outcome]] = {}  # spec key -> its compile
+        self._restarts: set[asyncio.Future] = set()
+        self._closed = False
 
-    async def compile(self, spec: StructuredOutput, timeout_s: float) -> StructuredOutput:
-        """``spec`` checked, with its compiled grammar; ValueError naming ``response_format`` otherwise (past
-        ``timeout_s`` of compiling, out of memory, or refused by the grammar library or our checks)."""
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for worker in self._workers:
-                self._idle.put_nowait(worker)
-        worker = await self._idle.get()
-        try:
-            return await worker.compile(spec, timeout_s, self._recycle_bytes)
-        finally:
+    async def start(self) -> None:
+        """Start every worker and warm it (once; later calls wait for the first): the first request pays for no
+        start. A worker that fails to start is logged and started again by its first compile."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start_all())
+        await asyncio.shield(self._starting)
+
+    async def _start_all(self) -> None:
+        began = time.perf_counter()
+        self._idle = asyncio.Queue()
+        self.starts += len(self._workers)
+        warm = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
+        for worker, outcome in zip(self._workers, warm):
+            if isinstance(outcome, Outcome) and outcome.compiled is not None:
+                self.cache.put(spec_key(WARM_SPEC), outcome)
+            elif isinstance(outcome, BaseException):
+                logger.warning("%s", outcome)
             self._idle.put_nowait(worker)
+        logger.info("%d grammar workers ready in %.1f s", self.running, time.perf_counter() - began)
+
+    async def compile(self, spec: StructuredOutput) -> StructuredOutput:
+        """``spec`` checked, with its compiled grammar; ValueError naming ``response_format`` otherwise (refused by
+        the grammar library or our checks, past the CPU or wall-clock limit, out of memory)."""
+        key = spec_key(spec)
+        known = self.cache.get(key)
+        if known is not None:
+            return known.result()
+        await self.start()
+        compiling = self._compiling.get(key)
+        if compiling is None:  # (the same spec asked for meanwhile waits for the same compile)
+            compiling = asyncio.ensure_future(self._compile(key, spec))
+            self._compiling[key] = compiling
+            compiling.add_done_callback(lambda done: self._forget(key, done))
+        # (shielded: a requester that leaves does not stop the compile; its outcome is kept for the next)
+        return (await asyncio.shield(compiling)).result()
+
+    async def _compile(self, key: str, spec: StructuredOutput) -> Outcome:
+        assert self._idle is not None
+        worker = await self._idle.get()
+        self.compiles += 1
+        try:
+            outcome = await worker.compile(
+                spec, self.cpu_limit_s, self.wall_limit_s, self._recycle_bytes
+            )
+        finally:
+            self._release(worker)
+        self.cache.put(key, outcome)
+        return outcome
+
+    def _forget(self, key: str, done: asyncio.Future) -> None:
+        self._compiling.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # (retrieved: nobody may be waiting for it any more)
+
+    def _release(self, worker: _Worker) -> None:
+        """Back to the idle workers; one that was stopped is started again first, in the background, while the
+        others serve."""
+        if self._closed:
+            return
+        if worker.alive:
+            assert self._idle is not None
+            self._idle.put_nowait(worker)
+            return
+        self.starts += 1
+        restart = asyncio.ensure_future(self._restart(worker))
+        self._restarts.add(restart)
+        restart.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, worker: _Worker) -> None:
+        assert self._idle is not None
+        try:
+            await worker.start()
+        except Exception as exc:  # noqa: BLE001 - logged; its next compile starts it again
+            logger.warning("%s", exc)
+        self._idle.put_nowait(worker)
 
     @property
     def running(self) -> int:
-        """Workers started and alive (each is started on first use and replaced when it grows too large)."""
+        """Worker processes alive (started, or being started again after a compile stopped one)."""
         return sum(worker.alive for worker in self._workers)
 
+    @property
+    def pids(self) -> set[int]:
+        return {worker.pid for worker in self._workers if worker.pid is not None}
+
     def close(self) -> None:
+        self._closed = True
+        for task in (self._starting, *self._restarts, *self._compiling.values()):
+            if task is not None:
+                task.cancel()
         for worker in self._workers:
             with contextlib.suppress(Exception):
                 worker.stop()

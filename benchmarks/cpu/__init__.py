@@ -21,4 +21,6 @@ pick instead, and the CPU kernels and weight formats behind it.
   ``python -m benchmarks.cpu.quant_linear``
 - ``linear_layout``: why CPU linear weights are kept column-major: one matmul, three memory layouts.
   ``python -m benchmarks.cpu.linear_layout``
+- ``busy_prefill``: a 2,000-token prompt's TTFT quiet and beside a busy-looping neighbour, alone and beside a
+  stream (issue 49: busy <= 2x quiet). ``python -m benchmarks.cpu.busy_prefill``
 """

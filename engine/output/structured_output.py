@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import logging
 import sys
 import threading
 import time
@@ -28,6 +29,8 @@ import torch
 from engine.output.schema_check import unsatisfiable
 from engine.sampling_params import StructuredOutput
 from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 _OBJECT_SCHEMA = '{"type": "object"}'
 CHECK_STEPS = 4  # grammar steps tried before a request is admitted
@@ -42,12 +45,24 @@ class GrammarCompiler:
     def __init__(
         self, hf_tokenizer: Any | Future | None, vocab_size: int, eos_token_ids: tuple[int, ...]
     ) -> None:
-        """``hf_tokenizer``: the model's, or a Future of it (loading in the background: the first grammar waits)."""
+        """``hf_tokenizer``: the model's, or a Future of it (loading in the background: the first grammar waits).
+        With a Future, llguidance's form of the tokenizer is built on a thread as soon as the tokenizer is there,
+        so the first grammar on the engine's step loop does not pay for it (seconds on a busy machine)."""
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._lock = threading.Lock()  # (a compiler may be shared between threads)
         self._tokenizer: Any | None = None
+        if isinstance(hf_tokenizer, Future):
+            threading.Thread(target=self._warm, name="pagedchat-grammar-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.matcher(StructuredOutput("json_object"))
+        except ValueError:  # (no tokenizer, or no llguidance: the first grammar says so)
+            pass
+        except Exception:  # (the first grammar raises it again, where it can be answered)
+            logger.warning("structured output: warming the grammar library failed", exc_info=True)
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -134,14 +149,13 @@ def _check_usable(tokenizer: Any, grammar: str) -> None:
     other than EOS) work, each mask within ``MASK_BUDGET_S`` of CPU: a grammar whose lexer explodes (a regex pattern
     like ``^(a{1000}){1000}$``) is refused here, not after the answer has started on the engine's step loop."""
     import llguidance
-    import llguidance.torch
 
     matcher = llguidance.LLMatcher(tokenizer, grammar)
-    mask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
+    mask = torch.full((1, -(-tokenizer.vocab_size // 32)), -1, dtype=torch.int32)
     for step in range(CHECK_STEPS):
         # (this thread's CPU time: a busy machine's wall clock would blame the schema for the load)
         start = time.thread_time()
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        fill_mask(matcher, mask, 0)
         elapsed = time.thread_time() - start
         if matcher.is_error() or not bool(mask.any()):
             if step == 0 or matcher.is_error():
@@ -171,19 +185,25 @@ def token_masks(
     rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
         return None, {}
-    import llguidance.torch
-
     mask = torch.full((len(seqs), -(-vocab_size // 32)), -1, dtype=torch.int32)
     failed: dict[int, str] = {}
     for i in rows:
         try:
-            llguidance.torch.fill_next_token_bitmask(seqs[i].grammar, mask, i)
+            fill_mask(seqs[i].grammar, mask, i)
             if seqs[i].grammar.is_error():
                 raise ValueError(seqs[i].grammar.get_error().splitlines()[0])
         except Exception as exc:  # noqa: BLE001 - one request's grammar fault ends that request only
             failed[i] = f"response_format: grammar failed: {exc}"
             mask[i] = -1
     return mask, failed
+
+
+def fill_mask(matcher: Any, mask: torch.Tensor, row: int) -> None:
+    """The matcher's next-token mask into row ``row`` of the packed bitmask (a contiguous CPU int32 tensor), as
+    ``llguidance.torch.fill_next_token_bitmask`` does; that module compiles a kernel with torch.compile as it is
+    imported, which imports torch's compiler: seconds of imports on the first grammar's step."""
+    words = mask[row]
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
 def accept(seq: Sequence, token_id: int) -> None:

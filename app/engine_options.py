@@ -100,8 +100,10 @@ ENGINE_OPTIONS = (
     ),
     Option(
         "step_time_target_s",
-        "Prefill chunks are cut so that a step's measured time stays near this (decode "
-        "rows always run), so a request arriving during a long prompt waits one short step; 0: off",
+        "While a stream decodes beside a prompt, the prompt's chunks are cut so that a step's measured "
+        "time stays near this (decode rows always run; a chunk never below the size whose work equals a "
+        "step's fixed cost), so the stream's next token waits one short step; a lone prompt takes the "
+        "step's whole token budget; 0: off",
         "0.25 on the CPU, 0 on CUDA",
         "float",
     ),

@@ -23,4 +23,7 @@ pick instead, and the CPU kernels and weight formats behind it.
   ``python -m benchmarks.cpu.linear_layout``
 - ``busy_prefill``: a 2,000-token prompt's TTFT quiet and beside a busy-looping neighbour, alone and beside a
   stream (issue 49: busy <= 2x quiet). ``python -m benchmarks.cpu.busy_prefill``
+- ``busy_structured_output``: 20 ``response_format`` requests (json_object, three schemas) to a server started
+  beside a busy-looping neighbour, the first at once after /health (issue 49: all valid, none a 400).
+  ``python -m benchmarks.cpu.busy_structured_output``
 """

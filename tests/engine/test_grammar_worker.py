@@ -163,11 +163,14 @@ async def test_one_spec_asked_for_at_once_is_compiled_once(setup):
 
 async def test_a_requester_that_leaves_does_not_stop_the_compile(setup):
     async with started(setup) as workers:
-        spec = enum_spec(5_000, "left")
+        spec = enum_spec(50, "left")
         pids = workers.pids
-        leaving = asyncio.ensure_future(workers.compile(spec))
-        await asyncio.sleep(0.05)
-        leaving.cancel()
+        with paused(next(iter(pids))):  # (so the compile is under way when its requester leaves)
+            leaving = asyncio.ensure_future(workers.compile(spec))
+            await asyncio.sleep(0.05)
+            leaving.cancel()
+            (outcome,) = await asyncio.gather(leaving, return_exceptions=True)
+            assert isinstance(outcome, asyncio.CancelledError)
         compiled = await workers.compile(spec)
         assert compiled.grammar and workers.compiles == 1 and workers.pids == pids
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -67,8 +68,16 @@ def child_processes(pid: int, marker: bytes) -> list[int]:
 
 
 def core_processes_of(pid: int) -> list[int]:
-    """The children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
-    return child_processes(pid, b"spawn_main")
+    """The children of ``pid`` started by multiprocessing's spawn (not its resource tracker), other than its
+    grammar workers (engine/grammar_worker.py: a front starts them warm)."""
+    return [child for child in child_processes(pid, b"spawn_main") if not _is_grammar_worker(child)]
+
+
+def _is_grammar_worker(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "pagedchat-gramm"
+    except OSError:
+        return False
 
 
 async def first_token_then_rest(

@@ -3,10 +3,10 @@
 The core (engine/runtime/core_process.py) schedules and steps at the device's pace; this side, on the server's
 event loop, validates and submits requests, turns each step's token-id deltas into RequestOutputs
 (engine/output/output_processor.py: detokenizing, stop strings, logprobs) and hands them to per-request streams.
-A stream that is behind gets everything ready for it as one output (never more than one per step), so a slow
-reader costs one event, not many. A consumer that stops iterating (disconnect, cancellation) aborts its request
-in the core, whose blocks are free at its next step. If the core fails or its process dies, every waiting
-consumer gets EngineDeadError and ``healthy`` turns False; if this process ends, the core ends with it.
+A stream that is behind gets everything ready for it as one output (never more than one per step). A consumer
+that stops iterating (disconnect, cancellation) aborts its request in the core, whose blocks are free at its next
+step. If the core fails or its process dies, every waiting consumer gets EngineDeadError and ``healthy`` turns
+False; if this process ends, the core ends with it.
 
 By default the engine starts its own core. Given a ``CoreEndpoint`` (``--api-server-count``: several front
 processes share one core, started by the process that runs them), it attaches to that core as one of its clients
@@ -42,7 +42,7 @@ from engine.runtime.core_messages import (
 from engine.runtime.core_process import CoreEndpoint
 from engine.core.metrics import EngineStats
 from engine.core_connection import CoreConnection
-from engine.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.grammar_worker import GrammarWorkers, Spawned, WorkerSetup, spawn
 from engine.output.output_processor import OutputProcessor
 from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -81,8 +81,8 @@ class AsyncEngine:
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
-        # schema compiles, in processes of their own
-        self._grammar_workers: GrammarWorkers | None = None
+        self._grammar_workers: GrammarWorkers | None = None  # schema compiles, in processes
+        self._spawned: list[Spawned] = []  # their processes, started early
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()
@@ -96,17 +96,18 @@ class AsyncEngine:
 
     # life cycle ------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, grammar_workers: bool = False) -> None:
         """Start the core process (or attach to the given one) and wait until it has loaded the model and sized
         the KV cache; ValueError for a configuration mistake (a bad option, a missing model), EngineStartError for
-        anything else."""
+        anything else. ``grammar_workers``: start their processes now (``start_grammar_workers`` warms them)."""
         self._loop = asyncio.get_running_loop()
         self._core.open()
-        # the tokenizers load while the core loads the model, where its directory is known already
+        # the tokenizers (and grammar workers) load while the core loads the model, where its directory is known
         known = self._known_model_dir()
         early = (
             None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizers, known))
         )
+        self._spawned = [spawn(str(known)) for _ in range(2)] if grammar_workers and known else []
         try:
             ready = await self._core.wait_ready()
         except BaseException:
@@ -156,6 +157,8 @@ class AsyncEngine:
         self._core.close()
         if self._grammar_workers is not None:
             self._grammar_workers.close()
+        for spawned in self._spawned if self._grammar_workers is None else ():
+            spawned.stop()  # (never handed over)
 
     @property
     def healthy(self) -> bool:
@@ -217,7 +220,8 @@ class AsyncEngine:
     def _grammar_pool(self) -> GrammarWorkers:
         if self._grammar_workers is None:
             self._grammar_workers = GrammarWorkers(
-                WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids)
+                WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids),
+                spawned=self._spawned,
             )
         return self._grammar_workers
 

@@ -30,6 +30,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -77,19 +78,24 @@ class WorkerSetup:
     memory_bytes: int = MEMORY_BYTES
 
 
-def _serve(conn: Connection, setup: WorkerSetup) -> None:
-    """The worker: warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS)
-    with kind "ok", "invalid" (refused: the same schema is refused again) or "memory"."""
+def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
+    """The worker: load the tokenizer, take the vocabulary's size and end ids (sent once the core has loaded the
+    model), warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS) with
+    kind "ok", "invalid" (refused: the same schema is refused again) or "memory"."""
     die_with_parent()  # (no orphan when the front is killed)
     name_process("pagedchat-gramm")
-    resource.setrlimit(resource.RLIMIT_DATA, (setup.memory_bytes, setup.memory_bytes))
+    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     _, hard = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
     from engine.output.structured_output import GrammarCompiler
     from engine.worker.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(Path(setup.model_path)) if setup.model_path else None
-    compiler = GrammarCompiler(tokenizer, setup.vocab_size, setup.eos_token_ids)
+    tokenizer = load_tokenizer(Path(model_path)) if model_path else None
+    try:
+        vocab_size, eos_token_ids = conn.recv()
+    except EOFError:  # (spawned early for a model the core did not load)
+        return
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
     # (the tokenizer's llguidance form and the grammar library's first compile: the start's work, not a request's)
     conn.send(("ready", *_answer(compiler, WARM_SPEC)))
     while True:
@@ -141,25 +147,52 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # (fields 14 and 15: utime, stime)
 
 
+@dataclass(slots=True)
+class Spawned:
+    """A worker process loading its tokenizer, not yet told the rest of its setup (``spawn``)."""
+
+    model_path: str | None
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+        self.conn.close()
+
+
+def spawn(model_path: str | None, memory_bytes: int = MEMORY_BYTES) -> Spawned:
+    """A worker process, started now: its imports and tokenizer load while the core loads the model."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=_serve, args=(child, model_path, memory_bytes), name="pagedchat-grammar", daemon=True
+    )
+    process.start()
+    child.close()
+    return Spawned(model_path, process, parent)
+
+
 class _Worker:
-    def __init__(self, setup: WorkerSetup) -> None:
+    def __init__(self, setup: WorkerSetup, spawned: Spawned | None = None) -> None:
         self._setup = setup
+        self._spawned = spawned  # (its first start takes it over)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
 
     async def start(self) -> Outcome:
-        """A fresh process, warm (tokenizer loaded, one grammar compiled); the outcome of ``WARM_SPEC``."""
+        """A fresh process (or the one spawned early for it), warm (tokenizer loaded, one grammar compiled); the
+        outcome of ``WARM_SPEC``."""
+        spawned, self._spawned = self._spawned, None
         self.stop()
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child, self._setup), name="pagedchat-grammar", daemon=True
-        )
-        self._process.start()
-        child.close()
-        self._conn = parent
+        if spawned is None or not spawned.process.is_alive():
+            spawned = spawn(self._setup.model_path, self._setup.memory_bytes)
+        self._process, self._conn = spawned.process, spawned.conn
+        parent = spawned.conn
         why, answer = f"no answer within {START_TIMEOUT_S:g} s", None
         try:
+            parent.send((self._setup.vocab_size, self._setup.eos_token_ids))
             if await self._wait(START_TIMEOUT_S) is None:
                 answer = parent.recv()
         except (EOFError, OSError) as exc:  # (it ended while starting)
@@ -247,6 +280,9 @@ class _Worker:
         return self._process.pid if self.alive else None
 
     def stop(self) -> None:
+        if self._spawned is not None:
+            self._spawned.stop()
+            self._spawned = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -269,8 +305,13 @@ class GrammarWorkers:
         cpu_limit_s: float = CPU_LIMIT_S,
         wall_limit_s: float = WALL_LIMIT_S,
         cache: GrammarCache | None = None,
+        spawned: SequenceOf[Spawned] = (),
     ) -> None:
-        self._workers = [_Worker(setup) for _ in range(count)]
+        """``spawned``: processes started early for these workers (``spawn``), for ``setup.model_path``."""
+        early = [p for p in spawned if p.model_path == setup.model_path][:count]
+        for unused in (p for p in spawned if all(p is not e for e in early)):
+            unused.stop()
+        self._workers = [_Worker(setup, early[i] if i < len(early) else None) for i in range(count)]
         self._recycle_bytes = recycle_bytes
         self.cpu_limit_s = cpu_limit_s
         self.wall_limit_s = wall_limit_s

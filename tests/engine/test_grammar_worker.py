@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.grammar_worker import GrammarWorkers, WorkerSetup, spawn
 from engine.sampling_params import StructuredOutput
 from engine.worker.model_sources import ensure_default_model
 
@@ -205,3 +205,18 @@ async def test_large_compiles_leave_the_front_as_large_as_it_was(setup):
             assert len(compiled.grammar) > 100_000
             del compiled
         assert rss_bytes() - before < 0.1 * before
+
+
+async def test_processes_spawned_early_are_the_workers_and_others_are_stopped(setup: WorkerSetup):
+    """A server spawns its workers while the core loads the model (their tokenizer loads meanwhile): the pool takes
+    those for its model over, without starting others, and stops any spawned for another path."""
+    mine, other = spawn(setup.model_path), spawn(None)
+    workers = GrammarWorkers(setup, count=2, spawned=[mine, other])
+    try:
+        assert not other.process.is_alive()
+        await workers.start()
+        assert mine.process.pid in workers.pids and len(workers.pids) == 2
+        assert (await workers.compile(SMALL)).grammar is not None
+    finally:
+        workers.close()
+    assert not mine.process.is_alive()

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.harness import record
+from benchmarks.online.http_client import stop_process, wait_for_health
 from kernels.cpu_native import CPU_ISA_CHOICES
 
 logger = logging.getLogger("benchmarks.cpu.own_gguf")
@@ -213,28 +213,14 @@ def time_to_healthy(model: Path, cache_dir: Path, args: argparse.Namespace) -> f
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("PAGEDCHAT_API_KEY", None)
     start = time.perf_counter()
-    log = open(cache_dir / f"server-{port}.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+    log_path = cache_dir / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
     try:
-        while time.perf_counter() - start < 600:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited: {(cache_dir / log.name).read_text()[-2000:]}"
-                )
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the server was not healthy within 600 s")
+        wait_for_health(f"http://127.0.0.1:{port}", process, 600.0, str(log_path))
+        return time.perf_counter() - start
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+        stop_process(process, signal.SIGTERM, "server")
 
 
 def starts(model: Path, args: argparse.Namespace, work: Path) -> dict[str, float]:

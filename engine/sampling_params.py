@@ -15,12 +15,13 @@ MAX_TEMPERATURE = 100.0  # the engine's bound (the HTTP API's is OpenAI's: 2)
 MAX_SAMPLES = 128  # n and best_of: OpenAI's limit on n
 _INT32 = 2**31
 _GREEDY_EPS = 1e-5
-STRUCTURED_KINDS = ("json_object", "json_schema")
+STRUCTURED_KINDS = ("json_object", "json_schema", "lark")
 
 
 @dataclass(slots=True, frozen=True)
 class StructuredOutput:
-    """Constrain the output to a grammar: any JSON object, or JSON valid against ``schema`` (JSON text)."""
+    """Constrain the output to a grammar: any JSON object, JSON valid against ``schema`` (JSON text), or the
+    llguidance Lark grammar ``schema`` holds (``lark``: the front builds one for tool calls)."""
 
     kind: str
     schema: str | None = None
@@ -35,9 +36,9 @@ class StructuredOutput:
             f"type must be one of {STRUCTURED_KINDS}",
         )
         _check(
-            (self.schema is not None) == (self.kind == "json_schema"),
+            (self.schema is not None) == (self.kind != "json_object"),
             "response_format",
-            "json_schema needs a schema; json_object takes none",
+            "json_schema and lark need a schema; json_object takes none",
         )
 
 

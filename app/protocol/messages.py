@@ -1,12 +1,14 @@
-"""Chat messages: a request's conversation (system, developer, user and assistant messages; text parts joined)."""
+"""Chat messages: a request's conversation (system, developer, user, assistant and tool messages; text parts
+joined), and each message as the chat template takes it."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Tag
+from pydantic import Discriminator, Field, Tag
 
 from app.protocol.fields import RequestModel
+from app.protocol.tools import MAX_TOOL_CALLS, ToolCall
 
 
 class TextPart(RequestModel):
@@ -23,7 +25,7 @@ class _Message(RequestModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         """The chat template's view: developer messages are system messages (OpenAI's newer name)."""
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": self.text()}
@@ -37,21 +39,45 @@ class InputMessage(_Message):
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    reasoning_content: str | None = Field(
+        default=None,
+        description="the reply's reasoning (templates of reasoning models may drop it)",
+    )
+
+    def as_template_message(self) -> dict[str, Any]:
+        message = super().as_template_message()
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=64)]
+
+    def as_template_message(self) -> dict[str, Any]:
+        return {**super().as_template_message(), "tool_call_id": self.tool_call_id}
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TAGS = {"assistant": "AssistantMessage", "tool": "ToolMessage"}
 
 
 def _message_tag(value: Any) -> str | None:
     role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
     if role not in _ROLES:
         return None
-    return "AssistantMessage" if role == "assistant" else "InputMessage"
+    return _TAGS.get(role, "InputMessage")
 
 
 ChatMessage = Annotated[
     Annotated[InputMessage, Tag("InputMessage")]
-    | Annotated[AssistantMessage, Tag("AssistantMessage")],
+    | Annotated[AssistantMessage, Tag("AssistantMessage")]
+    | Annotated[ToolMessage, Tag("ToolMessage")],
     Discriminator(
         _message_tag,
         custom_error_type="invalid_role",

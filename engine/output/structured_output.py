@@ -106,6 +106,8 @@ class GrammarCompiler:
     def _grammar(self, spec: StructuredOutput) -> str:
         if spec.grammar is not None:
             return spec.grammar
+        if spec.kind == "lark":
+            return _compile_lark(self._ll_tokenizer(), spec.schema)
         return _compile(
             self._ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA
         )
@@ -140,6 +142,18 @@ def _compile(tokenizer: Any, schema: str) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise ValueError(f"response_format: invalid JSON schema: {error}")
+    return grammar
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_lark(tokenizer: Any, lark: str) -> str:
+    """An llguidance Lark grammar (the front's tool-call grammars embed each function's schema with ``%json``)."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise ValueError(f"response_format: invalid grammar: {error.splitlines()[0]}")
     return grammar
 
 

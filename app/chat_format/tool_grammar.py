@@ -94,7 +94,7 @@ def _reasoning(fmt: ChatFormat, reasoning_open: bool) -> list[str]:
             [f"start: THINK {end} answer", f"THINK: {_ANY}"]
             if end.startswith("<[")
             else [
-                f"start: thought answer",
+                "start: thought answer",
                 f"thought[lazy]: /(.|\\n)*{_regex(fmt.reasoning[1])}/",
             ]
         )

@@ -79,7 +79,7 @@ class CalledFunction(RequestModel):
         except ValueError as exc:
             raise ValueError(f"must be JSON text: {exc}") from None
         if not isinstance(parsed, dict):
-            raise ValueError("must be a JSON object")
+            raise ValueError("must be a JSON object")  # noqa: TRY004 - pydantic reports ValueError
         return value
 
 

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -30,6 +32,7 @@ CHROMIUM_ARGS = [
 # web/api.js keeps the UI's settings under this localStorage key
 SETTINGS_KEY = "pagedchat.settings"
 REPLY_TIMEOUT_MS = 90_000
+SHORT = {"temperature": 0.0, "maxTokens": 16, "apiKey": ""}
 
 
 def browser_missing() -> str | None:
@@ -55,6 +58,37 @@ def chromium() -> Iterator[Any]:
             yield browser
         finally:
             browser.close()
+
+
+def browser_fixture() -> Any:
+    """A module-scoped pytest fixture yielding a headless Chromium; assign it to ``browser`` in the test
+    module. CI installs both (.ci/run, dev extras): missing is a failure, not a skip."""
+
+    @pytest.fixture(scope="module")
+    def _browser() -> Iterator[Any]:
+        if reason := browser_missing():
+            pytest.fail(reason)
+        with chromium() as browser:
+            yield browser
+
+    return _browser
+
+
+def open_page(
+    browser: Any, url: str, settings: dict[str, Any] | None = None, **context_options: Any
+) -> Any:
+    """A fresh browser context (its own localStorage) with the UI's settings stored, at ``url``, once the
+    composer has the focus; page errors are collected in ``page.errors``."""
+    context = browser.new_context(**context_options)
+    preset_settings(context, **(settings or SHORT))
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+    page.goto(url)
+    page.wait_for_function(
+        "() => document.querySelector('#composer-input') === document.activeElement"
+    )
+    return page
 
 
 def preset_settings(context: Any, **settings: Any) -> None:

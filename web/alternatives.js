@@ -12,10 +12,19 @@ const FINISHED = { stop: "complete", length: "cut at max tokens", abort: "stoppe
 // The stored conversation up to its last user message, as /v1/chat/completions takes it; null when the session
 // does not end with a reply.
 function messagesBeforeLastReply(session) {
-  const messages = session.messages.map((m) => ({ role: m.role, content: m.content }));
+  const messages = session.messages.map(requestMessage);
   if (!messages.length || messages[messages.length - 1].role !== "assistant") return null;
   messages.pop();
   return session.system ? [{ role: "system", content: session.system }, ...messages] : messages;
+}
+
+// A stored message as a request's history carries it: tool calls and the id a tool result answers kept (the
+// stored usage, timing and reasoning are not part of it).
+function requestMessage(m) {
+  const message = { role: m.role, content: m.content };
+  if (m.tool_calls) message.tool_calls = m.tool_calls;
+  if (m.tool_call_id) message.tool_call_id = m.tool_call_id;
+  return message;
 }
 
 // The panel of alternatives: one column per choice, filled from the stream's chunks (choices told apart by

@@ -3,8 +3,10 @@
 import { Alternatives } from "./alternatives.js";
 import { api, ApiError, loadSettings, readChunks } from "./api.js";
 import { renderInto } from "./markdown.js";
+import { Reasoning } from "./reasoning.js";
 import { Sidebar } from "./sidebar.js";
 import { Settings } from "./settings.js";
+import { ToolCalls } from "./tool_calls.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -66,7 +68,7 @@ function showSession(session) {
   el.systemView.hidden = !session.system;
   el.systemText.textContent = session.system || "";
   showSessionStats(session.stats);
-  el.messages.replaceChildren(...session.messages.map((m) => messageElement(m.role, m.content, m)));
+  el.messages.replaceChildren(...messageNodes(session.messages));
   updateButtons();
   scrollToEnd(true);
   el.input.focus();
@@ -89,22 +91,43 @@ function onSessionDeleted(id) {
 
 // ---- messages ---------------------------------------------------------------------------------------
 
+const ROLE_LABELS = { user: "You said:", assistant: "The model said:", tool: "A tool returned:" };
+
+// A stored conversation's elements: a tool-role message goes on the card of its call in the reply before it
+// (or stands alone when that reply has no call with its id).
+function messageNodes(messages) {
+  const nodes = [];
+  for (const m of messages) {
+    const last = nodes[nodes.length - 1];
+    if (m.role === "tool" && last && last.toolCalls && last.toolCalls.attachResult(m)) continue;
+    nodes.push(messageElement(m.role, m.content, m));
+  }
+  return nodes;
+}
+
 function messageElement(role, text, stored = null) {
   const node = $("message-template").content.firstElementChild.cloneNode(true);
   node.classList.add(role);
   node.dataset.role = role;
-  node.querySelector(".role-label").textContent = role === "user" ? "You said:" : "The model said:";
+  node.querySelector(".role-label").textContent = ROLE_LABELS[role] || `${role}:`;
   node.querySelector(".regenerate").addEventListener("click", regenerate);
   node.querySelector(".regenerate-alternatives").addEventListener("click", regenerateAlternatives);
   node.querySelector(".continue").addEventListener("click", continueReply);
   setText(node, text);
-  if (stored && role === "assistant") showStoredStats(node, stored);
+  if (stored && role === "assistant") showStoredReply(node, stored);
   return node;
 }
 
 function setText(node, text) {
-  node.dataset.text = text;
-  renderInto(node.querySelector(".content"), text);
+  node.dataset.text = text ?? ""; // a reply of only tool calls has content null
+  renderInto(node.querySelector(".content"), text ?? "");
+}
+
+function showStoredReply(node, message) {
+  new Reasoning(node).showStored(message);
+  node.toolCalls = new ToolCalls(node);
+  node.toolCalls.showStored(message.tool_calls);
+  showStoredStats(node, message);
 }
 
 function showStoredStats(node, message) {
@@ -300,6 +323,8 @@ function restoreAfterRefusal(undo) {
 
 async function readReply(response, turn, session) {
   const node = messageElement("assistant", "");
+  turn.reasoning = new Reasoning(node);
+  turn.toolCalls = node.toolCalls = new ToolCalls(node);
   const content = node.querySelector(".content");
   content.setAttribute("aria-live", "polite");
   content.setAttribute("aria-busy", "true"); // screen readers read the reply once, when it is complete
@@ -324,12 +349,16 @@ function handleChunk(chunk, turn, node) {
     turn.finishReason = chunk.choices[0].finish_reason;
   }
   const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-  if (!delta || !delta.content) return;
+  const calls = delta && delta.tool_calls && delta.tool_calls.length ? delta.tool_calls : null;
+  if (!delta || !(delta.content || delta.reasoning_content || calls)) return;
   if (turn.firstToken === null) {
-    turn.firstToken = performance.now();
-    setStatus("The model is replying…");
+    turn.firstToken = performance.now(); // the first token of any kind: thinking, answer or tool call
+    setStatus(delta.reasoning_content ? "The model is thinking…" : "The model is replying…");
   }
-  turn.text += delta.content;
+  if (delta.reasoning_content) turn.reasoning.append(delta.reasoning_content);
+  if ((delta.content || calls) && turn.reasoning.end()) setStatus("The model is replying…");
+  if (delta.content) turn.text += delta.content;
+  if (calls) turn.toolCalls.apply(calls);
   scheduleRender(node, turn);
 }
 
@@ -338,6 +367,7 @@ function scheduleRender(node, turn) {
   if (turn.frame) return;
   turn.frame = requestAnimationFrame(() => {
     turn.frame = null;
+    turn.reasoning.render();
     setText(node, turn.text);
     scrollToEnd();
   });
@@ -345,6 +375,8 @@ function scheduleRender(node, turn) {
 
 function finishReply(node, turn, stopped) {
   if (turn.frame) cancelAnimationFrame(turn.frame);
+  turn.reasoning.end();
+  turn.toolCalls.finish();
   setText(node, turn.text);
   const content = node.querySelector(".content");
   content.setAttribute("aria-busy", "false");
@@ -387,7 +419,7 @@ async function afterTurn(session) {
 }
 
 const titleFrom = (text) => {
-  const line = text.trim().split("\n")[0];
+  const line = (text || "").trim().split("\n")[0];
   return line.length > 48 ? `${line.slice(0, 47)}…` : line;
 };
 

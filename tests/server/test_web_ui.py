@@ -20,10 +20,10 @@ import pytest
 from tests.server_harness import RunningServer, running_server, server_fixture, wait_until_idle
 from tests.web_harness import (
     REPLY_TIMEOUT_MS,
-    browser_missing,
-    chromium,
+    SHORT,
+    browser_fixture,
     mark_replies_seen,
-    preset_settings,
+    open_page,
     record_reply_lengths,
     recorded_reply_lengths,
     send_message,
@@ -32,35 +32,9 @@ from tests.web_harness import (
 )
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
-SHORT = {"temperature": 0.0, "maxTokens": 16, "apiKey": ""}
 
 server = server_fixture()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    # CI installs both (.ci/run, dev extras): missing is a failure, not a skip
-    if reason := browser_missing():
-        pytest.fail(reason)
-    with chromium() as browser:
-        yield browser
-
-
-def open_page(
-    browser: Any, url: str, settings: dict[str, Any] | None = None, **context_options: Any
-) -> Any:
-    """A fresh browser context (its own localStorage) with the UI's settings stored, at ``url``; page errors
-    fail the test."""
-    context = browser.new_context(**context_options)
-    preset_settings(context, **(settings or SHORT))
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
-    page.goto(url)
-    page.wait_for_function(
-        "() => document.querySelector('#composer-input') === document.activeElement"
-    )
-    return page
+browser = browser_fixture()
 
 
 @pytest.fixture
@@ -94,6 +68,8 @@ def test_ui_is_served_at_root_without_a_build_step() -> None:
         "/api.js",
         "/markdown.js",
         "/alternatives.js",
+        "/reasoning.js",
+        "/tool_calls.js",
         "/vendor/marked/marked.esm.js",
         "/vendor/dompurify/purify.es.js",
     ]:

@@ -92,6 +92,8 @@ class Admission:
                 compiled = await self.engine.compile_structured_output(spec)
                 params = dataclasses.replace(params, structured_output=compiled)
             except ValueError as exc:
+                if spec.kind == "lark":  # (the grammar of a request's tools)
+                    exc = ValueError(str(exc).replace("response_format:", "tools:", 1))
                 raise APIError.from_value_error(exc) from None
             except EngineDeadError as exc:
                 raise EngineUnavailable(f"the engine is not running: {exc}") from None

@@ -38,15 +38,16 @@ async def chat_completions(request: Request) -> Response:
     if session_id := body.session_id or request.headers.get("x-session-id"):
         return await server.session_chat(request, server.sessions, body, session_id, arrival)
     replies, admission = server.replies, server.admission
-    prompt_ids = await replies.render_chat(body.messages, body.chat_template_kwargs)
+    prompt_ids, params, plan = await replies.prepare_chat(body)
     stream = await admission.submit(
         prompt_ids,
-        replies.sampling_params(body, len(prompt_ids)),
+        params,
         admission.cache_salt(request, body.cache_salt),
         arrival,
         request,
         body.priority,
     )
+    stream.reply_plan = plan
     return await replies.answer_chat(request, body, stream)
 
 

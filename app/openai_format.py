@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.chat_format.reply_parser import ReplyParser
 from engine.sample.sampler import TokenLogprobs
 from engine.output.outputs import Usage
 
@@ -103,14 +104,24 @@ def chat_choice_delta(
 
 def chat_choice_message(
     index: int,
-    text: str,
+    reply: ReplyParser,
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
     stop_reason: int | str | None,
 ) -> dict[str, Any]:
+    """A whole reply's message: its content (null when the reply is only tool calls, as OpenAI's), and its
+    reasoning and tool calls where it has them."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": reply.content if reply.content or not reply.calls else None,
+    }
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.calls:
+        message["tool_calls"] = [call.message_call() for call in reply.calls]
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,

@@ -5,6 +5,7 @@ logprob tokens, which outputs are worth a chunk)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app.chat_format import plan as chat_plan
+from app.chat_format.formats import ChatFormat
+from app.chat_format.plan import ReplyPlan, ToolUse
+from app.chat_format.reply_parser import ReplyDelta, ReplyParser
 from app.errors import APIError
 from app.openai_format import (
     ResponseHeader,
@@ -22,6 +27,7 @@ from app.openai_format import (
     samples_usage,
 )
 from app.prompts import NoTokenizer, PromptRenderer
+from app.protocol.completions import ChatCompletionRequest
 from app.protocol.messages import ChatMessage
 from app.protocol.sampling import SamplingFields
 from app.request_body import cancel_on_disconnect
@@ -41,6 +47,9 @@ class ReplyWriter:
     # the model's (app/generation_config.py)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_request_tokens: int = 0  # the most one request may buy (app/request_budget.py); 0: no limit
+    # the model's tool-call syntax and reasoning markers (None: no tokenizer)
+    chat_format: ChatFormat | None = None
+    chat_template: str | None = None
 
     async def answer_chat(
         self,
@@ -63,19 +72,18 @@ class ReplyWriter:
             "chat.completion", self.model_name, "chatcmpl", return_token_ids=body.return_token_ids
         )
         finals = await cancel_on_disconnect(request, stream.collect())
-        choices = [
-            header.choice_ids(
-                chat_choice_message(
-                    out.index,
-                    out.text,
-                    out.finish_reason,
-                    await self._chat_logprobs(out, whole=True),
-                    out.stop_reason,
-                ),
-                out.token_ids,
+        choices = []
+        for out in finals:
+            parser = self.reply_plan(stream).parser(f"{stream.request_id}:{out.index}")
+            parser.feed(out.text, final=True)
+            choice = chat_choice_message(
+                out.index,
+                parser,
+                _finish_reason(out, parser),
+                await self._chat_logprobs(out, whole=True),
+                out.stop_reason,
             )
-            for out in finals
-        ]
+            choices.append(header.choice_ids(choice, out.token_ids))
         answer = header.wrap(choices, samples_usage([out.usage for out in finals]))
         if stream.turn_pending:
             answer["session_turn"] = "pending"
@@ -93,12 +101,20 @@ class ReplyWriter:
         for index in range(stream.num_samples):
             yield header.wrap([chat_choice_delta(index, {"role": "assistant", "content": ""})])
         finals: dict[int, RequestOutput] = {}
+        plan, parsers = self.reply_plan(stream), {}
         async for out in stream:
             logprobs = await self._chat_logprobs(out, whole=False)
-            if self.worth_a_chunk(header, out, logprobs):
-                delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+            parser = parsers.get(out.index)
+            if parser is None:
+                parser = parsers[out.index] = plan.parser(f"{stream.request_id}:{out.index}")
+            parts = parser.feed(out.text_delta, final=out.finished)
+            if parts or self.worth_a_chunk(header, out, logprobs, text=False):
                 choice = chat_choice_delta(
-                    out.index, delta, out.finish_reason, logprobs, out.stop_reason
+                    out.index,
+                    _delta(parts, out.finished),
+                    _finish_reason(out, parser),
+                    logprobs,
+                    out.stop_reason,
                 )
                 yield header.wrap([header.choice_ids(choice, out.token_ids_delta)])
             if out.finished:
@@ -110,14 +126,60 @@ class ReplyWriter:
             yield {**header.wrap([]), "session_turn": "pending"}
 
     def worth_a_chunk(
-        self, header: ResponseHeader, out: RequestOutput, logprobs: dict[str, Any] | None
+        self,
+        header: ResponseHeader,
+        out: RequestOutput,
+        logprobs: dict[str, Any] | None,
+        text: bool = True,
     ) -> bool:
-        """Text, logprobs or the end; without a tokenizer (dummy weights), or with ``return_token_ids``, every new
-        token, so clients still see each one arrive."""
+        """Text (unless ``text`` is False: the caller decides on its own parts), logprobs or the end; without a
+        tokenizer (dummy weights), or with ``return_token_ids``, every new token, so clients still see each one
+        arrive."""
         tokens_shown = header.return_token_ids or not self.prompts.has_tokenizer
         return bool(
-            out.text_delta or logprobs or out.finished or (out.token_ids_delta and tokens_shown)
+            (text and out.text_delta)
+            or logprobs
+            or out.finished
+            or (out.token_ids_delta and tokens_shown)
         )
+
+    def reply_plan(self, stream: TimedStream) -> ReplyPlan:
+        """How the stream's text splits into reasoning, content and tool calls (its request's plan, or the
+        model's reasoning markers alone)."""
+        if stream.reply_plan is not None:
+            return stream.reply_plan
+        if self.chat_format is None:
+            return _PLAIN
+        return ReplyPlan(self.chat_format)
+
+    async def prepare_chat(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[int], SamplingParams, ReplyPlan]:
+        """A chat request's prompt, SamplingParams and reply plan: its tools rendered by the template (or
+        described in the system message), its reasoning switches, and the grammar of its tool calls."""
+        fmt = self.chat_format
+        try:
+            use = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+        if fmt is None:
+            ids = await self.render_chat(body.messages, body.chat_template_kwargs)
+            return ids, self.sampling_params(body, len(ids)), _PLAIN
+        messages = chat_plan.with_tool_instructions(
+            fmt, use, [m.as_template_message() for m in body.messages]
+        )
+        kwargs = chat_plan.template_kwargs(
+            fmt, self.chat_template, use, body.reasoning_effort, body.chat_template_kwargs
+        )
+        ids, text = await self._render(messages, kwargs)
+        params = self.sampling_params(body, len(ids))
+        plan = ReplyPlan(fmt, use.active, chat_plan.opens_reasoning(fmt, text))
+        if use.active:
+            spec = chat_plan.tool_grammar_spec(fmt, use, plan.reasoning_open)
+            params = dataclasses.replace(params, structured_output=spec)
+            if chat_plan.needs_special_tokens(fmt, use):
+                params.skip_special_tokens = False
+        return ids, params, plan
 
     async def _chat_logprobs(self, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
         entries = out.logprobs if whole else out.logprobs_delta
@@ -132,10 +194,14 @@ class ReplyWriter:
     async def render_chat(
         self, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
+        ids, _ = await self._render([m.as_template_message() for m in messages], template_kwargs)
+        return ids
+
+    async def _render(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None
+    ) -> tuple[list[int], str]:
         try:
-            return await self.prompts.chat(
-                [m.as_template_message() for m in messages], template_kwargs
-            )
+            return await self.prompts.chat_prompt(messages, template_kwargs)
         except NoTokenizer as exc:
             raise APIError.bad_request(
                 f"messages: {exc}".replace("prompt: ", ""), "messages"
@@ -164,3 +230,26 @@ class ReplyWriter:
             raise APIError.from_value_error(exc) from None
         check_request_tokens(body, prompt_lengths, params, self.max_request_tokens)
         return params
+
+
+_PLAIN = ReplyPlan(ChatFormat.plain())
+
+
+def _delta(parts: ReplyDelta, finished: bool) -> dict[str, Any]:
+    """OpenAI's ``delta`` of a chunk: reasoning, content and tool-call fragments (an empty content while the
+    reply goes on, so a client sees each chunk)."""
+    delta: dict[str, Any] = {}
+    if parts.reasoning:
+        delta["reasoning_content"] = parts.reasoning
+    if parts.content or not (finished or parts.reasoning or parts.tool_calls):
+        delta["content"] = parts.content
+    if parts.tool_calls:
+        delta["tool_calls"] = [call.chunk() for call in parts.tool_calls]
+    return delta
+
+
+def _finish_reason(out: RequestOutput, parser: ReplyParser) -> str | None:
+    """``tool_calls`` for a reply that ended by itself with calls (OpenAI's), else the engine's reason."""
+    if out.finish_reason == "stop" and parser.calls and out.stop_reason is None:
+        return "tool_calls"
+    return out.finish_reason

@@ -127,6 +127,13 @@ SERVER_OPTIONS = (
         choices=("auto", "none"),
     ),
     Option(
+        "tool_call_format",
+        "How the model writes tool calls: auto (read from its chat template), hermes (<tool_call> "
+        "blocks: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
+        "auto",
+        choices=("auto", "hermes", "llama3_json", "mistral"),
+    ),
+    Option(
         "preset_pin_share",
         "At most this share of the KV pool is pinned for preset prompts",
         "0.25",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from app.admission import Admission
 from app.background import BackgroundTasks
+from app.chat_format.formats import detect_chat_format
 from app.front import Front
 from app.generation_config import model_sampling_defaults
 from app.metrics import ServerMetrics
@@ -79,6 +80,8 @@ def build_serving(
         if settings.generation_config == "auto"
         else {}
     )
+    tokenizer = engine.prompt_tokenizer
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     replies = ReplyWriter(
         prompts,
         model_name,
@@ -86,6 +89,10 @@ def build_serving(
         settings.default_max_tokens,
         defaults,
         settings.max_request_tokens,
+        detect_chat_format(template, tokenizer, settings.tool_call_format)
+        if tokenizer is not None
+        else None,
+        template if isinstance(template, str) else None,
     )
     sessions = SessionService(
         store,

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.chat_format.formats import TOOL_CALL_FORMATS
 from app.server_options import LOG_LEVELS, SESSION_STORES
 from engine.config import EngineConfig
 
@@ -53,6 +54,8 @@ class ServerSettings:
     max_request_tokens: int = 262_144
     # auto: the model's generation_config.json sampling defaults; none: OpenAI's
     generation_config: str = "auto"
+    # the tool-call syntax: auto (from the chat template), hermes, llama3_json or mistral
+    tool_call_format: str = "auto"
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     # of which one key's own presets pin at most this share of the pool
     preset_pin_share_per_key: float = 0.05
@@ -117,6 +120,11 @@ class ServerSettings:
         _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(
             self.generation_config in ("auto", "none"), "generation_config", "must be auto or none"
+        )
+        _check(
+            self.tool_call_format in ("auto", *TOOL_CALL_FORMATS),
+            "tool_call_format",
+            f"must be auto or one of {', '.join(TOOL_CALL_FORMATS)}",
         )
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
         _check(

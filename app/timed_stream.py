@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from app.chat_format.plan import ReplyPlan
 from app.metrics import ServerMetrics
 from engine.output.outputs import RequestOutput
 from engine.request_stream import RequestStream
@@ -49,6 +50,8 @@ class TimedStream:
         # a session turn the store could not take in time: kept in memory, stored when the store is back (the
         # answer says so: "session_turn": "pending")
         self.turn_pending = False
+        # how the reply's text splits into reasoning, content and tool calls (app/chat_format/plan.py)
+        self.reply_plan: ReplyPlan | None = None
         self._end_task: asyncio.Task | None = None
 
     @property

@@ -2,11 +2,12 @@
 download): llama.cpp's tensor names and metadata keys, the Llama query/key rows in its interleaved rotary order,
 Gemma's norms stored as 1 + w, experts stacked per projection; matrices in a block format the gguf package can
 quantize (Q8_0, Q4_0, Q4_1, Q5_0), norms in F32; and a small byte-level tokenizer (256 byte tokens and a few
-control tokens). Also random raw blocks of every format the engine reads (K-quants included), for kernel
+control tokens) unless the caller gives a real one (``GGUFTokenizer``). Also random raw blocks of every format the engine reads (K-quants included), for kernel
 tests and benchmarks. Nothing here reads pagedchat's own GGUF code."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,20 +60,45 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
-def _tokens(vocab_size: int) -> tuple[list[str], list[int]]:
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """A byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata (token types are llama.cpp's: 1 normal,
+    3 control, 4 user-defined, 5 unused), and the chat template."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_token_id: int
+    eos_token_id: int
+    padding_token_id: int | None = None
+    pre: str = "default"
+    add_bos_token: bool | None = None
+    chat_template: str | None = None
+
+
+def byte_tokenizer(vocab_size: int) -> GGUFTokenizer:
+    """256 byte tokens, one merge ("a b") and control tokens up to ``vocab_size``."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    spelled = list(bytes_to_unicode().values()) + ["ab"]  # (one merge: "a b")
+    spelled = list(bytes_to_unicode().values()) + ["ab"]
     tokens = spelled + [f"<ctl{i}>" for i in range(vocab_size - len(spelled))]
-    return tokens, [1] * len(spelled) + [3] * (vocab_size - len(spelled))
+    kinds = [1] * len(spelled) + [3] * (vocab_size - len(spelled))
+    return GGUFTokenizer(tokens, kinds, ["a b"], bos_token_id=257, eos_token_id=258)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, block_type: str = "Q8_0") -> Path:
-    """``model`` (a transformers CausalLM of a family above, vocab >= 259) as a GGUF file at ``path``."""
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    block_type: str = "Q8_0",
+    tokenizer: GGUFTokenizer | None = None,
+) -> Path:
+    """``model`` (a transformers CausalLM of a family above, vocab >= 259) as a GGUF file at ``path``, with
+    ``tokenizer`` (default: ``byte_tokenizer``)."""
     cfg = model.config
     arch = ARCH[cfg.model_type]
     writer = GGUFWriter(str(path), arch)
     _metadata(writer, cfg, arch)
+    _tokenizer_metadata(writer, tokenizer or byte_tokenizer(cfg.vocab_size))
     qtype = GGMLQuantizationType[block_type]
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -142,14 +168,22 @@ def _metadata(writer: GGUFWriter, cfg, arch: str) -> None:
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    tokens, kinds = _tokens(cfg.vocab_size)
+
+
+def _tokenizer_metadata(writer: GGUFWriter, tokenizer: GGUFTokenizer) -> None:
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(kinds)
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(257)
-    writer.add_eos_token_id(258)
+    writer.add_tokenizer_pre(tokenizer.pre)
+    writer.add_token_list(tokenizer.tokens)
+    writer.add_token_types(tokenizer.token_types)
+    writer.add_token_merges(tokenizer.merges)
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    if tokenizer.padding_token_id is not None:
+        writer.add_pad_token_id(tokenizer.padding_token_id)
+    if tokenizer.add_bos_token is not None:
+        writer.add_add_bos_token(tokenizer.add_bos_token)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template)
 
 
 BLOCK_BYTES = {  # ggml's bytes per block

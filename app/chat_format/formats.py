@@ -56,6 +56,11 @@ class ChatFormat:
     # special token ids the detokenizer would hide (a marker among them needs skip_special_tokens=False)
     special_ids: frozenset[int] = frozenset()
 
+    @classmethod
+    def plain(cls) -> ChatFormat:
+        """No tokenizer (dummy weights): no markers; text stays content."""
+        return cls(SYNTAXES["hermes"], False, {}, None)
+
     def marker_is_special(self, marker: str) -> bool:
         return self.marker_ids.get(marker) in self.special_ids
 

@@ -9,9 +9,9 @@ held back until the next fragment says what it is.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import secrets
 import string
 from dataclasses import dataclass, field
 
@@ -66,18 +66,25 @@ class ParsedCall:
         }
 
 
-def new_call_id(fmt: ChatFormat) -> str:
-    """Mistral's templates take 9 letters and digits; others OpenAI's ``call_`` ids."""
+def call_id(fmt: ChatFormat, seed: str, number: int) -> str:
+    """The id of a reply's call ``number``, derived from the reply's ``seed`` (its request id and choice), so a
+    reply parsed twice (streamed, then stored with its session) names its calls the same. Mistral's templates
+    take 9 letters and digits; others OpenAI's ``call_`` ids."""
+    digest = hashlib.sha256(f"{seed}:{number}".encode()).digest()
     if fmt.tools.name == "mistral":
-        return "".join(secrets.choice(_ALNUM) for _ in range(9))
-    return f"call_{secrets.token_hex(12)}"
+        return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])
+    return f"call_{digest[:12].hex()}"
 
 
 class ReplyParser:
-    def __init__(self, fmt: ChatFormat, parse_tools: bool, reasoning_open: bool = False) -> None:
+    def __init__(
+        self, fmt: ChatFormat, parse_tools: bool, reasoning_open: bool = False, seed: str = ""
+    ) -> None:
         """``parse_tools``: the request offered tools (tool_choice not none); ``reasoning_open``: the prompt ends
-        inside the model's reasoning (its generation prompt opened ``<think>``)."""
+        inside the model's reasoning (its generation prompt opened ``<think>``); ``seed``: what the calls' ids
+        derive from (call_id)."""
         self._fmt = fmt
+        self._seed = seed
         self._tools = parse_tools
         self._stage = "reasoning" if reasoning_open and fmt.reasoning else "start"
         self._pending = ""  # text not yet given to a stage
@@ -178,7 +185,7 @@ class ReplyParser:
                     self._pending = self._pending[start:]
                     return
                 name = json.loads(f'"{head.group(1)}"')
-                call = ParsedCall(new_call_id(self._fmt), name)
+                call = ParsedCall(call_id(self._fmt, self._seed, len(self.calls)), name)
                 self.calls.append(call)
                 out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, "", call.id, name))
                 self._pending = self._pending[head.end() :]

@@ -113,7 +113,9 @@ def _call_body(tools: list[Tool], arguments_key: str) -> str:
             "type": "object",
             "properties": {
                 "name": {"const": tool.function.name},
-                arguments_key: tool.function.parameters_schema(),
+                arguments_key: closed(tool.function.parameters_schema())
+                if tool.function.strict is not False
+                else tool.function.parameters_schema(),
             },
             "required": ["name", arguments_key],
             "additionalProperties": False,
@@ -121,6 +123,32 @@ def _call_body(tools: list[Tool], arguments_key: str) -> str:
         for tool in tools
     ]
     return json.dumps({"x-guidance": _LAYOUT, "anyOf": variants}, ensure_ascii=True)
+
+
+_NESTED = ("properties", "$defs", "definitions", "patternProperties")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and says nothing
+    of others (OpenAI's strict mode): a call's arguments are the ones its function names, not inventions."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _NESTED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = closed(out[key])
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _piece(fmt: ChatFormat, text: str) -> str:

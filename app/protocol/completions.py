@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from app.protocol.fields import MAX_MESSAGES, Count, NumLogprobs, NumSamples, Text, TokenId
 from app.protocol.messages import ChatMessage
 from app.protocol.sampling import SamplingFields
+from app.protocol.tools import MAX_TOOLS, Tool, ToolChoice
 
 
 # what the chat template is called with by the server itself: a request may not set these through
@@ -49,10 +50,21 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[dict[str, Any]] | None = Field(
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        default=None, description="functions the model may call (their parameters as JSON Schemas)"
+    )
+    tool_choice: ToolChoice | None = Field(
         default=None,
-        json_schema_extra={"maxItems": 0},
-        description="not supported: a request with tools gets 400",
+        description="none, auto (the default with tools), required, or a named function; a call's "
+        "arguments always follow its schema (grammar-constrained)",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="several calls in one reply (default true)"
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        default=None,
+        description="for reasoning models: none or minimal turns thinking off where the template "
+        "can (Qwen3's enable_thinking); the value also reaches the template",
     )
     session_id: str | None = Field(
         default=None,
@@ -63,8 +75,12 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools: not supported (no tool calling)")
+        fmt = self.response_format
+        if self.tools and self.tool_choice != "none" and fmt is not None and fmt.type != "text":
+            raise ValueError(
+                "response_format: cannot be combined with tools (a tool call's arguments are "
+                'already constrained); use tool_choice "none" or leave one out'
+            )
         if self.session_id is not None and not self.session_id:
             raise ValueError(
                 "session_id: empty; leave it out for a stateless request, or give a session's id"

@@ -104,10 +104,10 @@ FAMILIES = {
 PROMPTS = [[5, 17, 200, 3, 9], list(range(30, 90)), [7] * 23]
 
 
-def tiny_hf_model(family: str):
+def tiny_hf_model(family: str, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**TINY, **FAMILIES[family]}
+    spec = {**TINY, **FAMILIES[family], **overrides}
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

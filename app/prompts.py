@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.chat_template import chat_prompt_ids, render_chat
+from engine.chat_template import chat_prompt_ids
 
 T = TypeVar("T")
 
@@ -33,19 +33,12 @@ class PromptRenderer:
         return self._tokenizer is not None
 
     async def chat(
-        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ending with the assistant's
         generation prompt; ``template_kwargs`` are extra template variables (e.g. Qwen3's enable_thinking)."""
         self._require()
         return await self._run(self._render_chat, messages, template_kwargs or {})
-
-    async def chat_prompt(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
-    ) -> tuple[list[int], str]:
-        """``chat``'s token ids and the rendered text's end (where a generation prompt may open reasoning)."""
-        self._require()
-        return await self._run(self._render_chat_text, messages, template_kwargs or {})
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(self._require().encode, text, add_special_tokens=add_special_tokens)
@@ -79,9 +72,10 @@ class PromptRenderer:
             return [f"token_id:{token_id}" for token_id in token_ids]
         return [self._tokenizer.decode([token_id]) for token_id in token_ids]
 
-    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(tokenizer, *args)`` on the tokenizer thread (for multi-step work such as app/conversation.py)."""
-        return await self._run(fn, self._require(), *args)
+    async def in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(tokenizer, *args, **kwargs)`` on the tokenizer thread (for multi-step work such as
+        app/sessions/conversation.py)."""
+        return await self._run(fn, self._require(), *args, **kwargs)
 
     def _require(self) -> Any:
         if self._tokenizer is None:
@@ -98,13 +92,6 @@ class PromptRenderer:
         self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]
     ) -> list[int]:
         return chat_prompt_ids(self._tokenizer, messages, **template_kwargs)
-
-    def _render_chat_text(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]
-    ) -> tuple[list[int], str]:
-        text = render_chat(self._tokenizer, messages, True, **template_kwargs)
-        ids = self._tokenizer.encode(text, add_special_tokens=False) if text else []
-        return ids, text[-64:]
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

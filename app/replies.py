@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.chat_format import plan as chat_plan
 from app.chat_format.formats import ChatFormat
-from app.chat_format.plan import ReplyPlan, ToolUse
+from app.chat_format.plan import ChatSetup, ReplyPlan, ToolUse
 from app.chat_format.reply_parser import ReplyDelta, ReplyParser
 from app.errors import APIError
 from app.openai_format import (
@@ -157,29 +157,48 @@ class ReplyWriter:
     ) -> tuple[list[int], SamplingParams, ReplyPlan]:
         """A chat request's prompt, SamplingParams and reply plan: its tools rendered by the template (or
         described in the system message), its reasoning switches, and the grammar of its tool calls."""
-        fmt = self.chat_format
+        setup = self.chat_setup(body)
+        messages = chat_plan.with_instructions(
+            setup, [m.as_template_message() for m in body.messages]
+        )
+        ids = await self._render(messages, setup.kwargs)
+        params, plan = await self.constrain(self.sampling_params(body, len(ids)), setup, ids)
+        return ids, params, plan
+
+    def chat_setup(self, body: ChatCompletionRequest) -> ChatSetup:
+        """400 naming the field for a tool choice the tools cannot meet."""
         try:
             use = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
+        return chat_plan.chat_setup(
+            self.chat_format,
+            self.chat_template,
+            use,
+            body.reasoning_effort,
+            body.chat_template_kwargs,
+        )
+
+    async def constrain(
+        self, params: SamplingParams, setup: ChatSetup, prompt_ids: list[int]
+    ) -> tuple[SamplingParams, ReplyPlan]:
+        """``params`` with the grammar of the setup's tool calls, and the reply's plan (whether the prompt ends
+        inside the model's reasoning: its last tokens' text says)."""
+        fmt = self.chat_format
         if fmt is None:
-            ids = await self.render_chat(body.messages, body.chat_template_kwargs)
-            return ids, self.sampling_params(body, len(ids)), _PLAIN
-        messages = chat_plan.with_tool_instructions(
-            fmt, use, [m.as_template_message() for m in body.messages]
-        )
-        kwargs = chat_plan.template_kwargs(
-            fmt, self.chat_template, use, body.reasoning_effort, body.chat_template_kwargs
-        )
-        ids, text = await self._render(messages, kwargs)
-        params = self.sampling_params(body, len(ids))
-        plan = ReplyPlan(fmt, use.active, chat_plan.opens_reasoning(fmt, text))
-        if use.active:
-            spec = chat_plan.tool_grammar_spec(fmt, use, plan.reasoning_open)
+            if setup.use.active:
+                raise APIError.bad_request(
+                    "tools: this model has no tokenizer (dummy weights)", "tools"
+                )
+            return params, _PLAIN
+        tail = await self.prompts.decode(prompt_ids[-8:]) if fmt.reasoning else ""
+        plan = ReplyPlan(fmt, setup.use.active, chat_plan.opens_reasoning(fmt, tail))
+        if setup.use.active:
+            spec = chat_plan.tool_grammar_spec(fmt, setup.use, plan.reasoning_open)
             params = dataclasses.replace(params, structured_output=spec)
-            if chat_plan.needs_special_tokens(fmt, use):
+            if chat_plan.needs_special_tokens(fmt, setup.use):
                 params.skip_special_tokens = False
-        return ids, params, plan
+        return params, plan
 
     async def _chat_logprobs(self, out: RequestOutput, whole: bool) -> dict[str, Any] | None:
         entries = out.logprobs if whole else out.logprobs_delta
@@ -194,14 +213,13 @@ class ReplyWriter:
     async def render_chat(
         self, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
-        ids, _ = await self._render([m.as_template_message() for m in messages], template_kwargs)
-        return ids
+        return await self._render([m.as_template_message() for m in messages], template_kwargs)
 
     async def _render(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None
-    ) -> tuple[list[int], str]:
+    ) -> list[int]:
         try:
-            return await self.prompts.chat_prompt(messages, template_kwargs)
+            return await self.prompts.chat(messages, template_kwargs)
         except NoTokenizer as exc:
             raise APIError.bad_request(
                 f"messages: {exc}".replace("prompt: ", ""), "messages"

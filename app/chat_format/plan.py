@@ -81,12 +81,34 @@ def template_kwargs(
     return kwargs
 
 
-def with_tool_instructions(
-    fmt: ChatFormat, use: ToolUse, messages: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """For a template that does not render tools: the tools and the call syntax, said in the system message."""
+@dataclass(frozen=True, slots=True)
+class ChatSetup:
+    """A chat request's tools and the template's variables: what its prompt renders with."""
+
+    use: ToolUse
+    kwargs: dict[str, Any]
+    # the tools and their syntax, said in the system message (a template that renders no tools)
+    instructions: str | None = None
+
+
+def chat_setup(
+    fmt: ChatFormat | None,
+    template: str | None,
+    use: ToolUse,
+    effort: str | None,
+    given: dict[str, Any] | None,
+) -> ChatSetup:
+    if fmt is None:
+        return ChatSetup(use, dict(given or {}))
+    return ChatSetup(
+        use, template_kwargs(fmt, template, use, effort, given), tool_instructions(fmt, use)
+    )
+
+
+def tool_instructions(fmt: ChatFormat, use: ToolUse) -> str | None:
+    """For a template that does not render tools: the tools and the call syntax, for the system message."""
     if not use.active or fmt.renders_tools:
-        return messages
+        return None
     syntax = fmt.tools
     example = f'{{"name": <function name>, "{syntax.arguments_key}": <arguments as a JSON object>}}'
     how = {
@@ -95,7 +117,14 @@ def with_tool_instructions(
         "mistral": f"write [TOOL_CALLS][{example}, ...]",
     }[syntax.name]
     listed = "\n".join(json.dumps(t.template_tool()["function"]) for t in use.tools)
-    text = f"You can call these functions. To call one, {how}.\nFunctions:\n{listed}"
+    return f"You can call these functions. To call one, {how}.\nFunctions:\n{listed}"
+
+
+def with_instructions(setup: ChatSetup, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the setup's tool instructions at the end of the system message (or as one)."""
+    text = setup.instructions
+    if text is None:
+        return messages
     if messages and messages[0]["role"] == "system":
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
         return [first, *messages[1:]]

@@ -30,6 +30,10 @@ class _Message(RequestModel):
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": self.text()}
 
+    def as_stored_message(self) -> dict[str, Any]:
+        """As a session keeps it: OpenAI's shape (a call's arguments as JSON text)."""
+        return self.as_template_message()
+
 
 class InputMessage(_Message):
     role: Literal["system", "developer", "user"]
@@ -49,6 +53,14 @@ class AssistantMessage(_Message):
         message = super().as_template_message()
         if self.tool_calls:
             message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
+
+    def as_stored_message(self) -> dict[str, Any]:
+        message = super().as_template_message()
+        if self.tool_calls:
+            message["tool_calls"] = [call.stored() for call in self.tool_calls]
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
         return message

@@ -6,12 +6,14 @@ which every session route does first."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.chat_format.plan import ChatSetup, ToolUse
 from app.errors import APIError
 from app.protocol.completions import ChatCompletionRequest
 from app.protocol.sampling import SamplingFields
@@ -19,8 +21,15 @@ from app.protocol.sessions import SessionMessageRequest
 from app.request_body import read_model
 from app.sessions.service import SessionService
 from app.sessions.presets import check_system
+from app.timed_stream import TimedStream
 from app.sessions.store import Session, SessionStoreUnavailable, is_session_id
-from app.sessions.turns import TurnPlan, TurnRecorder, plan_regeneration, plan_turn
+from app.sessions.turns import (
+    TurnPlan,
+    TurnRecorder,
+    TurnTemplate,
+    plan_regeneration,
+    plan_turn,
+)
 
 _TITLE_CHARS = 60
 
@@ -79,8 +88,9 @@ async def chat_in_session(
     messages; the server supplies the history. A well-formed id nobody has starts a new session, atomically: of
     concurrent first turns one creates it, the others find it busy (409)."""
     _check_one_reply(body)
+    setup = service.replies.chat_setup(body)
     owner = service.admission.tenant(request)
-    new = [m.as_template_message() for m in body.messages]
+    new = [m.as_stored_message() for m in body.messages]
     if not is_session_id(session_id):
         raise APIError(
             404,
@@ -109,7 +119,7 @@ async def chat_in_session(
                 if await service.store.get(session_id, owner)
                 else not_found(session_id)
             )
-    return await run_turn(request, service, session, new, body, arrival, token)
+    return await run_turn(request, service, session, new, body, arrival, token, setup)
 
 
 def _check_one_reply(body: SamplingFields) -> None:
@@ -133,8 +143,12 @@ def _check_turn_messages(new: list[dict[str, Any]]) -> None:
         raise APIError.bad_request(
             "messages: a session's system prompt is set when the session starts", "messages"
         )
-    if not new or new[-1]["role"] != "user":
-        raise APIError.bad_request("messages: must end with the user's new message", "messages")
+    if not new or new[-1]["role"] not in ("user", "tool"):
+        raise APIError.bad_request(
+            "messages: must end with the user's new message (or the results of the reply's tool "
+            "calls)",
+            "messages",
+        )
 
 
 async def _lock(service: SessionService, session_id: str) -> str:
@@ -167,17 +181,39 @@ async def run_turn(
     body: SamplingFields,
     arrival: float,
     token: str,
+    setup: ChatSetup | None = None,
 ) -> Response:
+    """The turn (start_turn), answered as a chat completion."""
+    stream = await start_turn(request, service, session, new, body, arrival, token, setup)
+    return await service.replies.answer_chat(
+        request, body, stream, headers={"X-Session-ID": session.id}
+    )
+
+
+async def start_turn(
+    request: Request,
+    service: SessionService,
+    session: Session,
+    new: list[dict[str, Any]] | None,
+    body: SamplingFields,
+    arrival: float,
+    token: str,
+    setup: ChatSetup | None = None,
+) -> TimedStream:
     """The turn, holding the session's lock (``token``): planned on the session as stored now, submitted, and
-    recorded when its stream ends."""
+    recorded when its stream ends (the stream carries its reply plan). ``new``: stored-shape messages (None:
+    regenerate); ``setup``: a chat request's tools and template variables."""
+    setup = setup or ChatSetup(ToolUse(), {})
     try:
         await service.outbox.flush_session(session.id)
         # fresh, under the lock
         session = await service.store.get(session.id, session.owner) or session
         if new is not None:
             _check_size(service, session, new)
-        plan = await _plan(service, session, new)
-        params = service.replies.sampling_params(body, len(plan.prompt_ids))
+        plan = await _plan(service, session, new, TurnTemplate(setup.kwargs, setup.instructions))
+        params, reply_plan = await service.replies.constrain(
+            service.replies.sampling_params(body, len(plan.prompt_ids)), setup, plan.prompt_ids
+        )
         admission = service.admission
         stream = await admission.submit(
             plan.prompt_ids,
@@ -190,17 +226,16 @@ async def run_turn(
     except BaseException:
         await _unlock_quietly(service, session.id, token)
         raise
+    stream.reply_plan = reply_plan
     if not session.title and new:
         await service.store.set_title(session.id, session.owner, _title(new[-1]["content"]))
     TurnRecorder(service, session, plan, token).start(stream)
-    return await service.replies.answer_chat(
-        request, body, stream, headers={"X-Session-ID": session.id}
-    )
+    return stream
 
 
 def _check_size(service: SessionService, session: Session, new: list[dict[str, Any]]) -> None:
     cap = service.limits.max_session_bytes
-    size = session.stored_bytes() + sum(len(m["content"].encode()) for m in new)
+    size = session.stored_bytes() + sum(len(json.dumps(m, ensure_ascii=False)) for m in new)
     if size > cap:
         raise APIError(
             400,
@@ -212,10 +247,13 @@ def _check_size(service: SessionService, session: Session, new: list[dict[str, A
 
 
 async def _plan(
-    service: SessionService, session: Session, new: list[dict[str, Any]] | None
+    service: SessionService,
+    session: Session,
+    new: list[dict[str, Any]] | None,
+    template: TurnTemplate,
 ) -> TurnPlan:
     if new is not None:
-        return await plan_turn(service, session, new)
+        return await plan_turn(service, session, new, template)
     try:
         return plan_regeneration(session)
     except ValueError as exc:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.sessions.service import SessionService
@@ -32,38 +33,106 @@ class TurnPlan:
     prompt_ids: list[int]
     # the session's messages before the reply (new user input included)
     messages: list[dict[str, Any]]
+    # the template's variables for this turn (tools, enable_thinking), stored with the reply
+    template: dict[str, Any] = field(default_factory=dict)
 
 
-def template_history(session: Session) -> list[dict[str, str]]:
-    head = [{"role": "system", "content": session.system}] if session.system is not None else []
-    return head + [{"role": m["role"], "content": m["content"]} for m in session.messages]
+@dataclass(frozen=True, slots=True)
+class TurnTemplate:
+    """How this turn renders: the template's variables and any tool instructions the system message carries
+    (for a template that renders no tools)."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    instructions: str | None = None
+
+    def key(self) -> dict[str, Any]:
+        return {**self.kwargs, "instructions": self.instructions} if self else {}
+
+    def __bool__(self) -> bool:
+        return bool(self.kwargs or self.instructions)
+
+
+_TEMPLATE_FIELDS = ("tool_calls", "tool_call_id", "reasoning_content")
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A stored message as the chat template takes it (a call's arguments as a mapping)."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    for name in _TEMPLATE_FIELDS:
+        if message.get(name):
+            out[name] = message[name]
+    if "tool_calls" in out:
+        out["tool_calls"] = [_template_call(call) for call in out["tool_calls"]]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    try:
+        arguments = json.loads(function["arguments"] or "{}")
+    except ValueError:  # (a call cut by max_tokens)
+        arguments = {}
+    return {**call, "function": {"name": function["name"], "arguments": arguments}}
+
+
+def template_history(
+    session: Session, template: TurnTemplate | None = None
+) -> list[dict[str, Any]]:
+    system = session.system
+    if template is not None and template.instructions:
+        system = f"{system}\n\n{template.instructions}" if system else template.instructions
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return head + [template_message(m) for m in session.messages]
 
 
 async def plan_turn(
-    service: SessionService, session: Session, new: list[dict[str, Any]]
+    service: SessionService,
+    session: Session,
+    new: list[dict[str, Any]],
+    template: TurnTemplate | None = None,
 ) -> TurnPlan:
-    """The prompt for ``new`` messages (ending with a user message) after the session's history."""
-    new_template = [{"role": m["role"], "content": m["content"]} for m in new]
-    eos = service.engine.info.eos_token_ids
-    history = template_history(session)
+    """The prompt for ``new`` messages (ending with a user or tool message) after the session's history: an exact
+    extension of the stored ids where the template allows, else of the last turn's prompt, else a new render."""
+    template = template or TurnTemplate()
+    new_template = [template_message(m) for m in new]
+    history = template_history(session, template)
+    render = service.prompts.in_thread
+    kwargs = template.kwargs
+    system = history[0]["content"] if history and history[0]["role"] == "system" else None
+    last = _last_reply(session)
+    same = last is not None and last.get("template", {}) == template.key()
+    ids = None
     try:
         if not session.token_ids:
-            ids = await service.prompts.in_thread(
-                conversation.first_turn_ids, session.system, new_template
+            ids = await render(conversation.first_turn_ids, system, new_template, **kwargs)
+        elif same:
+            eos = service.engine.info.eos_token_ids
+            ids = await render(
+                conversation.next_turn_ids, session.token_ids, history, new_template, eos, **kwargs
             )
-        else:
-            ids = await service.prompts.in_thread(
-                conversation.next_turn_ids, session.token_ids, history, new_template, eos
+    except conversation.NotAnExtension:
+        pass
+    if ids is None and same and "usage" in last:
+        prompt = session.token_ids[: last["usage"]["prompt_tokens"]]
+        with contextlib.suppress(conversation.NotAnExtension):
+            ids = await render(
+                conversation.after_last_prompt, prompt, history, new_template, **kwargs
             )
-    except conversation.NotAnExtension as exc:
-        logger.warning(
-            "session %s: %s; re-rendering the whole conversation (fewer prefix-cache hits)",
+    if ids is None:
+        logger.info(
+            "session %s: re-rendering the whole conversation (the template or its variables changed)",
             session.id,
-            exc,
         )
-        ids = await service.prompts.in_thread(conversation.full_render_ids, history + new_template)
+        ids = await render(conversation.full_render_ids, history + new_template, **kwargs)
     now = time.time()
-    return TurnPlan(ids, session.messages + [{**m, "created_at": now} for m in new])
+    return TurnPlan(ids, session.messages + [{**m, "created_at": now} for m in new], template.key())
+
+
+def _last_reply(session: Session) -> dict[str, Any] | None:
+    for message in reversed(session.messages):
+        if message.get("role") == "assistant":
+            return message
+    return None
 
 
 def plan_regeneration(session: Session) -> TurnPlan:
@@ -71,7 +140,11 @@ def plan_regeneration(session: Session) -> TurnPlan:
     last = session.messages[-1] if session.messages else None
     if last is None or last.get("role") != "assistant" or "usage" not in last:
         raise ValueError("regenerate: the session has no reply to regenerate")
-    return TurnPlan(session.token_ids[: last["usage"]["prompt_tokens"]], session.messages[:-1])
+    return TurnPlan(
+        session.token_ids[: last["usage"]["prompt_tokens"]],
+        session.messages[:-1],
+        last.get("template", {}),
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -156,9 +229,11 @@ class TurnRecorder:
         finished = out is not None and out.finished
         completion = out.token_ids if out is not None else []
         cut = "error" if stream.failure is not None else "abort"
+        parser = self.service.replies.reply_plan(stream).parser(f"{stream.request_id}:0")
+        parser.feed(out.text if out is not None else "", final=True)
         reply = {
             "role": "assistant",
-            "content": out.text if out is not None else "",
+            "content": parser.content,
             "created_at": now,
             "finish_reason": out.finish_reason if finished else cut,
             "usage": {
@@ -168,6 +243,14 @@ class TurnRecorder:
             },
             "timing": _timing(stream, len(completion)),
         }
+        if parser.reasoning:
+            reply["reasoning_content"] = parser.reasoning
+        if parser.calls:
+            reply["tool_calls"] = [call.message_call() for call in parser.calls]
+            if reply["finish_reason"] == "stop":
+                reply["finish_reason"] = "tool_calls"
+        if self.plan.template:
+            reply["template"] = self.plan.template
         session = self.session
         session.messages = self.plan.messages + [reply]
         session.token_ids = self.plan.prompt_ids + completion

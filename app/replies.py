@@ -158,9 +158,10 @@ class ReplyWriter:
         """A chat request's prompt, SamplingParams and reply plan: its tools rendered by the template (or
         described in the system message), its reasoning switches, and the grammar of its tool calls."""
         setup = self.chat_setup(body)
-        messages = chat_plan.with_instructions(
-            setup, [m.as_template_message() for m in body.messages]
-        )
+        messages = [m.as_template_message() for m in body.messages]
+        if self.chat_format is not None:
+            messages = chat_plan.calls_as_text(self.chat_format, messages)
+        messages = chat_plan.with_instructions(setup, messages)
         ids = await self._render(messages, setup.kwargs)
         params, plan = await self.constrain(self.sampling_params(body, len(ids)), setup, ids)
         return ids, params, plan

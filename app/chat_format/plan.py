@@ -120,6 +120,35 @@ def tool_instructions(fmt: ChatFormat, use: ToolUse) -> str | None:
     return f"You can call these functions. To call one, {how}.\nFunctions:\n{listed}"
 
 
+def calls_as_text(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that knows no tool calls: each assistant message's calls written into its content in the
+    format's syntax (what the model wrote), so the history shows them."""
+    if fmt.renders_tools or not any(m.get("tool_calls") for m in messages):
+        return messages
+    syntax = fmt.tools
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(message)
+            continue
+        bodies = [
+            json.dumps(
+                {"name": c["function"]["name"], syntax.arguments_key: c["function"]["arguments"]},
+                ensure_ascii=False,
+            )
+            for c in calls
+        ]
+        if syntax.name == "mistral":
+            text = f"{syntax.opener}[{syntax.separator.join(bodies)}{syntax.closer}"
+        else:
+            text = syntax.separator.join(f"{syntax.opener}{b}{syntax.closer}" for b in bodies)
+        plain = {k: v for k, v in message.items() if k != "tool_calls"}
+        plain["content"] = (message.get("content") or "") + text
+        out.append(plain)
+    return out
+
+
 def with_instructions(setup: ChatSetup, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the setup's tool instructions at the end of the system message (or as one)."""
     text = setup.instructions

@@ -210,7 +210,12 @@ async def start_turn(
         session = await service.store.get(session.id, session.owner) or session
         if new is not None:
             _check_size(service, session, new)
-        plan = await _plan(service, session, new, TurnTemplate(setup.kwargs, setup.instructions))
+        plan = await _plan(
+            service,
+            session,
+            new,
+            TurnTemplate(setup.kwargs, setup.instructions, service.replies.chat_format),
+        )
         params, reply_plan = await service.replies.constrain(
             service.replies.sampling_params(body, len(plan.prompt_ids)), setup, plan.prompt_ids
         )

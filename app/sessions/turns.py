@@ -18,6 +18,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.chat_format.formats import ChatFormat
+from app.chat_format.plan import calls_as_text
 from app.sessions.service import SessionService
 from app.timed_stream import TimedStream
 from app.sessions import conversation
@@ -44,6 +46,13 @@ class TurnTemplate:
 
     kwargs: dict[str, Any] = field(default_factory=dict)
     instructions: str | None = None
+    # the model's format: calls written as text for a template that knows none (not part of the key)
+    fmt: ChatFormat | None = None
+
+    def messages(self, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Stored messages as this turn's template takes them."""
+        out = [template_message(m) for m in stored]
+        return calls_as_text(self.fmt, out) if self.fmt is not None else out
 
     def key(self) -> dict[str, Any]:
         return {**self.kwargs, "instructions": self.instructions} if self else {}
@@ -82,7 +91,7 @@ def template_history(
     if template is not None and template.instructions:
         system = f"{system}\n\n{template.instructions}" if system else template.instructions
     head = [{"role": "system", "content": system}] if system is not None else []
-    return head + [template_message(m) for m in session.messages]
+    return head + (template or TurnTemplate()).messages(session.messages)
 
 
 async def plan_turn(
@@ -94,7 +103,7 @@ async def plan_turn(
     """The prompt for ``new`` messages (ending with a user or tool message) after the session's history: an exact
     extension of the stored ids where the template allows, else of the last turn's prompt, else a new render."""
     template = template or TurnTemplate()
-    new_template = [template_message(m) for m in new]
+    new_template = template.messages(new)
     history = template_history(session, template)
     render = service.prompts.in_thread
     kwargs = template.kwargs

@@ -20,7 +20,7 @@ from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import openai_api, tokenize_api
+from app import openai_api, responses_api, tokenize_api
 from app.access_log import AccessLog
 from app.errors import (
     APIError,
@@ -76,6 +76,7 @@ OPERATIONS = [
     Operation("/ping", "GET", "As /health"),
     Operation("/version", "GET", "The server's version"),
     *tokenize_api.OPERATIONS,
+    *responses_api.OPERATIONS,
     Operation(
         "/metrics", "GET", "Prometheus metrics (text exposition format)", content_type="text/plain"
     ),
@@ -92,6 +93,7 @@ def create_app(settings: ServerSettings | None = None, front: Front | None = Non
     settings = settings or ServerSettings()
     routes = [
         *openai_api.routes,
+        *responses_api.routes,
         *sessions_api.routes,
         *presets.routes,
         *tokenize_api.routes,

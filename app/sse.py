@@ -30,10 +30,14 @@ _PING_S = 15  # keeps proxies from closing a stream that is waiting in the queue
 
 
 def sse_response(
-    chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None
+    chunks: AsyncIterator[dict[str, Any]],
+    headers: dict[str, str] | None = None,
+    named: bool = False,
 ) -> EventStream:
+    """``named``: each event also has an ``event:`` line, its chunk's ``type`` (the Responses API's events),
+    and the stream ends without ``[DONE]``."""
     return EventStream(
-        _events(chunks),
+        _events(chunks, named),
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
     )
 
@@ -93,28 +97,33 @@ class EventStream(StreamingResponse):
                 return
 
 
-async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _events(
+    chunks: AsyncIterator[dict[str, Any]], named: bool = False
+) -> AsyncIterator[bytes]:
     """Encoded events: sse-starlette sends bytes as they are, which spares building an event object per token
     (a JSON text holds no raw line break, so one ``data:`` line carries it)."""
+    error = "error" if named else None
     try:
         async for chunk in chunks:
-            yield _event(dumps(chunk))
+            yield _event(dumps(chunk), chunk.get("type") if named else None)
     except APIError as exc:
-        yield _event(dumps(exc.body()))
+        yield _event(dumps(exc.body()), error)
     except EngineDeadError as exc:
-        yield _event(dumps(EngineUnavailable(f"the engine stopped: {exc}").body()))
+        yield _event(dumps(EngineUnavailable(f"the engine stopped: {exc}").body()), error)
     except RequestFailedError as exc:  # this request only: the engine and the other streams run on
         yield _event(
-            dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body())
+            dumps(APIError(500, f"the request failed: {exc}", code="request_failed").body()), error
         )
     except Exception as exc:
         logger.exception("stream failed")
-        yield _event(dumps(APIError(500, f"internal error: {exc!r}").body()))
-    yield _event(b"[DONE]")
+        yield _event(dumps(APIError(500, f"internal error: {exc!r}").body()), error)
+    if not named:
+        yield _event(b"[DONE]")
 
 
-def _event(data: bytes) -> bytes:
-    return b"data: " + data + b"\n\n"
+def _event(data: bytes, name: str | None = None) -> bytes:
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + data + b"\n\n"
 
 
 def dumps(value: Any) -> bytes:

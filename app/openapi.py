@@ -35,6 +35,7 @@ _PATH_PARAM = re.compile(r"{([a-z_]+)}")
 # what each path parameter looks like (anything else is a 404)
 PATH_PARAMS = {
     "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
+    "response_id": {"type": "string", "pattern": "^resp_[A-Za-z0-9_-]{1,64}$"},
     "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
     "model_id": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"},
 }

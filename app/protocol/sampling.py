@@ -200,7 +200,7 @@ class SamplingFields(RequestModel):
         if room < 1 or (max_tokens is not None and max_tokens > room):
             wanted = f", {max_tokens} in the completion" if max_tokens is not None else ""
             raise ValueError(
-                f"{'max_tokens' if room >= 1 else self.prompt_field()}: this model's maximum context length "
+                f"{self.max_tokens_field() if room >= 1 else self.prompt_field()}: this model's maximum context length "
                 f"is {max_model_len} tokens; the request has {num_prompt_tokens} in the prompt{wanted}"
             )
         if max_tokens is None:  # a bare request must not hold a slot for the whole context

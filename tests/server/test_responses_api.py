@@ -1,0 +1,308 @@
+"""OpenAI's Responses API through the official ``openai`` client: a response answers as the chat completion of the
+same conversation does; streamed events (``responses.create(stream=True)`` and the ``responses.stream`` helper)
+build the same response as the deltas say; ``previous_response_id`` continues the conversation with its history
+from the prefix cache; a forced function call's arguments validate against its schema and its output continues
+the conversation; another key's response is not found; bad input is a 400 (or 404) naming the field."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server_harness import RunningServer, server_fixture
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = ("alice", "bob")
+BLOCK_SIZE = 16  # the engine's default: the prefix cache holds whole blocks
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+server = server_fixture("--api-key", ",".join(KEYS))
+
+
+def make_client(server: RunningServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.openai_base_url, api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def alice(server: RunningServer) -> openai.OpenAI:
+    return make_client(server, "alice")
+
+
+@pytest.fixture(scope="module")
+def bob(server: RunningServer) -> openai.OpenAI:
+    return make_client(server, "bob")
+
+
+def post(server: RunningServer, body: dict, key: str = "alice") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(server.url("/v1/responses"), json=body, headers=headers, timeout=120)
+
+
+def assert_error(response: httpx.Response, status: int, param: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith("response " if status == 404 else param)
+    return error["message"]
+
+
+def forced_call(client: openai.OpenAI, **fields):
+    """A response that must call get_weather (one call: the grammar then ends the reply)."""
+    return client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+        **fields,
+    )
+
+
+# text ---------------------------------------------------------------------------------------------
+
+
+def test_response_answers_as_the_chat_completion_of_its_conversation(alice: openai.OpenAI):
+    instructions, question = "You answer in one short sentence.", "Why is the sky blue?"
+    reply = alice.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": question},
+        ],
+        temperature=0,
+        max_tokens=12,
+    )
+    response = alice.responses.create(
+        model=MODEL, instructions=instructions, input=question, temperature=0, max_output_tokens=12
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == reply.choices[0].message.content
+    assert response.usage.input_tokens == reply.usage.prompt_tokens
+    assert response.usage.output_tokens == reply.usage.completion_tokens
+    cut = reply.choices[0].finish_reason == "length"
+    assert response.status == ("incomplete" if cut else "completed")
+    if cut:
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.instructions == instructions and response.store is True
+    stored = alice.responses.retrieve(response.id)
+    assert stored.output_text == response.output_text and stored.usage == response.usage
+
+
+def test_streamed_events_build_the_whole_response(alice: openai.OpenAI):
+    whole = alice.responses.create(
+        model=MODEL, input="Name three colours.", temperature=0, max_output_tokens=10, store=False
+    )
+    events = list(
+        alice.responses.create(
+            model=MODEL,
+            input="Name three colours.",
+            temperature=0,
+            max_output_tokens=10,
+            store=False,
+            stream=True,
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == (
+        "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert deltas == done.text == whole.output_text
+    final = events[-1].response
+    assert (
+        final.output_text == whole.output_text
+        and final.usage.output_tokens == whole.usage.output_tokens
+    )
+
+
+def test_raw_stream_names_each_event(server: RunningServer):
+    headers = {"Authorization": "Bearer alice"}
+    body = {"input": "Hi", "max_output_tokens": 3, "stream": True, "store": False}
+    with httpx.stream(
+        "POST", server.url("/v1/responses"), json=body, headers=headers, timeout=120
+    ) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines[0::2]]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert len(names) == len(datas) and "[DONE]" not in lines[-1]
+    assert names == [d["type"] for d in datas]
+
+
+# conversations --------------------------------------------------------------------------------------
+
+
+def test_previous_response_id_continues_with_the_history_cached(alice: openai.OpenAI):
+    questions = ["Tell me about cats.", "And dogs?", "Which is better?"]
+    responses, previous = [], None
+    for question in questions:
+        response = alice.responses.create(
+            model=MODEL,
+            instructions="You are brief." if previous is None else None,
+            input=question,
+            previous_response_id=previous,
+            temperature=0,
+            max_output_tokens=8,
+        )
+        assert response.previous_response_id == previous
+        responses.append(response)
+        previous = response.id
+    for before, after in itertools.pairwise(responses):
+        history = before.usage.input_tokens + before.usage.output_tokens
+        # the prompt holds the whole history, and every full block of it is a cache hit
+        assert after.usage.input_tokens > history
+        assert after.usage.input_tokens_details.cached_tokens >= history // BLOCK_SIZE * BLOCK_SIZE
+    cached = [r.usage.input_tokens_details.cached_tokens for r in responses]
+    assert cached[1] < cached[2]
+    for response in responses:
+        stored = alice.responses.retrieve(response.id)
+        assert stored.output_text == response.output_text
+        assert stored.previous_response_id == response.previous_response_id
+
+
+def test_forced_function_call_validates_and_its_output_continues(alice: openai.OpenAI):
+    response = forced_call(alice)
+    assert response.status == "completed"
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    follow = alice.responses.create(
+        model=MODEL,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}],
+        tools=[
+            WEATHER
+        ],  # the same tools: the turn extends the stored tokens (other tools re-render)
+        temperature=0,
+        max_output_tokens=8,
+    )
+    assert follow.output and follow.previous_response_id == response.id
+    history = response.usage.input_tokens + response.usage.output_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= history // BLOCK_SIZE * BLOCK_SIZE
+    stored = alice.responses.retrieve(response.id)
+    assert stored.output[0].call_id == call.call_id and stored.output[0].arguments == call.arguments
+    assert stored.tool_choice.name == "get_weather" and stored.tools[0].name == "get_weather"
+
+
+def test_stream_helper_gives_the_function_call(alice: openai.OpenAI):
+    with alice.responses.stream(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    ) as stream:
+        fragments = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and "".join(fragments) == call.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert alice.responses.retrieve(final.id).output[0].call_id == call.call_id
+
+
+def test_history_resent_as_items_without_storing(alice: openai.OpenAI):
+    """A client keeping the conversation itself: function_call and function_call_output items, store false."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather"}
+    response = alice.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {**call, "arguments": json.dumps({"city": "Paris"})},
+            {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        ],
+        tools=[WEATHER],
+        store=False,
+        temperature=0,
+        max_output_tokens=6,
+    )
+    assert response.store is False and response.usage.output_tokens > 0
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(response.id)
+
+
+# tenancy and bad input ------------------------------------------------------------------------------
+
+
+def test_another_key_cannot_see_or_continue_a_response(
+    server: RunningServer, alice: openai.OpenAI, bob: openai.OpenAI
+):
+    response = alice.responses.create(model=MODEL, input="A secret.", max_output_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(response.id)
+    body = {"input": "Go on.", "previous_response_id": response.id, "max_output_tokens": 3}
+    assert_error(post(server, body, key="bob"), 404, "previous_response_id")
+    assert alice.responses.retrieve(response.id).id == response.id
+
+
+def test_only_the_latest_response_continues(server: RunningServer, alice: openai.OpenAI):
+    first = alice.responses.create(
+        model=MODEL, input="One.", instructions="Be brief.", max_output_tokens=3
+    )
+    second = alice.responses.create(
+        model=MODEL, input="Two.", previous_response_id=first.id, max_output_tokens=3
+    )
+    older = {"input": "Three.", "previous_response_id": first.id, "max_output_tokens": 3}
+    assert "not the latest" in assert_error(post(server, older), 400, "previous_response_id")
+    other = {"input": "x", "previous_response_id": second.id, "instructions": "Be long."}
+    assert_error(post(server, other), 400, "instructions")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (
+            {"input": "x", "previous_response_id": "resp_" + "A" * 22 + "0001"},
+            404,
+            "previous_response_id",
+        ),
+        ({"input": "x", "previous_response_id": "nonsense"}, 404, "previous_response_id"),
+        ({"input": [{"type": "image_generation_call"}]}, 400, "input.0.type"),
+        ({"input": "x", "temperature": 3}, 400, "temperature"),
+        ({"input": "x", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input.0.output"),
+        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"input": [{"role": "assistant", "content": "Hi"}]}, 400, "input"),
+    ],
+    ids=[
+        "unknown_previous",
+        "malformed_previous",
+        "unknown_item_type",
+        "temperature",
+        "max_output_tokens",
+        "item_without_output",
+        "required_without_tools",
+        "no_user_message",
+    ],
+)
+def test_bad_request_names_the_field(server: RunningServer, body: dict, status: int, param: str):
+    assert_error(post(server, body), status, param)
+
+
+def test_get_unknown_response_is_not_found(server: RunningServer):
+    response = httpx.get(
+        server.url("/v1/responses/resp_nothing"), headers={"Authorization": "Bearer alice"}
+    )
+    assert response.status_code == 404 and response.json()["error"]["param"] == "response_id"

@@ -135,10 +135,15 @@ def response_status(parts: ReplyParts) -> dict[str, Any]:
 
 
 def usage(parts: ReplyParts) -> dict[str, Any]:
-    """OpenAI's usage; reasoning tokens are not counted apart (0)."""
+    """OpenAI's usage: the prompt tokens computed now are the ones written to the cache (their full blocks stay
+    in the prefix cache); reasoning tokens are not counted apart (0)."""
+    written = parts.prompt_tokens - parts.cached_tokens
     return {
         "input_tokens": parts.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": parts.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": parts.cached_tokens,
+            "cache_write_tokens": written,
+        },
         "output_tokens": parts.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": parts.prompt_tokens + parts.completion_tokens,

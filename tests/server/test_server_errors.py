@@ -183,13 +183,21 @@ BAD_REQUESTS = {
         "top_logprobs",
         ["logprobs"],
     ),
-    "tools": (
+    "tool_name": (
         "/v1/chat/completions",
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
         400,
         "invalid_request_error",
-        "tools",
-        ["not supported"],
+        "tools.0.function.name",
+        ["pattern"],
+    ),
+    "tool_choice_without_tools": (
+        "/v1/chat/completions",
+        chat(tool_choice="required"),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+        ["needs tools"],
     ),
     "unknown_model": (
         "/v1/chat/completions",

@@ -114,12 +114,59 @@ class Reasoning(RequestModel):
     summary: str | None = Field(default=None, description="ignored: reasoning is returned whole")
 
 
-class TextFormatConfig(RequestModel):
+class PlainText(RequestModel):
     type: Literal["text"]
 
 
+class JsonObject(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaText(RequestModel):
+    """Structured output as the Responses API states it: the schema's fields flat under ``format``."""
+
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON Schema the reply follows")
+    strict: bool | None = None
+
+
+_TEXT_FORMATS = {"text": "PlainText", "json_object": "JsonObject", "json_schema": "JsonSchemaText"}
+
+
+def _text_format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _TEXT_FORMATS.get(kind) if isinstance(kind, str) else None
+
+
+TextFormat = Annotated[
+    Annotated[PlainText, Tag("PlainText")]
+    | Annotated[JsonObject, Tag("JsonObject")]
+    | Annotated[JsonSchemaText, Tag("JsonSchemaText")],
+    Discriminator(
+        _text_format_tag,
+        custom_error_type="invalid_format",
+        custom_error_message=f"type: must be one of {', '.join(_TEXT_FORMATS)}",
+    ),
+]
+
+
 class TextConfig(RequestModel):
-    format: TextFormatConfig | None = None
+    format: TextFormat | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat request's ``response_format``."""
+        fmt = self.format
+        if not isinstance(fmt, JsonSchemaText):
+            return fmt.model_dump() if fmt is not None else None
+        spec = fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True)
+        return {"type": "json_schema", "json_schema": spec}
+
+    def echo(self) -> dict[str, Any]:
+        """As a response object repeats it."""
+        fmt = self.format or PlainText(type="text")
+        return {"format": fmt.model_dump(exclude_none=True, by_alias=True)}
 
 
 class ResponseRequest(SamplingFields):
@@ -204,13 +251,17 @@ class ResponseRequest(SamplingFields):
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             "max_completion_tokens": self.max_output_tokens,
+            "response_format": self.text.response_format() if self.text else None,
         }
         try:
             return ResponseAsChat.model_validate(body)
         except ValidationError as exc:
             problem = exc.errors(include_url=False)[0]
+            message = problem["msg"].removeprefix("Value error, ")
+            if not problem["loc"]:  # a check of the whole request, in the chat fields' names
+                raise ValueError(message.replace("response_format", "text.format")) from None
             where = ".".join(str(part) for part in problem["loc"])
-            raise ValueError(f"input: {where}: {problem['msg']}") from None
+            raise ValueError(f"input: {where}: {message}") from None
 
 
 class ResponseAsChat(ChatCompletionRequest):

@@ -67,6 +67,7 @@ def request_settings(body: ResponseRequest) -> dict[str, Any]:
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None},
         "store": body.store,
         "user": body.user,
+        "text": body.text.echo() if body.text else {"format": {"type": "text"}},
     }
 
 
@@ -170,7 +171,6 @@ def response_object(
         "previous_response_id": previous_response_id,
         **settings,
         "reasoning": {**settings["reasoning"], "summary": None},
-        "text": {"format": {"type": "text"}},
         "truncation": "disabled",
         "usage": None,
     }
@@ -235,4 +235,5 @@ _DEFAULT_SETTINGS = {
     "reasoning": {"effort": None},
     "store": True,
     "user": None,
+    "text": {"format": {"type": "text"}},
 }

@@ -150,6 +150,25 @@ def test_raw_stream_names_each_event(server: RunningServer):
     assert names == [d["type"] for d in datas]
 
 
+def test_text_format_json_schema_constrains_the_answer(alice: openai.OpenAI):
+    schema = {
+        "type": "object",
+        "properties": {"sunny": {"type": "boolean"}},
+        "required": ["sunny"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "forecast", "schema": schema, "strict": True}
+    response = alice.responses.create(
+        model=MODEL,
+        input="Is it sunny in Paris? Answer in JSON.",
+        text={"format": fmt},
+        temperature=0,
+        max_output_tokens=20,
+    )
+    assert response.status == "completed" and response.text.format.name == "forecast"
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
 # conversations --------------------------------------------------------------------------------------
 
 
@@ -285,6 +304,12 @@ def test_only_the_latest_response_continues(server: RunningServer, alice: openai
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input.0.output"),
         ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
         ({"input": [{"role": "assistant", "content": "Hi"}]}, 400, "input"),
+        (
+            {"input": "x", "tools": [WEATHER], "text": {"format": {"type": "json_object"}}},
+            400,
+            "text.format",
+        ),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
     ],
     ids=[
         "unknown_previous",
@@ -295,6 +320,8 @@ def test_only_the_latest_response_continues(server: RunningServer, alice: openai
         "item_without_output",
         "required_without_tools",
         "no_user_message",
+        "text_format_with_tools",
+        "unknown_text_format",
     ],
 )
 def test_bad_request_names_the_field(server: RunningServer, body: dict, status: int, param: str):

@@ -106,7 +106,13 @@ async def _stored_turn(
         session, token = await _continued_session(request, service, body, new)
         ref, previous = ResponseRef(session.id, _num_turns(session) + 1), body.previous_response_id
     new[-1]["response_settings"] = objects.request_settings(body)
-    stream = await start_turn(request, service, session, new, chat, arrival, token, setup)
+    try:
+        stream = await start_turn(request, service, session, new, chat, arrival, token, setup)
+    except BaseException:
+        if previous is None:  # a refused first response leaves no empty session behind
+            with contextlib.suppress(SessionStoreUnavailable):
+                await service.store.delete(session.id, session.owner)
+        raise
     return stream, ref, previous
 
 

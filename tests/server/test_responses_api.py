@@ -328,6 +328,19 @@ def test_bad_request_names_the_field(server: RunningServer, body: dict, status: 
     assert_error(post(server, body), status, param)
 
 
+def test_a_refused_first_response_leaves_no_session(server: RunningServer):
+    """Checked once its session exists (the prompt's length): the session goes with the refusal."""
+    headers = {"Authorization": "Bearer bob"}
+    before = httpx.get(server.url("/v1/sessions"), headers=headers, timeout=10).json()["data"]
+    assert_error(
+        post(server, {"input": "x", "max_output_tokens": 10**6}, key="bob"),
+        400,
+        "max_output_tokens",
+    )
+    after = httpx.get(server.url("/v1/sessions"), headers=headers, timeout=10).json()["data"]
+    assert after == before
+
+
 def test_get_unknown_response_is_not_found(server: RunningServer):
     response = httpx.get(
         server.url("/v1/responses/resp_nothing"), headers={"Authorization": "Bearer alice"}

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.server_harness import RunningServer, server_fixture
+from tests.server_harness import RunningServer, running_server, server_fixture
+from tests.tiny_qwen3 import TOKEN_IDS, cached_tiny_qwen3_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +40,13 @@ server = server_fixture("--api-key", ",".join(KEYS))
 
 def make_client(server: RunningServer, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.openai_base_url, api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Iterator[RunningServer]:
+    """A tiny random Qwen3 with Qwen3's real tokenizer and template (tests/tiny_qwen3.py): a reasoning model."""
+    with running_server("--model", str(cached_tiny_qwen3_gguf("Qwen-Qwen3-0.6B"))) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +269,31 @@ def test_history_resent_as_items_without_storing(alice: openai.OpenAI):
     assert response.store is False and response.usage.output_tokens > 0
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(response.id)
+
+
+def test_reasoning_is_its_own_item_streamed_stored_and_cached_after(qwen3: RunningServer):
+    """Qwen3's template drops a reply's reasoning from the next prompt: the next response still extends the
+    previous prompt (its blocks cached), and the reasoning is an item, never output text."""
+    client = make_client(qwen3, "x")
+    model = httpx.get(qwen3.url("/v1/models"), timeout=10).json()["data"][0]["id"]
+    # the model is random: the bias makes it think
+    think = {"logit_bias": {str(TOKEN_IDS["<think>"]): 100}}
+    ask = {"model": model, "temperature": 0, "max_output_tokens": 8}
+    rules = " ".join(f"Rule {i}: answer about topic {i} briefly." for i in range(8))
+    first = {**ask, "input": "Why is the sky blue?", "instructions": rules}
+    events = list(client.responses.create(**first, stream=True, extra_body=think))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    assert reasoning and final.output[0].type == "reasoning"
+    assert final.output[0].content[0].text == reasoning and "<think>" not in final.output_text
+    stored = client.responses.retrieve(final.id)
+    assert stored.output[0].content[0].text == reasoning
+    follow = client.responses.create(
+        **{**ask, "input": "And at sunset?"}, previous_response_id=final.id
+    )
+    cached = follow.usage.input_tokens_details.cached_tokens
+    assert cached >= final.usage.input_tokens // BLOCK_SIZE * BLOCK_SIZE > 0
+    assert "re-rendering the whole conversation" not in qwen3.log()
 
 
 # tenancy and bad input ------------------------------------------------------------------------------

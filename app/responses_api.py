@@ -144,19 +144,21 @@ async def _new_session(
 async def _continued_session(
     request: Request, service: SessionService, body: ResponseRequest, new: list[dict[str, Any]]
 ) -> tuple[Session, str]:
-    """The previous response's session, locked, checked to end with that response."""
+    """The previous response's session, locked, checked to end with that response. A previous response still
+    being written holds the lock: 409, as for a session turn."""
     previous = body.previous_response_id or ""
     ref = ResponseRef.parse(previous)
     owner = service.admission.tenant(request)
     session = await own_session(service, ref.session_id, owner) if ref is not None else None
-    if session is None or ref.turn > _num_turns(session):
+    if session is None or ref.turn > _num_turns(session) + 1:
         raise _not_found(previous, "previous_response_id")
-    _check_continuation(session, ref, body, new)
     token = await service.store.lock(session.id, service.limits.session_lock_s)
     if token is None:
         raise busy(session.id)
-    try:  # as stored now, under the lock: no turn came in between
+    try:  # as stored now, under the lock
         session = await service.store.get(session.id, owner) or session
+        if ref.turn > _num_turns(session):
+            raise _not_found(previous, "previous_response_id")
         _check_continuation(session, ref, body, new)
     except BaseException:
         with contextlib.suppress(SessionStoreUnavailable):

@@ -323,6 +323,25 @@ def test_only_the_latest_response_continues(server: RunningServer, alice: openai
     assert_error(post(server, other), 400, "instructions")
 
 
+def test_a_response_still_streaming_cannot_be_continued_yet(server: RunningServer):
+    """Its turn holds the session from response.created until its last event; then it continues. (The reply's 64
+    tokens take the engine 64 steps; the refusal needs none.)"""
+    headers = {"Authorization": "Bearer alice"}
+    body = {"input": "Count to five.", "max_output_tokens": 64, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", server.url("/v1/responses"), json=body, headers=headers, timeout=120
+    ) as stream:
+        lines = stream.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        follow = {"input": "Go on.", "previous_response_id": created["response"]["id"]}
+        early = post(server, {**follow, "max_output_tokens": 2})
+        assert early.status_code == 409, early.text
+        assert early.json()["error"]["code"] == "session_busy"
+        rest = [line for line in lines if line.startswith("event: ")]
+    assert rest[-1] in ("event: response.completed", "event: response.incomplete")
+    assert post(server, {**follow, "max_output_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

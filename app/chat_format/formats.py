@@ -79,10 +79,10 @@ def detect_chat_format(
         syntax = SYNTAXES[override]
     elif "[TOOL_CALLS]" in text:
         syntax = SYNTAXES["mistral"]
-    elif "<tool_call>" in text or "tool_call" not in text and "<|start_header_id|>" not in text:
-        syntax = SYNTAXES["hermes"]
-    else:
+    elif "<|start_header_id|>" in text and "<tool_call>" not in text:
         syntax = SYNTAXES["llama3_json"]
+    else:  # (Hermes's <tool_call> blocks, and the fallback for a template of no known syntax)
+        syntax = SYNTAXES["hermes"]
     reasoning = ("<think>", "</think>") if "</think>" in text else None
     markers = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<think>", "</think>"]
     return ChatFormat(

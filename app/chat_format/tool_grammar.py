@@ -86,24 +86,21 @@ def _auto(fmt: ChatFormat, parallel: bool) -> list[str]:
 
 
 def _reasoning(fmt: ChatFormat, reasoning_open: bool) -> list[str]:
+    """The reasoning before the answer, and the blank lines templates write after its end (``</think>\n\n``)."""
     if fmt.reasoning is None:
         return ["start: answer"]
     start, end = (_piece(fmt, m) for m in fmt.reasoning)
+    tokens = start.startswith("<[") and end.startswith("<[")
+    if tokens:
+        thought = [f"THINK: {_ANY}"]
+        closed = f"THINK {end} GAP?"
+    else:  # (text markers: the reasoning is lazy, it ends at the closing marker's first occurrence)
+        thought = [f"thought[lazy]: /(.|\\n)*{_regex(fmt.reasoning[1])}/"]
+        closed = "thought GAP?"
+    gap = [r"GAP: /[ \t\n]+/"]
     if reasoning_open:
-        return (
-            [f"start: THINK {end} answer", f"THINK: {_ANY}"]
-            if end.startswith("<[")
-            else [
-                "start: thought answer",
-                f"thought[lazy]: /(.|\\n)*{_regex(fmt.reasoning[1])}/",
-            ]
-        )
-    if start.startswith("<[") and end.startswith("<["):
-        return [f"start: ({start} THINK {end})? answer", f"THINK: {_ANY}"]
-    return [
-        f"start: ({start} thought)? answer",
-        f"thought[lazy]: /(.|\\n)*{_regex(fmt.reasoning[1])}/",
-    ]
+        return [f"start: {closed} answer", *thought, *gap]
+    return [f"start: ({start} {closed})? answer", *thought, *gap]
 
 
 def _call_body(tools: list[Tool], arguments_key: str) -> str:

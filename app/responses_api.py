@@ -43,18 +43,16 @@ async def create_response(request: Request) -> Response:
     arrival = time.monotonic()
     body = await read_model(request, ResponseRequest, server.max_request_bytes)
     server.admission.check_model(body.model)
-    try:
-        chat = body.chat_request(body.messages())
-    except ValueError as exc:
-        raise APIError.from_value_error(exc) from None
     settings = objects.request_settings(body)
     if body.store:
+        chat = _chat_request(body, body.messages())
         stream, ref, previous = await _stored_turn(request, server.sessions, body, chat, arrival)
         suffix, response_id = ref.suffix, ref.id
     else:
+        chat = _chat_request(body, await _stateless_messages(request, server.sessions, body))
         stream, previous = await _stateless(request, server, chat, arrival), None
         suffix = secrets.token_hex(16)
-        response_id = f"resp_{suffix}"
+        response_id, previous = f"resp_{suffix}", body.previous_response_id
     response = objects.response_object(
         response_id, time.time(), server.model_name, settings, previous
     )
@@ -69,20 +67,30 @@ async def create_response(request: Request) -> Response:
 async def get_response(request: Request) -> Response:
     server: Serving = request.app.state.server
     response_id = request.path_params["response_id"]
-    ref = ResponseRef.parse(response_id)
-    session = (
-        await own_session(server.sessions, ref.session_id, server.admission.tenant(request))
-        if ref is not None
-        else None
-    )
-    found = (
-        objects.stored_response(session.messages, ref, server.model_name)
-        if session is not None
-        else None
-    )
+    ref, session = await _response_session(request, server.sessions, response_id, "response_id")
+    found = objects.stored_response(session.messages, ref, server.model_name)
     if found is None:
         raise _not_found(response_id, "response_id")
     return JSONResponse(found)
+
+
+async def _response_session(
+    request: Request, service: SessionService, response_id: str, param: str
+) -> tuple[ResponseRef, Session]:
+    """The stored response's session, if the request's tenant owns it (else 404 naming ``param``)."""
+    ref = ResponseRef.parse(response_id)
+    owner = service.admission.tenant(request)
+    session = await own_session(service, ref.session_id, owner) if ref is not None else None
+    if session is None:
+        raise _not_found(response_id, param)
+    return ref, session
+
+
+def _chat_request(body: ResponseRequest, messages: list[dict[str, Any]]) -> ResponseAsChat:
+    try:
+        return body.chat_request(messages)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None
 
 
 # taking the turn --------------------------------------------------------------------------------------
@@ -147,16 +155,14 @@ async def _continued_session(
     """The previous response's session, locked, checked to end with that response. A previous response still
     being written holds the lock: 409, as for a session turn."""
     previous = body.previous_response_id or ""
-    ref = ResponseRef.parse(previous)
-    owner = service.admission.tenant(request)
-    session = await own_session(service, ref.session_id, owner) if ref is not None else None
-    if session is None or ref.turn > _num_turns(session) + 1:
+    ref, session = await _response_session(request, service, previous, "previous_response_id")
+    if ref.turn > _num_turns(session) + 1:
         raise _not_found(previous, "previous_response_id")
     token = await service.store.lock(session.id, service.limits.session_lock_s)
     if token is None:
         raise busy(session.id)
     try:  # as stored now, under the lock
-        session = await service.store.get(session.id, owner) or session
+        session = await service.store.get(session.id, session.owner) or session
         if ref.turn > _num_turns(session):
             raise _not_found(previous, "previous_response_id")
         _check_continuation(session, ref, body, new)
@@ -175,7 +181,7 @@ def _check_continuation(
         raise APIError.bad_request(
             f"previous_response_id: response {ref.id} is not the latest of its conversation "
             f"(that is {ResponseRef(ref.session_id, latest).id}); continuing an earlier response "
-            "(a branch) is not supported",
+            "(a branch) is kept only with store false",
             "previous_response_id",
         )
     if body.instructions is not None and body.instructions != session.system:
@@ -202,6 +208,24 @@ def _check_input(new: list[dict[str, Any]]) -> None:
 
 def _num_turns(session: Session) -> int:
     return sum(1 for m in session.messages if m.get("role") == "assistant" and "usage" in m)
+
+
+async def _stateless_messages(
+    request: Request, service: SessionService, body: ResponseRequest
+) -> list[dict[str, Any]]:
+    """A response not kept: its input after the history up to the previous response, if any (any of its
+    conversation's responses: nothing is stored, so this may branch), under the request's instructions or else
+    the conversation's."""
+    system, history = body.instructions, []
+    if body.previous_response_id is not None:
+        previous = body.previous_response_id
+        ref, session = await _response_session(request, service, previous, "previous_response_id")
+        history = objects.history_through(session.messages, ref.turn)
+        if history is None:
+            raise _not_found(previous, "previous_response_id")
+        system = system if system is not None else session.system
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return head + history + body.messages()
 
 
 async def _stateless(

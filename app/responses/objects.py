@@ -186,13 +186,30 @@ def stored_response(
     session_messages: list[dict[str, Any]], ref: ResponseRef, model: str
 ) -> dict[str, Any] | None:
     """Turn ``ref.turn`` of a session as a response object; None if the session has no such turn (yet)."""
-    turn, start = 0, 0
+    span = _turn_span(session_messages, ref.turn)
+    if span is None:
+        return None
+    start, reply = span
+    return _turn_response(session_messages[start:reply], session_messages[reply], ref, model)
+
+
+def history_through(
+    session_messages: list[dict[str, Any]], turn: int
+) -> list[dict[str, Any]] | None:
+    """The session's messages up to turn ``turn``'s reply, included; None if it has no such turn."""
+    span = _turn_span(session_messages, turn)
+    return session_messages[: span[1] + 1] if span is not None else None
+
+
+def _turn_span(session_messages: list[dict[str, Any]], turn: int) -> tuple[int, int] | None:
+    """Where turn ``turn`` (from 1) is: the index of its first input message and of its reply."""
+    count, start = 0, 0
     for index, message in enumerate(session_messages):
         if message.get("role") != "assistant" or "usage" not in message:
             continue
-        turn += 1
-        if turn == ref.turn:
-            return _turn_response(session_messages[start:index], message, ref, model)
+        count += 1
+        if count == turn:
+            return start, index
         start = index + 1
     return None
 

@@ -89,7 +89,10 @@ def forced_call(client: openai.OpenAI, **fields):
 # text ---------------------------------------------------------------------------------------------
 
 
-def test_response_answers_as_the_chat_completion_of_its_conversation(alice: openai.OpenAI):
+@pytest.mark.parametrize("store", [True, False])
+def test_response_answers_as_the_chat_completion_of_its_conversation(
+    alice: openai.OpenAI, store: bool
+):
     instructions, question = "You answer in one short sentence.", "Why is the sky blue?"
     reply = alice.chat.completions.create(
         model=MODEL,
@@ -101,7 +104,12 @@ def test_response_answers_as_the_chat_completion_of_its_conversation(alice: open
         max_tokens=12,
     )
     response = alice.responses.create(
-        model=MODEL, instructions=instructions, input=question, temperature=0, max_output_tokens=12
+        model=MODEL,
+        instructions=instructions,
+        input=question,
+        temperature=0,
+        max_output_tokens=12,
+        store=store,
     )
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text == reply.choices[0].message.content
@@ -111,9 +119,35 @@ def test_response_answers_as_the_chat_completion_of_its_conversation(alice: open
     assert response.status == ("incomplete" if cut else "completed")
     if cut:
         assert response.incomplete_details.reason == "max_output_tokens"
-    assert response.instructions == instructions and response.store is True
-    stored = alice.responses.retrieve(response.id)
-    assert stored.output_text == response.output_text and stored.usage == response.usage
+    assert response.instructions == instructions and response.store is store
+    if store:
+        stored = alice.responses.retrieve(response.id)
+        assert stored.output_text == response.output_text and stored.usage == response.usage
+
+
+def test_unstored_response_branches_from_any_turn(alice: openai.OpenAI):
+    """With store false nothing is kept, so a response may follow an earlier one of a conversation: it answers as
+    the chat completion of that history (and the conversation's instructions) would."""
+    fields = {"model": MODEL, "temperature": 0, "max_output_tokens": 6}
+    first = alice.responses.create(**fields, instructions="Be brief.", input="Name a fruit.")
+    alice.responses.create(**fields, input="Another one.", previous_response_id=first.id)
+    branch = alice.responses.create(
+        **fields, input="Name a vegetable.", previous_response_id=first.id, store=False
+    )
+    reply = alice.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Name a vegetable."},
+        ],
+        temperature=0,
+        max_tokens=6,
+    )
+    assert branch.previous_response_id == first.id
+    assert branch.output_text == reply.choices[0].message.content
+    assert branch.usage.input_tokens == reply.usage.prompt_tokens
 
 
 def test_streamed_events_build_the_whole_response(alice: openai.OpenAI):

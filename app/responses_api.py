@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.errors import APIError
-from app.openapi import Operation
+from app.openapi import Operation, QueryParam
 from app.protocol.responses import ResponseAsChat, ResponseRequest
 from app.request_body import cancel_on_disconnect, read_model
 from app.responses import objects
@@ -72,6 +72,29 @@ async def get_response(request: Request) -> Response:
     if found is None:
         raise _not_found(response_id, "response_id")
     return JSONResponse(found)
+
+
+async def list_input_items(request: Request) -> Response:
+    """The response's input items, all on one page (a turn has few), newest first unless ``order=asc``."""
+    server: Serving = request.app.state.server
+    response_id = request.path_params["response_id"]
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError.bad_request("order: must be asc or desc", "order")
+    ref, session = await _response_session(request, server.sessions, response_id, "response_id")
+    items = objects.stored_input_items(session.messages, ref)
+    if items is None:
+        raise _not_found(response_id, "response_id")
+    data = items if order == "asc" else items[::-1]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 async def _response_session(
@@ -299,6 +322,7 @@ def _not_found(response_id: str, param: str) -> APIError:
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
 ]
 
 OPERATIONS = [
@@ -314,5 +338,12 @@ OPERATIONS = [
         "GET",
         "A stored response (404 for another key's)",
         path_params={"response_id": "the response's id"},
+    ),
+    Operation(
+        "/v1/responses/{response_id}/input_items",
+        "GET",
+        "A stored response's input items, on one page",
+        path_params={"response_id": "the response's id"},
+        query=[QueryParam("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"})],
     ),
 ]

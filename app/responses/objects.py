@@ -193,6 +193,53 @@ def stored_response(
     return _turn_response(session_messages[start:reply], session_messages[reply], ref, model)
 
 
+def stored_input_items(
+    session_messages: list[dict[str, Any]], ref: ResponseRef
+) -> list[dict[str, Any]] | None:
+    """The input items of turn ``ref.turn`` in order (its instructions are the conversation's, not items); None if
+    the session has no such turn."""
+    span = _turn_span(session_messages, ref.turn)
+    if span is None:
+        return None
+    items: list[dict[str, Any]] = []
+    for number, message in enumerate(session_messages[span[0] : span[1]]):
+        items += _input_items(message, f"{ref.suffix}_in{number}")
+    return items
+
+
+def _input_items(message: dict[str, Any], suffix: str) -> list[dict[str, Any]]:
+    """A stored message as input items: a tool message is a function_call_output, an assistant message its text
+    and each of its calls."""
+    role, text = message["role"], message.get("content") or ""
+    if role == "tool":
+        output = {"type": "function_call_output", "id": f"fco_{suffix}", "output": text}
+        return [{**output, "call_id": message["tool_call_id"], "status": "completed"}]
+    if role != "assistant":
+        content = [{"type": "input_text", "text": text}]
+        return [
+            {
+                "type": "message",
+                "id": f"msg_{suffix}",
+                "role": role,
+                "content": content,
+                "status": "completed",
+            }
+        ]
+    items = [message_item(f"msg_{suffix}", text, "completed")] if text else []
+    for number, call in enumerate(message.get("tool_calls") or []):
+        function = call["function"]
+        items.append(
+            call_item(
+                f"fc_{suffix}_{number}",
+                call["id"],
+                function["name"],
+                function["arguments"],
+                "completed",
+            )
+        )
+    return items
+
+
 def history_through(
     session_messages: list[dict[str, Any]], turn: int
 ) -> list[dict[str, Any]] | None:

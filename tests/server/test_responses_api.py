@@ -264,6 +264,11 @@ def test_forced_function_call_validates_and_its_output_continues(alice: openai.O
     assert follow.usage.input_tokens_details.cached_tokens >= history // BLOCK_SIZE * BLOCK_SIZE
     stored = alice.responses.retrieve(response.id)
     assert stored.output[0].call_id == call.call_id and stored.output[0].arguments == call.arguments
+    (asked,) = alice.responses.input_items.list(response.id).data
+    assert asked.type == "message" and asked.content[0].text == "What is the weather in Paris?"
+    (result,) = alice.responses.input_items.list(follow.id, order="asc").data
+    assert result.type == "function_call_output" and result.call_id == call.call_id
+    assert result.output == "21 C, sunny"
     assert stored.tool_choice.name == "get_weather" and stored.tools[0].name == "get_weather"
 
 
@@ -285,8 +290,10 @@ def test_stream_helper_gives_the_function_call(alice: openai.OpenAI):
     assert alice.responses.retrieve(final.id).output[0].call_id == call.call_id
 
 
-def test_history_resent_as_items_without_storing(alice: openai.OpenAI):
-    """A client keeping the conversation itself: function_call and function_call_output items, store false."""
+@pytest.mark.parametrize("store", [False, True])
+def test_history_resent_as_items(alice: openai.OpenAI, store: bool):
+    """A client keeping the conversation itself: function_call and function_call_output items; stored, they are
+    the response's input items, in order."""
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather"}
     response = alice.responses.create(
         model=MODEL,
@@ -296,13 +303,21 @@ def test_history_resent_as_items_without_storing(alice: openai.OpenAI):
             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
         ],
         tools=[WEATHER],
-        store=False,
+        store=store,
         temperature=0,
         max_output_tokens=6,
     )
-    assert response.store is False and response.usage.output_tokens > 0
-    with pytest.raises(openai.NotFoundError):
-        alice.responses.retrieve(response.id)
+    assert response.store is store and response.usage.output_tokens > 0
+    if not store:
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(response.id)
+        return
+    items = alice.responses.input_items.list(response.id, order="asc").data
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].call_id == items[2].call_id == "call_1"
+    assert json.loads(items[1].arguments) == {"city": "Paris"}
+    newest_first = alice.responses.input_items.list(response.id).data
+    assert [item.id for item in newest_first] == [item.id for item in reversed(items)]
 
 
 def test_reasoning_is_its_own_item_streamed_stored_and_cached_after(qwen3: RunningServer):

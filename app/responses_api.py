@@ -50,9 +50,9 @@ async def create_response(request: Request) -> Response:
         suffix, response_id = ref.suffix, ref.id
     else:
         chat = _chat_request(body, await _stateless_messages(request, server.sessions, body))
-        stream, previous = await _stateless(request, server, chat, arrival), None
-        suffix = secrets.token_hex(16)
-        response_id, previous = f"resp_{suffix}", body.previous_response_id
+        stream = await _stateless(request, server, chat, arrival)
+        suffix, previous = secrets.token_hex(16), body.previous_response_id
+        response_id = f"resp_{suffix}"
     response = objects.response_object(
         response_id, time.time(), server.model_name, settings, previous
     )

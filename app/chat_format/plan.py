@@ -5,11 +5,13 @@ grammar that constrains the calls, and how the reply's text is split (ReplyPlan)
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.chat_format.formats import ChatFormat
 from app.chat_format.reply_parser import ReplyParser
+from app.chat_format.reply_parser import call_id as reply_call_id
 from app.chat_format.tool_grammar import tool_call_grammar
 from app.protocol.tools import NamedToolChoice, Tool
 from engine.sampling_params import StructuredOutput
@@ -120,11 +122,34 @@ def tool_instructions(fmt: ChatFormat, use: ToolUse) -> str | None:
     return f"You can call these functions. To call one, {how}.\nFunctions:\n{listed}"
 
 
+_MISTRAL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
+
+
+def template_ids(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Call ids as the template takes them: Mistral's templates refuse any but 9 letters and digits, so another
+    client's ids (``call_...``) are mapped to such ids, the same for a call and its result."""
+    if fmt.tools.name != "mistral":
+        return messages
+
+    def fit(call_id: str) -> str:
+        return call_id if _MISTRAL_ID.match(call_id) else reply_call_id(fmt, call_id, 0)
+
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [{**c, "id": fit(c.get("id") or "")} for c in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
+        if message.get("tool_call_id"):
+            message = {**message, "tool_call_id": fit(message["tool_call_id"])}
+        out.append(message)
+    return out
+
+
 def calls_as_text(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For a template that knows no tool calls: each assistant message's calls written into its content in the
     format's syntax (what the model wrote), so the history shows them."""
     if fmt.renders_tools or not any(m.get("tool_calls") for m in messages):
-        return messages
+        return template_ids(fmt, messages)
     syntax = fmt.tools
     out = []
     for message in messages:

@@ -13,7 +13,7 @@ import llguidance.hf
 import pytest
 
 from app.chat_format.formats import detect_chat_format
-from app.chat_format.plan import ToolUse, tool_grammar_spec
+from app.chat_format.plan import ToolUse, calls_as_text, tool_grammar_spec
 from app.chat_format.reply_parser import call_id
 from app.protocol.tools import Tool
 from engine.config import EngineConfig
@@ -90,6 +90,16 @@ def test_the_format_renders_tools_a_call_and_its_result_and_the_grammar_takes_th
 
     whole = render(answered, True)
     assert "Paris" in whole and "21" in whole
+    # another client's ids (OpenAI's call_...) render too: mapped where the template wants its own kind
+    foreign = [
+        {**m, "tool_calls": [{**call, "id": "call_0123456789abcdef"}]}
+        if m.get("tool_calls")
+        else {**m, "tool_call_id": "call_0123456789abcdef"}
+        if m.get("tool_call_id")
+        else m
+        for m in answered
+    ]
+    assert "21" in render(calls_as_text(fmt, foreign), True)
     if renders_tools:
         assert "get_weather" in render(asked, True)
     if not same_calls:

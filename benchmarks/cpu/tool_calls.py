@@ -4,7 +4,8 @@ against an unconstrained reply of the same model, one stream at a time, on a ser
     python -m benchmarks.cpu.tool_calls [--rounds 7] [--max-tokens 64] [--json FILE] [--server-args "..."]
 
 Each round sends, one after the other (interleaved, so drift in the machine's speed hits both alike):
-- ``plain``: the question, no tools, ``ignore_eos`` (the reply runs to max_tokens);
+- ``plain``: the question, no tools, ``ignore_eos`` (the reply runs to max_tokens), under the system message the
+  server writes for the tools (the default model's template renders none): the same prompt as the others;
 - ``required``: the same question with two tools and ``tool_choice: "required"`` (parallel calls on, so the
   grammar keeps allowing calls and the reply runs to max_tokens or the model's end);
 - ``auto``: ``tool_choice: "auto"``: the lazy grammar, text until a call starts.
@@ -22,6 +23,9 @@ import shlex
 import statistics
 from typing import Any
 
+from app.chat_format.formats import SYNTAXES, ChatFormat
+from app.chat_format.plan import ToolUse, tool_instructions
+from app.protocol.tools import Tool
 from benchmarks.harness import record
 from benchmarks.online.http_client import (
     StreamResult,
@@ -64,6 +68,14 @@ TOOLS = [
 ]
 
 
+def described_tools() -> list[dict[str, str]]:
+    """The system message the server writes for a template that renders no tools (the default model's): the
+    plain reply gets the same prompt as the calls, so only the grammar differs."""
+    use = ToolUse.of([Tool.model_validate(t) for t in TOOLS], "required", True)
+    fmt = ChatFormat(SYNTAXES["hermes"], False, {}, None)
+    return [{"role": "system", "content": tool_instructions(fmt, use)}]
+
+
 def bodies(model: str, max_tokens: int) -> dict[str, dict[str, Any]]:
     common = {
         "model": model,
@@ -75,7 +87,7 @@ def bodies(model: str, max_tokens: int) -> dict[str, dict[str, Any]]:
         "return_token_ids": True,
     }
     return {
-        "plain": {**common, "ignore_eos": True},
+        "plain": {**common, "messages": described_tools() + QUESTION, "ignore_eos": True},
         "required": {**common, "tools": TOOLS, "tool_choice": "required"},
         "auto": {**common, "tools": TOOLS, "tool_choice": "auto"},
     }
@@ -103,6 +115,7 @@ async def run(base_url: str, rounds: int, max_tokens: int, timeout_s: float) -> 
             "tpot_ms_all": [round(t * 1e3, 3) for t in tpots],
             "completion_tokens": [r.completion_tokens for r in runs],
             "ttft_ms_median": round(statistics.median(r.ttft for r in runs if r.ttft) * 1e3, 1),
+            "prompt_tokens": runs[0].prompt_tokens,
         }
     plain = summary["plain"]["tpot_ms_median"]
     for kind in ("required", "auto"):
@@ -126,7 +139,8 @@ def main() -> None:
         print(
             f"{kind:9s} TPOT median {numbers['tpot_ms_median']:7.2f} ms"
             + (f"  ({ratio:.3f}x plain)" if ratio else "")
-            + f"  TTFT {numbers['ttft_ms_median']:.0f} ms  tokens {numbers['completion_tokens']}"
+            + f"  TTFT {numbers['ttft_ms_median']:.0f} ms  prompt {numbers['prompt_tokens']}"
+            + f"  tokens {numbers['completion_tokens']}"
         )
     env = record.environment(
         __spec__.name, None, load_before, server_args=shlex.split(args.server_args)

@@ -94,10 +94,14 @@ class Sampler:
         ``allowed``: optional [rows, ceil(vocab / 32)] int32 bitmask (structured output); bit t % 32 of word
         t // 32 is set where token t may be sampled."""
         num_logprobs = [seq.params.logprobs for seq in seqs]
-        if allowed is None and all(_is_plain_greedy(seq) for seq in seqs):
-            # the common decode step: one kernel
-            return SamplerOutput(kernel_ops.greedy_argmax(logits), num_logprobs)
         vocab = logits.shape[-1]
+        if all(_is_plain_greedy(seq) for seq in seqs):
+            if allowed is None:  # the common decode step: one kernel
+                return SamplerOutput(kernel_ops.greedy_argmax(logits), num_logprobs)
+            # greedy under a grammar (a tool call, response_format): the masked argmax, without the per-row
+            # parameter tables of the general path
+            masked = logits.masked_fill(~unpack_bitmask(allowed, vocab), _NEG_INF)
+            return SamplerOutput(kernel_ops.greedy_argmax(masked), num_logprobs)
         batch = BatchParams.build(seqs, eos_token_ids, vocab, logits.device)
         # changed in place below; the caller's logits are not
         work = logits.to(torch.float32, copy=True)

@@ -140,7 +140,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     front: Front = app.state.front
     engine = AsyncEngine(settings.engine, endpoint=front.endpoint, log_format=settings.log_format)
     try:
-        await engine.start(grammar_workers=True)
+        await engine.start(grammar_workers=settings.grammar_workers)
     except ValueError as exc:  # the operator's mistake (a flag, the model): one line, exit status 2
         app.state.config_error = str(exc)
         logger.error("%s", exc)

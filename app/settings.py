@@ -56,6 +56,7 @@ class ServerSettings:
     generation_config: str = "auto"
     # the tool-call syntax: auto (from the chat template), hermes, llama3_json or mistral
     tool_call_format: str = "auto"
+    grammar_workers: int = 2  # processes that compile response_format schemas and tool grammars
     preset_pin_share: float = 0.25  # at most this share of the KV pool is pinned for preset prompts
     # of which one key's own presets pin at most this share of the pool
     preset_pin_share_per_key: float = 0.05
@@ -127,6 +128,7 @@ class ServerSettings:
             f"must be auto or one of {', '.join(TOOL_CALL_FORMATS)}",
         )
         _check(1 <= self.api_server_count <= 64, "api_server_count", "must be in [1, 64]")
+        _check(1 <= self.grammar_workers <= 16, "grammar_workers", "must be in [1, 16]")
         _check(
             self.session_store in SESSION_STORES,
             "session_store",

@@ -68,7 +68,7 @@ class AsyncEngine:
     def __init__(
         self,
         config: EngineConfig | None = None,
-        endpoint: CoreEndpoint | None = None,
+        endpoint: CoreEndpoint | None = None,  # None: start our own core
         log_format: str = "text",
         **options: Any,
     ) -> None:
@@ -76,7 +76,6 @@ class AsyncEngine:
         self.tokenizer: Any | None = None
         self.prompt_tokenizer: Any | None = None
         self.info: CoreInfo | None = None
-        # endpoint None: start our own core
         self._core = CoreConnection(self.config, endpoint, log_format)
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
@@ -96,10 +95,10 @@ class AsyncEngine:
 
     # life cycle ------------------------------------------------------------------------------------
 
-    async def start(self, grammar_workers: bool = False) -> None:
+    async def start(self, grammar_workers: int = 0) -> None:
         """Start the core process (or attach to the given one) and wait until it has loaded the model and sized
         the KV cache; ValueError for a configuration mistake (a bad option, a missing model), EngineStartError for
-        anything else. ``grammar_workers``: start their processes now (``start_grammar_workers`` warms them)."""
+        anything else. ``grammar_workers``: how many to start now (``start_grammar_workers`` warms them)."""
         self._loop = asyncio.get_running_loop()
         self._core.open()
         # the tokenizers (and grammar workers) load while the core loads the model, where its directory is known
@@ -107,7 +106,7 @@ class AsyncEngine:
         early = (
             None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizers, known))
         )
-        self._spawned = [spawn(str(known)) for _ in range(2)] if grammar_workers and known else []
+        self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []
         try:
             ready = await self._core.wait_ready()
         except BaseException:
@@ -221,6 +220,7 @@ class AsyncEngine:
         if self._grammar_workers is None:
             self._grammar_workers = GrammarWorkers(
                 WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids),
+                count=len(self._spawned) or 2,
                 spawned=self._spawned,
             )
         return self._grammar_workers

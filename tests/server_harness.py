@@ -89,6 +89,9 @@ def server_command(
         SMALL_KV_GIB,
         "--num-threads",
         "1",
+        # (one warm grammar worker: each costs a tokenizer load and a compile at every server start)
+        "--grammar-workers",
+        "1",
         "--log-level",
         "info",
         "--session-db-path",

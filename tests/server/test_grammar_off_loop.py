@@ -17,7 +17,7 @@ import pytest
 from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.server_harness import RunningServer, server_fixture
 
-server = server_fixture()
+server = server_fixture("--grammar-workers", "2")  # (the test counts both)
 
 
 def enum_schema(count: int) -> str:

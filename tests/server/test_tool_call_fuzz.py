@@ -23,7 +23,6 @@ from app.protocol.tools import NamedToolChoice, Tool
 from engine import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_fault_isolation import assert_idle
-from tests.server_harness import SMALL_KV_GIB
 
 NUM_CALLS = 200
 
@@ -75,7 +74,7 @@ def _random_property(rng: random.Random, depth: int) -> dict[str, Any]:
 
 def test_two_hundred_forced_calls_over_random_schemas_parse_and_validate(default_model_dir: Path):
     rng = random.Random(51)
-    llm = LLM(kv_cache_memory_gib=float(SMALL_KV_GIB))
+    llm = LLM(kv_cache_memory_gib=1.0)
     fmt = detect_chat_format(llm.tokenizer.chat_template, llm.tokenizer)
     plan = ReplyPlan(fmt, parse_tools=True)
     prompt = llm.chat_prompt_ids([{"role": "user", "content": "Call the function."}])

@@ -127,18 +127,18 @@ SERVER_OPTIONS = (
         choices=("auto", "none"),
     ),
     Option(
-        "grammar_workers",
-        "Processes that compile response_format schemas and tool-call grammars, started warm with the "
-        "server (one compiles while the others stand by)",
-        "2",
-        "int",
-    ),
-    Option(
         "tool_call_format",
         "How the model writes tool calls: auto (read from its chat template), hermes (<tool_call> "
         "blocks: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
         "auto",
         choices=("auto", "hermes", "llama3_json", "mistral"),
+    ),
+    Option(
+        "grammar_workers",
+        "Processes that compile response_format schemas and tool-call grammars, started warm with the "
+        "server (one compiles while the others stand by)",
+        "2",
+        "int",
     ),
     Option(
         "preset_pin_share",

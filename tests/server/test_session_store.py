@@ -219,6 +219,7 @@ async def test_presets_are_their_owners_or_shared(store):
 
 
 async def test_redis_sessions_expire_unless_used(redis_server: RedisServer):
+    redis_server.client().flushall()  # (the module's other tests leave sessions behind)
     store = RedisSessionStore(redis_server.url, ttl_s=60)
     try:
         session = Session(id=new_session_id())

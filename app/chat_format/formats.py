@@ -28,19 +28,13 @@ class ToolSyntax:
     closer: str  # after each call (hermes) or after the list (mistral)
     separator: str  # between two calls
     arguments_key: str  # "arguments" or "parameters"
-    list_open: str = ""  # mistral's "["
     parallel: bool = True  # the template renders several calls in one message
-
-    @property
-    def call_head(self) -> str:
-        """What a call starts with, after the opener: the body's first characters."""
-        return "{"
 
 
 SYNTAXES = {
     "hermes": ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments"),
     "llama3_json": ToolSyntax("llama3_json", "", "", "", "parameters", parallel=False),
-    "mistral": ToolSyntax("mistral", "[TOOL_CALLS]", "]", ", ", "arguments", list_open="["),
+    "mistral": ToolSyntax("mistral", "[TOOL_CALLS]", "]", ", ", "arguments"),
 }
 
 

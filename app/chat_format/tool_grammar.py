@@ -171,8 +171,3 @@ def _regex(text: str) -> str:
     return "".join(
         c if c.isascii() and (c.isalnum() or c == "_") else f"\\x{{{ord(c):x}}}" for c in text
     )
-
-
-def schema_of(tools: list[Tool]) -> dict[str, Any]:
-    """Every function's parameters, by name (for checks of a call's arguments)."""
-    return {t.function.name: t.function.parameters_schema() for t in tools}

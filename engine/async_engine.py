@@ -44,6 +44,7 @@ from engine.core.metrics import EngineStats
 from engine.core_connection import CoreConnection
 from engine.grammar_worker import GrammarWorkers, Spawned, WorkerSetup, spawn
 from engine.output.output_processor import OutputProcessor
+from engine.prefix_cache_calls import PrefixCacheCalls
 from engine.request_stream import RequestFailedError, RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -64,7 +65,7 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped (an error, its process died, or stop()); no request can be served."""
 
 
-class AsyncEngine:
+class AsyncEngine(PrefixCacheCalls):
     def __init__(
         self,
         config: EngineConfig | None = None,
@@ -233,11 +234,13 @@ class AsyncEngine:
         cache_salt: str | None = None,
         tenant: str = "",
         priority: int = 0,
+        retain: bool = False,
     ) -> RequestStream:
         """Submit a request now (ValueError on bad input, EngineDeadError when down) and return its stream of
         outputs (deltas; with n > 1 or best_of, every sample's, told apart by ``index``) until each sample's
         has ``finished``. Closing the stream early aborts the request. ``tenant``: who sent it (the core shares
-        its steps fairly among tenants); ``priority``: its rank among the tenant's requests, lower first."""
+        its steps fairly among tenants); ``priority``: its rank among the tenant's requests, lower first;
+        ``retain``: a session's turn (its blocks outrank one-off ones and are kept on the lower KV tiers)."""
         self.validate_request(prompt_token_ids, params)
         check_priority(priority)
         request_id = request_id or uuid.uuid4().hex
@@ -258,7 +261,14 @@ class AsyncEngine:
         self._queued_by_tenant[tenant] += 1
         self._core.send(
             AddRequest(
-                request_id, prompt, params, cache_salt, self._core.endpoint.client, tenant, priority
+                request_id,
+                prompt,
+                params,
+                cache_salt,
+                self._core.endpoint.client,
+                tenant,
+                priority,
+                retain,
             )
         )
         return stream
@@ -267,37 +277,6 @@ class AsyncEngine:
         """End a request; its stream receives a final output with finish_reason ``abort``."""
         if self.healthy:
             self._core.send(AbortRequest(request_id))
-
-    async def pin_prefix(
-        self,
-        pin_id: str,
-        token_ids: SequenceOf[int],
-        cache_salt: str | None = None,
-        share: float = 1.0,
-        group: str | None = None,
-        group_share: float = 1.0,
-    ) -> int:
-        """Compute ``token_ids`` once (a one-token request) and pin their full blocks against eviction, so
-        every later request starting with them hits the cache; returns the number of blocks pinned. The caps:
-        EngineCore.pin_prefix (``share`` of the KV pool for all pins, ``group_share`` for one group's)."""
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in self.generate(
-            token_ids,
-            params,
-            request_id=f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
-            cache_salt=cache_salt,
-        ):
-            pass
-        return await self.call(
-            "pin_prefix", pin_id, list(token_ids), cache_salt, share, group, group_share
-        )
-
-    async def unpin_prefix(self, pin_id: str) -> None:
-        await self.call("unpin_prefix", pin_id)
-
-    async def pins(self) -> dict[str, tuple[int, int]]:
-        """The core's pins: pin id -> (tokens, blocks pinned now)."""
-        return await self.call("pins")
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

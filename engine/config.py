@@ -7,6 +7,7 @@ User-facing fields come first; the fields after ``# derived`` are filled by the 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,20 @@ class EngineConfig:
     # host memory for the host tier of the prefix cache: cached blocks evicted from the device pool are copied
     # there (LRU) and copied back on a later prefix hit instead of computed again; 0 = off
     host_cache_gib: float = 0.0
+    # the disk tier of the prefix cache (engine/kv_tiers/): full blocks of session turns (and blocks leaving the host
+    # tier) written as checksummed files keyed by chain hash and a fingerprint of what shapes their bytes, read back
+    # on a later prefix hit (after a restart too); LRU within kv_disk_size ("2GiB", "512MiB", "0": off); the
+    # directory defaults to <cache_dir>/kv
+    kv_disk_path: str | None = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_KV_DISK_PATH") or None
+    )
+    kv_disk_size: str = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_KV_DISK_SIZE") or "2GiB"
+    )
+    # Redis as a shared KV tier (replicas and restarts share blocks): redis://host:port/db; None: off
+    kv_redis_url: str | None = field(
+        default_factory=lambda: os.environ.get("PAGEDCHAT_KV_REDIS_URL") or None
+    )
     # who owns the KV memory: paged (block tables over a block pool) or vattention (CUDA only: each request's
     # KV contiguous in virtual memory, physical pages of the driver's granularity mapped on demand; the block
     # size becomes the tokens of one page, e.g. 2048 for llama-3.2-1b in bf16)
@@ -185,6 +200,13 @@ class EngineConfig:
         )
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
+        parse_size(self.kv_disk_size, "kv_disk_size")
+        _check(
+            self.kv_redis_url is None
+            or self.kv_redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "kv_redis_url",
+            "must be a redis://, rediss:// or unix:// URL",
+        )
         _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
         _check(
             0 <= self.log_stats_interval_s <= 86400, "log_stats_interval_s", "must be in [0, 86400]"
@@ -242,6 +264,15 @@ class EngineConfig:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's (auto) or float8_e4m3fn (fp8)."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+    @property
+    def kv_disk_bytes(self) -> int:
+        """The disk tier's bound in bytes (0: the tier is off)."""
+        return parse_size(self.kv_disk_size, "kv_disk_size")
+
+    @property
+    def kv_disk_dir(self) -> Path:
+        return Path(self.kv_disk_path) if self.kv_disk_path else Path(self.cache_dir) / "kv"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -317,6 +348,40 @@ def is_large_gpu(device: torch.device) -> bool:
         return False
     properties = torch.cuda.get_device_properties(device)
     return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
+
+
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+MAX_SIZE = 2**50  # 1 PiB: beyond any disk this is configured for
+
+
+def parse_size(text: str, name: str) -> int:
+    """Bytes of a size such as "2GiB", "512 MB", "1.5g" or "0" (decimal and binary units, case-insensitive);
+    a ValueError naming ``name`` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    _check(
+        match is not None and unit in SIZE_UNITS,
+        name,
+        f"{text!r} is not a size (a number with an optional unit: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB)",
+    )
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    _check(size <= MAX_SIZE, name, f"{text!r} is over 1 PiB")
+    return size
 
 
 def _check(ok: bool, name: str, message: str) -> None:

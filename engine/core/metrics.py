@@ -54,6 +54,16 @@ class EngineStats:
     num_swapped: int = 0  # sequences swapped out to host memory, waiting to come back
     # tokens computed in prefill chunks (prompts, recomputes): the prompt tok/s the engine achieves
     prefill_tokens: int = 0
+    # the lower KV tiers (engine/kv_tiers/): tokens of prefix hits read back from disk and from Redis, blocks on
+    # disk now, bytes read and written, seconds spent reading blocks back (cumulative), blocks found corrupt or
+    # unreadable (recomputed instead)
+    prefix_disk_hits: int = 0
+    prefix_redis_hits: int = 0
+    num_disk_blocks: int = 0
+    kv_tier_read_bytes: int = 0
+    kv_tier_written_bytes: int = 0
+    kv_tier_restore_seconds: float = 0.0
+    kv_tier_rejected_blocks: int = 0
 
     @classmethod
     def collect(

@@ -26,6 +26,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     client: int = 0  # the front that submitted it: its outputs go there
     tenant: str = ""  # who sent it: the core shares steps fairly among tenants
     priority: int = 0  # among the tenant's requests, lower first
+    retain: bool = (
+        False  # a session's turn: its blocks outrank one-off ones, kept on the lower KV tiers
+    )
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

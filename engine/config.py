@@ -7,7 +7,6 @@ User-facing fields come first; the fields after ``# derived`` are filled by the 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,14 +86,12 @@ class EngineConfig:
     host_cache_gib: float = 0.0
     # the disk tier of the prefix cache (engine/kv_tiers/): full blocks of session turns (and blocks leaving the host
     # tier) written as checksummed files keyed by chain hash and a fingerprint of what shapes their bytes, read back
-    # on a later prefix hit (after a restart too); LRU within kv_disk_size ("2GiB", "512MiB", "0": off); the
-    # directory defaults to <cache_dir>/kv
+    # on a later prefix hit (after a restart too); LRU within kv_disk_size bytes (0: off); the directory defaults
+    # to <cache_dir>/kv
     kv_disk_path: str | None = field(
         default_factory=lambda: os.environ.get("PAGEDCHAT_KV_DISK_PATH") or None
     )
-    kv_disk_size: str = field(
-        default_factory=lambda: os.environ.get("PAGEDCHAT_KV_DISK_SIZE") or "2GiB"
-    )
+    kv_disk_size: int = 2 * 2**30
     # Redis as a shared KV tier (replicas and restarts share blocks): redis://host:port/db; None: off
     kv_redis_url: str | None = field(
         default_factory=lambda: os.environ.get("PAGEDCHAT_KV_REDIS_URL") or None
@@ -200,7 +197,9 @@ class EngineConfig:
         )
         _check(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         _check(self.host_cache_gib >= 0, "host_cache_gib", "must be >= 0")
-        parse_size(self.kv_disk_size, "kv_disk_size")
+        _check(
+            0 <= self.kv_disk_size <= 2**50, "kv_disk_size", "must be in [0, 1 PiB] bytes (0: off)"
+        )
         _check(
             self.kv_redis_url is None
             or self.kv_redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -264,11 +263,6 @@ class EngineConfig:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's (auto) or float8_e4m3fn (fp8)."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
-
-    @property
-    def kv_disk_bytes(self) -> int:
-        """The disk tier's bound in bytes (0: the tier is off)."""
-        return parse_size(self.kv_disk_size, "kv_disk_size")
 
     @property
     def kv_disk_dir(self) -> Path:
@@ -348,40 +342,6 @@ def is_large_gpu(device: torch.device) -> bool:
         return False
     properties = torch.cuda.get_device_properties(device)
     return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
-
-
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-MAX_SIZE = 2**50  # 1 PiB: beyond any disk this is configured for
-
-
-def parse_size(text: str, name: str) -> int:
-    """Bytes of a size such as "2GiB", "512 MB", "1.5g" or "0" (decimal and binary units, case-insensitive);
-    a ValueError naming ``name`` otherwise."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    _check(
-        match is not None and unit in SIZE_UNITS,
-        name,
-        f"{text!r} is not a size (a number with an optional unit: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB)",
-    )
-    size = int(float(match.group(1)) * SIZE_UNITS[unit])
-    _check(size <= MAX_SIZE, name, f"{text!r} is over 1 PiB")
-    return size
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from typing import Any
@@ -42,7 +43,7 @@ def _add_options(group: argparse._ArgumentGroup, options: tuple[Option, ...]) ->
             group.add_argument(
                 option.flag,
                 type=_value_type(option),
-                default=None,
+                default=_env_size(option),
                 choices=option.choices,
                 metavar="SIZE"
                 if option.kind == "bytes"
@@ -51,6 +52,14 @@ def _add_options(group: argparse._ArgumentGroup, options: tuple[Option, ...]) ->
                 else option.name.upper(),
                 help=option.help_text(),
             )
+
+
+def _env_size(option: Option) -> str | None:
+    """A size's environment variable is read here: its field holds bytes, and argparse parses a text default
+    as it parses the flag (a bad value exits 2 naming the flag)."""
+    if option.kind != "bytes" or option.env is None:
+        return None
+    return os.environ.get(option.env) or None
 
 
 def _value_type(option: Option) -> Any:

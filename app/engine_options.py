@@ -159,6 +159,27 @@ ENGINE_OPTIONS = (
         "float",
     ),
     Option(
+        "kv_disk_path",
+        "The directory of the disk tier of the prefix cache: full KV blocks as checksummed files, "
+        "read back on a later prefix hit (after a restart too)",
+        "kv in --cache-dir",
+        env="PAGEDCHAT_KV_DISK_PATH",
+    ),
+    Option(
+        "kv_disk_size",
+        "Most bytes the disk tier keeps (least recently used blocks go first; 0: the tier is off)",
+        "2GiB",
+        "bytes",
+        env="PAGEDCHAT_KV_DISK_SIZE",
+    ),
+    Option(
+        "kv_redis_url",
+        "Keep KV blocks in this Redis too (redis://, rediss:// or unix://), shared by replicas and "
+        "restarts; bound it with the Redis's own maxmemory and an LRU policy",
+        "none",
+        env="PAGEDCHAT_KV_REDIS_URL",
+    ),
+    Option(
         "kv_backend",
         "Who owns the KV memory: block tables over a block pool, or (CUDA) each request "
         "contiguous in virtual memory with pages mapped on demand",

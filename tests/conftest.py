@@ -10,6 +10,9 @@ from pathlib import Path
 # the scheduler (a 16-token greedy run on 2 threads took 2-32 s instead of 0.35 s beside one busy process). The
 # servers the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The suite's servers share one cache dir, so the disk tier of the prefix cache is off unless a test turns it on (the
+# tier's own tests give their own --kv-disk-path in a tmp dir); the CLI reads this variable (app/cli.py).
+os.environ.setdefault("PAGEDCHAT_KV_DISK_SIZE", "0")
 
 import pytest
 import pytest_asyncio

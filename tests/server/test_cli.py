@@ -265,6 +265,7 @@ def test_sizes_take_units_and_a_bad_size_or_choice_is_one_line_and_status_2():
     assert parse_bytes("1.5GB") == 1_500_000_000 and show_bytes(8 * 2**20) == "8MiB"
     for flags, said in (
         (["--max-request-bytes", "4 lots"], "--max-request-bytes"),
+        (["--kv-disk-size", "12parsecs"], "argument --kv-disk-size: '12parsecs'"),
         (["--log-level", "verbose"], "invalid choice: 'verbose'"),
         (["--dtype", "fp8"], "invalid choice: 'fp8'"),
     ):
@@ -276,3 +277,14 @@ def test_sizes_take_units_and_a_bad_size_or_choice_is_one_line_and_status_2():
         )
         assert result.returncode == 2 and said in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_size_option_reads_its_environment_variable_with_units(monkeypatch):
+    """EngineConfig.kv_disk_size holds bytes, so its variable (PAGEDCHAT_KV_DISK_SIZE) is parsed by the CLI."""
+    monkeypatch.setenv("PAGEDCHAT_KV_DISK_SIZE", "512MiB")
+    config = engine_config_from_args(build_parser().parse_args(["chat"]))
+    assert config.kv_disk_size == 512 * 2**20
+    given = build_parser().parse_args(["serve", "--kv-disk-size", "3GB"])
+    assert server_settings_from_args(given).engine.kv_disk_size == 3 * 10**9  # the flag wins
+    monkeypatch.delenv("PAGEDCHAT_KV_DISK_SIZE")
+    assert engine_config_from_args(build_parser().parse_args(["chat"])).kv_disk_size == 2 * 2**30

@@ -77,11 +77,14 @@ class Admission:
         arrival: float,
         request: Request | None = None,
         priority: int = 0,
+        retain: bool = False,
     ) -> TimedStream:
         """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
         schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
         ``request``, the engine shares its steps fairly between the request's tenant and others
-        (``scheduling_tenant``), and the stream's numbers go to its access-log line (app/access_log.py)."""
+        (``scheduling_tenant``), and the stream's numbers go to its access-log line (app/access_log.py).
+        ``retain``: a session's turn, whose blocks the engine keeps ahead of one-off requests' (and on its lower
+        KV tiers) for the next turn."""
         if not self.engine.healthy:
             raise EngineUnavailable()
         tenant = self.scheduling_tenant(request)
@@ -104,7 +107,12 @@ class Admission:
         self._check_queue(tenant)
         try:
             stream = self.engine.generate(
-                prompt_ids, params, cache_salt=cache_salt, tenant=tenant, priority=priority
+                prompt_ids,
+                params,
+                cache_salt=cache_salt,
+                tenant=tenant,
+                priority=priority,
+                retain=retain,
             )
         except EngineDeadError as exc:
             raise EngineUnavailable(f"the engine is not running: {exc}") from None

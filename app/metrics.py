@@ -197,6 +197,7 @@ class _EngineCollector(Collector):
             stats.num_host_cached_blocks,
             label,
         )
+        yield from _kv_tier_metrics(stats, label)
         yield _counter(
             "prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens, label
         )
@@ -212,6 +213,54 @@ class _EngineCollector(Collector):
         for reason, count in sorted(stats.finished.items()):
             success.add_metric([self._model_name, reason], count)
         yield success
+
+
+# the prefix cache's tiers below host memory, the disk (--kv-disk-path) and Redis (--kv-redis-url):
+# (name, help, the EngineStats field, a counter or a gauge)
+_KV_TIER_METRICS = (
+    (
+        "prefix_cache_disk_hits",
+        "Prompt tokens read back from the disk tier of the prefix cache.",
+        "prefix_disk_hits",
+        True,
+    ),
+    (
+        "prefix_cache_redis_hits",
+        "Prompt tokens read back from the Redis tier of the prefix cache.",
+        "prefix_redis_hits",
+        True,
+    ),
+    ("kv_disk_blocks", "KV blocks held by the disk tier.", "num_disk_blocks", False),
+    (
+        "kv_tier_read_bytes",
+        "Bytes of KV blocks read from the disk and Redis tiers.",
+        "kv_tier_read_bytes",
+        True,
+    ),
+    (
+        "kv_tier_written_bytes",
+        "Bytes of KV blocks written to the disk and Redis tiers.",
+        "kv_tier_written_bytes",
+        True,
+    ),
+    (
+        "kv_tier_restore_seconds",
+        "Seconds spent reading KV blocks back from the disk and Redis tiers.",
+        "kv_tier_restore_seconds",
+        True,
+    ),
+    (
+        "kv_tier_rejected_blocks",
+        "KV blocks of the disk and Redis tiers found corrupt or unreadable (computed again instead).",
+        "kv_tier_rejected_blocks",
+        True,
+    ),
+)
+
+
+def _kv_tier_metrics(stats: EngineStats, label: list[str]) -> Iterator[Metric]:
+    for name, doc, field, counter in _KV_TIER_METRICS:
+        yield (_counter if counter else _gauge)(name, doc, getattr(stats, field), label)
 
 
 def _gauge(name: str, doc: str, value: float, label: list[str]) -> GaugeMetricFamily:

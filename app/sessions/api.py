@@ -33,6 +33,7 @@ from app.sessions.store import (
     new_session_id,
 )
 from app.sessions.turn_api import post_message, requested_session
+from app.sessions.warm_api import warm_session
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ routes = [
     Route("/v1/sessions", sessions_root, methods=["GET", "POST"]),
     Route("/v1/sessions/{session_id}", session_item, methods=["GET", "PATCH", "DELETE"]),
     Route("/v1/sessions/{session_id}/messages", post_message, methods=["POST"]),
+    Route("/v1/sessions/{session_id}/warm", warm_session, methods=["POST"]),
 ]
 _SESSION_ID = {"session_id": "22 URL-safe characters"}
 OPERATIONS = [
@@ -219,6 +221,12 @@ OPERATIONS = [
         "Send a message; the reply as chat.completion(.chunk)",
         SessionMessageRequest,
         streams=True,
+        path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/{session_id}/warm",
+        "POST",
+        "Start bringing the session's cached KV blocks back to the device before its next turn",
         path_params=_SESSION_ID,
     ),
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -53,6 +53,8 @@ class SessionService:
     engine: EngineClient
     limits: SessionLimits
     background: BackgroundTasks
+    # sessions whose warm (POST /v1/sessions/{id}/warm: warm_api.py) runs now in this front
+    warming: set[str] = field(default_factory=set)
 
     @property
     def max_model_len(self) -> int:

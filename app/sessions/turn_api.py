@@ -227,6 +227,7 @@ async def start_turn(
             arrival,
             request,
             body.priority,
+            retain=True,
         )
     except BaseException:
         await _unlock_quietly(service, session.id, token)

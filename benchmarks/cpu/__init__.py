@@ -26,4 +26,7 @@ pick instead, and the CPU kernels and weight formats behind it.
 - ``busy_structured_output``: 20 ``response_format`` requests (json_object, three schemas) to a server started
   beside a busy-looping neighbour, the first at once after /health (issue 49: all valid, none a 400).
   ``python -m benchmarks.cpu.busy_structured_output``
+- ``kv_restart``: a 2,000-token session's next turn after a server restart (its KV read back from the disk tier)
+  against the same turn warm and a cold re-prefill; ``--redis``: the next turn on a second server of one Redis
+  (workload "Restart", issue 52). ``python -m benchmarks.cpu.kv_restart [--redis]``
 """

@@ -20,6 +20,9 @@ also runs on the CPU with small sizes (its ``--help`` gives the smoke-test flags
   ``python -m benchmarks.offline.kv_backends_chart PATH``
 - ``kv_offload``: swap against recompute preemption, and the host tier of the prefix cache.
   ``python -m benchmarks.offline.kv_offload``
+- ``kv_restore``: a 32k-token session's KV read back from the disk tier against recomputing it, and nano with the
+  tier on and off (workload "Restart", issue 52).
+  ``python -m benchmarks.offline.kv_restore --model-config llama-3.2-1b``
 - ``sharing``: KV blocks saved by parallel sampling and beam search against independent requests.
   ``python -m benchmarks.offline.sharing``
 - ``tensor_parallel``: nano and the decode step at each tensor-parallel size, with the collectives' share.

@@ -82,6 +82,8 @@ export const api = {
   // Resolves once the server accepted the turn (headers received); the body is read by readChunks.
   postMessage: (id, body, signal) =>
     send("POST", `${sessionPath(id)}/messages`, { body, sessionId: id, signal }),
+  // Starts bringing the session's cached KV blocks back to the device: {id, object: "session.warm", blocks}.
+  warmSession: (id) => json("POST", `${sessionPath(id)}/warm`, { sessionId: id }),
   // Stateless: no X-Session-ID, which would make the request a turn of that session.
   chatCompletions: (body, signal) => send("POST", "/v1/chat/completions", { body, signal }),
 };

@@ -7,6 +7,7 @@ import { Reasoning } from "./reasoning.js";
 import { Sidebar } from "./sidebar.js";
 import { Settings } from "./settings.js";
 import { ToolCalls } from "./tool_calls.js";
+import { warmOnFocus } from "./warm.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -519,5 +520,6 @@ function bindEvents() {
 }
 
 bindEvents();
+warmOnFocus(el.input, () => (state.session ? state.session.id : null));
 openSession(sessionIdFromUrl());
 refreshModelInfo();

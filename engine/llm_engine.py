@@ -79,9 +79,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         tenant: str = "",
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         params = params or SamplingParams()
-        self.core.add_request(request_id, prompt_token_ids, params, cache_salt, tenant, priority)
+        self.core.add_request(
+            request_id, prompt_token_ids, params, cache_salt, tenant, priority, retain
+        )
         self.processor.add_request(request_id, prompt_token_ids, params, cache_salt)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:

@@ -57,6 +57,8 @@ class Sequence:
     # who sent it (the front's word: an API key's hash, a client address): steps are shared fairly
     tenant: str = ""
     priority: int = 0  # among its tenant's requests: lower runs first (vLLM's priority)
+    # a session's turn: its blocks outrank one-off ones when evicting and go down to the lower KV tiers when it ends
+    retain: bool = False
     last_step: int = -1  # the scheduler's step that last computed it (a tenant's rows take turns)
     arrival_time: float = field(default_factory=time.monotonic)
     # when first admitted to the running batch (queue time ends)

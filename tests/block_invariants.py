@@ -12,6 +12,7 @@ import struct
 import xxhash
 
 from engine.core.block_manager import BlockManager
+from engine.core.tier_blocks import TierBlocks
 from engine.sequence import Sequence
 
 ROOT_TAG = "pagedchat-block-root-v1"
@@ -134,6 +135,7 @@ def snapshot(bm: BlockManager, seqs: list[Sequence]) -> tuple:
     return (
         [(b.block_id, b.ref_count, b.block_hash) for b in pool.blocks],
         list(pool.free_queue),
+        list(pool.kept_queue),
         {h: b.block_id for h, b in pool.cached.items()},
         pool.num_evictions,
         bm.lookups.queries,
@@ -174,7 +176,7 @@ def host_cache_state(bm: BlockManager) -> tuple | None:
     )
 
 
-def check_pool(bm: BlockManager, seqs: list[Sequence]) -> None:
+def check_pool(bm: BlockManager, seqs: list[Sequence], tiers: TierBlocks | None = None) -> None:
     pool, bs = bm.pool, bm.block_size
     assert [b.block_id for b in pool.blocks] == list(range(bm.num_blocks))
     refs = [0] * bm.num_blocks
@@ -189,10 +191,15 @@ def check_pool(bm: BlockManager, seqs: list[Sequence]) -> None:
     for block_ids in bm.pins.values():  # a pin holds one reference to each of its blocks
         for block_id in block_ids:
             refs[block_id] += 1
+    for block_id in tiers.held_blocks() if tiers is not None else ():  # (saved or loaded now)
+        refs[block_id] += 1
     assert [b.ref_count for b in pool.blocks] == refs, "ref counts differ from the block tables"
-    for block_id, block in pool.free_queue.items():
+    for block_id, block in [*pool.free_queue.items(), *pool.kept_queue.items()]:
         assert block is pool.blocks[block_id]
-    free, referenced = set(pool.free_queue), {i for i, r in enumerate(refs) if r > 0}
+    assert set(pool.free_queue).isdisjoint(pool.kept_queue), "a block in both free queues"
+    assert all(b.block_hash is not None for b in pool.kept_queue.values()), "an unhashed kept block"
+    free = {b.block_id for b in pool.free_blocks()}
+    referenced = {i for i, r in enumerate(refs) if r > 0}
     assert free.isdisjoint(referenced), "a block is both free and referenced"
     assert free | referenced == set(range(bm.num_blocks)), "a block is neither free nor referenced"
     assert bm.num_free_blocks + len(referenced) == bm.num_blocks

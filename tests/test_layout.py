@@ -70,6 +70,8 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "weights",
         ("engine.weights",),
     ),  # GGUF files and weight formats: torch, numpy, gguf, kernels only
+    # the KV tiers below the host: block files, the disk and Redis stores, their I/O thread (torch, no core)
+    ("kv_tiers", ("engine.kv_tiers",)),
     ("core", ("engine.core",)),  # what runs in each step: scheduler, block books, pins, stats
     ("distributed", ("engine.distributed",)),  # tensor parallelism's group and collectives
     ("kv_backend", ("engine.kv_backend",)),

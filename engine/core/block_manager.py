@@ -268,7 +268,7 @@ class BlockManager:
             own = set(seq.block_table)
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in own]
         for block_id in reversed(seq.block_table):
-            self.pool.release(self.pool.blocks[block_id])
+            self.pool.release(self.pool.blocks[block_id], seq.retain)
         if self.window is not None:
             self.window.free(seq)
         seq.block_table = []

@@ -19,15 +19,18 @@ class Block:
 
 
 class BlockPool:
-    """All blocks, the free queue and the hash map.
+    """All blocks, the free queues and the hash map.
 
     The free queue is ordered by eviction priority: blocks without a hash at the front (nothing to lose),
-    then hashed blocks from least to most recently freed. ``take`` pops the front.
+    then hashed blocks from least to most recently freed. ``take`` pops the front. Hashed blocks that a session's
+    turn freed last (``release(keep=True)``) wait in a queue of their own, least recently freed first, taken only
+    once the free queue is empty: a session coming back outranks one-off prompts.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.kept_queue: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
         # told before an evicted block is reused
@@ -35,13 +38,18 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.kept_queue)
 
-    def take(self) -> Block:
-        """A free block for new tokens; evicts its old hash if it had one."""
-        _, block = self.free_queue.popitem(last=False)
+    def free_blocks(self) -> list[Block]:
+        """Every free block, in the order ``take`` would give them."""
+        return [*self.free_queue.values(), *self.kept_queue.values()]
+
+    def take(self, keep_evicted: bool = True) -> Block:
+        """A free block for new tokens; evicts its old hash if it had one (told to ``on_evict`` unless not
+        ``keep_evicted``)."""
+        _, block = (self.free_queue or self.kept_queue).popitem(last=False)
         if block.block_hash is not None:
-            if self.on_evict is not None:
+            if self.on_evict is not None and keep_evicted:
                 self.on_evict(block, block.block_hash)
             del self.cached[block.block_hash]
             block.block_hash = None
@@ -52,15 +60,21 @@ class BlockPool:
     def acquire(self, block: Block) -> None:
         """One more reference to a block found by hash (it may be sitting in the free queue)."""
         if block.ref_count == 0:
-            del self.free_queue[block.block_id]
+            if self.free_queue.pop(block.block_id, None) is None:
+                del self.kept_queue[block.block_id]
         block.ref_count += 1
 
-    def release(self, block: Block) -> None:
+    def release(self, block: Block, keep: bool = False) -> None:
+        """One reference less; at none the block is free (``keep``: a session's, evicted after one-off ones)."""
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_queue[block.block_id] = block
             if block.block_hash is None:
+                self.free_queue[block.block_id] = block
                 self.free_queue.move_to_end(block.block_id, last=False)
+            elif keep:
+                self.kept_queue[block.block_id] = block
+            else:
+                self.free_queue[block.block_id] = block
 
     def register(self, block: Block, block_hash: bytes) -> None:
         """Make a written full block hittable; the first block written with a hash keeps the entry."""
@@ -70,10 +84,12 @@ class BlockPool:
 
     def reset_cache(self) -> int:
         """Forget the hashes of free blocks (a cold cache); returns how many were dropped."""
-        dropped = [b for b in self.free_queue.values() if b.block_hash is not None]
+        dropped = [b for b in self.free_blocks() if b.block_hash is not None]
         for block in dropped:
             del self.cached[block.block_hash]
             block.block_hash = None
+            self.kept_queue.pop(block.block_id, None)
+            self.free_queue[block.block_id] = block
             self.free_queue.move_to_end(block.block_id, last=False)
         return len(dropped)
 

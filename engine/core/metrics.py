@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (annotations only)
     from engine.core.block_stats import BlockStats
     from engine.core.scheduler import Scheduler
+    from engine.core.tier_blocks import TierBlocks
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ class EngineStats:
             finished=dict(counters.finished),
             num_swapped=len(scheduler.swapped),
             prefill_tokens=scheduler.num_prefill_tokens,
+            **tier_stats(scheduler.tiers, scheduler.block_manager.block_size),
         )
 
     @property
@@ -109,3 +111,19 @@ class EngineStats:
         if not self.kv_allocated_slots:
             return 0.0
         return 1.0 - self.kv_used_slots / self.kv_allocated_slots
+
+
+def tier_stats(tiers: TierBlocks | None, block_size: int) -> dict[str, int | float]:
+    """EngineStats' fields of the KV tiers below the host (none when they are off)."""
+    if tiers is None:
+        return {}
+    stores = [store for store in (tiers.io.disk, tiers.io.redis) if store is not None]
+    return {
+        "prefix_disk_hits": tiers.counts.disk_hits * block_size,
+        "prefix_redis_hits": tiers.counts.redis_hits * block_size,
+        "num_disk_blocks": len(tiers.io.disk) if tiers.io.disk is not None else 0,
+        "kv_tier_read_bytes": sum(store.counts.bytes_read for store in stores),
+        "kv_tier_written_bytes": sum(store.counts.bytes_written for store in stores),
+        "kv_tier_restore_seconds": tiers.counts.restore_seconds,
+        "kv_tier_rejected_blocks": sum(store.counts.rejected for store in stores),
+    }

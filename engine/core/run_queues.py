@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from engine.core.block_manager import BlockManager
 from engine.core.step_cost import StepCostModel
+from engine.core.tier_blocks import TierBlocks
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -57,11 +58,19 @@ class RunQueues:
         self.num_prefill_tokens = 0
         # samples of running parents, not forked yet: they hold places in the batch
         self.num_unforked = 0
+        # the KV tiers below the host (disk, Redis): None when off
+        self.tiers: TierBlocks | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.tenants[seq.tenant] += 1 + len(seq.unforked)
+        if self.tiers is not None and self.block_manager.enable_prefix_caching:
+            # (its prompt's blocks that a lower tier holds start coming back while it waits)
+            self.block_manager.update_block_hashes(seq)
+            self.tiers.fetch(
+                seq.block_hashes, (seq.num_tokens - 1) // self.block_manager.block_size
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -171,14 +180,16 @@ class RunQueues:
         return budget - num_new
 
     def blocks_in_progress(self) -> set[bytes]:
-        """Hashes of the full blocks that running sequences still have to compute (prefix caching only)."""
+        """Hashes of the full blocks that running sequences still have to compute (prefix caching only), and those
+        coming back from a lower KV tier."""
         size = self.block_manager.block_size
-        return {
+        computing = {
             h
             for seq in self.running
             if seq.num_uncomputed_tokens > 1
             for h in seq.block_hashes[seq.num_computed_tokens // size :]
         }
+        return computing | self.tiers.loading.keys() if self.tiers is not None else computing
 
     def start(
         self,
@@ -274,5 +285,7 @@ class RunQueues:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.block_manager.drop_host_blocks(seq)
+        if seq.retain and self.tiers is not None:
+            self.tiers.save(seq)
         self.block_manager.free(seq)
         seq.status = status

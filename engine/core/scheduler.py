@@ -61,6 +61,8 @@ class Scheduler(RunQueues):
         chosen: dict[Sequence, int] = {}  # insertion-ordered
         preempted: list[Sequence] = []
         self.num_steps += 1
+        if self.tiers is not None:
+            self.tiers.poll()
         if len(self.tenants) > 1:
             self.shared_step.schedule(self, chosen, preempted)
         else:

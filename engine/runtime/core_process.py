@@ -259,6 +259,7 @@ class CoreLoop:
                 message.cache_salt,
                 message.tenant,
                 message.priority,
+                message.retain,
             )
         except ValueError as exc:  # this request's fault only: tell its consumer, keep serving
             self._send(client, AddFailed(request_id, str(exc), True))

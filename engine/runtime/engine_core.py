@@ -17,10 +17,8 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from engine.runtime.beam_requests import BeamRequests
+from engine.runtime.core_parts import new_block_manager, new_scheduler
 from engine.output.beam_search import new_beam_group
-from engine.core.block_hash import BlockHasher
-from engine.core.block_manager import BlockManager
-from engine.core.window_blocks import WindowBlocks
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
 from engine.sample.sampler import TokenLogprobs
@@ -29,7 +27,6 @@ from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
 from engine.output.outputs import SampleDelta
-from engine.core.preemption import SwapPolicy
 from engine.runtime.requests import (
     Request,
     Sample,
@@ -40,7 +37,6 @@ from engine.runtime.requests import (
 from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
-from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.output.structured_output import GrammarCompiler
 from engine.output.structured_output import accept as accept_grammar
@@ -77,17 +73,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(
             self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
         )
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            self._hasher(),
-            *self.runner.allocate_host_pools(),
-            self.runner.kv.lookahead_tokens,
-            config.max_blocks_per_seq,
-            WindowBlocks.of(window_blocks, config, self.runner.kv.window),
-        )
-        self.scheduler = self._new_scheduler()
+        self.block_manager = new_block_manager(config, self.runner, num_blocks, window_blocks)
+        self.scheduler = new_scheduler(config, self.runner, self.block_manager)
         self.counters = EngineCounters()
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, Request] = {}
@@ -124,36 +111,16 @@ class EngineCore:
             raise
         return blocks
 
-    def _new_scheduler(self) -> Scheduler:
-        config, runner = self.config, self.runner
-        swap = SwapPolicy(
-            config.preemption_mode,
-            config.torch_device.type,
-            runner.bytes_per_block,
-            runner.num_parameters,
-        )
-        return Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            prefer_swap=swap,
-            max_seqs_per_tenant=config.max_seqs_per_tenant,
-            shared_step_time_factor=config.shared_step_time_factor,
-            step_time_target_s=config.step_time_target_s,
-        )
-
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (a single-rank core holds nothing to stop)."""
+        """Finish writing the blocks handed to the lower KV tiers, and stop the other tensor-parallel ranks."""
+        if getattr(self, "scheduler", None) is not None and self.scheduler.tiers is not None:
+            self.flush_kv_tiers(timeout_s=30.0)
+            self.scheduler.tiers.close()
         if self.workers is not None:
             if hasattr(self, "runner"):
                 self.runner.release_graphs()
             self.workers.stop()
             torch.set_num_threads(self._threads_before)
-
-    def _hasher(self) -> BlockHasher:
-        return BlockHasher(
-            self.config.prefix_hash, self.config.model_id, self.config.prefix_cache_seed
-        )
 
     # requests -----------------------------------------------------------------------------------------
 
@@ -168,9 +135,10 @@ class EngineCore:
         cache_salt: str | None = None,
         tenant: str = "",
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         """``tenant``: who sent it (steps are shared fairly among tenants with work); ``priority``: its rank among
-        that tenant's requests, lower first."""
+        that tenant's requests, lower first; ``retain``: a session's turn (Sequence.retain)."""
         params = params or SamplingParams()
         self.validate_request(prompt_token_ids, params)
         check_priority(priority)
@@ -186,6 +154,8 @@ class EngineCore:
         seqs = new_sequences(
             self._seq_ids, request_id, prompt, params, grammar, cache_salt, tenant, priority
         )
+        for seq in seqs:
+            seq.retain = retain
         group = SequenceGroup(request_id, seqs, params)
         if params.use_beam_search:
             eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
@@ -224,7 +194,13 @@ class EngineCore:
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self._in_flight is not None
+        """Requests to step, a step in flight, or blocks moving to or from the lower KV tiers."""
+        tiers = self.scheduler.tiers
+        return (
+            bool(self._requests)
+            or self._in_flight is not None
+            or (tiers is not None and tiers.busy)
+        )
 
     @property
     def has_step_in_flight(self) -> bool:
@@ -314,6 +290,9 @@ class EngineCore:
             if not self._requests:
                 self.runner.settle()
             return deltas
+        if (tiers := self.scheduler.tiers) is not None and tiers.busy:
+            tiers.poll(timeout_s=0.05)  # (waiting requests wait for blocks coming back)
+            return []
         stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
         if stuck and not self.scheduler.running and not batch.preempted:  # for good
             raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
@@ -413,6 +392,24 @@ class EngineCore:
 
     def pins(self) -> dict[str, tuple[int, int]]:
         return self.prefix_pins.pins()
+
+    # the KV tiers below the host (engine/core/tier_blocks.py) -------------------------------------------
+
+    def warm_prefix(self, token_ids: SequenceOf[int], cache_salt: str | None = None) -> int:
+        """Start bringing the blocks of ``token_ids`` back from the lower tiers; the number on their way."""
+        if self.scheduler.tiers is None:
+            return 0
+        probe = Sequence(-1, "warm", list(token_ids), SamplingParams(), cache_salt)
+        self.block_manager.update_block_hashes(probe)
+        return self.scheduler.tiers.fetch(probe.block_hashes, len(probe.block_hashes))
+
+    def flush_kv_tiers(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every block handed to the lower tiers is written and settled; False at the timeout."""
+        tiers = self.scheduler.tiers
+        deadline = time.monotonic() + timeout_s
+        while tiers is not None and tiers.busy and time.monotonic() < deadline:
+            tiers.poll(timeout_s=0.05)
+        return tiers is None or (not tiers.busy and tiers.io.wait_idle(deadline - time.monotonic()))
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)

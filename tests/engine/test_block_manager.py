@@ -702,6 +702,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             params=SamplingParams(),
             cache_salt=salt,
             num_prompt_tokens=prompt_len or len(tokens),
+            retain=self.next_id % 3 == 0,  # (a session's turn: its freed blocks wait in the kept queue)
         )
         self.seqs[seq.seq_id] = seq
         self.next_id += 1
@@ -762,7 +763,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         revived = sum(1 for b in hits if isinstance(b, HostHit) or b.ref_count == 0)
         need = max(0, last + 1 - len(table)) + revived + copies
         before, cached_before = snapshot(bm, list(self.seqs.values())), set(pool.cached)
-        free_before, free_ids_before = bm.num_free_blocks, set(pool.free_queue)
+        free_before, free_ids_before = bm.num_free_blocks, {b.block_id for b in pool.free_blocks()}
         num_copies, num_outs, num_ins = (
             len(bm.pending_copies),
             len(bm.pending_swap_out),
@@ -1024,7 +1025,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return False
         slots, computed = list(seq.host_blocks), seq.num_computed_tokens
         free_ids, cached_before, num_ins = (
-            set(pool.free_queue),
+            {b.block_id for b in pool.free_blocks()},
             set(pool.cached),
             len(bm.pending_swap_in),
         )
@@ -1072,10 +1073,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(step=STEPS)
     def reset_prefix_cache(self, step: Step) -> None:
-        free_hashed = sum(1 for b in self.bm.pool.free_queue.values() if b.block_hash is not None)
+        free_hashed = sum(1 for b in self.bm.pool.free_blocks() if b.block_hash is not None)
         host_entries = len(self.bm.host_cache.entries) if self.bm.host_cache is not None else 0
         assert self.bm.reset_prefix_cache() == free_hashed + host_entries
-        assert all(b.block_hash is None for b in self.bm.pool.free_queue.values())
+        assert all(b.block_hash is None for b in self.bm.pool.free_blocks())
         assert self.bm.host_cache is None or not self.bm.host_cache.entries
         self.check()
         self.engine_step(step)

@@ -1,0 +1,202 @@
+"""The lower tiers' I/O, on a thread of its own: whole blocks copied out of the KV tensors and written to the stores
+(disk, then Redis), or read from the stores, checked and copied into device blocks the core set aside for them.
+
+The core (engine/core/tier_blocks.py) submits jobs and collects what is done between steps; this side never touches
+the core's books. A save copies its blocks out first and reports at once (the core releases them), then writes; a
+load reports once its blocks hold their KV (on CUDA: after its own stream's copies finished). Loads go before saves:
+a request waits for them. A job that fails reports its blocks not done: they are recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.kv_tiers.disk_store import DiskStore
+from engine.kv_tiers.redis_store import RedisStore
+
+logger = logging.getLogger(__name__)
+
+LOAD, PROBE, SAVE = 0, 1, 2  # job kinds, in the order the thread takes them
+
+
+@dataclass(slots=True)
+class TierJob:
+    kind: int
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)  # device blocks read (save) or filled (load)
+    job_id: int = 0
+
+
+@dataclass(slots=True)
+class TierDone:
+    job: TierJob
+    # per block: load: "disk" | "redis" | "" (not loaded); save: copied out; probe: the keys present, from the first
+    sources: list[str] = field(default_factory=list)
+    present: int = 0
+    seconds: float = 0.0
+
+
+class BlockBytes:
+    """Whole blocks of the KV tensors (``[layers, blocks, block_size, kv_heads, head_dim]``) as rows of bytes: K of
+    every layer, then V."""
+
+    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor) -> None:
+        self.k, self.v = k_caches, v_caches
+        self.device = k_caches.device
+        # [2, layers, block_size, kv_heads, head_dim] of one block
+        self.block_shape = (2, k_caches.shape[0], *k_caches.shape[2:])
+        self.payload_size = 2 * k_caches[:, 0].numel() * k_caches.element_size()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return (
+            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        )
+
+    def gather(self, block_ids: list[int]) -> np.ndarray:
+        """``[n, payload_size]`` bytes on the host."""
+        with self._on_stream():
+            index = torch.tensor(block_ids, device=self.device)
+            both = torch.stack((self.k.index_select(1, index), self.v.index_select(1, index)))
+            rows = both.permute(2, 0, 1, 3, 4, 5).reshape(len(block_ids), -1).view(torch.uint8)
+            host = rows.cpu()
+        return host.numpy()
+
+    def scatter(self, block_ids: list[int], rows: np.ndarray) -> None:
+        """Write ``[n, payload_size]`` host bytes into the device blocks ``block_ids``."""
+        data = torch.from_numpy(rows)
+        with self._on_stream():
+            if self.stream is not None:
+                data = data.pin_memory().to(self.device, non_blocking=True)
+            blocks = data.view(self.k.dtype).reshape(len(block_ids), *self.block_shape)
+            index = torch.tensor(block_ids, device=self.device)
+            self.k.index_copy_(1, index, blocks[:, 0].transpose(0, 1))
+            self.v.index_copy_(1, index, blocks[:, 1].transpose(0, 1))
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class TierIO:
+    def __init__(
+        self,
+        blocks: BlockBytes,
+        disk: DiskStore | None,
+        redis: RedisStore | None,
+        num_readers: int = 4,
+    ) -> None:
+        self.blocks = blocks
+        self.disk = disk
+        self.redis = redis
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._done: queue.SimpleQueue[TierDone] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._pending = 0  # jobs submitted and not finished (saves: not written yet)
+        self._idle = threading.Condition()
+        self._readers = ThreadPoolExecutor(num_readers, thread_name_prefix="pagedchat-kv-read")
+        self._thread = threading.Thread(target=self._run, name="pagedchat-kv-tiers", daemon=True)
+        self._thread.start()
+
+    @property
+    def payload_size(self) -> int:
+        return self.blocks.payload_size
+
+    def submit(self, job: TierJob) -> int:
+        job.job_id = next(self._ids)
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((job.kind, job.job_id, job))
+        return job.job_id
+
+    def take_done(self, timeout_s: float = 0.0) -> list[TierDone]:
+        """What finished since the last call (waiting up to ``timeout_s`` for the first when none has)."""
+        done = []
+        try:
+            done.append(self._done.get(timeout=timeout_s) if timeout_s else self._done.get_nowait())
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return done
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Every job submitted so far finished (saves written); False at the timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self) -> None:
+        self._jobs.put((-1, 0, None))
+        self._thread.join(timeout=10)
+        self._readers.shutdown(wait=False)
+
+    def _run(self) -> None:
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                {LOAD: self._load, PROBE: self._probe, SAVE: self._save}[job.kind](job)
+            except Exception:  # (a tier's failure costs its blocks, recomputed, never the engine)
+                logger.exception("KV tiers: a job failed; its blocks are recomputed")
+                self._done.put(TierDone(job, [""] * len(job.block_ids)))
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _probe(self, job: TierJob) -> None:
+        present = self.redis.count_present(job.keys) if self.redis is not None else 0
+        self._done.put(TierDone(job, present=present))
+
+    def _load(self, job: TierJob) -> None:
+        start = time.perf_counter()
+        found = list(self._readers.map(self._read, job.keys))
+        sources = [source for source, _ in found]
+        loaded = [i for i, source in enumerate(sources) if source]
+        if loaded:
+            rows = np.empty((len(loaded), self.payload_size), dtype=np.uint8)
+            for row, i in enumerate(loaded):
+                rows[row] = np.frombuffer(found[i][1], dtype=np.uint8)
+            self.blocks.scatter([job.block_ids[i] for i in loaded], rows)
+        self._done.put(TierDone(job, sources, seconds=time.perf_counter() - start))
+
+    def _read(self, key: bytes) -> tuple[str, memoryview | None]:
+        if (
+            self.disk is not None
+            and (payload := self.disk.read(key, self.payload_size)) is not None
+        ):
+            return "disk", payload
+        if (
+            self.redis is not None
+            and (payload := self.redis.read(key, self.payload_size)) is not None
+        ):
+            if self.disk is not None:  # (the next read of it is local)
+                self.disk.write(key, payload)
+            return "redis", payload
+        return "", None
+
+    def _save(self, job: TierJob) -> None:
+        start = time.perf_counter()
+        rows = self.blocks.gather(job.block_ids)
+        # (the blocks are the core's again: the bytes are here)
+        self._done.put(
+            TierDone(job, ["copied"] * len(job.keys), seconds=time.perf_counter() - start)
+        )
+        try:
+            for key, row in zip(job.keys, rows):
+                payload = memoryview(row)
+                if self.disk is not None:
+                    self.disk.write(key, payload)
+                if self.redis is not None:
+                    self.redis.write(key, payload)
+        except Exception:  # (reported already: the blocks are free; these copies are lost)
+            logger.exception("KV tiers: writing blocks failed")

@@ -1,0 +1,118 @@
+"""The engine core's books, built from its configuration and its model runner: the block manager (with the host
+tier and the sliding-window layers' blocks), the scheduler (with its swap policy) and the KV tiers below the host."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.block_hash import BlockHasher
+from engine.core.block_manager import BlockManager
+from engine.core.preemption import SwapPolicy
+from engine.core.scheduler import Scheduler
+from engine.core.tier_blocks import TierBlocks
+from engine.core.window_blocks import WindowBlocks
+from engine.kv_tiers.disk_store import DiskStore
+from engine.kv_tiers.fingerprint import files_identity, fingerprint
+from engine.kv_tiers.redis_store import RedisStore
+from engine.kv_tiers.tier_io import BlockBytes, TierIO
+from engine.worker.model_runner import ModelRunner
+from kernels.cpu_native import resolve_isa
+
+logger = logging.getLogger(__name__)
+
+
+def new_block_manager(
+    config: EngineConfig, runner: ModelRunner, num_blocks: int, window_blocks: int
+) -> BlockManager:
+    return BlockManager(
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        BlockHasher(config.prefix_hash, config.model_id, config.prefix_cache_seed),
+        *runner.allocate_host_pools(),
+        runner.kv.lookahead_tokens,
+        config.max_blocks_per_seq,
+        WindowBlocks.of(window_blocks, config, runner.kv.window),
+    )
+
+
+def new_scheduler(
+    config: EngineConfig, runner: ModelRunner, block_manager: BlockManager
+) -> Scheduler:
+    swap = SwapPolicy(
+        config.preemption_mode,
+        config.torch_device.type,
+        runner.bytes_per_block,
+        runner.num_parameters,
+    )
+    scheduler = Scheduler(
+        block_manager,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        prefer_swap=swap,
+        max_seqs_per_tenant=config.max_seqs_per_tenant,
+        shared_step_time_factor=config.shared_step_time_factor,
+        step_time_target_s=config.step_time_target_s,
+    )
+    scheduler.tiers = open_kv_tiers(config, runner, block_manager)
+    return scheduler
+
+
+def open_kv_tiers(
+    config: EngineConfig, runner: ModelRunner, block_manager: BlockManager
+) -> TierBlocks | None:
+    """The disk tier (``kv_disk_size`` > 0) and the Redis tier (``kv_redis_url``), or None: off, or not for this
+    engine (no prefix caching; a model with sliding-window layers, tensor parallelism or the vattention backend,
+    whose blocks the tiers do not move yet)."""
+    if not config.kv_disk_size and not config.kv_redis_url:
+        return None
+    unsupported = (
+        "prefix caching is off"
+        if not config.enable_prefix_caching
+        else "the model has sliding-window layers"
+        if runner.kv.window
+        else "tensor parallelism shards the KV"
+        if config.tensor_parallel_size > 1
+        else "the vattention backend"
+        if config.kv_backend != "paged"
+        else None
+    )
+    if unsupported is not None:
+        logger.info("KV tiers below the host are off: %s", unsupported)
+        return None
+    disk = DiskStore(config.kv_disk_dir, config.kv_disk_size) if config.kv_disk_size else None
+    redis = RedisStore(config.kv_redis_url) if config.kv_redis_url else None
+    kv = runner.kv
+    io = TierIO(BlockBytes(kv.k_caches, kv.v_caches), disk, redis, num_readers=_readers(config))
+    return TierBlocks(
+        block_manager.pool, block_manager.host_cache, io, engine_fingerprint(config, kv.k_caches)
+    )
+
+
+def engine_fingerprint(config: EngineConfig, k_caches: torch.Tensor) -> bytes:
+    """What shapes a block's bytes besides its tokens (engine/kv_tiers/fingerprint.py)."""
+    cpu = config.torch_device.type == "cpu"
+    return fingerprint(
+        {
+            "weights": ("dummy", config.model_config, config.seed)
+            if config.load_format == "dummy"
+            else files_identity(config.model_path),
+            "model_id": config.model_id,
+            "dtype": str(config.torch_dtype),
+            "kv_dtype": str(k_caches.dtype),
+            "block_size": config.block_size,
+            "kv_block_shape": (k_caches.shape[0], *k_caches.shape[2:]),
+            "cpu_weights": config.cpu_weights if cpu else "",
+            "cpu_isa": resolve_isa(config.cpu_isa) if cpu else "",
+            "device": config.torch_device.type,
+            "torch": torch.__version__,
+        }
+    )
+
+
+def _readers(config: EngineConfig) -> int:
+    """Threads that read blocks back: enough to keep a GPU's copy busy, few where they share the CPU."""
+    return 8 if config.torch_device.type == "cuda" else 2

@@ -329,7 +329,8 @@ class StepLog:
     """Every ``interval_s`` while the core works, one line of its own numbers: steps per second and their mean
     time (the whole step as the loop sees it, host and device), the share of the wall time spent stepping, prompt
     tokens computed (prefill chunks as they run: a long prompt shows its speed) and generated tokens per second,
-    running and waiting requests, KV usage and the prefix-cache hit rate over the interval. Nothing while idle."""
+    running and waiting requests, KV usage and the prefix-cache hit rate over the interval; with the KV tiers below
+    the host, a second line of their hits, bytes and restore time. Nothing while idle."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -378,6 +379,18 @@ class StepLog:
             100 * hits / queries if queries else 0.0,
             stats.preemptions - first.preemptions,
         )
+        if stats.kv_tier_read_bytes or stats.kv_tier_written_bytes or stats.num_disk_blocks:
+            logger.info(
+                "KV tiers: %d prompt tokens from disk, %d from Redis; %.1f MiB read, %.1f MiB written; "
+                "restores took %.2f s; %d blocks on disk; %d refused (recomputed)",
+                stats.prefix_disk_hits - first.prefix_disk_hits,
+                stats.prefix_redis_hits - first.prefix_redis_hits,
+                (stats.kv_tier_read_bytes - first.kv_tier_read_bytes) / 2**20,
+                (stats.kv_tier_written_bytes - first.kv_tier_written_bytes) / 2**20,
+                stats.kv_tier_restore_seconds - first.kv_tier_restore_seconds,
+                stats.num_disk_blocks,
+                stats.kv_tier_rejected_blocks - first.kv_tier_rejected_blocks,
+            )
 
 
 def _pickled_error(exc: Exception) -> bytes:

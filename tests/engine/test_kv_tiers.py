@@ -7,6 +7,7 @@ request; the block books stay consistent at every step."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 from pathlib import Path
@@ -18,6 +19,7 @@ from engine.kv_tiers import block_file
 from engine.kv_tiers.disk_store import DiskStore
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.runtime import core_process
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
 
@@ -102,13 +104,14 @@ def block_files(disk: Path) -> list[Path]:
     return sorted(disk.glob("??/*.kvb"))
 
 
-def test_next_turn_after_a_restart_reads_the_first_from_disk(written, prompts, tmp_path):
+def test_next_turn_after_a_restart_reads_the_first_from_disk(written, prompts, tmp_path, caplog):
     copy = tmp_path / "kv"
     copy.mkdir()
     for path in block_files(written):
         (copy / path.parent.name).mkdir(exist_ok=True)
         (copy / path.parent.name / path.name).write_bytes(path.read_bytes())
     engine = tiered(copy)
+    before = engine.stats()
     tokens, cached = run(engine, "turn-2", prompts[1], cache_salt="tenant-a", retain=True)
     assert tokens == cold_engine_result(prompts[1])
     on_disk = written_blocks(len(prompts[0])) * 16
@@ -118,6 +121,13 @@ def test_next_turn_after_a_restart_reads_the_first_from_disk(written, prompts, t
     assert stats.kv_tier_rejected_blocks == 0
     # the second turn's own blocks went down too
     assert stats.num_disk_blocks == written_blocks(len(prompts[1])) == len(block_files(copy))
+    # the engine line tells the tiers' part
+    step_log = core_process.StepLog(10.0)
+    step_log._steps, step_log._step_s = 1, 0.01
+    with caplog.at_level(logging.INFO, logger=core_process.logger.name):
+        step_log._log(before, stats, 1.0)
+    assert f"KV tiers: {on_disk} prompt tokens from disk, 0 from Redis" in caplog.text
+    assert f"{stats.num_disk_blocks} blocks on disk; 0 refused" in caplog.text
     engine.shutdown()
 
 

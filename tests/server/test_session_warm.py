@@ -10,6 +10,7 @@ also checked on a stand-in engine, without a server."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,7 @@ from tests.web_harness import SHORT, browser_fixture, preset_settings
 KEY_A, KEY_B = "warm-key-a", "warm-key-b"
 BLOCK = 16
 TURN = {"temperature": 0, "max_tokens": 8}
+POOL_BLOCKS = 40  # the device's KV pool: small, so one long prompt evicts a session's blocks
 
 
 # the warm's rules on a stand-in engine ---------------------------------------------------------------------
@@ -115,6 +117,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         str(kv_dir),
         "--kv-disk-size",
         "64MiB",
+        "--num-kv-blocks",
+        str(POOL_BLOCKS),
     ) as server:
         yield server
 
@@ -159,6 +163,37 @@ def test_warm_after_a_turn_answers_how_many_blocks_are_on_their_way(
     full_blocks = session_with_a_turn["stats"]["num_tokens"] // BLOCK
     assert full_blocks >= 1
     assert type(body["blocks"]) is int and 0 <= body["blocks"] <= full_blocks
+
+
+@pytest.mark.slow
+def test_a_session_evicted_from_the_device_is_warmed_from_disk_and_its_next_turn_hits_it(
+    server: RunningServer,
+):
+    session_id = new_session(server, KEY_B)
+    content = "Say hello to the moon, the sun and the stars, one line for each of them."
+    turns = f"/v1/sessions/{session_id}/messages"
+    first = call(server, "POST", turns, KEY_B, json={"content": content, **TURN})
+    assert first.status_code == 200, first.text
+    # a one-off prompt taking all but two blocks of the pool: the session's kept blocks go (tail first), its turn's
+    # copies on disk stay
+    filler = {
+        "prompt": [1000 + i % 3000 for i in range((POOL_BLOCKS - 2) * BLOCK - 2)],
+        "max_tokens": 2,
+    }
+    assert call(server, "POST", "/v1/completions", KEY_B, json=filler).status_code == 200
+    # the turn's blocks are written off the step loop: warm until they are on disk (a bounded wait, not a guess)
+    deadline, blocks = time.monotonic() + 30, 0
+    while blocks == 0 and time.monotonic() < deadline:
+        warm = call(server, "POST", f"/v1/sessions/{session_id}/warm", KEY_B)
+        assert warm.status_code == 200, warm.text
+        blocks = warm.json()["blocks"]
+    stored = call(server, "GET", f"/v1/sessions/{session_id}", KEY_B).json()
+    assert 1 <= blocks <= stored["stats"]["num_tokens"] // BLOCK
+    second = call(server, "POST", turns, KEY_B, json={"content": "And the clouds?", **TURN})
+    assert second.status_code == 200, second.text
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # the warmed blocks were hit, as were the head blocks the device kept
+    assert cached >= blocks * BLOCK
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ the SQLite file). Then the same next message goes to each, with a reply of ``--r
 - (c) cold: started again with ``--kv-disk-size 0``; S3 (everything computed again).
 
 Each restarted server answers one short unrelated chat before the timed turn, so one-time start-up costs fall
-outside it. Reported: each turn's TTFT, cached tokens and reply; TTFT b/a (goal <= 1.5) and c/a; whether the
-replies are the same (greedy); the tier counters of /metrics after each turn.
+outside it. Each session has its own cache salt, so a turn hits only its own session's blocks. Reported: each
+turn's TTFT, cached tokens (and the server's disk and Redis hits, from /metrics) and reply; TTFT b/a (goal
+<= 1.5) and c/a; whether the replies are the same (greedy); the tier counters of /metrics after each turn.
 
 ``--redis``: then a throw-away redis-server and two servers on it (sessions and ``--kv-redis-url``), each with
 its own empty disk tier: a session built on the first, its next turn sent to the second: the cached share of
@@ -58,6 +59,7 @@ logger = logging.getLogger("benchmarks.cpu.kv_restart")
 RESTART_GOAL = 1.5  # restarted TTFT / warm TTFT
 REDIS_GOAL = 0.9  # cached share of the next turn's prompt on the second server
 TEMPLATE_TOKENS = 12  # what the chat template adds around one user message and its reply (about)
+TIERS = ("disk", "redis")  # their hits in /metrics: prefix_cache_<tier>_hits_total (tokens)
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
@@ -127,8 +129,10 @@ async def send_turn(
 
 
 async def build_session(client: httpx.AsyncClient, url: str, plan: Plan, title: str) -> str:
-    """A new session through the plan's history, every turn answered (RuntimeError otherwise)."""
-    session = await create_session(client, url, SYSTEM, plan.salt, title)
+    """A new session through the plan's history, every turn answered (RuntimeError otherwise). Each session has
+    a salt of its own: its turns hit only its own blocks, never those of a session of the same text (the timed
+    turn of S1 would otherwise put the very prompt of S2's timed turn on disk)."""
+    session = await create_session(client, url, SYSTEM, f"{plan.salt}-{title}", title)
     for number, text in enumerate(plan.history, start=1):
         result = await send_turn(client, url, session, text, plan.reply_tokens)
         if not result.ok:
@@ -276,23 +280,30 @@ def summarize(restart: dict[str, Any], redis: NextTurn | None) -> dict[str, Any]
         "stored_ids_identical": restart["stored_ids_identical"],
         "restarted_over_warm": ratio(restarted, warm),
         "cold_over_warm": ratio(cold, warm),
+        "warm_cached_share": warm.cached_share,
         "restarted_cached_share": restarted.cached_share,
         "replies_identical": warm.reply == restarted.reply == cold.reply,
         "restart_goal_met": (ratio(restarted, warm) or float("inf")) <= RESTART_GOAL,
     }
     if redis is not None:
         summary["redis_cached_share"] = redis.cached_share
+        summary["redis_over_warm_cached"] = redis.cached_tokens / max(1, warm.cached_tokens)
         summary["redis_goal_met"] = redis.cached_share >= REDIS_GOAL
     return summary
 
 
 def print_report(turns: list[NextTurn], summary: dict[str, Any]) -> None:
-    print(f"{'case':<18} {'TTFT s':>8} {'prompt':>7} {'cached':>7} {'share':>6} {'start s':>8}")
+    print(
+        f"{'case':<18} {'TTFT s':>8} {'prompt':>7} {'cached':>7} {'share':>6} {'disk':>6} "
+        f"{'redis':>6} {'start s':>8}"
+    )
     for t in turns:
         ttft = f"{t.ttft_s:.3f}" if t.ttft_s is not None else "n/a"
+        disk, redis = (t.metrics.get(f"prefix_cache_{tier}_hits_total", 0) for tier in TIERS)
         print(
             f"{t.case:<18} {ttft:>8} {t.prompt_tokens:>7} {t.cached_tokens:>7} "
-            f"{t.cached_share:>6.1%} {t.start_s:>8.1f}" + (f"  error: {t.error}" if t.error else "")
+            f"{t.cached_share:>6.1%} {disk:>6.0f} {redis:>6.0f} {t.start_s:>8.1f}"
+            + (f"  error: {t.error}" if t.error else "")
         )
     for name, value in summary.items():
         print(f"{name:<26} {value:.3f}" if isinstance(value, float) else f"{name:<26} {value}")

@@ -10,6 +10,7 @@ restart. Several models share one directory and its bound: a key holds its model
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -18,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv_tiers.block_file import CorruptBlock, decode, encode
+from engine.kv_tiers.block_file import HEADER, CorruptBlock, Parts, check, header, payload_size
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +64,22 @@ class DiskStore:
         name = key.hex()
         return self.root / name[:2] / (name + SUFFIX)
 
-    def write(self, key: bytes, payload: bytes | memoryview) -> bool:
+    def write(self, key: bytes, parts: Parts) -> bool:
         """Store a block (False when it could not be: the disk is full, an I/O error; nothing half-written
         stays). A block already stored only becomes the most recent."""
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return True
-        data = encode(key, payload)
         path = self.path_of(key)
         partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{PARTIAL}")
+        buffers = [header(key, parts), *parts]
+        size = sum(memoryview(b).nbytes for b in buffers)
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(partial, "wb") as file:
-                file.write(data)
+            with open(partial, "wb", buffering=0) as file:
+                if _write_all(file.fileno(), buffers) != size:
+                    raise OSError(errno.EIO, "short write")
             os.replace(partial, path)
         except OSError as exc:
             partial.unlink(missing_ok=True)
@@ -85,40 +88,42 @@ class DiskStore:
                 logger.warning("KV disk tier: block not written to %s: %s", self.root, exc)
             return False
         with self._lock:
-            self._add(key, len(data))
+            self._add(key, size)
             self.counts.blocks_written += 1
-            self.counts.bytes_written += len(data)
+            self.counts.bytes_written += size
             evicted = self._evict()
         for old in evicted:
             self.path_of(old).unlink(missing_ok=True)
         return True
 
-    def read(self, key: bytes, payload_size: int) -> memoryview | None:
-        """A stored block's payload, checked; None when it is not here or fails its check (then it is gone)."""
+    def read_into(self, key: bytes, parts: Parts) -> bool:
+        """Read a stored block's payload into ``parts`` and check it; False when it is not here or fails its
+        check (then it is gone, and ``parts`` hold nothing of use)."""
         if key not in self._index:
-            return None
+            return False
         path = self.path_of(key)
+        head = bytearray(HEADER.size)
         try:
-            with open(path, "rb") as file:
-                data = file.read()
-            payload = decode(data, key, payload_size)
+            with open(path, "rb", buffering=0) as file:
+                size = os.readv(file.fileno(), [head, *parts])
+                if size != HEADER.size + payload_size(parts) or file.read(1):
+                    raise CorruptBlock("not the size of this block")
+            check(head, parts, key)
         except (OSError, CorruptBlock) as exc:
             self._drop(key)
             if not isinstance(exc, FileNotFoundError):
                 self.counts.rejected += 1
                 logger.warning("KV disk tier: block %s refused (%s): recomputed", path.name, exc)
                 path.unlink(missing_ok=True)
-            return None
+            return False
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # (the order after a restart)
-        except OSError:
-            pass
         self.counts.blocks_read += 1
-        self.counts.bytes_read += len(data)
-        return payload
+        self.counts.bytes_read += size
+        return True
 
     def _drop(self, key: bytes) -> None:
         with self._lock:
@@ -166,3 +171,20 @@ class DiskStore:
                 self._size / 2**20,
                 self.root,
             )
+
+
+def _write_all(fd: int, buffers: list) -> int:
+    """``os.writev`` until every byte is written (it may write less than asked); the bytes written."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    written = 0
+    while views:
+        n = os.writev(fd, views)
+        if n == 0:
+            break
+        written += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return written

@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from engine.kv_tiers.block_file import CorruptBlock, decode, encode
+from engine.kv_tiers.block_file import CorruptBlock, Parts, decode_into, encode
 from engine.kv_tiers.disk_store import StoreCounts
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,10 @@ class RedisStore:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def write(self, key: bytes, payload: bytes | memoryview) -> bool:
+    def write(self, key: bytes, parts: Parts) -> bool:
         if not self.available:
             return False
-        data = encode(key, payload)
+        data = encode(key, parts)
         try:
             self.client.set(PREFIX + key, data, ex=TTL_S)
         except redis.RedisError as exc:
@@ -65,25 +65,26 @@ class RedisStore:
             count += 1
         return count
 
-    def read(self, key: bytes, payload_size: int) -> memoryview | None:
+    def read_into(self, key: bytes, parts: Parts) -> bool:
+        """A stored block's payload into ``parts``, checked; False when absent, refused or unreachable."""
         if not self.available:
-            return None
+            return False
         try:
             data = self.client.get(PREFIX + key)
         except redis.RedisError as exc:
             self._failed("read", exc)
-            return None
+            return False
         if data is None:
-            return None
+            return False
         try:
-            payload = decode(data, key, payload_size)
+            decode_into(data, parts, key)
         except CorruptBlock as exc:
             self.counts.rejected += 1
             logger.warning("KV Redis tier: block refused (%s): recomputed", exc)
-            return None
+            return False
         self.counts.blocks_read += 1
         self.counts.bytes_read += len(data)
-        return payload
+        return True
 
     def _failed(self, what: str, exc: Exception) -> None:
         if self.available:

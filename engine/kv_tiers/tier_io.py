@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.kv_tiers.block_file import Parts
 from engine.kv_tiers.disk_store import DiskStore
 from engine.kv_tiers.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
 
 LOAD, PROBE, SAVE = 0, 1, 2  # job kinds, in the order the thread takes them
+STAGING_BYTES = 256 * 2**20  # a load's blocks pass through a host buffer of at most this size
 
 
 @dataclass(slots=True)
@@ -47,8 +49,9 @@ class TierDone:
 
 
 class BlockBytes:
-    """Whole blocks of the KV tensors (``[layers, blocks, block_size, kv_heads, head_dim]``) as rows of bytes: K of
-    every layer, then V."""
+    """Whole blocks of the KV tensors (``[layers, blocks, block_size, kv_heads, head_dim]``) as stored payloads: K of
+    every layer, then V. On the CPU a block's payload is read and written in place, as the views of its layers
+    (``views``); on CUDA it passes through a host staging buffer (``gather``, ``staging`` + ``scatter``)."""
 
     def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor) -> None:
         self.k, self.v = k_caches, v_caches
@@ -57,6 +60,18 @@ class BlockBytes:
         self.block_shape = (2, k_caches.shape[0], *k_caches.shape[2:])
         self.payload_size = 2 * k_caches[:, 0].numel() * k_caches.element_size()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._staging: torch.Tensor | None = None
+        self.in_place = self.device.type == "cpu" and k_caches[0, 0].is_contiguous()
+        if self.in_place:
+            self._arrays = [c.view(torch.uint8).numpy() for c in (k_caches, v_caches)]
+
+    def views(self, block_id: int) -> list[memoryview]:
+        """The parts of a block's payload where they live (CPU): each layer's K, then each layer's V."""
+        return [
+            memoryview(a[layer, block_id]).cast("B")
+            for a in self._arrays
+            for layer in range(len(a))
+        ]
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return (
@@ -72,12 +87,21 @@ class BlockBytes:
             host = rows.cpu()
         return host.numpy()
 
-    def scatter(self, block_ids: list[int], rows: np.ndarray) -> None:
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        """A reused host buffer of ``num_blocks`` payloads (pinned on CUDA, so the copy to the device is a DMA
+        transfer), grown as needed."""
+        if self._staging is None or self._staging.shape[0] < num_blocks:
+            self._staging = torch.zeros(
+                (num_blocks, self.payload_size),
+                dtype=torch.uint8,
+                pin_memory=self.stream is not None,
+            )
+        return self._staging[:num_blocks]
+
+    def scatter(self, block_ids: list[int], payloads: torch.Tensor) -> None:
         """Write ``[n, payload_size]`` host bytes into the device blocks ``block_ids``."""
-        data = torch.from_numpy(rows)
         with self._on_stream():
-            if self.stream is not None:
-                data = data.pin_memory().to(self.device, non_blocking=True)
+            data = payloads.to(self.device, non_blocking=True)
             blocks = data.view(self.k.dtype).reshape(len(block_ids), *self.block_shape)
             index = torch.tensor(block_ids, device=self.device)
             self.k.index_copy_(1, index, blocks[:, 0].transpose(0, 1))
@@ -158,45 +182,58 @@ class TierIO:
         self._done.put(TierDone(job, present=present))
 
     def _load(self, job: TierJob) -> None:
+        """Read the job's blocks (several reader threads), each checked: in place on the CPU; else in chunks of at
+        most STAGING_BYTES through the staging buffer, then copied into their device blocks."""
         start = time.perf_counter()
-        found = list(self._readers.map(self._read, job.keys))
-        sources = [source for source, _ in found]
-        loaded = [i for i, source in enumerate(sources) if source]
-        if loaded:
-            rows = np.empty((len(loaded), self.payload_size), dtype=np.uint8)
-            for row, i in enumerate(loaded):
-                rows[row] = np.frombuffer(found[i][1], dtype=np.uint8)
-            self.blocks.scatter([job.block_ids[i] for i in loaded], rows)
+        blocks = self.blocks
+        if blocks.in_place:
+            parts = [blocks.views(block_id) for block_id in job.block_ids]
+            sources = list(self._readers.map(self._read_into, job.keys, parts))
+        else:
+            sources = []
+            chunk = max(1, STAGING_BYTES // self.payload_size)
+            for first in range(0, len(job.keys), chunk):
+                keys = job.keys[first : first + chunk]
+                rows = blocks.staging(len(keys))
+                parts = [[memoryview(row)] for row in rows.numpy()]
+                found = list(self._readers.map(self._read_into, keys, parts))
+                loaded = [i for i, source in enumerate(found) if source]
+                if loaded:
+                    ids = [job.block_ids[first + i] for i in loaded]
+                    blocks.scatter(ids, rows if len(loaded) == len(keys) else rows[loaded])
+                sources += found
         self._done.put(TierDone(job, sources, seconds=time.perf_counter() - start))
 
-    def _read(self, key: bytes) -> tuple[str, memoryview | None]:
-        if (
-            self.disk is not None
-            and (payload := self.disk.read(key, self.payload_size)) is not None
-        ):
-            return "disk", payload
-        if (
-            self.redis is not None
-            and (payload := self.redis.read(key, self.payload_size)) is not None
-        ):
+    def _read_into(self, key: bytes, parts: Parts) -> str:
+        """Where the block came from ("disk", "redis"), read into ``parts``; "" when from nowhere."""
+        if self.disk is not None and self.disk.read_into(key, parts):
+            return "disk"
+        if self.redis is not None and self.redis.read_into(key, parts):
             if self.disk is not None:  # (the next read of it is local)
-                self.disk.write(key, payload)
-            return "redis", payload
-        return "", None
+                self.disk.write(key, parts)
+            return "redis"
+        return ""
 
     def _save(self, job: TierJob) -> None:
+        """Write the job's blocks to each store: from where they live on the CPU (the core holds them until
+        this is done), else copied out first (the core gets them back at once)."""
         start = time.perf_counter()
-        rows = self.blocks.gather(job.block_ids)
-        # (the blocks are the core's again: the bytes are here)
-        self._done.put(
-            TierDone(job, ["copied"] * len(job.keys), seconds=time.perf_counter() - start)
-        )
+        if self.blocks.in_place:
+            parts = [self.blocks.views(block_id) for block_id in job.block_ids]
+        else:
+            parts = [[memoryview(row)] for row in self.blocks.gather(job.block_ids)]
+            self._done.put(
+                TierDone(job, ["copied"] * len(job.keys), seconds=time.perf_counter() - start)
+            )
         try:
-            for key, row in zip(job.keys, rows):
-                payload = memoryview(row)
+            for key, block in zip(job.keys, parts):
                 if self.disk is not None:
-                    self.disk.write(key, payload)
+                    self.disk.write(key, block)
                 if self.redis is not None:
-                    self.redis.write(key, payload)
-        except Exception:  # (reported already: the blocks are free; these copies are lost)
+                    self.redis.write(key, block)
+        except Exception:  # (the blocks are lost to the tiers, not to the engine)
             logger.exception("KV tiers: writing blocks failed")
+        if self.blocks.in_place:
+            self._done.put(
+                TierDone(job, ["written"] * len(job.keys), seconds=time.perf_counter() - start)
+            )

@@ -234,23 +234,28 @@ def test_redis_killed_mid_read_answers_from_recompute(redis_server, prompts):
 
 def test_block_file_refuses_torn_renamed_and_flipped_blocks():
     key, payload = b"k" * 32, bytes(range(256)) * 4
-    data = block_file.encode(key, payload)
-    assert bytes(block_file.decode(data, key, len(payload))) == payload
+    parts = [memoryview(payload[:100]), memoryview(payload[100:])]
+    data = block_file.encode(key, parts)
+    out = [memoryview(bytearray(100)), memoryview(bytearray(len(payload) - 100))]
+    block_file.decode_into(data, out, key)
+    assert b"".join(bytes(part) for part in out) == payload
     flipped = bytearray(data)
     flipped[block_file.HEADER.size + 7] ^= 1
     for bad, other_key in ((data[:-1], key), (data, b"x" * 32), (bytes(flipped), key)):
         with pytest.raises(block_file.CorruptBlock):
-            block_file.decode(bad, other_key, len(payload))
+            block_file.decode_into(bad, out, other_key)
 
 
 def test_disk_store_keeps_its_bound_and_its_order_across_a_restart(tmp_path):
-    payload = os.urandom(1000)
-    size = len(block_file.encode(b"a" * 32, payload))
+    payload = [memoryview(os.urandom(1000))]
+    size = block_file.HEADER.size + 1000
     store = DiskStore(tmp_path, capacity_bytes=3 * size)
     keys = [bytes([i]) * 32 for i in range(4)]
     for key in keys[:3]:
         assert store.write(key, payload)
-    assert store.read(keys[0], len(payload)) is not None  # (keys[0] is now the most recent)
+    out = [memoryview(bytearray(1000))]
+    assert store.read_into(keys[0], out) and bytes(out[0]) == bytes(payload[0])
+    # (keys[0] is now the most recent)
     os.utime(store.path_of(keys[1]), ns=(1, 1))
     os.utime(store.path_of(keys[2]), ns=(2, 2))
     (store.path_of(keys[3]).parent).mkdir(exist_ok=True)

@@ -2,9 +2,10 @@
 same turn without the restart and against a cold re-prefill (issue 52).
 
 One server (the default model, sessions in a SQLite file and KV blocks on a disk tier, both in a temporary
-directory, so both survive a restart) builds three sessions S1, S2, S3 of the same ``--turns`` user messages
-(``--tokens`` in all; greedy replies of ``--reply-tokens``, so the three store the same token ids: checked in
-the SQLite file). Then the same next message goes to each, with a reply of ``--reply-tokens`` (greedy):
+directory, so both survive a restart) builds sessions S1, S2, S3 (``--repeats`` of each; medians reported) of
+the same ``--turns`` user messages (``--tokens`` in all; greedy replies of ``--reply-tokens``, so all store the
+same token ids: checked in the SQLite file). Then the same next message goes to each, with a greedy reply of
+``--reply-tokens``:
 
 - (a) warm: S1 on that server (its blocks on the device);
 - (b) restart: the server stopped (SIGTERM) and started again with the same options; S2 (its blocks on disk);
@@ -32,6 +33,7 @@ import logging
 import secrets
 import shlex
 import sqlite3
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -59,6 +61,10 @@ logger = logging.getLogger("benchmarks.cpu.kv_restart")
 RESTART_GOAL = 1.5  # restarted TTFT / warm TTFT
 REDIS_GOAL = 0.9  # cached share of the next turn's prompt on the second server
 TEMPLATE_TOKENS = 12  # what the chat template adds around one user message and its reply (about)
+CASES = ("a warm", "b restarted", "c cold")
+REDIS_CASE = "redis 2nd server"
+SETTLE_S = 1.0  # writes_settled's interval
+WRITTEN = "kv_tier_written_bytes_total"
 TIERS = ("disk", "redis")  # their hits in /metrics: prefix_cache_<tier>_hits_total (tokens)
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
@@ -97,12 +103,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4, help="user messages in the history")
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--next-words", type=int, default=128, help="the timed message's length")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="sessions per case (their median TTFT is reported)"
+    )
     parser.add_argument("--redis", action="store_true", help="also the two-server Redis case")
     parser.add_argument("--server-args", default="", help="more `python -m app serve` flags")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--out",
+        "--json",
         default=f"docs/results/kv-restart-cpu-{record.utc_now()[:10]}.json",
         help="the JSON file ('' for none)",
     )
@@ -141,12 +151,24 @@ async def build_session(client: httpx.AsyncClient, url: str, plan: Plan, title: 
     return session
 
 
-async def next_turn(url: str, session: str, plan: Plan, case: str, start_s: float) -> NextTurn:
-    """The timed turn, after one short unrelated chat on this server (untimed)."""
+async def next_turns(
+    url: str, sessions: list[str], plan: Plan, case: str, start_s: float
+) -> list[NextTurn]:
+    """The timed turn of each session, after one short unrelated chat on this server (untimed)."""
     async with new_client(1800.0) as client:
         await warm_up(client, url)
-        result = await send_turn(client, url, session, plan.next_message, plan.reply_tokens)
-        metrics = await tier_metrics(client, url)
+        return [await timed_turn(client, url, s, plan, case, start_s) for s in sessions]
+
+
+async def timed_turn(
+    client: httpx.AsyncClient, url: str, session: str, plan: Plan, case: str, start_s: float
+) -> NextTurn:
+    """The next message to ``session``, once the server's writes to the tiers have settled; ``metrics``: what
+    the turn changed in the server's /metrics."""
+    before = await writes_settled(client, url)
+    result = await send_turn(client, url, session, plan.next_message, plan.reply_tokens)
+    after = await tier_metrics(client, url)
+    metrics = {name: value - before.get(name, 0.0) for name, value in after.items()}
     turn = NextTurn(
         case,
         result.ttft,
@@ -193,6 +215,24 @@ async def tier_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     return found
 
 
+async def writes_settled(
+    client: httpx.AsyncClient, url: str, timeout_s: float = 120.0
+) -> dict[str, float]:
+    """Wait until the bytes written to the tiers stop growing (two reads SETTLE_S apart agree): the blocks of the
+    turns just ended go down on an I/O thread of the server's, which a user's next message, seconds later, would
+    not meet. Returns the last read of /metrics."""
+    deadline, last = time.perf_counter() + timeout_s, None
+    while True:
+        metrics = await tier_metrics(client, url)
+        if last is not None and metrics.get(WRITTEN) == last.get(WRITTEN):
+            return metrics
+        if time.perf_counter() > deadline:
+            logger.warning("the tier writes did not settle within %.0f s", timeout_s)
+            return metrics
+        last = metrics
+        await asyncio.sleep(SETTLE_S)
+
+
 def stored_token_ids(db_path: Path, session: str) -> list[int]:
     """The session's exact token ids as the SQLite store keeps them (read-only)."""
     with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db:
@@ -219,30 +259,35 @@ def run_restart(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
         *("--kv-disk-path", str(tmp / "kv"), "--kv-disk-size", "2GiB"),
     ]
     with timed_server(options, args.startup_timeout) as (url, start_s):
-        sessions = asyncio.run(build_all(url, plan))
-        stored = [stored_token_ids(db, s) for s in sessions]
-        warm = asyncio.run(next_turn(url, sessions[0], plan, "a warm", start_s))
+        sessions = asyncio.run(build_all(url, plan, args.repeats))  # [S1s, S2s, S3s]
+        stored = [stored_token_ids(db, s) for same in sessions for s in same]
+        turns = asyncio.run(next_turns(url, sessions[0], plan, CASES[0], start_s))
     with timed_server(options, args.startup_timeout) as (url, start_s):
-        restarted = asyncio.run(next_turn(url, sessions[1], plan, "b restarted", start_s))
+        turns += asyncio.run(next_turns(url, sessions[1], plan, CASES[1], start_s))
     cold_options = [*options, "--kv-disk-size", "0"]  # (the last of a repeated flag wins)
     with timed_server(cold_options, args.startup_timeout) as (url, start_s):
-        cold = asyncio.run(next_turn(url, sessions[2], plan, "c cold", start_s))
+        turns += asyncio.run(next_turns(url, sessions[2], plan, CASES[2], start_s))
     return {
         "history_tokens": len(stored[0]),
         "stored_ids_identical": all(ids == stored[0] for ids in stored),
-        "turns": [warm, restarted, cold],
+        "turns": turns,
     }
 
 
-async def build_all(url: str, plan: Plan) -> list[str]:
+async def build_all(url: str, plan: Plan, repeats: int) -> list[list[str]]:
+    """``repeats`` sessions for each case, built in turn."""
     async with new_client(1800.0) as client:
-        return [await build_session(client, url, plan, f"S{i}") for i in (1, 2, 3)]
+        built = [
+            [await build_session(client, url, plan, f"S{i}-{r}") for i in (1, 2, 3)]
+            for r in range(repeats)
+        ]
+    return [list(same) for same in zip(*built)]
 
 
 # the Redis case -------------------------------------------------------------------------------------------
 
 
-def run_redis(args: argparse.Namespace, plan: Plan, tmp: Path) -> NextTurn:
+def run_redis(args: argparse.Namespace, plan: Plan, tmp: Path) -> list[NextTurn]:
     """A session built on one server, its next turn on a second server of the same Redis."""
     with local_redis() as redis_url, contextlib.ExitStack() as stack:
         servers = []
@@ -253,10 +298,9 @@ def run_redis(args: argparse.Namespace, plan: Plan, tmp: Path) -> NextTurn:
                 *("--kv-disk-path", str(tmp / f"kv-redis-{i}")),
             ]
             servers.append(stack.enter_context(timed_server(options, args.startup_timeout)))
-        session = asyncio.run(build_on(servers[0][0], plan))
-        return asyncio.run(
-            next_turn(servers[1][0], session, plan, "redis 2nd server", servers[1][1])
-        )
+        (first, _), (second, start_s) = servers
+        session = asyncio.run(build_on(first, plan))
+        return asyncio.run(next_turns(second, [session], plan, REDIS_CASE, start_s))
 
 
 async def build_on(url: str, plan: Plan) -> str:
@@ -267,28 +311,39 @@ async def build_on(url: str, plan: Plan) -> str:
 # report ---------------------------------------------------------------------------------------------------
 
 
-def ratio(turn: NextTurn, base: NextTurn) -> float | None:
-    if turn.ttft_s is None or not base.ttft_s:
-        return None
-    return turn.ttft_s / base.ttft_s
+def medians(turns: list[NextTurn], case: str) -> tuple[float | None, float]:
+    """The case's median TTFT (None if a turn was not timed) and median cached share."""
+    mine = [t for t in turns if t.case == case]
+    timed = [t.ttft_s for t in mine if t.ttft_s is not None]
+    ttft = statistics.median(timed) if len(timed) == len(mine) else None
+    return ttft, statistics.median(t.cached_share for t in mine)
 
 
-def summarize(restart: dict[str, Any], redis: NextTurn | None) -> dict[str, Any]:
-    warm, restarted, cold = restart["turns"]
+def summarize(restart: dict[str, Any], redis: list[NextTurn]) -> dict[str, Any]:
+    (warm, warm_share), (restarted, restarted_share), (cold, _) = (
+        medians(restart["turns"], case) for case in CASES
+    )
+    over_warm = {
+        name: ttft / warm if ttft is not None and warm else None
+        for name, ttft in (("restarted", restarted), ("cold", cold))
+    }
     summary = {
         "history_tokens": restart["history_tokens"],
         "stored_ids_identical": restart["stored_ids_identical"],
-        "restarted_over_warm": ratio(restarted, warm),
-        "cold_over_warm": ratio(cold, warm),
-        "warm_cached_share": warm.cached_share,
-        "restarted_cached_share": restarted.cached_share,
-        "replies_identical": warm.reply == restarted.reply == cold.reply,
-        "restart_goal_met": (ratio(restarted, warm) or float("inf")) <= RESTART_GOAL,
+        "ttft_warm_s": warm,
+        "ttft_restarted_s": restarted,
+        "ttft_cold_s": cold,
+        "restarted_over_warm": over_warm["restarted"],
+        "cold_over_warm": over_warm["cold"],
+        "warm_cached_share": warm_share,
+        "restarted_cached_share": restarted_share,
+        "replies_identical": len({t.reply for t in restart["turns"]}) == 1,
+        "restart_goal_met": (over_warm["restarted"] or float("inf")) <= RESTART_GOAL,
     }
-    if redis is not None:
-        summary["redis_cached_share"] = redis.cached_share
-        summary["redis_over_warm_cached"] = redis.cached_tokens / max(1, warm.cached_tokens)
-        summary["redis_goal_met"] = redis.cached_share >= REDIS_GOAL
+    if redis:
+        share = medians(redis, REDIS_CASE)[1]
+        summary["redis_cached_share"] = share
+        summary["redis_goal_met"] = share >= REDIS_GOAL
     return summary
 
 
@@ -317,8 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     plan, load_before = make_plan(args), record.load_average()
     with tempfile.TemporaryDirectory(prefix="kv-restart-") as tmp:
         restart = run_restart(args, plan, Path(tmp))
-        redis = run_redis(args, plan, Path(tmp)) if args.redis else None
-    turns = restart["turns"] + ([redis] if redis else [])
+        redis = run_redis(args, plan, Path(tmp)) if args.redis else []
+    turns = restart["turns"] + redis
     summary = summarize(restart, redis)
     print_report(turns, summary)
     env = record.environment(__spec__.name, None, load_before, server_args=args.server_args)

@@ -91,7 +91,9 @@ class EngineConfig:
     kv_disk_path: str | None = field(
         default_factory=lambda: os.environ.get("PAGEDCHAT_KV_DISK_PATH") or None
     )
-    kv_disk_size: int = 2 * 2**30
+    kv_disk_size: int = field(
+        default_factory=lambda: _env_bytes("PAGEDCHAT_KV_DISK_SIZE", 2 * 2**30)
+    )
     # Redis as a shared KV tier (replicas and restarts share blocks): redis://host:port/db; None: off
     kv_redis_url: str | None = field(
         default_factory=lambda: os.environ.get("PAGEDCHAT_KV_REDIS_URL") or None
@@ -342,6 +344,19 @@ def is_large_gpu(device: torch.device) -> bool:
         return False
     properties = torch.cuda.get_device_properties(device)
     return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A size in bytes from the environment (the command line also reads units there: app/options.py)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    _check(
+        text.isdigit(),
+        name,
+        f"{text!r} is not a number of bytes (units are read by the command line)",
+    )
+    return int(text)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -15,6 +15,7 @@ the step could hand a restore the wrong block.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,6 +40,10 @@ class HostPrefixCache:
         self.num_stored = 0  # blocks copied in from the device
         self.num_restored = 0  # blocks copied back to the device
         self.num_dropped = 0  # entries given up for newer ones (or not stored: every slot busy)
+        self.num_steps = 0
+        self.stored_at: dict[int, int] = {}  # slot -> the step its entry was stored in
+        # told of an entry leaving the tier while its slot still holds its KV (the disk tier keeps it)
+        self.on_drop: Callable[[bytes, int], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -58,6 +63,7 @@ class HostPrefixCache:
             return None
         self.entries[block_hash] = slot
         self.busy.add(slot)
+        self.stored_at[slot] = self.num_steps
         self.num_stored += 1
         return slot
 
@@ -71,6 +77,7 @@ class HostPrefixCache:
         return slot
 
     def new_step(self) -> None:
+        self.num_steps += 1
         self.busy.clear()
         self.free += self.freed_this_step
         self.freed_this_step = []
@@ -88,6 +95,10 @@ class HostPrefixCache:
         """The least recently used entry's slot that no copy of this step touches."""
         for block_hash, slot in self.entries.items():
             if slot not in self.busy:
+                # (its copy in has surely finished when it ran two steps ago or more: async scheduling reads
+                # step N-1's outputs, and so waits for its copies, before it schedules step N+1)
+                if self.on_drop is not None and self.num_steps - self.stored_at[slot] >= 2:
+                    self.on_drop(block_hash, slot)
                 del self.entries[block_hash]
                 self.num_dropped += 1
                 return slot

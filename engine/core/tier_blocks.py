@@ -26,9 +26,10 @@ from engine.kv_tiers.fingerprint import tier_key
 from engine.kv_tiers.tier_io import LOAD, PROBE, SAVE, TierDone, TierIO, TierJob
 from engine.sequence import Sequence
 
-REMEMBERED_SAVES = (
-    1 << 16
-)  # keys saved to Redis alone (no disk index to ask), remembered to save once
+# blocks leaving the host tier copied out per step (~0.1 ms each in the step loop); the rest are lost
+MAX_HOST_COPIES_PER_STEP = 64
+# keys saved lately (being written, or to Redis alone, with no disk index to ask): each is saved once
+REMEMBERED_SAVES = 1 << 16
 
 
 @dataclass(slots=True)
@@ -62,6 +63,10 @@ class TierBlocks:
         # at most this many blocks held for saves and loads together: the rest of the pool stays for the batch
         self.max_held = max(1, len(pool.blocks) // 4)
         self.num_held = 0
+        # blocks copied out of the host tier in this step (at most MAX_HOST_COPIES_PER_STEP, in the step loop)
+        self.host_copies = 0
+        if host_cache is not None and io.host is not None:
+            host_cache.on_drop = self._save_from_host
 
     @property
     def busy(self) -> bool:
@@ -148,6 +153,22 @@ class TierBlocks:
         self.counts.saved += len(blocks)
         return len(blocks)
 
+    def _save_from_host(self, block_hash: bytes, slot: int) -> None:
+        """A block leaves the host tier: its KV, still in its slot, copied out now (before this step's copies
+        reuse the slot) and written by the tiers' thread, unless a lower tier holds it already."""
+        key = self.key(block_hash)
+        if key in self._saved or (self.io.disk is not None and self.io.disk.contains(key)):
+            return
+        if self.host_copies >= MAX_HOST_COPIES_PER_STEP:
+            self.counts.not_saved += 1
+            return
+        self.host_copies += 1
+        self._remember(key)
+        job = TierJob(SAVE, [key], payloads=[self.io.host.copy_out(slot)])
+        self.io.submit(job)
+        self._jobs[job.job_id] = (job, [block_hash], [])
+        self.counts.saved += 1
+
     def _remember(self, key: bytes) -> None:
         self._saved[key] = None
         if len(self._saved) > REMEMBERED_SAVES:
@@ -165,6 +186,7 @@ class TierBlocks:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Settle what the tiers' thread finished (waiting up to ``timeout_s`` for something when a job is in
         flight); the number of jobs settled."""
+        self.host_copies = 0
         done = self.io.take_done(timeout_s if self._jobs else 0.0)
         for result in done:
             self._settle(result)
@@ -178,7 +200,7 @@ class TierBlocks:
                 self.loading.pop(block_hash, None)
             self._load(block_hashes[: result.present])
             return
-        for block_hash, block, source in zip(block_hashes, blocks, result.sources):
+        for block_hash, block, source in zip(block_hashes, blocks, result.sources, strict=False):
             if job.kind == LOAD:
                 self.loading.pop(block_hash, None)
                 if source:

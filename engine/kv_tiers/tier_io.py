@@ -36,6 +36,9 @@ class TierJob:
     kind: int
     keys: list[bytes]
     block_ids: list[int] = field(default_factory=list)  # device blocks read (save) or filled (load)
+    payloads: list[bytes] = field(
+        default_factory=list
+    )  # a save's blocks copied out already (the host tier's)
     job_id: int = 0
 
 
@@ -72,6 +75,10 @@ class BlockBytes:
             for a in self._arrays
             for layer in range(len(a))
         ]
+
+    def copy_out(self, block_id: int) -> bytes:
+        """A copy of a block's payload (CPU tensors)."""
+        return b"".join(self.views(block_id))
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return (
@@ -117,8 +124,11 @@ class TierIO:
         disk: DiskStore | None,
         redis: RedisStore | None,
         num_readers: int = 4,
+        host: BlockBytes | None = None,
     ) -> None:
+        """``blocks``: the device's KV; ``host``: the host tier's (blocks leaving it are copied out of it)."""
         self.blocks = blocks
+        self.host = host
         self.disk = disk
         self.redis = redis
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
@@ -218,7 +228,10 @@ class TierIO:
         """Write the job's blocks to each store: from where they live on the CPU (the core holds them until
         this is done), else copied out first (the core gets them back at once)."""
         start = time.perf_counter()
-        if self.blocks.in_place:
+        if job.payloads:
+            parts = [[memoryview(payload)] for payload in job.payloads]
+            self._done.put(TierDone(job, ["copied"] * len(job.keys)))
+        elif self.blocks.in_place:
             parts = [self.blocks.views(block_id) for block_id in job.block_ids]
         else:
             parts = [[memoryview(row)] for row in self.blocks.gather(job.block_ids)]
@@ -233,7 +246,7 @@ class TierIO:
                     self.redis.write(key, block)
         except Exception:  # (the blocks are lost to the tiers, not to the engine)
             logger.exception("KV tiers: writing blocks failed")
-        if self.blocks.in_place:
+        if self.blocks.in_place and not job.payloads:
             self._done.put(
                 TierDone(job, ["written"] * len(job.keys), seconds=time.perf_counter() - start)
             )

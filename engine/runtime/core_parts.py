@@ -86,7 +86,13 @@ def open_kv_tiers(
     disk = DiskStore(config.kv_disk_dir, config.kv_disk_size) if config.kv_disk_size else None
     redis = RedisStore(config.kv_redis_url) if config.kv_redis_url else None
     kv = runner.kv
-    io = TierIO(BlockBytes(kv.k_caches, kv.v_caches), disk, redis, num_readers=_readers(config))
+    host = (
+        BlockBytes(runner.host_k_caches, runner.host_v_caches)
+        if block_manager.host_cache is not None
+        else None
+    )
+    device = BlockBytes(kv.k_caches, kv.v_caches)
+    io = TierIO(device, disk, redis, num_readers=_readers(config), host=host)
     return TierBlocks(
         block_manager.pool, block_manager.host_cache, io, engine_fingerprint(config, kv.k_caches)
     )

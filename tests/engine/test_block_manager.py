@@ -702,7 +702,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             params=SamplingParams(),
             cache_salt=salt,
             num_prompt_tokens=prompt_len or len(tokens),
-            retain=self.next_id % 3 == 0,  # (a session's turn: its freed blocks wait in the kept queue)
+            retain=self.next_id % 3 == 0,  # (a session's: its freed blocks go to the kept queue)
         )
         self.seqs[seq.seq_id] = seq
         self.next_id += 1

@@ -280,3 +280,24 @@ def test_a_sessions_freed_blocks_are_evicted_after_one_off_blocks():
     pool.release(blocks[3])
     order = [pool.take().block_id for _ in range(4)]
     assert order == [1, 3, 0, 2]
+
+
+def test_blocks_leaving_the_host_tier_go_down_to_disk(prompts, tokenizer, tmp_path):
+    """No session here: one-off prompts pushed out of a small device pool into a host tier of four blocks, and
+    out of that to disk; a later engine finds the first prompt there."""
+    options = {**SMALL, "num_kv_blocks": 16, "host_cache_gib": 4 * 737280 / 2**30}
+    first = LLM(kv_disk_path=str(tmp_path), kv_disk_size=64 * 2**20, **options).engine
+    assert first.core.block_manager.host_cache.num_slots == 4
+    run(first, "one-off", prompts[0])
+    for i, text in enumerate(
+        ["Write a haiku about the sea.", "List five primes.", "Name a red bird."]
+    ):
+        run(first, f"filler-{i}", tokenizer.encode(text * 25))
+    stats = first.stats()
+    assert stats.host_cache_stores > 4 and stats.num_disk_blocks >= written_blocks(len(prompts[0]))
+    first.shutdown()
+    later = tiered(tmp_path)
+    tokens, cached = run(later, "again", prompts[1])
+    assert tokens == cold_engine_result(prompts[1])
+    assert cached > 0 and later.stats().prefix_disk_hits == cached
+    later.shutdown()

@@ -54,8 +54,10 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         tenant: str = "",
         priority: int = 0,
+        retain: bool = False,
     ) -> RequestStream:
-        """Submit a request now; its stream of outputs (closing it early aborts the request)."""
+        """Submit a request now; its stream of outputs (closing it early aborts the request). ``retain``: a
+        session's turn (its blocks outrank one-off ones, and go down to the lower KV tiers when it ends)."""
 
     async def abort(self, request_id: str) -> None:
         """End a request now; its blocks are free at the core's next step."""
@@ -70,6 +72,9 @@ class EngineClient(Protocol):
         group_share: float = 1.0,
     ) -> int:
         """Compute ``token_ids`` once and pin their full blocks (caps: shares of the KV pool); blocks pinned."""
+
+    async def warm_prefix(self, token_ids: SequenceOf[int], cache_salt: str | None = None) -> int:
+        """Start bringing the blocks of ``token_ids`` back from the lower KV tiers; blocks on their way."""
 
     async def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin."""

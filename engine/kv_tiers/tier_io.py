@@ -17,13 +17,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:  # (the redis client is imported only where the tier is on)
+    from engine.kv_tiers.redis_store import RedisStore
+
 from engine.kv_tiers.block_file import Parts
 from engine.kv_tiers.disk_store import DiskStore
-from engine.kv_tiers.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
 

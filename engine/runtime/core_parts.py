@@ -16,7 +16,6 @@ from engine.core.tier_blocks import TierBlocks
 from engine.core.window_blocks import WindowBlocks
 from engine.kv_tiers.disk_store import DiskStore
 from engine.kv_tiers.fingerprint import files_identity, fingerprint
-from engine.kv_tiers.redis_store import RedisStore
 from engine.kv_tiers.tier_io import BlockBytes, TierIO
 from engine.worker.model_runner import ModelRunner
 from kernels.cpu_native import resolve_isa
@@ -84,7 +83,13 @@ def open_kv_tiers(
         logger.info("KV tiers below the host are off: %s", unsupported)
         return None
     disk = DiskStore(config.kv_disk_dir, config.kv_disk_size) if config.kv_disk_size else None
-    redis = RedisStore(config.kv_redis_url) if config.kv_redis_url else None
+    redis = None
+    if config.kv_redis_url:
+        from engine.kv_tiers.redis_store import (
+            RedisStore,
+        )  # (the redis client only where it is used)
+
+        redis = RedisStore(config.kv_redis_url)
     kv = runner.kv
     host = (
         BlockBytes(runner.host_k_caches, runner.host_v_caches)

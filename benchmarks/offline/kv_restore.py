@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -70,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-disk-gib", type=float, default=4.0, help="the disk tier's size")
     parser.add_argument("--num-requests", type=int, default=256, help="nano; 0: no nano")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--nano-alternations",
+        type=int,
+        default=0,
+        help="then nano alone on fresh engines, the tier on and off in turn this many times each "
+        "(no restore before it: the tier's own cost)",
+    )
     parser.add_argument(
         "--off-first", action="store_true", help="the engine with the tier off first (order check)"
     )
@@ -161,6 +169,9 @@ def measure_engine(args: argparse.Namespace, disk_dir: Path, tier_on: bool) -> d
     result: dict[str, Any] = {"first": first_token(core, f"a {label}", prompt, retain=True)}
     if tier_on:
         result["flushed"] = core.flush_kv_tiers(timeout_s=600.0)
+        # once untimed: the kernels of a short prefill over a long cached context compile here, not in (b)
+        core.block_manager.reset_prefix_cache()
+        first_token(core, "warm-up restore", longer, retain=False)
         result["files_dropped"] = drop_page_cache(disk_dir)
         core.block_manager.reset_prefix_cache()
         result["restore_disk"] = first_token(core, "b restore (disk)", longer, retain=False)
@@ -179,6 +190,26 @@ def measure_engine(args: argparse.Namespace, disk_dir: Path, tier_on: bool) -> d
     del engine, core
     release_memory(device)
     return result
+
+
+def nano_alternating(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    """nano tok/s on fresh engines, the tier on and off in turn (on first, then off first, ...)."""
+    requests = nano_workload(
+        args.num_requests, args.seed, capped(args.max_prompt_len), capped(args.max_output_len)
+    )
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(args.nano_alternations):
+        for tier_on in (i % 2 == 0, i % 2 == 1):
+            size = int(args.kv_disk_gib * 2**30) if tier_on else 0
+            engine = new_engine(args, tmp / f"alternation-{i}-{tier_on}", size)
+            rate = run_ours(engine, requests, 0.0).tok_s
+            rates["on" if tier_on else "off"].append(rate)
+            logger.info("nano, tier %s: %.0f tok/s", "on" if tier_on else "off", rate)
+            device = engine.config.torch_device
+            engine.shutdown()
+            del engine
+            release_memory(device)
+    return rates
 
 
 # report -------------------------------------------------------------------------------------------------
@@ -240,8 +271,14 @@ def main(argv: list[str] | None = None) -> None:
         runs = {
             tier_on: measure_engine(args, Path(tmp) / str(tier_on), tier_on) for tier_on in order
         }
+        alternations = nano_alternating(args, Path(tmp)) if args.nano_alternations else None
     on, off = runs[True], runs[False]
     summary = summarize(on, off)
+    if alternations is not None:
+        summary["nano_alternating_tok_s"] = alternations
+        summary["nano_alternating_on_over_off"] = statistics.median(
+            alternations["on"]
+        ) / statistics.median(alternations["off"])
     print_report(on, off, summary)
     device = torch.device("cuda" if args.device != "cpu" else "cpu")
     env = record.environment(__spec__.name, device, load_before, model=args.model_config)

@@ -216,6 +216,8 @@ class TierIO:
                     blocks.scatter(ids, rows if len(loaded) == len(keys) else rows[loaded])
                 sources += found
         self._done.put(TierDone(job, sources, seconds=time.perf_counter() - start))
+        if self.disk is not None:
+            self.disk.touch([key for key, source in zip(job.keys, sources) if source == "disk"])
 
     def _read_into(self, key: bytes, parts: Parts) -> str:
         """Where the block came from ("disk", "redis"), read into ``parts``; "" when from nowhere."""

@@ -6,7 +6,8 @@ block tables and the rows to sample. Building them from Python lists costs milli
   its block table gained since the last step, plus its last entry, which copy-on-write may have replaced);
 - the step's vectors are written into a pinned int32 staging buffer, packed back to back, and copied to the
   device in one asynchronous copy. Two staging buffers alternate: while the device may still be reading
-  step N's, the host fills step N+1's.
+  step N's, the host fills step N+1's; a buffer is filled again only once its last copy has run (steps that
+  sample nothing never wait for the device: the host may be further ahead).
 
 Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
 table_at[3] | sample_rows[R] | block_tables[B, W]``, and with a window group (a model whose sliding-window layers
@@ -143,7 +144,7 @@ class StepInputs:
         # the latest step's, with ``packed``: its used host buffer
         self.layout: StepLayout | None = None
         self.packed = self._staging[0][:0]
-        # (unpack's staging reuse)
+        # per staging buffer, its last copy to the device (reused once that has run)
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
 
     # block-table rows ---------------------------------------------------------------------------------
@@ -232,11 +233,10 @@ class StepInputs:
         if self._cooling:
             self._release_cooled(wait=False)
         vectors = self._vectors(batch)
-        host = self._staging[self._turn % len(self._staging)]
-        self._turn += 1
+        turn, host = self._next_staging()
         self.layout = self._pack(host.numpy(), vectors, batch, feed_rows, pad_to)
         self.packed = host[: self.layout.offsets[-1]]
-        return self._to_device(host, self.layout)
+        return self._to_device(turn, host, self.layout)
 
     def _vectors(self, batch: ScheduledBatch) -> _StepVectors:
         """The step's per-token and per-sequence values (numpy), before packing."""
@@ -332,24 +332,29 @@ class StepInputs:
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
         """Another rank's packed step (``build``'s ``packed`` and ``layout`` there) as this device's tensors."""
+        turn, host = self._next_staging()
+        values = np.frombuffer(payload, dtype=np.int32)
+        host.numpy()[: len(values)] = values
+        return self._to_device(turn, host, layout)
+
+    def _next_staging(self) -> tuple[int, torch.Tensor]:
+        """The staging buffer to fill next, once its last copy to the device has run. Steps that sample nothing
+        (a long prompt's chunks) never wait for the device, so the host may run more than a step ahead: without
+        the wait, a third step would overwrite the inputs of a first whose copy had not run yet."""
         turn = self._turn % len(self._staging)
         self._turn += 1
         if (copied := self._copied[turn]) is not None:
-            copied.synchronize()  # (the staging buffer's last copy to the device has been read)
-        host = self._staging[turn]
-        values = np.frombuffer(payload, dtype=np.int32)
-        host.numpy()[: len(values)] = values
-        step = self._to_device(host, layout)
-        if self.device.type == "cuda":
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
-        return step
+            copied.synchronize()
+        return turn, self._staging[turn]
 
-    def _to_device(self, host: torch.Tensor, layout: StepLayout) -> StepTensors:
+    def _to_device(self, turn: int, host: torch.Tensor, layout: StepLayout) -> StepTensors:
         offsets = layout.offsets
         used = offsets[-1]
         buffer = self.device_buffer
         buffer[:used].copy_(host[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
         ids, feed, positions, slots, ctx, cu, _, rows, table, *window_slots = parts
         tables = table.view(-1, layout.width)

@@ -57,6 +57,7 @@ class Operation:
     streams: bool = False  # answers text/event-stream when the body asks for it
     status: int = 200  # the status of success
     content_type: str = "application/json"  # of a successful answer
+    other_types: tuple[str, ...] = ()  # of a successful answer the request asks for otherwise
     path_params: dict[str, str] = field(default_factory=dict)  # name -> description
     query: list[QueryParam] = field(default_factory=list)
 
@@ -122,6 +123,8 @@ def _ok(op: Operation) -> dict[str, Any]:
     }
     if op.streams:
         content["text/event-stream"] = {}
+    for other in op.other_types:
+        content[other] = {"schema": {"type": "string"}}
     return {"description": "success", "content": content}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -21,6 +21,9 @@ class CreateSessionRequest(RequestModel):
         description="this session's prefix blocks are shared only with "
         "requests carrying the same salt",
     )
+    source: Literal["ui", "api"] = Field(
+        default="api", description="who starts it: the chat UI or an API client (a list filter)"
+    )
 
     @model_validator(mode="after")
     def _one_system(self) -> CreateSessionRequest:
@@ -30,7 +33,20 @@ class CreateSessionRequest(RequestModel):
 
 
 class UpdateSessionRequest(RequestModel):
-    title: Annotated[str, Field(min_length=1, max_length=200)]
+    title: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    pinned: bool | None = Field(default=None, description="pinned sessions are listed first")
+
+    @model_validator(mode="after")
+    def _something(self) -> UpdateSessionRequest:
+        if self.title is None and self.pinned is None:
+            raise ValueError("title: give a new title, or pinned")
+        return self
+
+
+class ForkSessionRequest(RequestModel):
+    turn: Annotated[int, Field(ge=0)] = Field(
+        description="keep the first `turn` turns (a turn: a user message and the replies after it)"
+    )
 
 
 class SessionMessageRequest(SamplingFields):
@@ -78,4 +94,58 @@ class CreatePresetRequest(RequestModel):
     shared: bool = Field(
         default=False,
         description="every tenant sees it (admin key only); otherwise it is the creating key's own",
+    )
+
+
+class ImportedMessage(RequestModel):
+    """A message of an exported session (its ``tokens`` and other fields are ignored)."""
+
+    role: Literal["user", "assistant", "tool"]
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def stored(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class ImportSessionRequest(RequestModel):
+    """What GET /v1/sessions/{id}/export?format=json gives (``object``, ``model``, ``created_at`` are ignored)."""
+
+    version: Literal[1] = 1
+    title: str | None = Field(default=None, max_length=200)
+    system: str | None = None
+    source: Literal["ui", "api"] = "api"
+    messages: Annotated[list[ImportedMessage], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _turns(self) -> ImportSessionRequest:
+        """User first, a reply last; each reply answers a user or tool message, and tool results follow a reply
+        that called tools."""
+        roles = [m.role for m in self.messages]
+        if roles[0] != "user" or roles[-1] != "assistant":
+            raise ValueError("messages: must start with a user message and end with a reply")
+        for i, (before, message) in enumerate(zip(self.messages, self.messages[1:]), 1):
+            if message.role == "assistant" and before.role == "assistant":
+                raise ValueError(f"messages: message {i} is a reply that follows a reply")
+            if message.role == "tool" and not (before.role == "tool" or before.tool_calls):
+                raise ValueError(f"messages: message {i} is a tool result without a tool call")
+        for i, message in enumerate(self.messages):
+            if message.role != "assistant" and message.content is None:
+                raise ValueError(f"messages: message {i} ({message.role}) has no content")
+            if not all(_is_call(call) for call in message.tool_calls or []):
+                raise ValueError(
+                    f"messages: message {i}'s tool_calls need function.name and "
+                    "function.arguments strings"
+                )
+        return self
+
+
+def _is_call(call: dict[str, Any]) -> bool:
+    function = call.get("function")
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
     )

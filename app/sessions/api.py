@@ -16,28 +16,33 @@ from starlette.routing import Route
 
 from app.errors import APIError
 from app.openapi import Operation, QueryParam
-from app.protocol.sessions import CreateSessionRequest, SessionMessageRequest, UpdateSessionRequest
+from app.protocol.sessions import (
+    CreateSessionRequest,
+    ForkSessionRequest,
+    ImportSessionRequest,
+    SessionMessageRequest,
+    UpdateSessionRequest,
+)
 from app.request_body import read_model
-from app.sessions.service import SessionService
-from app.settings import ServerSettings
+from app.sessions.find import LIST_LIMIT, MAX_QUERY_CHARS, list_sessions
+from app.sessions.fork import fork_session
 from app.sessions.presets import check_system, pin_preset, visible_preset
 from app.sessions.redis_store import RedisSessionStore
+from app.sessions.service import SessionService
 from app.sessions.sqlite_store import SQLiteSessionStore
 from app.sessions.store import (
     InMemorySessionStore,
     Session,
     SessionStore,
     SessionStoreUnavailable,
-    UnknownCursor,
-    is_session_id,
     new_session_id,
 )
+from app.sessions.transfer import export_session, import_session
 from app.sessions.turn_api import post_message, requested_session
 from app.sessions.warm_api import warm_session
+from app.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
-
-_LIST_LIMIT = (1, 1000)
 
 
 async def open_store(settings: ServerSettings) -> SessionStore:
@@ -79,38 +84,12 @@ async def create_session(request: Request) -> JSONResponse:
         system=system,
         preset=body.preset,
         cache_salt=body.cache_salt,
+        source=body.source,
     )
     if not await service.store.create(session, service.limits.max_sessions_per_key):
         # 128 random bits: never
         raise APIError(409, "session id collision; retry", code="session_exists")
     return JSONResponse(session.public(), status_code=201)
-
-
-async def list_sessions(request: Request) -> JSONResponse:
-    service: SessionService = request.app.state.server.sessions
-    limit, after = request.query_params.get("limit", "50"), request.query_params.get("after")
-    if not limit.isdigit() or not _LIST_LIMIT[0] <= int(limit) <= _LIST_LIMIT[1]:
-        raise APIError.bad_request(
-            f"limit: must be an integer in [{_LIST_LIMIT[0]}, {_LIST_LIMIT[1]}]", "limit"
-        )
-    if after is not None and not is_session_id(after):
-        raise APIError.bad_request(
-            "after: must be a session id (the last id of the previous page)", "after"
-        )
-    try:
-        page = await service.store.list(service.admission.tenant(request), int(limit), after)
-    except UnknownCursor as exc:
-        raise APIError.from_value_error(exc) from None
-    data = [s.summary() for s in page.sessions]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": page.has_more,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
 
 
 async def sessions_root(request: Request) -> Response:
@@ -136,8 +115,12 @@ async def update_session(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     body = await read_model(request, UpdateSessionRequest, service.limits.max_request_bytes)
     session = await requested_session(request, service)
-    await service.store.set_title(session.id, session.owner, body.title)
-    session.title = body.title
+    if body.title is not None:
+        await service.store.set_title(session.id, session.owner, body.title)
+        session.title = body.title
+    if body.pinned is not None:
+        await service.store.set_pinned(session.id, session.owner, body.pinned)
+        session.pinned = body.pinned
     return JSONResponse(session.public())
 
 
@@ -173,9 +156,12 @@ async def quota_handler(request: Request, exc: Exception) -> JSONResponse:
 
 routes = [
     Route("/v1/sessions", sessions_root, methods=["GET", "POST"]),
+    Route("/v1/sessions/import", import_session, methods=["POST"]),
     Route("/v1/sessions/{session_id}", session_item, methods=["GET", "PATCH", "DELETE"]),
     Route("/v1/sessions/{session_id}/messages", post_message, methods=["POST"]),
     Route("/v1/sessions/{session_id}/warm", warm_session, methods=["POST"]),
+    Route("/v1/sessions/{session_id}/fork", fork_session, methods=["POST"]),
+    Route("/v1/sessions/{session_id}/export", export_session, methods=["GET"]),
 ]
 _SESSION_ID = {"session_id": "22 URL-safe characters"}
 OPERATIONS = [
@@ -183,14 +169,15 @@ OPERATIONS = [
     Operation(
         "/v1/sessions",
         "GET",
-        "Sessions, most recently updated first, a page at a time",
+        "Sessions, pinned ones first, then the most recently updated, a page at a time; or those "
+        "holding a text",
         query=[
             QueryParam(
                 "limit",
                 {
                     "type": "integer",
-                    "minimum": _LIST_LIMIT[0],
-                    "maximum": _LIST_LIMIT[1],
+                    "minimum": LIST_LIMIT[0],
+                    "maximum": LIST_LIMIT[1],
                     "default": 50,
                 },
             ),
@@ -198,6 +185,13 @@ OPERATIONS = [
                 "after",
                 {"type": "string", "pattern": "^[A-Za-z0-9_-]{22}$"},
                 "the last id of the previous page",
+            ),
+            QueryParam("source", {"type": "string", "enum": ["ui", "api"]}, "only these"),
+            QueryParam(
+                "q",
+                {"type": "string", "maxLength": MAX_QUERY_CHARS},
+                "only sessions whose title or a message holds this text (case-insensitive), newest "
+                "first, each with a snippet",
             ),
         ],
     ),
@@ -210,7 +204,7 @@ OPERATIONS = [
     Operation(
         "/v1/sessions/{session_id}",
         "PATCH",
-        "Rename a session",
+        "Rename a session, or pin it (pinned sessions are listed first)",
         UpdateSessionRequest,
         path_params=_SESSION_ID,
     ),
@@ -228,5 +222,29 @@ OPERATIONS = [
         "POST",
         "Start bringing the session's cached KV blocks back to the device before its next turn",
         path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/{session_id}/fork",
+        "POST",
+        "A new session holding the first `turn` turns (and their exact tokens: its next turn hits the "
+        "parent's KV blocks)",
+        ForkSessionRequest,
+        status=201,
+        path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/{session_id}/export",
+        "GET",
+        "The session as JSON (each message's token count) or a Markdown transcript, as a download",
+        query=[QueryParam("format", {"type": "string", "enum": ["json", "markdown"]}, "json")],
+        other_types=("text/markdown",),
+        path_params=_SESSION_ID,
+    ),
+    Operation(
+        "/v1/sessions/import",
+        "POST",
+        "A new session holding an exported session's messages",
+        ImportSessionRequest,
+        status=201,
     ),
 ]

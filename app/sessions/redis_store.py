@@ -3,6 +3,7 @@
 Layout, all keys under ``pagedchat:``:
 
     session:{id}          hash  owner title system preset cache_salt created_at updated_at revision num_messages
+                                source pinned parent_id forked_at_turn
                                 messages token_ids block_hashes stats   (the last four JSON)
     sessions:{owner}      zset  id -> updated_at     (listing, newest first; "-" for the owner "")
     session:{id}:lock     str   the turn in progress (SET NX PX; released by compare-and-delete)
@@ -34,7 +35,18 @@ from app.sessions.store import (
 
 logger = logging.getLogger(__name__)
 
-_SUMMARY_FIELDS = ["owner", "title", "preset", "created_at", "updated_at", "num_messages"]
+_SUMMARY_FIELDS = [
+    "owner",
+    "title",
+    "preset",
+    "created_at",
+    "updated_at",
+    "num_messages",
+    "source",
+    "pinned",
+    "parent_id",
+    "forked_at_turn",
+]
 _PRESET_FIELDS = ["name", "system", "owner", "created_at"]
 
 
@@ -67,7 +79,7 @@ class RedisSessionStore:
         self._unlock = self._redis.register_script(_UNLOCK)
         self._refresh = self._redis.register_script(_REFRESH_LOCK)
         self._save_preset = self._redis.register_script(_SAVE_PRESET)
-        self._set_title = self._redis.register_script(_SET_TITLE)
+        self._set_field = self._redis.register_script(_SET_FIELD)
 
     async def _guard(self, awaitable: Any) -> Any:
         """``awaitable``'s result, or SessionStoreUnavailable; Redis going away and coming back is logged once
@@ -164,9 +176,14 @@ class RedisSessionStore:
         return SessionPage(sessions, has_more)
 
     async def set_title(self, session_id: str, owner: str, title: str) -> bool:
-        return bool(
-            await self._guard(self._set_title(keys=[self._key(session_id)], args=[owner, title]))
-        )
+        return await self._set(session_id, owner, "title", title)
+
+    async def set_pinned(self, session_id: str, owner: str, pinned: bool) -> bool:
+        return await self._set(session_id, owner, "pinned", "1" if pinned else "0")
+
+    async def _set(self, session_id: str, owner: str, name: str, value: str) -> bool:
+        args = [owner, name, value]
+        return bool(await self._guard(self._set_field(keys=[self._key(session_id)], args=args)))
 
     async def delete(self, session_id: str, owner: str) -> bool:
         if await self.get(session_id, owner) is None:
@@ -274,10 +291,11 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 return 1
 """
-# KEYS: session hash. ARGV: owner, title. Only the owner's existing session (a rename never recreates a deleted one).
-_SET_TITLE = """
+# KEYS: session hash. ARGV: owner, field (title, pinned), value. Only the owner's existing session (a rename never
+# recreates a deleted one).
+_SET_FIELD = """
 if (redis.call('HGET', KEYS[1], 'owner') or false) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'title', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """
 _UNLOCK = """

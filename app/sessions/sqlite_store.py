@@ -14,6 +14,7 @@ full): app/sessions/sqlite_file.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sqlite3
@@ -43,12 +44,20 @@ CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, title TEXT NOT NULL, system TEXT, preset TEXT, cache_salt TEXT,
     created_at REAL NOT NULL, updated_at REAL NOT NULL, revision TEXT NOT NULL, num_messages INTEGER NOT NULL,
     messages TEXT NOT NULL, token_ids TEXT NOT NULL, block_hashes TEXT NOT NULL, stats TEXT NOT NULL,
-    expires_at REAL NOT NULL);
+    expires_at REAL NOT NULL, source TEXT NOT NULL DEFAULT 'api', pinned INTEGER NOT NULL DEFAULT 0,
+    parent_id TEXT, forked_at_turn INTEGER);
 CREATE INDEX IF NOT EXISTS sessions_by_owner ON sessions (owner, updated_at DESC, id DESC);
 CREATE TABLE IF NOT EXISTS locks (session_id TEXT PRIMARY KEY, token TEXT NOT NULL, expires_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS presets (
     key TEXT PRIMARY KEY, name TEXT NOT NULL, system TEXT NOT NULL, owner TEXT NOT NULL, created_at REAL NOT NULL);
 """
+# added after the first files were written: a file without them gets them at open (ALTER TABLE)
+_LATER_COLUMNS = {
+    "source": "TEXT NOT NULL DEFAULT 'api'",
+    "pinned": "INTEGER NOT NULL DEFAULT 0",
+    "parent_id": "TEXT",
+    "forked_at_turn": "INTEGER",
+}
 _COLUMNS = (
     "id",
     "owner",
@@ -61,8 +70,11 @@ _COLUMNS = (
     "revision",
     "num_messages",
     *JSON_FIELDS,
+    *_LATER_COLUMNS,
 )
-_SUMMARY = "id, owner, title, preset, created_at, updated_at, num_messages"
+_SUMMARY = "id, owner, title, preset, created_at, updated_at, num_messages, " + ", ".join(
+    _LATER_COLUMNS
+)
 
 
 class SQLiteSessionStore:
@@ -119,6 +131,13 @@ class SQLiteSessionStore:
         # with WAL: a power cut may lose the last turns, never corrupt
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        have = {row[1] for row in db.execute("PRAGMA table_info(sessions)")}
+        for name, kind in _LATER_COLUMNS.items():
+            if name not in have:
+                with contextlib.suppress(
+                    sqlite3.OperationalError
+                ):  # (another front added it first)
+                    db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {kind}")
         return db
 
     @staticmethod
@@ -235,27 +254,24 @@ class SQLiteSessionStore:
             (*args, limit + 1),
         ).fetchall()
         summaries = []
-        for session_id, row_owner, title, preset, created_at, updated_at, num_messages in rows[
-            :limit
-        ]:
-            summary = Session(
-                id=session_id,
-                owner=row_owner,
-                title=title,
-                preset=preset,
-                created_at=created_at,
-                updated_at=updated_at,
-            )
-            summary.messages = [{}] * num_messages  # the summary only counts them
+        for row in rows[:limit]:
+            summary = _session(row, _SUMMARY.split(", "))
+            summary.messages = [{}] * row[6]  # the summary only counts them
             summaries.append(summary)
         return SessionPage(summaries, len(rows) > limit)
 
     async def set_title(self, session_id: str, owner: str, title: str) -> bool:
+        return await self._set(session_id, owner, "title", title)
+
+    async def set_pinned(self, session_id: str, owner: str, pinned: bool) -> bool:
+        return await self._set(session_id, owner, "pinned", int(pinned))
+
+    async def _set(self, session_id: str, owner: str, column: str, value: str | int) -> bool:
         return await self._run(
             lambda db: (
                 db.execute(
-                    "UPDATE sessions SET title = ? WHERE id = ? AND owner = ? AND expires_at > ?",
-                    (title, session_id, owner, time.time()),
+                    f"UPDATE sessions SET {column} = ? WHERE id = ? AND owner = ? AND expires_at > ?",
+                    (value, session_id, owner, time.time()),
                 ).rowcount
                 > 0
             )
@@ -290,7 +306,8 @@ class SQLiteSessionStore:
             revision = secrets.token_hex(8)
             row = dict(zip(_COLUMNS, _row(session)))
             row["revision"] = revision
-            del row["id"], row["title"]  # a rename during the turn wins over the turn's stale copy
+            # a rename (or pin) during the turn wins over the turn's stale copy
+            del row["id"], row["title"], row["pinned"]
             db.execute(
                 f"UPDATE sessions SET {', '.join(f'{k} = ?' for k in row)}, expires_at = ? WHERE id = ?",
                 (*row.values(), now + self._ttl_s, session.id),
@@ -382,12 +399,15 @@ def _row(session: Session) -> tuple:
         session.revision,
         len(session.messages),
         *(json.dumps(getattr(session, k)) for k in JSON_FIELDS),
+        *(getattr(session, k) for k in _LATER_COLUMNS),
     )
 
 
-def _session(row: tuple) -> Session:
-    fields = dict(zip(_COLUMNS, row))
+def _session(row: tuple, columns: tuple[str, ...] | list[str] = _COLUMNS) -> Session:
+    fields = dict(zip(columns, row))
     del fields["num_messages"]
     for key in JSON_FIELDS:
-        fields[key] = json.loads(fields[key])
+        if key in fields:
+            fields[key] = json.loads(fields[key])
+    fields["pinned"] = bool(fields["pinned"])
     return Session(**fields)

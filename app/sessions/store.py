@@ -69,6 +69,10 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
+    source: str = "api"  # who started it: "ui" (the chat UI) or "api"
+    pinned: bool = False
+    parent_id: str | None = None  # a fork's parent (app/sessions/fork.py)
+    forked_at_turn: int | None = None
 
     def __post_init__(self) -> None:
         self.updated_at = self.updated_at or self.created_at
@@ -82,13 +86,17 @@ class Session:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "num_messages": len(self.messages),
+            "source": self.source,
+            "pinned": self.pinned,
+            "parent_id": self.parent_id,
+            "forked_at_turn": self.forked_at_turn,
         }
 
     def public(self) -> dict[str, Any]:
         return {
             **self.summary(),
             "system": self.system,
-            "messages": self.messages,
+            "messages": [public_message(m) for m in self.messages],
             "stats": self.stats,
         }
 
@@ -99,6 +107,14 @@ class Session:
             + len((self.system or "").encode())
             + len(self.title.encode())
         )
+
+
+# a message's private field: the length of the stored token ids at its end, where known (app/sessions/token_marks.py)
+TOKEN_END = "token_end"
+
+
+def public_message(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != TOKEN_END} if TOKEN_END in message else message
 
 
 @dataclass(slots=True)
@@ -152,6 +168,7 @@ class SessionStore(Protocol):
     async def get(self, session_id: str, owner: str) -> Session | None: ...
     async def list(self, owner: str, limit: int, after: str | None = None) -> SessionPage: ...
     async def set_title(self, session_id: str, owner: str, title: str) -> bool: ...
+    async def set_pinned(self, session_id: str, owner: str, pinned: bool) -> bool: ...
     async def delete(self, session_id: str, owner: str) -> bool: ...
     async def save_turn(self, session: Session) -> bool: ...
     async def lock(self, session_id: str, ttl_s: float) -> str | None: ...
@@ -242,6 +259,12 @@ class InMemorySessionStore:
             self._sessions[session_id][0].title = title
         return session is not None
 
+    async def set_pinned(self, session_id: str, owner: str, pinned: bool) -> bool:
+        session = await self.get(session_id, owner)
+        if session is not None:
+            self._sessions[session_id][0].pinned = pinned
+        return session is not None
+
     async def delete(self, session_id: str, owner: str) -> bool:
         if await self.get(session_id, owner) is None:
             return False
@@ -253,7 +276,8 @@ class InMemorySessionStore:
         if stored is None or stored[1] < time.monotonic() or stored[0].revision != session.revision:
             return False
         turn = _copy(session)
-        turn.title = stored[0].title  # a rename during the turn wins over the turn's stale copy
+        # a rename (or pin) during the turn wins over the turn's stale copy
+        turn.title, turn.pinned = stored[0].title, stored[0].pinned
         turn.revision = session.revision = secrets.token_hex(8)
         self._sessions[session.id] = (turn, time.monotonic() + self._ttl_s)
         return True
@@ -311,6 +335,10 @@ def _summary_copy(session: Session) -> Session:
         preset=session.preset,
         created_at=session.created_at,
         updated_at=session.updated_at,
+        source=session.source,
+        pinned=session.pinned,
+        parent_id=session.parent_id,
+        forked_at_turn=session.forked_at_turn,
     )
     summary.messages = [{}] * len(session.messages)  # the summary only counts them
     return summary
@@ -319,11 +347,13 @@ def _summary_copy(session: Session) -> Session:
 def session_to_fields(session: Session) -> dict[str, str]:
     data = asdict(session)
     fields = {k: json.dumps(data[k]) for k in JSON_FIELDS}
-    for key in ("owner", "title", "created_at", "updated_at", "revision"):
+    for key in ("owner", "title", "created_at", "updated_at", "revision", "source"):
         fields[key] = str(data[key])
-    for key in ("system", "preset", "cache_salt"):  # "" would be ambiguous: absent means None
+    fields["pinned"] = "1" if session.pinned else "0"
+    # "" would be ambiguous: absent means None
+    for key in ("system", "preset", "cache_salt", "parent_id", "forked_at_turn"):
         if data[key] is not None:
-            fields[key] = data[key]
+            fields[key] = str(data[key])
     fields["num_messages"] = str(len(session.messages))
     return fields
 
@@ -339,5 +369,9 @@ def session_from_fields(session_id: str, fields: dict[str, str]) -> Session:
         created_at=float(fields.get("created_at", 0)),
         updated_at=float(fields.get("updated_at", 0)),
         revision=fields.get("revision", ""),  # "": stored before revisions existed
+        source=fields.get("source", "api"),
+        pinned=fields.get("pinned") == "1",
+        parent_id=fields.get("parent_id"),
+        forked_at_turn=int(fields["forked_at_turn"]) if "forked_at_turn" in fields else None,
         **{k: json.loads(fields[k]) for k in JSON_FIELDS if k in fields},
     )

@@ -20,10 +20,11 @@ from typing import Any
 
 from app.chat_format.formats import ChatFormat
 from app.chat_format.plan import calls_as_text
-from app.sessions.service import SessionService
-from app.timed_stream import TimedStream
 from app.sessions import conversation
+from app.sessions.service import SessionService
 from app.sessions.store import Session, SessionStore, SessionStoreUnavailable
+from app.sessions.token_marks import marked_turn
+from app.timed_stream import TimedStream
 
 logger = logging.getLogger(__name__)
 
@@ -261,11 +262,14 @@ class TurnRecorder:
         if self.plan.template:
             reply["template"] = self.plan.template
         session = self.session
-        session.messages = self.plan.messages + [reply]
-        session.token_ids = self.plan.prompt_ids + completion
+        plan = self.plan
+        session.messages = marked_turn(
+            plan.messages, session.token_ids, plan.prompt_ids, reply, len(completion)
+        )
+        session.token_ids = plan.prompt_ids + completion
         if finished and out.block_hashes is not None:
             session.block_hashes = out.block_hashes
-        session.stats = _stats(session.messages)
+        session.stats = session_stats(session.messages)
         session.updated_at = now
         return session
 
@@ -282,7 +286,7 @@ def _timing(stream: TimedStream, num_tokens: int) -> dict[str, float | None]:
     }
 
 
-def _stats(messages: list[dict[str, Any]]) -> dict[str, int]:
+def session_stats(messages: list[dict[str, Any]]) -> dict[str, int]:
     replies = [m for m in messages if m.get("role") == "assistant" and "usage" in m]
     usage = [m["usage"] for m in replies]
     last = usage[-1] if usage else {"prompt_tokens": 0, "completion_tokens": 0}

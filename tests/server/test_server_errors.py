@@ -23,8 +23,8 @@ from starlette.testclient import TestClient
 from app.serve import ENGINE_DIED, run_server
 from app.server import create_app
 from app.settings import ServerSettings
-from engine.request_stream import RequestFailedError
 from engine.config import EngineConfig
+from engine.request_stream import RequestFailedError
 from tests import engine_faults
 from tests.engine_faults import call_in_engine
 from tests.server_harness import (
@@ -618,7 +618,7 @@ def test_openapi_declares_path_parameters_and_metrics_as_text(api: httpx.Client)
     listing = {
         p["name"] for p in doc["paths"]["/v1/sessions"]["get"]["parameters"] if p["in"] == "query"
     }
-    assert listing == {"limit", "after"}
+    assert listing == {"limit", "after", "source", "q"}
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "201" in doc["paths"]["/v1/sessions"]["post"]["responses"]
     text = json.dumps(doc)

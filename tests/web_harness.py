@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -96,6 +97,13 @@ def preset_settings(context: Any, **settings: Any) -> None:
     context.add_init_script(
         f"localStorage.setItem({json.dumps(SETTINGS_KEY)}, {json.dumps(json.dumps(settings))})"
     )
+
+
+def session_id_of(page: Any) -> str:
+    """The id of the session the page shows (its address carries it: ``?s=ID``)."""
+    match = re.search(r"[?&]s=([A-Za-z0-9_-]{22})", page.url)
+    assert match, f"no session id in the URL {page.url}"
+    return match.group(1)
 
 
 def send_message(page: Any, text: str) -> None:

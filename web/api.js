@@ -52,6 +52,19 @@ async function send(method, path, { body, sessionId, signal } = {}) {
   return response;
 }
 
+// What an ApiError says to the person at the screen.
+export function describeError(err) {
+  const detail = err.message || String(err);
+  switch (err.status) {
+    case 401: return `Not authorised (401): ${detail}`;
+    case 409: return `This chat is still answering another message (409). Wait for it, then send again.`;
+    case 429: return `The server is busy (429)${err.retryAfter ? `; try again in ${err.retryAfter} s` : ""}: ${detail}`;
+    case 503: return `The server cannot answer right now (503: the engine or the session store is down): ${detail}`;
+    case 0: return detail;
+    default: return `Error ${err.status || ""}: ${detail}`;
+  }
+}
+
 async function errorFrom(response) {
   let message = `${response.status} ${response.statusText}`;
   try {
@@ -74,10 +87,27 @@ export const api = {
   // 200 or 503, JSON either way: {status, sessions: "redis" | "sqlite" | "memory" | "unavailable"}
   health: async () => (await fetch("/health", { headers: { Accept: "application/json" } })).json(),
   presets: () => json("GET", "/v1/presets"),
-  listSessions: (limit = 100) => json("GET", `/v1/sessions?limit=${limit}`),
+  // {source: "ui"} lists only the chats the UI created; {q} searches titles and contents (each with a snippet)
+  listSessions: ({ limit = 1000, source = null, q = null } = {}) => {
+    const query = new URLSearchParams({ limit: String(limit) });
+    if (source) query.set("source", source);
+    if (q) query.set("q", q);
+    return json("GET", `/v1/sessions?${query}`);
+  },
   createSession: (body) => json("POST", "/v1/sessions", { body }),
   getSession: (id) => json("GET", sessionPath(id), { sessionId: id }),
   renameSession: (id, title) => json("PATCH", sessionPath(id), { body: { title }, sessionId: id }),
+  updateSession: (id, patch) => json("PATCH", sessionPath(id), { body: patch, sessionId: id }),
+  // A new session with the first `turn` turns of `id` (sharing their cached prefix): {id, parent_id, ...}.
+  forkSession: (id, turn) => json("POST", `${sessionPath(id)}/fork`, { body: { turn }, sessionId: id }),
+  // The chat as a file: {blob, filename} (format "json" or "markdown").
+  exportSession: async (id, format) => {
+    const response = await send("GET", `${sessionPath(id)}/export?format=${format}`, { sessionId: id });
+    const disposition = response.headers.get("Content-Disposition") || "";
+    const match = disposition.match(/filename="?([^";]+)"?/);
+    return { blob: await response.blob(), filename: match ? match[1] : `chat-${id}.${format === "json" ? "json" : "md"}` };
+  },
+  importSession: (exported) => json("POST", "/v1/sessions/import", { body: exported }),
   deleteSession: (id) => json("DELETE", sessionPath(id), { sessionId: id }),
   // Resolves once the server accepted the turn (headers received); the body is read by readChunks.
   postMessage: (id, body, signal) =>

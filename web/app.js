@@ -1,11 +1,16 @@
 // pagedchat's browser UI: a sidebar of server-kept sessions, a conversation streamed token by token, and the
 // settings a chat needs. The URL carries the open session (`/?s=ID`), so reload and back/forward work.
 import { Alternatives } from "./alternatives.js";
-import { api, ApiError, loadSettings, readChunks } from "./api.js";
-import { renderInto } from "./markdown.js";
+import { api, ApiError, describeError, loadSettings, readChunks } from "./api.js";
+import { noteOpened, showSwitchers } from "./branches.js";
+import { ChatMenu } from "./chat_menu.js";
+import { openEditor } from "./edit.js";
+import { copyText, renderInto } from "./markdown.js";
 import { Reasoning } from "./reasoning.js";
+import { Search } from "./search.js";
 import { Sidebar } from "./sidebar.js";
 import { Settings } from "./settings.js";
+import { bindShortcuts } from "./shortcuts.js";
 import { ToolCalls } from "./tool_calls.js";
 import { warmOnFocus } from "./warm.js";
 
@@ -20,6 +25,14 @@ const el = {
 const state = { session: null, streaming: null, loadToken: 0 };
 const settings = new Settings({ onSaved: afterSettingsSaved });
 const sidebar = new Sidebar({ onSelect: (id) => navigate(id), onDeleted: onSessionDeleted, onError: showError });
+const search = new Search({ onSelect: (id) => navigate(id), onError: showError });
+new ChatMenu({ // the header's ⋯ menu
+  getSession: () => state.session,
+  sidebar,
+  onChanged: () => sidebar.refresh(), // (a rename reaches the header through the "session-renamed" event)
+  onImported: (session) => sidebar.refresh(session.id).then(() => navigate(session.id)),
+  onError: showError,
+});
 
 // ---- navigation -------------------------------------------------------------------------------------
 
@@ -70,9 +83,16 @@ function showSession(session) {
   el.systemText.textContent = session.system || "";
   showSessionStats(session.stats);
   el.messages.replaceChildren(...messageNodes(session.messages));
+  noteOpened(session.id);
+  showBranches();
   updateButtons();
   scrollToEnd(true);
   el.input.focus();
+}
+
+// The `< 2/3 >` controls at the turns where this chat's branches differ (from the sidebar's list of sessions).
+function showBranches() {
+  if (state.session) showSwitchers(el.messages, state.session.id, sidebar.tree, (id) => navigate(id));
 }
 
 function setTitle(session) {
@@ -114,6 +134,9 @@ function messageElement(role, text, stored = null) {
   node.querySelector(".regenerate").addEventListener("click", regenerate);
   node.querySelector(".regenerate-alternatives").addEventListener("click", regenerateAlternatives);
   node.querySelector(".continue").addEventListener("click", continueReply);
+  node.querySelector(".edit").addEventListener("click", () => editMessage(node));
+  const copy = node.querySelector(".copy-reply");
+  copy.addEventListener("click", () => copyText(node.dataset.text, copy));
   setText(node, text);
   if (stored && role === "assistant") showStoredReply(node, stored);
   return node;
@@ -170,9 +193,13 @@ function updateButtons() {
   const replies = el.messages.querySelectorAll(".message.assistant");
   replies.forEach((node, i) => {
     const hidden = streaming || i !== replies.length - 1 || !isLastNode(node);
-    node.querySelector(".regenerate").hidden = hidden;
+    node.querySelector(".regenerate").hidden = streaming || !state.session; // any reply: a new branch
     node.querySelector(".regenerate-alternatives").hidden = hidden;
     node.querySelector(".continue").hidden = hidden || node.dataset.cut !== "true";
+    node.querySelector(".copy-reply").hidden = node.classList.contains("streaming");
+  });
+  el.messages.querySelectorAll(".message.user").forEach((node) => {
+    node.querySelector(".edit").hidden = streaming || !state.session;
   });
 }
 
@@ -203,7 +230,7 @@ async function sendMessage() {
 }
 
 async function createSession() {
-  const body = {};
+  const body = { source: "ui" };
   if (el.preset.value) body.preset = el.preset.value;
   else if (el.system.value.trim()) body.system = el.system.value.trim();
   try {
@@ -232,13 +259,48 @@ async function continueReply() {
   await streamTurn(state.session, { content: text }, { userNode });
 }
 
-function regenerate() {
+// The number of turns before `node`'s turn (a turn: a user message and the replies after it).
+const turnOf = (node) => {
+  let turn = 0;
+  for (let n = node.previousElementSibling; n; n = n.previousElementSibling) turn += n.dataset.role === "user";
+  return node.dataset.role === "user" ? turn : turn - 1;
+};
+
+// Regenerate (any reply): a new branch forked before the reply's turn, its user message sent again there.
+function regenerate(e) {
+  const node = e.target.closest(".message");
+  const turn = turnOf(node);
+  const users = el.messages.querySelectorAll(".message.user");
+  if (turn >= 0 && users[turn]) branchAt(turn, users[turn].dataset.text);
+}
+
+// Edit (a user message): the edited text sent on a new branch forked before it.
+function editMessage(node) {
   if (state.streaming || !state.session) return;
-  const last = el.messages.lastElementChild;
-  if (!last || last.dataset.role !== "assistant") return;
+  openEditor(node, node.dataset.text, (text) => branchAt(turnOf(node), text));
+}
+
+// Forks the open chat keeping its first `turn` turns (they share the cached prefix) and sends `text` there;
+// the old branch stays, a `< 1/2 >` control at that turn switches between them.
+async function branchAt(turn, text) {
+  if (state.streaming || !state.session) return;
   hideError();
-  last.remove();
-  streamTurn(state.session, { regenerate: true }, { removed: last });
+  closeAlternatives();
+  const parentId = state.session.id;
+  let fork;
+  try {
+    fork = await api.forkSession(parentId, turn);
+  } catch (err) {
+    return showError(err);
+  }
+  history.pushState({ s: fork.id }, "", `?s=${encodeURIComponent(fork.id)}`);
+  state.loadToken++;
+  showSession(fork);
+  const userNode = messageElement("user", text);
+  el.messages.append(userNode);
+  scrollToEnd(true);
+  const abandon = () => api.deleteSession(fork.id).catch(() => {}).then(() => navigate(parentId, { replace: true }));
+  await streamTurn(fork, { content: text }, { userNode, abandon });
 }
 
 // Three alternatives to the last reply, streamed side by side below it (web/alternatives.js): shown, not saved.
@@ -318,6 +380,7 @@ async function postTurn(id, request, signal) {
 }
 
 function restoreAfterRefusal(undo) {
+  if (undo.abandon) undo.abandon(); // a branch whose first turn was refused is not kept
   if (undo.userNode) undo.userNode.remove();
   if (undo.removed) el.messages.append(undo.removed);
 }
@@ -403,8 +466,10 @@ function finishReply(node, turn, stopped) {
 // After a turn: the sidebar's order and the header's totals changed; a chat without a title gets one from
 // its first message.
 async function afterTurn(session) {
+  const replies = el.messages.querySelectorAll(".message.assistant").length;
   try {
     let fresh = await api.getSession(session.id);
+    if ((fresh.stats.num_turns || 0) < replies) waitForStoredTurn(session, replies);
     if (!fresh.title && fresh.messages.length) {
       fresh = await api.renameSession(session.id, titleFrom(fresh.messages[0].content));
     }
@@ -414,8 +479,20 @@ async function afterTurn(session) {
       showSessionStats(fresh.stats);
     }
     await sidebar.refresh(state.session ? state.session.id : null);
+    showBranches();
   } catch (err) {
     showError(err);
+  }
+}
+
+// A stopped reply is stored a moment after its stream ends (once the engine has let go of it): asks again
+// until the server has it, then does what afterTurn does (the header's totals, the title).
+async function waitForStoredTurn(session, replies) {
+  for (let attempt = 0; attempt < 30; attempt++) {
+    await new Promise((resolve) => setTimeout(resolve, Math.min(100 * 2 ** attempt, 1000)));
+    if (!state.session || state.session.id !== session.id || state.streaming) return;
+    const fresh = await api.getSession(session.id).catch(() => null);
+    if (fresh && fresh.stats.num_turns >= replies) return afterTurn(session);
   }
 }
 
@@ -434,18 +511,6 @@ function showError(err) {
   el.errorText.textContent = describeError(err);
   el.error.hidden = false;
   if (err.status === 401) settings.open("This server needs an API key. Enter it below.");
-}
-
-function describeError(err) {
-  const detail = err.message || String(err);
-  switch (err.status) {
-    case 401: return `Not authorised (401): ${detail}`;
-    case 409: return `This chat is still answering another message (409). Wait for it, then send again.`;
-    case 429: return `The server is busy (429)${err.retryAfter ? `; try again in ${err.retryAfter} s` : ""}: ${detail}`;
-    case 503: return `The server cannot answer right now (503: the engine or the session store is down): ${detail}`;
-    case 0: return detail;
-    default: return `Error ${err.status || ""}: ${detail}`;
-  }
 }
 
 function hideError() {
@@ -473,6 +538,7 @@ async function refreshModelInfo() {
     const models = await api.model();
     settings.setModel(models.data[0]);
     await Promise.all([loadPresets(), sidebar.refresh(state.session ? state.session.id : sessionIdFromUrl())]);
+    showBranches();
   } catch (err) {
     showError(err);
   }
@@ -502,7 +568,14 @@ function bindEvents() {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
       sendMessage();
-    } else if (e.key === "Escape" && state.streaming) stopStreaming();
+    }
+  });
+  bindShortcuts({
+    focusSearch: () => search.focus(),
+    newChat: () => navigate(null),
+    stop: stopStreaming,
+    isStreaming: () => state.streaming !== null,
+    focusInput: () => el.input.focus(),
   });
   el.stop.addEventListener("click", () => {
     stopStreaming();

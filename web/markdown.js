@@ -61,14 +61,21 @@ function addCopyButton(pre) {
   wrapper.append(button, pre);
 }
 
-async function copyText(text, button) {
+// Copies `text`, then shows "Copied" on `button` for a moment (its class `copied` too).
+export async function copyText(text, button) {
   try {
     await navigator.clipboard.writeText(text);
   } catch {
     fallbackCopy(text); // the Clipboard API needs a secure context (https or localhost)
   }
+  if (!button.classList.contains("copied")) button.dataset.label = button.textContent;
   button.textContent = "Copied";
-  setTimeout(() => (button.textContent = "Copy"), 1500);
+  button.classList.add("copied");
+  clearTimeout(button.copiedTimer);
+  button.copiedTimer = setTimeout(() => {
+    button.textContent = button.dataset.label;
+    button.classList.remove("copied");
+  }, 1500);
 }
 
 function fallbackCopy(text) {

@@ -1,5 +1,10 @@
-// The sessions sidebar: the server's list (most recently updated first), with rename and delete.
+// The sessions sidebar: one entry per conversation (a chat and its branches: web/branches.js), pinned ones
+// first, then the most recently updated; rename and delete. It lists the chats the UI created unless "Show
+// API chats" is on (sessions made by scripts through the API).
 import { api } from "./api.js";
+import { BranchTree } from "./branches.js";
+
+const SHOW_API_KEY = "pagedchat.showApiChats";
 
 export class Sidebar {
   constructor({ onSelect, onDeleted, onError }) {
@@ -10,6 +15,13 @@ export class Sidebar {
     this.onDeleted = onDeleted;
     this.onError = onError;
     this.current = null;
+    this.tree = new BranchTree([]);
+    this.showApi = document.getElementById("show-api-chats");
+    this.showApi.checked = localStorage.getItem(SHOW_API_KEY) === "true";
+    this.showApi.addEventListener("change", () => {
+      localStorage.setItem(SHOW_API_KEY, String(this.showApi.checked));
+      this.refresh();
+    });
     this.openButton.addEventListener("click", () => this.setOpen(true));
     document.getElementById("close-sidebar").addEventListener("click", () => this.setOpen(false));
     // the drawer (phone width) closes on Escape or a tap beside it
@@ -35,18 +47,27 @@ export class Sidebar {
 
   setCurrent(id) {
     this.current = id;
+    const root = id ? this.tree.rootOf(id) : null;
     for (const item of this.list.children) {
       const link = item.querySelector(".session-link");
-      if (item.dataset.id === id) link.setAttribute("aria-current", "page");
+      if (item.dataset.id === root) link.setAttribute("aria-current", "page");
       else link.removeAttribute("aria-current");
     }
   }
 
   async refresh(currentId = this.current) {
     try {
-      const sessions = (await api.listSessions()).data;
-      this.list.replaceChildren(...sessions.map((s) => this.item(s)));
-      this.empty.hidden = sessions.length > 0;
+      const sessions = (await api.listSessions({ source: this.showApi.checked ? null : "ui" })).data;
+      this.tree = new BranchTree(sessions);
+      const roots = sessions.filter((s) => this.tree.isRoot(s));
+      const order = (s) => [s.pinned ? 1 : 0, this.tree.lastUpdate(s.id)];
+      roots.sort((a, b) => {
+        const [pa, ua] = order(a);
+        const [pb, ub] = order(b);
+        return pb - pa || ub - ua;
+      });
+      this.list.replaceChildren(...roots.map((s) => this.item(s)));
+      this.empty.hidden = roots.length > 0;
       this.setCurrent(currentId);
     } catch (err) {
       this.onError(err);
@@ -61,11 +82,12 @@ export class Sidebar {
     link.href = `?s=${encodeURIComponent(session.id)}`;
     link.title = `${title} — updated ${new Date(session.updated_at * 1000).toLocaleString()}`;
     node.querySelector(".session-title").textContent = title;
+    node.querySelector(".pinned-mark").hidden = !session.pinned;
     link.addEventListener("click", (e) => {
       if (e.ctrlKey || e.metaKey || e.shiftKey || e.button !== 0) return; // let the browser open a tab
       e.preventDefault();
       this.setOpen(false);
-      this.onSelect(session.id);
+      this.onSelect(this.tree.latestUnder(session.id)); // the branch opened last
     });
     node.querySelector(".rename").setAttribute("aria-label", `Rename “${title}”`);
     node.querySelector(".delete").setAttribute("aria-label", `Delete “${title}”`);
@@ -90,8 +112,7 @@ export class Sidebar {
       const title = input.value.trim();
       if (save && title && title !== session.title) {
         try {
-          await api.renameSession(session.id, title);
-          document.dispatchEvent(new CustomEvent("session-renamed", { detail: { id: session.id, title } }));
+          await this.renameConversation(session.id, title);
         } catch (err) {
           this.onError(err);
         }
@@ -106,11 +127,29 @@ export class Sidebar {
     input.addEventListener("blur", () => finish(true));
   }
 
+  // Renames the conversation of `id`: the chat and its branches (they show one title).
+  async renameConversation(id, title) {
+    for (const each of this.tree.descendants(this.tree.rootOf(id))) {
+      await api.renameSession(each, title);
+      document.dispatchEvent(new CustomEvent("session-renamed", { detail: { id: each, title } }));
+    }
+  }
+
+  // The conversation's entry (its root's summary) for the session `id`.
+  rootSummary(id) {
+    return this.tree.byId.get(this.tree.rootOf(id)) || null;
+  }
+
+  // Deletes the conversation: the chat and its branches (forks first).
   async remove(session) {
-    if (!confirm(`Delete the chat “${session.title || "Untitled chat"}”? This cannot be undone.`)) return;
+    const ids = this.tree.descendants(session.id);
+    const branches = ids.length > 1 ? ` and its ${ids.length - 1} other branch(es)` : "";
+    if (!confirm(`Delete the chat “${session.title || "Untitled chat"}”${branches}? This cannot be undone.`)) return;
     try {
-      await api.deleteSession(session.id);
-      this.onDeleted(session.id);
+      for (const id of ids.reverse()) {
+        await api.deleteSession(id);
+        this.onDeleted(id);
+      }
     } catch (err) {
       this.onError(err);
     }

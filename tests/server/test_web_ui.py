@@ -27,6 +27,7 @@ from tests.web_harness import (
     record_reply_lengths,
     recorded_reply_lengths,
     send_message,
+    session_id_of,
     wait_for_reply,
     wait_until,
 )
@@ -43,12 +44,6 @@ def page(browser: Any, server: RunningServer) -> Iterator[Any]:
     yield page
     assert page.errors == [], page.errors
     page.context.close()
-
-
-def session_id_of(page: Any) -> str:
-    match = re.search(r"[?&]s=([A-Za-z0-9_-]{22})", page.url)
-    assert match, f"no session id in the URL {page.url}"
-    return match.group(1)
 
 
 # static serving and sanitising: no model needed ------------------------------------------------------
@@ -244,6 +239,8 @@ def test_stop_ends_the_stream_keeps_the_partial_reply_and_frees_the_request(
     assert partial and finished.locator(".content").inner_text().strip()
     assert "stopped" in finished.locator(".stats").inner_text()
     assert page.locator("#send").is_visible() and reply.count() == 0
+    # the header's totals count the stopped turn (stored a moment after its stream ended)
+    page.wait_for_selector("#session-stats:text-matches('^1 turns')", timeout=15_000)
     metrics = wait_until_idle(server, timeout=15)
     assert metrics.running == 0
 
@@ -473,7 +470,9 @@ def test_refused_message_shows_the_error_and_keeps_the_typed_text(
 def test_sidebar_lists_renames_and_deletes_sessions(browser: Any, server: RunningServer) -> None:
     made = [
         httpx.post(
-            server.url("/v1/sessions"), json={"title": f"sidebar chat {i}"}, timeout=10
+            server.url("/v1/sessions"),
+            json={"title": f"sidebar chat {i}", "source": "ui"},  # the sidebar lists the UI's chats
+            timeout=10,
         ).json()
         for i in range(2)
     ]

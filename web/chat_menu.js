@@ -109,7 +109,8 @@ export class ChatMenu {
       return this.onError(new ApiError(0, `${file.name} is not a JSON export of a chat.`));
     }
     try {
-      this.onImported(await api.importSession(exported));
+      // imported here, it is one of the UI's chats (whoever made the exported one)
+      this.onImported(await api.importSession({ ...exported, source: "ui" }));
     } catch (err) {
       this.onError(err);
     }

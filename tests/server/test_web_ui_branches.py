@@ -240,7 +240,7 @@ def test_sidebar_keeps_api_chats_apart_and_the_menu_pins_and_renames(
 def test_export_json_then_import_gives_the_same_messages_and_replies_copy(
     browser: Any, server: RunningServer, tmp_path: Path
 ) -> None:
-    chat = chat_through_api(server, "Say something short.")
+    chat = chat_through_api(server, "Say something short.", source=None)  # an API chat
     page = open_chat_page(browser, server.url(f"/?s={chat['id']}"))
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     reply = page.locator("#messages .message.assistant").first
@@ -268,7 +268,8 @@ def test_export_json_then_import_gives_the_same_messages_and_replies_copy(
         "(id) => /[?&]s=/.test(location.search) && !location.search.includes(id)", arg=chat["id"]
     )
     imported = get_session(server, session_id_of(page))
-    assert imported["id"] != chat["id"]
+    assert imported["id"] != chat["id"] and imported["source"] == "ui"
+    page.wait_for_selector(f'#session-list [data-id="{imported["id"]}"] [aria-current="page"]')
     assert [(m["role"], m["content"]) for m in imported["messages"]] == [
         (m["role"], m["content"]) for m in chat["messages"]
     ]

@@ -117,7 +117,7 @@ class ImportSessionRequest(RequestModel):
     title: str | None = Field(default=None, max_length=200)
     system: str | None = None
     source: Literal["ui", "api"] = "api"
-    messages: Annotated[list[ImportedMessage], Field(min_length=1)]
+    messages: Annotated[list[ImportedMessage], Field(min_length=1, max_length=4096)]
 
     @model_validator(mode="after")
     def _turns(self) -> ImportSessionRequest:

@@ -83,6 +83,12 @@ async def create_session_within_quota(
 ) -> None:
     """Store a new session under the quotas of any new session: its bytes and the key's number of sessions
     (SessionQuotaExceeded: 429)."""
+    check_session_bytes(service, session, param)
+    if not await service.store.create(session, service.limits.max_sessions_per_key):
+        raise APIError(409, "session id collision; retry", code="session_exists")
+
+
+def check_session_bytes(service: SessionService, session: Session, param: str) -> None:
     size, cap = session.stored_bytes(), service.limits.max_session_bytes
     if size > cap:
         raise APIError(
@@ -92,5 +98,3 @@ async def create_session_within_quota(
             param=param,
             code="session_full",
         )
-    if not await service.store.create(session, service.limits.max_sessions_per_key):
-        raise APIError(409, "session id collision; retry", code="session_exists")

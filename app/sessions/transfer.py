@@ -18,7 +18,7 @@ from app.errors import APIError
 from app.protocol.sessions import ImportSessionRequest
 from app.request_body import read_model
 from app.sessions import conversation
-from app.sessions.fork import create_session_within_quota
+from app.sessions.fork import check_session_bytes, create_session_within_quota
 from app.sessions.presets import check_system
 from app.sessions.service import SessionService
 from app.sessions.store import Session, new_session_id
@@ -108,13 +108,11 @@ async def import_session(request: Request) -> JSONResponse:
         system=body.system,
         source=body.source,
     )
-    await replay(service, session, [m.stored() for m in body.messages])
-    if len(session.token_ids) > service.max_model_len:
-        raise APIError.bad_request(
-            f"messages: {len(session.token_ids)} tokens, over the model's context of "
-            f"{service.max_model_len}",
-            "messages",
-        )
+    messages = [m.stored() for m in body.messages]
+    session.messages = messages  # (the byte quota first, before any rendering)
+    check_session_bytes(service, session, "messages")
+    session.messages = []
+    await replay(service, session, messages)
     await create_session_within_quota(service, session, "messages")
     return JSONResponse(session.public(), status_code=201)
 
@@ -143,4 +141,9 @@ async def replay(service: SessionService, session: Session, messages: list[dict[
         )
         session.token_ids = plan.prompt_ids + completion
         pending = []
+        if len(session.token_ids) > service.max_model_len:  # (also bounds the rendering work)
+            raise APIError.bad_request(
+                f"messages: over the model's context of {service.max_model_len} tokens",
+                "messages",
+            )
     session.stats = session_stats(session.messages)

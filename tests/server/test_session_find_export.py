@@ -212,6 +212,8 @@ def export(client: TestClient, session_id: str) -> dict:
         [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
         [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
         [],
+        # over the model's context (1024 tokens)
+        [{"role": "user", "content": "lorem ipsum " * 800}, {"role": "assistant", "content": "ok"}],
     ],
 )
 def test_import_refuses_bad_messages(client: TestClient, messages: list[dict]):

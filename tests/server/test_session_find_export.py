@@ -17,6 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from app.sessions import Session, SQLiteSessionStore, new_session_id
+from app.sessions.find import all_summaries, search
 from tests.server.session_app import auth, session_app
 from tests.server.test_session_store import store  # noqa: F401 (the fixture: each store)
 
@@ -47,6 +48,25 @@ async def test_store_keeps_source_pin_and_parent(store):  # noqa: F811
         2,
     )
     assert summaries[fork.id]["source"] == "api" and not summaries[fork.id]["pinned"]
+
+
+async def test_search_reads_each_store_through_its_contract(store):  # noqa: F811
+    texts = ["a walk by the Sea", "nothing to see", "the SEA again"]
+    for i, text in enumerate(texts):
+        session = Session(id=new_session_id(), owner="a", title=f"t{i}", created_at=1000.0 + i)
+        session.messages = [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": text},
+        ]
+        assert await store.create(session)
+    assert await store.create(
+        Session(id=new_session_id(), owner="b", title="the sea of b", created_at=2000.0)
+    )
+    mine = await all_summaries(store, "a", max_sessions=10)
+    assert [s.title for s in mine] == ["t2", "t1", "t0"]
+    found, has_more = await search(store, mine, "sea", limit=10)
+    assert [f["title"] for f in found] == ["t2", "t0"] and not has_more
+    assert found[0]["snippet"] == "the SEA again"
 
 
 async def test_sqlite_file_of_an_older_server_gains_the_new_columns(tmp_path):

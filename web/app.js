@@ -25,7 +25,13 @@ const el = {
 const state = { session: null, streaming: null, loadToken: 0 };
 const settings = new Settings({ onSaved: afterSettingsSaved });
 const sidebar = new Sidebar({ onSelect: (id) => navigate(id), onDeleted: onSessionDeleted, onError: showError });
-const search = new Search({ onSelect: (id) => navigate(id), onError: showError });
+const search = new Search({
+  onSelect: (id) => {
+    if (sidebar.isOpen()) sidebar.setOpen(false); // the phone's drawer
+    navigate(id);
+  },
+  onError: showError,
+});
 new ChatMenu({ // the header's ⋯ menu
   getSession: () => state.session,
   sidebar,
@@ -571,7 +577,10 @@ function bindEvents() {
     }
   });
   bindShortcuts({
-    focusSearch: () => search.focus(),
+    focusSearch: () => {
+      if (getComputedStyle($("sidebar")).visibility === "hidden") sidebar.setOpen(true); // the phone's drawer
+      search.focus();
+    },
     newChat: () => navigate(null),
     stop: stopStreaming,
     isStreaming: () => state.streaming !== null,

@@ -277,3 +277,25 @@ def test_export_json_then_import_gives_the_same_messages_and_replies_copy(
     shown = page.locator("#messages .message.assistant").first.get_attribute("data-text")
     assert shown == chat["messages"][-1]["content"]
     close(page)
+
+
+def test_escape_stops_a_streaming_reply_from_anywhere_on_the_page(
+    browser: Any, server: RunningServer
+) -> None:
+    page = open_page(browser, server.url("/"), {"temperature": 0.0, "maxTokens": 400, "apiKey": ""})
+    page.dialogs = []
+    send_message(page, "Write a very long essay about the history of the sea, with many chapters.")
+    page.wait_for_function(
+        "() => (document.querySelector('.message.assistant.streaming .content')"
+        " || {}).textContent?.length > 10",
+        timeout=60_000,
+    )
+    page.evaluate("() => document.activeElement.blur()")  # not from the message box only
+    page.keyboard.press("Escape")
+    reply = wait_for_reply(page, timeout_ms=10_000)
+    assert "stopped" in reply.locator(".stats").inner_text()
+    # the header's totals follow once the server has stored the stopped turn
+    page.wait_for_selector("#session-stats:text-matches('^1 turns')", timeout=15_000)
+    stored = get_session(server, session_id_of(page))
+    assert stored["messages"][-1]["finish_reason"] == "abort"
+    close(page)

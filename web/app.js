@@ -2,7 +2,7 @@
 // settings a chat needs. The URL carries the open session (`/?s=ID`), so reload and back/forward work.
 import { Alternatives } from "./alternatives.js";
 import { api, ApiError, describeError, loadSettings, readChunks } from "./api.js";
-import { noteOpened, showSwitchers } from "./branches.js";
+import { BranchTree, noteOpened, showSwitchers } from "./branches.js";
 import { ChatMenu } from "./chat_menu.js";
 import { openEditor } from "./edit.js";
 import { copyText, renderInto } from "./markdown.js";
@@ -97,8 +97,18 @@ function showSession(session) {
 }
 
 // The `< 2/3 >` controls at the turns where this chat's branches differ (from the sidebar's list of sessions).
-function showBranches() {
-  if (state.session) showSwitchers(el.messages, state.session.id, sidebar.tree, (id) => navigate(id));
+// An API chat is not in the sidebar's list unless "Show API chats" is on: its branches are looked up apart.
+async function showBranches() {
+  if (!state.session) return;
+  const id = state.session.id;
+  let tree = sidebar.tree;
+  if (!tree.byId.has(id)) {
+    if (!sidebar.loaded) return; // (it calls again once the list is in)
+    const all = await api.listSessions().catch(() => null);
+    if (!all || !state.session || state.session.id !== id) return;
+    tree = new BranchTree(all.data);
+  }
+  showSwitchers(el.messages, id, tree, (to) => navigate(to));
 }
 
 function setTitle(session) {

@@ -16,6 +16,7 @@ export class Sidebar {
     this.onError = onError;
     this.current = null;
     this.tree = new BranchTree([]);
+    this.loaded = false; // the list came once
     this.showApi = document.getElementById("show-api-chats");
     this.showApi.checked = localStorage.getItem(SHOW_API_KEY) === "true";
     this.showApi.addEventListener("change", () => {
@@ -68,6 +69,7 @@ export class Sidebar {
       });
       this.list.replaceChildren(...roots.map((s) => this.item(s)));
       this.empty.hidden = roots.length > 0;
+      this.loaded = true;
       this.setCurrent(currentId);
     } catch (err) {
       this.onError(err);

@@ -299,3 +299,20 @@ def test_escape_stops_a_streaming_reply_from_anywhere_on_the_page(
     stored = get_session(server, session_id_of(page))
     assert stored["messages"][-1]["finish_reason"] == "abort"
     close(page)
+
+
+def test_an_api_chat_opened_by_its_address_shows_its_branches(
+    browser: Any, server: RunningServer
+) -> None:
+    parent = chat_through_api(server, "Say hi.", source=None)
+    fork = httpx.post(server.url(f"/v1/sessions/{parent['id']}/fork"), json={"turn": 0}).json()
+    turn = httpx.post(
+        server.url(f"/v1/sessions/{fork['id']}/messages"),
+        json={"content": "Say hello.", "max_tokens": 8, "temperature": 0.0},
+        timeout=60,
+    )
+    assert turn.status_code == 200, turn.text
+    page = open_chat_page(browser, server.url(f"/?s={fork['id']}"))
+    wait_for_branch(page, "2/2")  # though the sidebar (the UI's chats) does not list it
+    assert page.locator(f'#session-list [data-id="{parent["id"]}"]').count() == 0
+    close(page)

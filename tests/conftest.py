@@ -48,6 +48,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(config.rootpath).as_posix() in ISA_SENSITIVE:
             item.add_marker(pytest.mark.isa)
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+        # held to AVX2 (make test's second run): a greedy run with its sampled ids read one step late computes
+        # the very numbers of the run that reads them at once; the order of the late reads does not depend on the
+        # CPU, and the first run checks it. Only the numerics are run again.
+        late = [item for item in items if _reads_late(item)]
+        if late:
+            config.hook.pytest_deselected(items=late)
+            items[:] = [item for item in items if not _reads_late(item)]
+
+
+def _reads_late(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("async_scheduling") is True
 
 
 @pytest.fixture(scope="module")

@@ -6,23 +6,20 @@ request that needs them). AsyncEngine (async_engine.py) has them; they run in th
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from collections.abc import Sequence as SequenceOf
-from typing import Any, TypeVar
+from typing import Any
 
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-
-T = TypeVar("T")
 
 
 class PrefixCacheCalls:
     """What an engine front provides for these handles: ``generate`` and ``call`` (AsyncEngine's)."""
 
     generate: Callable[..., RequestStream]
-
-    async def call(self, target: str | Callable[..., T], *args: Any) -> T:
-        raise NotImplementedError
+    # call(target, *args): an EngineCore method by name, run in the core between steps
+    call: Callable[..., Awaitable[Any]]
 
     async def pin_prefix(
         self,

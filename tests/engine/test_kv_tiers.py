@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -105,11 +106,7 @@ def block_files(disk: Path) -> list[Path]:
 
 
 def test_next_turn_after_a_restart_reads_the_first_from_disk(written, prompts, tmp_path, caplog):
-    copy = tmp_path / "kv"
-    copy.mkdir()
-    for path in block_files(written):
-        (copy / path.parent.name).mkdir(exist_ok=True)
-        (copy / path.parent.name / path.name).write_bytes(path.read_bytes())
+    copy = shutil.copytree(written, tmp_path / "kv")
     engine = tiered(copy)
     before = engine.stats()
     tokens, cached = run(engine, "turn-2", prompts[1], cache_salt="tenant-a", retain=True)
@@ -140,10 +137,7 @@ def test_another_tenants_salt_never_hits_the_disk_blocks(written, prompts, tmp_p
 
 
 def test_a_corrupted_block_file_is_recomputed_and_deleted(written, prompts, tmp_path):
-    disk = tmp_path / "kv"
-    for path in block_files(written):
-        (disk / path.parent.name).mkdir(parents=True, exist_ok=True)
-        (disk / path.parent.name / path.name).write_bytes(path.read_bytes())
+    disk = shutil.copytree(written, tmp_path / "kv")
     files = block_files(disk)
     victim = files[len(files) // 2]
     data = bytearray(victim.read_bytes())
@@ -191,10 +185,15 @@ def test_warm_brings_a_session_back_before_its_turn(written, prompts):
     engine.shutdown()
 
 
+def first_turn_in_redis(url: str, prompt: list[int], salt: str) -> None:
+    """A session's first turn run by an engine with only the Redis tier, which is gone since."""
+    engine = tiered(None, url)
+    run(engine, "turn-1", prompt, cache_salt=salt, retain=True)
+    engine.shutdown()
+
+
 def test_a_second_engine_on_the_same_redis_serves_the_next_turn(redis_server, prompts):
-    first = tiered(None, redis_server.url)
-    run(first, "turn-1", prompts[0], cache_salt="tenant-a", retain=True)
-    first.shutdown()
+    first_turn_in_redis(redis_server.url, prompts[0], "tenant-a")
     second = tiered(None, redis_server.url)
     tokens, cached = run(second, "turn-2", prompts[1], cache_salt="tenant-a")
     assert tokens == cold_engine_result(prompts[1])
@@ -206,9 +205,7 @@ def test_a_second_engine_on_the_same_redis_serves_the_next_turn(redis_server, pr
 
 
 def test_redis_killed_mid_read_answers_from_recompute(redis_server, prompts):
-    first = tiered(None, redis_server.url)
-    run(first, "turn-1", prompts[0], cache_salt="tenant-c", retain=True)
-    first.shutdown()
+    first_turn_in_redis(redis_server.url, prompts[0], "tenant-c")
     engine = tiered(None, redis_server.url)
     store = engine.core.scheduler.tiers.io.redis
     real_get = store.client.get

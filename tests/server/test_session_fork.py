@@ -147,3 +147,23 @@ def test_common_prefix_len_matches_a_plain_count():
     for a, b in [([], [1]), ([1, 2, 3], [1, 2, 4]), ([5] * 40, [5] * 40), ([1, 2], [1, 2, 3])]:
         plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert common_prefix_len(a, b) == plain
+
+
+def test_a_body_that_is_not_json_is_refused_and_the_server_keeps_serving(
+    client: TestClient, parent: dict
+):
+    headers = {**auth(), "content-type": "application/json"}
+    response = client.post(
+        f"/v1/sessions/{parent['id']}/fork", content=b"{turn: 1", headers=headers
+    )
+    assert response.status_code == 400, response.text
+    response = client.post("/v1/sessions/import", content=b"\xff\xfe not json", headers=headers)
+    assert response.status_code == 400, response.text
+    assert fork(client, parent["id"], {"turn": 1}).status_code == 201
+
+
+def test_an_import_of_a_huge_message_list_is_refused_naming_messages(client: TestClient):
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 2100
+    response = client.post("/v1/sessions/import", json={"messages": messages}, headers=auth())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"

@@ -1,5 +1,9 @@
 // The open chat's menu (⋯ in the header): rename, pin, export as Markdown or JSON (a download), import a
 // chat exported before (a file picker; the server makes it a new chat) and delete.
+//
+// It follows the ARIA menu-button pattern: opening it focuses its first item; ArrowDown and ArrowUp move among
+// the items (wrapping), Home and End go to the first and last; Escape closes it and puts the focus back on the
+// button; Tab closes it and moves on from the button. ArrowDown/ArrowUp on the button open it at the first/last.
 import { api, ApiError } from "./api.js";
 
 export class ChatMenu {
@@ -15,12 +19,13 @@ export class ChatMenu {
     this.panel = document.getElementById("chat-menu");
     this.file = document.getElementById("import-file");
     this.button.addEventListener("click", () => this.setOpen(this.panel.hidden));
-    this.panel.addEventListener("keydown", (e) => {
-      if (e.key === "Escape") {
-        e.stopPropagation();
-        this.setOpen(false, true);
-      }
+    this.button.addEventListener("keydown", (e) => {
+      if (e.key !== "ArrowDown" && e.key !== "ArrowUp") return;
+      e.preventDefault();
+      this.setOpen(true);
+      if (e.key === "ArrowUp") this.focusItem(-1);
     });
+    this.panel.addEventListener("keydown", (e) => this.onKey(e));
     document.addEventListener("click", (e) => {
       if (!this.panel.hidden && !this.panel.contains(e.target) && !this.button.contains(e.target)) {
         this.setOpen(false);
@@ -36,7 +41,7 @@ export class ChatMenu {
     };
     for (const [id, action] of Object.entries(actions)) {
       document.getElementById(id).addEventListener("click", () => {
-        this.setOpen(false);
+        this.setOpen(false, true);
         action();
       });
     }
@@ -51,8 +56,33 @@ export class ChatMenu {
     document.getElementById("menu-pin").textContent = session && this.root().pinned ? "Unpin" : "Pin";
     this.panel.hidden = !open;
     this.button.setAttribute("aria-expanded", String(open));
-    if (open) this.panel.querySelector("button:not(:disabled)")?.focus();
+    if (open) this.focusItem(0);
     else if (returnFocus) this.button.focus();
+  }
+
+  // The items that take the focus (a disabled one is skipped).
+  items() {
+    return [...this.panel.querySelectorAll('[role="menuitem"]:not(:disabled)')];
+  }
+
+  // Focuses item `index` of items(), counted from the end when negative and wrapping past either end.
+  focusItem(index) {
+    const items = this.items();
+    if (items.length) items[((index % items.length) + items.length) % items.length].focus();
+  }
+
+  onKey(e) {
+    const at = this.items().indexOf(document.activeElement);
+    const moves = { ArrowDown: at + 1, ArrowUp: at - 1, Home: 0, End: -1 };
+    if (e.key in moves) {
+      e.preventDefault();
+      this.focusItem(moves[e.key]);
+    } else if (e.key === "Escape") {
+      e.stopPropagation();
+      this.setOpen(false, true);
+    } else if (e.key === "Tab") {
+      this.setOpen(false, true); // (not prevented: the Tab moves on from the button)
+    }
   }
 
   // The open chat's conversation as the sidebar lists it (the chat itself until the list has it).

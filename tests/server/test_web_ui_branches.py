@@ -222,10 +222,10 @@ def test_sidebar_keeps_api_chats_apart_and_the_menu_pins_and_renames(
 
     page.once("dialog", lambda dialog: dialog.accept("kept chat"))
     page.get_by_role("button", name="Chat menu").click()
-    page.get_by_role("button", name="Rename", exact=True).click()
+    page.get_by_role("menuitem", name="Rename", exact=True).click()
     page.wait_for_selector("#chat-title:text-is('kept chat')")
     page.get_by_role("button", name="Chat menu").click()
-    page.get_by_role("button", name="Pin", exact=True).click()
+    page.get_by_role("menuitem", name="Pin", exact=True).click()
     item = page.locator(f'#session-list [data-id="{ui_chat["id"]}"]')
     item.locator(".pinned-mark").wait_for(state="visible")
     assert (
@@ -251,13 +251,13 @@ def test_export_json_then_import_gives_the_same_messages_and_replies_copy(
 
     page.get_by_role("button", name="Chat menu").click()
     with page.expect_download() as download:
-        page.get_by_role("button", name="Export as Markdown").click()
+        page.get_by_role("menuitem", name="Export as Markdown").click()
     markdown = Path(download.value.path()).read_text()
     assert "Say something short." in markdown
 
     page.get_by_role("button", name="Chat menu").click()
     with page.expect_download() as download:
-        page.get_by_role("button", name="Export as JSON").click()
+        page.get_by_role("menuitem", name="Export as JSON").click()
     exported_path = tmp_path / "chat.json"
     download.value.save_as(exported_path)
     exported = json.loads(exported_path.read_text())

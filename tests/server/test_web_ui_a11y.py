@@ -1,0 +1,245 @@
+"""The browser UI's accessibility (issue 53's "Access"): axe-core finds no serious or critical WCAG 2.1 A/AA
+violation in the states a user sees (the new-chat draft, search results, an open chat with markdown, reasoning,
+a tool call and a branch switch, the chat menu, the settings dialog), in the light and the dark theme, at
+desktop and phone width; the header's ⋯ chat menu follows the ARIA menu-button pattern from the keyboard.
+
+axe-core is vendored for the tests only (tests/data/axe-core, not served by the app) and injected into the page;
+the page's Content-Security-Policy allows only its own scripts, so the test contexts bypass it. Driven in
+headless Chromium against the fake API (tests/fake_chat_server.py): no model needed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fake_chat_server import FakeChat, fake_chat_server
+from tests.web_harness import browser_fixture, open_page
+
+browser = browser_fixture()
+
+AXE = Path(__file__).resolve().parents[1] / "data" / "axe-core" / "axe.min.js"
+WCAG_TAGS = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]
+BLOCKING = {"serious", "critical"}
+WAIT_MS = 15_000
+# tall enough that the whole open chat shows without scrolling: axe cannot tell the contrast of text that a
+# scrolled box clips ("partially obscured"), and would skip it
+DESKTOP = {"width": 1280, "height": 1400}
+PHONE = {"width": 390, "height": 2400}
+ROOT_ID = "a11yroot0000000000001"
+BRANCH_ID = "a11ybranch00000000001"
+MENU_ITEMS = [
+    "menu-rename",
+    "menu-pin",
+    "menu-export-markdown",
+    "menu-export-json",
+    "menu-import",
+    "menu-delete",
+]
+
+REPLY = """Here is the script, the numbers and [the docs](https://example.org/docs).
+
+```python
+def forecast(city: str) -> str:
+    return f"Sunny in {city}"
+```
+
+| city | °C |
+| --- | --- |
+| Paris | 21 |
+| Oslo | 9 |
+
+Use `forecast("Paris")`.
+> It rarely rains.
+"""
+
+
+def weather_turn() -> list[dict[str, Any]]:
+    """A stored turn as GET /v1/sessions/{id} returns it: a reply that thought and called a tool, the tool's
+    result, and the final answer in markdown with its usage."""
+    usage = {"prompt_tokens": 52, "completion_tokens": 61, "cached_tokens": 16}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    return [
+        {"role": "user", "content": "What is the weather in Paris? Show code."},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "The user wants the weather: call **get_weather**.",
+            "tool_calls": [call],
+            "finish_reason": "tool_calls",
+            "usage": usage,
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "c": 21}'},
+        {
+            "role": "assistant",
+            "content": REPLY,
+            "finish_reason": "stop",
+            "usage": usage,
+            "timing": {"ttft_s": 0.12, "decode_tokens_per_s": 48.5},
+        },
+    ]
+
+
+def seed(chat: FakeChat) -> None:
+    """Two branches of one conversation (the second forked at turn 0, so its first message has a `< 2/2 >`
+    switch), found by search with a snippet."""
+    chat.add_session(ROOT_ID, weather_turn()[:1] + [{"role": "assistant", "content": "Sunny."}])
+    chat.add_session(BRANCH_ID, weather_turn(), title="Weather in Paris")
+    for session, turn in ((chat.sessions[ROOT_ID], None), (chat.sessions[BRANCH_ID], 0)):
+        session |= {"title": "Weather in Paris", "source": "ui", "snippet": "…sunny in Paris…"}
+        session |= {"parent_id": ROOT_ID if turn is not None else None, "forked_at_turn": turn}
+    chat.sessions[BRANCH_ID]["created_at"] = chat.sessions[ROOT_ID]["created_at"] + 1
+    chat.sessions[BRANCH_ID]["stats"] = {
+        "num_turns": 1,
+        "num_tokens": 113,
+        "prompt_tokens": 52,
+        "cached_tokens": 16,
+    }
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    chat = FakeChat()
+    seed(chat)
+    with fake_chat_server(chat) as base:
+        yield base
+
+
+def open_ui(browser: Any, url: str, theme: str, viewport: dict[str, int]) -> Any:
+    page = open_page(browser, url, color_scheme=theme, viewport=viewport, bypass_csp=True)
+    page.dialogs = []
+    page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+    return page
+
+
+def axe_violations(page: Any) -> list[dict[str, Any]]:
+    """axe-core's WCAG 2.1 A/AA violations on the page as it is now: rule id, impact and node targets."""
+    if not page.evaluate("() => typeof window.axe === 'object'"):
+        page.add_script_tag(path=str(AXE))
+    return page.evaluate(
+        """async (tags) => {
+            const result = await axe.run(document, {
+                runOnly: { type: "tag", values: tags }, resultTypes: ["violations"],
+            });
+            return result.violations.map((v) => ({
+                id: v.id, impact: v.impact,
+                targets: v.nodes.map((n) => n.target.join(" ")),
+            }));
+        }""",
+        WCAG_TAGS,
+    )
+
+
+def blocking(state: str, violations: list[dict[str, Any]]) -> list[str]:
+    """One line per serious or critical violation: the state, rule id, impact and node targets."""
+    return [
+        f"{state}: {v['id']} ({v['impact']}) at {', '.join(v['targets'])}"
+        for v in violations
+        if v["impact"] in BLOCKING
+    ]
+
+
+def visit_states(page: Any, phone: bool) -> Iterator[str]:
+    """Puts the page in each state a user sees, one after another; yields each state's name."""
+    yield "the new-chat draft"
+
+    if phone:
+        page.click("#open-sidebar")
+    page.fill("#chat-search", "sunny")
+    result = page.locator(f'#search-results .search-result[data-id="{BRANCH_ID}"] a')
+    result.wait_for(timeout=WAIT_MS)
+    yield "search results"
+
+    result.click()
+    page.wait_for_selector("#messages .tool-call .tool-result-text", timeout=WAIT_MS)
+    page.wait_for_selector("#messages .branch-switch", timeout=WAIT_MS)
+    page.wait_for_selector("#sidebar", state="hidden" if phone else "visible")
+    assert page.locator("#messages .reasoning").first.evaluate("(d) => d.open") is False
+    yield "an open chat"
+
+    page.click("#chat-menu-button")
+    page.wait_for_selector("#chat-menu", state="visible")
+    yield "the chat menu open"
+
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#chat-menu", state="hidden")
+    page.click("#open-settings")
+    page.wait_for_selector("#settings[open]")
+    yield "the settings dialog open"
+
+
+@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_axe_finds_no_serious_violation(
+    browser: Any, url: str, theme: str, viewport: dict[str, int]
+) -> None:
+    page = open_ui(browser, url + "/", theme, viewport)
+    assert page.evaluate("() => matchMedia('(prefers-color-scheme: dark)').matches") == (
+        theme == "dark"
+    )
+    found: list[str] = []
+    states = []
+    for state in visit_states(page, phone=viewport is PHONE):
+        states.append(state)
+        found += blocking(state, axe_violations(page))
+    assert len(states) == 5
+    assert not found, "\n".join(found)
+    assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
+    page.context.close()
+
+
+def focused_id(page: Any) -> str:
+    return page.evaluate("() => document.activeElement.id")
+
+
+def test_chat_menu_follows_the_menu_button_pattern_from_the_keyboard(
+    browser: Any, url: str
+) -> None:
+    page = open_ui(browser, f"{url}/?s={BRANCH_ID}", "light", DESKTOP)
+    page.wait_for_selector("#messages .tool-call", timeout=WAIT_MS)
+    button, menu = page.locator("#chat-menu-button"), page.locator("#chat-menu")
+    assert button.get_attribute("aria-haspopup") == "menu" and menu.get_attribute("role") == "menu"
+    items = menu.locator('[role="menuitem"]')
+    assert items.evaluate_all("(items) => items.map((i) => i.id)") == MENU_ITEMS
+    # the items are reached with the arrows, not with Tab
+    assert items.evaluate_all("(items) => items.map((i) => i.tabIndex)") == [-1] * len(MENU_ITEMS)
+
+    button.focus()
+    page.keyboard.press("Enter")
+    menu.wait_for(state="visible")
+    assert button.get_attribute("aria-expanded") == "true"
+    assert focused_id(page) == MENU_ITEMS[0]
+    steps = [
+        ("ArrowDown", 1),
+        ("ArrowDown", 2),
+        ("ArrowUp", 1),
+        ("ArrowUp", 0),
+        ("ArrowUp", 5),  # wraps to the last
+        ("ArrowDown", 0),  # and back to the first
+        ("End", 5),
+        ("Home", 0),
+    ]
+    for key, index in steps:
+        page.keyboard.press(key)
+        assert focused_id(page) == MENU_ITEMS[index], key
+    # the focused item shows it: the focus ring (an outline), which the menu's borderless items keep
+    ring = page.evaluate("() => getComputedStyle(document.activeElement).outlineStyle")
+    assert ring == "solid", ring
+
+    page.keyboard.press("Escape")
+    assert menu.is_hidden() and button.get_attribute("aria-expanded") == "false"
+    assert focused_id(page) == "chat-menu-button"
+
+    page.keyboard.press("ArrowUp")  # on the button: opens at the last item
+    assert menu.is_visible() and focused_id(page) == MENU_ITEMS[-1]
+    page.keyboard.press("Tab")  # closes it; the focus moves on from the button
+    assert menu.is_hidden() and button.get_attribute("aria-expanded") == "false"
+    assert focused_id(page) == "open-settings"
+    assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
+    page.context.close()

@@ -1,5 +1,5 @@
-"""Admission: the one gate of every request that generates, built once at start-up. It answers 404 for another
-model's name, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full and 400 for a
+"""Admission: the one gate of every request that generates, built once at start-up. It answers 404 for a name
+the model is not served as, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full and 400 for a
 request the engine refuses; it says whose request it is (tenant, scheduling tenant, admin) and which prefix-cache
 salt it gets; and it hands the request to the engine, as a TimedStream that records its latencies."""
 
@@ -25,19 +25,29 @@ _RETRY_AFTER_S = "1"
 class Admission:
     engine: EngineClient
     metrics: ServerMetrics
-    model_name: str
+    served_names: tuple[str, ...]  # the model's names in the API, the primary first
     max_queue: int  # this front's share of --max-queue (requests waiting for their first token)
     max_queue_per_tenant: int  # this front's share of --max-queue-per-tenant
     tenant_salt_from_api_key: bool = False  # each API key's prefix blocks its own
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
+    @property
+    def model_name(self) -> str:
+        """The primary name: an answer's ``model`` when the request gave none, the metrics' label."""
+        return self.served_names[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The name the answer carries (the requested one, or the primary); 404 for a name not served here."""
+        if requested is None:
+            return self.model_name
+        if requested not in self.served_names:
+            served = ", ".join(map(repr, self.served_names))
             raise APIError(
                 404,
-                f"model: {requested!r} is not served here (this server serves {self.model_name!r})",
+                f"model: {requested!r} is not served here (this server serves {served})",
                 param="model",
                 code="model_not_found",
             )
+        return requested
 
     @staticmethod
     def tenant(request: Request) -> str:

@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 from app.engine_options import ENGINE_OPTIONS
-from app.options import Option, parse_bytes
+from app.options import Option, parse_bytes, parse_names
 from app.server_options import LOG_LEVELS, SERVER_OPTIONS
 from app.version import version
 
 _DERIVED = {"hf_config", "model_path", "model_id", "torch_dtype", "torch_device", "eos_token_ids"}
-_TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes}
+_TYPES = {"int": int, "float": float, "str": str, "bytes": parse_bytes, "names": parse_names}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

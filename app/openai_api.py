@@ -59,7 +59,7 @@ async def completions(request: Request) -> Response:
     server: Serving = request.app.state.server
     arrival = time.monotonic()
     body = await read_model(request, CompletionRequest, server.max_request_bytes)
-    server.admission.check_model(body.model)
+    model = server.admission.check_model(body.model)
     given = body.prompts()
     # the budget's bound from below before the tokenizer sees a prompt (app/request_budget.py)
     check_least_tokens(body, given, server.replies.max_request_tokens)
@@ -80,7 +80,7 @@ async def completions(request: Request) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     header = ResponseHeader.new(
         "text_completion",
-        server.model_name,
+        model,
         "cmpl",
         include_usage and body.stream,
         body.return_token_ids,
@@ -195,19 +195,23 @@ async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, Request
 
 
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.server)]})
+    """One card per name the model is served as (--served-model-name), the primary first."""
+    server: Serving = request.app.state.server
+    cards = [_model_card(server, name) for name in server.served_names]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: Request) -> JSONResponse:
     """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): the card, or 404 for another name."""
     server: Serving = request.app.state.server
-    server.admission.check_model(request.path_params["model_id"])
-    return JSONResponse(_model_card(server))
+    return JSONResponse(
+        _model_card(server, server.admission.check_model(request.path_params["model_id"]))
+    )
 
 
-def _model_card(server: Serving) -> dict[str, Any]:
+def _model_card(server: Serving, name: str) -> dict[str, Any]:
     return {
-        "id": server.model_name,
+        "id": name,
         "object": "model",
         "created": server.started,
         "owned_by": "pagedchat",

@@ -35,12 +35,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower() or None])
 
 
+def parse_names(text: str) -> list[str]:
+    """Comma-separated names (``a,b``), each stripped; empty ones are kept for ServerSettings to refuse."""
+    return [name.strip() for name in text.split(",")]
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # the field of EngineConfig or ServerSettings; the flag is --name-with-dashes
     help: str  # one sentence: what it does (units in the sentence where they are not in the name)
     default: str  # as --help shows it
-    kind: str = "str"  # str | int | float | bool | bytes
+    kind: str = "str"  # str | int | float | bool | bytes | names (comma-separated)
     choices: tuple[str, ...] | None = None
     env: str | None = None  # the environment variable that sets it when the flag is not given
 

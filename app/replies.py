@@ -41,7 +41,7 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True, eq=False)
 class ReplyWriter:
     prompts: PromptRenderer
-    model_name: str
+    model_name: str  # the primary name
     max_model_len: int
     default_max_tokens: int  # for requests without max_tokens
     # the model's (app/generation_config.py)
@@ -59,17 +59,19 @@ class ReplyWriter:
         headers: dict[str, str] | None = None,
     ) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # the name the request asked for (Admission.check_model has refused any other), else the primary
+        model = body.model or self.model_name
         if body.stream:
             header = ResponseHeader.new(
                 "chat.completion.chunk",
-                self.model_name,
+                model,
                 "chatcmpl",
                 include_usage,
                 body.return_token_ids,
             )
             return sse_response(self.chat_chunks(header, stream, include_usage), headers=headers)
         header = ResponseHeader.new(
-            "chat.completion", self.model_name, "chatcmpl", return_token_ids=body.return_token_ids
+            "chat.completion", model, "chatcmpl", return_token_ids=body.return_token_ids
         )
         finals = await cancel_on_disconnect(request, stream.collect())
         choices = []

@@ -42,7 +42,7 @@ async def create_response(request: Request) -> Response:
     server: Serving = request.app.state.server
     arrival = time.monotonic()
     body = await read_model(request, ResponseRequest, server.max_request_bytes)
-    server.admission.check_model(body.model)
+    model = server.admission.check_model(body.model)
     settings = objects.request_settings(body)
     if body.store:
         chat = _chat_request(body, body.messages())
@@ -53,9 +53,7 @@ async def create_response(request: Request) -> Response:
         stream = await _stateless(request, server, chat, arrival)
         suffix, previous = secrets.token_hex(16), body.previous_response_id
         response_id = f"resp_{suffix}"
-    response = objects.response_object(
-        response_id, time.time(), server.model_name, settings, previous
-    )
+    response = objects.response_object(response_id, time.time(), model, settings, previous)
     events = ResponseEvents(response, suffix)
     if body.stream:
         return sse_response(_stream_events(server, stream, events), named=True)

@@ -65,12 +65,12 @@ OPERATIONS = [
     Operation(
         "/v1/completions", "POST", "Text completion (OpenAI)", CompletionRequest, streams=True
     ),
-    Operation("/v1/models", "GET", "The served model"),
+    Operation("/v1/models", "GET", "The served model, one card per name it is served as"),
     Operation(
         "/v1/models/{model_id}",
         "GET",
-        "The served model's card (404 for another name)",
-        path_params={"model_id": "the model's name"},
+        "The served model's card under one of its names (404 for another name)",
+        path_params={"model_id": "one of the model's names"},
     ),
     Operation("/health", "GET", "200 while the engine runs, 503 once it failed"),
     Operation("/ping", "GET", "As /health"),
@@ -145,13 +145,13 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.config_error = str(exc)
         logger.error("%s", exc)
         raise
-    name = settings.served_model_name or _default_model_name(settings)
+    names = tuple(settings.served_model_name or [_default_model_name(settings)])
     try:
         store = await sessions_api.open_store(settings)
     except BaseException:
         await engine.stop()
         raise
-    server = build_serving(settings, engine, front, name, store, chat_in_session)
+    server = build_serving(settings, engine, front, names, store, chat_in_session)
     app.state.server = server
     watcher = pinning = None
     try:
@@ -168,7 +168,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             raise
         watcher = asyncio.create_task(_watch_engine(app, server))
         base = f"http://{_display_host(settings.host)}:{settings.port}"
-        logger.info("serving %r — chat UI at %s/ — OpenAI base URL %s/v1", name, base, base)
+        shown = ", ".join(map(repr, names))
+        logger.info("serving %s — chat UI at %s/ — OpenAI base URL %s/v1", shown, base, base)
         yield
     finally:
         for task in (watcher, pinning):

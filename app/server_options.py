@@ -11,7 +11,15 @@ SESSION_STORES = ("auto", "redis", "sqlite", "memory")
 SERVER_OPTIONS = (
     Option("host", "Address to listen on (0.0.0.0: every interface)", "127.0.0.1"),
     Option("port", "Port to listen on", "8000", "int"),
-    Option("served_model_name", "The model's name in the API", "the model directory's name"),
+    Option(
+        "served_model_name",
+        "The model's names in the API, comma-separated (at most 16): /v1/models lists each, a request "
+        "may name any (its answer carries the name it asked for), the first is the primary (the name of "
+        "an answer to a request that gives none, and of the metrics)",
+        "the model directory's name",
+        "names",
+        env="PAGEDCHAT_SERVED_MODEL_NAME",
+    ),
     Option(
         "api_key",
         "Keys that may call /v1/, comma-separated; unset: the API is open",

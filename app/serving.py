@@ -46,6 +46,10 @@ class Serving:
         return self.admission.model_name
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.admission.served_names
+
+    @property
     def max_model_len(self) -> int:
         return self.replies.max_model_len
 
@@ -58,19 +62,19 @@ def build_serving(
     settings: ServerSettings,
     engine: EngineClient,
     front: Front,
-    model_name: str,
+    served_names: tuple[str, ...],
     store: SessionStore,
     session_chat: SessionChat,
 ) -> Serving:
     """Every service, once: this front's share of the queue limits, the model's sampling defaults (with
     ``--generation-config auto``), the store's outbox."""
-    metrics = ServerMetrics(model_name, engine.stats, multiprocess=front.shared)
+    metrics = ServerMetrics(served_names[0], engine.stats, multiprocess=front.shared)
     prompts = PromptRenderer(engine.prompt_tokenizer)
     background = BackgroundTasks()
     admission = Admission(
         engine,
         metrics,
-        model_name,
+        served_names,
         max_queue=front.queue_share(settings.max_queue),
         max_queue_per_tenant=front.queue_share(settings.tenant_queue),
         tenant_salt_from_api_key=settings.tenant_salt_from_api_key,
@@ -84,7 +88,7 @@ def build_serving(
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     replies = ReplyWriter(
         prompts,
-        model_name,
+        served_names[0],
         engine.info.max_model_len,
         settings.default_max_tokens,
         defaults,

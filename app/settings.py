@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.chat_format.formats import TOOL_CALL_FORMATS
+from app.options import parse_names
 from app.server_options import LOG_LEVELS, SESSION_STORES
 from engine.config import EngineConfig
 
@@ -15,7 +17,11 @@ from engine.config import EngineConfig
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # default: the model directory's name
+    # the model's names in the API, the first the primary (what a request without ``model`` is answered as);
+    # None: the model directory's name
+    served_model_name: list[str] | None = field(
+        default_factory=lambda: _names_from_env("PAGEDCHAT_SERVED_MODEL_NAME")
+    )
     api_key: str | None = field(default_factory=lambda: os.environ.get("PAGEDCHAT_API_KEY") or None)
     # a key that may also create (and delete) shared presets; it is a tenant of its own for everything else
     admin_api_key: str | None = field(
@@ -149,11 +155,9 @@ class ServerSettings:
             "api_server_count",
             "more than one front process needs a session store they share: Redis or SQLite, not memory",
         )
-        _check(
-            self.served_model_name is None or bool(self.served_model_name.strip()),
-            "served_model_name",
-            "must not be empty",
-        )
+        if self.served_model_name is not None:
+            self.served_model_name = [name.strip() for name in self.served_model_name]
+            _check_names(self.served_model_name, "served_model_name")
 
     @property
     def resolved_session_store(self) -> str:
@@ -174,6 +178,39 @@ class ServerSettings:
     @property
     def origins(self) -> list[str]:
         return [o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+
+MAX_SERVED_NAMES = 16
+MAX_NAME_CHARS = 256
+
+
+def _names_from_env(variable: str) -> list[str] | None:
+    text = os.environ.get(variable)
+    return parse_names(text) if text else None
+
+
+def _check_names(names: list[str], field_name: str) -> None:
+    """1 to 16 distinct names of 1 to 256 characters, none with whitespace or control characters (a name is
+    matched exactly against a request's ``model``, and shown in logs and metrics labels)."""
+    _check(
+        1 <= len(names) <= MAX_SERVED_NAMES,
+        field_name,
+        f"give 1 to {MAX_SERVED_NAMES} names, comma-separated (got {len(names)})",
+    )
+    for i, name in enumerate(names, 1):
+        _check(bool(name), field_name, f"name {i} is empty")
+        _check(
+            len(name) <= MAX_NAME_CHARS,
+            field_name,
+            f"name {i} has {len(name)} characters; at most {MAX_NAME_CHARS}",
+        )
+        _check(
+            not any(c.isspace() or unicodedata.category(c)[0] == "C" for c in name),
+            field_name,
+            f"name {i} ({name!r}) holds whitespace or a control character",
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    _check(not repeated, field_name, f"{', '.join(map(repr, repeated))} given twice")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -22,7 +22,13 @@ from app.server_options import SERVER_OPTIONS
 
 OUT = REPO_ROOT / "docs" / "OPTIONS.md"
 COMMAND = ".venv/bin/python scripts/options_doc.py"
-VALUES = {"int": "integer", "float": "number", "str": "text", "bytes": "size (4MiB, 512KiB, 1GB)"}
+VALUES = {
+    "int": "integer",
+    "float": "number",
+    "str": "text",
+    "bytes": "size (4MiB, 512KiB, 1GB)",
+    "names": "names, comma-separated",
+}
 
 INTRO = f"""# Options
 

@@ -17,6 +17,7 @@ from app.cli import (
     engine_config_from_args,
     server_settings_from_args,
 )
+from app.cli import serve as cli_serve
 from app.engine_options import ENGINE_OPTIONS
 from app.options import parse_bytes
 from app.server_options import SERVER_OPTIONS
@@ -288,3 +289,28 @@ def test_a_size_option_reads_its_environment_variable_with_units(monkeypatch):
     assert server_settings_from_args(given).engine.kv_disk_size == 3 * 10**9  # the flag wins
     monkeypatch.delenv("PAGEDCHAT_KV_DISK_SIZE")
     assert engine_config_from_args(build_parser().parse_args(["chat"])).kv_disk_size == 2 * 2**30
+
+
+def test_served_model_names_are_comma_separated_and_each_is_checked(monkeypatch, capsys):
+    args = build_parser().parse_args(["serve", "--served-model-name", "smol, org/smol-v2"])
+    assert server_settings_from_args(args).served_model_name == ["smol", "org/smol-v2"]
+    monkeypatch.setenv("PAGEDCHAT_SERVED_MODEL_NAME", "a,b,c")
+    assert ServerSettings().served_model_name == ["a", "b", "c"]
+    monkeypatch.delenv("PAGEDCHAT_SERVED_MODEL_NAME")
+    assert ServerSettings().served_model_name is None  # (the model directory's name)
+    for given, said in (
+        ("smol,,other", "name 2 is empty"),
+        (" ", "name 1 is empty"),
+        ("smol,my model", "name 2 ('my model') holds whitespace"),
+        ("smol,bell\x07", "name 2 ('bell\\x07') holds whitespace or a control"),
+        ("smol,other,smol", "'smol' given twice"),
+        (",".join(f"m{i}" for i in range(17)), "give 1 to 16 names"),
+        ("m" * 257, "name 1 has 257 characters; at most 256"),
+    ):
+        bad = build_parser().parse_args(["serve", "--served-model-name", given])
+        with pytest.raises(ValueError, match=re.escape(f"served_model_name: {said}")):
+            server_settings_from_args(bad)
+    assert ServerSettings(served_model_name=["m" * 256]).served_model_name == ["m" * 256]
+    assert cli_serve(build_parser().parse_args(["serve", "--served-model-name", "a,a"])) == 2
+    error = capsys.readouterr().err
+    assert error == "pagedchat: served_model_name: 'a' given twice\n"

@@ -97,7 +97,7 @@ class RecordingEngine:
 
 async def test_admission_hands_retain_to_the_engine_and_stateless_requests_are_not_retained():
     engine = RecordingEngine()
-    admission = Admission(engine, None, "m", max_queue=8, max_queue_per_tenant=8)  # type: ignore[arg-type]
+    admission = Admission(engine, None, ("m",), max_queue=8, max_queue_per_tenant=8)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=1)
     await admission.submit([1, 2, 3], params, None, 0.0, retain=True)
     await admission.submit([1, 2, 3], params, None, 0.0)

@@ -35,11 +35,21 @@ class CreateSessionRequest(RequestModel):
 class UpdateSessionRequest(RequestModel):
     title: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     pinned: bool | None = Field(default=None, description="pinned sessions are listed first")
+    system: str | None = Field(
+        default=None,
+        description="a new system prompt (null: none); it also clears the session's preset, and the next "
+        "turn renders the whole conversation again with it (409 while a turn is answered)",
+    )
+
+    @property
+    def changes_system(self) -> bool:
+        """``system`` was given, null included (null clears the system prompt)."""
+        return "system" in self.model_fields_set
 
     @model_validator(mode="after")
     def _something(self) -> UpdateSessionRequest:
-        if self.title is None and self.pinned is None:
-            raise ValueError("title: give a new title, or pinned")
+        if self.title is None and self.pinned is None and not self.changes_system:
+            raise ValueError("title: give a new title, pinned or system")
         return self
 
 

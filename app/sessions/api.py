@@ -38,7 +38,7 @@ from app.sessions.store import (
     new_session_id,
 )
 from app.sessions.transfer import export_session, import_session
-from app.sessions.turn_api import post_message, requested_session
+from app.sessions.turn_api import not_found, post_message, requested_session, session_locked
 from app.sessions.warm_api import warm_session
 from app.settings import ServerSettings
 
@@ -115,6 +115,8 @@ async def update_session(request: Request) -> JSONResponse:
     service: SessionService = request.app.state.server.sessions
     body = await read_model(request, UpdateSessionRequest, service.limits.max_request_bytes)
     session = await requested_session(request, service)
+    if body.changes_system:
+        session = await _set_system(service, session, body.system)
     if body.title is not None:
         await service.store.set_title(session.id, session.owner, body.title)
         session.title = body.title
@@ -122,6 +124,28 @@ async def update_session(request: Request) -> JSONResponse:
         await service.store.set_pinned(session.id, session.owner, body.pinned)
         session.pinned = body.pinned
     return JSONResponse(session.public())
+
+
+async def _set_system(service: SessionService, session: Session, system: str | None) -> Session:
+    """Checked as at creation. Under the session's turn lock, so that no turn being answered stores ids rendered
+    with the old prompt (409 while one is); the store's revision check covers a turn whose lock expired."""
+    if system is not None:
+        await check_system(service, system, "system")
+    async with session_locked(service, session.id):
+        current = await service.store.get(session.id, session.owner)
+        if current is None:
+            raise not_found(session.id)
+        if current.system == system and current.preset is None:
+            return current
+        current.reset_system(system)
+        if not await service.store.set_system(current):
+            raise APIError(
+                409,
+                f"session {session.id!r} changed meanwhile; retry",
+                param="session_id",
+                code="session_changed",
+            )
+    return current
 
 
 async def delete_session(request: Request) -> JSONResponse:
@@ -204,7 +228,7 @@ OPERATIONS = [
     Operation(
         "/v1/sessions/{session_id}",
         "PATCH",
-        "Rename a session, or pin it (pinned sessions are listed first)",
+        "Rename a session, pin it (pinned sessions are listed first) or change its system prompt",
         UpdateSessionRequest,
         path_params=_SESSION_ID,
     ),

@@ -35,10 +35,12 @@ def forked(parent: Session, turn: int) -> Session:
         raise ValueError(
             f"turn: must be an integer in [0, {len(starts)}] (the session's number of turns)"
         )
-    if turn == len(starts):
-        cut, end = len(parent.messages), len(parent.token_ids)
+    cut = len(parent.messages) if turn == len(starts) else starts[turn]
+    if turn == len(starts) or not parent.token_ids:
+        # (all the ids; or none: reset with a new system prompt, so the fork's next turn renders the whole
+        # conversation, as the parent's would)
+        end = len(parent.token_ids)
     else:
-        cut = starts[turn]
         end = parent.messages[cut - 1].get(TOKEN_END) if cut else 0
     if end is None:
         raise UnknownPrefix(

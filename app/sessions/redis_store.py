@@ -80,6 +80,7 @@ class RedisSessionStore:
         self._refresh = self._redis.register_script(_REFRESH_LOCK)
         self._save_preset = self._redis.register_script(_SAVE_PRESET)
         self._set_field = self._redis.register_script(_SET_FIELD)
+        self._set_system = self._redis.register_script(_SET_SYSTEM)
 
     async def _guard(self, awaitable: Any) -> Any:
         """``awaitable``'s result, or SessionStoreUnavailable; Redis going away and coming back is logged once
@@ -212,6 +213,17 @@ class RedisSessionStore:
             session.revision = revision
         return saved
 
+    async def set_system(self, session: Session) -> bool:
+        fields = session_to_fields(session)
+        revision = secrets.token_hex(8)
+        reset = [fields[k] for k in ("messages", "token_ids", "block_hashes")]
+        system = [] if session.system is None else [session.system]
+        args = [session.owner, session.revision, revision, *reset, *system]
+        saved = bool(await self._guard(self._set_system(keys=[self._key(session.id)], args=args)))
+        if saved:
+            session.revision = revision
+        return saved
+
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
         token = secrets.token_hex(8)
         ok = await self._guard(
@@ -296,6 +308,17 @@ return 1
 _SET_FIELD = """
 if (redis.call('HGET', KEYS[1], 'owner') or false) ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+return 1
+"""
+# KEYS: session hash. ARGV: owner, the revision read, the new revision, messages, token_ids, block_hashes, then the
+# system prompt (none: no system prompt). The preset goes; 0 when the session is gone or changed.
+_SET_SYSTEM = """
+if (redis.call('HGET', KEYS[1], 'owner') or false) ~= ARGV[1] then return 0 end
+if (redis.call('HGET', KEYS[1], 'revision') or '') ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], 'system', 'preset')
+redis.call('HSET', KEYS[1], 'revision', ARGV[3], 'messages', ARGV[4], 'token_ids', ARGV[5],
+           'block_hashes', ARGV[6])
+if ARGV[7] then redis.call('HSET', KEYS[1], 'system', ARGV[7]) end
 return 1
 """
 _UNLOCK = """

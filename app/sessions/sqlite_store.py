@@ -317,6 +317,11 @@ class SQLiteSessionStore:
 
         return self._transaction(db, save)
 
+    async def set_system(self, session: Session) -> bool:
+        return await self.save_turn(
+            session
+        )  # (every column but the title and pin: the system prompt too)
+
     # locks -------------------------------------------------------------------------------------------
 
     async def lock(self, session_id: str, ttl_s: float) -> str | None:

@@ -12,6 +12,9 @@ server; ``InMemorySessionStore`` here when asked for (lost on restart). All keep
 - a turn is written whole, only if the session still exists and still has the ``revision`` the turn started from
   (so a turn finishing after a delete, even one after which the id was taken again, stores nothing, and a stale
   turn cannot overwrite a later one);
+- a new system prompt (``set_system``) is written with the token ids rendered under the old one reset
+  (Session.reset_system), under the same revision check as a turn, and gives a new revision (so a turn that began
+  before it stores nothing);
 - listing reads summaries only (never whole histories), newest first, a page at a time.
 """
 
@@ -76,6 +79,15 @@ class Session:
 
     def __post_init__(self) -> None:
         self.updated_at = self.updated_at or self.created_at
+
+    def reset_system(self, system: str | None) -> None:
+        """A new system prompt (None: none), in place of the preset's. Where its text changed, the stored ids were
+        rendered with the old one: they go, with their block hashes and every message's mark into them (the next
+        turn renders the whole conversation again)."""
+        if system != self.system:
+            self.token_ids, self.block_hashes = [], []
+            self.messages = [public_message(m) for m in self.messages]
+        self.system, self.preset = system, None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -171,6 +183,7 @@ class SessionStore(Protocol):
     async def set_pinned(self, session_id: str, owner: str, pinned: bool) -> bool: ...
     async def delete(self, session_id: str, owner: str) -> bool: ...
     async def save_turn(self, session: Session) -> bool: ...
+    async def set_system(self, session: Session) -> bool: ...
     async def lock(self, session_id: str, ttl_s: float) -> str | None: ...
     async def refresh_lock(self, session_id: str, token: str, ttl_s: float) -> bool: ...
     async def unlock(self, session_id: str, token: str) -> None: ...
@@ -281,6 +294,11 @@ class InMemorySessionStore:
         turn.revision = session.revision = secrets.token_hex(8)
         self._sessions[session.id] = (turn, time.monotonic() + self._ttl_s)
         return True
+
+    async def set_system(self, session: Session) -> bool:
+        """A session changed by Session.reset_system, written as a turn is (the whole session, against its
+        revision)."""
+        return await self.save_turn(session)
 
     async def lock(self, session_id: str, ttl_s: float) -> str | None:
         held = self._locks.get(session_id)

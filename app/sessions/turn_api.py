@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -19,9 +20,8 @@ from app.protocol.completions import ChatCompletionRequest
 from app.protocol.sampling import SamplingFields
 from app.protocol.sessions import SessionMessageRequest
 from app.request_body import read_model
-from app.sessions.service import SessionService
 from app.sessions.presets import check_system
-from app.timed_stream import TimedStream
+from app.sessions.service import SessionService
 from app.sessions.store import Session, SessionStoreUnavailable, is_session_id
 from app.sessions.turns import (
     TurnPlan,
@@ -29,7 +29,9 @@ from app.sessions.turns import (
     TurnTemplate,
     plan_regeneration,
     plan_turn,
+    rendered_regeneration,
 )
+from app.timed_stream import TimedStream
 
 _TITLE_CHARS = 60
 
@@ -158,6 +160,16 @@ async def _lock(service: SessionService, session_id: str) -> str:
     return token
 
 
+@contextlib.asynccontextmanager
+async def session_locked(service: SessionService, session_id: str) -> AsyncIterator[None]:
+    """The session's turn lock, held by a change that must not meet a turn (409 while one is answered)."""
+    token = await _lock(service, session_id)
+    try:
+        yield
+    finally:
+        await _unlock_quietly(service, session_id, token)
+
+
 @contextlib.contextmanager
 def _unlocked_on_error(service: SessionService, session_id: str, token: str):
     """Release the turn's lock if the turn does not start (the release runs in the background)."""
@@ -261,9 +273,12 @@ async def _plan(
     if new is not None:
         return await plan_turn(service, session, new, template)
     try:
-        return plan_regeneration(session)
+        plan = plan_regeneration(session)
     except ValueError as exc:
         raise APIError.from_value_error(exc) from None
+    if not session.token_ids:  # (reset with a new system prompt)
+        return await rendered_regeneration(service, session, plan, template.fmt)
+    return plan
 
 
 def _title(text: str) -> str:

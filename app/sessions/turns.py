@@ -113,16 +113,17 @@ async def plan_turn(
     same = last is not None and last.get("template", {}) == template.key()
     ids = None
     try:
-        if not session.token_ids:
+        if not session.messages:
             ids = await render(conversation.first_turn_ids, system, new_template, **kwargs)
-        elif same:
+        elif same and session.token_ids:
             eos = service.engine.info.eos_token_ids
             ids = await render(
                 conversation.next_turn_ids, session.token_ids, history, new_template, eos, **kwargs
             )
     except conversation.NotAnExtension:
         pass
-    if ids is None and same and "usage" in last:
+    # (no stored ids: they were reset with a new system prompt, Session.reset_system)
+    if ids is None and same and "usage" in last and session.token_ids:
         prompt = session.token_ids[: last["usage"]["prompt_tokens"]]
         with contextlib.suppress(conversation.NotAnExtension):
             ids = await render(
@@ -146,7 +147,8 @@ def _last_reply(session: Session) -> dict[str, Any] | None:
 
 
 def plan_regeneration(session: Session) -> TurnPlan:
-    """Answer the last user message again: the last turn's prompt, exactly as it was."""
+    """Answer the last user message again: the last turn's prompt, exactly as it was (no ids when they were
+    reset with a new system prompt: ``rendered_regeneration`` then)."""
     last = session.messages[-1] if session.messages else None
     if last is None or last.get("role") != "assistant" or "usage" not in last:
         raise ValueError("regenerate: the session has no reply to regenerate")
@@ -155,6 +157,19 @@ def plan_regeneration(session: Session) -> TurnPlan:
         session.messages[:-1],
         last.get("template", {}),
     )
+
+
+async def rendered_regeneration(
+    service: SessionService, session: Session, plan: TurnPlan, fmt: ChatFormat | None
+) -> TurnPlan:
+    """``plan`` (a regeneration) with its prompt rendered whole from its messages, as the last turn's template
+    variables render them, under the session's system prompt as it is now."""
+    key = dict(plan.template)
+    template = TurnTemplate(key, key.pop("instructions", None), fmt)
+    before = Session(id=session.id, system=session.system, messages=plan.messages)
+    history = template_history(before, template)
+    ids = await service.prompts.in_thread(conversation.full_render_ids, history, **template.kwargs)
+    return TurnPlan(ids, plan.messages, plan.template)
 
 
 @dataclass(slots=True, eq=False)

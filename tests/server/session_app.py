@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from starlette.testclient import TestClient
 
@@ -17,11 +18,13 @@ KEYS = ("alice", "bob")
 
 
 @contextlib.contextmanager
-def session_app() -> Iterator[TestClient]:
+def session_app(**fields: Any) -> Iterator[TestClient]:
+    """``fields``: more ServerSettings fields (e.g. served_model_name)."""
     settings = ServerSettings(
         api_key=",".join(KEYS),
         session_store="memory",
         engine=EngineConfig(kv_cache_memory_gib=float(SMALL_KV_GIB), max_model_len=1024),
+        **fields,
     )
     with (
         one_torch_thread(),

@@ -3,6 +3,11 @@ extends them and hits the parent's KV blocks; the parent is unchanged; another k
 is checked (an integer in [0, the number of turns]); a session stored without per-message token ends (an older
 server) is forked only whole (409 otherwise, never a wrong prefix).
 
+On the same app (one engine for the module): a session's system prompt changed (PATCH): the stored ids go with the
+old prompt, so the next turn, a regeneration and a fork render the whole conversation with the new one; the
+change is refused (409) while a turn holds the session. And the model served under two names: each is listed and
+answers, and an answer carries the name its request gave.
+
 The app runs in this process with the in-memory store. Expected cached tokens are counted by hand: the engine
 caches full blocks of 16 tokens, so a prompt extending a stored prefix of P tokens hits at least floor(P / 16) * 16
 of them."""
@@ -25,9 +30,12 @@ BLOCK = 16
 QUESTIONS = ("Name a colour.", "Name a fruit.", "Name an animal.")
 
 
+NAMES = ["smol-main", "org/smol-alias"]
+
+
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    with session_app() as client:
+    with session_app(served_model_name=NAMES) as client:
         yield client
 
 
@@ -167,3 +175,146 @@ def test_an_import_of_a_huge_message_list_is_refused_naming_messages(client: Tes
     response = client.post("/v1/sessions/import", json={"messages": messages}, headers=auth())
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "messages"
+
+
+# a new system prompt ------------------------------------------------------------------------------------------
+
+
+def own_ids(client: TestClient, session_id: str) -> list[int]:
+    return client.app.state.server.sessions.store._sessions[session_id][0].token_ids
+
+
+def chat_ids(client: TestClient, messages: list[dict]) -> list[int]:
+    """The prompt of ``messages`` as the model's own chat template renders it (no session code involved)."""
+    tokenizer = client.app.state.server.engine.prompt_tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def set_system(client: TestClient, session_id: str, system, key: str = "alice"):
+    return client.patch(f"/v1/sessions/{session_id}", json={"system": system}, headers=auth(key))
+
+
+def test_a_new_system_prompt_is_rendered_whole_into_the_next_turn(client: TestClient):
+    created = client.post("/v1/sessions", json={"system": "Answer in one word."}, headers=auth())
+    session_id = created.json()["id"]
+    say(client, session_id, QUESTIONS[0], 0)
+    new_system = "You are a pirate. Answer in rhymes."
+    changed = set_system(client, session_id, new_system)
+    assert changed.status_code == 200, changed.text
+    assert (changed.json()["system"], changed.json()["preset"]) == (new_system, None)
+    assert own_ids(client, session_id) == []  # (rendered with the old prompt)
+    shown = client.get(f"/v1/sessions/{session_id}", headers=auth()).json()
+    assert shown["system"] == new_system and len(shown["messages"]) == 2
+
+    reply = say(client, session_id, QUESTIONS[1], 2)
+    history = [{"role": m["role"], "content": m["content"]} for m in shown["messages"]]
+    expected = chat_ids(
+        client,
+        [
+            {"role": "system", "content": new_system},
+            *history,
+            {"role": "user", "content": QUESTIONS[1]},
+        ],
+    )
+    assert reply["usage"]["prompt_tokens"] == len(expected)
+    assert own_ids(client, session_id)[: len(expected)] == expected
+
+    cleared = set_system(client, session_id, None)
+    assert cleared.status_code == 200 and cleared.json()["system"] is None
+    after = client.get(f"/v1/sessions/{session_id}", headers=auth()).json()
+    assert after["system"] is None
+    history = [{"role": m["role"], "content": m["content"]} for m in after["messages"]]
+    # regenerating the last reply renders its prompt again, now without a system prompt
+    again = client.post(
+        f"/v1/sessions/{session_id}/messages",
+        json={"regenerate": True, "max_tokens": 4, "temperature": 0},
+        headers=auth(),
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens"] == len(chat_ids(client, history[:-1]))
+
+
+def test_a_session_reset_by_a_new_system_prompt_forks_at_any_turn(client: TestClient, parent: dict):
+    copy = fork(client, parent["id"], {"turn": len(QUESTIONS)}).json()
+    assert set_system(client, copy["id"], "Answer in two words.").status_code == 200
+    branch = fork(client, copy["id"], {"turn": 1})
+    assert branch.status_code == 201, branch.text
+    reply = say(client, branch.json()["id"], "Name a planet.", 2)
+    kept = [{"role": m["role"], "content": m["content"]} for m in parent["messages"][:2]]
+    expected = chat_ids(
+        client,
+        [
+            {"role": "system", "content": "Answer in two words."},
+            *kept,
+            {"role": "user", "content": "Name a planet."},
+        ],
+    )
+    assert reply["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_a_system_prompt_change_waits_for_no_turn_it_is_refused_while_one_holds_the_session(
+    client: TestClient, parent: dict
+):
+    store = client.app.state.server.sessions.store
+    copy = fork(client, parent["id"], {"turn": 1}).json()
+    token = client.portal.call(store.lock, copy["id"], 30.0)  # (what a turn being answered holds)
+    busy = set_system(client, copy["id"], "Answer in French.")
+    assert busy.status_code == 409, busy.text
+    assert busy.json()["error"]["code"] == "session_busy"
+    shown = client.get(f"/v1/sessions/{copy['id']}", headers=auth()).json()
+    assert shown["system"] == parent["system"] and own_ids(client, copy["id"])
+    client.portal.call(store.unlock, copy["id"], token)
+    assert set_system(client, copy["id"], "Answer in French.").status_code == 200
+
+
+@pytest.mark.parametrize("system", ["x" * 32_769, 5, ["a"], {"text": "a"}])
+def test_a_bad_system_prompt_is_refused_naming_system(client: TestClient, parent: dict, system):
+    response = set_system(client, parent["id"], system)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "system"
+
+
+def test_another_keys_session_system_prompt_is_not_found(client: TestClient, parent: dict):
+    response = set_system(client, parent["id"], "mine now", key="bob")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "session_not_found"
+    assert client.get(f"/v1/sessions/{parent['id']}", headers=auth()).json() == parent
+
+
+# several served names -----------------------------------------------------------------------------------------
+
+
+def test_each_served_name_is_listed_and_answers_under_its_own_name(client: TestClient):
+    listed = client.get("/v1/models", headers=auth()).json()["data"]
+    assert [card["id"] for card in listed] == NAMES
+    assert listed[0]["max_model_len"] == listed[1]["max_model_len"] == 1024
+    alias = client.get(f"/v1/models/{NAMES[1]}", headers=auth())
+    assert alias.status_code == 200 and alias.json()["id"] == NAMES[1]
+    unknown = client.get("/v1/models/smol", headers=auth())
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for model, shown in ((NAMES[1], NAMES[1]), (NAMES[0], NAMES[0]), (None, NAMES[0])):
+        body = {**chat, "model": model} if model else chat
+        answer = client.post("/v1/chat/completions", json=body, headers=auth())
+        assert answer.status_code == 200 and answer.json()["model"] == shown, answer.text
+    text = client.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "model": NAMES[1]}, headers=auth()
+    )
+    assert text.json()["model"] == NAMES[1], text.text
+    refused = client.post("/v1/chat/completions", json={**chat, "model": "smol"}, headers=auth())
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+
+
+def test_a_session_turn_answers_under_the_name_it_asked_for(client: TestClient):
+    session_id = client.post("/v1/sessions", json={}, headers=auth()).json()["id"]
+    turn = {"content": "Hi", "max_tokens": 1, "model": NAMES[1]}
+    response = client.post(f"/v1/sessions/{session_id}/messages", json=turn, headers=auth())
+    assert response.status_code == 200 and response.json()["model"] == NAMES[1], response.text
+    stored(client, session_id, 2)
+    streamed = client.post(
+        f"/v1/sessions/{session_id}/messages",
+        json={**turn, "model": "unknown-model", "stream": True},
+        headers=auth(),
+    )
+    assert streamed.status_code == 404 and streamed.json()["error"]["param"] == "model"

@@ -1,7 +1,8 @@
 """Session stores, in memory, in a real Redis and in a SQLite file: the same behaviour behind the SessionStore protocol —
 owners see only their sessions, listing is newest first and paged, creation never overwrites a taken id and
 respects the per-owner cap, a turn is written whole and never resurrects a deleted session nor overwrites a later
-turn, a rename during a turn survives it, locks exclude and expire, presets belong to their owner or are shared,
+turn, a rename during a turn survives it, a new system prompt resets the stored ids (and a turn begun before it
+stores nothing), locks exclude and expire, presets belong to their owner or are shared,
 and a lost Redis is reported as SessionStoreUnavailable (then works again when it returns)."""
 
 from __future__ import annotations
@@ -123,6 +124,40 @@ async def test_a_stale_turn_cannot_overwrite_a_later_turn(store):
     assert (await store.get(session.id, "")).messages == [{"role": "user", "content": "later turn"}]
     later.messages.append({"role": "assistant", "content": "its next turn"})
     assert await store.save_turn(later)  # the writer's copy follows its own writes
+
+
+async def test_a_new_system_prompt_resets_the_ids_and_a_turn_begun_before_stores_nothing(store):
+    session = Session(id=new_session_id(), owner="a", system="be brief", preset="brief")
+    await store.create(session)
+    first = await store.get(session.id, "a")
+    first.messages = [
+        {"role": "user", "content": "hi", "token_end": 9},
+        {"role": "assistant", "content": "hello", "token_end": 12},
+    ]
+    first.token_ids, first.block_hashes = list(range(12)), ["cd" * 32]
+    assert await store.save_turn(first)
+    turn = await store.get(session.id, "a")  # a turn that began before the change
+    changed = await store.get(session.id, "a")
+    changed.reset_system("be verbose")
+    assert await store.set_system(changed)
+    stored = await store.get(session.id, "a")
+    assert (stored.system, stored.preset, stored.token_ids, stored.block_hashes) == (
+        "be verbose",
+        None,
+        [],
+        [],
+    )
+    assert stored.messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    turn.token_ids = list(range(20))  # rendered with the old prompt
+    assert not await store.save_turn(turn)
+    assert (await store.get(session.id, "a")).token_ids == []
+    cleared = await store.get(session.id, "a")
+    cleared.reset_system(None)
+    assert await store.set_system(cleared)
+    assert (await store.get(session.id, "a")).system is None
 
 
 async def test_creation_never_overwrites_a_taken_id(store):

@@ -25,18 +25,24 @@ export class Sidebar {
     });
     this.openButton.addEventListener("click", () => this.setOpen(true));
     document.getElementById("close-sidebar").addEventListener("click", () => this.setOpen(false));
-    // the drawer (phone width) closes on Escape or a tap beside it
+    // the drawer (phone width) closes on Escape, a tap beside it, or when the window grows past phone width
     document.addEventListener("keydown", (e) => {
       if (e.key === "Escape" && this.isOpen()) this.setOpen(false, true);
     });
-    document.querySelector(".main").addEventListener("click", (e) => {
-      if (this.isOpen() && !this.openButton.contains(e.target)) this.setOpen(false);
+    const drawer = document.getElementById("sidebar");
+    document.addEventListener("click", (e) => {
+      if (this.isOpen() && !drawer.contains(e.target) && !this.openButton.contains(e.target)) this.setOpen(false);
+    });
+    matchMedia("(max-width: 720px)").addEventListener("change", (e) => {
+      if (!e.matches && this.isOpen()) this.setOpen(false);
     });
   }
 
-  // On narrow screens the sidebar is a drawer over the chat.
+  // On narrow screens the sidebar is a drawer over the chat: while it is open the chat behind it is inert
+  // (neither the keyboard nor a screen reader reaches it; a tap there lands on the document and closes it).
   setOpen(open, returnFocus = false) {
     document.body.classList.toggle("sidebar-open", open);
+    document.querySelector(".main").inert = open;
     this.openButton.setAttribute("aria-expanded", String(open));
     if (open) (this.list.querySelector("a") || document.getElementById("new-chat")).focus();
     else if (returnFocus) this.openButton.focus();

@@ -1,6 +1,6 @@
 """The browser UI's accessibility (issue 53's "Access"): axe-core finds no serious or critical WCAG 2.1 A/AA
 violation in the states a user sees (the new-chat draft, search results, an open chat with markdown, reasoning,
-a tool call and a branch switch, the chat menu, the settings dialog), in the light and the dark theme, at
+a tool call, math and a branch switch, the chat menu, the settings dialog, a message being edited), in the light and the dark theme, at
 desktop and phone width; the header's ⋯ chat menu follows the ARIA menu-button pattern from the keyboard.
 
 axe-core is vendored for the tests only (tests/data/axe-core, not served by the app) and injected into the page;
@@ -51,8 +51,10 @@ def forecast(city: str) -> str:
 | Paris | 21 |
 | Oslo | 9 |
 
-Use `forecast("Paris")`.
+Use `forecast("Paris")`; the mean is $\\bar{t} = \\frac{1}{n}\\sum_i t_i$.
 > It rarely rains.
+
+$$\\int_0^1 x^2 \\, dx = \\frac{1}{3}$$
 """
 
 
@@ -173,6 +175,12 @@ def visit_states(page: Any, phone: bool) -> Iterator[str]:
     page.wait_for_selector("#settings[open]")
     yield "the settings dialog open"
 
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#settings[open]", state="detached")
+    page.locator("#messages .message.user .edit").first.click()
+    page.wait_for_selector("#messages .message-editor textarea")
+    yield "a message being edited"
+
 
 @pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
 @pytest.mark.parametrize("theme", ["light", "dark"])
@@ -188,7 +196,7 @@ def test_axe_finds_no_serious_violation(
     for state in visit_states(page, phone=viewport is PHONE):
         states.append(state)
         found += blocking(state, axe_violations(page))
-    assert len(states) == 5
+    assert len(states) == 6
     assert not found, "\n".join(found)
     assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
     page.context.close()
@@ -241,5 +249,32 @@ def test_chat_menu_follows_the_menu_button_pattern_from_the_keyboard(
     page.keyboard.press("Tab")  # closes it; the focus moves on from the button
     assert menu.is_hidden() and button.get_attribute("aria-expanded") == "false"
     assert focused_id(page) == "open-settings"
+    assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
+    page.context.close()
+
+
+def test_the_phone_drawer_holds_the_focus_until_closed(browser: Any, url: str) -> None:
+    page = open_ui(browser, url + "/", "light", PHONE)
+    page.click("#open-sidebar")
+    page.wait_for_selector("#sidebar", state="visible")
+    where = (
+        "() => { const e = document.activeElement;"
+        " return e.closest('#sidebar') ? e.id || e.className : e.closest('.main') ? 'main' : 'page'; }"
+    )
+    reached = []
+    for _ in range(10):  # more Tabs than the drawer has controls: the focus goes round
+        page.keyboard.press("Tab")
+        reached.append(page.evaluate(where))
+    assert "main" not in reached, reached  # the chat behind the drawer is inert
+    assert {"new-chat", "close-sidebar", "chat-search", "show-api-chats"} <= set(reached), reached
+
+    page.mouse.click(PHONE["width"] - 20, PHONE["height"] // 2)  # a tap beside the drawer closes it
+    page.wait_for_selector("#sidebar", state="hidden")
+    assert page.evaluate("() => document.querySelector('.main').inert") is False
+    page.click("#open-sidebar")
+    page.wait_for_selector("#sidebar", state="visible")
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#sidebar", state="hidden")
+    assert focused_id(page) == "open-sidebar"
     assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
     page.context.close()

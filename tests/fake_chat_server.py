@@ -1,7 +1,8 @@
 """A stand-in for pagedchat's HTTP API, for the browser UI's tests that need no model: it serves web/ and the
 few routes the UI calls, keeps sessions in a dict, and answers a turn (POST /v1/sessions/{id}/messages) with a
 scripted SSE stream of chat.completion chunks. A script may hold a threading.Event where the stream is to wait,
-so a test can look at the page mid-stream without timing guesses."""
+so a test can look at the page mid-stream without timing guesses, and a number where it is to pause that many
+seconds (a stream paced like a model's)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 # the longest a scripted stream waits at an Event the test never set (the test then fails on what it sees)
 PAUSE_TIMEOUT_S = 30.0
 
-Chunk = dict[str, Any] | threading.Event
+Chunk = dict[str, Any] | threading.Event | float
 
 
 @dataclass
@@ -107,6 +108,9 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         for item in self.fake.script:
             if isinstance(item, threading.Event):
                 item.wait(PAUSE_TIMEOUT_S)
+                continue
+            if isinstance(item, float):
+                time.sleep(item)
                 continue
             self.wfile.write(f"data: {json.dumps(item)}\n\n".encode())
             self.wfile.flush()

@@ -10,6 +10,7 @@ import { Reasoning } from "./reasoning.js";
 import { Search } from "./search.js";
 import { Sidebar } from "./sidebar.js";
 import { Settings } from "./settings.js";
+import { StreamRenderer } from "./stream_render.js";
 import { bindShortcuts } from "./shortcuts.js";
 import { ToolCalls } from "./tool_calls.js";
 import { warmOnFocus } from "./warm.js";
@@ -406,6 +407,7 @@ async function readReply(response, turn, session) {
   turn.reasoning = new Reasoning(node);
   turn.toolCalls = node.toolCalls = new ToolCalls(node);
   const content = node.querySelector(".content");
+  turn.renderer = new StreamRenderer(content);
   content.setAttribute("aria-live", "polite");
   content.setAttribute("aria-busy", "true"); // screen readers read the reply once, when it is complete
   node.classList.add("streaming");
@@ -442,13 +444,13 @@ function handleChunk(chunk, turn, node) {
   scheduleRender(node, turn);
 }
 
-// Re-renders the whole reply at most once a frame: markdown (a code fence, a table) only makes sense whole.
+// Renders what arrived at most once a frame (web/stream_render.js: only the last markdown block again).
 function scheduleRender(node, turn) {
   if (turn.frame) return;
   turn.frame = requestAnimationFrame(() => {
     turn.frame = null;
     turn.reasoning.render();
-    setText(node, turn.text);
+    turn.renderer.update(turn.text);
     scrollToEnd();
   });
 }
@@ -457,7 +459,8 @@ function finishReply(node, turn, stopped) {
   if (turn.frame) cancelAnimationFrame(turn.frame);
   turn.reasoning.end();
   turn.toolCalls.finish();
-  setText(node, turn.text);
+  node.dataset.text = turn.text;
+  turn.renderer.finish(turn.text);
   const content = node.querySelector(".content");
   content.setAttribute("aria-busy", "false");
   node.classList.remove("streaming");

@@ -1,8 +1,11 @@
 // Markdown for chat messages, rendered so that neither the model nor a user can inject HTML or script:
 // marked turns markdown into HTML with raw HTML escaped (shown as the text it is), then DOMPurify keeps only
 // the tags markdown produces and drops unsafe URLs (javascript:, data: ...) before anything reaches the DOM.
+// Code blocks are highlighted (web/code_highlight.js) and math drawn with KaTeX (web/math.js).
 import { Marked } from "./vendor/marked/marked.esm.js";
 import DOMPurify from "./vendor/dompurify/purify.es.js";
+import { codeClass, highlightCode } from "./code_highlight.js";
+import { mathExtensions, renderMath } from "./math.js";
 
 const escapeHtml = (text) =>
   text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
@@ -10,16 +13,18 @@ const escapeHtml = (text) =>
 const marked = new Marked({
   gfm: true,
   breaks: true, // chat text uses single newlines as line breaks
+  extensions: mathExtensions,
   renderer: {
     html: ({ text }) => escapeHtml(text),
     // no images: a remote image in a reply would be fetched unasked (a tracking pixel); show a link instead
     image: ({ href, text }) => `<a href="${escapeHtml(href || "")}">${escapeHtml(text || href || "image")}</a>`,
+    code: ({ text, lang }) => `<pre><code class="${escapeHtml(codeClass(lang))}">${highlightCode(text, lang)}</code></pre>\n`,
   },
 });
 
 const ALLOWED_TAGS = [
   "p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "strong", "em", "del", "code", "pre", "blockquote",
-  "ul", "ol", "li", "a", "table", "thead", "tbody", "tr", "th", "td",
+  "ul", "ol", "li", "a", "table", "thead", "tbody", "tr", "th", "td", "span", "div",
 ];
 const PURIFY = {
   ALLOWED_TAGS,
@@ -36,18 +41,38 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   }
 });
 
+// The block tokens of `text` (marked's lexer): web/stream_render.js renders a streaming reply block by block.
+export const lexBlocks = (text) => marked.lexer(text);
+
+// A DocumentFragment of sanitised HTML for block `tokens`, its code blocks with copy buttons, its math drawn.
+export function renderTokens(tokens) {
+  const fragment = DOMPurify.sanitize(marked.parser(tokens), PURIFY);
+  for (const pre of fragment.querySelectorAll("pre")) addCopyButton(pre);
+  renderMath(fragment);
+  return fragment;
+}
+
 // A DocumentFragment of sanitised HTML for `text` (markdown).
 export function renderMarkdown(text) {
-  return DOMPurify.sanitize(marked.parse(text), PURIFY);
+  return renderTokens(lexBlocks(text));
 }
 
 // Replaces the children of `element` by the rendering of `text`, with a copy button on each code block.
 export function renderInto(element, text) {
-  const fragment = renderMarkdown(text);
-  for (const pre of fragment.querySelectorAll("pre")) addCopyButton(pre);
-  element.replaceChildren(fragment);
+  element.replaceChildren(renderMarkdown(text));
 }
 
+// An empty code block as renderTokens makes one (its wrapper with the copy button), for a block that streams:
+// returns the wrapper and its <code>.
+export function codeBlock(info) {
+  const pre = document.createElement("pre");
+  const code = document.createElement("code");
+  code.className = codeClass(info);
+  pre.append(code);
+  return { wrapper: addCopyButton(pre), code };
+}
+
+// Wraps `pre` (in place, when it has a parent) in a div with a Copy button; returns the wrapper.
 function addCopyButton(pre) {
   const wrapper = document.createElement("div");
   wrapper.className = "code-block";
@@ -57,8 +82,9 @@ function addCopyButton(pre) {
   button.textContent = "Copy";
   button.setAttribute("aria-label", "Copy code");
   button.addEventListener("click", () => copyText(pre.textContent, button));
-  pre.replaceWith(wrapper);
+  if (pre.parentNode) pre.replaceWith(wrapper);
   wrapper.append(button, pre);
+  return wrapper;
 }
 
 // Copies `text`, then shows "Copied" on `button` for a moment (its class `copied` too).

@@ -3,6 +3,7 @@
 // call) begins, or the stream ends, it says how long the thinking took. The text reaches the page only through
 // the markdown sanitiser (renderInto), as the reply's does.
 import { renderInto } from "./markdown.js";
+import { StreamRenderer } from "./stream_render.js";
 
 export class Reasoning {
   constructor(messageNode) {
@@ -28,7 +29,8 @@ export class Reasoning {
   render() {
     if (this.started === null) return;
     this.block.dataset.text = this.text;
-    renderInto(this.body, this.text);
+    this.renderer ??= new StreamRenderer(this.body); // (only what arrived since the last frame is rendered)
+    this.renderer.update(this.text);
   }
 
   // The thinking is over: the answer began, or the stream ended (finished, stopped or broken off). True when
@@ -37,6 +39,7 @@ export class Reasoning {
     if (this.started === null || this.ended) return false;
     this.ended = true;
     this.render();
+    this.renderer.finish(this.text);
     this.block.classList.remove("thinking");
     this.summary.textContent = thoughtFor((performance.now() - this.started) / 1000);
     return true;
@@ -48,7 +51,8 @@ export class Reasoning {
     this.text = message.reasoning_content;
     this.started = 0;
     this.ended = true;
-    this.render();
+    this.block.dataset.text = this.text;
+    renderInto(this.body, this.text);
     this.block.hidden = false;
     const seconds = message.timing ? message.timing.reasoning_s : null;
     this.summary.textContent = seconds != null ? thoughtFor(seconds) : "Thoughts";

@@ -105,6 +105,10 @@ HOSTILE_MARKDOWN = {
     "iframe": '<iframe src="javascript:alert(1)"></iframe>',
     "autolink": "<javascript:alert(1)>",
     "html attribute in code": '`<b onclick="alert(1)">` and\n```html\n<img src=x onerror=alert(1)>\n```',
+    "fence info string": '```"><img src=x onerror=alert(1)>\nx\n```',
+    "math href": "$\\href{javascript:alert(1)}{x}$ and $$\\url{javascript:alert(1)}$$",
+    "math html commands": "\\(\\htmlClass{x}{y} \\htmlData{onclick=alert(1)}{z} \\includegraphics{x.png}\\)",
+    "math in display": "\\[\\text{<img src=x onerror=alert(1)>}\\]",
 }
 
 
@@ -123,6 +127,11 @@ def test_markdown_rendering_never_yields_html_or_script(
         const box = document.createElement('div');
         document.body.append(box);
         renderInto(box, text);
+        // math is drawn once KaTeX has loaded
+        const undrawn = '.math-inline:not([data-drawn]), .math-display:not([data-drawn])';
+        for (let i = 0; i < 100 && box.querySelector(undrawn); i++) {
+            await new Promise((resolve) => setTimeout(resolve, 50));
+        }
         await new Promise((resolve) => setTimeout(resolve, 200));  // let any injected handler fire
         return {
             tags: [...box.querySelectorAll('*')].map((e) => e.tagName.toLowerCase()),
@@ -130,10 +139,13 @@ def test_markdown_rendering_never_yields_html_or_script(
             handlers: [...box.querySelectorAll('*')].flatMap((e) => e.getAttributeNames())
                 .filter((a) => a.startsWith('on')),
             text: box.textContent,
+            formulas: box.querySelectorAll('.katex').length,
         };
     }""",
         HOSTILE_MARKDOWN[name],
     )
+    if name.startswith("math"):  # KaTeX drew them (its untrusted commands as error text)
+        assert result["formulas"] > 0, result
     forbidden = {"img", "script", "svg", "iframe", "object", "embed", "style", "form", "input"}
     assert not forbidden & set(result["tags"]), result
     safe_href = re.compile(r"^(https?:|mailto:|#|/)", re.IGNORECASE)
@@ -153,7 +165,8 @@ def test_raw_html_is_shown_as_the_text_it_is(browser: Any, static_web: str) -> N
     }""")
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
     assert "<strong>bold</strong>" in html
-    assert '<code class="language-py">print(1)' in html and 'class="copy-code"' in html
+    assert '<code class="hljs language-py"><span class="hljs-built_in">print</span>(' in html
+    assert 'class="copy-code"' in html
     page.close()
 
 

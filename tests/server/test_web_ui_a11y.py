@@ -1,5 +1,5 @@
 """The browser UI's accessibility (issue 53's "Access"): axe-core finds no serious or critical WCAG 2.1 A/AA
-violation in the states a user sees (the new-chat draft, search results, an open chat with markdown, reasoning,
+violation in the states a user sees (the new-chat draft with an error, a reply streaming, search results, an open chat with markdown, reasoning,
 a tool call, math and a branch switch, the chat menu, the settings dialog, a message being edited), in the light and the dark theme, at
 desktop and phone width; the header's ⋯ chat menu follows the ARIA menu-button pattern from the keyboard.
 
@@ -9,14 +9,15 @@ headless Chromium against the fake API (tests/fake_chat_server.py): no model nee
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fake_chat_server import FakeChat, fake_chat_server
-from tests.web_harness import browser_fixture, open_page
+from tests.fake_chat_server import FakeChat, chunk, fake_chat_server, usage_chunk
+from tests.web_harness import browser_fixture, open_page, send_message, wait_for_reply
 
 browser = browser_fixture()
 
@@ -30,6 +31,7 @@ DESKTOP = {"width": 1280, "height": 1400}
 PHONE = {"width": 390, "height": 2400}
 ROOT_ID = "a11yroot0000000000001"
 BRANCH_ID = "a11ybranch00000000001"
+MISSING_ID = "a11ygone0000000000001"
 MENU_ITEMS = [
     "menu-rename",
     "menu-pin",
@@ -106,11 +108,28 @@ def seed(chat: FakeChat) -> None:
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def fake() -> Iterator[tuple[FakeChat, str]]:
     chat = FakeChat()
     seed(chat)
     with fake_chat_server(chat) as base:
-        yield base
+        yield chat, base
+
+
+def pause_next_reply(chat: FakeChat) -> threading.Event:
+    """The next turn's script: a reply that stops streaming midway until the returned Event is set."""
+    paused = threading.Event()
+    chat.script = [
+        chunk({"role": "assistant", "content": "Sunny"}),
+        paused,
+        chunk({"content": " and warm."}, finish_reason="stop"),
+        usage_chunk(prompt_tokens=12, completion_tokens=3, cached_tokens=0),
+    ]
+    chat.reply_to_store = {
+        "role": "assistant",
+        "content": "Sunny and warm.",
+        "finish_reason": "stop",
+    }
+    return paused
 
 
 def open_ui(browser: Any, url: str, theme: str, viewport: dict[str, int]) -> Any:
@@ -147,9 +166,23 @@ def blocking(state: str, violations: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def visit_states(page: Any, phone: bool) -> Iterator[str]:
-    """Puts the page in each state a user sees, one after another; yields each state's name."""
-    yield "the new-chat draft"
+def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
+    """Puts the page (opened at a chat that is gone) in each state a user sees, one after another; yields each
+    state's name."""
+    page.wait_for_selector("#error", state="visible", timeout=WAIT_MS)
+    yield "the new-chat draft, an error shown"
+
+    paused = pause_next_reply(chat)
+    send_message(page, "Weather in Oslo?")
+    page.wait_for_function(
+        "() => document.querySelector('.message.assistant.streaming .content')"
+        "?.textContent.trim() === 'Sunny'",
+        timeout=WAIT_MS,
+    )
+    yield "a reply streaming"
+
+    paused.set()
+    wait_for_reply(page, timeout_ms=WAIT_MS)
 
     if phone:
         page.click("#open-sidebar")
@@ -185,18 +218,19 @@ def visit_states(page: Any, phone: bool) -> Iterator[str]:
 @pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_axe_finds_no_serious_violation(
-    browser: Any, url: str, theme: str, viewport: dict[str, int]
+    browser: Any, fake: tuple[FakeChat, str], theme: str, viewport: dict[str, int]
 ) -> None:
-    page = open_ui(browser, url + "/", theme, viewport)
+    chat, url = fake
+    page = open_ui(browser, f"{url}/?s={MISSING_ID}", theme, viewport)
     assert page.evaluate("() => matchMedia('(prefers-color-scheme: dark)').matches") == (
         theme == "dark"
     )
     found: list[str] = []
     states = []
-    for state in visit_states(page, phone=viewport is PHONE):
+    for state in visit_states(page, chat, phone=viewport is PHONE):
         states.append(state)
         found += blocking(state, axe_violations(page))
-    assert len(states) == 6
+    assert len(states) == 7
     assert not found, "\n".join(found)
     assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
     page.context.close()
@@ -207,9 +241,9 @@ def focused_id(page: Any) -> str:
 
 
 def test_chat_menu_follows_the_menu_button_pattern_from_the_keyboard(
-    browser: Any, url: str
+    browser: Any, fake: tuple[FakeChat, str]
 ) -> None:
-    page = open_ui(browser, f"{url}/?s={BRANCH_ID}", "light", DESKTOP)
+    page = open_ui(browser, f"{fake[1]}/?s={BRANCH_ID}", "light", DESKTOP)
     page.wait_for_selector("#messages .tool-call", timeout=WAIT_MS)
     button, menu = page.locator("#chat-menu-button"), page.locator("#chat-menu")
     assert button.get_attribute("aria-haspopup") == "menu" and menu.get_attribute("role") == "menu"
@@ -253,18 +287,21 @@ def test_chat_menu_follows_the_menu_button_pattern_from_the_keyboard(
     page.context.close()
 
 
-def test_the_phone_drawer_holds_the_focus_until_closed(browser: Any, url: str) -> None:
-    page = open_ui(browser, url + "/", "light", PHONE)
+def test_the_phone_drawer_holds_the_focus_until_closed(
+    browser: Any, fake: tuple[FakeChat, str]
+) -> None:
+    page = open_ui(browser, fake[1] + "/", "light", PHONE)
     page.click("#open-sidebar")
     page.wait_for_selector("#sidebar", state="visible")
     where = (
         "() => { const e = document.activeElement;"
         " return e.closest('#sidebar') ? e.id || e.className : e.closest('.main') ? 'main' : 'page'; }"
     )
-    reached = []
-    for _ in range(10):  # more Tabs than the drawer has controls: the focus goes round
+    reached: list[str] = []
+    while reached.count("new-chat") < 2 and len(reached) < 60:  # round the drawer, back to its top
         page.keyboard.press("Tab")
         reached.append(page.evaluate(where))
+    assert reached.count("new-chat") == 2, reached
     assert "main" not in reached, reached  # the chat behind the drawer is inert
     assert {"new-chat", "close-sidebar", "chat-search", "show-api-chats"} <= set(reached), reached
 

@@ -5,14 +5,13 @@ import { api, ApiError, describeError, loadSettings, readChunks } from "./api.js
 import { BranchTree, noteOpened, showSwitchers } from "./branches.js";
 import { ChatMenu } from "./chat_menu.js";
 import { openEditor } from "./edit.js";
-import { copyText, renderInto } from "./markdown.js";
-import { Reasoning } from "./reasoning.js";
+import { preloadMath } from "./math.js";
+import { MessageView } from "./message_view.js";
+import { ReplyStream } from "./reply_stream.js";
 import { Search } from "./search.js";
 import { Sidebar } from "./sidebar.js";
 import { Settings } from "./settings.js";
-import { StreamRenderer } from "./stream_render.js";
 import { bindShortcuts } from "./shortcuts.js";
-import { ToolCalls } from "./tool_calls.js";
 import { warmOnFocus } from "./warm.js";
 
 const $ = (id) => document.getElementById(id);
@@ -89,7 +88,7 @@ function showSession(session) {
   el.systemView.hidden = !session.system;
   el.systemText.textContent = session.system || "";
   showSessionStats(session.stats);
-  el.messages.replaceChildren(...messageNodes(session.messages));
+  el.messages.replaceChildren(...messages.nodes(session.messages));
   noteOpened(session.id);
   showBranches();
   updateButtons();
@@ -129,78 +128,7 @@ function onSessionDeleted(id) {
 
 // ---- messages ---------------------------------------------------------------------------------------
 
-const ROLE_LABELS = { user: "You said:", assistant: "The model said:", tool: "A tool returned:" };
-
-// A stored conversation's elements: a tool-role message goes on the card of its call in the reply before it
-// (or stands alone when that reply has no call with its id).
-function messageNodes(messages) {
-  const nodes = [];
-  for (const m of messages) {
-    const last = nodes[nodes.length - 1];
-    if (m.role === "tool" && last && last.toolCalls && last.toolCalls.attachResult(m)) continue;
-    nodes.push(messageElement(m.role, m.content, m));
-  }
-  return nodes;
-}
-
-function messageElement(role, text, stored = null) {
-  const node = $("message-template").content.firstElementChild.cloneNode(true);
-  node.classList.add(role);
-  node.dataset.role = role;
-  node.querySelector(".role-label").textContent = ROLE_LABELS[role] || `${role}:`;
-  node.querySelector(".regenerate").addEventListener("click", regenerate);
-  node.querySelector(".regenerate-alternatives").addEventListener("click", regenerateAlternatives);
-  node.querySelector(".continue").addEventListener("click", continueReply);
-  node.querySelector(".edit").addEventListener("click", () => editMessage(node));
-  const copy = node.querySelector(".copy-reply");
-  copy.addEventListener("click", () => copyText(node.dataset.text, copy));
-  setText(node, text);
-  if (stored && role === "assistant") showStoredReply(node, stored);
-  return node;
-}
-
-function setText(node, text) {
-  node.dataset.text = text ?? ""; // a reply of only tool calls has content null
-  renderInto(node.querySelector(".content"), text ?? "");
-}
-
-function showStoredReply(node, message) {
-  new Reasoning(node).showStored(message);
-  node.toolCalls = new ToolCalls(node);
-  node.toolCalls.showStored(message.tool_calls);
-  showStoredStats(node, message);
-}
-
-function showStoredStats(node, message) {
-  const usage = message.usage || {};
-  const timing = message.timing || {};
-  writeStats(node, {
-    ttftMs: timing.ttft_s != null ? 1000 * timing.ttft_s : null,
-    tokensPerS: timing.decode_tokens_per_s, promptTokens: usage.prompt_tokens,
-    cachedTokens: usage.cached_tokens, completionTokens: usage.completion_tokens,
-    stopped: message.finish_reason === "abort", cut: message.finish_reason === "length",
-  });
-  markCut(node, message.finish_reason === "length");
-}
-
-// A reply that ended at its token limit says so, and (as the last reply) offers Continue.
-function markCut(node, cut) {
-  node.dataset.cut = cut ? "true" : "";
-}
-
-function writeStats(node, s) {
-  const parts = [];
-  if (s.ttftMs != null) parts.push(`first token ${Math.round(s.ttftMs)} ms`);
-  if (s.tokensPerS) parts.push(`${s.tokensPerS.toFixed(1)} tokens/s`);
-  if (s.completionTokens != null) parts.push(`${s.completionTokens} tokens`);
-  if (s.promptTokens != null) parts.push(`prompt ${s.promptTokens} tokens (${s.cachedTokens ?? 0} cached)`);
-  if (s.stopped) parts.push("stopped");
-  if (s.cut) parts.push("cut at the token limit");
-  const stats = node.querySelector(".stats");
-  stats.textContent = parts.join(" · ");
-  if (s.promptTokens != null) stats.dataset.promptTokens = s.promptTokens;
-  if (s.cachedTokens != null) stats.dataset.cachedTokens = s.cachedTokens;
-}
+const messages = new MessageView({ regenerate, regenerateAlternatives, continueReply, editMessage });
 
 function updateButtons() {
   const streaming = state.streaming !== null;
@@ -240,7 +168,7 @@ async function sendMessage() {
     session = await createSession();
     if (!session) return;
   }
-  const userNode = messageElement("user", text);
+  const userNode = messages.element("user", text);
   el.messages.append(userNode);
   scrollToEnd(true);
   await streamTurn(session, { content: text }, { userNode, typed: text });
@@ -270,7 +198,7 @@ async function continueReply() {
   if (state.streaming || !state.session) return;
   hideError();
   const text = "Continue.";
-  const userNode = messageElement("user", text);
+  const userNode = messages.element("user", text);
   el.messages.append(userNode);
   scrollToEnd(true);
   await streamTurn(state.session, { content: text }, { userNode });
@@ -313,7 +241,7 @@ async function branchAt(turn, text) {
   history.pushState({ s: fork.id }, "", `?s=${encodeURIComponent(fork.id)}`);
   state.loadToken++;
   showSession(fork);
-  const userNode = messageElement("user", text);
+  const userNode = messages.element("user", text);
   el.messages.append(userNode);
   scrollToEnd(true);
   const abandon = () => api.deleteSession(fork.id).catch(() => {}).then(() => navigate(parentId, { replace: true }));
@@ -354,8 +282,7 @@ function closeAlternatives() {
 async function streamTurn(session, body, undo) {
   const s = loadSettings();
   const controller = new AbortController();
-  const turn = { controller, started: performance.now(), firstToken: null, text: "", usage: null,
-    loadToken: state.loadToken };
+  const turn = { controller, started: performance.now(), loadToken: state.loadToken };
   state.streaming = turn;
   updateButtons();
   setStatus("Waiting for the reply…");
@@ -403,83 +330,24 @@ function restoreAfterRefusal(undo) {
 }
 
 async function readReply(response, turn, session) {
-  const node = messageElement("assistant", "");
-  turn.reasoning = new Reasoning(node);
-  turn.toolCalls = node.toolCalls = new ToolCalls(node);
-  const content = node.querySelector(".content");
-  turn.renderer = new StreamRenderer(content);
-  content.setAttribute("aria-live", "polite");
-  content.setAttribute("aria-busy", "true"); // screen readers read the reply once, when it is complete
-  node.classList.add("streaming");
+  const node = messages.element("assistant", "");
+  const reply = new ReplyStream(node, { started: turn.started, onStatus: setStatus, onRender: () => scrollToEnd() });
   el.messages.append(node);
   scrollToEnd(true);
   let stopped = false;
   try {
-    for await (const chunk of readChunks(response)) handleChunk(chunk, turn, node);
+    for await (const chunk of readChunks(response)) reply.handle(chunk);
   } catch (err) {
     if (err.name === "AbortError") stopped = true;
     else showError(err instanceof ApiError ? err : new ApiError(0, `The reply broke off: ${err.message}`));
   }
-  finishReply(node, turn, stopped || turn.controller.signal.aborted);
-  await afterTurn(session);
-}
-
-function handleChunk(chunk, turn, node) {
-  if (chunk.error) throw new ApiError(0, `The reply broke off: ${chunk.error.message || "server error"}`);
-  if (chunk.usage) turn.usage = chunk.usage;
-  if (chunk.choices && chunk.choices[0] && chunk.choices[0].finish_reason) {
-    turn.finishReason = chunk.choices[0].finish_reason;
-  }
-  const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-  const calls = delta && delta.tool_calls && delta.tool_calls.length ? delta.tool_calls : null;
-  if (!delta || !(delta.content || delta.reasoning_content || calls)) return;
-  if (turn.firstToken === null) {
-    turn.firstToken = performance.now(); // the first token of any kind: thinking, answer or tool call
-    setStatus(delta.reasoning_content ? "The model is thinking…" : "The model is replying…");
-  }
-  if (delta.reasoning_content) turn.reasoning.append(delta.reasoning_content);
-  if ((delta.content || calls) && turn.reasoning.end()) setStatus("The model is replying…");
-  if (delta.content) turn.text += delta.content;
-  if (calls) turn.toolCalls.apply(calls);
-  scheduleRender(node, turn);
-}
-
-// Renders what arrived at most once a frame (web/stream_render.js: only the last markdown block again).
-function scheduleRender(node, turn) {
-  if (turn.frame) return;
-  turn.frame = requestAnimationFrame(() => {
-    turn.frame = null;
-    turn.reasoning.render();
-    turn.renderer.update(turn.text);
-    scrollToEnd();
-  });
-}
-
-function finishReply(node, turn, stopped) {
-  if (turn.frame) cancelAnimationFrame(turn.frame);
-  turn.reasoning.end();
-  turn.toolCalls.finish();
-  node.dataset.text = turn.text;
-  turn.renderer.finish(turn.text);
-  const content = node.querySelector(".content");
-  content.setAttribute("aria-busy", "false");
-  node.classList.remove("streaming");
-  const end = performance.now();
-  const usage = turn.usage || {};
-  const completion = usage.completion_tokens;
-  const decodeS = turn.firstToken !== null ? (end - turn.firstToken) / 1000 : 0;
-  writeStats(node, {
-    ttftMs: turn.firstToken !== null ? turn.firstToken - turn.started : null,
-    tokensPerS: completion > 1 && decodeS > 0 ? (completion - 1) / decodeS : null,
-    promptTokens: usage.prompt_tokens, completionTokens: completion,
-    cachedTokens: usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : undefined,
-    stopped, cut: !stopped && turn.finishReason === "length",
-  });
-  markCut(node, !stopped && turn.finishReason === "length");
+  stopped ||= turn.controller.signal.aborted;
+  reply.finish(stopped);
   state.streaming = null;
   updateButtons();
   setStatus(stopped ? "Reply stopped." : "Reply complete.");
   scrollToEnd();
+  await afterTurn(session);
 }
 
 // After a turn: the sidebar's order and the header's totals changed; a chat without a title gets one from
@@ -618,3 +486,4 @@ bindEvents();
 warmOnFocus(el.input, () => (state.session ? state.session.id : null));
 openSession(sessionIdFromUrl());
 refreshModelInfo();
+(window.requestIdleCallback || setTimeout)(preloadMath);

@@ -84,10 +84,10 @@ export class LiveCode {
   }
 }
 
-// Removes the newline that ends the text of `element` (its last text node ends with it).
+// Removes the newline that ends the text of `element` (its last non-empty text node ends with it).
 function dropLastNewline(element) {
   const walker = document.createTreeWalker(element, NodeFilter.SHOW_TEXT);
-  let last = null;
-  for (let node = walker.nextNode(); node; node = walker.nextNode()) if (node.data) last = node;
+  let last = walker.lastChild(); // the deepest last text node
+  while (last && !last.data) last = walker.previousNode();
   if (last && last.data.endsWith("\n")) last.data = last.data.slice(0, -1);
 }

@@ -87,10 +87,7 @@ function draw(element) {
 
 function load() {
   if (!loading) {
-    const link = document.createElement("link");
-    link.rel = "stylesheet";
-    link.href = new URL("./vendor/katex/katex.min.css", import.meta.url).href;
-    document.head.append(link);
+    addStylesheet();
     loading = import("./vendor/katex/katex.js")
       .then((module) => {
         katex = module.default;
@@ -99,3 +96,28 @@ function load() {
   }
   return loading;
 }
+
+function addStylesheet() {
+  if (document.querySelector("link[data-katex]")) return;
+  const link = document.createElement("link");
+  link.rel = "stylesheet";
+  link.href = new URL("./vendor/katex/katex.min.css", import.meta.url).href;
+  link.dataset.katex = "1";
+  document.head.append(link);
+  return link;
+}
+
+// KaTeX's stylesheet and its common fonts, fetched while the page is idle: a web font arriving makes the browser
+// lay out all the page's text again, which after a long reply is a long frame; before it, it is nothing.
+export function preloadMath() {
+  const link = addStylesheet();
+  if (!link) return;
+  link.addEventListener("load", () => {
+    for (const face of PRELOADED_FONTS) document.fonts.load(face).catch(() => {});
+  });
+}
+
+const PRELOADED_FONTS = [
+  "1em KaTeX_Main", "bold 1em KaTeX_Main", "italic 1em KaTeX_Main", "italic 1em KaTeX_Math", "1em KaTeX_AMS",
+  "1em KaTeX_Size1", "1em KaTeX_Size2", "1em KaTeX_Size3", "1em KaTeX_Size4",
+];

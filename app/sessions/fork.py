@@ -4,7 +4,8 @@ UI's edit and branch).
 The fork keeps the parent's exact token ids up to the end of turn N (app/sessions/token_marks.py), its system
 prompt and its cache salt, so its next turn's prompt extends those ids exactly and hits the parent's KV blocks by
 their prefix hashes: a fork costs no prefill. Where the end of turn N is not known (turns stored before marks
-existed, or re-rendered by the template since) the fork is refused with 409 rather than started on other ids."""
+existed, re-rendered by the template since, or stored under an earlier system prompt) the fork keeps no ids: its
+next turn renders the whole conversation (one prefill, never a wrong prefix)."""
 
 from __future__ import annotations
 
@@ -17,38 +18,28 @@ from app.errors import APIError
 from app.protocol.sessions import ForkSessionRequest
 from app.request_body import read_model
 from app.sessions.service import SessionService
-from app.sessions.store import TOKEN_END, Session, new_session_id
+from app.sessions.store import TOKEN_END, Session, new_session_id, public_message
 from app.sessions.token_marks import turn_starts
 from app.sessions.turn_api import requested_session
 from app.sessions.turns import session_stats
 
 
-class UnknownPrefix(ValueError):
-    """The stored ids do not say where turn N ends."""
-
-
 def forked(parent: Session, turn: int) -> Session:
     """The parent's first ``turn`` turns as a new session of the same owner (not stored). ValueError naming
-    ``turn`` when out of range; UnknownPrefix when the ids at the end of that turn are not known."""
+    ``turn`` when out of range."""
     starts = turn_starts(parent.messages)
     if not 0 <= turn <= len(starts):
         raise ValueError(
             f"turn: must be an integer in [0, {len(starts)}] (the session's number of turns)"
         )
-    cut = len(parent.messages) if turn == len(starts) else starts[turn]
-    if turn == len(starts) or not parent.token_ids:
-        # (all the ids; or none: reset with a new system prompt, so the fork's next turn renders the whole
-        # conversation, as the parent's would)
-        end = len(parent.token_ids)
+    if turn == len(starts):
+        cut, end = len(parent.messages), len(parent.token_ids)
     else:
+        cut = starts[turn]
         end = parent.messages[cut - 1].get(TOKEN_END) if cut else 0
-    if end is None:
-        raise UnknownPrefix(
-            f"turn: where turn {turn} ends in this session's stored tokens is not known (its turns "
-            "were stored by an older server, or re-rendered by the chat template since); it can be "
-            f"forked at turn {len(starts)} only"
-        )
     messages = [dict(m) for m in parent.messages[:cut]]
+    if end is None or end > len(parent.token_ids):  # (not known: no ids, nor marks into them)
+        messages, end = [public_message(m) for m in messages], 0
     return Session(
         id=new_session_id(),
         owner=parent.owner,
@@ -72,8 +63,6 @@ async def fork_session(request: Request) -> JSONResponse:
     parent = await requested_session(request, service)
     try:
         fork = forked(parent, body.turn)
-    except UnknownPrefix as exc:
-        raise APIError(409, str(exc), param="turn", code="fork_prefix_unknown") from None
     except ValueError as exc:
         raise APIError.from_value_error(exc) from None
     await create_session_within_quota(service, fork, "turn")

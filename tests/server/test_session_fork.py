@@ -1,7 +1,8 @@
 """POST /v1/sessions/{id}/fork: a fork holds the parent's first N turns and their exact token ids, so its next turn
 extends them and hits the parent's KV blocks; the parent is unchanged; another key's session is not found; ``turn``
 is checked (an integer in [0, the number of turns]); a session stored without per-message token ends (an older
-server) is forked only whole (409 otherwise, never a wrong prefix).
+server) is forked with no ids where a turn's end is not known, and its next turn renders the whole conversation
+(never a wrong prefix).
 
 On the same app (one engine for the module): a session's system prompt changed (PATCH): the stored ids go with the
 old prompt, so the next turn, a regeneration and a fork render the whole conversation with the new one; the
@@ -78,6 +79,18 @@ def roles_and_contents(messages: list[dict]) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in messages]
 
 
+def own_ids(client: TestClient, session_id: str) -> list[int]:
+    """(the memory store's own copy)"""
+    return client.app.state.server.sessions.store._sessions[session_id][0].token_ids
+
+
+def chat_ids(client: TestClient, messages: list[dict]) -> list[int]:
+    """The prompt of ``messages`` as the model's own chat template renders it (no session code involved)."""
+    tokenizer = client.app.state.server.engine.prompt_tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("turn", [0, 1])
 def test_fork_keeps_first_turns_and_its_next_turn_hits_the_shared_prefix(
     client: TestClient, parent: dict, turn: int
@@ -132,8 +145,11 @@ def test_bad_turn_is_refused_naming_turn(client: TestClient, parent: dict, body:
     assert response.json()["error"]["param"] == "turn"
 
 
-def test_session_without_token_ends_forks_only_whole(client: TestClient, parent: dict):
-    """A session as an older server stored it: messages without their token ends."""
+def test_session_without_token_ends_forks_at_any_turn_and_renders_it_whole(
+    client: TestClient, parent: dict
+):
+    """A session as an older server stored it: messages without their token ends. A fork where the end of its
+    turns is not known keeps no ids; its next turn renders the whole conversation (never a wrong prefix)."""
     store = client.app.state.server.sessions.store
     full = store._sessions[parent["id"]][0]  # (the memory store's own copy)
     old = Session(
@@ -144,10 +160,17 @@ def test_session_without_token_ends_forks_only_whole(client: TestClient, parent:
         token_ids=full.token_ids,
     )
     assert client.portal.call(store.create, old)
-    refused = fork(client, old.id, {"turn": 1})
-    assert refused.status_code == 409, refused.text
-    assert refused.json()["error"]["param"] == "turn"
-    assert fork(client, old.id, {"turn": len(QUESTIONS)}).status_code == 201
+    branch = fork(client, old.id, {"turn": 1})
+    assert branch.status_code == 201, branch.text
+    assert own_ids(client, branch.json()["id"]) == []
+    reply = say(client, branch.json()["id"], "Name a planet.", 2)
+    kept = [{"role": m["role"], "content": m["content"]} for m in parent["messages"][:2]]
+    system = [{"role": "system", "content": parent["system"]}]
+    expected = chat_ids(client, [*system, *kept, {"role": "user", "content": "Name a planet."}])
+    assert reply["usage"]["prompt_tokens"] == len(expected)
+    assert own_ids(client, branch.json()["id"])[: len(expected)] == expected
+    whole = fork(client, old.id, {"turn": len(QUESTIONS)})
+    assert whole.status_code == 201 and own_ids(client, whole.json()["id"]) == full.token_ids
     assert fork(client, old.id, {"turn": 0}).status_code == 201  # nothing kept: no ids needed
 
 
@@ -178,17 +201,6 @@ def test_an_import_of_a_huge_message_list_is_refused_naming_messages(client: Tes
 
 
 # a new system prompt ------------------------------------------------------------------------------------------
-
-
-def own_ids(client: TestClient, session_id: str) -> list[int]:
-    return client.app.state.server.sessions.store._sessions[session_id][0].token_ids
-
-
-def chat_ids(client: TestClient, messages: list[dict]) -> list[int]:
-    """The prompt of ``messages`` as the model's own chat template renders it (no session code involved)."""
-    tokenizer = client.app.state.server.engine.prompt_tokenizer
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def set_system(client: TestClient, session_id: str, system, key: str = "alice"):
@@ -235,21 +247,20 @@ def test_a_new_system_prompt_is_rendered_whole_into_the_next_turn(client: TestCl
     assert again.json()["usage"]["prompt_tokens"] == len(chat_ids(client, history[:-1]))
 
 
-def test_a_session_reset_by_a_new_system_prompt_forks_at_any_turn(client: TestClient, parent: dict):
-    copy = fork(client, parent["id"], {"turn": len(QUESTIONS)}).json()
+def test_a_session_with_a_new_system_prompt_still_forks_at_any_turn(
+    client: TestClient, parent: dict
+):
+    """Before and after the turn that renders the new prompt: the earlier turns' ends are not known in either."""
+    copy = fork(client, parent["id"], {"turn": 2}).json()
     assert set_system(client, copy["id"], "Answer in two words.").status_code == 200
+    assert fork(client, copy["id"], {"turn": 1}).status_code == 201
+    say(client, copy["id"], QUESTIONS[2], 4)
     branch = fork(client, copy["id"], {"turn": 1})
     assert branch.status_code == 201, branch.text
     reply = say(client, branch.json()["id"], "Name a planet.", 2)
     kept = [{"role": m["role"], "content": m["content"]} for m in parent["messages"][:2]]
-    expected = chat_ids(
-        client,
-        [
-            {"role": "system", "content": "Answer in two words."},
-            *kept,
-            {"role": "user", "content": "Name a planet."},
-        ],
-    )
+    system = [{"role": "system", "content": "Answer in two words."}]
+    expected = chat_ids(client, [*system, *kept, {"role": "user", "content": "Name a planet."}])
     assert reply["usage"]["prompt_tokens"] == len(expected)
 
 

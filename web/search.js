@@ -1,6 +1,7 @@
 // Search over the chats (GET /v1/sessions?q=: titles and message contents, server side): typing waits a
 // moment before asking, the results (title and the matching snippet) replace the chat list while the box is
-// not empty, Enter opens the first one, Escape clears the box.
+// not empty, Enter opens the first one, Escape clears the box. How many chats matched is said in the page's
+// status region (a screen reader announces it without moving the focus from the box).
 import { api } from "./api.js";
 
 const DEBOUNCE_MS = 250;
@@ -10,6 +11,7 @@ export class Search {
     this.input = document.getElementById("chat-search");
     this.results = document.getElementById("search-results");
     this.sessionList = document.getElementById("session-list");
+    this.status = document.getElementById("status");
     this.onSelect = onSelect;
     this.onError = onError;
     this.timer = null;
@@ -57,6 +59,7 @@ export class Search {
     this.sessionList.hidden = found !== null;
     this.results.hidden = found === null;
     if (found === null) return this.results.replaceChildren();
+    this.status.textContent = countOf(found.length);
     if (!found.length) {
       const none = document.createElement("li");
       none.className = "muted small search-none";
@@ -88,3 +91,5 @@ export class Search {
     return li;
   }
 }
+
+const countOf = (n) => (n ? `${n} chat${n === 1 ? "" : "s"} found.` : "No chat matches.");

@@ -153,6 +153,7 @@ export class Sidebar {
     const ids = this.tree.descendants(session.id);
     const branches = ids.length > 1 ? ` and its ${ids.length - 1} other branch(es)` : "";
     if (!confirm(`Delete the chat “${session.title || "Untitled chat"}”${branches}? This cannot be undone.`)) return;
+    const at = [...this.list.children].findIndex((item) => item.dataset.id === session.id);
     try {
       for (const id of ids.reverse()) {
         await api.deleteSession(id);
@@ -162,5 +163,14 @@ export class Sidebar {
       this.onError(err);
     }
     await this.refresh();
+    this.keepFocus(at);
+  }
+
+  // After the list was rebuilt under the focus (its ✕ is gone): the focus goes to the chat now at `index` (the
+  // one after the deleted), else the last, else New chat, rather than back to the top of the page.
+  keepFocus(index) {
+    if (document.activeElement !== document.body) return; // (it moved somewhere on its own)
+    const links = this.list.querySelectorAll(".session-link");
+    (links[Math.min(index, links.length - 1)] || document.getElementById("new-chat")).focus();
   }
 }

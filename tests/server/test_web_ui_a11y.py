@@ -189,6 +189,8 @@ def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
     page.fill("#chat-search", "sunny")
     result = page.locator(f'#search-results .search-result[data-id="{BRANCH_ID}"] a')
     result.wait_for(timeout=WAIT_MS)
+    found = page.locator("#search-results .search-result").count()
+    assert page.locator("#status").text_content() == f"{found} chats found."  # announced
     yield "search results"
 
     result.click()
@@ -314,4 +316,39 @@ def test_the_phone_drawer_holds_the_focus_until_closed(
     page.wait_for_selector("#sidebar", state="hidden")
     assert focused_id(page) == "open-sidebar"
     assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
+    page.context.close()
+
+
+def test_deleting_a_chat_from_the_list_keeps_the_focus_in_the_list(
+    browser: Any, fake: tuple[FakeChat, str]
+) -> None:
+    chat, url = fake
+    doomed = "a11ydoomed00000000001"
+    chat.add_session(doomed, [], title="A chat to delete")
+    chat.sessions[doomed] |= {
+        "source": "ui",
+        "updated_at": chat.sessions[doomed]["created_at"] + 60,
+    }
+    page = open_page(browser, url + "/", bypass_csp=True)
+    confirms: list[str] = []
+    page.on("dialog", lambda dialog: (confirms.append(dialog.message), dialog.accept()))
+
+    def delete(route: Any) -> None:  # (the fake API has no DELETE route)
+        if route.request.method != "DELETE":
+            return route.continue_()
+        chat.sessions.pop(doomed)
+        route.fulfill(json={"id": doomed, "object": "session.deleted", "deleted": True})
+
+    page.route(f"**/v1/sessions/{doomed}", delete)
+    items = page.locator("#session-list .session-item")
+    items.first.wait_for(timeout=WAIT_MS)
+    assert items.first.get_attribute("data-id") == doomed  # the newest: first
+    after = items.nth(1).get_attribute("data-id")
+    page.get_by_role("button", name="Delete “A chat to delete”").focus()
+    page.keyboard.press("Enter")
+    page.wait_for_selector(f'#session-list [data-id="{doomed}"]', state="detached")
+    assert len(confirms) == 1 and "A chat to delete" in confirms[0]
+    focused = page.evaluate("() => document.activeElement.closest('.session-item')?.dataset.id")
+    assert focused == after  # the chat that followed it, not the top of the page
+    assert page.errors == [], page.errors
     page.context.close()

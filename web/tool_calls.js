@@ -27,6 +27,7 @@ export class ToolCalls {
       if (fn.name) call.name += fn.name;
       if (fn.arguments) call.arguments += fn.arguments;
       call.card.querySelector(".tool-call-name").textContent = call.name;
+      call.card.setAttribute("aria-label", `Tool call ${call.name}`); // (a group, not a landmark: one per call)
       call.card.querySelector(".tool-call-arguments").textContent = call.arguments;
     }
   }

@@ -33,6 +33,11 @@ class FakeChat:
     script: list[Chunk] = field(default_factory=list)
     reply_to_store: dict[str, Any] = field(default_factory=dict)
     turns: list[dict[str, Any]] = field(default_factory=list)
+    models: list[str] = field(
+        default_factory=lambda: ["fake"]
+    )  # the served names, the primary first
+    patches: list[dict[str, Any]] = field(default_factory=list)  # PATCH /v1/sessions/{id} bodies
+    refuse_patch: tuple[int, str] | None = None  # (status, message) to answer the next PATCHes with
 
     def add_session(self, session_id: str, messages: list[dict[str, Any]], title: str = "") -> None:
         now = time.time()
@@ -74,7 +79,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         if path == "/health":
             return self._json({"status": "ok", "sessions": "memory"})
         if path == "/v1/models":
-            return self._json({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+            cards = [{"id": name, "object": "model"} for name in self.fake.models]
+            return self._json({"object": "list", "data": cards})
         if path == "/v1/presets":
             return self._json({"object": "list", "data": []})
         if path == "/v1/sessions":
@@ -90,6 +96,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             session_id = f"fake{len(self.fake.sessions):018d}"
             self.fake.add_session(session_id, [])
             return self._json(self.fake.sessions[session_id])
+        if path.startswith("/v1/sessions/") and path.endswith("/fork"):
+            return self._with_session(path[: -len("/fork")], lambda s: self._fork(s, body))
         if path.startswith("/v1/sessions/") and path.endswith("/messages"):
             return self._with_session(path[: -len("/messages")], lambda s: self._turn(s, body))
         self._json({"error": {"message": f"no route {path}"}}, status=404)
@@ -97,7 +105,16 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     def do_PATCH(self) -> None:
         body = self._body()
         path = urllib.parse.urlsplit(self.path).path
-        self._with_session(path, lambda session: self._json(session | {"title": body["title"]}))
+        self.fake.patches.append(body)
+        if self.fake.refuse_patch:
+            status, message = self.fake.refuse_patch
+            return self._json({"error": {"message": message, "param": "system"}}, status=status)
+
+        def update(session: dict[str, Any]) -> None:
+            session.update({k: v for k, v in body.items() if k in ("title", "pinned", "system")})
+            self._json(session)
+
+        self._with_session(path, update)
 
     def _turn(self, session: dict[str, Any], body: dict[str, Any]) -> None:
         self.fake.turns.append(body)
@@ -118,6 +135,14 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.wfile.flush()
         user = {"role": "user", "content": body.get("content", "")}
         session["messages"] += [user, self.fake.reply_to_store]
+
+    def _fork(self, parent: dict[str, Any], body: dict[str, Any]) -> None:
+        """A new session with the parent's first ``turn`` turns (a turn: a user message and a reply)."""
+        session_id = f"fake{len(self.fake.sessions):018d}"
+        self.fake.add_session(session_id, parent["messages"][: 2 * body["turn"]], parent["title"])
+        fork = self.fake.sessions[session_id]
+        fork.update(system=parent["system"], parent_id=parent["id"], forked_at_turn=body["turn"])
+        self._json(fork, status=201)
 
     def _with_session(self, path: str, answer: Any) -> None:
         session = self.fake.sessions.get(path.rsplit("/", 1)[-1])

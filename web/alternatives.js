@@ -53,13 +53,14 @@ export class Alternatives {
   }
 
   // Asks for the alternatives and fills the columns as they stream; an AbortError when `signal` stops it.
-  async stream(sessionId, settings, signal) {
+  // `sampling`: the request's sampling fields (temperature, max_tokens, top_p, model: chat_settings.js).
+  async stream(sessionId, sampling, signal) {
     const stored = await api.getSession(sessionId); // the reply on screen was stored when its stream ended
     const messages = messagesBeforeLastReply(stored);
     if (!messages) throw new ApiError(0, "This chat has no reply to regenerate.");
     const response = await api.chatCompletions({
       messages, n: NUM_ALTERNATIVES, stream: true, stream_options: { include_usage: true },
-      temperature: Number(settings.temperature), max_tokens: Number(settings.maxTokens),
+      ...sampling,
     }, signal);
     this.answered = true;
     for await (const chunk of readChunks(response)) this.handle(chunk);

@@ -1,9 +1,10 @@
 // pagedchat's browser UI: a sidebar of server-kept sessions, a conversation streamed token by token, and the
 // settings a chat needs. The URL carries the open session (`/?s=ID`), so reload and back/forward work.
 import { Alternatives } from "./alternatives.js";
-import { api, ApiError, describeError, loadSettings, readChunks } from "./api.js";
+import { api, ApiError, describeError, readChunks } from "./api.js";
 import { BranchTree, noteOpened, showSwitchers } from "./branches.js";
 import { ChatMenu } from "./chat_menu.js";
+import { ChatSettings, copyChatOverrides, forgetChat, ModelPicker, samplingFor, setChatOverrides } from "./chat_settings.js";
 import { openEditor } from "./edit.js";
 import { preloadMath } from "./math.js";
 import { MessageView } from "./message_view.js";
@@ -32,8 +33,19 @@ const search = new Search({
   },
   onError: showError,
 });
+const picker = new ModelPicker();
+const chatSettings = new ChatSettings({
+  getSession: () => state.session,
+  picker,
+  onSaved: (session) => {
+    if (!state.session || state.session.id !== session.id) return;
+    state.session.system = session.system;
+    showSystem(session);
+  },
+});
 new ChatMenu({ // the header's ⋯ menu
   getSession: () => state.session,
+  onSettings: () => chatSettings.open(),
   sidebar,
   onChanged: () => sidebar.refresh(), // (a rename reaches the header through the "session-renamed" event)
   onImported: (session) => sidebar.refresh(session.id).then(() => navigate(session.id)),
@@ -85,8 +97,7 @@ function showSession(session) {
   state.session = session;
   el.draft.hidden = true;
   setTitle(session);
-  el.systemView.hidden = !session.system;
-  el.systemText.textContent = session.system || "";
+  showSystem(session);
   showSessionStats(session.stats);
   el.messages.replaceChildren(...messages.nodes(session.messages));
   noteOpened(session.id);
@@ -94,6 +105,11 @@ function showSession(session) {
   updateButtons();
   scrollToEnd(true);
   el.input.focus();
+}
+
+function showSystem(session) {
+  el.systemView.hidden = !session.system;
+  el.systemText.textContent = session.system || "";
 }
 
 // The `< 2/3 >` controls at the turns where this chat's branches differ (from the sidebar's list of sessions).
@@ -123,6 +139,7 @@ function showSessionStats(stats) {
 }
 
 function onSessionDeleted(id) {
+  forgetChat(id);
   if (state.session && state.session.id === id) navigate(null, { replace: true });
 }
 
@@ -180,6 +197,7 @@ async function createSession() {
   else if (el.system.value.trim()) body.system = el.system.value.trim();
   try {
     const session = await api.createSession(body);
+    if (picker.picked()) setChatOverrides(session.id, { model: picker.picked() });
     history.pushState({ s: session.id }, "", `?s=${encodeURIComponent(session.id)}`);
     state.loadToken++;
     showSession(session);
@@ -238,6 +256,7 @@ async function branchAt(turn, text) {
   } catch (err) {
     return showError(err);
   }
+  copyChatOverrides(parentId, fork.id);
   history.pushState({ s: fork.id }, "", `?s=${encodeURIComponent(fork.id)}`);
   state.loadToken++;
   showSession(fork);
@@ -252,9 +271,9 @@ async function branchAt(turn, text) {
 async function regenerateAlternatives() {
   if (state.streaming || !state.session) return;
   hideError();
-  const s = loadSettings();
+  const sampling = samplingFor(state.session.id);
   const turn = { controller: new AbortController() };
-  const panel = new Alternatives({ temperature: Number(s.temperature), onClose: closeAlternatives,
+  const panel = new Alternatives({ temperature: sampling.temperature, onClose: closeAlternatives,
     onRender: () => scrollToEnd() });
   state.streaming = turn;
   el.messages.append(panel.element);
@@ -262,7 +281,7 @@ async function regenerateAlternatives() {
   scrollToEnd(true);
   setStatus("The model is writing three alternatives…");
   try {
-    await panel.stream(state.session.id, s, turn.controller.signal);
+    await panel.stream(state.session.id, sampling, turn.controller.signal);
   } catch (err) {
     if (err.name !== "AbortError") showError(err instanceof ApiError ? err : new ApiError(0, err.message));
     if (!panel.answered) panel.element.remove(); // refused (or stopped) before the server answered
@@ -280,15 +299,13 @@ function closeAlternatives() {
 
 // Streams one turn into a new reply element; `undo` says what to put back if the server refuses the turn.
 async function streamTurn(session, body, undo) {
-  const s = loadSettings();
   const controller = new AbortController();
   const turn = { controller, started: performance.now(), loadToken: state.loadToken };
   state.streaming = turn;
   updateButtons();
   setStatus("Waiting for the reply…");
   const request = {
-    ...body, stream: true, stream_options: { include_usage: true },
-    temperature: Number(s.temperature), max_tokens: Number(s.maxTokens),
+    ...body, stream: true, stream_options: { include_usage: true }, ...samplingFor(session.id),
   };
   let response;
   try {
@@ -424,6 +441,7 @@ async function refreshModelInfo() {
   try {
     const models = await api.model();
     settings.setModel(models.data[0]);
+    picker.setModels(models.data.map((m) => m.id));
     await Promise.all([loadPresets(), sidebar.refresh(state.session ? state.session.id : sessionIdFromUrl())]);
     showBranches();
   } catch (err) {

@@ -1,4 +1,4 @@
-// The open chat's menu (⋯ in the header): rename, pin, export as Markdown or JSON (a download), import a
+// The open chat's menu (⋯ in the header): its settings, rename, pin, export as Markdown or JSON (a download), import a
 // chat exported before (a file picker; the server makes it a new chat) and delete.
 //
 // It follows the ARIA menu-button pattern: opening it focuses its first item; ArrowDown and ArrowUp move among
@@ -8,8 +8,8 @@ import { api, ApiError } from "./api.js";
 
 export class ChatMenu {
   // getSession() -> the open session or null; sidebar: the conversation's root (pinned), its rename and delete;
-  // onChanged() after a rename or pin; onImported(session).
-  constructor({ getSession, sidebar, onChanged, onImported, onError }) {
+  // onChanged() after a rename or pin; onImported(session); onSettings() opens the chat's settings.
+  constructor({ getSession, sidebar, onChanged, onImported, onError, onSettings }) {
     this.getSession = getSession;
     this.sidebar = sidebar;
     this.onChanged = onChanged;
@@ -32,6 +32,7 @@ export class ChatMenu {
       }
     });
     const actions = {
+      "menu-chat-settings": () => onSettings(),
       "menu-rename": () => this.rename(),
       "menu-pin": () => this.togglePin(),
       "menu-export-markdown": () => this.download("markdown"),
@@ -50,7 +51,7 @@ export class ChatMenu {
 
   setOpen(open, returnFocus = false) {
     const session = this.getSession();
-    for (const id of ["menu-rename", "menu-pin", "menu-export-markdown", "menu-export-json", "menu-delete"]) {
+    for (const id of ["menu-chat-settings", "menu-rename", "menu-pin", "menu-export-markdown", "menu-export-json", "menu-delete"]) {
       document.getElementById(id).disabled = !session;
     }
     document.getElementById("menu-pin").textContent = session && this.root().pinned ? "Unpin" : "Pin";

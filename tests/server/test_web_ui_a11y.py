@@ -9,6 +9,7 @@ headless Chromium against the fake API (tests/fake_chat_server.py): no model nee
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -347,4 +348,32 @@ def test_deleting_a_chat_from_the_list_keeps_the_focus_in_the_list(
     focused = page.evaluate("() => document.activeElement.closest('.session-item')?.dataset.id")
     assert focused == after  # the chat that followed it, not the top of the page
     assert page.errors == [], page.errors
+    page.context.close()
+
+
+def relative_luminance(css_rgb: str) -> float:
+    """WCAG 2's relative luminance of a computed colour ("rgb(r, g, b)")."""
+    channels = [int(c) / 255 for c in re.findall(r"\d+", css_rgb)[:3]]
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(a: str, b: str) -> float:
+    light, dark = sorted([relative_luminance(a), relative_luminance(b)], reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_text_fields_edges_stand_out_3_to_1(
+    browser: Any, fake: tuple[FakeChat, str], theme: str
+) -> None:
+    """WCAG 1.4.11 (non-text contrast, which axe does not check): a text field's border against the field
+    and against what surrounds it, for the message box (on the page) and the search box (on the sidebar)."""
+    page = open_ui(browser, fake[1] + "/", theme, DESKTOP)
+    style = "(e, p) => getComputedStyle(e)[p]"
+    for field, around in (("#composer-input", "body"), ("#chat-search", "#sidebar")):
+        edge = page.locator(field).evaluate(style, "borderTopColor")
+        for surface in (page.locator(field), page.locator(around)):
+            ratio = contrast(edge, surface.evaluate(style, "backgroundColor"))
+            assert ratio >= 3.0, (field, theme, edge, round(ratio, 2))
     page.context.close()

@@ -25,6 +25,9 @@ export class Settings {
     this.showTemperature();
     this.note.textContent = note;
     this.note.hidden = !note;
+    // the note is about the key: read out with it when the key's field takes the focus
+    if (note) this.apiKey.setAttribute("aria-describedby", this.note.id);
+    else this.apiKey.removeAttribute("aria-describedby");
     if (!this.dialog.open) this.dialog.showModal();
     (note ? this.apiKey : this.temperature).focus();
   }

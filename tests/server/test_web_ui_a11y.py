@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 
 from tests.fake_chat_server import FakeChat, chunk, fake_chat_server, usage_chunk
-from tests.web_harness import browser_fixture, open_page, send_message, wait_for_reply
+from tests.web_harness import (
+    browser_fixture,
+    open_page,
+    preset_settings,
+    send_message,
+    wait_for_reply,
+)
 
 browser = browser_fixture()
 
@@ -31,7 +37,7 @@ WAIT_MS = 15_000
 # tall enough that the whole open chat shows without scrolling: axe cannot tell the contrast of text that a
 # scrolled box clips ("partially obscured"), and would skip it
 DESKTOP = {"width": 1280, "height": 1400}
-PHONE = {"width": 390, "height": 2400}
+PHONE = {"width": 320, "height": 2400}  # WCAG 1.4.10's reflow width: no sideways scrolling
 ROOT_ID = "a11yroot0000000000001"
 BRANCH_ID = "a11ybranch00000000001"
 MISSING_ID = "a11ygone0000000000001"
@@ -193,6 +199,7 @@ def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
     page.wait_for_selector("#messages .branch-switch", timeout=WAIT_MS)
     page.wait_for_selector("#sidebar", state="hidden" if phone else "visible")
     assert page.locator("#messages .reasoning").first.evaluate("(d) => d.open") is False
+    assert page.evaluate("() => document.documentElement.scrollWidth <= innerWidth")  # reflows
     # a tool call's card is a group named for its function (not one more landmark per call)
     assert page.get_by_role("group", name="Tool call get_weather").count() == 1
     yield "an open chat"
@@ -377,3 +384,25 @@ def assert_field_edges_stand_out(page: Any) -> None:
         for surface in (page.locator(field), page.locator(around)):
             ratio = contrast(edge, surface.evaluate(style, "backgroundColor"))
             assert ratio >= 3.0, (field, edge, round(ratio, 2))
+
+
+def test_asked_for_an_api_key_the_key_field_is_described_by_the_reason(
+    browser: Any, fake: tuple[FakeChat, str]
+) -> None:
+    from playwright.sync_api import expect
+
+    context = browser.new_context()
+    preset_settings(context, temperature=0.0, maxTokens=16, apiKey="")
+    refused = {"error": {"message": "invalid API key", "type": "invalid_request_error"}}
+    context.route("**/v1/models", lambda route: route.fulfill(status=401, json=refused))
+    page = context.new_page()
+    page.goto(fake[1] + "/")
+    page.wait_for_selector("#settings[open]", timeout=WAIT_MS)
+    page.wait_for_function("() => document.activeElement.id === 'api-key'")
+    reason = page.locator("#settings-note").text_content()
+    assert "API key" in reason
+    expect(page.locator("#api-key")).to_have_accessible_description(reason)
+    page.keyboard.press("Escape")  # opened without a reason, the field has no description
+    page.click("#open-settings")
+    expect(page.locator("#api-key")).to_have_accessible_description("")
+    context.close()

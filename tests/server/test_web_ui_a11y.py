@@ -1,7 +1,7 @@
 """The browser UI's accessibility (issue 53's "Access"). axe-core finds no serious or critical WCAG 2.1 A/AA
 violation in the states a user sees (the new-chat draft with an error, a reply streaming, search results, an
-open chat with markdown, reasoning, a tool call, math and a branch switch, the chat menu, the settings dialog, a
-message being edited), in the light and the dark theme, at desktop and phone width; text fields' edges stand out
+open chat with markdown, reasoning, a tool call, math and a branch switch, the chat menu, the settings dialog, the
+chat's settings dialog, a message being edited), in the light and the dark theme, at desktop and phone width; text fields' edges stand out
 3:1 (which axe does not check). From the keyboard: the header's ⋯ chat menu follows the ARIA menu-button
 pattern, the phone's chat drawer holds the focus while open, deleting a chat keeps the focus in the list.
 
@@ -93,7 +93,8 @@ def weather_turn() -> list[dict[str, Any]]:
 
 def seed(chat: FakeChat) -> None:
     """Two branches of one conversation (the second forked at turn 0, so its first message has a `< 2/2 >`
-    switch), found by search with a snippet."""
+    switch), found by search with a snippet; two served models (so the model pickers show)."""
+    chat.models = ["fake", "fake-large"]
     chat.add_session(ROOT_ID, weather_turn()[:1] + [{"role": "assistant", "content": "Sunny."}])
     chat.add_session(BRANCH_ID, weather_turn(), title="Weather in Paris")
     for session, turn in ((chat.sessions[ROOT_ID], None), (chat.sessions[BRANCH_ID], 0)):
@@ -140,13 +141,14 @@ def open_ui(browser: Any, url: str, theme: str, viewport: dict[str, int]) -> Any
     return page
 
 
-def axe_violations(page: Any) -> list[dict[str, Any]]:
-    """axe-core's WCAG 2.1 A/AA violations on the page as it is now: rule id, impact and node targets."""
+def axe_violations(page: Any, scope: str | None = None) -> list[dict[str, Any]]:
+    """axe-core's WCAG 2.1 A/AA violations on the page as it is now (in the element ``scope`` selects, else
+    the whole page): rule id, impact and node targets."""
     if not page.evaluate("() => typeof window.axe === 'object'"):
         page.add_script_tag(path=str(AXE))
     return page.evaluate(
-        """async (tags) => {
-            const result = await axe.run(document, {
+        """async ([tags, scope]) => {
+            const result = await axe.run(scope || document, {
                 runOnly: { type: "tag", values: tags }, resultTypes: ["violations"],
             });
             return result.violations.map((v) => ({
@@ -154,7 +156,7 @@ def axe_violations(page: Any) -> list[dict[str, Any]]:
                 targets: v.nodes.map((n) => n.target.join(" ")),
             }));
         }""",
-        WCAG_TAGS,
+        [WCAG_TAGS, scope],
     )
 
 
@@ -167,11 +169,12 @@ def blocking(state: str, violations: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
+def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[tuple[str, str | None]]:
     """Puts the page (opened at a chat that is gone) in each state a user sees, one after another; yields each
-    state's name."""
+    state's name and the part of the page it changed (None: all of it), which is what axe then looks at."""
     page.wait_for_selector("#error", state="visible", timeout=WAIT_MS)
-    yield "the new-chat draft, an error shown"
+    page.wait_for_selector("#model-select", state="visible", timeout=WAIT_MS)
+    yield "the new-chat draft (a model picker), an error shown", None
 
     paused = pause_next_reply(chat)
     send_message(page, "Weather in Oslo?")
@@ -180,7 +183,7 @@ def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
         "?.textContent.trim() === 'Sunny'",
         timeout=WAIT_MS,
     )
-    yield "a reply streaming"
+    yield "a reply streaming", ".main"
 
     paused.set()
     wait_for_reply(page, timeout_ms=WAIT_MS)
@@ -192,7 +195,7 @@ def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
     result.wait_for(timeout=WAIT_MS)
     found = page.locator("#search-results .search-result").count()
     assert page.locator("#status").text_content() == f"{found} chats found."  # announced
-    yield "search results"
+    yield "search results", "#sidebar"
 
     result.click()
     page.wait_for_selector("#messages .tool-call .tool-result-text", timeout=WAIT_MS)
@@ -202,23 +205,30 @@ def visit_states(page: Any, chat: FakeChat, phone: bool) -> Iterator[str]:
     assert page.evaluate("() => document.documentElement.scrollWidth <= innerWidth")  # reflows
     # a tool call's card is a group named for its function (not one more landmark per call)
     assert page.get_by_role("group", name="Tool call get_weather").count() == 1
-    yield "an open chat"
+    yield "an open chat", None
 
     page.click("#chat-menu-button")
     page.wait_for_selector("#chat-menu", state="visible")
-    yield "the chat menu open"
+    yield "the chat menu open", "#chat-menu"
 
     page.keyboard.press("Escape")
     page.wait_for_selector("#chat-menu", state="hidden")
     page.click("#open-settings")
     page.wait_for_selector("#settings[open]")
-    yield "the settings dialog open"
+    yield "the settings dialog open", "#settings"
 
     page.keyboard.press("Escape")
     page.wait_for_selector("#settings[open]", state="detached")
+    page.click("#chat-menu-button")
+    page.click("#menu-chat-settings")
+    page.wait_for_selector("#chat-settings[open]")
+    yield "the chat's settings dialog open", "#chat-settings"
+
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#chat-settings[open]", state="detached")
     page.locator("#messages .message.user .edit").first.click()
     page.wait_for_selector("#messages .message-editor textarea")
-    yield "a message being edited"
+    yield "a message being edited", ".message.editing"
 
 
 @pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
@@ -233,10 +243,10 @@ def test_axe_finds_no_serious_violation(
     )
     found: list[str] = []
     states = []
-    for state in visit_states(page, chat, phone=viewport is PHONE):
+    for state, scope in visit_states(page, chat, phone=viewport is PHONE):
         states.append(state)
-        found += blocking(state, axe_violations(page))
-    assert len(states) == 7
+        found += blocking(state, axe_violations(page, scope))
+    assert len(states) == 8
     assert not found, "\n".join(found)
     if viewport is DESKTOP:  # (where the sidebar's search box shows)
         assert_field_edges_stand_out(page)

@@ -138,6 +138,13 @@ ENGINE_OPTIONS = (
     ),
     Option("enforce_eager", "Run every step eagerly: no CUDA graphs", "off", "bool"),
     Option(
+        "warm_up",
+        "CUDA: at start-up, run a scratch step of each shape the scheduler can produce, so Triton compiles its "
+        "kernels (or loads them from TRITON_CACHE_DIR) before the first request rather than during it",
+        "on",
+        "bool",
+    ),
+    Option(
         "max_graph_batch_size",
         "Decode-only batches up to this size are padded and replayed as CUDA graphs",
         "256 with CUDA, 0 (off) on the CPU",

@@ -72,6 +72,10 @@ class EngineConfig:
     # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
     async_scheduling: bool | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
+    # CUDA: after the graphs are captured, run one scratch step of each shape class the scheduler can produce
+    # (engine/worker/warm_up.py), so that Triton compiles every kernel variant (or loads it from its on-disk cache)
+    # at start-up, before the first request, not inside it; off: a faster start, slower first steps
+    warm_up: bool = True
     # decode-only batches up to this size are padded to a ladder of sizes and, on CUDA, replayed as CUDA graphs
     # (padding is what lets eager and graph runs compute the same shapes); None = 256 on CUDA, 0 (off) on CPU
     max_graph_batch_size: int | None = None

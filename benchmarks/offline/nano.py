@@ -10,7 +10,7 @@ fatal. ``--split`` then measures ours at a steady decode batch (256 x 640-token 
 GPU kernel ms per step (torch.profiler) and the engine's host phases per step (``engine.counters``).
 
     python -m benchmarks.offline.nano --model-config llama-3.2-1b|qwen3-0.6b [--no-peer] [--peer-num-requests N]
-        [--num-requests 256] [--enforce-eager] [--max-model-len N] [--no-split] [--json PATH]
+        [--num-requests 256] [--enforce-eager] [--no-warm-up] [--max-model-len N] [--no-split] [--json PATH]
     smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4 --no-peer --no-split
 """
 
@@ -59,6 +59,7 @@ def start_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
+        warm_up=getattr(args, "warm_up", True),
     )
     return engine, time.perf_counter() - start
 
@@ -395,6 +396,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's start-up kernel warm-up (engine/worker/warm_up.py)",
+    )
     add_run_options(parser)
     args = parser.parse_args(argv)
     if min(args.num_requests, args.split_batch, args.split_steps, args.split_prompt_len) < 1:

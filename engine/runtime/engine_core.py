@@ -26,6 +26,7 @@ from engine.worker.loader import load_model, tokenizer_loading
 from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
+from engine.worker.warm_up import warm_up
 from engine.output.outputs import SampleDelta
 from engine.runtime.requests import (
     Request,
@@ -106,6 +107,7 @@ class EngineCore:
             self.runner = ModelRunner(self.config, self.model, self.workers)
             blocks = self.runner.size_kv_cache()
             self.runner.capture_graphs()
+            self.warm_up_seconds = warm_up(self.runner, *blocks)  # (0.0: not run)
         except BaseException:
             self.shutdown()
             raise

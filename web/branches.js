@@ -123,6 +123,10 @@ export class BranchTree {
   }
 }
 
+// The switch pressed last ({id: the session it opens, turn, label}): once that session shows, the same switch
+// takes the focus back, so a keyboard user stays where they were (opening a chat focuses the message box).
+let refocus = null;
+
 // Puts a `< i/n >` control on each user message whose turn has variants; `onSwitch(id)` opens one.
 export function showSwitchers(messagesEl, sessionId, tree, onSwitch) {
   messagesEl.querySelectorAll(".branch-switch").forEach((node) => node.remove());
@@ -134,6 +138,18 @@ export function showSwitchers(messagesEl, sessionId, tree, onSwitch) {
     const index = variants.findIndex((v) => v.id === owner.id);
     node.querySelector(".message-footer").prepend(switcher(index, variants, t, tree, onSwitch));
   });
+  if (refocus && refocus.id === sessionId) focusSwitch(messagesEl, refocus);
+}
+
+// Focuses the pressed switch's button at its turn (the other one when it is now at an end, so disabled), after
+// the app has finished showing the chat.
+function focusSwitch(messagesEl, { turn, label }) {
+  refocus = null;
+  const box = messagesEl.querySelectorAll(".message.user")[turn]?.querySelector(".branch-switch");
+  if (!box) return;
+  const buttons = [...box.querySelectorAll("button:not(:disabled)")];
+  const target = buttons.find((b) => b.getAttribute("aria-label") === label) || buttons[0];
+  if (target) queueMicrotask(() => target.focus());
 }
 
 function switcher(index, variants, t, tree, onSwitch) {
@@ -148,7 +164,11 @@ function switcher(index, variants, t, tree, onSwitch) {
     b.textContent = text;
     b.setAttribute("aria-label", label);
     b.disabled = to < 0 || to >= variants.length;
-    b.addEventListener("click", () => onSwitch(tree.latestUnder(variants[to].id, t)));
+    b.addEventListener("click", () => {
+      const id = tree.latestUnder(variants[to].id, t);
+      refocus = { id, turn: t, label };
+      onSwitch(id);
+    });
     return b;
   };
   const position = document.createElement("span");

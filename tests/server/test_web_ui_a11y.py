@@ -416,3 +416,26 @@ def test_asked_for_an_api_key_the_key_field_is_described_by_the_reason(
     page.click("#open-settings")
     expect(page.locator("#api-key")).to_have_accessible_description("")
     context.close()
+
+
+def test_a_branch_switch_keeps_the_focus_on_the_switch(
+    browser: Any, fake: tuple[FakeChat, str]
+) -> None:
+    page = open_ui(browser, f"{fake[1]}/?s={BRANCH_ID}", "light", DESKTOP)
+    switch = page.locator("#messages .message.user .branch-switch").first
+    switch.wait_for(timeout=WAIT_MS)
+    assert switch.locator(".branch-position").inner_text() == "2/2"
+    switch.get_by_role("button", name="Previous version").focus()
+    page.keyboard.press("Enter")
+    page.wait_for_function("(id) => location.search.includes(id)", arg=ROOT_ID)
+    page.wait_for_selector("#messages .branch-position:text-is('1/2')", timeout=WAIT_MS)
+    # at the first version "Previous" is disabled: its neighbour has the focus, not the message box
+    label = page.evaluate("() => document.activeElement.getAttribute('aria-label')")
+    assert label == "Next version"
+    page.keyboard.press("Enter")
+    page.wait_for_function("(id) => location.search.includes(id)", arg=BRANCH_ID)
+    page.wait_for_selector("#messages .branch-position:text-is('2/2')", timeout=WAIT_MS)
+    label = page.evaluate("() => document.activeElement.getAttribute('aria-label')")
+    assert label == "Previous version"
+    assert page.errors == [] and page.dialogs == [], (page.errors, page.dialogs)
+    page.context.close()

@@ -1,9 +1,11 @@
 """The browser UI's accessibility (issue 53's "Access"). axe-core finds no serious or critical WCAG 2.1 A/AA
 violation in the states a user sees (the new-chat draft with an error, a reply streaming, search results, an
-open chat with markdown, reasoning, a tool call, math and a branch switch, the chat menu, the settings dialog, the
-chat's settings dialog, a message being edited), in the light and the dark theme, at desktop and phone width; text fields' edges stand out
-3:1 (which axe does not check). From the keyboard: the header's ⋯ chat menu follows the ARIA menu-button
-pattern, the phone's chat drawer holds the focus while open, deleting a chat keeps the focus in the list.
+open chat with markdown, reasoning, a tool call, math and a branch switch, the chat menu, the settings dialog,
+the chat's settings dialog, a message being edited), in the light and the dark theme, at desktop and phone
+width; text fields' edges stand out 3:1 (which axe does not check). For the keyboard and screen readers: the
+header's ⋯ chat menu follows the ARIA menu-button pattern, the phone's chat drawer holds the focus while open,
+deleting a chat keeps the focus in the list, a branch switch keeps it on the switch, search says how many chats
+matched, the API key's field says why it is asked for.
 
 axe-core is vendored for the tests only (tests/data/axe-core, not served by the app) and injected into the page;
 the page's Content-Security-Policy allows only its own scripts, so the test contexts bypass it. Driven in

@@ -8,7 +8,8 @@ skinny matmul's row buckets up to 32 rows, the prefill kernel's TMA path for lon
 while rows x KV heads leave SMs idle, the persistent kernel up to 16 rows, CUDA graphs up to
 ``max_graph_batch_size``, eager beyond), decode rows beside a prefill chunk (a mixed step runs eagerly), a context
 short or long (split-K needs a context of several partitions), and the sampling path (the greedy argmax kernel;
-temperature, top-k/p, min-p, penalties, logprobs, seeds and beams through torch, whose kernels load on first use).
+temperature, top-k/p, min-p, penalties, logprobs, seeds and beams through torch, whose kernels load on first use),
+and the copy-on-write kernel (a sample forked inside a block, beams).
 The counts walk every power of two and the count one past it up to each limit (``count_ladder``), which puts a
 count in every class and on both sides of every threshold that is a power of two. The KV cache has the configured
 dtype, so an FP8 cache warms its own variants.
@@ -87,11 +88,16 @@ class ScratchSequences:
             seq.window_table = [i % self.window_blocks for i in range(blocks)]
         return seq
 
-    def run(self, seqs: list[Sequence], counts: list[int]) -> None:
-        """One step over ``seqs`` (``counts`` tokens each, decode rows first), waited for; rows released."""
+    def run(self, seqs: list[Sequence], counts: list[int], copy: bool = False) -> None:
+        """One step over ``seqs`` (``counts`` tokens each, decode rows first), waited for; rows released.
+        ``copy``: with a copy-on-write of block 0 into block 1 (and in the window group's pool) first."""
         for i, seq in enumerate(seqs):
             seq.seq_id = -2 - i  # (unique within the step: rows are keyed by it)
-        self.runner.execute(ScheduledBatch(seqs=seqs, num_new_tokens=counts), None).wait()
+        batch = ScheduledBatch(seqs=seqs, num_new_tokens=counts)
+        if copy:
+            batch.block_copies = [(0, 1)]
+            batch.window_copies = [(0, 1)] if self.window_blocks >= 2 else []
+        self.runner.execute(batch, None).wait()
         for seq in seqs:
             self.runner.forget(seq)
         self.steps += 1
@@ -124,6 +130,9 @@ def warm_up_steps(runner: ModelRunner, scratch: ScratchSequences) -> Iterator[No
                 decodes = [scratch.new(context + 1, context) for _ in range(rows)]
                 scratch.run([*decodes, scratch.new(chunk, 0)], [1] * rows + [chunk])
             yield
+    if not runner.kv.contiguous:  # copy-on-write (a sample forked inside a block; beams)
+        scratch.run([scratch.new(2, 0)], [2], copy=True)
+        yield
     yield from warm_up_sampling(scratch)
 
 

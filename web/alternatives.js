@@ -3,7 +3,7 @@
 // alternatives streamed side by side. They are not saved: the session API can append a turn or regenerate the
 // last reply, but not store a reply chosen here, so there is no "keep" (Regenerate is what changes the chat).
 import { api, ApiError, readChunks } from "./api.js";
-import { renderInto } from "./markdown.js";
+import { StreamRenderer } from "./stream_render.js";
 
 const NUM_ALTERNATIVES = 3;
 
@@ -28,7 +28,7 @@ function requestMessage(m) {
 }
 
 // The panel of alternatives: one column per choice, filled from the stream's chunks (choices told apart by
-// `index`). Model text reaches the page only through the markdown sanitiser (renderInto).
+// `index`). Model text reaches the page only through the markdown sanitiser (web/stream_render.js renders it).
 export class Alternatives {
   constructor({ temperature, onClose, onRender }) {
     this.onRender = onRender;
@@ -38,7 +38,7 @@ export class Alternatives {
     this.element.querySelector(".close-alternatives").addEventListener("click", onClose);
     if (temperature === 0) {
       this.element.querySelector(".alternatives-note").textContent +=
-        " Temperature is 0 in Settings, so the three are the same.";
+        " This chat's temperature is 0, so the three are the same.";
     }
     this.columns = Array.from({ length: NUM_ALTERNATIVES }, (_, i) => this.column(i));
     this.element.querySelector(".alternatives-grid").append(...this.columns.map((c) => c.node));
@@ -47,9 +47,10 @@ export class Alternatives {
   column(index) {
     const node = document.getElementById("alternative-template").content.firstElementChild.cloneNode(true);
     node.querySelector(".alternative-label").textContent = `Alternative ${index + 1}`;
-    node.querySelector(".content").setAttribute("aria-busy", "true");
+    const content = node.querySelector(".content");
+    content.setAttribute("aria-busy", "true");
     node.classList.add("streaming");
-    return { node, text: "", frame: null, done: false };
+    return { node, text: "", frame: null, done: false, renderer: new StreamRenderer(content) };
   }
 
   // Asks for the alternatives and fills the columns as they stream; an AbortError when `signal` stops it.
@@ -81,7 +82,7 @@ export class Alternatives {
     }
   }
 
-  // Re-renders a column at most once a frame (markdown only makes sense whole).
+  // Renders a column's new text at most once a frame.
   scheduleRender(column) {
     if (column.frame) return;
     column.frame = requestAnimationFrame(() => {
@@ -91,9 +92,10 @@ export class Alternatives {
     });
   }
 
-  render(column) {
+  render(column, final = false) {
     column.node.dataset.text = column.text;
-    renderInto(column.node.querySelector(".content"), column.text);
+    if (final) column.renderer.finish(column.text);
+    else column.renderer.update(column.text);
   }
 
   finishColumn(column, reason) {
@@ -101,7 +103,7 @@ export class Alternatives {
     column.done = true;
     if (column.frame) cancelAnimationFrame(column.frame);
     column.frame = null;
-    this.render(column);
+    this.render(column, true);
     column.node.classList.remove("streaming");
     column.node.dataset.finishReason = reason;
     column.node.querySelector(".content").setAttribute("aria-busy", "false");

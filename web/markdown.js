@@ -87,13 +87,15 @@ function addCopyButton(pre) {
   return wrapper;
 }
 
-// Copies `text`, then shows "Copied" on `button` for a moment (its class `copied` too).
+// Copies `text`, then shows "Copied" on `button` for a moment (its class `copied` too) and says it in the status.
 export async function copyText(text, button) {
   try {
     await navigator.clipboard.writeText(text);
   } catch {
     fallbackCopy(text); // the Clipboard API needs a secure context (https or localhost)
   }
+  const status = document.getElementById("status"); // the page's polite live region: a screen reader says it
+  if (status) status.textContent = "Copied to the clipboard.";
   if (!button.classList.contains("copied")) button.dataset.label = button.textContent;
   button.textContent = "Copied";
   button.classList.add("copied");

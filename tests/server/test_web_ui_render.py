@@ -1,7 +1,8 @@
 """The chat UI renders replies while they stream in time that grows with what arrived (web/stream_render.js):
 fed any reply in pieces, it ends with what rendering the whole reply at once gives; code blocks come out
 highlighted and formulas drawn by KaTeX (both vendored, loaded from the server, no network); and a 2,000-line code
-reply streams with no task holding the page for 100 ms. Headless Chromium against tests/fake_chat_server.py (no model)."""
+reply streams with no task holding the page for 100 ms. Headless Chromium against tests/fake_chat_server.py (no
+model)."""
 
 from __future__ import annotations
 

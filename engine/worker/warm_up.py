@@ -68,6 +68,9 @@ class ScratchSequences:
         self.vocab = runner.model.args.vocab_size
         self.block_size = runner.block_size
         self.steps = 0
+        self._ids: dict[
+            int, list[int]
+        ] = {}  # token ids by length, shared: nothing appends to them here
 
     def new(
         self, length: int, computed: int, params: SamplingParams = GREEDY, outputs: int = 0
@@ -77,7 +80,9 @@ class ScratchSequences:
         seq = Sequence(
             seq_id=-2,
             request_id="warm-up",
-            token_ids=[(7 * i + 3) % self.vocab for i in range(length)],
+            token_ids=self._ids.setdefault(
+                length, [(7 * i + 3) % self.vocab for i in range(length)]
+            ),
             params=params,
             num_prompt_tokens=length - outputs,
         )
@@ -97,6 +102,12 @@ class ScratchSequences:
         if copy:
             batch.block_copies = [(0, 1)]
             batch.window_copies = [(0, 1)] if self.window_blocks >= 2 else []
+        logger.debug(
+            "warm-up step: %d sequences, tokens %s, contexts %s",
+            len(seqs),
+            counts,
+            [seq.num_computed_tokens for seq in seqs[:4]],
+        )
         self.runner.execute(batch, None).wait()
         for seq in seqs:
             self.runner.forget(seq)
@@ -131,17 +142,22 @@ def warm_up_steps(runner: ModelRunner, scratch: ScratchSequences) -> Iterator[No
                 scratch.run([*decodes, scratch.new(chunk, 0)], [1] * rows + [chunk])
             yield
     if not runner.kv.contiguous:  # copy-on-write (a sample forked inside a block; beams)
-        scratch.run([scratch.new(2, 0)], [2], copy=True)
+        scratch.run([scratch.new(min(2, budget), 0)], [min(2, budget)], copy=True)
         yield
-    yield from warm_up_sampling(scratch)
+    yield from warm_up_sampling(scratch, budget, config.max_num_seqs)
 
 
-def warm_up_sampling(scratch: ScratchSequences) -> Iterator[None]:
-    """Every sampling path: all variants in one step, then each alone (the sampler picks its path per step)."""
-    prompt, outputs = 9, 4
-    for variants in (SAMPLING_VARIANTS, *((v,) for v in SAMPLING_VARIANTS)):
-        seqs = [scratch.new(prompt + outputs, 0, params, outputs) for params in variants]
-        scratch.run(seqs, [prompt + outputs] * len(seqs))
+def warm_up_sampling(scratch: ScratchSequences, budget: int, max_seqs: int) -> Iterator[None]:
+    """Every sampling path: each variant alone (the sampler picks its path per step), and all in one step where
+    the step's limits allow."""
+    variants = SAMPLING_VARIANTS
+    length = max(1, min(13, budget // len(variants)))
+    groups = [(v,) for v in variants]
+    if len(variants) <= max_seqs and length * len(variants) <= budget:
+        groups.insert(0, variants)
+    for group in groups:
+        seqs = [scratch.new(length, 0, params, length // 3) for params in group]
+        scratch.run(seqs, [length] * len(seqs))
         yield
 
 

@@ -32,7 +32,8 @@ serve: install
 
 # The whole suite, then the tests marked `isa` (they depend on the CPU's numerics or speed: tests/conftest.py) once
 # more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU. Each run spreads
-# its tests over TEST_WORKERS processes (pytest-xdist), except the tests marked `serial` (the soak: it times
+# its tests over TEST_WORKERS processes (pytest-xdist; a worker that runs out takes tests from the other's end, so
+# the slowest tests do not leave one worker idle at the end), except the tests marked `serial` (the soak: it times
 # streams against their own unloaded speed), which run alone after the others. With PYTEST_ARGS, only that one run
 # (in one process): `make test PYTEST_ARGS="tests/server/test_cli.py -k version"`.
 AVX2_HELD := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDCHAT_CPU_ISA=avx2
@@ -42,9 +43,9 @@ test: install-dev
 ifdef PYTEST_ARGS
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 else
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
-	$(AVX2_HELD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "isa and not serial"
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "isa and not serial"
 	$(AVX2_HELD) $(BIN)/python -m pytest -q -m "isa and serial"
 endif
 

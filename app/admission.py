@@ -1,18 +1,21 @@
 """Admission: the one gate of every request that generates, built once at start-up. It answers 404 for a name
-the model is not served as, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full and 400 for a
-request the engine refuses; it says whose request it is (tenant, scheduling tenant, admin) and which prefix-cache
-salt it gets; and it hands the request to the engine, as a TimedStream that records its latencies."""
+the model is not served as, 503 while the engine is down, 429 when the queue (or the tenant's part of it) is full or
+the key's quota is spent (app/key_quota.py) and 400 for a request the engine refuses; it says whose request it is
+(tenant, scheduling tenant, admin) and which prefix-cache salt it gets; and it hands the request to the engine, as a
+TimedStream that records its latencies."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from app.errors import APIError, EngineUnavailable
+from app.key_quota import KeyQuota, KeyTicket
 from app.metrics import ServerMetrics
 from app.request_body import ClientDisconnected
+from app.request_budget import request_tokens
 from app.timed_stream import TimedStream
 from engine.async_engine import EngineDeadError
 from engine.engine_client import EngineClient
@@ -29,6 +32,8 @@ class Admission:
     max_queue: int  # this front's share of --max-queue (requests waiting for their first token)
     max_queue_per_tenant: int  # this front's share of --max-queue-per-tenant
     tenant_salt_from_api_key: bool = False  # each API key's prefix blocks its own
+    # this front's share of --max-tokens-per-minute-per-key and --max-concurrent-requests-per-key
+    quota: KeyQuota = field(default_factory=KeyQuota)
 
     @property
     def model_name(self) -> str:
@@ -79,6 +84,17 @@ class Admission:
             return requested
         return f"{tenant}/{requested}" if requested is not None else tenant
 
+    def reserve(
+        self, request: Request | None, prompt_lengths: list[int], params: list[SamplingParams]
+    ) -> KeyTicket | None:
+        """Take, from the request's key, the most tokens its prompts can take (app/request_budget.py) and a
+        place among its requests in flight, or raise the 429 (400 when it could never fit) that says why not;
+        None when the quotas are off or the request is the server's own. A request of several prompts
+        reserves once for all of them and passes the ticket to each ``submit``."""
+        if request is None:
+            return None
+        return self.quota.admit(self.tenant(request), request_tokens(prompt_lengths, params))
+
     async def submit(
         self,
         prompt_ids: list[int],
@@ -88,17 +104,44 @@ class Admission:
         request: Request | None = None,
         priority: int = 0,
         retain: bool = False,
+        ticket: KeyTicket | None = None,
     ) -> TimedStream:
         """Hand the request to the engine now, or raise the APIError that says why not. A response_format's
         schema is compiled first, off the event loop (once per request, whatever its n). With the HTTP
         ``request``, the engine shares its steps fairly between the request's tenant and others
-        (``scheduling_tenant``), and the stream's numbers go to its access-log line (app/access_log.py).
-        ``retain``: a session's turn, whose blocks the engine keeps ahead of one-off requests' (and on its lower
-        KV tiers) for the next turn."""
-        if not self.engine.healthy:
-            raise EngineUnavailable()
-        tenant = self.scheduling_tenant(request)
-        self._check_queue(tenant)
+        (``scheduling_tenant``), the key's quotas are charged (``reserve``, unless ``ticket`` is the request's
+        reservation already) and given back when the stream ends, and the stream's numbers go to its access-log
+        line (app/access_log.py). ``retain``: a session's turn, whose blocks the engine keeps ahead of one-off
+        requests' (and on its lower KV tiers) for the next turn."""
+        try:
+            if not self.engine.healthy:
+                raise EngineUnavailable()
+            tenant = self.scheduling_tenant(request)
+            self._check_queue(tenant)
+            if ticket is None:
+                ticket = self.reserve(request, [len(prompt_ids)], [params])
+            timed = await self._hand_over(
+                prompt_ids, params, cache_salt, arrival, request, priority, retain, tenant
+            )
+        except BaseException:
+            if ticket is not None and ticket.idle:
+                ticket.close()
+            raise
+        if ticket is not None:
+            ticket.hold(timed)
+        return timed
+
+    async def _hand_over(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        arrival: float,
+        request: Request | None,
+        priority: int,
+        retain: bool,
+        tenant: str,
+    ) -> TimedStream:
         spec = params.structured_output
         if spec is not None and spec.grammar is None:
             try:

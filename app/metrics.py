@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Counter,
     Histogram,
     generate_latest,
 )
@@ -112,6 +113,13 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=own,
         )
+        self.quota_refusals = Counter(
+            "pagedchat:key_quota_refusals",
+            "Requests refused by a per-key quota, by reason: tokens (--max-tokens-per-minute-per-key), "
+            "too_large (more than that whole quota), concurrency (--max-concurrent-requests-per-key).",
+            ["model_name", "reason"],
+            registry=own,
+        )
         self.registry.register(_EngineCollector(model_name, stats))
         # the labelled children, looked up once (a labels() call per token was a tenth of the front's time)
         self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
@@ -132,6 +140,9 @@ class ServerMetrics:
 
     def observe_finished(self, seconds: float) -> None:
         self._e2e.observe(seconds)
+
+    def observe_quota_refusal(self, reason: str) -> None:
+        self.quota_refusals.labels(self.model_name, reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

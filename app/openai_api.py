@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.errors import APIError
 from app.openai_format import (
     ResponseHeader,
     completion_choice,
@@ -65,14 +64,17 @@ async def completions(request: Request) -> Response:
     check_least_tokens(body, given, server.replies.max_request_tokens)
     prompts = await server.prompts.encode_each(given)
     params = server.replies.sampling_params_each(body, [len(ids) for ids in prompts])
-    salt = server.admission.cache_salt(request, body.cache_salt)
+    admission = server.admission
+    salt = admission.cache_salt(request, body.cache_salt)
+    # the key's quotas: one reservation for every prompt (app/key_quota.py)
+    ticket = admission.reserve(request, [len(ids) for ids in prompts], params)
     streams: list[TimedStream] = []
     try:
         for ids, p in zip(prompts, params):
             streams.append(
-                await server.admission.submit(ids, p, salt, arrival, request, body.priority)
+                await admission.submit(ids, p, salt, arrival, request, body.priority, ticket=ticket)
             )
-    except APIError:
+    except BaseException:
         for stream in streams:
             await stream.aclose()
         raise

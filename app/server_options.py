@@ -127,6 +127,26 @@ SERVER_OPTIONS = (
         "int",
     ),
     Option(
+        "max_tokens_per_minute_per_key",
+        "Tokens one API key (without keys: the whole server) may take a minute, a token bucket of this "
+        "size refilled continuously: a request reserves its most possible tokens (as --max-request-tokens "
+        "counts them) and gets back what it did not use when it ends; a request that does not fit gets 429 "
+        "rate_limit_exceeded with Retry-After, one larger than the bucket 400 naming max_tokens. With "
+        "several fronts (--api-server-count) each enforces its share, N / fronts rounded up (0: off)",
+        "0",
+        "int",
+        env="PAGEDCHAT_MAX_TOKENS_PER_MINUTE_PER_KEY",
+    ),
+    Option(
+        "max_concurrent_requests_per_key",
+        "Generating requests one API key (without keys: the whole server) may have in flight; more get "
+        "429 rate_limit_exceeded with Retry-After: 1. With several fronts each enforces its share, N / "
+        "fronts rounded up (0: no cap)",
+        "0",
+        "int",
+        env="PAGEDCHAT_MAX_CONCURRENT_REQUESTS_PER_KEY",
+    ),
+    Option(
         "generation_config",
         "auto: the sampling defaults of the model's generation_config.json (temperature, "
         "top_p, top_k, min_p, repetition_penalty) apply to requests that do not set them, as vLLM; none: "

@@ -19,6 +19,7 @@ from app.background import BackgroundTasks
 from app.chat_format.formats import detect_chat_format
 from app.front import Front
 from app.generation_config import model_sampling_defaults
+from app.key_quota import KeyQuota
 from app.metrics import ServerMetrics
 from app.prompts import PromptRenderer
 from app.replies import ReplyWriter
@@ -78,6 +79,11 @@ def build_serving(
         max_queue=front.queue_share(settings.max_queue),
         max_queue_per_tenant=front.queue_share(settings.tenant_queue),
         tenant_salt_from_api_key=settings.tenant_salt_from_api_key,
+        quota=KeyQuota(
+            front.queue_share(settings.max_tokens_per_minute_per_key),
+            front.queue_share(settings.max_concurrent_requests_per_key),
+            on_refused=metrics.observe_quota_refusal,
+        ),
     )
     defaults = (
         model_sampling_defaults(engine.info.model_path)

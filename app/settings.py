@@ -58,6 +58,16 @@ class ServerSettings:
     # the most tokens one request may buy, over its prompts: prompt + sequences x max_tokens
     # (app/request_budget.py); 0: no limit
     max_request_tokens: int = 262_144
+    # per key (an API key's tenant; all requests of a server without keys are one): a token bucket of this many
+    # tokens refilled at this many a minute, charged at admission with a request's most possible tokens (the
+    # count above) and given back what it did not use (app/key_quota.py); 0: off
+    max_tokens_per_minute_per_key: int = field(
+        default_factory=lambda: _env_int("PAGEDCHAT_MAX_TOKENS_PER_MINUTE_PER_KEY")
+    )
+    # per key: generating requests in flight; 0: no cap
+    max_concurrent_requests_per_key: int = field(
+        default_factory=lambda: _env_int("PAGEDCHAT_MAX_CONCURRENT_REQUESTS_PER_KEY")
+    )
     # auto: the model's generation_config.json sampling defaults; none: OpenAI's
     generation_config: str = "auto"
     # the tool-call syntax: auto (from the chat template), hermes, llama3_json or mistral
@@ -112,6 +122,16 @@ class ServerSettings:
         _check(self.max_system_prompt_chars >= 1, "max_system_prompt_chars", "must be >= 1")
         _check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         _check(self.max_request_tokens >= 0, "max_request_tokens", "must be >= 0 (0: no limit)")
+        _check(
+            self.max_tokens_per_minute_per_key >= 0,
+            "max_tokens_per_minute_per_key",
+            "must be >= 0 (0: off)",
+        )
+        _check(
+            self.max_concurrent_requests_per_key >= 0,
+            "max_concurrent_requests_per_key",
+            "must be >= 0 (0: no cap)",
+        )
         _check(
             self.admin_api_key is None
             or bool(self.admin_api_key.strip())
@@ -187,6 +207,16 @@ MAX_NAME_CHARS = 256
 def _names_from_env(variable: str) -> list[str] | None:
     text = os.environ.get(variable)
     return parse_names(text) if text else None
+
+
+def _env_int(variable: str) -> int:
+    """An integer option's environment variable (0 when unset); a bad value names the option."""
+    text = os.environ.get(variable) or "0"
+    try:
+        return int(text)
+    except ValueError:
+        name = variable.removeprefix("PAGEDCHAT_").lower()
+        raise ValueError(f"{name}: ${variable} must be an integer, not {text!r}") from None
 
 
 def _check_names(names: list[str], field_name: str) -> None:

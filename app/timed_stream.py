@@ -47,6 +47,8 @@ class TimedStream:
         # not block (it may run inside a cancelled task), may return a task the answer waits for before its
         # last event (sessions store the turn so, and the client's next message finds it stored)
         self.on_end: Callable[[TimedStream], asyncio.Task | None] | None = None
+        # called once when the stream ends, before on_end (admission's per-key quota: app/key_quota.py)
+        self.on_close: Callable[[TimedStream], None] | None = None
         # a session turn the store could not take in time: kept in memory, stored when the store is back (the
         # answer says so: "session_turn": "pending")
         self.turn_pending = False
@@ -83,6 +85,9 @@ class TimedStream:
         if self._num_open > 0:
             self.finish_reasons.add("error" if self.failure is not None else "abort")
             self._num_open = 0
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close(self)
         on_end, self.on_end = self.on_end, None
         if on_end is not None:
             self._end_task = on_end(self)

@@ -27,7 +27,7 @@ from tests.server_harness import SMALL_KV_GIB, one_torch_thread
 pytestmark = pytest.mark.slow
 
 PER_MINUTE, CONCURRENT = 600, 2
-KEYS = ("burst", "leaver", "bystander", "crowd", "other", "drained", "counted")
+KEYS = ("burst", "leaver", "quitter", "bystander", "crowd", "other", "drained", "counted")
 
 
 class Clock:
@@ -240,6 +240,24 @@ def test_a_stream_that_leaves_gives_back_its_unused_tokens_and_its_place(client:
         generated = timed.num_completion_tokens
         assert 1 <= generated < 590, "the stream was not cut short"
         assert q.level(tenant) == PER_MINUTE - 10 - generated
+
+    client.portal.call(scenario)
+
+
+def test_a_non_streaming_client_that_gives_up_gives_back_its_unused_tokens_and_its_place(
+    client: TestClient,
+):
+    tenant, q = tenant_id("quitter"), quota(client)
+
+    async def scenario() -> None:
+        waiting = start(client, "quitter", "/v1/completions", completion(10, 590))
+        await settled(lambda: q.running(tenant) == 1, "the request admitted")
+        assert q.level(tenant) == 0
+        await waiting.leave()
+        await settled(lambda: q.running(tenant) == 0, "the request's place given back")
+        (timed,) = waiting.scope["state"]["generations"]
+        assert timed.num_completion_tokens < 590, "the request was not cut short"
+        assert q.level(tenant) == PER_MINUTE - 10 - timed.num_completion_tokens
 
     client.portal.call(scenario)
 

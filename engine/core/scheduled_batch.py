@@ -35,10 +35,11 @@ class ScheduledBatch:
     sampling_seqs: list[Sequence] = field(init=False)
 
     def __post_init__(self) -> None:
+        # (len(token_ids): num_tokens without a property call, per row per step)
         self.sampling_seqs = [
             seq
             for seq, n in zip(self.seqs, self.num_new_tokens)
-            if seq.num_computed_tokens + n == seq.num_tokens
+            if seq.num_computed_tokens + n == len(seq.token_ids)
         ]
         self.sampling_seqs += [child for _, child in self.forks]
 

@@ -247,21 +247,10 @@ class EngineCore:
             in_flight = None
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
-        self.counters.launch_seconds += (
-            time.perf_counter() - launch_start - launched.prepare_seconds
-        )
+        launch_seconds = time.perf_counter() - launch_start - launched.prepare_seconds
+        self.counters.launch_seconds += launch_seconds
         self.beams.preempted(batch.preempted)
-        # a beam's next token comes from its request's beam step, not from its own sampled row
-        launched.pending_indices = [
-            -1 if seq.params.use_beam_search else seq.append_pending() for seq in launched.seqs
-        ]
-        for seq in launched.seqs:
-            if seq.params.use_beam_search:
-                seq.awaiting_beam_step = True
-            else:
-                seq.awaiting_last_token = reaches_length_limit(
-                    seq, seq.num_tokens, self.config.max_model_len
-                )
+        launched.pending_indices = self._hold_places(launched.seqs)
         if in_flight is not None:
             deltas += self._process(in_flight)
         self.scheduler.advance(
@@ -282,6 +271,19 @@ class EngineCore:
             if not self._requests:
                 self.runner.settle()
         return deltas
+
+    def _hold_places(self, seqs: list[Sequence]) -> list[int]:
+        """Each sampled sequence holds its pending token's place: its index, or -1 for a beam (whose next token
+        comes from its request's beam step, not from its own sampled row)."""
+        max_model_len, indices = self.config.max_model_len, []
+        for seq in seqs:
+            if seq.params.use_beam_search:
+                seq.awaiting_beam_step = True
+                indices.append(-1)
+            else:
+                indices.append(seq.append_pending())
+                seq.awaiting_last_token = reaches_length_limit(seq, seq.num_tokens, max_model_len)
+        return indices
 
     def _idle_step(
         self, in_flight: LaunchedStep | None, batch: ScheduledBatch
@@ -338,7 +340,8 @@ class EngineCore:
         self, sample: Sample, token_id: int, token_logprobs: TokenLogprobs | None
     ) -> SampleDelta:
         seq = sample.seq
-        accept_grammar(seq, token_id)
+        if seq.grammar is not None:
+            accept_grammar(seq, token_id)
         status = stop_status(seq, token_id, self.config.eos_token_ids, self.config.max_model_len)
         if status is not None:
             self._finish(seq, status)

@@ -39,24 +39,19 @@ class Sample:
     def take_delta(self, logprobs: list[TokenLogprobs] | None = None) -> SampleDelta:
         """The sample's output tokens known and not sent yet (now counted as sent), and how it ended if it has:
         its next delta (``logprobs``: the new tokens', where asked for)."""
-        seq = self.seq
-        first_output, num_output = (
-            seq.num_prompt_tokens,
-            seq.num_known_tokens - seq.num_prompt_tokens,
-        )
-        new_ids = seq.token_ids[first_output + self.num_sent : first_output + num_output]
-        self.num_sent = num_output
-        queued = (
-            None
-            if seq.first_scheduled_time is None
-            else seq.first_scheduled_time - seq.arrival_time
-        )
+        # (per row per step: plain attributes, no properties; a running sequence's status is not hashed)
+        seq, first_output = self.seq, self.seq.num_prompt_tokens
+        known = len(seq.token_ids) - seq.num_pending_tokens
+        new_ids = seq.token_ids[first_output + self.num_sent : known]
+        self.num_sent = known - first_output
+        first_scheduled, status = seq.first_scheduled_time, seq.status
+        queued = None if first_scheduled is None else first_scheduled - seq.arrival_time
         return SampleDelta(
             seq.request_id,
             seq.index,
             new_ids,
             logprobs,
-            seq.status.finish_reason,
+            None if status is SequenceStatus.RUNNING else status.finish_reason,
             seq.stop_reason if isinstance(seq.stop_reason, int) else None,
             max(seq.num_cached_tokens, 0),
             queued,

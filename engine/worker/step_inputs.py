@@ -185,6 +185,12 @@ class StepInputs:
 
     def _sync_row(self, seq: Sequence) -> int:
         entry = self._rows.get(seq.seq_id)
+        if entry is not None and not self.windowed and len(seq.block_table) == entry[1]:
+            # the common decode step: no new block; its last entry again (copy-on-write may have replaced it)
+            row, last = entry[0], entry[1] - 1
+            if last >= 0:
+                self.table[row, last] = seq.block_table[last]
+            return row
         if entry is None:
             if not self._free_rows and self._cooling:
                 self._release_cooled(wait=True)

@@ -134,18 +134,23 @@ def wait_for_reply(page: Any, timeout_ms: int = REPLY_TIMEOUT_MS) -> Any:
 
 
 def record_reply_lengths(page: Any) -> None:
-    """Start sampling, every 20 ms inside the page, the text length of the reply that is streaming."""
+    """Start recording, at each change the page makes to the reply that is streaming, its text length (every
+    render is seen, however fast the reply arrives: polling could miss a stream shorter than its period)."""
     page.evaluate("""() => {
         window.__replyLengths = [];
-        window.__sampler = setInterval(() => {
+        window.__replyObserver = new MutationObserver(() => {
             const reply = document.querySelector('#messages .message.assistant.streaming .content');
             if (reply) window.__replyLengths.push(reply.textContent.length);
-        }, 20);
+        });
+        window.__replyObserver.observe(document.querySelector('#messages'),
+            { childList: true, subtree: true, characterData: true });
     }""")
 
 
 def recorded_reply_lengths(page: Any) -> list[int]:
-    return page.evaluate("() => { clearInterval(window.__sampler); return window.__replyLengths; }")
+    return page.evaluate(
+        "() => { window.__replyObserver.disconnect(); return window.__replyLengths; }"
+    )
 
 
 def wait_until(predicate: Any, timeout_s: float, what: str) -> None:

@@ -177,7 +177,8 @@ def test_raw_html_is_shown_as_the_text_it_is(browser: Any, static_web: str) -> N
 def test_new_chat_streams_the_reply_token_by_token_then_shows_stats(
     browser: Any, server: RunningServer
 ) -> None:
-    page = open_page(browser, server.url("/"), {"temperature": 0.0, "maxTokens": 32, "apiKey": ""})
+    # 64 tokens: a few frames' worth even on a busy machine (each frame renders what arrived since the last)
+    page = open_page(browser, server.url("/"), {"temperature": 0.0, "maxTokens": 64, "apiKey": ""})
     assert page.locator("#draft-options").is_visible()
     record_reply_lengths(page)
     send_message(page, "Tell me a short story about a lighthouse keeper.")

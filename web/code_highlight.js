@@ -1,15 +1,13 @@
 // Syntax highlighting of code blocks (highlight.js, vendored with its common languages), whole or while a block
 // streams. The highlighted HTML is highlight.js's: the code's text escaped, wrapped in <span class="hljs-...">.
 import hljs from "./vendor/highlight/highlight.min.js";
+import { escapeHtml } from "./html.js";
 
 // Guessing the language of an unlabelled block runs every grammar over it: only small blocks are guessed.
 const GUESS_MAX_CHARS = 4000;
 // A streaming block re-highlights its uncommitted lines each frame; past this many they are committed anyway
 // (a comment or string open that long may then be coloured differently until the block ends).
 const PENDING_MAX_LINES = 200;
-
-const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => ESCAPES[c]);
-const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 
 // The grammar named by a fence's info string ("python", "js", "c++ {.class}"), or null.
 export function languageOf(info) {
@@ -57,18 +55,22 @@ export class LiveCode {
   finish(body) {
     const code = body.endsWith("\n") ? body.slice(0, -1) : body;
     this.partial.remove();
-    if (code.length > this.committed) this.commit(this.highlighted(code.slice(this.committed)), code.length);
-    else if (code.length < this.committed) dropLastNewline(this.code);
+    const rest = code.slice(this.committed);
+    if (rest) {
+      const result = this.run(rest);
+      this.commit(result ? result.value : escapeHtml(rest), code.length);
+    } else if (code.length < this.committed) dropLastNewline(this.code);
     this.pending.remove();
   }
 
-  highlighted(lines) {
-    return this.language ? hljs.highlight(lines, { language: this.language, ignoreIllegals: true }).value : escapeHtml(lines);
+  // highlight.js's result for `lines` (null without a grammar: then they are plain text)
+  run(lines) {
+    return this.language ? hljs.highlight(lines, { language: this.language, ignoreIllegals: true }) : null;
   }
 
   highlightLines(lines, end) {
-    if (!this.language) return this.commit(escapeHtml(lines), end);
-    const result = hljs.highlight(lines, { language: this.language, ignoreIllegals: true });
+    const result = this.run(lines);
+    if (!result) return this.commit(escapeHtml(lines), end);
     const tooLong = lines.split("\n").length > PENDING_MAX_LINES;
     if (result._top === this.root || tooLong) return this.commit(result.value, end);
     this.pending.innerHTML = result.value; // highlight.js's escaped output

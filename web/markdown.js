@@ -4,11 +4,9 @@
 // Code blocks are highlighted (web/code_highlight.js) and math drawn with KaTeX (web/math.js).
 import { Marked } from "./vendor/marked/marked.esm.js";
 import DOMPurify from "./vendor/dompurify/purify.es.js";
+import { escapeHtml } from "./html.js";
 import { codeClass, highlightCode } from "./code_highlight.js";
 import { mathExtensions, renderMath } from "./math.js";
-
-const escapeHtml = (text) =>
-  text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 
 const marked = new Marked({
   gfm: true,
@@ -18,7 +16,8 @@ const marked = new Marked({
     html: ({ text }) => escapeHtml(text),
     // no images: a remote image in a reply would be fetched unasked (a tracking pixel); show a link instead
     image: ({ href, text }) => `<a href="${escapeHtml(href || "")}">${escapeHtml(text || href || "image")}</a>`,
-    code: ({ text, lang }) => `<pre><code class="${escapeHtml(codeClass(lang))}">${highlightCode(text, lang)}</code></pre>\n`,
+    code: ({ text, lang }) =>
+      `<pre><code class="${escapeHtml(codeClass(lang))}">${highlightCode(text, lang)}</code></pre>\n`,
   },
 });
 

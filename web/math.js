@@ -2,6 +2,7 @@
 // placeholder holding the TeX as text; after sanitising, renderMath() draws each placeholder with KaTeX
 // (vendored, loaded on the first formula). KaTeX builds DOM nodes and sets their styles through the CSSOM, so
 // the page's CSP (no inline styles) holds; `trust: false` keeps \href, \url and \html… commands off.
+import { escapeHtml } from "./html.js";
 
 // The longest formula drawn; a longer one stays as its TeX source.
 const MAX_TEX_CHARS = 4000;
@@ -18,9 +19,6 @@ let katex = null;
 let loading = null;
 
 const placeholder = (tag, cls, tex) => `<${tag} class="${cls}">${escapeHtml(tex)}</${tag}>`;
-const escapeHtml = (text) =>
-  text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-
 // $…$ is inline math when the $ is not followed by a space, the closing $ is not preceded by a space nor
 // followed by a digit (so "$5 and $10" stays money), and the formula fits on one line.
 const DOLLAR = /^\$(?!\s)((?:\\.|[^\\$\n])+?)(?<!\s)\$(?!\d)/;

@@ -71,6 +71,16 @@ class EngineConfig:
     # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
     # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
     async_scheduling: bool | None = None
+    # speculative decoding (engine/speculative/): None (off) | ngram (drafts from the request's own tokens: its
+    # prompt, which for a session turn holds the earlier turns, and its reply so far), verified k + 1 positions a
+    # step; greedy output is unchanged, sampling keeps its distribution. A step with drafts reads its sampled ids
+    # before the next is scheduled (async scheduling off)
+    speculative: str | None = None
+    num_speculative_tokens: int = (
+        4  # the most drafts a sequence gets in a step (fewer where they miss)
+    )
+    # steps with more decode rows than this run without drafts (a large batch is not held back by a draft's rows)
+    speculative_max_batch: int = 8
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
     # CUDA: after the graphs are captured, run one scratch step of each shape class the scheduler can produce
     # (engine/worker/warm_up.py), so that Triton compiles every kernel variant (or loads it from its on-disk cache)
@@ -247,8 +257,9 @@ class EngineConfig:
             self.shared_step_time_factor = 1.5 if self.torch_device.type == "cpu" else 1.2
         if self.step_time_target_s is None:
             self.step_time_target_s = 0.25 if self.torch_device.type == "cpu" else 0.0
+        _check_speculative(self)
         if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda"
+            self.async_scheduling = self.torch_device.type == "cuda" and not self.speculative
         if self.dtype == "auto":
             self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         else:
@@ -278,6 +289,33 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         assert self.max_model_len is not None
         return -(-self.max_model_len // self.block_size)
+
+
+def _check_speculative(config: EngineConfig) -> None:
+    _check(config.speculative in (None, "ngram"), "speculative", "must be ngram or unset (off)")
+    _check(
+        _is_int(config.num_speculative_tokens) and 1 <= config.num_speculative_tokens <= 16,
+        "num_speculative_tokens",
+        "must be in [1, 16]",
+    )
+    _check(
+        _is_int(config.speculative_max_batch) and 1 <= config.speculative_max_batch <= 4096,
+        "speculative_max_batch",
+        "must be in [1, 4096]",
+    )
+    if not config.speculative:
+        return
+    _check(
+        not config.async_scheduling,
+        "async_scheduling",
+        "speculative decoding reads each step's tokens before the next step: turn async scheduling off",
+    )
+    _check(config.kv_backend == "paged", "speculative", "needs the paged KV backend")
+    _check(
+        config.tensor_parallel_size == 1,
+        "speculative",
+        "is not supported with tensor parallelism yet",
+    )
 
 
 def _check_tensor_parallel(config: EngineConfig) -> None:
@@ -366,3 +404,7 @@ def _env_bytes(name: str, default: int) -> int:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -34,6 +34,10 @@ class AttentionMetadata:
     # model's layers all read the one group above.
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
+    # several decode rows of one sequence (speculative decoding's verify rows): a row attends the KV that the rows
+    # before it write in this pass, so a kernel that stores and attends row by row without waiting for the others
+    # (the persistent decode) may not run it
+    rows_share_sequences: bool = False
     # values derived from the above once per pass and shared by every layer (the lean CPU path, kernels/cpu.py)
     memo: dict[str, Any] = field(default_factory=dict)
 

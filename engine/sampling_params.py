@@ -72,6 +72,9 @@ class SamplingParams:
     beam_width: int = 4
     length_penalty: float = 1.0  # a hypothesis scores sum(logprobs) / length ** length_penalty
     early_stopping: bool | str = False  # False (transformers' heuristic), True, or "never"
+    # speculative decoding, where the engine runs it: False keeps this request to one token a step (its output
+    # is the same either way; an off switch for a client that wants even steps)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,7 @@ class SamplingParams:
         _check(
             _is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]"
         )
+        _check(isinstance(self.speculative, bool), "speculative", "must be true or false")
         _check(
             self.best_of is None
             or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),

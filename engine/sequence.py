@@ -89,6 +89,9 @@ class Sequence:
     # released blocks are 0; the first window_registered entries were entered in that pool's hash map
     window_table: list[int] = field(default_factory=list)
     window_registered: int = 0
+    # speculative decoding: its n-gram index and acceptance (engine/speculative/draft_length.py), made on its
+    # first decode where it may speculate; its drafts, during a step, are the last tokens of token_ids
+    speculation: Any | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -80,6 +80,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sample", ("engine.sample",)),
     ("output", ("engine.output",)),  # output types, detokenizing, beam search, structured output
     ("worker", ("engine.worker",)),  # how a step runs: model runner, loader, CUDA graphs, TP ranks
+    ("speculative", ("engine.speculative",)),  # drafts for a step and their verification
     ("runtime", ("engine.runtime",)),  # the loop that drives core and worker, and its process
     (
         "front",

@@ -28,6 +28,11 @@ class EngineCounters:
     wait_seconds: float = 0.0  # blocked on the device for the sampled tokens
     # appending tokens, stop checks, detokenizing, building RequestOutputs
     output_seconds: float = 0.0
+    # speculative decoding (engine/speculative/): sequences verified (a step's drafted row group each), draft
+    # tokens verified, and of those the ones kept
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +70,10 @@ class EngineStats:
     kv_tier_written_bytes: int = 0
     kv_tier_restore_seconds: float = 0.0
     kv_tier_rejected_blocks: int = 0
+    # speculative decoding: EngineCounters'
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def collect(
@@ -94,6 +103,9 @@ class EngineStats:
             finished=dict(counters.finished),
             num_swapped=len(scheduler.swapped),
             prefill_tokens=scheduler.num_prefill_tokens,
+            spec_verifications=counters.spec_verifications,
+            spec_draft_tokens=counters.spec_draft_tokens,
+            spec_accepted_tokens=counters.spec_accepted_tokens,
             **tier_stats(scheduler.tiers, scheduler.block_manager.block_size),
         )
 

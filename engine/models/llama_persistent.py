@@ -65,6 +65,7 @@ class LlamaPersistentDecoder:
             meta is not None
             and meta.slot_ids is None
             and meta.num_decodes == num_tokens
+            and not meta.rows_share_sequences
             and 1 <= num_tokens <= MAX_ROWS
         )
 

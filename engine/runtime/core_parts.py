@@ -4,6 +4,8 @@ tier and the sliding-window layers' blocks), the scheduler (with its swap policy
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence as SequenceOf
 
 import torch
 
@@ -17,6 +19,8 @@ from engine.core.window_blocks import WindowBlocks
 from engine.kv_tiers.disk_store import DiskStore
 from engine.kv_tiers.fingerprint import files_identity, fingerprint
 from engine.kv_tiers.tier_io import BlockBytes, TierIO
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
 from kernels.cpu_native import resolve_isa
 
@@ -127,3 +131,20 @@ def engine_fingerprint(config: EngineConfig, k_caches: torch.Tensor) -> bytes:
 def _readers(config: EngineConfig) -> int:
     """Threads that read blocks back: enough to keep a GPU's copy busy, few where they share the CPU."""
     return 8 if config.torch_device.type == "cuda" else 2
+
+
+def warm_prefix(scheduler: Scheduler, token_ids: SequenceOf[int], cache_salt: str | None) -> int:
+    """Start bringing the blocks of ``token_ids`` back from the lower tiers; the number on their way."""
+    if scheduler.tiers is None:
+        return 0
+    probe = Sequence(-1, "warm", list(token_ids), SamplingParams(), cache_salt)
+    scheduler.block_manager.update_block_hashes(probe)
+    return scheduler.tiers.fetch(probe.block_hashes, len(probe.block_hashes))
+
+
+def flush_kv_tiers(tiers: TierBlocks | None, timeout_s: float) -> bool:
+    """Wait until every block handed to the lower tiers is written and settled; False at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while tiers is not None and tiers.busy and time.monotonic() < deadline:
+        tiers.poll(timeout_s=0.05)
+    return tiers is None or (not tiers.busy and tiers.io.wait_idle(deadline - time.monotonic()))

@@ -17,7 +17,8 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from engine.runtime.beam_requests import BeamRequests
-from engine.runtime.core_parts import new_block_manager, new_scheduler
+from engine.runtime.core_parts import flush_kv_tiers, new_block_manager, new_scheduler, warm_prefix
+from engine.runtime.speculative_steps import new_speculative_steps
 from engine.output.beam_search import new_beam_group
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
@@ -31,8 +32,8 @@ from engine.output.outputs import SampleDelta
 from engine.runtime.requests import (
     Request,
     Sample,
+    hold_places,
     new_sequences,
-    reaches_length_limit,
     stop_status,
 )
 from engine.core.prefix_pins import PrefixPins
@@ -77,6 +78,15 @@ class EngineCore:
         self.block_manager = new_block_manager(config, self.runner, num_blocks, window_blocks)
         self.scheduler = new_scheduler(config, self.runner, self.block_manager)
         self.counters = EngineCounters()
+        self.speculation = new_speculative_steps(  # (None: off)
+            config,
+            self.scheduler,
+            self.counters,
+            self.runner.kv.window,
+            self._finish,
+            self._emit,
+            self._fail,
+        )
         self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
         self._requests: dict[str, Request] = {}
         self.prefix_pins = PrefixPins(self.block_manager)
@@ -235,6 +245,8 @@ class EngineCore:
     def _step(self) -> list[SampleDelta]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.speculation is not None and batch.seqs:
+            batch = self.speculation.extend(batch)
         self.last_batch = batch
         launch_start = time.perf_counter()
         self.counters.schedule_seconds += launch_start - start
@@ -250,19 +262,17 @@ class EngineCore:
         launch_seconds = time.perf_counter() - launch_start - launched.prepare_seconds
         self.counters.launch_seconds += launch_seconds
         self.beams.preempted(batch.preempted)
-        launched.pending_indices = self._hold_places(launched.seqs)
+        launched.drafts = batch.drafts  # (their rows follow the plain ones: verified in _process)
+        launched.pending_indices = hold_places(batch.plain_samples, self.config.max_model_len)
         if in_flight is not None:
             deltas += self._process(in_flight)
-        self.scheduler.advance(
-            [(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens) if not seq.is_finished],
-            batch.forks,
-        )
+        self.scheduler.advance(batch.plain_entries(), batch.forks)
         self.counters.steps += 1
         # (with async scheduling this step's time is mostly the wait for the one before: the same shape, steadily)
         self.scheduler.step_cost.observe(
             sum(batch.num_new_tokens),
             time.perf_counter() - start,
-            batch.num_decodes < len(batch.seqs),
+            batch.num_decode_rows < batch.num_rows,
         )
         if self.config.async_scheduling:
             self._in_flight = launched
@@ -271,19 +281,6 @@ class EngineCore:
             if not self._requests:
                 self.runner.settle()
         return deltas
-
-    def _hold_places(self, seqs: list[Sequence]) -> list[int]:
-        """Each sampled sequence holds its pending token's place: its index, or -1 for a beam (whose next token
-        comes from its request's beam step, not from its own sampled row)."""
-        max_model_len, indices = self.config.max_model_len, []
-        for seq in seqs:
-            if seq.params.use_beam_search:
-                seq.awaiting_beam_step = True
-                indices.append(-1)
-            else:
-                indices.append(seq.append_pending())
-                seq.awaiting_last_token = reaches_length_limit(seq, seq.num_tokens, max_model_len)
-        return indices
 
     def _idle_step(
         self, in_flight: LaunchedStep | None, batch: ScheduledBatch
@@ -333,6 +330,10 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - this request's fault: it ends with an error, others run on
                 deltas.append(self._fail(sample, exc))
         self.counters.generation_tokens += len(deltas)
+        if launched.drafts:
+            verified, gained = self.speculation.apply(launched, token_ids, logprobs, samples)
+            deltas += verified
+            self.counters.generation_tokens += gained
         self.counters.output_seconds += time.perf_counter() - read
         return deltas
 
@@ -402,19 +403,11 @@ class EngineCore:
 
     def warm_prefix(self, token_ids: SequenceOf[int], cache_salt: str | None = None) -> int:
         """Start bringing the blocks of ``token_ids`` back from the lower tiers; the number on their way."""
-        if self.scheduler.tiers is None:
-            return 0
-        probe = Sequence(-1, "warm", list(token_ids), SamplingParams(), cache_salt)
-        self.block_manager.update_block_hashes(probe)
-        return self.scheduler.tiers.fetch(probe.block_hashes, len(probe.block_hashes))
+        return warm_prefix(self.scheduler, token_ids, cache_salt)
 
     def flush_kv_tiers(self, timeout_s: float = 60.0) -> bool:
         """Wait until every block handed to the lower tiers is written and settled; False at the timeout."""
-        tiers = self.scheduler.tiers
-        deadline = time.monotonic() + timeout_s
-        while tiers is not None and tiers.busy and time.monotonic() < deadline:
-            tiers.poll(timeout_s=0.05)
-        return tiers is None or (not tiers.busy and tiers.io.wait_idle(deadline - time.monotonic()))
+        return flush_kv_tiers(self.scheduler.tiers, timeout_s)
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self.block_manager.stats(), self.scheduler, self.counters)

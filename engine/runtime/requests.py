@@ -130,3 +130,17 @@ def stop_status(
     if reaches_length_limit(seq, seq.num_known_tokens, max_model_len):
         return SequenceStatus.FINISHED_LENGTH
     return None
+
+
+def hold_places(seqs: list[Sequence], max_model_len: int) -> list[int]:
+    """Each sequence sampled by a launched step holds its pending token's place: its index, or -1 for a beam
+    (whose next token comes from its request's beam step, not from its own sampled row)."""
+    indices = []
+    for seq in seqs:
+        if seq.params.use_beam_search:
+            seq.awaiting_beam_step = True
+            indices.append(-1)
+        else:
+            indices.append(seq.append_pending())
+            seq.awaiting_last_token = reaches_length_limit(seq, seq.num_tokens, max_model_len)
+    return indices

@@ -312,16 +312,18 @@ class ModelRunner:
         pending in ``in_flight`` are fed from its sampled ids on the device."""
         start = time.perf_counter()
         pad = None
+        num_rows = batch.num_rows
+        # (drafted rows run eagerly: a decode graph may run a kernel whose rows do not wait for each other's KV)
         if batch.num_decodes == len(batch.seqs):
-            pad = self.decode_graphs.padded_size(len(batch.seqs))
+            pad = self.decode_graphs.padded_size(num_rows)
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
-        num_rows = len(batch.sampling_seqs)
+        num_sampled = len(batch.sampling_seqs)
         if self.workers is not None:
             self.workers.send(
                 RunStep(
                     self.inputs.layout,
                     pad,
-                    num_rows,
+                    num_sampled,
                     batch.swap_out,
                     batch.block_copies,
                     batch.swap_in,
@@ -340,13 +342,13 @@ class ModelRunner:
             )
         prepared = time.perf_counter()
         if pad is not None:
-            logits = self.decode_graphs.run(step, pad, len(batch.seqs))
+            logits = self.decode_graphs.run(step, pad, num_rows)
             # (some rows not sampled, or sampled twice)
-            if num_rows != len(batch.seqs) or batch.forks:
+            if num_sampled != num_rows or batch.forks:
                 logits = logits[step.sample_rows]
         else:
             hidden = self._eager_forward(step)
-            logits = self.model.compute_logits(hidden[step.sample_rows]) if num_rows else None
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if num_sampled else None
         launched = self.sampling.launch(logits, batch.sampling_seqs, prepared - start)
         self.inputs.step_launched()
         return launched

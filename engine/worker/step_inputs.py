@@ -104,6 +104,7 @@ class StepLayout:
     num_seqs: int
     width: int  # block-table columns
     max_context_len: int
+    rows_share_sequences: bool = False  # (AttentionMetadata's)
 
 
 class StepInputs:
@@ -246,7 +247,8 @@ class StepInputs:
 
     def _vectors(self, batch: ScheduledBatch) -> _StepVectors:
         """The step's per-token and per-sequence values (numpy), before packing."""
-        seqs, counts = batch.seqs, batch.num_new_tokens
+        # (a drafted entry is 1 + k decode rows of one sequence: ScheduledBatch.rows)
+        seqs, offsets, counts = batch.rows()
         num_seqs = len(seqs)
         rows = self.rows = np.fromiter(
             (self._sync_row(seq) for seq in seqs), dtype=np.int64, count=num_seqs
@@ -254,6 +256,8 @@ class StepInputs:
         starts = np.fromiter(
             (seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs
         )
+        if batch.drafts:
+            starts += np.asarray(offsets, dtype=np.int64)
         lens = np.asarray(counts, dtype=np.int64)
         ids: list[int] = []
         for seq, start, n in zip(seqs, starts.tolist(), counts):
@@ -271,15 +275,22 @@ class StepInputs:
             else None
         )
         ends = self.ends = starts + lens  # (tokens with KV after this step, per sequence)
+        drafts = batch.drafts
         sample_rows = [
             int(cu) + n - 1
             for seq, cu, n, end in zip(seqs, cu_tokens.tolist(), counts, ends.tolist())
-            if end == seq.num_tokens
+            if end == seq.num_tokens and (not drafts or seq not in drafts)
         ]
         if batch.forks:  # each forked sample is drawn from its parent's row
             row_of = {seq.seq_id: row for seq, row in zip(batch.sampling_seqs, sample_rows)}
             sample_rows += [row_of[parent.seq_id] for parent, _ in batch.forks]
-        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decodes :])))
+        if drafts:  # every row of a drafted entry, after those (ScheduledBatch.sampling_seqs)
+            first = {}
+            for row, seq in enumerate(seqs):
+                first.setdefault(seq, int(cu_tokens[row]))
+            for seq, k in drafts.items():
+                sample_rows += range(first[seq], first[seq] + k + 1)
+        prefill_cu = np.concatenate(([0], np.cumsum(lens[batch.num_decode_rows :])))
         return _StepVectors(
             ids, positions, slots, ends, prefill_cu, sample_rows, rows, int(self.widths.max())
         )
@@ -307,7 +318,9 @@ class StepInputs:
         ids_v[:num_tokens] = v.ids
         feed_v.fill(-1)
         # a pending token is always a decode row's input
-        for i, seq in enumerate(batch.seqs[: batch.num_decodes]):
+        for i, seq in enumerate(
+            batch.seqs[: batch.num_decodes]
+        ):  # (drafted rows follow: none pending)
             if v.ids[i] == PENDING_TOKEN:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
@@ -320,11 +333,12 @@ class StepInputs:
             slot_v[num_tokens:], ctx_v[num_seqs:] = pad["slots"], pad["context_lens"]
         return StepLayout(
             offsets,
-            total_seqs if pad_to else batch.num_decodes,
+            total_seqs if pad_to else batch.num_decode_rows,
             total,
             num_seqs,
             width,
             int(v.ends.max()),
+            bool(batch.drafts),
         )
 
     def decode_view(self, size: int) -> DecodeView:
@@ -375,5 +389,6 @@ class StepInputs:
             max_context_len=layout.max_context_len,
             window_slot_mapping=window_slots[0] if window_slots else None,
             window_block_tables=tables[:, width:] if window_slots else None,
+            rows_share_sequences=layout.rows_share_sequences,
         )
         return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

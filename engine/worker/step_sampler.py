@@ -37,6 +37,8 @@ class LaunchedStep:
     failures: dict[int, str] = field(default_factory=dict)
     # row -> log_softmax [vocab] (beams)
     beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # speculative decoding: sequence -> its drafts; its 1 + k rows follow the plain rows (ScheduledBatch)
+    drafts: dict[Sequence, int] = field(default_factory=dict)
 
     def feed_rows(self) -> dict[int, int]:
         """seq_id -> row of its sampled id, for the next step's inputs."""

@@ -1,0 +1,43 @@
+"""Drafts from a sequence's own tokens: find the most recent earlier occurrence of its last n tokens (the longest n
+in ``[MIN_NGRAM, MAX_NGRAM]`` that occurred before) and propose the tokens that followed it.
+
+A sequence's tokens are its prompt (for a session turn: the system prompt and every earlier turn, re-sent as an
+exact token prefix) and its reply so far, so a reply that quotes the question, re-emits code it was shown, or
+regenerates an earlier answer finds its continuation there (prompt lookup decoding; vLLM's ``ngram`` method).
+
+The index is incremental: ``last_seen[n][gram]`` is the position right after the latest occurrence of ``gram``
+whose follower is known; each new token adds one gram per n, so a step costs O(MAX_NGRAM) dict operations
+whatever the length, and building the index for a prompt is linear (done once, on the sequence's first proposal).
+"""
+
+from __future__ import annotations
+
+MIN_NGRAM = 2
+MAX_NGRAM = 5
+
+
+class NgramIndex:
+    def __init__(self) -> None:
+        self.last_seen: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        self.num_indexed = 0  # tokens [0, num_indexed) have every gram ending before them entered
+
+    def update(self, tokens: list[int], num_known: int) -> None:
+        """Enter the grams of ``tokens[:num_known]`` not entered yet: each gram ``tokens[p - n : p]`` maps to
+        ``p`` (the position of its follower), for ``p`` up to ``num_known - 1`` (a follower must be known)."""
+        last_seen = self.last_seen
+        for p in range(max(self.num_indexed, MIN_NGRAM), num_known):
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, p) + 1):
+                last_seen[n][tuple(tokens[p - n : p])] = p
+        self.num_indexed = max(self.num_indexed, num_known)
+
+    def propose(self, tokens: list[int], num_known: int, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens to follow ``tokens[:num_known]``: those after the latest earlier
+        occurrence of its longest suffix (of MIN_NGRAM to MAX_NGRAM tokens) seen before; [] if none."""
+        if max_tokens <= 0 or num_known <= MIN_NGRAM:
+            return []
+        self.update(tokens, num_known)
+        for n in range(min(MAX_NGRAM, num_known - 1), MIN_NGRAM - 1, -1):
+            start = self.last_seen[n].get(tuple(tokens[num_known - n : num_known]))
+            if start is not None:
+                return tokens[start : min(start + max_tokens, num_known)]
+        return []

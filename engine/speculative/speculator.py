@@ -1,0 +1,144 @@
+"""The speculator: drafts for a scheduled batch's decode rows before the pass, and their verification after it.
+
+``extend`` runs after the scheduler: for each decode row that may speculate (speculation on, the row's request not
+beam search or under a grammar, the batch at most ``speculative_max_batch`` decode rows) it asks the sequence's
+n-gram index for drafts, as many as draft_length.py finds worth their rows, within the step's token budget, the
+sequence's length limit and the blocks free (drafts never preempt anyone), appends them to the sequence's
+``token_ids`` and moves its entry after the plain decodes with ``1 + k`` tokens. ``accept`` compares a verified
+sequence's drafts with its rows' samples and takes the drafts back out of its ``token_ids``; the engine then
+appends the tokens kept (engine/runtime/speculative_steps.py).
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.metrics import EngineCounters
+from engine.core.scheduled_batch import ScheduledBatch
+from engine.core.step_cost import StepCostModel
+from engine.sequence import Sequence
+from engine.speculative.draft_length import (
+    DEFAULT_ROW_COST,
+    Speculation,
+    choose_draft_length,
+    expected_tokens,
+)
+from engine.speculative.ngram import NgramIndex
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        step_cost: StepCostModel,
+        counters: EngineCounters,
+    ) -> None:
+        self.num_tokens = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        self.token_budget = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.block_manager, self.step_cost = block_manager, step_cost
+        self.counters = counters
+
+    def extend(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """``batch`` with drafts for the decode rows that speculate this step (itself when none do)."""
+        num_decodes = batch.num_decodes
+        if not num_decodes or num_decodes > self.max_batch:
+            return batch
+        room = self.token_budget - sum(batch.num_new_tokens)
+        prices = self.step_cost.prices()
+        row_seconds = prices.per_token if prices is not None else DEFAULT_ROW_COST
+        step_seconds = (
+            prices.cost(sum(batch.num_new_tokens), num_decodes < len(batch.seqs))
+            if prices is not None
+            else 1.0 + DEFAULT_ROW_COST * sum(batch.num_new_tokens)
+        )
+        step_tokens = float(len(batch.sampling_seqs))
+        drafts: dict[Sequence, int] = {}
+        for seq in batch.seqs[:num_decodes]:
+            state = self._state(seq)
+            if state is None or room <= 0:
+                continue
+            limit = min(self.num_tokens, room, self._length_room(seq))
+            k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
+            tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k)
+            tokens = tokens[: self._writable(seq, len(tokens))]
+            if not tokens or not self.block_manager.allocate(seq, 1 + len(tokens)):
+                continue
+            seq.token_ids.extend(tokens)
+            drafts[seq] = len(tokens)
+            room -= len(tokens)
+            step_tokens += expected_tokens(state.rate, len(tokens)) - 1
+            step_seconds += row_seconds * len(tokens)
+        if not drafts:
+            return batch
+        return _with_drafts(batch, num_decodes, drafts)
+
+    def accept(self, seq: Sequence, num_drafts: int, sampled: list[int]) -> list[int]:
+        """The tokens a verified sequence gains: its drafts while each equals the sample of the row before it, then
+        the sample of the first row that differs (or of the last row). Its drafts leave its ``token_ids``."""
+        drafts = seq.token_ids[-num_drafts:]
+        del seq.token_ids[-num_drafts:]
+        kept = 0
+        while kept < num_drafts and drafts[kept] == sampled[kept]:
+            kept += 1
+        seq.speculation.record(num_drafts, kept)
+        counters = self.counters
+        counters.spec_verifications += 1
+        counters.spec_draft_tokens += num_drafts
+        counters.spec_accepted_tokens += kept
+        return drafts[:kept] + [sampled[kept]]
+
+    def _state(self, seq: Sequence) -> Speculation | None:
+        """The sequence's speculative state (made on its first decode), or None where it may not speculate."""
+        state = seq.speculation
+        if state is None:
+            params = seq.params
+            if (
+                not params.speculative
+                or params.use_beam_search
+                or seq.grammar is not None
+                or seq.num_pending_tokens
+            ):
+                return None
+            state = seq.speculation = Speculation(NgramIndex())
+        return state
+
+    def _length_room(self, seq: Sequence) -> int:
+        """Drafts that fit its length limit with the step's one more token."""
+        limit = self.max_model_len
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + seq.params.max_tokens)
+        return limit - len(seq.token_ids) - 1
+
+    def _writable(self, seq: Sequence, num_drafts: int) -> int:
+        """Drafts whose KV lands in blocks the sequence alone holds (or will take fresh): a block it shares
+        after a fork is copied only where its next token is written (BlockManager.allocate)."""
+        size, table, pool = self.block_manager.block_size, seq.block_table, self.block_manager.pool
+        start = seq.num_computed_tokens
+        for index in range(start // size + 1, (start + num_drafts) // size + 1):
+            if index < len(table) and pool.blocks[table[index]].ref_count > 1:
+                return index * size - start - 1
+        return num_drafts
+
+
+def _with_drafts(
+    batch: ScheduledBatch, num_decodes: int, drafts: dict[Sequence, int]
+) -> ScheduledBatch:
+    """``batch`` with its drafted entries (``1 + k`` tokens) right after the plain decodes."""
+    entries = list(zip(batch.seqs, batch.num_new_tokens))
+    plain = [(seq, n) for seq, n in entries[:num_decodes] if seq not in drafts]
+    drafted = [(seq, 1 + k) for seq, k in drafts.items()]
+    ordered = plain + drafted + entries[num_decodes:]
+    return ScheduledBatch(
+        seqs=[seq for seq, _ in ordered],
+        num_new_tokens=[n for _, n in ordered],
+        block_copies=batch.block_copies,
+        window_copies=batch.window_copies,
+        preempted=batch.preempted,
+        swap_out=batch.swap_out,
+        swap_in=batch.swap_in,
+        forks=batch.forks,
+        drafts=drafts,
+    )

@@ -13,6 +13,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 MAX_TEMPERATURE = 100.0  # the engine's bound (the HTTP API's is OpenAI's: 2)
 MAX_SAMPLES = 128  # n and best_of: OpenAI's limit on n
+MAX_SPECULATIVE_CONTEXT = 32768  # token ids of speculative_context
 _INT32 = 2**31
 _GREEDY_EPS = 1e-5
 STRUCTURED_KINDS = ("json_object", "json_schema", "lark")
@@ -75,6 +76,9 @@ class SamplingParams:
     # speculative decoding, where the engine runs it: False keeps this request to one token a step (its output
     # is the same either way; an off switch for a client that wants even steps)
     speculative: bool = True
+    # token ids the n-gram drafts may also come from besides the request's own (a regenerated or edited turn's
+    # earlier reply: likely again in part); at most MAX_SPECULATIVE_CONTEXT
+    speculative_context: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +89,13 @@ class SamplingParams:
             _is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]"
         )
         _check(isinstance(self.speculative, bool), "speculative", "must be true or false")
+        self.speculative_context = list(self.speculative_context)
+        _check(
+            len(self.speculative_context) <= MAX_SPECULATIVE_CONTEXT
+            and all(_is_int(t) and t >= 0 for t in self.speculative_context),
+            "speculative_context",
+            f"must be at most {MAX_SPECULATIVE_CONTEXT} token ids (integers >= 0)",
+        )
         _check(
             self.best_of is None
             or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),

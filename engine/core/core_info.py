@@ -67,6 +67,8 @@ def check_request(
             f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
             f"max_model_len={info.max_model_len}"
         )
+    if params.speculative_context and max(params.speculative_context) >= vocab:
+        raise ValueError(f"speculative_context: token ids must be in [0, {vocab})")
     if params.top_k > vocab:
         raise ValueError(f"top_k: must be at most the vocabulary size ({vocab}), or -1 / 0 for off")
     if params.logit_bias and max(params.logit_bias) >= vocab:

@@ -30,6 +30,8 @@ class Speculation:
     """A sequence's speculative state: its n-gram index and its acceptance so far."""
 
     index: NgramIndex
+    # the request's speculative_context, indexed whole, with its tokens (None: none given)
+    context: tuple[NgramIndex, list[int]] | None = None
     accepted: float = 0.0
     trials: float = 0.0
     skipped: int = 0  # steps since its last drafts

@@ -30,14 +30,24 @@ class NgramIndex:
                 last_seen[n][tuple(tokens[p - n : p])] = p
         self.num_indexed = max(self.num_indexed, num_known)
 
-    def propose(self, tokens: list[int], num_known: int, max_tokens: int) -> list[int]:
+    def propose(
+        self,
+        tokens: list[int],
+        num_known: int,
+        max_tokens: int,
+        context: tuple[NgramIndex, list[int]] | None = None,
+    ) -> list[int]:
         """Up to ``max_tokens`` tokens to follow ``tokens[:num_known]``: those after the latest earlier
-        occurrence of its longest suffix (of MIN_NGRAM to MAX_NGRAM tokens) seen before; [] if none."""
-        if max_tokens <= 0 or num_known <= MIN_NGRAM:
+        occurrence of its longest suffix (of MIN_NGRAM to MAX_NGRAM tokens); [] if none. ``context``: another
+        token list (indexed whole) searched too, after ``tokens`` for each length."""
+        if max_tokens <= 0 or num_known < MIN_NGRAM:
             return []
         self.update(tokens, num_known)
-        for n in range(min(MAX_NGRAM, num_known - 1), MIN_NGRAM - 1, -1):
-            start = self.last_seen[n].get(tuple(tokens[num_known - n : num_known]))
+        for n in range(min(MAX_NGRAM, num_known), MIN_NGRAM - 1, -1):
+            gram = tuple(tokens[num_known - n : num_known])
+            start = self.last_seen[n].get(gram)
             if start is not None:
                 return tokens[start : min(start + max_tokens, num_known)]
+            if context is not None and (start := context[0].last_seen[n].get(gram)) is not None:
+                return context[1][start : start + max_tokens]
         return []

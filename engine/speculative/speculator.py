@@ -62,7 +62,7 @@ class Speculator:
                 continue
             limit = min(self.num_tokens, room, self._length_room(seq))
             k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
-            tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k)
+            tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k, state.context)
             tokens = tokens[: self._writable(seq, len(tokens))]
             if not tokens or not self.block_manager.allocate(seq, 1 + len(tokens)):
                 continue
@@ -102,7 +102,11 @@ class Speculator:
                 or seq.num_pending_tokens
             ):
                 return None
-            state = seq.speculation = Speculation(NgramIndex())
+            context = None
+            if params.speculative_context:
+                context = (NgramIndex(), params.speculative_context)
+                context[0].update(context[1], len(context[1]))
+            state = seq.speculation = Speculation(NgramIndex(), context)
         return state
 
     def _length_room(self, seq: Sequence) -> int:

@@ -136,6 +136,29 @@ ENGINE_OPTIONS = (
         "on with CUDA, off on the CPU",
         "bool",
     ),
+    Option(
+        "speculative",
+        "Speculative decoding: ngram drafts a sequence's next tokens from its own tokens (the prompt, which "
+        "in a session holds the earlier turns, the reply so far, and a regenerated or edited turn's earlier "
+        "reply) and verifies them in one step; greedy output is unchanged and sampling keeps its "
+        'distribution; a request may turn it off with "speculative": false',
+        "off",
+        choices=("ngram",),
+    ),
+    Option(
+        "num_speculative_tokens",
+        "With --speculative: the most draft tokens a sequence gets in one step, 1 to 16 (fewer where its "
+        "drafts have been missing)",
+        "4",
+        "int",
+    ),
+    Option(
+        "speculative_max_batch",
+        "With --speculative: a step of more decode rows than this runs without drafts, 1 to 4096 (at a "
+        "large batch the draft rows cost more than they save)",
+        "8",
+        "int",
+    ),
     Option("enforce_eager", "Run every step eagerly: no CUDA graphs", "off", "bool"),
     Option(
         "warm_up",

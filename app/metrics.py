@@ -208,7 +208,8 @@ class _EngineCollector(Collector):
             stats.num_host_cached_blocks,
             label,
         )
-        yield from _kv_tier_metrics(stats, label)
+        yield from _stat_metrics(_KV_TIER_METRICS, stats, label)
+        yield from _stat_metrics(_SPECULATIVE_METRICS, stats, label)
         yield _counter(
             "prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens, label
         )
@@ -269,8 +270,35 @@ _KV_TIER_METRICS = (
 )
 
 
-def _kv_tier_metrics(stats: EngineStats, label: list[str]) -> Iterator[Metric]:
-    for name, doc, field, counter in _KV_TIER_METRICS:
+# speculative decoding (--speculative), vLLM's names: the acceptance rate is accepted / draft tokens; a
+# verification yields 1 + accepted / drafts tokens on average (its accepted drafts and the sample after them)
+_SPECULATIVE_METRICS = (
+    (
+        "spec_decode_num_drafts",
+        "Draft verifications: a sequence's draft tokens scored in one step.",
+        "spec_verifications",
+        True,
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "Draft tokens verified.",
+        "spec_draft_tokens",
+        True,
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (equal to the token the model chose at their place).",
+        "spec_accepted_tokens",
+        True,
+    ),
+)
+
+
+def _stat_metrics(
+    table: tuple[tuple[str, str, str, bool], ...], stats: EngineStats, label: list[str]
+) -> Iterator[Metric]:
+    """One metric per row of ``table``: (name, help, the EngineStats field, a counter or a gauge)."""
+    for name, doc, field, counter in table:
         yield (_counter if counter else _gauge)(name, doc, getattr(stats, field), label)
 
 

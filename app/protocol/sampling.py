@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-
 from pydantic import Discriminator, Field, PrivateAttr, Tag
 
 from app.protocol.fields import (
@@ -168,6 +167,13 @@ class SamplingFields(RequestModel):
     early_stopping: bool | Literal["never"] | None = Field(
         default=None, description="transformers' meaning; default false"
     )
+    # an extension: where the server runs speculative decoding (--speculative), false keeps this request to one
+    # token a step (its tokens are the same either way)
+    speculative: bool = Field(
+        default=True,
+        description="false: no speculative decoding for this request (where the server runs it); "
+        "the output is the same either way",
+    )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -228,6 +234,7 @@ class SamplingFields(RequestModel):
             if self.logit_bias
             else None,
             structured_output=self.structured_output(),
+            speculative=self.speculative,
             **values,
         )
 

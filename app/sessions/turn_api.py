@@ -20,6 +20,7 @@ from app.protocol.completions import ChatCompletionRequest
 from app.protocol.sampling import SamplingFields
 from app.protocol.sessions import SessionMessageRequest
 from app.request_body import read_model
+from app.sessions.earlier_reply import replaced_reply_ids
 from app.sessions.presets import check_system
 from app.sessions.service import SessionService
 from app.sessions.store import Session, SessionStoreUnavailable, is_session_id
@@ -228,9 +229,10 @@ async def start_turn(
             new,
             TurnTemplate(setup.kwargs, setup.instructions, service.replies.chat_format),
         )
-        params, reply_plan = await service.replies.constrain(
-            service.replies.sampling_params(body, len(plan.prompt_ids)), setup, plan.prompt_ids
-        )
+        params = service.replies.sampling_params(body, len(plan.prompt_ids))
+        if params.speculative:
+            params.speculative_context = plan.speculative_context
+        params, reply_plan = await service.replies.constrain(params, setup, plan.prompt_ids)
         admission = service.admission
         stream = await admission.submit(
             plan.prompt_ids,
@@ -271,7 +273,9 @@ async def _plan(
     template: TurnTemplate,
 ) -> TurnPlan:
     if new is not None:
-        return await plan_turn(service, session, new, template)
+        plan = await plan_turn(service, session, new, template)
+        plan.speculative_context = await replaced_reply_ids(service, session)
+        return plan
     try:
         plan = plan_regeneration(session)
     except ValueError as exc:

@@ -21,6 +21,7 @@ from typing import Any
 from app.chat_format.formats import ChatFormat
 from app.chat_format.plan import calls_as_text
 from app.sessions import conversation
+from app.sessions.earlier_reply import last_reply_ids
 from app.sessions.service import SessionService
 from app.sessions.store import Session, SessionStore, SessionStoreUnavailable
 from app.sessions.token_marks import marked_turn
@@ -38,6 +39,9 @@ class TurnPlan:
     messages: list[dict[str, Any]]
     # the template's variables for this turn (tools, enable_thinking), stored with the reply
     template: dict[str, Any] = field(default_factory=dict)
+    # the earlier reply this turn replaces (a regeneration's, a fork's first turn's: earlier_reply.py), for the
+    # speculative decoding drafts
+    speculative_context: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +160,7 @@ def plan_regeneration(session: Session) -> TurnPlan:
         session.token_ids[: last["usage"]["prompt_tokens"]],
         session.messages[:-1],
         last.get("template", {}),
+        last_reply_ids(session),
     )
 
 
@@ -169,7 +174,7 @@ async def rendered_regeneration(
     before = Session(id=session.id, system=session.system, messages=plan.messages)
     history = template_history(before, template)
     ids = await service.prompts.in_thread(conversation.full_render_ids, history, **template.kwargs)
-    return TurnPlan(ids, plan.messages, plan.template)
+    return TurnPlan(ids, plan.messages, plan.template, plan.speculative_context)
 
 
 @dataclass(slots=True, eq=False)

@@ -229,6 +229,7 @@ def test_choices_are_the_engines_own():
         "cpu_weights": {"auto", *CPU_WEIGHTS},
         "cpu_isa": set(CPU_ISA_CHOICES),
         "all_reduce": set(ALL_REDUCE_CHOICES),
+        "speculative": {"ngram"},  # (EngineConfig.speculative: ngram, or None for off)
     }
 
 

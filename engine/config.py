@@ -73,8 +73,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # speculative decoding (engine/speculative/): None (off) | ngram (drafts from the request's own tokens: its
     # prompt, which for a session turn holds the earlier turns, and its reply so far), verified k + 1 positions a
-    # step; greedy output is unchanged, sampling keeps its distribution. A step with drafts reads its sampled ids
-    # before the next is scheduled (async scheduling off)
+    # step; greedy output is unchanged, sampling keeps its distribution. A step with drafts runs in step with the
+    # host (its tokens are read before the next step is scheduled); the others keep async scheduling
     speculative: str | None = None
     num_speculative_tokens: int = (
         4  # the most drafts a sequence gets in a step (fewer where they miss)
@@ -259,7 +259,7 @@ class EngineConfig:
             self.step_time_target_s = 0.25 if self.torch_device.type == "cpu" else 0.0
         _check_speculative(self)
         if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda" and not self.speculative
+            self.async_scheduling = self.torch_device.type == "cuda"
         if self.dtype == "auto":
             self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         else:
@@ -305,11 +305,6 @@ def _check_speculative(config: EngineConfig) -> None:
     )
     if not config.speculative:
         return
-    _check(
-        not config.async_scheduling,
-        "async_scheduling",
-        "speculative decoding reads each step's tokens before the next step: turn async scheduling off",
-    )
     _check(config.kv_backend == "paged", "speculative", "needs the paged KV backend")
     _check(
         config.tensor_parallel_size == 1,

@@ -16,6 +16,7 @@ the plain sampled rows and the forks, in ``drafts``' order.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
@@ -77,6 +78,20 @@ class ScheduledBatch:
         self.num_plain_samples = len(self.sampling_seqs)
         for seq, num_drafts in drafts.items():
             self.sampling_seqs += verify_rows(seq, num_drafts)
+
+    def without_finished(self) -> ScheduledBatch:
+        """The batch less the entries that finished after it was scheduled (async scheduling: the step in flight,
+        read before this one launched, ended them; their blocks are free, and cached ones may be hit: nothing
+        may write them), and less the forks of those."""
+        if not any(seq.is_finished for seq in self.seqs):
+            return self
+        kept = [(seq, n) for seq, n in zip(self.seqs, self.num_new_tokens) if not seq.is_finished]
+        return dataclasses.replace(
+            self,
+            seqs=[seq for seq, _ in kept],
+            num_new_tokens=[n for _, n in kept],
+            forks=[(parent, child) for parent, child in self.forks if not parent.is_finished],
+        )
 
     @property
     def plain_samples(self) -> list[Sequence]:

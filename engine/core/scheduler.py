@@ -85,6 +85,16 @@ class Scheduler(RunQueues):
             forks=self._forks(entries),
         )
 
+    def defer_moves(self, batch: ScheduledBatch) -> None:
+        """A scheduled batch that will not run (every entry of it ended first): its block moves run before the
+        next one's, in their order."""
+        blocks = self.block_manager
+        blocks.pending_swap_out[:0] = batch.swap_out
+        blocks.pending_copies[:0] = batch.block_copies
+        blocks.pending_swap_in[:0] = batch.swap_in
+        if blocks.window is not None:
+            blocks.window.pending_copies[:0] = batch.window_copies
+
     def _schedule_in_order(self, chosen: dict[Sequence, int], preempted: list[Sequence]) -> None:
         """One tenant (or none): decodes, then prefill chunks, then swapped-in and waiting requests in order."""
         budget = self.solo_budget()

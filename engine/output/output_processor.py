@@ -110,8 +110,10 @@ class OutputProcessor:
         self._requests.pop(request_id, None)
 
     def process(self, deltas: list[SampleDelta]) -> tuple[list[SampleState], list[SampleStop]]:
-        """Apply one step's deltas; the samples that changed (each once per delta), and the samples ended here."""
-        updated, stops = [], []
+        """Apply one step's deltas; the samples that changed (each once, though a step may carry two deltas of a
+        sample: speculative decoding's step that reads the step in flight first), and the samples ended here."""
+        updated: dict[int, SampleState] = {}
+        stops = []
         requests = self._requests
         for delta in deltas:
             request = requests.get(delta.request_id)
@@ -127,8 +129,8 @@ class OutputProcessor:
                 request.num_open -= 1
                 if not request.num_open:
                     del requests[delta.request_id]
-            updated.append(sample)
-        return updated, stops
+            updated[id(sample)] = sample
+        return list(updated.values()), stops
 
     def _update(self, request: _RequestState, sample: SampleState, delta: SampleDelta) -> None:
         params, ids = request.params, delta.token_ids

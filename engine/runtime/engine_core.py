@@ -244,19 +244,24 @@ class EngineCore:
 
     def _step(self) -> list[SampleDelta]:
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if self.speculation is not None and batch.seqs:
-            batch = self.speculation.extend(batch)
-        self.last_batch = batch
-        launch_start = time.perf_counter()
-        self.counters.schedule_seconds += launch_start - start
+        batch = self.last_batch = self.scheduler.schedule()
         in_flight, self._in_flight = self._in_flight, None
         if not batch.seqs:
             return self._idle_step(in_flight, batch)
         deltas: list[SampleDelta] = []
-        if in_flight is not None and self._needs_known_history(batch):
+        if in_flight is not None and self._needs_known_tokens(batch):
             deltas += self._process(in_flight)
-            in_flight = None
+            in_flight, batch = None, batch.without_finished()
+            if not batch.seqs:  # (every entry ended: its block moves run with the next step)
+                self.scheduler.defer_moves(batch)
+                for seq in batch.preempted:
+                    self.runner.forget(seq)
+                self.beams.preempted(batch.preempted)
+                return deltas
+        if self.speculation is not None:
+            batch = self.last_batch = self.speculation.extend(batch)
+        launch_start = time.perf_counter()
+        self.counters.schedule_seconds += launch_start - start
         launched = self.runner.execute(batch, in_flight)
         self.counters.prepare_seconds += launched.prepare_seconds
         launch_seconds = time.perf_counter() - launch_start - launched.prepare_seconds
@@ -274,7 +279,7 @@ class EngineCore:
             time.perf_counter() - start,
             batch.num_decode_rows < batch.num_rows,
         )
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not batch.drafts:
             self._in_flight = launched
         else:
             deltas += self._process(launched)
@@ -299,11 +304,12 @@ class EngineCore:
             raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
         return []
 
-    def _needs_known_history(self, batch: ScheduledBatch) -> bool:
-        """Penalties and grammars read the values of earlier output tokens: those must be known first."""
+    def _needs_known_tokens(self, batch: ScheduledBatch) -> bool:
+        """Penalties and grammars read the values of earlier output tokens, drafts follow the last one: those must
+        be known first (the step in flight read before this one launches)."""
         return any(
             seq.num_pending_tokens and seq.params.needs_known_history for seq in batch.sampling_seqs
-        )
+        ) or (self.speculation is not None and self.speculation.wants_known(batch))
 
     def _process(self, launched: LaunchedStep) -> list[SampleDelta]:
         """Read a launched step's sampled ids and hand them to their requests."""

@@ -66,6 +66,10 @@ class SpeculativeSteps:
         """``batch`` with drafts where they are worth their rows (Speculator.extend)."""
         return self.speculator.extend(batch)
 
+    def wants_known(self, batch: ScheduledBatch) -> bool:
+        """Whether the step in flight must be read before ``batch`` is given drafts (Speculator.wants_known)."""
+        return self.speculator.wants_known(batch)
+
     def apply(
         self,
         launched: LaunchedStep,

@@ -60,7 +60,8 @@ def choose_draft_length(
     state: Speculation, limit: int, step_tokens: float, step_seconds: float, row_seconds: float
 ) -> int:
     """Drafts (0 to ``limit``) for a sequence, given the step so far: ``step_tokens`` expected tokens out of
-    ``step_seconds`` seconds, a draft row costing ``row_seconds``."""
+    ``step_seconds`` seconds, a draft row costing ``row_seconds`` (the speculator probes a sequence at 0 after
+    PROBE_AFTER steps without drafts)."""
     if limit <= 0:
         return 0
     rate = state.rate
@@ -69,8 +70,4 @@ def choose_draft_length(
         speed = (step_tokens + expected_tokens(rate, k) - 1) / (step_seconds + row_seconds * k)
         if speed > best_speed * 1.0001:
             best, best_speed = k, speed
-    if best == 0:
-        state.skipped += 1
-        if state.skipped >= PROBE_AFTER:
-            return 1
     return best

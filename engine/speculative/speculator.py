@@ -19,6 +19,7 @@ from engine.core.step_cost import StepCostModel
 from engine.sequence import Sequence
 from engine.speculative.draft_length import (
     DEFAULT_ROW_COST,
+    PROBE_AFTER,
     Speculation,
     choose_draft_length,
     expected_tokens,
@@ -42,29 +43,26 @@ class Speculator:
         self.counters = counters
 
     def extend(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """``batch`` with drafts for the decode rows that speculate this step (itself when none do)."""
+        """``batch`` with drafts for the decode rows that speculate this step (itself when none do). A row whose
+        last token is still pending (async scheduling: sampled by the step in flight) gets none."""
         num_decodes = batch.num_decodes
         if not num_decodes or num_decodes > self.max_batch:
             return batch
         room = self.token_budget - sum(batch.num_new_tokens)
-        prices = self.step_cost.prices()
-        row_seconds = prices.per_token if prices is not None else DEFAULT_ROW_COST
-        step_seconds = (
-            prices.cost(sum(batch.num_new_tokens), num_decodes < len(batch.seqs))
-            if prices is not None
-            else 1.0 + DEFAULT_ROW_COST * sum(batch.num_new_tokens)
-        )
-        step_tokens = float(len(batch.sampling_seqs))
+        step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
         drafts: dict[Sequence, int] = {}
         for seq in batch.seqs[:num_decodes]:
             state = self._state(seq)
-            if state is None or room <= 0:
+            if state is None or room <= 0 or seq.num_pending_tokens or seq.is_finished:
                 continue
             limit = min(self.num_tokens, room, self._length_room(seq))
             k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
+            if k == 0 and state.skipped >= PROBE_AFTER:
+                k = 1  # (a probe: its rate is low, but its text may have turned repetitive)
             tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k, state.context)
             tokens = tokens[: self._writable(seq, len(tokens))]
             if not tokens or not self.block_manager.allocate(seq, 1 + len(tokens)):
+                state.skipped += 1
                 continue
             seq.token_ids.extend(tokens)
             drafts[seq] = len(tokens)
@@ -74,6 +72,41 @@ class Speculator:
         if not drafts:
             return batch
         return _with_drafts(batch, num_decodes, drafts)
+
+    def wants_known(self, batch: ScheduledBatch) -> bool:
+        """Async scheduling: whether some decode row would get drafts once its pending token is known (its known
+        tokens' suffix has an n-gram match, which the pending token most likely continues, and its acceptance makes
+        drafts worth their rows). The engine then reads the step in flight before this one (a step with drafts
+        runs in step with the host); otherwise the step runs without drafts, overlapped as usual."""
+        num_decodes = batch.num_decodes
+        if not num_decodes or num_decodes > self.max_batch:
+            return False
+        step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
+        for seq in batch.seqs[:num_decodes]:
+            state = self._state(seq)
+            if state is None or not seq.num_pending_tokens:
+                continue
+            worth = state.skipped >= PROBE_AFTER or choose_draft_length(
+                state, self.num_tokens, step_tokens, step_seconds, row_seconds
+            )
+            if worth and state.index.propose(seq.token_ids, seq.num_known_tokens, 1, state.context):
+                return True
+            state.skipped += 1
+        return False
+
+    def _step_estimate(self, batch: ScheduledBatch) -> tuple[float, float, float]:
+        """The step's expected tokens and seconds without drafts, and a draft row's seconds (the learned step
+        prices; before they are known, a step's fixed cost is 1 and a row DEFAULT_ROW_COST)."""
+        tokens = sum(batch.num_new_tokens)
+        prices = self.step_cost.prices()
+        if prices is None:
+            return (
+                float(len(batch.sampling_seqs)),
+                1.0 + DEFAULT_ROW_COST * tokens,
+                DEFAULT_ROW_COST,
+            )
+        prefill = batch.num_decodes < len(batch.seqs)
+        return float(len(batch.sampling_seqs)), prices.cost(tokens, prefill), prices.per_token
 
     def accept(self, seq: Sequence, num_drafts: int, sampled: list[int]) -> list[int]:
         """The tokens a verified sequence gains: its drafts while each equals the sample of the row before it, then
@@ -95,12 +128,7 @@ class Speculator:
         state = seq.speculation
         if state is None:
             params = seq.params
-            if (
-                not params.speculative
-                or params.use_beam_search
-                or seq.grammar is not None
-                or seq.num_pending_tokens
-            ):
+            if not params.speculative or params.use_beam_search or seq.grammar is not None:
                 return None
             context = None
             if params.speculative_context:

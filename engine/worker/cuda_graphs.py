@@ -11,6 +11,11 @@ reuse its memory.
 step inputs' packed view (the block-table rows) and the logits it writes, the padding, capture and replay.
 Decode-only batches up to the ladder's top are padded to a ladder size also when they run eagerly (the CPU,
 ``enforce_eager``), so that eager and graph runs compute the same shapes and give the same tokens.
+
+With speculative decoding a second ladder records the same pass for steps whose rows share sequences (a drafted
+sequence's ``1 + k`` rows: AttentionMetadata.rows_share_sequences), up to ``speculative_max_batch`` sequences of
+``1 + num_speculative_tokens`` rows: in those graphs the model takes its layer path, never a kernel whose rows do
+not wait for each other's KV (the persistent decode).
 """
 
 from __future__ import annotations
@@ -117,7 +122,19 @@ class DecodeGraphRunner:
         self.use_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
         )
+        # steps with drafted rows (speculative decoding): their own ladder and graphs
+        self.verify_sizes = (
+            graph_sizes(
+                min(
+                    config.speculative_max_batch * (config.num_speculative_tokens + 1),
+                    max_padded,
+                )
+            )
+            if config.speculative and max_padded
+            else []
+        )
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded size
         self.inputs: StepInputs | None = None
         # [largest size, table width]: the static table rows
@@ -132,9 +149,10 @@ class DecodeGraphRunner:
     def buffer_bytes(self) -> int:
         return self.tables.nbytes + self.logits.nbytes
 
-    def padded_size(self, batch_size: int) -> int | None:
-        """The ladder size a decode-only batch of ``batch_size`` rows runs at (None: unpadded)."""
-        return padded_size(self.sizes, batch_size)
+    def padded_size(self, batch_size: int, shared: bool = False) -> int | None:
+        """The ladder size a decode-only batch of ``batch_size`` rows runs at (None: unpadded); ``shared``:
+        rows of a sequence share it (drafted rows), on their own ladder."""
+        return padded_size(self.verify_sizes if shared else self.sizes, batch_size)
 
     def allocate(self, inputs: StepInputs, table_width: int, scratch_slot: int) -> None:
         """The static buffers, over the step inputs ``inputs`` (allocated with the KV cache they address);
@@ -156,21 +174,35 @@ class DecodeGraphRunner:
             self.graphs = DecodeGraphs(
                 self._decode_pass, sizes or self.sizes, self.device, self._idle_inputs
             )
+            whole = sizes is None or sizes == self.sizes  # (else the warm-up's one graph)
+            verify = [size for size in self.verify_sizes if whole or size in sizes]
+            if verify:
+                self.verify_graphs = DecodeGraphs(
+                    lambda size: self._decode_pass(size, shared=True),
+                    verify,
+                    self.device,
+                    self._idle_inputs,
+                )
 
     def release(self) -> None:
         """Drop the graphs (NCCL collectives captured in them hold the communicator until they are gone)."""
         if self.graphs is not None:
-            self.graphs = None
+            self.graphs = self.verify_graphs = None
             torch.cuda.synchronize(self.device)
 
-    def run(self, step: StepTensors, size: int, num_seqs: int) -> torch.Tensor:
-        """The logits of a decode-only step of ``num_seqs`` rows, packed at ladder size ``size``."""
+    def run(
+        self, step: StepTensors, size: int, num_seqs: int, shared: bool = False
+    ) -> torch.Tensor:
+        """The logits of a decode-only step of ``num_seqs`` rows, packed at ladder size ``size`` (``shared``:
+        of its verify ladder)."""
         self.padded_steps[size] += 1
-        logits = self.graphs.replay(size) if self.graphs is not None else self._decode_pass(size)
+        graphs = self.verify_graphs if shared else self.graphs
+        logits = graphs.replay(size) if graphs is not None else self._decode_pass(size, shared)
         return logits[:num_seqs]
 
-    def _decode_pass(self, size: int) -> torch.Tensor:
-        """One decode pass over the static inputs of size ``size`` (what each graph records)."""
+    def _decode_pass(self, size: int, shared: bool = False) -> torch.Tensor:
+        """One decode pass over the static inputs of size ``size`` (what each graph records); ``shared``: its
+        rows may share sequences."""
         view = self.inputs.decode_view(size)
         tables = self.tables[:size]
         # pending ids fed, the step's table rows into the static table (where ``table_at`` says they lie)
@@ -185,6 +217,7 @@ class DecodeGraphRunner:
             prefill_cu_seqlens_q=view.cu_seqlens,
             slot_ids=self.kv.slot_ids(tables),
             max_context_len=self.config.max_model_len,
+            rows_share_sequences=shared,
         )
         if self.kv.window:
             self._window_group(metadata, view.positions, view.table_at)

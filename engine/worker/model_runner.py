@@ -312,10 +312,9 @@ class ModelRunner:
         pending in ``in_flight`` are fed from its sampled ids on the device."""
         start = time.perf_counter()
         pad = None
-        num_rows = batch.num_rows
-        # (drafted rows run eagerly: a decode graph may run a kernel whose rows do not wait for each other's KV)
-        if batch.num_decodes == len(batch.seqs):
-            pad = self.decode_graphs.padded_size(num_rows)
+        num_rows, shared = batch.num_rows, bool(batch.drafts)  # (drafted rows: graphs of their own)
+        if batch.num_decode_rows == num_rows:
+            pad = self.decode_graphs.padded_size(num_rows, shared)
         step = self.inputs.build(batch, in_flight.feed_rows() if in_flight else {}, pad)
         num_sampled = len(batch.sampling_seqs)
         if self.workers is not None:
@@ -342,7 +341,7 @@ class ModelRunner:
             )
         prepared = time.perf_counter()
         if pad is not None:
-            logits = self.decode_graphs.run(step, pad, num_rows)
+            logits = self.decode_graphs.run(step, pad, num_rows, shared)
             # (some rows not sampled, or sampled twice)
             if num_sampled != num_rows or batch.forks:
                 logits = logits[step.sample_rows]
@@ -359,7 +358,9 @@ class ModelRunner:
         self._move_blocks(command.swap_out, command.block_copies, command.swap_in)
         step = self.inputs.unpack(payload, command.layout)
         if command.pad is not None:
-            self.decode_graphs.run(step, command.pad, command.layout.num_seqs)
+            self.decode_graphs.run(
+                step, command.pad, command.layout.num_seqs, command.layout.rows_share_sequences
+            )
         else:
             hidden = self._eager_forward(step)
             if command.num_sampled:

@@ -1,0 +1,225 @@
+"""Speculative decoding's verify step against a plain decode step (issue 55's GPU acceptance), and what n-gram
+drafts give end to end on one stream.
+
+Part 1, the step: B sequences are prefilled (prompts of ``--input-len`` ids), then two step shapes are timed on
+the same sequences, alternately, with CUDA events around the model runner's ``execute`` and the sampled ids' read
+(the device's time for the pass and its sampling, and the host's packing): a plain decode step (B rows) and a
+verify step with ``k`` drafts per sequence (B * (1 + k) rows, replayed from the verify graphs). A verify step's
+drafts are taken out again after it and nothing advances, so every repetition runs the very same shapes at the same
+contexts. Medians over ``--repeats``; the ratio verify / decode is the acceptance's number (<= 1.3x at k = 4,
+batch 1).
+
+Part 2, end to end: one stream at a time, greedy, ``--new-tokens`` each, plain and ``--speculative ngram`` engines
+built in turn in the same process, on prompts of a public-domain-style English text written for this benchmark with
+a repeated passage (what a quote-and-answer or edit turn holds). With dummy weights the model's tokens follow no
+text, so the acceptance here says what the drafts cost and give on that model's own (often looping) output, not
+what a real model's chat gets (benchmarks/cpu/speculative.py measures that with real weights).
+
+    python -m benchmarks.offline.speculative_step --model-config llama-3.2-1b --batches 1 2 4 8 --drafts 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from random import Random
+from typing import Any
+
+import torch
+
+PASSAGE = (
+    "The river ran slowly past the old mill, where the miller's daughter kept the accounts of every sack of grain "
+    "that came down from the hills. Each morning she wrote the weight, the farm and the price in a green book, "
+    "and each evening she read the figures back to her father, who trusted no number he had not heard twice."
+)
+
+
+def build_engine(args: argparse.Namespace, speculative: bool, max_batch: int, drafts: int) -> Any:
+    from engine.llm_engine import LLMEngine
+
+    options = dict(
+        load_format="dummy",
+        model_config=args.model_config,
+        device="cuda",
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(8, max_batch),
+        num_kv_blocks=2048,  # (a set pool: engines built in turn need no free-memory probe)
+    )
+    if speculative:
+        options.update(
+            speculative="ngram", num_speculative_tokens=drafts, speculative_max_batch=max_batch
+        )
+    return LLMEngine(**options)
+
+
+def prefill(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    """Add the prompts and step until every one is decoding; their sequences."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=False
+    )
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    core = engine.core
+    while True:
+        engine.step()
+        batch = core.last_batch
+        if batch is not None and batch.num_decodes == len(prompts) == len(batch.seqs):
+            return list(batch.seqs)
+
+
+def time_shapes(engine: Any, seqs: list[Any], drafts: int, repeats: int) -> dict[str, float]:
+    """Median ms of a plain decode step and of a verify step with ``drafts`` drafts a sequence (CUDA events)."""
+    from engine.core.scheduled_batch import ScheduledBatch
+
+    core = engine.core
+    runner, blocks = core.runner, core.block_manager
+    for seq in seqs:  # (room for the drafts' KV; the blocks stay the sequence's)
+        assert blocks.allocate(seq, 1 + drafts)
+    rng = Random(0)
+    times: dict[str, list[float]] = {"decode": [], "verify": []}
+    for repeat in range(repeats + 3):
+        for shape in ("decode", "verify"):
+            if shape == "verify":
+                for seq in seqs:
+                    seq.token_ids.extend(rng.randrange(1000) for _ in range(drafts))
+                batch = ScheduledBatch(
+                    seqs=list(seqs),
+                    num_new_tokens=[1 + drafts] * len(seqs),
+                    drafts={seq: drafts for seq in seqs},
+                )
+            else:
+                batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            runner.execute(batch, None).wait()
+            end.record()
+            torch.cuda.synchronize()
+            if shape == "verify":
+                for seq in seqs:
+                    del seq.token_ids[-drafts:]
+            if repeat >= 3:  # (the first replays: untimed)
+                times[shape].append(start.elapsed_time(end))
+    decode, verify = statistics.median(times["decode"]), statistics.median(times["verify"])
+    return {"decode_ms": decode, "verify_ms": verify, "ratio": verify / decode}
+
+
+def step_costs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    engine = build_engine(args, True, max(args.batches), max(args.drafts))
+    graphs = engine.core.runner.decode_graphs
+    for batch in args.batches:
+        rng = Random(batch)
+        prompts = [
+            [rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(batch)
+        ]
+        seqs = prefill(engine, prompts, args.max_model_len - args.input_len - 8)
+        for drafts in args.drafts:
+            row = {
+                "batch": batch,
+                "drafts": drafts,
+                **time_shapes(engine, seqs, drafts, args.repeats),
+            }
+            row["verify_graph"] = graphs.verify_graphs is not None and bool(
+                graphs.padded_size(batch * (1 + drafts), shared=True)
+            )
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        for i in range(batch):
+            engine.abort_request(f"r{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from engine.sampling_params import SamplingParams
+
+    rng = Random(1)
+    # token ids standing for the passage: a fixed random vocabulary walk, the passage repeated twice
+    words = PASSAGE.split()
+    vocab = {w: rng.randrange(1000, 30000) for w in words}
+    passage_ids = [vocab[w] for w in words]
+    prompt = passage_ids + [rng.randrange(1000, 30000) for _ in range(40)] + passage_ids[:20]
+    results = []
+    outputs: dict[str, list[int]] = {}
+    # plain; n-gram drafts; n-gram drafts with plain's output as speculative_context (a regenerated turn whose
+    # reply comes out the same: the drafts' best case)
+    for mode in ("plain", "ngram", "ngram+context") * 2:
+        context = outputs.get("plain", []) if mode == "ngram+context" else []
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=args.new_tokens,
+            ignore_eos=True,
+            speculative_context=context,
+        )
+        engine = build_engine(args, mode != "plain", 1, 4)
+        engine.add_request("warm", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+        before = engine.core.stats()
+        start = time.perf_counter()
+        engine.add_request("e2e", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    tokens = list(output.token_ids)
+        seconds = time.perf_counter() - start
+        stats = engine.core.stats()
+        outputs.setdefault(mode, tokens)
+        steps = stats.steps - before.steps
+        row = {
+            "mode": mode,
+            "tok_s": len(tokens) / seconds,
+            "steps": steps,
+            "verifications": stats.spec_verifications - before.spec_verifications,
+            "drafted": stats.spec_draft_tokens - before.spec_draft_tokens,
+            "accepted": stats.spec_accepted_tokens - before.spec_accepted_tokens,
+            "tokens_per_step": len(tokens) / max(1, steps),
+        }
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    equal = {mode: outputs[mode] == outputs["plain"] for mode in outputs}
+    results.append({"greedy_equal_to_plain": equal})
+    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", default="llama-3.2-1b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "model_config": args.model_config,
+        "steps": step_costs(args),
+        "end_to_end": end_to_end(args),
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

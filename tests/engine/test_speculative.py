@@ -1,0 +1,454 @@
+"""Speculative decoding (n-gram drafts, engine/speculative/) changes how many tokens a step gives, never which
+tokens: greedy output equals plain decoding's (and transformers') token for token, under preemption and chunked
+prefill too; seeded samples, penalties, logit bias, min_tokens and logprobs are those of plain decoding; a stop
+token or the length limit inside a run of accepted drafts ends the sample exactly there; and unseeded sampling
+keeps the model's distribution (a chi-square test against the exact probabilities and against plain decoding).
+
+Every test also checks the engine's counters, so none passes with speculation silently off. Prompts are chosen
+for the proposer to fire: repeated text, code shown twice, an assistant turn answered the same way before."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.output.outputs import RequestOutput
+from engine.sampling_params import MAX_SPECULATIVE_CONTEXT, SamplingParams
+from engine.speculative import speculator as speculator_module
+from engine.speculative.draft_length import PROBE_AFTER
+from tests.block_invariants import run_checked_outputs
+from tests.conftest import SMALL_KV_GIB, hf_greedy
+from tests.greedy_agreement import assert_transformers_greedy
+
+NEW_TOKENS = 40
+
+TEXTS = [
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
+    "The capital of France is",
+    "Question: what is 12 times 12? Answer:",
+    "A long story: " + "the quick brown fox jumps over the lazy dog, " * 6,
+]
+SAY_HI = [{"role": "user", "content": "Say hi"}]
+HI_THERE = {"role": "assistant", "content": "Hi there! How can I help you today?"}
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return LLM(kv_cache_memory_gib=SMALL_KV_GIB, speculative="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain: LLM) -> list[list[int]]:
+    return [plain.tokenizer.encode(t) for t in TEXTS] + [chat_prompt(plain)]
+
+
+def chat_prompt(llm: LLM) -> list[int]:
+    """A chat whose assistant said the same thing twice before: the third reply is a draft run with EOS in it."""
+    return llm.chat_prompt_ids(SAY_HI + [HI_THERE] + SAY_HI + [HI_THERE] + SAY_HI)
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    """(verifications, draft tokens, accepted drafts) so far."""
+    s = llm.engine.stats()
+    return s.spec_verifications, s.spec_draft_tokens, s.spec_accepted_tokens
+
+
+def generate_counted(llm: LLM, prompts, params) -> tuple[list[RequestOutput], tuple[int, int, int]]:
+    """``llm.generate``'s outputs and the speculation counters' growth over the call."""
+    before = spec_counts(llm)
+    outputs = llm.generate(prompts, params)
+    return outputs, tuple(b - a for a, b in zip(before, spec_counts(llm)))
+
+
+def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [list(o.token_ids) for o in outputs]
+
+
+def assert_idle_and_no_leaks(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert not llm.engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.fixture
+def always_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode row with a proposal gets as many drafts as fit (the draft length no longer depends on the
+    measured step prices): which tokens a verification covers is then a function of the tokens alone."""
+    monkeypatch.setattr(speculator_module, "choose_draft_length", lambda state, limit, *_: limit)
+
+
+def record_accepts(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The token lists each verification hands its sequence (accepted drafts and one more), as they come."""
+    speculator = llm.engine.core.speculation.speculator
+    accept, runs = speculator.accept, []
+
+    def recording(seq, num_drafts, sampled):
+        runs.append(accept(seq, num_drafts, sampled))
+        return runs[-1]
+
+    monkeypatch.setattr(speculator, "accept", recording)
+    return runs
+
+
+# ---------------------------------------------------------------- greedy equality
+
+
+def test_greedy_output_equals_plain_decoding(plain: LLM, spec: LLM, prompts, always_draft):
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    outputs, (verified, drafted, accepted) = generate_counted(spec, prompts, GREEDY)
+    assert token_ids(outputs) == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert verified > 0 and drafted > 0, "no drafts proposed"
+    assert accepted > NEW_TOKENS, "the repeated prompts' drafts are mostly accepted"
+    assert_idle_and_no_leaks(spec)
+
+
+def test_a_single_request_takes_one_step_less_per_accepted_draft(plain: LLM, spec: LLM, prompts):
+    """A lone request's prefill gives its first token and each later step one token plus its accepted drafts:
+    steps = 1 + (max_tokens - 1 - accepted), which holds only if every accepted draft is used."""
+    expected = token_ids(plain.generate(prompts[0], GREEDY))
+    steps = spec.engine.stats().steps
+    outputs, (_, _, accepted) = generate_counted(spec, prompts[0], GREEDY)
+    assert token_ids(outputs) == expected
+    assert accepted >= NEW_TOKENS // 2
+    assert spec.engine.stats().steps - steps == 1 + (NEW_TOKENS - 1 - accepted)
+
+
+def test_greedy_output_equals_transformers_float32(hf_model, prompts, always_draft):
+    chosen = [prompts[0], prompts[1], prompts[2]]
+    llm = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB, speculative="ngram")
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs, (_, drafted, accepted) = generate_counted(llm, chosen, greedy)
+    assert drafted > 0 and accepted > 0
+    expected = [hf_greedy(hf_model, p, 16) for p in chosen]
+    assert_transformers_greedy(hf_model, chosen, token_ids(outputs), expected)
+
+
+def test_preemption_and_a_tiny_token_budget_keep_output_and_block_invariants(
+    plain: LLM, prompts, always_draft
+):
+    """A pool with room for the longest request alone and a token budget of 12 (prefills in chunks): the pool's
+    invariants after every step (every block free or referenced, ref counts = table references), the plain
+    tokens, and every block free at the end."""
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    budget = 12
+    llm = LLM(
+        speculative="ngram",
+        num_kv_blocks=-(-longest // 16) + 2,
+        max_num_batched_tokens=budget,
+    )
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    before = spec_counts(llm)
+    outputs = run_checked_outputs(llm.engine, prompts, GREEDY)
+    _, drafted, accepted = (b - a for a, b in zip(before, spec_counts(llm)))
+    assert token_ids(outputs) == expected
+    stats = llm.engine.stats()
+    assert stats.preemptions > 0, "the pool should have been too small for all prompts at once"
+    assert stats.steps >= max(len(p) for p in prompts) // budget
+    assert drafted > 0 and accepted > 0
+    assert_idle_and_no_leaks(llm)
+
+
+# ---------------------------------------------------------------- sampling options as plain decoding
+
+
+REPEATED = TEXTS[0]
+
+
+def test_seeded_parallel_samples_equal_plain_decoding(plain: LLM, spec: LLM, always_draft):
+    params = [
+        SamplingParams(n=3, temperature=0.8, seed=1234, max_tokens=32, ignore_eos=True),
+        SamplingParams(n=2, best_of=3, temperature=0.8, seed=99, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = [REPEATED, TEXTS[1]]
+    expected = plain.generate(prompts, params)
+    outputs, (_, drafted, accepted) = generate_counted(spec, prompts, params)
+    assert [(o.index, list(o.token_ids)) for o in outputs] == [
+        (o.index, list(o.token_ids)) for o in expected
+    ]
+    assert len({tuple(o.token_ids) for o in outputs[:3]}) > 1, "the seeded samples should differ"
+    for got, want in zip(
+        outputs[3:], expected[3:]
+    ):  # best_of: the same two of three, in the same order
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
+    assert drafted > 0 and accepted > 0
+    assert_idle_and_no_leaks(spec)
+
+
+def test_penalties_bias_and_logprobs_equal_plain_decoding(plain: LLM, spec: LLM, always_draft):
+    tokenizer = plain.tokenizer
+    the, cat = tokenizer.encode(" the")[0], tokenizer.encode(" cat")[0]
+    base = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True}
+    params = [
+        SamplingParams(repetition_penalty=1.1, **base),
+        SamplingParams(frequency_penalty=0.3, presence_penalty=0.2, **base),
+        SamplingParams(logit_bias={the: -100.0, cat: 2.0}, **base),
+        SamplingParams(logprobs=5, **base),
+        SamplingParams(logprobs=3, temperature=0.7, seed=5, max_tokens=32, ignore_eos=True),
+    ]
+    prompts = [REPEATED, REPEATED, REPEATED, TEXTS[1], REPEATED]
+    expected = plain.generate(prompts, params)
+    outputs, (_, drafted, accepted) = generate_counted(spec, prompts, params)
+    assert token_ids(outputs) == token_ids(expected)
+    assert the not in outputs[2].token_ids
+    for got, want in zip(outputs[3:], expected[3:]):
+        assert len(got.logprobs) == len(want.logprobs) == 32
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    assert drafted > 0 and accepted > 0
+
+
+def test_max_tokens_is_reached_exactly_never_one_past(plain: LLM, spec: LLM, always_draft):
+    (full,) = token_ids(plain.generate(REPEATED, SamplingParams(temperature=0.0, max_tokens=9)))
+    limits = list(range(2, 10))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in limits]
+    outputs, (_, drafted, accepted) = generate_counted(spec, [REPEATED] * len(limits), params)
+    assert token_ids(outputs) == [full[:m] for m in limits]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert drafted > 0 and accepted > 0
+    assert_idle_and_no_leaks(spec)
+
+
+def test_eos_inside_accepted_drafts_ends_the_sample_there(
+    plain: LLM, spec: LLM, monkeypatch, always_draft
+):
+    prompt = chat_prompt(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    (expected,) = plain.generate(prompt, params)
+    runs = record_accepts(spec, monkeypatch)
+    (got,) = spec.generate(prompt, params)
+    (eos,) = spec.engine.config.eos_token_ids
+    assert list(got.token_ids) == list(expected.token_ids)
+    assert got.finish_reason == expected.finish_reason == "stop"
+    assert got.token_ids[-1] == eos and eos not in got.token_ids[:-1]
+    assert any(eos in run[:-1] for run in runs), (
+        "EOS should have come inside a run, tokens after it"
+    )
+
+
+def test_stop_token_inside_accepted_drafts_and_min_tokens(
+    plain: LLM, spec: LLM, monkeypatch, always_draft
+):
+    """A stop token the greedy output first reaches inside a verification's run (accepted drafts after it): the
+    sample ends there; with min_tokens past it, that stop is masked there, as in plain decoding."""
+    runs = record_accepts(spec, monkeypatch)
+    (free,) = token_ids(spec.generate(REPEATED, GREEDY))
+    produced = [t for run in runs for t in run]
+    assert produced == free[1:], "the verifications gave every token after the first"
+    first = {t: free.index(t) for t in reversed(free)}
+    start, inside = 1, None
+    for run in runs:  # a token whose first occurrence is inside a run, not its last token
+        inside = next((t for i, t in enumerate(run[:-1]) if first[t] == start + i), None)
+        if inside is not None:
+            break
+        start += len(run)
+    assert inside is not None
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[inside]),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=NEW_TOKENS,
+            stop_token_ids=[inside],
+            min_tokens=first[inside] + 2,
+        ),
+    ]
+    expected = plain.generate([REPEATED] * 2, params)
+    runs.clear()
+    outputs = spec.generate([REPEATED] * 2, params)
+    assert token_ids(outputs) == token_ids(expected)
+    assert list(outputs[0].token_ids) == free[: first[inside] + 1]
+    assert outputs[0].finish_reason == "stop" and outputs[0].stop_reason == inside
+    assert len(outputs[1].token_ids) > first[inside] + 1, (
+        "min_tokens masks the stop at first[inside]"
+    )
+    assert any(inside in run[:-1] for run in runs)
+
+
+def test_a_request_may_turn_speculation_off(plain: LLM, spec: LLM, always_draft):
+    off = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=False)
+    (expected,) = token_ids(plain.generate(REPEATED, off))
+    outputs, counts = generate_counted(spec, REPEATED, off)
+    assert token_ids(outputs) == [expected]
+    assert counts == (0, 0, 0), "no drafts for a request with speculative=False"
+    on = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs, (_, drafted, _) = generate_counted(spec, REPEATED, on)
+    assert token_ids(outputs) == [expected] and drafted > 0
+
+
+def test_speculative_context_supplies_accepted_drafts(plain: LLM, spec: LLM, always_draft):
+    """A regenerated reply: its earlier text as speculative_context gives drafts that are accepted, the same
+    output either way."""
+    prompt = "Write one sentence about the sea."
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    (earlier,) = token_ids(plain.generate(prompt, params))
+    outputs, (_, _, without) = generate_counted(spec, prompt, params)
+    assert token_ids(outputs) == [earlier]
+    with_context = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, speculative_context=earlier
+    )
+    outputs, (_, _, accepted) = generate_counted(spec, prompt, with_context)
+    assert token_ids(outputs) == [earlier]
+    assert accepted >= without + NEW_TOKENS // 2, (accepted, without)
+
+
+def test_a_sequence_whose_drafts_are_never_worth_it_is_probed_after_probe_after_steps(
+    spec: LLM, monkeypatch
+):
+    """With every draft length chosen 0, a sequence still gets one draft after PROBE_AFTER steps without any
+    (its text may have turned repetitive), and again PROBE_AFTER steps after that probe: 39 decode steps' worth
+    of tokens after the first hold two probes, whatever each probe's outcome."""
+    monkeypatch.setattr(speculator_module, "choose_draft_length", lambda *_: 0)
+    assert PROBE_AFTER == 16  # (the count below)
+    outputs, (verified, drafted, _) = generate_counted(spec, REPEATED, GREEDY)
+    assert len(outputs[0].token_ids) == NEW_TOKENS == 40
+    assert verified == drafted == 2
+
+
+# ---------------------------------------------------------------- distribution (unseeded sampling)
+
+YES_NO = "yes no yes yes no no yes no yes yes no yes no no yes"
+DRAWN = 3  # tokens compared per sample: the first from the prefill, the next two drafts verified in one step
+SAMPLES = 256  # with speculation, and as many without
+FALSE_FAILURE = 3e-5  # per chi-square test; three tests, < 1e-4 in all
+
+
+def chi_square_p_value(statistic: float, degrees: int) -> float:
+    """P(X >= statistic) for X chi-square with ``degrees`` degrees of freedom: Q(degrees / 2, statistic / 2)."""
+    return float(
+        torch.special.gammaincc(torch.tensor(degrees / 2.0), torch.tensor(statistic / 2.0))
+    )
+
+
+def exact_probabilities(plain: LLM, prompt: list[int], words: list[int]) -> dict[tuple, float]:
+    """P(the first DRAWN tokens = w) for each w in ``words`` ** DRAWN, by the chain rule over the model's own
+    logprobs (temperature 1: the raw distribution), and the rest as ``("other",)``."""
+    prefixes = [list(p) for d in range(DRAWN) for p in product(words, repeat=d)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    steps = plain.generate([prompt + p for p in prefixes], greedy)
+    step = {tuple(p): dict(o.logprobs[0].top) for p, o in zip(prefixes, steps)}
+    probabilities = {}
+    for outcome in product(words, repeat=DRAWN):
+        logprob = sum(step[outcome[:i]][outcome[i]] for i in range(DRAWN))
+        probabilities[outcome] = math.exp(logprob)
+    probabilities[("other",)] = 1.0 - sum(probabilities.values())
+    return probabilities
+
+
+def outcome_counts(outputs: list[RequestOutput], words: list[int]) -> Counter:
+    counts = Counter()
+    for o in outputs:
+        drawn = tuple(o.token_ids[:DRAWN])
+        counts[drawn if all(t in words for t in drawn) else ("other",)] += 1
+    return counts
+
+
+def goodness_of_fit(counts: Counter, probabilities: dict[tuple, float]) -> float:
+    total = sum(counts.values())
+    statistic = sum((counts[k] - total * p) ** 2 / (total * p) for k, p in probabilities.items())
+    return chi_square_p_value(statistic, len(probabilities) - 1)
+
+
+def homogeneity(first: Counter, second: Counter, keys: list) -> float:
+    """The chi-square test that two samples come from one distribution (a 2 x len(keys) table)."""
+    n1, n2 = sum(first.values()), sum(second.values())
+    statistic = 0.0
+    for k in keys:
+        column = first[k] + second[k]
+        for counts, n in ((first, n1), (second, n2)):
+            expected = column * n / (n1 + n2)
+            statistic += (counts[k] - expected) ** 2 / expected
+    return chi_square_p_value(statistic, len(keys) - 1)
+
+
+def test_sampling_keeps_the_models_distribution(plain: LLM, spec: LLM, always_draft, monkeypatch):
+    """Temperature 1, unseeded, 256 samples of the first three tokens of a yes/no list with and without
+    speculation. The n-gram proposer drafts the second and third (what followed the last ``yes`` or ``no``); a
+    wrong acceptance rule (a draft kept more often than the model would pick it, or rows sharing their noise)
+    moves the joint distribution of the 8 yes/no outcomes far off the model's own, whose probabilities are
+    computed from its logprobs."""
+    tokenizer = plain.tokenizer
+    prompt = tokenizer.encode(YES_NO)
+    words = [tokenizer.encode(" yes")[0], tokenizer.encode(" no")[0]]
+    probabilities = exact_probabilities(plain, prompt, words)
+    assert min(probabilities.values()) * SAMPLES >= 5, probabilities  # (the approximation holds)
+    # (max_tokens: room for two drafts after the first token, and the token after them)
+    params = SamplingParams(n=64, temperature=1.0, max_tokens=DRAWN + 1, ignore_eos=True)
+    # (64 samples a request: drafts for batches of that many decode rows too)
+    monkeypatch.setattr(spec.engine.core.speculation.speculator, "max_batch", 64)
+    drawn, (verified, drafted, accepted) = [], (0, 0, 0)
+    for _ in range(SAMPLES // 64):
+        outputs, counts = generate_counted(spec, prompt, params)
+        drawn += outputs
+        verified, drafted, accepted = (a + b for a, b in zip((verified, drafted, accepted), counts))
+    # a first token of the list has a bigram to follow in the prompt: two drafts
+    listed = sum(o.token_ids[0] in words for o in drawn)
+    assert verified >= listed and drafted >= 2 * listed, "every listed sample verifies two drafts"
+    assert 0 < accepted < drafted, "some drafts kept, some rejected"
+    reference = []
+    for _ in range(SAMPLES // 128):
+        reference += plain.generate(
+            prompt, SamplingParams(n=128, temperature=1.0, max_tokens=DRAWN)
+        )
+    with_drafts, without = outcome_counts(drawn, words), outcome_counts(reference, words)
+    print("speculative", with_drafts, "plain", without, "exact", probabilities)
+    assert goodness_of_fit(without, probabilities) > FALSE_FAILURE, "plain decoding's own check"
+    assert goodness_of_fit(with_drafts, probabilities) > FALSE_FAILURE
+    assert homogeneity(with_drafts, without, list(probabilities)) > FALSE_FAILURE
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"speculative": "x"}, "speculative"),
+        ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"speculative": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"speculative": "ngram", "speculative_max_batch": 0}, "speculative_max_batch"),
+    ],
+)
+def test_config_rejects_bad_speculative_options(options, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"speculative": "yes"}, "speculative"),
+        ({"speculative_context": [5, -1]}, "speculative_context"),
+        ({"speculative_context": [1.5]}, "speculative_context"),
+        ({"speculative_context": [0] * (MAX_SPECULATIVE_CONTEXT + 1)}, "speculative_context"),
+    ],
+)
+def test_sampling_params_reject_bad_speculative_fields(options, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**options)
+
+
+def test_a_context_id_outside_the_vocabulary_is_refused_at_add_request(spec: LLM):
+    vocab = spec.engine.core.info.vocab_size
+    SamplingParams(speculative_context=[vocab])  # (the vocabulary is known to the engine only)
+    with pytest.raises(ValueError, match="^speculative_context:"):
+        spec.engine.add_request(
+            "bad-context", [1, 2, 3], SamplingParams(speculative_context=[vocab])
+        )
+    assert not spec.engine.has_unfinished_requests()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from itertools import product
 
 import pytest
@@ -166,6 +167,41 @@ def test_preemption_and_a_tiny_token_budget_keep_output_and_block_invariants(
     assert stats.steps >= max(len(p) for p in prompts) // budget
     assert drafted > 0 and accepted > 0
     assert_idle_and_no_leaks(llm)
+
+
+def one_token_last_chunk(plain: LLM, n: int) -> tuple[list[list[int]], list[int], int]:
+    """A 17-token prompt under a 16-token budget (no prefix cache): its last prefill chunk is one token, an entry
+    shaped like a decode. Returns the ``n`` greedy samples' tokens, plain decoding's, and the drafts verified."""
+    prompt = plain.tokenizer.encode(REPEATED)[:17]
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=16, ignore_eos=True)
+    (expected,) = token_ids(plain.generate(prompt, replace(params, n=1)))
+    llm = LLM(
+        speculative="ngram",
+        kv_cache_memory_gib=SMALL_KV_GIB,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    outputs, (_, drafted, _) = generate_counted(llm, prompt, params)
+    assert_idle_and_no_leaks(llm)
+    return token_ids(outputs), expected, drafted
+
+
+def test_a_one_token_last_prefill_chunk_with_drafts_keeps_the_tokens(plain: LLM, always_draft):
+    got, expected, drafted = one_token_last_chunk(plain, 1)
+    assert got == [expected] and drafted > 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KeyError,
+    reason="engine bug (issue 55): a one-token last prefill chunk counts among batch.num_decodes "
+    "(scheduled_batch.py), so Speculator.extend gives it drafts; with n > 1 the batch also forks the samples "
+    "from that row, which is no longer a plain sample row: StepInputs._vectors (step_inputs.py, "
+    "row_of[parent.seq_id]) raises KeyError and the step fails",
+)
+def test_parallel_samples_forked_from_a_one_token_last_prefill_chunk(plain: LLM, always_draft):
+    got, expected, drafted = one_token_last_chunk(plain, 2)
+    assert got == [expected, expected] and drafted > 0
 
 
 # ---------------------------------------------------------------- sampling options as plain decoding

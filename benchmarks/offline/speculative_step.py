@@ -38,7 +38,9 @@ PASSAGE = (
 )
 
 
-def build_engine(args: argparse.Namespace, speculative: bool, max_batch: int, drafts: int) -> Any:
+def build_engine(
+    args: argparse.Namespace, speculative: bool, max_batch: int, drafts: int, **more: Any
+) -> Any:
     from engine.llm_engine import LLMEngine
 
     options = dict(
@@ -48,6 +50,7 @@ def build_engine(args: argparse.Namespace, speculative: bool, max_batch: int, dr
         max_model_len=args.max_model_len,
         max_num_seqs=max(8, max_batch),
         num_kv_blocks=2048,  # (a set pool: engines built in turn need no free-memory probe)
+        **more,
     )
     if speculative:
         options.update(
@@ -112,7 +115,8 @@ def time_shapes(engine: Any, seqs: list[Any], drafts: int, repeats: int) -> dict
 
 def step_costs(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    engine = build_engine(args, True, max(args.batches), max(args.drafts))
+    # (the runner's passes alone, timed one at a time: no step in flight holds a pending token)
+    engine = build_engine(args, True, max(args.batches), max(args.drafts), async_scheduling=False)
     graphs = engine.core.runner.decode_graphs
     for batch in args.batches:
         rng = Random(batch)
@@ -162,7 +166,7 @@ def end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
             ignore_eos=True,
             speculative_context=context,
         )
-        engine = build_engine(args, mode != "plain", 1, 4)
+        engine = build_engine(args, mode != "plain", 1, 4, dtype=args.e2e_dtype)
         engine.add_request("warm", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
@@ -208,12 +212,20 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--e2e-dtype",
+        default="bfloat16",
+        help="the end-to-end part's dtype (float32: the verify and decode paths agree to the token, so a "
+        "context of plain decoding's output is the drafts' best case)",
+    )
+    parser.add_argument("--skip-steps", action="store_true", help="only the end-to-end part")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     result = {
         "device": torch.cuda.get_device_name(),
         "model_config": args.model_config,
-        "steps": step_costs(args),
+        "steps": [] if args.skip_steps else step_costs(args),
+        "e2e_dtype": args.e2e_dtype,
         "end_to_end": end_to_end(args),
     }
     if args.out is not None:

@@ -123,16 +123,11 @@ class DecodeGraphRunner:
             self.device.type == "cuda" and not config.enforce_eager and bool(self.sizes)
         )
         # steps with drafted rows (speculative decoding): their own ladder and graphs
-        self.verify_sizes = (
-            graph_sizes(
-                min(
-                    config.speculative_max_batch * (config.num_speculative_tokens + 1),
-                    max_padded,
-                )
-            )
-            if config.speculative and max_padded
-            else []
+        max_verify = min(
+            config.speculative_max_batch * (config.num_speculative_tokens + 1),
+            config.max_graph_batch_size,
         )
+        self.verify_sizes = graph_sizes(max_verify) if config.speculative and max_padded else []
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
         self.padded_steps: Counter[int] = Counter()  # decode-only steps run at each padded size
@@ -144,6 +139,11 @@ class DecodeGraphRunner:
     @property
     def max_size(self) -> int:
         return self.sizes[-1] if self.sizes else 0
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a padded pass has (the decode ladder's top or the verify ladder's)."""
+        return max(self.max_size, self.verify_sizes[-1] if self.verify_sizes else 0)
 
     @property
     def buffer_bytes(self) -> int:
@@ -160,12 +160,11 @@ class DecodeGraphRunner:
         self.graphs, self.inputs = None, inputs
         if not self.sizes:
             return
-        _, width = self.kv.table_shape(self.max_size, self.max_size, table_width)
-        self.tables = torch.full(
-            (self.max_size, width), scratch_slot, dtype=torch.int32, device=self.device
-        )
+        rows = self.max_rows
+        _, width = self.kv.table_shape(rows, rows, table_width)
+        self.tables = torch.full((rows, width), scratch_slot, dtype=torch.int32, device=self.device)
         self.logits = torch.empty(
-            self.max_size, self.vocab_size, dtype=self.config.torch_dtype, device=self.device
+            rows, self.vocab_size, dtype=self.config.torch_dtype, device=self.device
         )
 
     def capture(self, sizes: list[int] | None = None) -> None:

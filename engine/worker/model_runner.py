@@ -231,7 +231,7 @@ class ModelRunner:
             attn.bind(kv, i)
         if hasattr(self.model, "bind_persistent_decode"):
             self.model.bind_persistent_decode(paged=not kv.contiguous)
-        max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_size)
+        max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_rows)
         self.inputs = StepInputs(
             self.device,
             self.block_size,

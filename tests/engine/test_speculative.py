@@ -169,6 +169,44 @@ def test_preemption_and_a_tiny_token_budget_keep_output_and_block_invariants(
     assert_idle_and_no_leaks(llm)
 
 
+def test_greedy_parallel_samples_share_the_prompt_and_equal_the_single_answer(
+    plain: LLM, spec: LLM, always_draft
+):
+    """n = 3 greedy samples forked from prompts ending just before and at a block boundary (31 and 32 tokens:
+    the forks share the prompt's blocks, a draft must not write a shared one): every sample is the single
+    greedy answer, the pool's invariants hold after every step, nothing leaks."""
+    ids = plain.tokenizer.encode(TEXTS[0] + TEXTS[0])
+    prompts = [ids[:31], ids[:32]]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    single = token_ids(plain.generate(prompts, params))
+    before = spec_counts(spec)
+    outputs = run_checked_outputs(spec.engine, prompts, replace(params, n=3))
+    _, drafted, accepted = (b - a for a, b in zip(before, spec_counts(spec)))
+    # (run_checked_outputs keeps each request's last final output: one sample of each)
+    assert token_ids(outputs) == single
+    samples = spec.generate(prompts, replace(params, n=3))
+    assert token_ids(samples) == [single[0]] * 3 + [single[1]] * 3
+    assert drafted > 0 and accepted > 0
+    assert_idle_and_no_leaks(spec)
+
+
+def test_blocks_written_by_verified_drafts_serve_prefix_hits(plain: LLM, spec: LLM, always_draft):
+    """A later prompt that extends an earlier reply hits the blocks its verification steps filled: they hold
+    the kept tokens' KV (a rejected draft's is overwritten before its block is cached), so the logprobs equal
+    plain decoding's."""
+    prompt = plain.tokenizer.encode(TEXTS[0] + TEXTS[0])[:32]
+    (reply,) = token_ids(spec.generate(prompt, GREEDY))
+    follow_up = prompt + reply[:30]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    (expected,) = plain.generate(follow_up, params)
+    (got,), (_, drafted, _) = generate_counted(spec, follow_up, params)
+    assert got.num_cached_tokens >= len(prompt) + 16, "a block of the reply is a hit"
+    assert list(got.token_ids) == list(expected.token_ids) and drafted > 0
+    for a, b in zip(got.logprobs, expected.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+
+
 def one_token_last_chunk(plain: LLM, n: int) -> tuple[list[list[int]], list[int], int]:
     """A 17-token prompt under a 16-token budget (no prefix cache): its last prefill chunk is one token, an entry
     shaped like a decode. Returns the ``n`` greedy samples' tokens, plain decoding's, and the drafts verified."""

@@ -379,6 +379,15 @@ class StepLog:
             100 * hits / queries if queries else 0.0,
             stats.preemptions - first.preemptions,
         )
+        if (drafted := stats.spec_draft_tokens - first.spec_draft_tokens) > 0:
+            verified = stats.spec_verifications - first.spec_verifications
+            accepted = stats.spec_accepted_tokens - first.spec_accepted_tokens
+            logger.info(
+                "speculative decoding: %d drafts verified, %.1f%% accepted, %.2f tokens a verification (drafts kept + 1)",
+                drafted,
+                100 * accepted / drafted,
+                (accepted + verified) / verified,
+            )
         if stats.kv_tier_read_bytes or stats.kv_tier_written_bytes or stats.num_disk_blocks:
             logger.info(
                 "KV tiers: %d prompt tokens from disk, %d from Redis; %.1f MiB read, %.1f MiB written; "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sequence import Sequence
 
@@ -62,6 +63,8 @@ class ScheduledBatch:
     # speculative decoding: entry -> its draft tokens (the last of its token_ids), verified by this pass; such
     # entries come right after the plain decode rows
     drafts: dict[Sequence, int] = field(default_factory=dict)
+    # a drafted entry under a grammar: its verify rows' grammars (masks fixed before the pass), as its stand-ins hold
+    draft_grammars: dict[Sequence, list[Any]] = field(default_factory=dict)
     # the sampled rows before the drafts' verify rows (plain entries and forks)
     num_plain_samples: int = field(init=False)
 
@@ -77,7 +80,10 @@ class ScheduledBatch:
         self.sampling_seqs += [child for _, child in self.forks]
         self.num_plain_samples = len(self.sampling_seqs)
         for seq, num_drafts in drafts.items():
-            self.sampling_seqs += verify_rows(seq, num_drafts)
+            rows = verify_rows(seq, num_drafts)
+            for row, grammar in zip(rows, self.draft_grammars.get(seq, ())):
+                row.grammar = grammar
+            self.sampling_seqs += rows
 
     def without_finished(self) -> ScheduledBatch:
         """The batch less the entries that finished after it was scheduled (async scheduling: the step in flight,

@@ -82,7 +82,7 @@ class EngineCore:
             config,
             self.scheduler,
             self.counters,
-            self.runner.kv.window,
+            self.runner,
             self._finish,
             self._emit,
             self._fail,

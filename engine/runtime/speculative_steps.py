@@ -16,12 +16,14 @@ from collections.abc import Callable
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.output.outputs import SampleDelta
+from engine.output.structured_output import accept as accept_grammar
 from engine.runtime.requests import Sample, stop_status
 from engine.sample.sampler import TokenLogprobs
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.speculator import Speculator
 from engine.core.metrics import EngineCounters
 from engine.core.scheduled_batch import ScheduledBatch
+from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
 
 logger = logging.getLogger(__name__)
@@ -31,20 +33,21 @@ def new_speculative_steps(
     config: EngineConfig,
     scheduler: Scheduler,
     counters: EngineCounters,
-    window: int,
+    runner: ModelRunner,
     finish: Callable[[Sequence, SequenceStatus], None],
     emit: Callable[[Sample, list[TokenLogprobs] | None], SampleDelta],
     fail: Callable[[Sample, Exception], SampleDelta],
 ) -> SpeculativeSteps | None:
     """The core's speculative steps under ``config.speculative`` (None: off, or a model with sliding-window
-    layers (``window``), whose window blocks are released as the window passes: drafts there are not supported
-    yet)."""
+    layers, whose window blocks are released as the window passes: drafts there are not supported yet)."""
     if not config.speculative:
         return None
-    if window:
+    if runner.kv.window:
         logger.warning("speculative decoding is off: the model has sliding-window layers")
         return None
-    speculator = Speculator(config, scheduler.block_manager, scheduler.step_cost, counters)
+    speculator = Speculator(
+        config, scheduler.block_manager, scheduler.step_cost, counters, runner.model.args.vocab_size
+    )
     return SpeculativeSteps(config, speculator, scheduler, finish, emit, fail)
 
 
@@ -111,6 +114,15 @@ class SpeculativeSteps:
             seq.token_ids.append(token_id)
             if token_logprobs is not None:
                 kept.append(token_logprobs)
+            if seq.grammar is not None:
+                try:
+                    accept_grammar(seq, token_id)
+                except (
+                    ValueError
+                ) as exc:  # (its request ends with the error, the tokens before it sent)
+                    del seq.token_ids[-1]
+                    kept = kept[: len(seq.token_ids) - base]
+                    return self.fail(sample, exc)
             status = stop_status(seq, token_id, self.eos_token_ids, self.max_model_len)
             if status is not None:
                 self.finish(seq, status)

@@ -24,6 +24,7 @@ from engine.speculative.draft_length import (
     choose_draft_length,
     expected_tokens,
 )
+from engine.speculative.grammar_drafts import FixedMask, grammar_rows
 from engine.speculative.ngram import NgramIndex
 
 
@@ -34,13 +35,16 @@ class Speculator:
         block_manager: BlockManager,
         step_cost: StepCostModel,
         counters: EngineCounters,
+        vocab_size: int,
     ) -> None:
+        """``vocab_size``: the logits' width (a grammar's verify rows' masks)."""
         self.num_tokens = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
         self.token_budget = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_manager, self.step_cost = block_manager, step_cost
         self.counters = counters
+        self.vocab_size = vocab_size
 
     def extend(self, batch: ScheduledBatch) -> ScheduledBatch:
         """``batch`` with drafts for the decode rows that speculate this step (itself when none do). A row whose
@@ -51,6 +55,7 @@ class Speculator:
         room = self.token_budget - sum(batch.num_new_tokens)
         step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
         drafts: dict[Sequence, int] = {}
+        grammars: dict[Sequence, list[FixedMask]] = {}
         for seq in batch.seqs[:num_decodes]:
             state = self._state(seq)
             if state is None or room <= 0 or seq.num_pending_tokens or seq.is_finished:
@@ -61,17 +66,23 @@ class Speculator:
                 k = 1  # (a probe: its rate is low, but its text may have turned repetitive)
             tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k, state.context)
             tokens = tokens[: self._writable(seq, len(tokens))]
+            masks = None
+            if tokens and seq.grammar is not None:
+                masks = grammar_rows(seq.grammar, tokens, self.vocab_size)
+                tokens = tokens if masks is not None else []
             if not tokens or not self.block_manager.allocate(seq, 1 + len(tokens)):
                 state.skipped += 1
                 continue
             seq.token_ids.extend(tokens)
             drafts[seq] = len(tokens)
+            if masks is not None:
+                grammars[seq] = masks
             room -= len(tokens)
             step_tokens += expected_tokens(state.rate, len(tokens)) - 1
             step_seconds += row_seconds * len(tokens)
         if not drafts:
             return batch
-        return _with_drafts(batch, num_decodes, drafts)
+        return _with_drafts(batch, num_decodes, drafts, grammars)
 
     def wants_known(self, batch: ScheduledBatch) -> bool:
         """Async scheduling: whether some decode row would get drafts once its pending token is known (its known
@@ -128,7 +139,7 @@ class Speculator:
         state = seq.speculation
         if state is None:
             params = seq.params
-            if not params.speculative or params.use_beam_search or seq.grammar is not None:
+            if not params.speculative or params.use_beam_search:
                 return None
             context = None
             if params.speculative_context:
@@ -156,7 +167,10 @@ class Speculator:
 
 
 def _with_drafts(
-    batch: ScheduledBatch, num_decodes: int, drafts: dict[Sequence, int]
+    batch: ScheduledBatch,
+    num_decodes: int,
+    drafts: dict[Sequence, int],
+    grammars: dict[Sequence, list[FixedMask]],
 ) -> ScheduledBatch:
     """``batch`` with its drafted entries (``1 + k`` tokens) right after the plain decodes."""
     entries = list(zip(batch.seqs, batch.num_new_tokens))
@@ -173,4 +187,5 @@ def _with_drafts(
         swap_in=batch.swap_in,
         forks=batch.forks,
         drafts=drafts,
+        draft_grammars=grammars,
     )

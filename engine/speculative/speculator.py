@@ -3,7 +3,7 @@
 ``extend`` runs after the scheduler: for each decode row that may speculate (speculation on, the row's request not
 beam search or under a grammar, the batch at most ``speculative_max_batch`` decode rows) it asks the sequence's
 n-gram index for drafts, as many as draft_length.py finds worth their rows, within the step's token budget, the
-sequence's length limit and the blocks free (drafts never preempt anyone), appends them to the sequence's
+sequence's length limit and the blocks free (drafts never preempt anyone, nor take the pool's last eighth), appends them to the sequence's
 ``token_ids`` and moves its entry after the plain decodes with ``1 + k`` tokens. ``accept`` compares a verified
 sequence's drafts with its rows' samples and takes the drafts back out of its ``token_ids``; the engine then
 appends the tokens kept (engine/runtime/speculative_steps.py).
@@ -50,7 +50,7 @@ class Speculator:
         """``batch`` with drafts for the decode rows that speculate this step (itself when none do). A row whose
         last token is still pending (async scheduling: sampled by the step in flight) gets none."""
         num_decodes = batch.num_decodes
-        if not num_decodes or num_decodes > self.max_batch:
+        if not num_decodes or num_decodes > self.max_batch or self._short_of_blocks():
             return batch
         room = self.token_budget - sum(batch.num_new_tokens)
         step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
@@ -90,7 +90,7 @@ class Speculator:
         drafts worth their rows). The engine then reads the step in flight before this one (a step with drafts
         runs in step with the host); otherwise the step runs without drafts, overlapped as usual."""
         num_decodes = batch.num_decodes
-        if not num_decodes or num_decodes > self.max_batch:
+        if not num_decodes or num_decodes > self.max_batch or self._short_of_blocks():
             return False
         step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
         for seq in batch.seqs[:num_decodes]:
@@ -104,6 +104,12 @@ class Speculator:
                 return True
             state.skipped += 1
         return False
+
+    def _short_of_blocks(self) -> bool:
+        """Free blocks at or below the pool's reserve (an eighth): drafts wait rather than take the blocks a
+        prompt or a sequence's next token may need."""
+        blocks = self.block_manager
+        return blocks.num_free_blocks <= blocks.lookahead_reserve
 
     def _step_estimate(self, batch: ScheduledBatch) -> tuple[float, float, float]:
         """The step's expected tokens and seconds without drafts, and a draft row's seconds (the learned step
@@ -142,10 +148,12 @@ class Speculator:
             if not params.speculative or params.use_beam_search:
                 return None
             context = None
-            if params.speculative_context:
-                context = (NgramIndex(), params.speculative_context)
-                context[0].update(context[1], len(context[1]))
-            state = seq.speculation = Speculation(NgramIndex(), context)
+            if params.speculative_context:  # (indexed as proposals go, UPDATE_BUDGET a step)
+                context = (
+                    NgramIndex.over(len(params.speculative_context)),
+                    params.speculative_context,
+                )
+            state = seq.speculation = Speculation(NgramIndex.over(len(seq.token_ids)), context)
         return state
 
     def _length_room(self, seq: Sequence) -> int:

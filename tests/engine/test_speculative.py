@@ -355,6 +355,37 @@ def test_max_tokens_is_reached_exactly_never_one_past(plain: LLM, spec: LLM, alw
     assert_idle_and_no_leaks(spec)
 
 
+def test_max_model_len_is_reached_exactly_with_drafts(plain: LLM, always_draft):
+    """A 64-token model length: the drafts stop at its room, the sample ends at 64 tokens in all (length)."""
+    prompt = plain.tokenizer.encode(REPEATED)
+    llm = LLM(speculative="ngram", kv_cache_memory_gib=SMALL_KV_GIB, max_model_len=64)
+    room = 64 - len(prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    (expected,) = token_ids(plain.generate(prompt, replace(params, max_tokens=room)))
+    (got,), (_, _, accepted) = generate_counted(llm, prompt, params)
+    assert list(got.token_ids) == expected and len(expected) == room
+    assert got.finish_reason == "length" and accepted > 0
+
+
+def test_stop_strings_inside_accepted_drafts_end_the_text_there(
+    plain: LLM, spec: LLM, always_draft
+):
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=["on the mat, the"]),
+        SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, stop=["sat on"], include_stop_str_in_output=True
+        ),
+    ]
+    expected = plain.generate([REPEATED] * 2, params)
+    outputs, (_, drafted, accepted) = generate_counted(spec, [REPEATED] * 2, params)
+    assert [(o.text, list(o.token_ids), o.finish_reason, o.stop_reason) for o in outputs] == [
+        (o.text, list(o.token_ids), o.finish_reason, o.stop_reason) for o in expected
+    ]
+    assert outputs[0].finish_reason == "stop" and "on the mat, the" not in outputs[0].text
+    assert outputs[1].text.endswith("sat on")
+    assert drafted > 0 and accepted > 0
+
+
 def test_eos_inside_accepted_drafts_ends_the_sample_there(
     plain: LLM, spec: LLM, monkeypatch, always_draft
 ):

@@ -19,17 +19,18 @@ from engine.speculative.draft_length import (
     choose_draft_length,
     expected_tokens,
 )
-from engine.speculative.ngram import MAX_NGRAM, MIN_NGRAM, NgramIndex
+from engine.speculative.ngram import INDEX_WINDOW, MAX_NGRAM, MIN_NGRAM, NgramIndex
 
 
-def brute_force(tokens: list[int], num_known: int, max_tokens: int) -> list[int]:
+def brute_force(tokens: list[int], num_known: int, max_tokens: int, start: int = 0) -> list[int]:
     """The specification by scanning: for n from MAX_NGRAM down to MIN_NGRAM, the last position p < num_known
-    (a known follower) where tokens[p - n : p] equals the last n known tokens; the tokens from p on."""
+    (a known follower) where tokens[p - n : p] equals the last n known tokens, the gram at or after ``start``
+    (where the index begins); the tokens from p on."""
     if max_tokens <= 0:
         return []
     for n in range(min(MAX_NGRAM, num_known), MIN_NGRAM - 1, -1):
         suffix = tokens[num_known - n : num_known]
-        for p in range(num_known - 1, n - 1, -1):
+        for p in range(num_known - 1, start + n - 1, -1):
             if tokens[p - n : p] == suffix:
                 return tokens[p : min(p + max_tokens, num_known)]
     return []
@@ -116,6 +117,53 @@ def test_an_index_updated_token_by_token_equals_one_built_at_once():
         assert grown.last_seen == fresh.last_seen, num_known
         if num_known >= MIN_NGRAM:  # (shorter: nothing to index, propose returns at once)
             assert grown.num_indexed == fresh.num_indexed == num_known
+
+
+def test_an_update_enters_at_most_its_budget_and_ends_as_one_built_at_once():
+    rng = random.Random(3)
+    tokens = random_tokens(rng, 100, 5)
+    index = NgramIndex()
+    for expected in (30, 60, 90, 100, 100):
+        index.update(tokens, len(tokens), budget=30)
+        assert index.num_indexed == expected
+    whole = NgramIndex()
+    whole.update(tokens, len(tokens), budget=len(tokens))
+    assert index.last_seen == whole.last_seen
+
+
+def test_a_partly_built_index_knows_only_real_occurrences():
+    """Until its index is built, the occurrence it knows of a gram is among the positions entered so far (an
+    older one than the latest, here): still a position whose token did follow that gram."""
+    tokens = [1, 2, 3] + [9] * 20 + [1, 2, 4] + [8] * 20 + [1, 2]
+    index = NgramIndex()
+    index.update(tokens, len(tokens), budget=10)  # positions up to 10: the first (1, 2) only
+    assert index.last_seen[2][(1, 2)] == 2
+    assert tokens[index.last_seen[2][(1, 2)]] == 3
+    assert index.num_indexed == 10
+
+
+def test_a_long_sequence_is_indexed_over_its_last_window():
+    """NgramIndex.over covers the last INDEX_WINDOW tokens: a gram seen only before them is not proposed."""
+    old, recent = [7, 7, 5, 6], [3, 4, 1, 2]
+    filler = [0] * (INDEX_WINDOW - len(recent))
+    tokens = old + filler + recent
+    index = NgramIndex.over(len(tokens))
+    assert index.start == len(old)
+    for _ in range(10):  # (an index is built UPDATE_BUDGET positions a call)
+        index.update(tokens, len(tokens))
+    assert index.num_indexed == len(tokens)
+    assert index.propose(tokens + [5, 6], len(tokens) + 2, 2) == []  # (5, 6) only before the window
+    assert index.propose(tokens + [3, 4], len(tokens) + 2, 2) == [1, 2]
+    assert NgramIndex.over(100).start == 0
+
+
+@pytest.mark.parametrize("start", [0, 5, 17])
+def test_an_index_from_start_equals_the_brute_force_search_from_there(start: int):
+    rng = random.Random(start)
+    for _ in range(30):
+        tokens = random_tokens(rng, rng.randrange(start, start + 40), 3)
+        index = NgramIndex(start)
+        assert index.propose(tokens, len(tokens), 4) == brute_force(tokens, len(tokens), 4, start)
 
 
 def with_context(tokens: list[int], context: list[int], max_tokens: int = 4) -> list[int]:

@@ -482,6 +482,14 @@ def test_a_request_may_turn_speculation_off(plain: LLM, spec: LLM, always_draft)
     assert token_ids(outputs) == [expected] and drafted > 0
 
 
+def test_beam_search_runs_without_drafts_and_finds_plain_beams(plain: LLM, spec: LLM, always_draft):
+    expected = plain.beam_search(REPEATED, beam_width=3, max_tokens=12, n=2)
+    before = spec_counts(spec)
+    got = spec.beam_search(REPEATED, beam_width=3, max_tokens=12, n=2)
+    assert token_ids(got) == token_ids(expected)
+    assert spec_counts(spec) == before, "beam search requests get no drafts"
+
+
 def test_speculative_context_supplies_accepted_drafts(plain: LLM, spec: LLM, always_draft):
     """A regenerated reply: its earlier text as speculative_context gives drafts that are accepted, the same
     output either way."""

@@ -251,7 +251,7 @@ def test_parallel_samples_forked_from_a_one_token_last_prefill_chunk(plain: LLM,
     "(swap-out, copy, swap-in), so the copy reads block 3's old contents and that sample's KV is wrong",
 )
 @pytest.mark.parametrize("speculative", [None, "ngram"], ids=["plain", "speculative"])
-def test_swapped_parallel_samples_keep_their_tokens(plain: LLM, prompts, speculative):
+def test_swapped_parallel_samples_keep_their_tokens(plain: LLM, prompts, speculative, always_draft):
     """Two n = 2 requests in a pool with room for the longest alone, preempted by swapping: every sample is
     the single greedy answer (the prompts of 31 and 65 tokens: the second's samples share a partly filled
     last block when they are swapped out)."""

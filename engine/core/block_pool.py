@@ -98,7 +98,7 @@ class HostBlocks:
     """The host pool that swapped-out sequences' blocks are copied to: a free list, and a reference count per
     held slot (the sequences of one request swapped out together share the copies of the blocks they shared on
     the device). A slot freed by a swap-in is reused only from the next step on, as this step's copies still
-    read it (they run in order on one stream: swap-outs, copy-on-write, swap-ins, then the pass)."""
+    read it (they run in order on one stream: swap-outs, swap-ins, copy-on-write, then the pass)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

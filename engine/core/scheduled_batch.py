@@ -1,7 +1,7 @@
 """ScheduledBatch: what one forward pass computes, as the scheduler (scheduler.py) decided it.
 
 Its entries: each sequence with the number of its tokens the pass computes, decode rows (one token each) first,
-then prefill chunks; the block moves that run before the pass (swap-outs, copy-on-write, swap-ins, in that
+then prefill chunks; the block moves that run before the pass (swap-outs, swap-ins, copy-on-write, in that
 order on one stream); the sequences preempted to make room; and the samples forked from a parent whose prompt
 the pass completes. ``sampling_seqs`` is fixed here, before the pass advances ``num_computed_tokens``.
 
@@ -52,7 +52,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # (device, host) blocks copied out first
     swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # (host, device) blocks copied in after CoW
+    # (host, device) blocks copied in after the swap-outs, before copy-on-write
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # parallel sampling: (parent, child) for each sample forked from a parent whose prompt this pass completes;
     # the child is sampled from its parent's logits row and shares its blocks from ``Scheduler.advance`` on

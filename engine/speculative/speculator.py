@@ -56,9 +56,13 @@ class Speculator:
         step_tokens, step_seconds, row_seconds = self._step_estimate(batch)
         drafts: dict[Sequence, int] = {}
         grammars: dict[Sequence, list[FixedMask]] = {}
+        # (a one-token last prompt chunk is decode-shaped: its samples fork from its plain row)
+        parents = {parent for parent, _ in batch.forks}
         for seq in batch.seqs[:num_decodes]:
             state = self._state(seq)
             if state is None or room <= 0 or seq.num_pending_tokens or seq.is_finished:
+                continue
+            if parents and seq in parents:
                 continue
             limit = min(self.num_tokens, room, self._length_room(seq))
             k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)

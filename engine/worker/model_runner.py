@@ -375,21 +375,19 @@ class ModelRunner:
         swap_in: list[tuple[int, int]],
         window_copies: list[tuple[int, int]] = (),
     ) -> None:
-        # in this order on one stream: swap-outs read blocks that copy-on-write or swap-ins may then overwrite
+        # in this order on one stream: swap-outs read blocks that swap-ins or copies may then overwrite; a copy
+        # may read a block swapped in this very step (a swapped parallel request's shared last block)
+        host, device = (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches)
         if swap_out:
-            self._swap(
-                swap_out, (self.k_caches, self.v_caches), (self.host_k_caches, self.host_v_caches)
-            )
+            self._swap(swap_out, device, host)
+        if swap_in:
+            self._swap(swap_in, host, device)
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
         if window_copies:
             mapping = torch.tensor(window_copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.kv.window_k_caches, self.kv.window_v_caches, mapping)
-        if swap_in:
-            self._swap(
-                swap_in, (self.host_k_caches, self.host_v_caches), (self.k_caches, self.v_caches)
-            )
 
     def _wait_for_device(self) -> None:
         """(A contiguous backend about to remap a page that the step in flight may read.)"""

@@ -230,31 +230,19 @@ def test_a_one_token_last_prefill_chunk_with_drafts_keeps_the_tokens(plain: LLM,
     assert got == [expected] and drafted > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="engine bug (issue 55): a one-token last prefill chunk counts among batch.num_decodes "
-    "(scheduled_batch.py), so Speculator.extend gives it drafts; with n > 1 the batch also forks the samples "
-    "from that row, which is no longer a plain sample row: StepInputs._vectors (step_inputs.py, "
-    "row_of[parent.seq_id]) raises KeyError and the step fails",
-)
 def test_parallel_samples_forked_from_a_one_token_last_prefill_chunk(plain: LLM, always_draft):
+    """The chunk's entry is decode-shaped, but its samples fork from its row: it gets no drafts (a drafted
+    entry has no plain row to fork from)."""
     got, expected, drafted = one_token_last_chunk(plain, 2)
     assert got == [expected, expected] and drafted > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug (not speculative's): a parallel request swapped out as a group (preemption_mode swap) "
-    "comes back with its shared, partly filled last block swapped in and copied on write in the same step "
-    "(swap_in [(4, 3)] and block_copies [(3, 6)] in one batch); the copies run before the swap-ins "
-    "(swap-out, copy, swap-in), so the copy reads block 3's old contents and that sample's KV is wrong",
-)
 @pytest.mark.parametrize("speculative", [None, "ngram"], ids=["plain", "speculative"])
 def test_swapped_parallel_samples_keep_their_tokens(plain: LLM, prompts, speculative, always_draft):
     """Two n = 2 requests in a pool with room for the longest alone, preempted by swapping: every sample is
     the single greedy answer (the prompts of 31 and 65 tokens: the second's samples share a partly filled
-    last block when they are swapped out)."""
+    last block when they are swapped out; it is swapped in and copied on write in one step, the swap-in
+    first)."""
     chosen = [prompts[1], prompts[4]]
     assert [len(p) for p in chosen] == [31, 65]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -107,15 +107,16 @@ def with_pending(
     swap_in: list[tuple[int, int]],
 ) -> tuple[KV, KV]:
     """(device, host) contents after one step's copies, in the documented order: every swap-out (device block ->
-    host slot, host-tier stores included), then the copy-on-write copies, then every swap-in (host slot ->
-    device block, host-tier restores included). Pure: the inputs are not changed."""
+    host slot, host-tier stores included), then every swap-in (host slot -> device block, host-tier restores
+    included), then the copy-on-write copies (which may read a block swapped in). Pure: the inputs are not
+    changed."""
     dev, host = dict(kv), dict(host_kv)
     for block_id, slot in swap_out:
         host[slot] = list(dev[block_id])
-    for src, dst in copies:
-        dev[dst] = list(dev[src])
     for slot, block_id in swap_in:
         dev[block_id] = list(host[slot])
+    for src, dst in copies:
+        dev[dst] = list(dev[src])
     return dev, host
 
 

@@ -214,11 +214,29 @@ void attend_span(const float* q, const float* k_cache, const float* v_cache, con
   }
 }
 
-// Decode attention, parallel over (row, span of kSpan positions): one long row still occupies every thread, and
-// the spans of a row are merged by their maxima in order. A row attends positions [start, context) with
-// start = max(0, context - window) for a sliding-window layer (window > 0), else 0. Spans depend on the row's own
-// positions only, so a row's result does not depend on the batch it is in (greedy tokens must not).
+// Decode attention, parallel over (run of rows, span of kSpan positions): one long row still occupies every
+// thread, and the spans of a row are merged by their maxima in order. A row attends positions [start, context)
+// with start = max(0, context - window) for a sliding-window layer (window > 0), else 0. Spans depend on the row's
+// own positions only, so a row's result does not depend on the batch it is in (greedy tokens must not).
+// A run is up to kRunRows consecutive rows of one sequence (the same first table entry, contexts one apart: a
+// prompt's tokens, speculative decoding's verify rows), in a layer without a window: a task computes one span for
+// each of its rows in turn, so the span's K and V, read from memory for the first, serve the others from cache
+// (each row over a long context read all of its KV again); each row's arithmetic is the one it has alone.
 constexpr int64_t kSpan = 128;
+constexpr int64_t kRunRows = 8;
+
+// Runs of rows (see attend): run g is rows first_row[g] .. first_row[g + 1] - 1.
+std::vector<int64_t> row_runs(const int32_t* tables, int64_t table_width, const int32_t* context_lens,
+                              int64_t window, int64_t rows) {
+  std::vector<int64_t> first_row;
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool joins = r > 0 && window == 0 && r - first_row.back() < kRunRows &&
+                       context_lens[r] == context_lens[r - 1] + 1 && tables[r * table_width] == tables[(r - 1) * table_width];
+    if (!joins) first_row.push_back(r);
+  }
+  first_row.push_back(rows);
+  return first_row;
+}
 
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
             const int32_t* context_lens, int64_t window, float* out, int64_t rows, Heads n, int64_t block_size,
@@ -232,19 +250,31 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
   const int64_t part_size = n.heads * (dim + 2);
   std::vector<float> partial(first_task[rows] * part_size);
-  at::parallel_for(0, first_task[rows], 1, [&](int64_t begin, int64_t end) {
+  // run g's tasks: first_run_task[g] .. [g + 1] - 1, one per span of its longest row (its last)
+  const std::vector<int64_t> first_row = row_runs(tables, table_width, context_lens, window, rows);
+  const int64_t runs = static_cast<int64_t>(first_row.size()) - 1;
+  std::vector<int64_t> first_run_task(runs + 1, 0);
+  for (int64_t g = 0; g < runs; ++g) {
+    const int64_t last = first_row[g + 1] - 1;
+    first_run_task[g + 1] = first_run_task[g] + (first_task[last + 1] - first_task[last]);
+  }
+  at::parallel_for(0, first_run_task[runs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    int64_t r = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    int64_t g = std::upper_bound(first_run_task.begin(), first_run_task.end(), begin) - first_run_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      while (task >= first_task[r + 1]) ++r;
-      const int64_t lo = start[r] + (task - first_task[r]) * kSpan, hi = std::min<int64_t>(context_lens[r], lo + kSpan);
-      float* acc = partial.data() + task * part_size;
-      if (lo >= hi) {  // a row without context (a padding row): no weight in the merge
-        for (int64_t h = 0; h < n.heads; ++h) acc[h * (dim + 2) + dim] = -INFINITY;
-        continue;
+      while (task >= first_run_task[g + 1]) ++g;
+      const int64_t span = task - first_run_task[g];
+      for (int64_t r = first_row[g]; r < first_row[g + 1]; ++r) {
+        if (span >= first_task[r + 1] - first_task[r]) continue;  // (a shorter row of the run: no such span)
+        const int64_t lo = start[r] + span * kSpan, hi = std::min<int64_t>(context_lens[r], lo + kSpan);
+        float* acc = partial.data() + (first_task[r] + span) * part_size;
+        if (lo >= hi) {  // a row without context (a padding row): no weight in the merge
+          for (int64_t h = 0; h < n.heads; ++h) acc[h * (dim + 2) + dim] = -INFINITY;
+          continue;
+        }
+        attend_span(q + r * n.heads * dim, k_cache, v_cache, tables + r * table_width, lo, hi, n, block_size,
+                    scale, scores, acc);
       }
-      attend_span(q + r * n.heads * dim, k_cache, v_cache, tables + r * table_width, lo, hi, n, block_size, scale,
-                  scores, acc);
     }
   });
   for (int64_t r = 0; r < rows; ++r) {

@@ -29,4 +29,7 @@ pick instead, and the CPU kernels and weight formats behind it.
 - ``kv_restart``: a 2,000-token session's next turn after a server restart (its KV read back from the disk tier)
   against the same turn warm and a cold re-prefill; ``--redis``: the next turn on a second server of one Redis
   (workload "Restart", issue 52). ``python -m benchmarks.cpu.kv_restart [--redis]``
+- ``speculative``: n-gram speculative decoding against plain decoding on edit / quote / summarise / regenerate chat
+  turns and on open questions, 1 and 8 streams, interleaved (workload "speculative-cpu", issue 55).
+  ``python -m benchmarks.cpu.speculative``
 """

@@ -28,6 +28,7 @@ compared too (the engine keeps seeded sampling's tokens, engine/speculative/__in
 
     python -m benchmarks.cpu.speculative [--rounds 3] [--streams 8] [--num-speculative-tokens 4] [--threads 2]
                                          [--json PATH]
+    python -m benchmarks.cpu.speculative --replay   # the proposer replayed over plain's turns, no timing
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from benchmarks.cpu.throughput import native_level
 from benchmarks.harness import record
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.speculative.ngram import NgramIndex
 
 logger = logging.getLogger("benchmarks.cpu.speculative")
 
@@ -293,6 +295,33 @@ def by_kind(runs: list[Run]) -> dict[str, float]:
     return {kind: round(t[0] / t[1], 1) for kind, t in totals.items()}
 
 
+def replay(requests: list[Request], outputs: list[list[int]], k: int) -> dict[str, float]:
+    """The n-gram proposer replayed over finished turns (no engine): at each step it proposes up to ``k`` tokens
+    (always, no draft-length back-off) and keeps them while they equal the reply. How many steps find no
+    proposal at all tells a proposer that finds nothing from a draft length that chose none."""
+    steps = empty = drafted = kept = tokens = 0
+    for (prompt, params), reply in zip(requests, outputs):
+        known, index, context = prompt + reply, NgramIndex(), None
+        if params.speculative_context:
+            context = (NgramIndex(), params.speculative_context)
+            context[0].update(context[1], len(context[1]))
+        position = len(prompt)
+        while position < len(known):
+            proposal = index.propose(known, position, min(k, len(known) - position - 1), context)
+            run = 0
+            while run < len(proposal) and proposal[run] == known[position + run]:
+                run += 1
+            steps, empty = steps + 1, empty + (not proposal)
+            drafted, kept, tokens = drafted + len(proposal), kept + run, tokens + run + 1
+            position += run + 1
+    return {
+        "steps": steps,
+        "steps_without_proposal": empty,
+        "tokens_per_step": tokens / steps,
+        "kept_per_drafted": kept / drafted if drafted else 0.0,
+    }
+
+
 # main ----------------------------------------------------------------------------------------------------
 
 
@@ -310,6 +339,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="write the numbers here (auto: docs/results/speculative-cpu-<level>-<date>.json; '': nowhere)",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="only the plain engine's turns once, and the proposer replayed over them (no timing)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.streams < 0 or args.threads < 1:
         parser.error("--rounds and --threads must be >= 1, --streams >= 0")
@@ -319,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    if args.replay:
+        replay_only(args)
+        return
     load_before = record.load_average()
     engines = {
         "plain": LLM(num_threads=args.threads),
@@ -376,6 +413,18 @@ def main(argv: list[str] | None = None) -> None:
     path = default_json(env["cpu_isa"]) if args.json == "auto" else args.json
     record.write_json(path, results)
     report(results, env, args)
+
+
+def replay_only(args: argparse.Namespace) -> None:
+    llm = LLM(num_threads=args.threads)
+    for name, turns in (("repetitive", REPETITIVE), ("non-repetitive", NON_REPETITIVE)):
+        sessions = Sessions(llm, turns)
+        for _ in turns:
+            sessions.next_turn()
+        found = replay(sessions.requests, sessions.run.outputs, args.num_speculative_tokens)
+        print(
+            f"{name}: the proposer replayed at k={args.num_speculative_tokens}: {json.dumps(found)}"
+        )
 
 
 def summarise(

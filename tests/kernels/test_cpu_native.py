@@ -47,6 +47,17 @@ def native_built() -> None:
     assert cpu_native.load(BUILD_ROOT) is not None, "the native CPU kernels did not build"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """Two torch threads here whatever the suite's (tests/conftest.py): the kernels' parallel tasks (attention's
+    spans and runs of rows, the matmuls' columns) run on both, so their results are checked as the server runs
+    them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def kernels_at(level: str) -> cpu_native.CpuKernels:
     """The kernels of ``level``, built for it; a level this CPU lacks cannot run here (skipped, named)."""
     if level != "generic" and level not in cpu_native.supported_levels():

@@ -141,9 +141,17 @@ ENGINE_OPTIONS = (
         "Speculative decoding: ngram drafts a sequence's next tokens from its own tokens (the prompt, which "
         "in a session holds the earlier turns, the reply so far, and a regenerated or edited turn's earlier "
         "reply) and verifies them in one step; greedy output is unchanged and sampling keeps its "
-        'distribution; a request may turn it off with "speculative": false',
+        'distribution; a request may turn it off with "speculative": false; draft: a smaller model with the '
+        "same tokenizer drafts them (--speculative-model)",
         "off",
-        choices=("ngram",),
+        choices=("ngram", "draft"),
+    ),
+    Option(
+        "speculative_model",
+        "The draft model of --speculative draft (given alone, it implies it): an HF directory, a .gguf file or "
+        "a hub id with this model's tokenizer, e.g. a 1B draft for an 8B model; with --load-format dummy a "
+        "named architecture. Its KV cache takes a share of the KV budget",
+        "none",
     ),
     Option(
         "num_speculative_tokens",

@@ -21,6 +21,7 @@ PREFIX_HASHES = ("sha256", "xxh128")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_BACKENDS = ("paged", "vattention")
 KV_CACHE_DTYPES = ("auto", "fp8")
+SPECULATIVE_METHODS = (None, "ngram", "draft")  # (engine/speculative/)
 # the CPU linear layers' weights (engine/layers/quantized_linear.py)
 CPU_WEIGHTS = ("file", "float32", "bfloat16", "int8", "q4")
 # tensor parallelism's all-reduce paths (engine/distributed/parallel_state.py)
@@ -76,6 +77,9 @@ class EngineConfig:
     # step; greedy output is unchanged, sampling keeps its distribution. A step with drafts runs in step with the
     # host (its tokens are read before the next step is scheduled); the others keep async scheduling
     speculative: str | None = None
+    # speculative="draft"'s model (implies it): a smaller model with the target's tokenizer (a directory, .gguf
+    # file or hub id; with load_format=dummy a named architecture), its KV in the target's blocks (draft_model.py)
+    speculative_model: str | None = None
     num_speculative_tokens: int = (
         4  # the most drafts a sequence gets in a step (fewer where they miss)
     )
@@ -292,7 +296,18 @@ class EngineConfig:
 
 
 def _check_speculative(config: EngineConfig) -> None:
-    _check(config.speculative in (None, "ngram"), "speculative", "must be ngram or unset (off)")
+    if config.speculative_model is not None and config.speculative is None:
+        config.speculative = "draft"
+    _check(
+        config.speculative in SPECULATIVE_METHODS,
+        "speculative",
+        f"must be one of {', '.join(map(str, SPECULATIVE_METHODS[1:]))} or unset (off)",
+    )
+    _check(
+        (config.speculative == "draft") == bool(config.speculative_model),
+        "speculative_model",
+        "a draft model is given exactly when speculative is draft",
+    )
     _check(
         _is_int(config.num_speculative_tokens) and 1 <= config.num_speculative_tokens <= 16,
         "num_speculative_tokens",

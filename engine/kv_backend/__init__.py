@@ -56,4 +56,20 @@ def make_kv_backend(
     )
 
 
-__all__ = ["KVBackend", "LeanCpuPagedKV", "PagedKV", "VAttentionKV", "make_kv_backend"]
+def window_group(model: Any, config: Any) -> tuple[int, ...]:
+    """The model's per-layer sliding windows where its window layers get a KV group of their own (a model with
+    both kinds of layers, on one rank, the paged backend), else ()."""
+    windows = tuple(getattr(model, "layer_windows", ()))
+    if config.tensor_parallel_size > 1 or config.kv_backend != "paged" or not windows:
+        return ()
+    return windows if 0 in windows and any(windows) else ()
+
+
+__all__ = [
+    "KVBackend",
+    "LeanCpuPagedKV",
+    "PagedKV",
+    "VAttentionKV",
+    "make_kv_backend",
+    "window_group",
+]

@@ -46,7 +46,12 @@ def new_speculative_steps(
         logger.warning("speculative decoding is off: the model has sliding-window layers")
         return None
     speculator = Speculator(
-        config, scheduler.block_manager, scheduler.step_cost, counters, runner.model.args.vocab_size
+        config,
+        scheduler.block_manager,
+        scheduler.step_cost,
+        counters,
+        runner.model.args.vocab_size,
+        runner.draft,
     )
     return SpeculativeSteps(config, speculator, scheduler, finish, emit, fail)
 

@@ -29,7 +29,7 @@ PROBE_AFTER = 16  # steps without drafts before a sequence with a low rate gets 
 class Speculation:
     """A sequence's speculative state: its n-gram index and its acceptance so far."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # (None: a draft model proposes)
     # the request's speculative_context, indexed whole, with its tokens (None: none given)
     context: tuple[NgramIndex, list[int]] | None = None
     accepted: float = 0.0

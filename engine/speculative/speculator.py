@@ -26,6 +26,7 @@ from engine.speculative.draft_length import (
 )
 from engine.speculative.grammar_drafts import FixedMask, grammar_rows
 from engine.speculative.ngram import NgramIndex
+from engine.worker.draft_model import DraftModel
 
 
 class Speculator:
@@ -36,8 +37,10 @@ class Speculator:
         step_cost: StepCostModel,
         counters: EngineCounters,
         vocab_size: int,
+        draft: DraftModel | None = None,
     ) -> None:
-        """``vocab_size``: the logits' width (a grammar's verify rows' masks)."""
+        """``vocab_size``: the logits' width (a grammar's verify rows' masks); ``draft``: the draft model that
+        proposes (speculative="draft"), else each sequence's n-gram index does."""
         self.num_tokens = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
         self.token_budget = config.max_num_batched_tokens
@@ -45,6 +48,7 @@ class Speculator:
         self.block_manager, self.step_cost = block_manager, step_cost
         self.counters = counters
         self.vocab_size = vocab_size
+        self.draft = draft
 
     def extend(self, batch: ScheduledBatch) -> ScheduledBatch:
         """``batch`` with drafts for the decode rows that speculate this step (itself when none do). A row whose
@@ -58,35 +62,70 @@ class Speculator:
         grammars: dict[Sequence, list[FixedMask]] = {}
         # (a one-token last prompt chunk is decode-shaped: its samples fork from its plain row)
         parents = {parent for parent, _ in batch.forks}
+        wanted: list[tuple[Sequence, int]] = []  # (the draft model's: proposed for all at once)
         for seq in batch.seqs[:num_decodes]:
             state = self._state(seq)
             if state is None or room <= 0 or seq.num_pending_tokens or seq.is_finished:
                 continue
             if parents and seq in parents:
                 continue
-            limit = min(self.num_tokens, room, self._length_room(seq))
-            k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
-            if k == 0 and state.skipped >= PROBE_AFTER:
-                k = 1  # (a probe: its rate is low, but its text may have turned repetitive)
-            tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k, state.context)
-            tokens = tokens[: self._writable(seq, len(tokens))]
-            masks = None
-            if tokens and seq.grammar is not None:
-                masks = grammar_rows(seq.grammar, tokens, self.vocab_size)
-                tokens = tokens if masks is not None else []
-            if not tokens or not self.block_manager.allocate(seq, 1 + len(tokens)):
+            k = self._draft_length(
+                seq, min(room, self.num_tokens), step_tokens, step_seconds, row_seconds
+            )
+            if self.draft is None:
+                tokens = state.index.propose(seq.token_ids, len(seq.token_ids), k, state.context)
+                tokens = tokens[: self._writable(seq, len(tokens))]
+                if not (k := self._take(seq, tokens, drafts, grammars, allocate=True)):
+                    continue
+            elif (k := min(k, self._writable(seq, k))) and self.block_manager.allocate(seq, 1 + k):
+                wanted.append((seq, k))  # (its blocks first: the draft model writes KV in them)
+            else:
                 state.skipped += 1
                 continue
-            seq.token_ids.extend(tokens)
-            drafts[seq] = len(tokens)
-            if masks is not None:
-                grammars[seq] = masks
-            room -= len(tokens)
-            step_tokens += expected_tokens(state.rate, len(tokens)) - 1
-            step_seconds += row_seconds * len(tokens)
+            room -= k
+            step_tokens += expected_tokens(state.rate, k) - 1
+            step_seconds += row_seconds * k
+        if wanted:
+            proposals = self.draft.propose([seq for seq, _ in wanted], [k for _, k in wanted])
+            for (seq, _), tokens in zip(wanted, proposals):
+                self._take(seq, tokens, drafts, grammars, allocate=False)
         if not drafts:
             return batch
         return _with_drafts(batch, num_decodes, drafts, grammars)
+
+    def _draft_length(
+        self, seq: Sequence, limit: int, step_tokens: float, step_seconds: float, row_seconds: float
+    ) -> int:
+        """Drafts for ``seq`` in the step so far (choose_draft_length within its length limit, or a probe)."""
+        state = seq.speculation
+        limit = min(limit, self._length_room(seq))
+        k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
+        if k == 0 and limit > 0 and state.skipped >= PROBE_AFTER:
+            k = 1  # (a probe: its rate is low, but its text may have turned repetitive)
+        return k
+
+    def _take(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        drafts: dict[Sequence, int],
+        grammars: dict[Sequence, list[FixedMask]],
+        allocate: bool,
+    ) -> int:
+        """Make ``tokens`` (cut to the run its grammar accepts) ``seq``'s drafts, its blocks for them allocated
+        (``allocate``) or already; how many (0: none, the sequence skips a step)."""
+        masks = None
+        if tokens and seq.grammar is not None:
+            masks = grammar_rows(seq.grammar, tokens, self.vocab_size)
+            tokens = tokens if masks is not None else []
+        if not tokens or (allocate and not self.block_manager.allocate(seq, 1 + len(tokens))):
+            seq.speculation.skipped += 1
+            return 0
+        seq.token_ids.extend(tokens)
+        drafts[seq] = len(tokens)
+        if masks is not None:
+            grammars[seq] = masks
+        return len(tokens)
 
     def wants_known(self, batch: ScheduledBatch) -> bool:
         """Async scheduling: whether some decode row would get drafts once its pending token is known (its known
@@ -104,7 +143,10 @@ class Speculator:
             worth = state.skipped >= PROBE_AFTER or choose_draft_length(
                 state, self.num_tokens, step_tokens, step_seconds, row_seconds
             )
-            if worth and state.index.propose(seq.token_ids, seq.num_known_tokens, 1, state.context):
+            if worth and (
+                self.draft is not None
+                or state.index.propose(seq.token_ids, seq.num_known_tokens, 1, state.context)
+            ):
                 return True
             state.skipped += 1
         return False
@@ -127,7 +169,9 @@ class Speculator:
                 DEFAULT_ROW_COST,
             )
         prefill = batch.num_decodes < len(batch.seqs)
-        return float(len(batch.sampling_seqs)), prices.cost(tokens, prefill), prices.per_token
+        # (a draft model's draft costs its verify row and a propose pass; more rows share the passes)
+        row_seconds = prices.per_token + (self.draft.pass_seconds if self.draft else 0.0)
+        return float(len(batch.sampling_seqs)), prices.cost(tokens, prefill), row_seconds
 
     def accept(self, seq: Sequence, num_drafts: int, sampled: list[int]) -> list[int]:
         """The tokens a verified sequence gains: its drafts while each equals the sample of the row before it, then
@@ -151,6 +195,9 @@ class Speculator:
             params = seq.params
             if not params.speculative or params.use_beam_search:
                 return None
+            if self.draft is not None:  # (no n-gram index: the draft model proposes)
+                state = seq.speculation = Speculation(None)
+                return state
             context = None
             if params.speculative_context:  # (indexed as proposals go, UPDATE_BUDGET a step)
                 context = (

@@ -21,8 +21,9 @@ from kernels import ops as kernel_ops
 from engine.distributed import parallel_state
 from engine.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphRunner
+from engine.worker.draft_model import DraftModel
 from engine.forward_context import AttentionMetadata, forward_context
-from engine.kv_backend import make_kv_backend
+from engine.kv_backend import make_kv_backend, window_group
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence
@@ -71,13 +72,14 @@ class ModelRunner:
             )
             config.block_size = self.kv.block_size
         self.block_size = config.block_size
+        draft = config.speculative == "draft" and not self.kv.window  # (not beside window groups)
+        self.draft = DraftModel(config, model) if draft else None  # its KV in the target's blocks
         self.sampling = StepSampler(config, workers is not None)
-        self.k_caches = torch.empty(0)
+        self.k_caches = self.v_caches = torch.empty(0)
+        self.inputs: StepInputs | None = None
         # swap space, when preemption may swap
         self.host_k_caches = self.host_v_caches = torch.empty(0)
         self.num_parameters = model.num_parameters  # (recompute cost estimates)
-        self.v_caches = torch.empty(0)
-        self.inputs: StepInputs | None = None
         self.decode_graphs = DecodeGraphRunner(
             config,
             model.args.vocab_size,
@@ -99,7 +101,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.kv.bytes_per_block
+        return self.kv.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
 
     # KV cache sizing ---------------------------------------------------------------------------------
 
@@ -202,8 +204,7 @@ class ModelRunner:
         return peak + graph_bytes + buffers
 
     def release_graphs(self) -> None:
-        """Drop the CUDA graphs (at shutdown: NCCL collectives captured in them hold the communicator until the
-        graphs are gone, so they go before the process group does)."""
+        """Drop the CUDA graphs (at shutdown, before the process group: their NCCL collectives hold it)."""
         self.decode_graphs.release()
 
     def release_kv_cache(self) -> None:
@@ -214,6 +215,8 @@ class ModelRunner:
         if hasattr(self.model, "bind_persistent_decode"):
             self.model.bind_persistent_decode(paged=False)
         self.kv.free()
+        if self.draft is not None:
+            self.draft.free()
         self.k_caches = self.v_caches = torch.empty(0)
         torch.cuda.empty_cache()
 
@@ -229,6 +232,8 @@ class ModelRunner:
         self.k_caches, self.v_caches = kv.k_caches, kv.v_caches
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(kv, i)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         if hasattr(self.model, "bind_persistent_decode"):
             self.model.bind_persistent_decode(paged=not kv.contiguous)
         max_tokens = max(config.max_num_batched_tokens, self.decode_graphs.max_rows)
@@ -385,6 +390,8 @@ class ModelRunner:
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+            if self.draft is not None:
+                self.draft.copy_blocks(mapping)
         if window_copies:
             mapping = torch.tensor(window_copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.kv.window_k_caches, self.kv.window_v_caches, mapping)
@@ -404,15 +411,9 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """The model over one step's tokens (their pending ids fed)."""
+        """The model over one step's tokens (their pending ids fed), and the draft model's KV of them."""
         with forward_context(metadata):
-            return self.model(input_ids, positions)
-
-
-def window_group(model: nn.Module, config: EngineConfig) -> tuple[int, ...]:
-    """The model's per-layer sliding windows where its window layers get a KV group of their own (a model with
-    both kinds of layers, on one rank, the paged backend), else ()."""
-    windows = tuple(getattr(model, "layer_windows", ()))
-    if config.tensor_parallel_size > 1 or config.kv_backend != "paged" or not windows:
-        return ()
-    return windows if 0 in windows and any(windows) else ()
+            hidden = self.model(input_ids, positions)
+        if self.draft is not None:
+            self.draft.mirror(input_ids, positions, metadata)
+        return hidden

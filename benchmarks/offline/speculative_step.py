@@ -16,6 +16,12 @@ text, so the acceptance here says what the drafts cost and give on that model's 
 what a real model's chat gets (benchmarks/cpu/speculative.py measures that with real weights).
 
     python -m benchmarks.offline.speculative_step --model-config llama-3.2-1b --batches 1 2 4 8 --drafts 1 2 4
+
+With ``--draft-model NAME`` the drafts come from a draft model instead (e.g. llama-3.2-1b for llama-3-8b, the
+same tokenizer): the verify step then includes the draft's pass over the verify rows (its KV), a drafted step's
+``k`` propose passes are timed on their own (CUDA graphs replayed, the drafts read), and the end-to-end part runs
+plain against the draft model. With dummy weights a draft of other weights is never right; the model drafting for
+itself (``--draft-model`` = ``--model-config``) is the upper bound (every draft right in float32).
 """
 
 from __future__ import annotations
@@ -54,7 +60,13 @@ def build_engine(
     )
     if speculative:
         options.update(
-            speculative="ngram", num_speculative_tokens=drafts, speculative_max_batch=max_batch
+            num_speculative_tokens=drafts,
+            speculative_max_batch=max_batch,
+            **(
+                {"speculative_model": args.draft_model}
+                if args.draft_model
+                else {"speculative": "ngram"}
+            ),
         )
     return LLMEngine(**options)
 
@@ -85,9 +97,24 @@ def time_shapes(engine: Any, seqs: list[Any], drafts: int, repeats: int) -> dict
     for seq in seqs:  # (room for the drafts' KV; the blocks stay the sequence's)
         assert blocks.allocate(seq, 1 + drafts)
     rng = Random(0)
-    times: dict[str, list[float]] = {"decode": [], "verify": []}
+    draft = runner.draft  # (a draft model: its k propose passes timed too)
+    shapes = ("decode", "verify") + (("propose",) if draft is not None else ())
+    times: dict[str, list[float]] = {shape: [] for shape in shapes}
     for repeat in range(repeats + 3):
-        for shape in ("decode", "verify"):
+        for shape in shapes:
+            if shape == "propose":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                torch.cuda.synchronize()
+                start.record()
+                draft.propose(list(seqs), [drafts] * len(seqs))  # (reads its drafts: synchronised)
+                end.record()
+                torch.cuda.synchronize()
+                if repeat >= 3:
+                    times[shape].append(start.elapsed_time(end))
+                continue
             if shape == "verify":
                 for seq in seqs:
                     seq.token_ids.extend(rng.randrange(1000) for _ in range(drafts))
@@ -110,7 +137,11 @@ def time_shapes(engine: Any, seqs: list[Any], drafts: int, repeats: int) -> dict
             if repeat >= 3:  # (the first replays: untimed)
                 times[shape].append(start.elapsed_time(end))
     decode, verify = statistics.median(times["decode"]), statistics.median(times["verify"])
-    return {"decode_ms": decode, "verify_ms": verify, "ratio": verify / decode}
+    row = {"decode_ms": decode, "verify_ms": verify, "ratio": verify / decode}
+    if draft is not None:  # (a drafted step: its proposals, then its verification)
+        propose = statistics.median(times["propose"])
+        row.update(propose_ms=propose, drafted_step_ratio=(propose + verify) / decode)
+    return row
 
 
 def step_costs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -158,7 +189,8 @@ def end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
     outputs: dict[str, list[int]] = {}
     # plain; n-gram drafts; n-gram drafts with plain's output as speculative_context (a regenerated turn whose
     # reply comes out the same: the drafts' best case)
-    for mode in ("plain", "ngram", "ngram+context") * 2:
+    modes = ("plain", "draft") if args.draft_model else ("plain", "ngram", "ngram+context")
+    for mode in modes * 2:
         context = outputs.get("plain", []) if mode == "ngram+context" else []
         params = SamplingParams(
             temperature=0.0,
@@ -218,12 +250,19 @@ def main() -> None:
         help="the end-to-end part's dtype (float32: the verify and decode paths agree to the token, so a "
         "context of plain decoding's output is the drafts' best case)",
     )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a named dummy architecture as the draft model (speculative_model) instead of n-gram drafts; "
+        "the model's own name drafts for itself (the same seeded weights: float32 accepts every draft)",
+    )
     parser.add_argument("--skip-steps", action="store_true", help="only the end-to-end part")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     result = {
         "device": torch.cuda.get_device_name(),
         "model_config": args.model_config,
+        "draft_model": args.draft_model,
         "steps": [] if args.skip_steps else step_costs(args),
         "e2e_dtype": args.e2e_dtype,
         "end_to_end": end_to_end(args),

@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.kv_backend import make_kv_backend
 from engine.sequence import Sequence
+from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from engine.worker.loader import load_model
 from kernels import ops as kernel_ops
@@ -70,19 +71,44 @@ class DraftModel:
         if self.device.type == "cpu":
             self.model.store_weights_column_major()
         self.pass_seconds = 0.0  # a propose pass's measured seconds (0: none run yet)
+        # a pass's static inputs and outputs: per row its first position, drafts wanted, input id and block
+        # table; the pass index; the drafts
+        self.max_model_len = config.max_model_len
+        self.sizes = graph_sizes(config.speculative_max_batch)
+        rows, device = self.sizes[-1], self.device
+        self.first, self.lens, self.ids = (
+            torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(3)
+        )
+        self.step = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(rows, config.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.drafts = torch.zeros(
+            rows, config.num_speculative_tokens, dtype=torch.int64, device=device
+        )
+        self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def bytes_per_block(self) -> int:
         return self.kv.bytes_per_block
 
     def allocate(self, num_blocks: int) -> None:
-        """The draft's KV for the target's ``num_blocks`` blocks; each attention layer bound to its view."""
+        """The draft's KV for the target's ``num_blocks`` blocks, each attention layer bound to its view, and on
+        CUDA the graphs of a propose pass recorded over it."""
         self.kv.allocate(num_blocks, 0)
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(self.kv, i)
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self._pass, self.sizes, self.device, self._idle)
 
     def free(self) -> None:
+        self.graphs = None
         self.kv.free()
+
+    def _idle(self, size: int) -> None:
+        """Static inputs of a harmless pass (no drafts: no KV written) for capture."""
+        for buffer in (self.first, self.lens, self.ids, self.step, self.tables):
+            buffer.zero_()
 
     def copy_blocks(self, mapping: torch.Tensor) -> None:
         """The target's copy-on-write copies (``[n, 2]`` source, destination), on the draft's KV."""
@@ -98,47 +124,62 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """``lengths[i]`` greedy draft tokens for ``seqs[i]``, which has blocks for its last token and as many
-        more (BlockManager.allocate) and no pending token. A row whose drafts are done runs on at its last
-        position without writing KV (slot -1) until the longest is."""
+        more (BlockManager.allocate) and no pending token: ``max(lengths)`` passes of the draft over the
+        sequences (padded to a graph size on CUDA: a replay each), each row from its last token on."""
         start = time.perf_counter()
-        batch, passes, size = len(seqs), max(lengths), self.block_size
-        first = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, batch)
+        batch, passes = len(seqs), max(lengths)
+        size = padded_size(self.sizes, batch) or batch
+        first = np.zeros(size, dtype=np.int32)  # (padding rows: no drafts, so no KV written)
+        first[:batch] = [seq.num_computed_tokens for seq in seqs]
+        lens = np.zeros(size, dtype=np.int32)
+        lens[:batch] = lengths
+        ids = np.zeros(size, dtype=np.int32)
+        ids[:batch] = [seq.token_ids[s] for seq, s in zip(seqs, first[:batch].tolist())]
         width = max(len(seq.block_table) for seq in seqs)
-        table = np.zeros((batch, width), dtype=np.int32)
+        table = np.zeros((size, width), dtype=np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.block_table)] = seq.block_table
-        lens = np.asarray(lengths, dtype=np.int64)
-        device = self.device
-        tables = torch.from_numpy(table).to(device, non_blocking=True)
-        ids = torch.tensor(
-            [seq.token_ids[s] for seq, s in zip(seqs, first.tolist())], device=device
-        )
-        no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
-        drafts = []
-        for i in range(passes):
-            positions = first + np.minimum(i, lens - 1)
-            blocks = table[np.arange(batch), positions // size].astype(np.int64)
-            slots = np.where(i < lens, blocks * size + positions % size, -1)
-            metadata = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
-                block_tables=tables,
-                context_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(device),
-                num_decodes=batch,
-                prefill_cu_seqlens_q=no_prefill,
-                max_context_len=int(positions.max()) + 1,
-            )
-            with forward_context(metadata):
-                hidden = self.model(ids, torch.from_numpy(positions).to(device))
-            ids = self.model.compute_logits(hidden)[:, : self.width].argmax(dim=-1)
-            drafts.append(ids)
-        tokens = torch.stack(drafts, dim=1).tolist()
+        for buffer, values in ((self.first, first), (self.lens, lens), (self.ids, ids)):
+            buffer[:size].copy_(torch.from_numpy(values), non_blocking=True)
+        self.tables[:size, :width].copy_(torch.from_numpy(table), non_blocking=True)
+        self.step.zero_()
+        for _ in range(passes):
+            if self.graphs is not None:
+                self.graphs.replay(size)
+            else:
+                self._pass(size)
+        tokens = self.drafts[:batch, :passes].tolist()
         seconds = (time.perf_counter() - start) / passes
         self.pass_seconds = (
             seconds
             if not self.pass_seconds
-            else (PASS_COST_DECAY * self.pass_seconds + (1 - PASS_COST_DECAY) * seconds)
+            else PASS_COST_DECAY * self.pass_seconds + (1 - PASS_COST_DECAY) * seconds
         )
         return [row[:n] for row, n in zip(tokens, lengths)]
+
+    def _pass(self, size: int) -> torch.Tensor:
+        """One draft pass of ``size`` rows over the static buffers (what each graph records): row r at
+        position ``first + min(step, lens - 1)`` (a row whose drafts are done writes no KV), its input the
+        previous pass's draft; the pass's drafts into column ``step`` of ``drafts``, then ``step + 1``."""
+        first, lens, tables = self.first[:size], self.lens[:size], self.tables[:size]
+        positions = first + torch.minimum(self.step, (lens - 1).clamp(min=0))
+        blocks = tables.gather(1, (positions // self.block_size).long()[:, None])[:, 0]
+        slots = blocks * self.block_size + positions % self.block_size
+        metadata = AttentionMetadata(
+            slot_mapping=torch.where(self.step < lens, slots, -1),
+            block_tables=tables,
+            context_lens=positions + 1,
+            num_decodes=size,
+            prefill_cu_seqlens_q=self.no_prefill,
+            max_context_len=self.max_model_len,
+        )
+        with forward_context(metadata):
+            hidden = self.model(self.ids[:size], positions)
+        drafts = self.model.compute_logits(hidden)[:, : self.width].argmax(dim=-1)
+        self.ids[:size] = drafts
+        self.drafts[:size].scatter_(1, self.step.long().expand(size, 1), drafts[:, None])
+        self.step += 1
+        return self.drafts
 
 
 def _load(config: EngineConfig) -> nn.Module:

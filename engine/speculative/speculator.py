@@ -86,12 +86,32 @@ class Speculator:
             step_tokens += expected_tokens(state.rate, k) - 1
             step_seconds += row_seconds * k
         if wanted:
-            proposals = self.draft.propose([seq for seq, _ in wanted], [k for _, k in wanted])
-            for (seq, _), tokens in zip(wanted, proposals):
-                self._take(seq, tokens, drafts, grammars, allocate=False)
+            self._propose_from_model(wanted, drafts, grammars)
         if not drafts:
             return batch
         return _with_drafts(batch, num_decodes, drafts, grammars)
+
+    def _propose_from_model(
+        self,
+        wanted: list[tuple[Sequence, int]],
+        drafts: dict[Sequence, int],
+        grammars: dict[Sequence, list[FixedMask]],
+    ) -> None:
+        """The draft model's proposals for ``wanted`` (sequence, drafts), each from the positions its draft KV
+        holds right (none after a preemption: its blocks were recomputed or swapped without the draft's)."""
+        known = []
+        for seq, _ in wanted:
+            state = seq.speculation
+            if state.draft_preemptions != seq.num_preemptions:
+                state.draft_known, state.draft_preemptions = 0, seq.num_preemptions
+            known.append(state.draft_known)
+        proposals = self.draft.propose([seq for seq, _ in wanted], [k for _, k in wanted], known)
+        for (seq, k), tokens in zip(wanted, proposals):
+            state = seq.speculation
+            # (its last token's KV is right now; the drafts' where the verification keeps them: accept)
+            state.draft_start, state.draft_written = seq.num_computed_tokens, k
+            state.draft_known = seq.num_computed_tokens + 1
+            self._take(seq, tokens, drafts, grammars, allocate=False)
 
     def _draft_length(
         self, seq: Sequence, limit: int, step_tokens: float, step_seconds: float, row_seconds: float
@@ -181,7 +201,10 @@ class Speculator:
         kept = 0
         while kept < num_drafts and drafts[kept] == sampled[kept]:
             kept += 1
-        seq.speculation.record(num_drafts, kept)
+        state = seq.speculation
+        state.record(num_drafts, kept)
+        if self.draft is not None:  # (the draft model's KV of the kept drafts is right)
+            state.draft_known = state.draft_start + 1 + min(kept, state.draft_written - 1)
         counters = self.counters
         counters.spec_verifications += 1
         counters.spec_draft_tokens += num_drafts

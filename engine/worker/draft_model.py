@@ -3,21 +3,22 @@ tokenizer that proposes the tokens the target then verifies (engine/speculative/
 
 Its KV cache is addressed by the target's block ids: it has the target's block count and block size, so one
 block table serves both models and the block manager allocates, shares, caches and frees a block once (a block
-costs the target's bytes plus the draft's: the pool is sized for both, ModelRunner.bytes_per_block). Every forward
-pass of the target also runs the draft over the same tokens, slots and tables (``mirror``; on CUDA inside the
-target's decode graphs), so the draft's KV holds every token the target's holds: prompt chunks, decode rows, a
-cached prefix's blocks (computed with the draft beside them) and the verify rows, whose draft KV past the tokens
-kept is overwritten by the next pass as the target's is. ``propose`` then runs ``k`` decode passes of the draft
-for the sequences that speculate in a step, each from its last token, each pass's input the previous pass's
-argmax (chained on the device, read once), writing the draft's KV of positions the verify pass rewrites.
+costs the target's bytes plus the draft's: the pool is sized for both, ModelRunner.bytes_per_block).
+
+The draft runs only when asked for drafts (``propose``), never beside the target's own steps, so a step without
+drafts costs what it costs without a draft model. Its KV is brought up to date lazily: the speculator keeps, per
+sequence, how many leading positions of the draft's KV are known right (``known``: 0 for a new sequence, a fork,
+or one preempted since; blocks from the prefix cache or a lower tier are the target's KV, so a new sequence's
+draft KV starts from nothing). A proposal first runs a prefill of the draft over the positions from ``known`` up
+to its last two tokens (``_catch_up``, eager, in chunks of the step's token budget; nothing when the sequence
+drafted last step), then ``k`` decode passes: the first with two rows per sequence (its second-to-last and last
+token: the token kept after the last verification, whose draft KV no pass wrote yet), the others one row, each
+pass's input the previous pass's argmax (chained on the device, read once; CUDA graphs of both pass kinds on
+CUDA). The passes write the draft's KV of the positions from the second-to-last token on: the last token's, and
+the drafts', which are right where the verification keeps them (``known`` then moves past the kept drafts).
 
 A draft is the draft model's greedy token, a one-hot draft distribution: the verification of
 engine/speculative/__init__.py is rejection sampling for it, so output keeps the target's distribution.
-
-Where the draft's KV is not the target's tokens' own, drafts are worse, never the output: blocks brought back
-from a swap or a lower KV tier hold the target's KV only (the draft's is not swapped or stored), so a sequence
-swapped back, or a prefix read from the disk tier, gets poorer drafts for those positions (its acceptance rate
-then lowers its drafts, engine/speculative/draft_length.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from engine.sequence import Sequence
 from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, padded_size
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from engine.worker.loader import load_model
-from kernels import ops as kernel_ops
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,10 @@ PASS_COST_DECAY = 0.8  # the weight of earlier proposals in ``pass_seconds``
 class DraftModel:
     def __init__(self, config: EngineConfig, target: nn.Module) -> None:
         """Load ``config.speculative_model`` beside the loaded ``target`` (its config's derived fields filled)."""
-        self.device = config.torch_device
+        self.device = device = config.torch_device
         self.block_size = config.block_size
+        self.token_budget = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.model = _load(config)
         target_vocab, vocab = target.args.vocab_size, self.model.args.vocab_size
         if (
@@ -63,21 +65,20 @@ class DraftModel:
             "paged",
             self.model.shard_args,
             config.kv_cache_torch_dtype,
-            self.device,
+            device,
             config.block_size,
             config.max_model_len,
             1,
         )
-        if self.device.type == "cpu":
+        if device.type == "cpu":
             self.model.store_weights_column_major()
         self.pass_seconds = 0.0  # a propose pass's measured seconds (0: none run yet)
-        # a pass's static inputs and outputs: per row its first position, drafts wanted, input id and block
-        # table; the pass index; the drafts
-        self.max_model_len = config.max_model_len
+        # the passes' static inputs and outputs: per row its last token's position, drafts wanted, the ids of its
+        # last two tokens and its block table; the pass index; the drafts
         self.sizes = graph_sizes(config.speculative_max_batch)
-        rows, device = self.sizes[-1], self.device
-        self.first, self.lens, self.ids = (
-            torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(3)
+        rows = self.sizes[-1]
+        self.last, self.lens, self.ids, self.before = (
+            torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(4)
         )
         self.step = torch.zeros(1, dtype=torch.int32, device=device)
         self.tables = torch.zeros(rows, config.max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -86,7 +87,8 @@ class DraftModel:
         )
         self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.graphs: DecodeGraphs | None = None
+        # CUDA graphs of the first pass (two rows a sequence) and of the others
+        self.graphs: tuple[DecodeGraphs, DecodeGraphs] | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -94,12 +96,19 @@ class DraftModel:
 
     def allocate(self, num_blocks: int) -> None:
         """The draft's KV for the target's ``num_blocks`` blocks, each attention layer bound to its view, and on
-        CUDA the graphs of a propose pass recorded over it."""
+        CUDA the graphs of the propose passes recorded over it."""
         self.kv.allocate(num_blocks, 0)
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(self.kv, i)
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self._pass, self.sizes, self.device, self._idle)
+            self.graphs = (
+                DecodeGraphs(
+                    lambda size: self._pass(size, True), self.sizes, self.device, self._idle
+                ),
+                DecodeGraphs(
+                    lambda size: self._pass(size, False), self.sizes, self.device, self._idle
+                ),
+            )
 
     def free(self) -> None:
         self.graphs = None
@@ -107,47 +116,44 @@ class DraftModel:
 
     def _idle(self, size: int) -> None:
         """Static inputs of a harmless pass (no drafts: no KV written) for capture."""
-        for buffer in (self.first, self.lens, self.ids, self.step, self.tables):
+        for buffer in (self.last, self.lens, self.ids, self.before, self.step, self.tables):
             buffer.zero_()
 
-    def copy_blocks(self, mapping: torch.Tensor) -> None:
-        """The target's copy-on-write copies (``[n, 2]`` source, destination), on the draft's KV."""
-        kernel_ops.copy_blocks(self.kv.k_caches, self.kv.v_caches, mapping)
-
-    def mirror(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> None:
-        """The draft over a target pass's tokens (their ids fed): its KV written where the target's is."""
-        with forward_context(dataclasses.replace(metadata, memo={})):
-            self.model(input_ids, positions)
-
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
+    def propose(
+        self, seqs: list[Sequence], lengths: list[int], known: list[int]
+    ) -> list[list[int]]:
         """``lengths[i]`` greedy draft tokens for ``seqs[i]``, which has blocks for its last token and as many
-        more (BlockManager.allocate) and no pending token: ``max(lengths)`` passes of the draft over the
-        sequences (padded to a graph size on CUDA: a replay each), each row from its last token on."""
-        start = time.perf_counter()
+        more (BlockManager.allocate) and no pending token, and whose draft KV is right for its first
+        ``known[i]`` positions: its catch-up, then ``max(lengths)`` passes (padded to a graph size on CUDA)."""
+        self._catch_up(seqs, known)
+        start = (
+            time.perf_counter()
+        )  # (a pass's price: a catch-up is paid once per gap, not per draft)
         batch, passes = len(seqs), max(lengths)
         size = padded_size(self.sizes, batch) or batch
-        first = np.zeros(size, dtype=np.int32)  # (padding rows: no drafts, so no KV written)
-        first[:batch] = [seq.num_computed_tokens for seq in seqs]
+        last = np.zeros(size, dtype=np.int32)  # (padding rows: no drafts, so no KV written)
+        last[:batch] = [seq.num_computed_tokens for seq in seqs]
         lens = np.zeros(size, dtype=np.int32)
         lens[:batch] = lengths
-        ids = np.zeros(size, dtype=np.int32)
-        ids[:batch] = [seq.token_ids[s] for seq, s in zip(seqs, first[:batch].tolist())]
+        ids, before = np.zeros(size, dtype=np.int32), np.zeros(size, dtype=np.int32)
+        ids[:batch] = [seq.token_ids[p] for seq, p in zip(seqs, last[:batch].tolist())]
+        before[:batch] = [seq.token_ids[p - 1] for seq, p in zip(seqs, last[:batch].tolist())]
         width = max(len(seq.block_table) for seq in seqs)
         table = np.zeros((size, width), dtype=np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.block_table)] = seq.block_table
-        for buffer, values in ((self.first, first), (self.lens, lens), (self.ids, ids)):
+        for buffer, values in zip(
+            (self.last, self.lens, self.ids, self.before), (last, lens, ids, before)
+        ):
             buffer[:size].copy_(torch.from_numpy(values), non_blocking=True)
         self.tables[:size, :width].copy_(torch.from_numpy(table), non_blocking=True)
         self.step.zero_()
-        for _ in range(passes):
+        for i in range(passes):
             if self.graphs is not None:
-                self.graphs.replay(size)
+                self.graphs[min(i, 1)].replay(size)
             else:
-                self._pass(size)
+                self._pass(size, i == 0)
         tokens = self.drafts[:batch, :passes].tolist()
         seconds = (time.perf_counter() - start) / passes
         self.pass_seconds = (
@@ -157,29 +163,89 @@ class DraftModel:
         )
         return [row[:n] for row, n in zip(tokens, lengths)]
 
-    def _pass(self, size: int) -> torch.Tensor:
-        """One draft pass of ``size`` rows over the static buffers (what each graph records): row r at
-        position ``first + min(step, lens - 1)`` (a row whose drafts are done writes no KV), its input the
-        previous pass's draft; the pass's drafts into column ``step`` of ``drafts``, then ``step + 1``."""
-        first, lens, tables = self.first[:size], self.lens[:size], self.tables[:size]
-        positions = first + torch.minimum(self.step, (lens - 1).clamp(min=0))
+    def _pass(self, size: int, first: bool) -> torch.Tensor:
+        """One draft pass of ``size`` sequences over the static buffers (what each graph records). Row r is at
+        position ``last + min(step, lens - 1)`` (a row whose drafts are done writes no KV), its input the
+        previous pass's draft; the first pass has a row at ``last - 1`` before each (its second-to-last token).
+        The pass's drafts go into column ``step`` of ``drafts``, then ``step + 1``."""
+        last, lens, tables = self.last[:size], self.lens[:size], self.tables[:size]
+        positions = last + torch.minimum(self.step, (lens - 1).clamp(min=0))
+        writes = self.step < lens
+        ids = self.ids[:size]
+        if first:  # (rows of a sequence next to each other, as a verification's are)
+            positions = torch.stack(((positions - 1).clamp(min=0), positions), dim=1).flatten()
+            writes = torch.stack((writes, writes), dim=1).flatten()
+            ids = torch.stack((self.before[:size], ids), dim=1).flatten()
+            tables = tables.repeat_interleave(2, dim=0)
         blocks = tables.gather(1, (positions // self.block_size).long()[:, None])[:, 0]
         slots = blocks * self.block_size + positions % self.block_size
         metadata = AttentionMetadata(
-            slot_mapping=torch.where(self.step < lens, slots, -1),
+            slot_mapping=torch.where(writes, slots, -1),
             block_tables=tables,
             context_lens=positions + 1,
-            num_decodes=size,
+            num_decodes=positions.shape[0],
             prefill_cu_seqlens_q=self.no_prefill,
             max_context_len=self.max_model_len,
+            rows_share_sequences=first,
         )
         with forward_context(metadata):
-            hidden = self.model(self.ids[:size], positions)
+            hidden = self.model(ids, positions)
+        if first:
+            hidden = hidden[1::2]
         drafts = self.model.compute_logits(hidden)[:, : self.width].argmax(dim=-1)
         self.ids[:size] = drafts
         self.drafts[:size].scatter_(1, self.step.long().expand(size, 1), drafts[:, None])
         self.step += 1
         return self.drafts
+
+    def _catch_up(self, seqs: list[Sequence], known: list[int]) -> None:
+        """The draft's KV of each sequence's positions from ``known`` to its second-to-last token (exclusive):
+        prefill passes of the draft, at most the step's token budget each, a long gap over several passes."""
+        todo = [
+            (seq, start, seq.num_computed_tokens - 1)
+            for seq, start in zip(seqs, known)
+            if start < seq.num_computed_tokens - 1
+        ]
+        while todo:
+            room, chunks, rest = self.token_budget, [], []
+            for seq, start, end in todo:
+                take = min(end - start, room)
+                if take > 0:
+                    chunks.append((seq, start, start + take))
+                    room -= take
+                if start + take < end:
+                    rest.append((seq, start + take, end))
+            self._prefill(chunks)
+            todo = rest
+
+    def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
+        """One prefill pass of the draft over ``(seq, start, end)`` chunks (positions start..end - 1)."""
+        size, device = self.block_size, self.device
+        ids = [token for seq, start, end in chunks for token in seq.token_ids[start:end]]
+        positions = np.concatenate([np.arange(start, end) for _, start, end in chunks])
+        width = max(len(seq.block_table) for seq, _, _ in chunks)
+        table = np.zeros((len(chunks), width), dtype=np.int32)
+        for row, (seq, _, _) in enumerate(chunks):
+            table[row, : len(seq.block_table)] = seq.block_table
+        rows = np.repeat(np.arange(len(chunks)), [end - start for _, start, end in chunks])
+        slots = table[rows, positions // size].astype(np.int64) * size + positions % size
+        ends = np.asarray([end for _, _, end in chunks], dtype=np.int32)
+        lens = np.asarray([end - start for _, start, end in chunks], dtype=np.int32)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(table).to(device),
+            context_lens=torch.from_numpy(ends).to(device),
+            num_decodes=0,
+            prefill_cu_seqlens_q=torch.from_numpy(
+                np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+            ).to(device),
+            max_context_len=int(ends.max()),
+        )
+        with forward_context(metadata):
+            self.model(
+                torch.tensor(ids, dtype=torch.int32, device=device),
+                torch.from_numpy(positions.astype(np.int32)).to(device),
+            )
 
 
 def _load(config: EngineConfig) -> nn.Module:

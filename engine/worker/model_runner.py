@@ -390,8 +390,6 @@ class ModelRunner:
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.k_caches, self.v_caches, mapping)
-            if self.draft is not None:
-                self.draft.copy_blocks(mapping)
         if window_copies:
             mapping = torch.tensor(window_copies, dtype=torch.int64, device=self.device)
             kernel_ops.copy_blocks(self.kv.window_k_caches, self.kv.window_v_caches, mapping)
@@ -411,9 +409,6 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """The model over one step's tokens (their pending ids fed), and the draft model's KV of them."""
+        """The model over one step's tokens (their pending ids fed)."""
         with forward_context(metadata):
-            hidden = self.model(input_ids, positions)
-        if self.draft is not None:
-            self.draft.mirror(input_ids, positions, metadata)
-        return hidden
+            return self.model(input_ids, positions)

@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (``speculative_model``, engine/worker/draft_model.py): a second model
 proposes, the target verifies, so greedy output is plain decoding's (and transformers', float32) token for token
 whatever the draft says, under preemption, chunked prefill, n > 1, seeds and a grammar; the draft's KV lives in
-the target's blocks and follows every pass, so a draft equal to the target has every draft accepted.
+the target's blocks and is brought up to date before each proposal (a catch-up prefill from the positions it
+holds right), so a draft equal to the target has its drafts accepted.
 
 Two drafts: the default model itself (its drafts should all be right: a check that the draft's KV holds exactly
 the target's tokens) and a tiny random Llama with the same vocabulary (its drafts are mostly wrong: rejection).
@@ -104,8 +105,8 @@ def assert_idle_and_no_leaks(llm: LLM) -> None:
 
 
 def test_a_draft_equal_to_the_model_has_its_drafts_accepted(plain: LLM, self_drafted: LLM, prompts):
-    """The draft's KV follows every target pass (prompts, decode rows, verify rows, rejected rows overwritten),
-    so the same model drafting for itself proposes the target's own greedy tokens."""
+    """The draft's KV is caught up over each prompt and kept right through verifications (rejected rows
+    overwritten), so the same model drafting for itself proposes the target's own greedy tokens."""
     expected = token_ids(plain.generate(prompts, GREEDY))
     outputs, (verified, drafted, accepted) = generate_counted(self_drafted, prompts, GREEDY)
     assert token_ids(outputs) == expected
@@ -116,8 +117,8 @@ def test_a_draft_equal_to_the_model_has_its_drafts_accepted(plain: LLM, self_dra
 
 
 def test_a_prefix_cached_prompt_keeps_the_drafts_right(self_drafted: LLM, prompts):
-    """A prompt that extends an earlier one hits its cached blocks: the draft's KV of them was written beside
-    the target's, so the drafts stay right."""
+    """A prompt that extends an earlier one hits its cached blocks, which hold the target's KV: the draft's is
+    caught up over the whole prompt before its first proposal, so the drafts stay right."""
     first = prompts[1] + [13] * 20
     self_drafted.generate([first], GREEDY)
     cached = self_drafted.engine.stats().prefix_hits

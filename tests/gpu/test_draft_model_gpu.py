@@ -53,7 +53,7 @@ def test_a_self_drafting_model_keeps_plain_greedy_output_float32(num_kv_blocks):
     spec = [o.token_ids for o in llm.generate(prompts(), params)]
     stats = llm.engine.stats()
     runner = llm.engine.core.runner
-    replays = runner.draft.graphs.num_replays if runner.draft.graphs else 0
+    replays = sum(graphs.num_replays for graphs in runner.draft.graphs or ())
     print(
         f"drafted {stats.spec_draft_tokens} accepted {stats.spec_accepted_tokens} verifications "
         f"{stats.spec_verifications} propose replays {replays} preemptions {stats.preemptions}"

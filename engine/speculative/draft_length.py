@@ -10,7 +10,9 @@ learned step prices, engine/core/step_cost.py; before they are known, DEFAULT_RO
 given drafts one sequence at a time: ``k`` is the one that maximises the step's expected tokens over its expected
 seconds with the drafts given so far, so a batch whose step is already long (many rows, a compute-bound device)
 gives few or none, and a sequence whose drafts keep missing gets none (its proposals still run; a draft is
-retried after PROBE_AFTER skipped steps, so a sequence that turns repetitive is noticed).
+retried after PROBE_AFTER skipped steps, so a sequence that turns repetitive is noticed; with a draft model,
+whose probe first catches the draft up over the steps skipped, each probe that misses doubles the wait, up to
+MAX_PROBE_AFTER).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any verification
 DECAY = 0.8  # the weight of the trials before each new verification
 DEFAULT_ROW_COST = 0.1  # b / a before the step prices are known
 PROBE_AFTER = 16  # steps without drafts before a sequence with a low rate gets one draft again
+# a draft model's probe costs a catch-up of the draft over the steps skipped: after each probe that misses, the
+# next waits twice as long, up to this
+MAX_PROBE_AFTER = 256
 
 
 @dataclass(slots=True)
@@ -35,6 +40,7 @@ class Speculation:
     accepted: float = 0.0
     trials: float = 0.0
     skipped: int = 0  # steps since its last drafts
+    probe_after: int = PROBE_AFTER  # skipped steps before a probe
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     # a draft model's KV of the sequence (engine/worker/draft_model.py): its leading positions known right, as of

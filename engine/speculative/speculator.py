@@ -19,6 +19,7 @@ from engine.core.step_cost import StepCostModel
 from engine.sequence import Sequence
 from engine.speculative.draft_length import (
     DEFAULT_ROW_COST,
+    MAX_PROBE_AFTER,
     PROBE_AFTER,
     Speculation,
     choose_draft_length,
@@ -120,7 +121,7 @@ class Speculator:
         state = seq.speculation
         limit = min(limit, self._length_room(seq))
         k = choose_draft_length(state, limit, step_tokens, step_seconds, row_seconds)
-        if k == 0 and limit > 0 and state.skipped >= PROBE_AFTER:
+        if k == 0 and limit > 0 and state.skipped >= state.probe_after:
             k = 1  # (a probe: its rate is low, but its text may have turned repetitive)
         return k
 
@@ -160,7 +161,7 @@ class Speculator:
             state = self._state(seq)
             if state is None or not seq.num_pending_tokens:
                 continue
-            worth = state.skipped >= PROBE_AFTER or choose_draft_length(
+            worth = state.skipped >= state.probe_after or choose_draft_length(
                 state, self.num_tokens, step_tokens, step_seconds, row_seconds
             )
             if worth and (
@@ -205,6 +206,11 @@ class Speculator:
         state.record(num_drafts, kept)
         if self.draft is not None:  # (the draft model's KV of the kept drafts is right)
             state.draft_known = state.draft_start + 1 + min(kept, state.draft_written - 1)
+            # (a missed one-draft probe: the next one later; a kept draft: probes as usual)
+            missed_probe = num_drafts == 1 and not kept
+            state.probe_after = (
+                min(2 * state.probe_after, MAX_PROBE_AFTER) if missed_probe else PROBE_AFTER
+            )
         counters = self.counters
         counters.spec_verifications += 1
         counters.spec_draft_tokens += num_drafts

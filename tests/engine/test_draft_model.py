@@ -184,6 +184,27 @@ def test_seeded_sampling_and_a_grammar_equal_plain_decoding(plain: LLM, self_dra
     assert_idle_and_no_leaks(self_drafted)
 
 
+def test_a_draft_that_keeps_missing_is_probed_ever_less_often(tiny_draft, monkeypatch):
+    """With every draft length chosen 0, a random draft's sequence gets one-draft probes (each a catch-up of the
+    draft over the steps skipped), the wait doubling after each probe that misses."""
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, speculative_model=str(tiny_draft))
+    monkeypatch.setattr(speculator_module, "choose_draft_length", lambda *_: 0)
+    speculator = llm.engine.core.speculation.speculator
+    accept, at = speculator.accept, []
+
+    def recording(seq, num_drafts, sampled):
+        at.append(len(seq.token_ids) - num_drafts)
+        return accept(seq, num_drafts, sampled)
+
+    monkeypatch.setattr(speculator, "accept", recording)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    llm.generate([llm.tokenizer.encode(TEXTS[0])], params)
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert len(at) >= 3 and all(later >= 1.8 * earlier for earlier, later in zip(gaps, gaps[1:])), (
+        at
+    )
+
+
 @pytest.mark.parametrize(
     "options, field",
     [

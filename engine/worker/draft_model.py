@@ -100,6 +100,8 @@ class DraftModel:
         self.kv.allocate(num_blocks, 0)
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(self.kv, i)
+        if hasattr(self.model, "bind_persistent_decode"):  # (the one-row passes, where the model has it)
+            self.model.bind_persistent_decode(paged=True)
         if self.use_graphs:
             self.graphs = (
                 DecodeGraphs(
@@ -112,6 +114,8 @@ class DraftModel:
 
     def free(self) -> None:
         self.graphs = None
+        if hasattr(self.model, "bind_persistent_decode"):
+            self.model.bind_persistent_decode(paged=False)
         self.kv.free()
 
     def _idle(self, size: int) -> None:

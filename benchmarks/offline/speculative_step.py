@@ -206,6 +206,33 @@ def end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
             engine.step()
         torch.cuda.synchronize()
         before = engine.core.stats()
+        phases = ("schedule", "prepare", "launch", "wait", "output")
+        counters = engine.core.counters
+        spent = {name: getattr(counters, f"{name}_seconds") for name in phases}
+        synced = [
+            0,
+            0.0,
+        ]  # (steps that read the step in flight first; the draft's proposals' seconds)
+        needs = engine.core._needs_known_tokens
+
+        def counted(batch, needs=needs):
+            known = needs(batch)
+            synced[0] += bool(known)
+            return known
+
+        engine.core._needs_known_tokens = counted
+        draft = engine.core.runner.draft
+        if draft is not None:
+            propose = draft.propose
+
+            def timed(*args, propose=propose):
+                begin = time.perf_counter()
+                try:
+                    return propose(*args)
+                finally:
+                    synced[1] += time.perf_counter() - begin
+
+            draft.propose = timed
         start = time.perf_counter()
         engine.add_request("e2e", prompt, params)
         tokens: list[int] = []
@@ -225,6 +252,13 @@ def end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
             "drafted": stats.spec_draft_tokens - before.spec_draft_tokens,
             "accepted": stats.spec_accepted_tokens - before.spec_accepted_tokens,
             "tokens_per_step": len(tokens) / max(1, steps),
+            "steps_read_in_sync": synced[0],
+            "propose_ms": 1000 * synced[1],
+            # (host phases over the run, ms: where a slower mode's time went)
+            **{
+                f"{name}_ms": 1000 * (getattr(counters, f"{name}_seconds") - spent[name])
+                for name in phases
+            },
         }
         print(json.dumps(row), flush=True)
         results.append(row)

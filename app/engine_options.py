@@ -129,7 +129,14 @@ ENGINE_OPTIONS = (
         "~/.cache/pagedchat",
         env="PAGEDCHAT_CACHE_DIR",
     ),
-    Option("num_threads", "torch's CPU threads", "torch's choice", "int"),
+    Option(
+        "num_threads",
+        "torch's CPU threads (fixed). Unset, the engine starts at torch's choice and measures steps as it runs: "
+        "while another process takes a core, half the threads are faster (a thread sharing a core stalls "
+        "every barrier), so it keeps whichever count its trials find faster",
+        "torch's choice, tuned",
+        "int",
+    ),
     Option(
         "async_scheduling",
         "Prepare and launch step N+1 while the device runs step N",

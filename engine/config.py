@@ -68,7 +68,7 @@ class EngineConfig:
             "PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat")
         )
     )
-    num_threads: int | None = None  # torch CPU threads; None keeps torch's choice
+    num_threads: int | None = None  # torch CPU threads; None: torch's, tuned (cpu_threads.py)
     # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
     # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)
     async_scheduling: bool | None = None

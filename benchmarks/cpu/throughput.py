@@ -281,6 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="import llama-cpp-python from DIR (a pip --target build for one level)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--tuned-threads",
+        action="store_true",
+        help="start torch at --threads but leave the engine's num_threads unset: it measures which count is "
+        "faster as it runs (engine/worker/cpu_threads.py; what `pagedchat serve` does without --num-threads)",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--long-prompt", type=int, default=500, help="tokens of the TTFT prompt")
@@ -408,7 +414,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     load_before = record.load_average()
     llm = LLM(
-        num_threads=args.threads, dtype="float32", cpu_weights=args.cpu_weights, cpu_isa=args.isa
+        num_threads=None if args.tuned_threads else args.threads,
+        dtype="float32",
+        cpu_weights=args.cpu_weights,
+        cpu_isa=args.isa,
     )
     peers = [make_peer(name, llm, args) for name in args.peer]
     prompts = chat_prompts(llm, args.streams)

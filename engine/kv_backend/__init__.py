@@ -10,6 +10,7 @@ Both implement ``KVBackend`` (engine/kv_backend/base.py), the typed contract, at
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from kernels import lean_cpu
 from engine.kv_backend.base import KVBackend
 from engine.kv_backend.paged import LeanCpuPagedKV, PagedKV
 from engine.kv_backend.vattention import VAttentionKV
+
+logger = logging.getLogger(__name__)
 
 
 def make_kv_backend(
@@ -63,6 +66,32 @@ def window_group(model: Any, config: Any) -> tuple[int, ...]:
     if config.tensor_parallel_size > 1 or config.kv_backend != "paged" or not windows:
         return ()
     return windows if 0 in windows and any(windows) else ()
+
+
+def backend_block_size(kv: KVBackend, config: Any) -> int:
+    """The block size the backend took (a contiguous backend's is one page of tokens), logged where it is not
+    ``config.block_size``."""
+    if kv.block_size != config.block_size:
+        logger.info(
+            "kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
+            config.kv_backend,
+            kv.block_size,
+            kv.page_bytes >> 20,
+        )
+    return kv.block_size
+
+
+def split_budget(kv: KVBackend, config: Any, bytes_per_block: int, budget: int) -> tuple[int, int]:
+    """``budget`` bytes as (full blocks of ``bytes_per_block``, window blocks): the window group takes what its
+    running sequences can hold (a window and two blocks each, and a step's prompt tokens) twice over, so that
+    finished sessions' windows stay cached, but at most its layers' share; the full layers the rest."""
+    if not kv.window:
+        return budget // bytes_per_block, 0
+    per_seq = -(-kv.window // kv.block_size) + 2
+    wanted = 2 * (config.max_num_seqs * per_seq + config.max_num_batched_tokens // kv.block_size)
+    share = kv.window_bytes_per_block / (kv.window_bytes_per_block + kv.bytes_per_block)
+    window_blocks = max(2, min(wanted, int(budget * share) // kv.window_bytes_per_block))
+    return (budget - window_blocks * kv.window_bytes_per_block) // bytes_per_block, window_blocks
 
 
 __all__ = [

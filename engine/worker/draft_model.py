@@ -100,7 +100,9 @@ class DraftModel:
         self.kv.allocate(num_blocks, 0)
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(self.kv, i)
-        if hasattr(self.model, "bind_persistent_decode"):  # (the one-row passes, where the model has it)
+        if hasattr(
+            self.model, "bind_persistent_decode"
+        ):  # (the one-row passes, where the model has it)
             self.model.bind_persistent_decode(paged=True)
         if self.use_graphs:
             self.graphs = (

@@ -20,10 +20,11 @@ from torch import nn
 from kernels import ops as kernel_ops
 from engine.distributed import parallel_state
 from engine.config import EngineConfig
+from engine.worker.cpu_threads import thread_tuner
 from engine.worker.cuda_graphs import DecodeGraphRunner
 from engine.worker.draft_model import DraftModel
 from engine.forward_context import AttentionMetadata, forward_context
-from engine.kv_backend import make_kv_backend, window_group
+from engine.kv_backend import backend_block_size, make_kv_backend, split_budget, window_group
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence
@@ -63,18 +64,13 @@ class ModelRunner:
             self.num_slots,
             window_group(model, config),
         )
-        if self.kv.block_size != config.block_size:
-            logger.info(
-                "kv_backend %s: block size %d tokens (one %d MiB page per layer for K and V)",
-                config.kv_backend,
-                self.kv.block_size,
-                self.kv.page_bytes >> 20,
-            )
-            config.block_size = self.kv.block_size
-        self.block_size = config.block_size
+        self.block_size = config.block_size = backend_block_size(self.kv, config)
         draft = config.speculative == "draft" and not self.kv.window  # (not beside window groups)
         self.draft = DraftModel(config, model) if draft else None  # its KV in the target's blocks
         self.sampling = StepSampler(config, workers is not None)
+        self.threads = thread_tuner(
+            config, model
+        )  # (the CPU's thread count, measured as steps run)
         self.k_caches = self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         # swap space, when preemption may swap
@@ -113,7 +109,9 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks, config.num_kv_blocks if self.kv.window else 0
         if self.device.type != "cuda":
-            return self._split(int(config.kv_cache_memory_gib * 2**30))
+            return split_budget(
+                self.kv, config, self.bytes_per_block, int(config.kv_cache_memory_gib * 2**30)
+            )
         ranks = [torch.cuda.mem_get_info(self.device)]
         if self.workers is not None:
             ranks += self.workers.gather(MemoryInfo())
@@ -121,24 +119,7 @@ class ModelRunner:
         budget = min(
             total * config.gpu_memory_utilization - (total - free) for free, total in ranks
         )
-        return self._split(max(0, int(budget - peak)))
-
-    def _split(self, budget: int) -> tuple[int, int]:
-        """``budget`` bytes as (full blocks, window blocks): the window group takes what its running sequences
-        can hold (a window and two blocks each, and a step's prompt tokens) twice over, so that finished
-        sessions' windows stay cached, but at most its layers' share; the full layers the rest."""
-        kv, config = self.kv, self.config
-        if not kv.window:
-            return budget // self.bytes_per_block, 0
-        per_seq = -(-kv.window // self.block_size) + 2
-        wanted = 2 * (
-            config.max_num_seqs * per_seq + config.max_num_batched_tokens // self.block_size
-        )
-        share = kv.window_bytes_per_block / (kv.window_bytes_per_block + kv.bytes_per_block)
-        window_blocks = max(2, min(wanted, int(budget * share) // kv.window_bytes_per_block))
-        return (
-            budget - window_blocks * kv.window_bytes_per_block
-        ) // self.bytes_per_block, window_blocks
+        return split_budget(self.kv, config, self.bytes_per_block, max(0, int(budget - peak)))
 
     def size_kv_cache(self) -> tuple[int, int]:
         """Allocate the KV pool of the memory budget (capping ``max_model_len`` to what it holds); its blocks
@@ -315,6 +296,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Launch the forward pass over ``batch`` and the sampling of its finishing entries. Tokens still
         pending in ``in_flight`` are fed from its sampled ids on the device."""
+        if self.threads is None:
+            return self._launch(batch, in_flight)
+        return self.threads.run(lambda: self._launch(batch, in_flight), batch.num_rows)
+
+    def _launch(self, batch: ScheduledBatch, in_flight: LaunchedStep | None) -> LaunchedStep:
         start = time.perf_counter()
         pad = None
         num_rows, shared = batch.num_rows, bool(batch.drafts)  # (drafted rows: graphs of their own)

@@ -212,6 +212,7 @@ def test_choices_are_the_engines_own():
         LOAD_FORMATS,
         PREEMPTION_MODES,
         PREFIX_HASHES,
+        SPECULATIVE_METHODS,
     )
     from engine.worker.dummy_model import DUMMY_ARCHITECTURES
     from kernels.cpu_native import CPU_ISA_CHOICES
@@ -229,7 +230,7 @@ def test_choices_are_the_engines_own():
         "cpu_weights": {"auto", *CPU_WEIGHTS},
         "cpu_isa": set(CPU_ISA_CHOICES),
         "all_reduce": set(ALL_REDUCE_CHOICES),
-        "speculative": {"ngram"},  # (EngineConfig.speculative: ngram, or None for off)
+        "speculative": set(SPECULATIVE_METHODS) - {None},  # (None: off)
     }
 
 

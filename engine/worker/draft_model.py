@@ -61,6 +61,8 @@ class DraftModel:
                 "a draft model needs the model's tokenizer"
             )
         self.width = min(vocab, target_vocab)  # (drafts are ids the target has)
+        # the draft's largest input id: a request's id past it (a padded vocabulary's gap) is read as this one
+        self.max_id = vocab - 1
         self.kv = make_kv_backend(
             "paged",
             self.model.shard_args,
@@ -145,6 +147,8 @@ class DraftModel:
         ids, before = np.zeros(size, dtype=np.int32), np.zeros(size, dtype=np.int32)
         ids[:batch] = [seq.token_ids[p] for seq, p in zip(seqs, last[:batch].tolist())]
         before[:batch] = [seq.token_ids[p - 1] for seq, p in zip(seqs, last[:batch].tolist())]
+        np.minimum(ids, self.max_id, out=ids)
+        np.minimum(before, self.max_id, out=before)
         width = max(len(seq.block_table) for seq in seqs)
         table = np.zeros((size, width), dtype=np.int32)
         for row, seq in enumerate(seqs):
@@ -227,7 +231,7 @@ class DraftModel:
     def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
         """One prefill pass of the draft over ``(seq, start, end)`` chunks (positions start..end - 1)."""
         size, device = self.block_size, self.device
-        ids = [token for seq, start, end in chunks for token in seq.token_ids[start:end]]
+        ids = [min(t, self.max_id) for seq, start, end in chunks for t in seq.token_ids[start:end]]
         positions = np.concatenate([np.arange(start, end) for _, start, end in chunks])
         width = max(len(seq.block_table) for seq, _, _ in chunks)
         table = np.zeros((len(chunks), width), dtype=np.int32)

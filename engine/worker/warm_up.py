@@ -145,6 +145,8 @@ def warm_up_steps(runner: ModelRunner, scratch: ScratchSequences) -> Iterator[No
         scratch.run([scratch.new(min(2, budget), 0)], [min(2, budget)], copy=True)
         yield
     yield from warm_up_sampling(scratch, budget, config.max_num_seqs)
+    if runner.draft is not None:
+        yield from warm_up_draft(runner, scratch, budget, short_context)
 
 
 def warm_up_sampling(scratch: ScratchSequences, budget: int, max_seqs: int) -> Iterator[None]:
@@ -159,6 +161,24 @@ def warm_up_sampling(scratch: ScratchSequences, budget: int, max_seqs: int) -> I
         seqs = [scratch.new(length, 0, params, length // 3) for params in group]
         scratch.run(seqs, [length] * len(seqs))
         yield
+
+
+def warm_up_draft(
+    runner: ModelRunner, scratch: ScratchSequences, budget: int, prefix: int
+) -> Iterator[None]:
+    """A draft model's (speculative decoding) own kernels: its catch-up prefills over the count ladder, from a
+    fresh start and after a prefix, one sequence and two (its propose passes were compiled at their graphs'
+    capture)."""
+    draft, limit = runner.draft, runner.config.max_model_len
+    for n in count_ladder(budget):
+        for start in (0, prefix) if n > 1 else (0,):
+            if start + n + 3 > limit:
+                continue
+            # (the catch-up covers positions start .. start + n - 1: the last token at start + n + 1)
+            seqs = [scratch.new(start + n + 3, start + n + 1) for _ in range(1 if n < 2 else 2)]
+            draft.propose(seqs, [1] * len(seqs), [start] * len(seqs))
+            scratch.steps += 1
+            yield
 
 
 def warm_up(runner: ModelRunner, num_blocks: int, window_blocks: int = 0) -> float:

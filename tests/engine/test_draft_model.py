@@ -205,6 +205,20 @@ def test_a_draft_that_keeps_missing_is_probed_ever_less_often(tiny_draft, monkey
     )
 
 
+def test_an_id_past_a_smaller_draft_vocabulary_is_read_as_its_last(tmp_path: Path, prompts):
+    """A draft whose (padded) vocabulary is 100 ids short of the model's: a prompt holding an id in the gap is
+    served with plain decoding's tokens, the draft reading it as its own last id."""
+    draft = tiny_llama(tmp_path / "short", 49152 - 100)
+    llm = LLM(kv_cache_memory_gib=SMALL_KV_GIB, speculative_model=str(draft))
+    plain = LLM(kv_cache_memory_gib=SMALL_KV_GIB)
+    prompt = prompts[0] + [49152 - 20, 49152 - 1] + prompts[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs, (_, drafted, _) = generate_counted(llm, [prompt], greedy)
+    assert token_ids(outputs) == token_ids(plain.generate([prompt], greedy))
+    assert drafted > 0
+    assert_idle_and_no_leaks(llm)
+
+
 @pytest.mark.parametrize(
     "options, field",
     [

@@ -77,3 +77,50 @@ def test_serving_after_start_compiles_no_triton_variant(model_config, kv_cache_d
     check_pool(engine.block_manager, [])
     del llm, engine
     torch.cuda.empty_cache()
+
+
+def test_a_draft_models_kernels_are_warmed_at_start_too(tmp_path, monkeypatch):
+    """Speculative decoding with a draft of other shapes (head_dim 128 beside the model's 64): its catch-up
+    prefills and propose passes compile nothing after start-up either."""
+    import json
+
+    from engine.speculative import speculator as speculator_module
+
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=128256,
+        intermediate_size=1024,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(speculator_module, "choose_draft_length", lambda state, limit, *_: limit)
+    llm = LLM(
+        load_format="dummy",
+        model_config="llama-3.2-1b",
+        device="cuda",
+        max_model_len=8192,
+        speculative_model=str(tmp_path),
+    )
+    at_start = compiled_variants()
+    prompts, params = varied_workload(1)
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert llm.engine.stats().spec_draft_tokens > 0
+    new = {
+        name: count - at_start.get(name, 0)
+        for name, count in compiled_variants().items()
+        if count > at_start.get(name, 0)
+    }
+    assert new == {}, f"Triton variants compiled after start-up: {new}"
+    check_pool(llm.engine.block_manager, [])

@@ -124,3 +124,5 @@ def test_a_draft_models_kernels_are_warmed_at_start_too(tmp_path, monkeypatch):
     }
     assert new == {}, f"Triton variants compiled after start-up: {new}"
     check_pool(llm.engine.block_manager, [])
+    del llm
+    torch.cuda.empty_cache()

@@ -274,7 +274,9 @@ async def _plan(
 ) -> TurnPlan:
     if new is not None:
         plan = await plan_turn(service, session, new, template)
-        plan.speculative_context = await replaced_reply_ids(service, session)
+        # (the earlier reply feeds n-gram drafts; a draft model, or no speculation, needs no store read)
+        if service.engine.info.speculative == "ngram":
+            plan.speculative_context = await replaced_reply_ids(service, session)
         return plan
     try:
         plan = plan_regeneration(session)

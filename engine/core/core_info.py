@@ -27,9 +27,13 @@ class CoreInfo(msgspec.Struct, frozen=True):
     prefix_hash: str
     prefix_cache_seed: str
     device: str  # cpu | cuda
+    # the speculative decoding that runs (EngineConfig.speculative; None: off, or not for this model)
+    speculative: str | None = None
 
     @classmethod
-    def of(cls, config: EngineConfig, vocab_size: int, num_blocks: int) -> CoreInfo:
+    def of(
+        cls, config: EngineConfig, vocab_size: int, num_blocks: int, speculating: bool = False
+    ) -> CoreInfo:
         return cls(
             config.model_id,
             config.model_path,
@@ -42,6 +46,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
             config.prefix_hash,
             config.prefix_cache_seed,
             config.torch_device.type,
+            config.speculative if speculating else None,
         )
 
     def apply_to(self, config: EngineConfig) -> None:

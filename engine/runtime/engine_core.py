@@ -87,7 +87,9 @@ class EngineCore:
             self._emit,
             self._fail,
         )
-        self.info = CoreInfo.of(config, self.model.args.vocab_size, num_blocks)
+        self.info = CoreInfo.of(
+            config, self.model.args.vocab_size, num_blocks, bool(self.speculation)
+        )
         self._requests: dict[str, Request] = {}
         self.prefix_pins = PrefixPins(self.block_manager)
         self._samples: dict[int, Sample] = {}  # seq_id -> its sample, for every unfinished one
@@ -100,10 +102,8 @@ class EngineCore:
             lambda request_id: self._requests.pop(request_id).group.params.n,
         )
         self._seq_ids = itertools.count()
-        # launched, sampled ids not read yet (async scheduling)
-        self._in_flight: LaunchedStep | None = None
-        # the latest step's schedule (benchmarks read its shape)
-        self.last_batch: ScheduledBatch | None = None
+        self._in_flight: LaunchedStep | None = None  # launched, ids not read yet (async)
+        self.last_batch: ScheduledBatch | None = None  # the latest schedule (benchmarks read it)
 
     def _load(self, tokenizer_later: bool) -> tuple[int, int]:
         """The model, its runner and the KV cache sized to the memory budget (its blocks, and the sliding-window

@@ -53,9 +53,8 @@ class DraftModel:
         self.max_model_len = config.max_model_len
         self.model = _load(config)
         target_vocab, vocab = target.args.vocab_size, self.model.args.vocab_size
-        if (
-            abs(vocab - target_vocab) > 1024
-        ):  # (a padded vocabulary differs by a few hundred at most)
+        # (a padded vocabulary differs by a few hundred at most)
+        if abs(vocab - target_vocab) > 1024:
             raise ValueError(
                 f"speculative_model: its vocabulary has {vocab} tokens, the model's {target_vocab}: "
                 "a draft model needs the model's tokenizer"
@@ -102,9 +101,8 @@ class DraftModel:
         self.kv.allocate(num_blocks, 0)
         for i, attn in enumerate(self.model.attention_layers):
             attn.bind(self.kv, i)
-        if hasattr(
-            self.model, "bind_persistent_decode"
-        ):  # (the one-row passes, where the model has it)
+        # (the one-row passes take the model's persistent decode, where it has one)
+        if hasattr(self.model, "bind_persistent_decode"):
             self.model.bind_persistent_decode(paged=True)
         if self.use_graphs:
             self.graphs = (
@@ -135,11 +133,9 @@ class DraftModel:
         more (BlockManager.allocate) and no pending token, and whose draft KV is right for its first
         ``known[i]`` positions: its catch-up, then ``max(lengths)`` passes (padded to a graph size on CUDA)."""
         self._catch_up(seqs, known)
-        start = (
-            time.perf_counter()
-        )  # (a pass's price: a catch-up is paid once per gap, not per draft)
+        start = time.perf_counter()  # (a pass's price: a catch-up is paid once per gap)
         batch, passes = len(seqs), max(lengths)
-        size = padded_size(self.sizes, batch) or batch
+        size = (padded_size(self.sizes, batch) or batch) if self.graphs is not None else batch
         last = np.zeros(size, dtype=np.int32)  # (padding rows: no drafts, so no KV written)
         last[:batch] = [seq.num_computed_tokens for seq in seqs]
         lens = np.zeros(size, dtype=np.int32)

@@ -68,9 +68,7 @@ class ModelRunner:
         draft = config.speculative == "draft" and not self.kv.window  # (not beside window groups)
         self.draft = DraftModel(config, model) if draft else None  # its KV in the target's blocks
         self.sampling = StepSampler(config, workers is not None)
-        self.threads = thread_tuner(
-            config, model
-        )  # (the CPU's thread count, measured as steps run)
+        self.threads = thread_tuner(config, model)  # (CPU threads, measured as steps run)
         self.k_caches = self.v_caches = torch.empty(0)
         self.inputs: StepInputs | None = None
         # swap space, when preemption may swap
@@ -233,9 +231,8 @@ class ModelRunner:
         (``swap_space_gib`` where preemption may swap, ``host_cache_gib`` with prefix caching); their counts."""
         config = self.config
         num_swap = num_cache = 0
-        if (
-            self.kv.window
-        ):  # (a window group's blocks are not swapped or kept on the host: recompute)
+        # (a window group's blocks are not swapped or kept on the host: recompute)
+        if self.kv.window:
             return 0, 0
         if config.preemption_mode != "recompute":
             num_swap = int(config.swap_space_gib * 2**30) // self.bytes_per_block

@@ -48,6 +48,7 @@ class RecordingRunner:
         self.model = SimpleNamespace(args=SimpleNamespace(vocab_size=1000))
         self.batches: list = []
         self.live: set[int] = set()
+        self.draft = None  # (a draft model: RecordingDraft)
 
     def execute(self, batch, in_flight):
         ids = {seq.seq_id for seq in batch.seqs}
@@ -58,6 +59,39 @@ class RecordingRunner:
 
     def forget(self, seq) -> None:
         self.live.discard(seq.seq_id)
+
+
+class RecordingDraft:
+    """Stands in for a draft model: records each warm-up proposal's (sequences, their known positions)."""
+
+    def __init__(self) -> None:
+        self.proposals: list = []
+
+    def propose(self, seqs, lengths, known) -> list[list[int]]:
+        self.proposals.append((seqs, known))
+        return [[0] * n for n in lengths]
+
+
+def test_a_draft_models_catch_ups_walk_the_count_ladder_within_the_limits():
+    """Speculative decoding's draft model warms its catch-up prefills: every count of the ladder up to the step
+    budget is caught up (from the start and after a prefix), within the context and the block tables."""
+    budget = 64
+    config = EngineConfig(device="cpu", max_num_batched_tokens=budget, max_model_len=1024)
+    runner = RecordingRunner(config)
+    runner.draft = draft = RecordingDraft()
+    scratch = ScratchSequences(runner, 70, 0)
+    for _ in warm_up_steps(runner, scratch):
+        pass
+    counts = set()
+    for seqs, known in draft.proposals:
+        for seq, start in zip(seqs, known):
+            last = seq.num_computed_tokens  # (the proposal's first pass is at its last two tokens)
+            assert 0 <= start < last - 1 and last + 1 < seq.num_tokens <= config.max_model_len
+            assert len(seq.block_table) * config.block_size >= seq.num_tokens
+            counts.add(last - 1 - start)
+    assert counts >= {1, 2, 3, 16, 17, 32, 33, budget}
+    assert any(start > 0 for _, known in draft.proposals for start in known), "after a prefix"
+    assert any(len(seqs) == 2 for seqs, _ in draft.proposals)
 
 
 @pytest.mark.parametrize("seqs,budget,window", [(4, 64, 32), (64, 512, 0)])

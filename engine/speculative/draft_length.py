@@ -44,11 +44,9 @@ class Speculation:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     # a draft model's KV of the sequence (engine/worker/draft_model.py): its leading positions known right, as of
-    # its preemption count then; the last proposal's first position and drafts proposed
+    # its preemption count then
     draft_known: int = 0
     draft_preemptions: int = 0
-    draft_start: int = 0
-    draft_written: int = 0
 
     @property
     def rate(self) -> float:

@@ -110,7 +110,6 @@ class Speculator:
         for (seq, k), tokens in zip(wanted, proposals):
             state = seq.speculation
             # (its last token's KV is right now; the drafts' where the verification keeps them: accept)
-            state.draft_start, state.draft_written = seq.num_computed_tokens, k
             state.draft_known = seq.num_computed_tokens + 1
             self._take(seq, tokens, drafts, grammars, allocate=False)
 
@@ -204,8 +203,10 @@ class Speculator:
             kept += 1
         state = seq.speculation
         state.record(num_drafts, kept)
-        if self.draft is not None:  # (the draft model's KV of the kept drafts is right)
-            state.draft_known = state.draft_start + 1 + min(kept, state.draft_written - 1)
+        if self.draft is not None:
+            # the draft model's KV of the kept drafts is right (its passes wrote all but the last draft's; the
+            # sequence has not advanced yet: its last token is still at num_computed_tokens)
+            state.draft_known = seq.num_computed_tokens + 1 + min(kept, num_drafts - 1)
             # (a missed one-draft probe: the next one later; a kept draft: probes as usual)
             missed_probe = num_drafts == 1 and not kept
             state.probe_after = (

@@ -145,10 +145,8 @@ class DraftModel:
         before[:batch] = [seq.token_ids[p - 1] for seq, p in zip(seqs, last[:batch].tolist())]
         np.minimum(ids, self.max_id, out=ids)
         np.minimum(before, self.max_id, out=before)
-        width = max(len(seq.block_table) for seq in seqs)
-        table = np.zeros((size, width), dtype=np.int32)
-        for row, seq in enumerate(seqs):
-            table[row, : len(seq.block_table)] = seq.block_table
+        table = block_tables(seqs, size)
+        width = table.shape[1]
         for buffer, values in zip(
             (self.last, self.lens, self.ids, self.before), (last, lens, ids, before)
         ):
@@ -229,10 +227,7 @@ class DraftModel:
         size, device = self.block_size, self.device
         ids = [min(t, self.max_id) for seq, start, end in chunks for t in seq.token_ids[start:end]]
         positions = np.concatenate([np.arange(start, end) for _, start, end in chunks])
-        width = max(len(seq.block_table) for seq, _, _ in chunks)
-        table = np.zeros((len(chunks), width), dtype=np.int32)
-        for row, (seq, _, _) in enumerate(chunks):
-            table[row, : len(seq.block_table)] = seq.block_table
+        table = block_tables([seq for seq, _, _ in chunks], len(chunks))
         rows = np.repeat(np.arange(len(chunks)), [end - start for _, start, end in chunks])
         slots = table[rows, positions // size].astype(np.int64) * size + positions % size
         ends = np.asarray([end for _, _, end in chunks], dtype=np.int32)
@@ -252,6 +247,14 @@ class DraftModel:
                 torch.tensor(ids, dtype=torch.int32, device=device),
                 torch.from_numpy(positions.astype(np.int32)).to(device),
             )
+
+
+def block_tables(seqs: list[Sequence], rows: int) -> np.ndarray:
+    """``seqs``' block tables as the first of ``rows`` rows (int32, zero-padded to the longest)."""
+    table = np.zeros((rows, max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+    for row, seq in enumerate(seqs):
+        table[row, : len(seq.block_table)] = seq.block_table
+    return table
 
 
 def _load(config: EngineConfig) -> nn.Module:

@@ -25,6 +25,7 @@ from engine.worker.model_sources import default_gguf_file
 from tests.block_invariants import run_checked_outputs
 from tests.conftest import SMALL_KV_GIB, hf_greedy
 from tests.greedy_agreement import assert_transformers_greedy
+from tests.two_layer_llama import two_layer_llama_config
 
 NEW_TOKENS = 32
 TEXTS = [
@@ -51,17 +52,16 @@ def tiny_llama(path: Path, vocab_size: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(7)
-    config = LlamaConfig(
+    fields = two_layer_llama_config(
         vocab_size=vocab_size,
         hidden_size=64,
+        head_dim=16,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
+    )
+    config = LlamaConfig(
+        **{k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -1,11 +1,10 @@
-"""Speculative decoding with a draft model on the GPU (dummy weights, CUDA graphs: the draft's pass over each target
-pass inside the target's graphs, its propose passes replayed from graphs of their own, drafted steps from the
-verify graphs): greedy output equals plain decoding's, through preemption; the model drafting for itself (the same
-seeded weights) has its drafts accepted, so the draft's KV follows the target's; the block books balance."""
+"""Speculative decoding with a draft model on the GPU (dummy weights, CUDA graphs: the draft's propose passes
+replayed from graphs of their own, drafted steps from the verify graphs): greedy output equals plain decoding's,
+through preemption; the model drafting for itself (the same seeded weights) has its drafts accepted, so the draft's
+KV, caught up before its proposals, follows the target's; the block books balance."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -15,6 +14,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.speculative import speculator as speculator_module
 from tests.block_invariants import check_pool
+from tests.two_layer_llama import two_layer_llama_dir
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
@@ -73,24 +73,7 @@ def test_a_self_drafting_model_keeps_plain_greedy_output_float32(num_kv_blocks):
 def test_a_small_random_draft_keeps_plain_greedy_output(tmp_path):
     """A two-layer draft of the same vocabulary (dummy weights for a config directory): its drafts mostly wrong,
     the output plain decoding's (float32), through the graphs."""
-    config = dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=128256,
-        intermediate_size=512,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    draft = two_layer_llama_dir(tmp_path, max_position_embeddings=4096)
     torch.backends.cuda.matmul.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     common = dict(
@@ -103,7 +86,7 @@ def test_a_small_random_draft_keeps_plain_greedy_output(tmp_path):
         gpu_memory_utilization=0.5,
     )
     plain = [o.token_ids for o in LLM(**common).generate(prompts(), params)]
-    llm = LLM(**common, speculative_model=str(tmp_path))
+    llm = LLM(**common, speculative_model=str(draft))
     spec = [o.token_ids for o in llm.generate(prompts(), params)]
     stats = llm.engine.stats()
     print(f"drafted {stats.spec_draft_tokens} accepted {stats.spec_accepted_tokens}")

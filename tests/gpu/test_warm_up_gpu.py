@@ -14,6 +14,7 @@ from benchmarks.harness.engine import compiled_variants
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.block_invariants import check_pool
+from tests.two_layer_llama import two_layer_llama_dir
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
@@ -82,35 +83,16 @@ def test_serving_after_start_compiles_no_triton_variant(model_config, kv_cache_d
 def test_a_draft_models_kernels_are_warmed_at_start_too(tmp_path, monkeypatch):
     """Speculative decoding with a draft of other shapes (head_dim 128 beside the model's 64): its catch-up
     prefills and propose passes compile nothing after start-up either."""
-    import json
-
     from engine.speculative import speculator as speculator_module
 
-    config = dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=128256,
-        intermediate_size=1024,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    draft = two_layer_llama_dir(tmp_path, hidden_size=512, head_dim=128, intermediate_size=1024)
     monkeypatch.setattr(speculator_module, "choose_draft_length", lambda state, limit, *_: limit)
     llm = LLM(
         load_format="dummy",
         model_config="llama-3.2-1b",
         device="cuda",
         max_model_len=8192,
-        speculative_model=str(tmp_path),
+        speculative_model=str(draft),
     )
     at_start = compiled_variants()
     prompts, params = varied_workload(1)

@@ -9,13 +9,18 @@ import os
 # ~940 ms on 2 threads beside a busy test run, ~8 ms sleeping (issue 49; docs/benchmarks/cpu.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
-def __getattr__(name: str):  # the heavy parts load on first use
+def __getattr__(
+    name: str,
+):  # the heavy parts (torch) load on first use: a grammar worker imports none
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
     if name == "LLM":
         from engine.llm import LLM
 

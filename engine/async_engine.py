@@ -55,7 +55,7 @@ T = TypeVar("T")
 def _tokenizers(path: Path | str | None) -> tuple[Any | None, Any | None]:
     """The model's tokenizer and a copy of it (the prompt thread's own)."""
     # (here: the model code is the core's, not imported by the front)
-    from engine.worker.loader import load_tokenizer
+    from engine.worker.tokenizer_files import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     return tokenizer, copy.deepcopy(tokenizer)
@@ -315,7 +315,7 @@ class AsyncEngine(PrefixCacheCalls):
 
     def _grammar_compiler(self) -> Any:
         if self._grammars is None:
-            from engine.output.structured_output import GrammarCompiler
+            from engine.output.grammar_compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(
                 self.tokenizer, self.info.vocab_size, self.info.eos_token_ids

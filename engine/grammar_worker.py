@@ -33,7 +33,6 @@ import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from engine.child_process import die_with_parent, name_process
@@ -87,15 +86,17 @@ def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     _, hard = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
-    from engine.output.structured_output import GrammarCompiler
-    from engine.worker.loader import load_tokenizer
+    from engine.output.grammar_compiler import GrammarCompiler
+    from engine.worker.tokenizer_files import grammar_source
 
-    tokenizer = load_tokenizer(Path(model_path)) if model_path else None
+    # (no torch and no Hugging Face tokenizer in this process where the model has a tokenizer.json)
+    tokenizer = grammar_source(model_path)
     try:
         vocab_size, eos_token_ids = conn.recv()
     except EOFError:  # (spawned early for a model the core did not load)
         return
     compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    del tokenizer  # (the compiler drops it once llguidance has its own)
     # (the tokenizer's llguidance form and the grammar library's first compile: the start's work, not a request's)
     conn.send(("ready", *_answer(compiler, WARM_SPEC)))
     while True:

@@ -35,7 +35,7 @@ from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 from engine.worker.model_sources import ensure_default_model
 from tests.engine.test_cpu_weights import QUESTIONS, first_divergence
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from benchmarks.harness import record
 from engine.config import EngineConfig
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 from engine.worker.model_sources import ensure_default_model
 from engine.sampling_params import StructuredOutput
-from engine.output.structured_output import GrammarCompiler
+from engine.output.grammar_compiler import GrammarCompiler
 
 
 def enum_schema(entries: int) -> str:

@@ -23,7 +23,8 @@ from engine.output.beam_search import new_beam_group
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
 from engine.sample.sampler import TokenLogprobs
-from engine.worker.loader import load_model, tokenizer_loading
+from engine.worker.loader import load_model
+from engine.worker.tokenizer_files import grammar_source_loading
 from engine.core.metrics import EngineCounters, EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
@@ -40,9 +41,8 @@ from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.output.structured_output import GrammarCompiler
+from engine.output.grammar_compiler import GrammarCompiler, release_free_heap
 from engine.output.structured_output import accept as accept_grammar
-from engine.output.structured_output import release_free_heap
 from engine.distributed.parallel_state import set_rank_threads
 from engine.worker.worker_group import WorkerGroup
 
@@ -62,7 +62,8 @@ class EngineCore:
         tokenizer_in_background: bool = False,
         **options: object,
     ) -> None:
-        """``tokenizer_in_background``: the tokenizer (structured output's) loads after the model, on a thread."""
+        """``tokenizer_in_background``: structured output's tokenizer (its file, for llguidance) loads after the model, on a
+        thread; the core needs no other."""
         self.config = config = config or EngineConfig(**options)
         # (restored by shutdown: ranks on the CPU share the cores)
         self._threads_before = set_rank_threads(
@@ -72,9 +73,6 @@ class EngineCore:
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         num_blocks, window_blocks = self._load(tokenizer_in_background)
-        self.grammars = GrammarCompiler(
-            self.tokenizer, self.model.args.vocab_size, config.eos_token_ids
-        )
         self.block_manager = new_block_manager(config, self.runner, num_blocks, window_blocks)
         self.scheduler = new_scheduler(config, self.runner, self.block_manager)
         self.counters = EngineCounters()
@@ -110,8 +108,11 @@ class EngineCore:
         layers' own), the CUDA graphs recorded over it; the other ranks stopped if any of it fails."""
         try:
             self.model, self.tokenizer = load_model(self.config, not tokenizer_later)
+            source = self.tokenizer
             if tokenizer_later and self.config.model_path is not None:  # (a Future: grammars wait)
-                self.tokenizer = tokenizer_loading(self.config.model_path)
+                source = grammar_source_loading(self.config.model_path)
+            args = (self.model.args.vocab_size, self.config.eos_token_ids)
+            self.grammars = GrammarCompiler(source, *args)
             if self.workers is not None:
                 self.workers.wait_ready()
             self.runner = ModelRunner(self.config, self.model, self.workers)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -33,6 +32,7 @@ from engine.weights.gguf_model_dir import gguf_file_of
 from engine.weights.gguf_weights import gguf_weights
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
+from engine.worker.tokenizer_files import load_tokenizer
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
@@ -133,32 +133,6 @@ def _resolve(config: EngineConfig, with_tokenizer: bool) -> tuple[Any, Path | No
     config.model_id = config.model or DEFAULT_MODEL_ID
     hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
     return hf_config, path, load_tokenizer(path) if with_tokenizer else None
-
-
-def load_tokenizer(path: Path | str | None) -> Any | None:
-    """The directory's tokenizer (None without a directory or a tokenizer in it). With a tokenizer.json the fast
-    class loads it directly: AutoTokenizer would first import transformers' whole tokenizer registry (seconds)
-    to pick the same class."""
-    if path is None:
-        return None
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    if (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    return None
-
-
-def tokenizer_loading(path: Path | str) -> Future:
-    """``load_tokenizer(path)`` on a thread of its own: its result when done."""
-    executor = ThreadPoolExecutor(1, thread_name_prefix="pagedchat-tokenizer")
-    future = executor.submit(load_tokenizer, path)
-    executor.shutdown(wait=False)
-    return future
 
 
 def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:

@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 FIRST_GRAMMAR = """
 import sys
-from engine.output.structured_output import GrammarCompiler, token_masks, unpack_mask
+from engine.output.grammar_compiler import GrammarCompiler
+from engine.output.structured_output import token_masks, unpack_mask
 from engine.sampling_params import StructuredOutput
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 
 tokenizer = load_tokenizer(sys.argv[1])
 compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))

@@ -17,7 +17,7 @@ from engine.kv_backend import VAttentionKV
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 from engine.worker.model_sources import ensure_default_model
 from kernels import cpu as cpu_kernels
 from tests.block_invariants import check_pool

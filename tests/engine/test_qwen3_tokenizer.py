@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.weights.gguf_model_dir import gguf_model_dir
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 from tests.conftest import hf_greedy
 from tests.greedy_agreement import assert_transformers_greedy
 from tests.llama_cpp_testdata import chat_template

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.config import EngineConfig

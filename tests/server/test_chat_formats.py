@@ -18,7 +18,7 @@ from app.chat_format.reply_parser import call_id
 from app.protocol.tools import Tool
 from engine.config import EngineConfig
 from engine.weights.gguf_model_dir import gguf_model_dir
-from engine.worker.loader import load_tokenizer
+from engine.worker.tokenizer_files import load_tokenizer
 from tests.tiny_qwen3 import cached_tiny_qwen3_gguf
 
 # template -> (syntax, renders tools, reasoning markers, the template writes calls as the model does)

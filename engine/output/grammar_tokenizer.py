@@ -1,0 +1,88 @@
+"""The grammar library's form of a model's tokenizer (an ``llguidance.LLTokenizer``), built from the model's
+tokenizer.json without loading the Hugging Face tokenizer.
+
+llguidance's usual constructor (``llguidance.hf.from_tokenizer``) takes a loaded transformers tokenizer and hands
+its JSON form to ``LLTokenizer``, which parses it again into a tokenizer of its own: the process then holds both.
+For Gemma 3's 262k-token vocabulary that is ~420 MiB for the transformers tokenizer (and transformers and torch
+imported, ~300 MiB more) beside llguidance's ~310 MiB, in the engine core and in each grammar worker. Here
+``LLTokenizer`` is given the file's text itself: the same JSON it would have been given (the tokens that only
+tokenizer_config.json lists added to it, as transformers adds them as it loads), so masks and the text llguidance
+tokenizes are the same, and the process holds llguidance's tokenizer alone. tests/engine/test_grammar_tokenizer.py
+holds both forms equal token for token.
+
+No torch and no transformers here: the grammar workers import this, numpy and llguidance only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerFile:
+    """A model's tokenizer.json, read (the text llguidance parses)."""
+
+    path: Path
+    text: str
+
+
+def read_tokenizer(model_dir: Path | str | None) -> TokenizerFile | None:
+    """``model_dir``'s tokenizer.json; None without one (a tokenizer.model alone: the loaded tokenizer is the way)."""
+    if model_dir is None or not (path := Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    config = path.with_name("tokenizer_config.json")
+    listed = (
+        json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder")
+        if config.is_file()
+        else None
+    )
+    if listed:
+        spec = json.loads(text)
+        known = {a["id"] for a in spec.get("added_tokens", [])}
+        missing = [
+            {"id": int(i), "content": a["content"], "special": bool(a.get("special"))}
+            for i, a in listed.items()
+            if int(i) not in known
+        ]
+        if missing:
+            spec["added_tokens"] = [*spec.get("added_tokens", []), *_added(missing)]
+            text = json.dumps(spec, ensure_ascii=False)
+    return TokenizerFile(path, text)
+
+
+def _added(tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Added-token entries as tokenizer.json writes them."""
+    return [
+        {
+            "id": t["id"],
+            "content": t["content"],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": not t["special"],
+            "special": t["special"],
+        }
+        for t in tokens
+    ]
+
+
+def grammar_tokenizer(
+    source: TokenizerFile | Any, vocab_size: int, eos_token_ids: list[int]
+) -> Any:
+    """The ``LLTokenizer`` with ``vocab_size`` ids (the model's: ids past the tokenizer's are placeholders no
+    grammar allows) and these end ids, from a TokenizerFile or a loaded Hugging Face fast tokenizer. ValueError
+    without llguidance."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise ValueError("response_format: structured output needs the llguidance package") from exc
+    eos = eos_token_ids or None
+    if isinstance(source, TokenizerFile):
+        return llguidance.LLTokenizer(source.text, n_vocab=vocab_size, eos_token=eos)
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(source, n_vocab=vocab_size, eos_token=eos)

@@ -1,0 +1,44 @@
+"""A model directory's tokenizer, loaded: the Hugging Face tokenizer (the front's and the offline engine's: text,
+chat templates, stop strings) and what structured output's grammars need of it. No torch and no model code here:
+the front and the grammar workers import this, not the loader."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from engine.output.grammar_tokenizer import read_tokenizer
+
+
+def load_tokenizer(path: Path | str | None) -> Any | None:
+    """The directory's tokenizer (None without a directory or a tokenizer in it). With a tokenizer.json the fast
+    class loads it directly: AutoTokenizer would first import transformers' whole tokenizer registry (seconds)
+    to pick the same class."""
+    if path is None:
+        return None
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    if (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return None
+
+
+def grammar_source(path: Path | str | None) -> Any | None:
+    """What structured output's grammars need of the directory's tokenizer: its tokenizer.json's text where it has
+    one (llguidance parses it: no Hugging Face tokenizer in memory, engine/output/grammar_tokenizer.py), else the
+    loaded tokenizer; None without one."""
+    return read_tokenizer(path) or load_tokenizer(path)
+
+
+def grammar_source_loading(path: Path | str) -> Future:
+    """``grammar_source(path)`` on a thread of its own: its result when done."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="pagedchat-tokenizer")
+    future = executor.submit(grammar_source, path)
+    executor.shutdown(wait=False)
+    return future

@@ -12,7 +12,8 @@ same threads and the same prompt tokens. Per file:
 - 1-stream and 8-stream output tok/s (``--new-tokens`` each, EOS ignored; llama.cpp runs streams one after the
   other, as it serves one sequence at a time), and the time to the first token of a ~500-token prompt.
 - resident memory: each engine's process peak (VmHWM) and its RSS at the end (the mapped file's touched pages
-  count in both engines).
+  count in both engines); and the served process tree's (the front, the engine core, the grammar workers) once the
+  second start is healthy.
 
 Each engine runs in a process of its own, so load times and memory are its own.
 
@@ -185,8 +186,31 @@ def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, A
 # the server's start ----------------------------------------------------------------------------------------
 
 
-def time_to_healthy(model: Path, cache_dir: Path, args: argparse.Namespace) -> float:
-    """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200."""
+def process_tree_memory(pid: int) -> dict[str, float]:
+    """Resident MiB of process ``pid`` and its descendants, by process name (``pagedchat``, ``pagedchat-core``,
+    ``pagedchat-gramm``, ...; processes of one name summed), and their total."""
+    by_name: dict[str, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = dict(
+                line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+            )
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # (it ended meanwhile)
+            continue
+        name = status["Name"].strip()
+        by_name[name] = by_name.get(name, 0.0) + int(status["VmRSS"].split()[0]) / 1024
+    return {**by_name, "total": sum(by_name.values())}
+
+
+def time_to_healthy(
+    model: Path, cache_dir: Path, args: argparse.Namespace
+) -> tuple[float, dict[str, float]]:
+    """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
+    the server's processes then (process_tree_memory)."""
     from tests.server_harness import free_port
 
     port = free_port()
@@ -218,7 +242,8 @@ def time_to_healthy(model: Path, cache_dir: Path, args: argparse.Namespace) -> f
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", process, 600.0, str(log_path))
-        return time.perf_counter() - start
+        healthy_s = time.perf_counter() - start
+        return healthy_s, process_tree_memory(process.pid)
     finally:
         stop_process(process, signal.SIGTERM, "server")
 
@@ -232,9 +257,9 @@ def starts(model: Path, args: argparse.Namespace, work: Path) -> dict[str, float
     if built.is_dir() and not (cache_dir / "native").exists():
         shutil.copytree(built, cache_dir / "native", symlinks=True)
     shutil.rmtree(cache_dir / "models", ignore_errors=True)
-    first = time_to_healthy(model, cache_dir, args)
-    second = time_to_healthy(model, cache_dir, args)
-    return {"first_start_s": first, "second_start_s": second}
+    first, _ = time_to_healthy(model, cache_dir, args)
+    second, served = time_to_healthy(model, cache_dir, args)
+    return {"first_start_s": first, "second_start_s": second, "served_rss_mib": served}
 
 
 # one file: every side, then the comparison -------------------------------------------------------------------
@@ -327,18 +352,22 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows += [
         "",
         (
-            f"| file | first start s | second start s | {' | '.join(results[0]['agreement'])} "
+            f"| file | first start s | second start s | served RSS MiB (front + core + grammar workers) "
+            f"| {' | '.join(results[0]['agreement'])} "
             f"(all {AGREEMENT_TOKENS} tokens equal / prompts; mean equal prefix) |"
         ),
-        "|---|---:|---:|" + "---|" * len(results[0]["agreement"]),
+        "|---|---:|---:|---|" + "---|" * len(results[0]["agreement"]),
     ]
     for r in results:
         agree = " | ".join(
             f"{a['identical']}/{a['prompts']}; {a['mean_equal_prefix']:.1f}"
             for a in r["agreement"].values()
         )
+        served = r["served_rss_mib"]
+        parts = " + ".join(f"{v:.0f}" for k, v in served.items() if k != "total")
         rows.append(
-            f"| {r['file']} | {r['first_start_s']:.1f} | {r['second_start_s']:.1f} | {agree} |"
+            f"| {r['file']} | {r['first_start_s']:.1f} | {r['second_start_s']:.1f} | "
+            f"{served['total']:.0f} ({parts}) | {agree} |"
         )
     long = results[0]["sides"]["ours"]["long_tokens"]
     for r in results:

@@ -90,7 +90,8 @@ def test_openmp_threads_sleep_at_barriers_unless_the_user_chose(given: str | Non
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given:
         env["OMP_WAIT_POLICY"] = given
-    code = "import os, sys, engine; assert 'torch' in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
+    # (engine first, torch after it, as every engine module that needs torch imports it)
+    code = "import os, sys, engine; assert 'torch' not in sys.modules; import torch; print(os.environ['OMP_WAIT_POLICY'])"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.child_process import die_with_parent, name_process
+from engine.child_process import cpu_seconds, die_with_parent, name_process, resident_bytes
 from engine.output.grammar_cache import GrammarCache, Outcome, spec_key
 from engine.sampling_params import StructuredOutput
 
@@ -48,7 +48,6 @@ RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
 START_TIMEOUT_S = 300.0  # wall clock of a start (imports, tokenizer, llguidance) on a busy machine
 WARM_SPEC = StructuredOutput("json_object")
 _POLL_S = 0.05  # how often a compile's CPU time is read
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 OUT_OF_MEMORY = "response_format: compiling the schema needs more memory than allowed; simplify it"
 
@@ -86,19 +85,18 @@ def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     _, hard = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
-    from engine.output.grammar_compiler import GrammarCompiler
-    from engine.worker.tokenizer_files import grammar_source
+    from engine.worker.tokenizer_files import grammar_setup
 
-    # (no torch and no Hugging Face tokenizer in this process where the model has a tokenizer.json)
-    tokenizer = grammar_source(model_path)
+    # the start's work, made while the core loads the model, for the vocabulary its directory gives
+    if (expected := grammar_setup(model_path)) is not None:
+        compiler, warm = _warmed(model_path, *expected)
     try:
-        vocab_size, eos_token_ids = conn.recv()
+        setup = conn.recv()
     except EOFError:  # (spawned early for a model the core did not load)
         return
-    compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-    del tokenizer  # (the compiler drops it once llguidance has its own)
-    # (the tokenizer's llguidance form and the grammar library's first compile: the start's work, not a request's)
-    conn.send(("ready", *_answer(compiler, WARM_SPEC)))
+    if (setup[0], tuple(setup[1])) != expected:  # (the core reports another: again)
+        compiler, warm = _warmed(model_path, *setup)
+    conn.send(("ready", *warm))
     while True:
         try:
             spec, cpu_limit_s = conn.recv()
@@ -107,7 +105,17 @@ def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
         _limit_cpu(cpu_limit_s)
         answer = _answer(compiler, spec)
         _limit_cpu(None)
-        conn.send((*answer, _rss_bytes()))
+        conn.send((*answer, resident_bytes()))
+
+
+def _warmed(model_path: str | None, vocab_size: int, eos_token_ids: Any) -> tuple[Any, tuple]:
+    """A compiler with the tokenizer's llguidance form built (no torch and no Hugging Face tokenizer in this process
+    where the model has a tokenizer.json), and the outcome of the grammar library's first compile."""
+    from engine.output.grammar_compiler import GrammarCompiler
+    from engine.worker.tokenizer_files import grammar_source
+
+    compiler = GrammarCompiler(grammar_source(model_path), vocab_size, tuple(eos_token_ids))
+    return compiler, _answer(compiler, WARM_SPEC)
 
 
 def _answer(compiler: Any, spec: StructuredOutput) -> tuple[str, Any]:
@@ -130,22 +138,6 @@ def _limit_cpu(limit_s: float | None) -> None:
     if hard != resource.RLIM_INFINITY:
         soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads), from /proc/PID/stat; 0.0 where it cannot be
-    read (then RLIMIT_CPU and the wall clock still hold)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()  # (after the name, which may hold spaces)
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # (fields 14 and 15: utime, stime)
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from engine.weights.gguf_model_dir import gguf_file_of
 from engine.weights.gguf_weights import gguf_weights
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
-from engine.worker.tokenizer_files import load_tokenizer
+from engine.worker.tokenizer_files import eos_token_ids, load_tokenizer
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def load_model(config: EngineConfig, with_tokenizer: bool = True) -> tuple[nn.Mo
     start = time.perf_counter()
     hf_config, path, tokenizer = _resolve(config, with_tokenizer)
     config.hf_config, config.model_path = hf_config, str(path) if path else None
-    config.eos_token_ids = _eos_token_ids(hf_config, path)
+    config.eos_token_ids = eos_token_ids(hf_config.eos_token_id, path)
     max_position = position_limit(rope_parameters(hf_config), hf_config.max_position_embeddings)
     if config.max_model_len is not None and config.max_model_len > max_position:
         raise ValueError(
@@ -133,16 +133,6 @@ def _resolve(config: EngineConfig, with_tokenizer: bool) -> tuple[Any, Path | No
     config.model_id = config.model or DEFAULT_MODEL_ID
     hf_config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
     return hf_config, path, load_tokenizer(path) if with_tokenizer else None
-
-
-def _eos_token_ids(hf_config: Any, path: Path | None) -> tuple[int, ...]:
-    """EOS ids from generation_config.json when present (chat models list their end-of-turn there)."""
-    eos = hf_config.eos_token_id
-    if path is not None and (path / "generation_config.json").is_file():
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 @contextlib.contextmanager

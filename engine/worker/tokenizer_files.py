@@ -4,6 +4,7 @@ the front and the grammar workers import this, not the loader."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,3 +43,27 @@ def grammar_source_loading(path: Path | str) -> Future:
     future = executor.submit(grammar_source, path)
     executor.shutdown(wait=False)
     return future
+
+
+def eos_token_ids(eos: Any, path: Path | str | None) -> tuple[int, ...]:
+    """The model's end ids: ``eos`` (its config's), or generation_config.json's where the directory has one (chat
+    models list their end-of-turn there)."""
+    if path is not None and (Path(path) / "generation_config.json").is_file():
+        eos = json.loads((Path(path) / "generation_config.json").read_text()).get(
+            "eos_token_id", eos
+        )
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def grammar_setup(path: Path | str | None) -> tuple[int, tuple[int, ...]] | None:
+    """The vocabulary size and end ids a model directory's config gives (None where it gives no vocabulary size):
+    what the engine core will report once it has loaded the model, known before."""
+    config = Path(path) / "config.json" if path is not None else None
+    if config is None or not config.is_file():
+        return None
+    fields = json.loads(config.read_text())
+    if not isinstance(fields.get("vocab_size"), int):
+        return None
+    return fields["vocab_size"], eos_token_ids(fields.get("eos_token_id"), path)

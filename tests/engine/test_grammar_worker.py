@@ -224,3 +224,16 @@ async def test_processes_spawned_early_are_the_workers_and_others_are_stopped(se
     finally:
         workers.close()
     assert not mine.process.is_alive()
+
+
+@pytest.mark.parametrize("reported", ["as_the_directory", "another_vocabulary"])
+async def test_a_worker_warms_before_the_core_reports_and_again_for_another_vocabulary(
+    setup: WorkerSetup, reported: str
+):
+    """A worker builds the tokenizer's grammar form for the vocabulary the model's directory gives while the core
+    loads the model; should the core report another (a padded vocabulary), it builds it again: either way it
+    starts and compiles."""
+    if reported == "another_vocabulary":
+        setup = dataclasses.replace(setup, vocab_size=setup.vocab_size + 64)
+    async with started(setup) as workers:
+        assert (await workers.compile(SMALL)).grammar is not None

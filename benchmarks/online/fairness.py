@@ -4,8 +4,14 @@ The light tenant sends ``--light-requests`` streamed completions one after anoth
 each), first alone (its unloaded pace), then beside each heavy load, started once the load is running:
 
 - ``n128``: one request of n = 128 samples (``--heavy-max-tokens`` each);
+- ``bestof128``: one request of best_of = 128 (n = 1);
+- ``beam128``: one beam search of beam_width = 128;
+- ``n32x8``: eight concurrent requests of n = 32;
 - ``c64``: 64 concurrent streamed requests;
 - ``storm``: 500 clients that connect, send a streamed request and drop the connection after 0-200 ms.
+
+With ``--stop-heavy`` the heavy load is stopped (its client process killed: the server aborts its requests) once the
+light tenant is done, so a heavy load of outside-report size (n = 128 x 2,000 tokens) need not run to its end.
 
 Tenants are API keys (the server is started with two). Reported per scenario: the light tenant's TPOT p50 against
 its unloaded TPOT p50, its TTFT p50 and max, whether the heavy load finished (every sample's tokens), and how the
@@ -43,6 +49,12 @@ from benchmarks.online.http_client import (
 
 HEAVY_KEY, LIGHT_KEY = "fairness-heavy", "fairness-light"
 SCENARIOS = ("n128", "c64", "storm")
+WIDE = {  # one or more requests of many samples: (requests, samples each, the request's extra fields)
+    "n128": (1, 128, {"n": 128}),
+    "bestof128": (1, 1, {"n": 1, "best_of": 128}),
+    "beam128": (1, 1, {"n": 1, "use_beam_search": True, "beam_width": 128}),
+    "n32x8": (8, 32, {"n": 32}),
+}
 GOALS = {"cpu": (2.0, 2.0), "cuda": (1.5, None)}  # TPOT ratio, first token seconds
 
 
@@ -54,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--scenarios",
         default=",".join(SCENARIOS),
-        help="comma-separated, of " + ", ".join(SCENARIOS),
+        help="comma-separated, of " + ", ".join([*WIDE, *SCENARIOS[1:]]),
     )
     parser.add_argument("--light-requests", type=int, default=4)
     parser.add_argument("--light-max-tokens", type=int, default=32)
@@ -63,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--storm-clients", type=int, default=500)
     parser.add_argument(
         "--heavy-timeout", type=float, default=1800.0, help="seconds the heavy load may take"
+    )
+    parser.add_argument(
+        "--stop-heavy",
+        action="store_true",
+        help="stop the heavy load once the light tenant is done (not run to its end)",
     )
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
@@ -113,25 +130,38 @@ def light_summary(results: list[StreamResult]) -> dict[str, float]:
 # heavy loads: each returns a task whose result describes how the load ended, and an event set once it runs ----
 
 
-async def heavy_wide(url: str, args: argparse.Namespace, started: asyncio.Event) -> dict[str, Any]:
-    request = body(Random(1), args, args.heavy_max_tokens, n=128, stream=False)
-    del request["stream_options"]
-    async with keyed(HEAVY_KEY, args.heavy_timeout) as client:
-        begin = time.perf_counter()
-        task = asyncio.ensure_future(client.post(url, json=request))
-        await asyncio.sleep(0.5)
-        started.set()
-        response = await task
-        answer = response.json() if response.status_code == 200 else {}
-        choices = answer.get("choices", [])
-        complete = len(choices) == 128 and all(
-            len(c["token_ids"]) == args.heavy_max_tokens for c in choices
-        )
-        return {
-            "status": response.status_code,
-            "finished": complete,
-            "seconds": time.perf_counter() - begin,
-        }
+def heavy_wide(name: str):
+    """The load of ``WIDE[name]``: its requests at once, not streamed; finished when every one returned all its
+    choices, each of ``--heavy-max-tokens`` tokens."""
+    requests, choices, extra = WIDE[name]
+
+    async def load(url: str, args: argparse.Namespace, started: asyncio.Event) -> dict[str, Any]:
+        rng = Random(1)
+        bodies = [
+            {**body(rng, args, args.heavy_max_tokens, stream=False), **extra}
+            for _ in range(requests)
+        ]
+        for request in bodies:
+            del request["stream_options"]
+        async with keyed(HEAVY_KEY, args.heavy_timeout) as client:
+            begin = time.perf_counter()
+            tasks = [asyncio.ensure_future(client.post(url, json=b)) for b in bodies]
+            await asyncio.sleep(0.5)
+            started.set()
+            responses = await asyncio.gather(*tasks)
+            answers = [r.json() if r.status_code == 200 else {} for r in responses]
+            complete = all(
+                len(a.get("choices", [])) == choices
+                and all(len(c["token_ids"]) == args.heavy_max_tokens for c in a["choices"])
+                for a in answers
+            )
+            return {
+                "status": sorted({r.status_code for r in responses}),
+                "finished": complete,
+                "seconds": time.perf_counter() - begin,
+            }
+
+    return load
 
 
 async def heavy_concurrent(
@@ -188,7 +218,11 @@ async def heavy_storm(url: str, args: argparse.Namespace, started: asyncio.Event
     return {"finished": True, "outcomes": outcomes, "seconds": time.perf_counter() - begin}
 
 
-HEAVY = {"n128": heavy_wide, "c64": heavy_concurrent, "storm": heavy_storm}
+HEAVY = {
+    **{name: heavy_wide(name) for name in WIDE},
+    "c64": heavy_concurrent,
+    "storm": heavy_storm,
+}
 
 
 def heavy_process(
@@ -218,7 +252,11 @@ async def scenario(
     try:
         assert await asyncio.to_thread(messages.get, True, 120.0) == "started"
         light = light_summary(await light_run(url, args, seed=10))
-        heavy_result = await asyncio.to_thread(messages.get, True, args.heavy_timeout)
+        if args.stop_heavy:
+            process.kill()  # (its connections close: the server aborts its requests)
+            heavy_result = {"finished": False, "stopped": "after the light tenant's requests"}
+        else:
+            heavy_result = await asyncio.to_thread(messages.get, True, args.heavy_timeout)
     finally:
         process.join(10.0)
         if process.is_alive():
@@ -260,7 +298,8 @@ def report(output: dict[str, Any]) -> None:
             )
         )
         print(row("heavy finished", str(result["heavy"]["finished"])))
-        print(row("heavy seconds", result["heavy"]["seconds"]))
+        if "seconds" in result["heavy"]:
+            print(row("heavy seconds", result["heavy"]["seconds"]))
         if "outcomes" in result["heavy"]:
             print(row("storm outcomes", json.dumps(result["heavy"]["outcomes"])))
 

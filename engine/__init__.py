@@ -14,9 +14,8 @@ from engine.sampling_params import SamplingParams
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
-def __getattr__(
-    name: str,
-):  # the heavy parts (torch) load on first use: a grammar worker imports none
+# the heavy parts (torch) load on first use: a grammar worker imports none
+def __getattr__(name: str):
     if name == "EngineConfig":
         from engine.config import EngineConfig
 

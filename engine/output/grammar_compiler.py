@@ -75,9 +75,10 @@ class GrammarCompiler:
                 self._tokenizer = grammar_tokenizer(
                     self._source, self.vocab_size, self._eos_token_ids
                 )
-                self._source = (
-                    None  # (the file's text or the tokenizer: llguidance's copy is all it needs)
-                )
+                # (the file's text or the tokenizer: llguidance's copy is all it needs; its parse's garbage goes
+                # back to the system)
+                self._source = None
+                release_free_heap()
             return self._tokenizer
 
     def validate(self, spec: StructuredOutput) -> str:

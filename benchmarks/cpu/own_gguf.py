@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import record
+from benchmarks.harness.processes import resident_by_name
 from benchmarks.online.http_client import stop_process, wait_for_health
 from kernels.cpu_native import CPU_ISA_CHOICES
 
@@ -186,31 +187,11 @@ def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, A
 # the server's start ----------------------------------------------------------------------------------------
 
 
-def process_tree_memory(pid: int) -> dict[str, float]:
-    """Resident MiB of process ``pid`` and its descendants, by process name (``pagedchat``, ``pagedchat-core``,
-    ``pagedchat-gramm``, ...; processes of one name summed), and their total."""
-    by_name: dict[str, float] = {}
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = dict(
-                line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines()
-            )
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # (it ended meanwhile)
-            continue
-        name = status["Name"].strip()
-        by_name[name] = by_name.get(name, 0.0) + int(status["VmRSS"].split()[0]) / 1024
-    return {**by_name, "total": sum(by_name.values())}
-
-
 def time_to_healthy(
     model: Path, cache_dir: Path, args: argparse.Namespace
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
-    the server's processes then (process_tree_memory)."""
+    the server's processes then (MiB by process name, and their total)."""
     from tests.server_harness import free_port
 
     port = free_port()
@@ -243,7 +224,8 @@ def time_to_healthy(
     try:
         wait_for_health(f"http://127.0.0.1:{port}", process, 600.0, str(log_path))
         healthy_s = time.perf_counter() - start
-        return healthy_s, process_tree_memory(process.pid)
+        served = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
+        return healthy_s, {**served, "total": sum(served.values())}
     finally:
         stop_process(process, signal.SIGTERM, "server")
 

@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import record
+from benchmarks.harness.processes import resident_by_name
 from benchmarks.online.http_client import REDIS_SERVER, REPO_ROOT, _wait_for_redis, free_port
 
 KEYS = ("soak-tenant-a", "soak-tenant-b", "soak-tenant-c")
@@ -205,15 +206,10 @@ class Supervisor:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and its engine core (grammar workers, replaced once they grow, aside)."""
-        total = 0
-        for pid in self.pids():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/comm") as f:
-                    if f.read().strip() == "pagedchat-gramm":
-                        continue
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return total
+        if self.process is None:
+            return 0
+        by_name = resident_by_name(self.process.pid)
+        return sum(b for name, b in by_name.items() if name != "pagedchat-gramm")
 
     def core_pid(self) -> int | None:
         for pid in self.pids()[1:]:

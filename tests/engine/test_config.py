@@ -48,31 +48,23 @@ def test_limits_below_one_are_refused(field):
 def test_dummy_weights_for_a_model_directory(tmp_path):
     """load_format=dummy with a directory holding only config.json (a tiny model for server load tests): the
     config is read as a namespace and still gives transformers' parameter names and shapes."""
-    import json
-
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
+    from tests.two_layer_llama import two_layer_llama_dir
 
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            dict(
-                model_type="llama",
-                architectures=["LlamaForCausalLM"],
-                hidden_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=16,
-                vocab_size=300,
-                intermediate_size=64,
-                tie_word_embeddings=True,
-                rope_theta=10000.0,
-                max_position_embeddings=256,
-                rms_norm_eps=1e-5,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-        )
+    two_layer_llama_dir(  # (shrunk to one layer, 32 wide)
+        tmp_path,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+        intermediate_size=64,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     llm = LLM(model=str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=16)
     assert llm.engine.tokenizer is None

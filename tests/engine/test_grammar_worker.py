@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.child_process import resident_bytes
 from engine.config import EngineConfig
 from engine.grammar_worker import GrammarWorkers, WorkerSetup, spawn
 from engine.sampling_params import StructuredOutput
@@ -67,11 +68,6 @@ def paused(pid: int):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 async def test_started_workers_are_warm_and_the_first_requests_start_none(setup):
@@ -203,12 +199,12 @@ async def test_a_worker_grown_past_the_recycle_bound_is_replaced(setup):
 async def test_large_compiles_leave_the_front_as_large_as_it_was(setup):
     async with started(setup) as workers:
         await workers.compile(SMALL)
-        before = rss_bytes()
+        before = resident_bytes()
         for tag in "abcd":  # four large schemas, none cached: each ~160 MB in the compiling process
             compiled = await workers.compile(enum_spec(20_000, tag))
             assert len(compiled.grammar) > 100_000
             del compiled
-        assert rss_bytes() - before < 0.1 * before
+        assert resident_bytes() - before < 0.1 * before
 
 
 async def test_processes_spawned_early_are_the_workers_and_others_are_stopped(setup: WorkerSetup):

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import itertools
+import logging
+
 import torch
 
 from engine.output.beam_search import BeamGroup
@@ -20,6 +23,8 @@ from engine.core.metrics import EngineCounters
 from engine.output.outputs import SampleDelta
 from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 class BeamRequests:
@@ -78,6 +83,45 @@ class BeamRequests:
                 waiting.append(group)
         self._swapped_at_step = waiting
         return deltas
+
+    def unstall(self) -> list[SampleDelta] | None:
+        """A step found nothing to run, none in flight. If every running sequence waits for its beam step while
+        others wait for blocks (a preempted beam, a swap-in, a new request), the beams hold the blocks that what
+        they wait for needs, for good: the newest search gives way. Where others wait, its running beams give
+        their blocks back (recomputed once admitted again, their full blocks still cached) and queue behind
+        them; where it is alone, its live beams need more KV than the pool holds (pinned presets given back
+        first), and it ends now with the best hypotheses it has (finish reason "length", as at max_model_len).
+        None: no such stall; else the final deltas (none where the search gave way)."""
+        scheduler = self.scheduler
+        if not (scheduler.waiting or scheduler.swapped) or not scheduler.running:
+            return None
+        if not all(seq.awaiting_beam_step for seq in scheduler.running):
+            return None
+        newest = scheduler.running[-1].request_id
+        queued = itertools.chain(scheduler.running, scheduler.waiting, scheduler.swapped)
+        if any(seq.request_id != newest for seq in queued):
+            preempted = []
+            for seq in [seq for seq in scheduler.running if seq.request_id == newest]:
+                preempted += scheduler.preempt(seq, allow_swap=False)
+            scheduler.waiting.rotate(-len(preempted))  # (preempt put them first: now last)
+            for seq in preempted:
+                self._forget(seq)
+            self.preempted(preempted)
+            logger.warning(
+                "beam search %s gave way: its beams held blocks others waited for", newest
+            )
+            return []
+        if self.block_manager.pins:
+            self.block_manager.unpin_all()
+            return []
+        group = self.groups[scheduler.running[-1].seq_id]
+        logger.warning(
+            "beam search %s ended at %d new tokens: its %d beams need more KV than the cache holds",
+            newest,
+            len(group.live[0].token_ids) - group.live[0].num_prompt_tokens,
+            group.num_live,
+        )
+        return self.finish(group, None)
 
     def _step(self, group: BeamGroup) -> list[SampleDelta]:
         live = group.live

@@ -30,13 +30,7 @@ from engine.worker.model_runner import ModelRunner
 from engine.worker.step_sampler import LaunchedStep
 from engine.worker.warm_up import warm_up
 from engine.output.outputs import SampleDelta
-from engine.runtime.requests import (
-    Request,
-    Sample,
-    hold_places,
-    new_sequences,
-    stop_status,
-)
+from engine.runtime.requests import Request, Sample, hold_places, new_sequences, stop_status
 from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
@@ -76,14 +70,9 @@ class EngineCore:
         self.block_manager = new_block_manager(config, self.runner, num_blocks, window_blocks)
         self.scheduler = new_scheduler(config, self.runner, self.block_manager)
         self.counters = EngineCounters()
-        self.speculation = new_speculative_steps(  # (None: off)
-            config,
-            self.scheduler,
-            self.counters,
-            self.runner,
-            self._finish,
-            self._emit,
-            self._fail,
+        # (None: off)
+        self.speculation = new_speculative_steps(
+            config, self.scheduler, self.counters, self.runner, self._finish, self._emit, self._fail
         )
         self.info = CoreInfo.of(
             config, self.model.args.vocab_size, num_blocks, bool(self.speculation)
@@ -255,9 +244,7 @@ class EngineCore:
             in_flight, batch = None, batch.without_finished()
             if not batch.seqs:  # (every entry ended: its block moves run with the next step)
                 self.scheduler.defer_moves(batch)
-                for seq in batch.preempted:
-                    self.runner.forget(seq)
-                self.beams.preempted(batch.preempted)
+                self._preempted(batch.preempted)
                 return deltas
         if self.speculation is not None:
             batch = self.last_batch = self.speculation.extend(batch)
@@ -291,7 +278,10 @@ class EngineCore:
     def _idle_step(
         self, in_flight: LaunchedStep | None, batch: ScheduledBatch
     ) -> list[SampleDelta]:
-        """Nothing to run: read the step still in flight, or tell a scheduler that can never run anything."""
+        """Nothing to run: the batch's block moves run with the next pass; read the step still in flight, else
+        release beams that hold blocks their search waits for, or tell a scheduler that can never run anything."""
+        self.scheduler.defer_moves(batch)
+        self._preempted(batch.preempted)
         if in_flight is not None:
             deltas = self._process(in_flight)
             if not self._requests:
@@ -300,10 +290,18 @@ class EngineCore:
         if (tiers := self.scheduler.tiers) is not None and tiers.busy:
             tiers.poll(timeout_s=0.05)  # (waiting requests wait for blocks coming back)
             return []
+        if (deltas := self.beams.unstall()) is not None:
+            return deltas
         stuck = len(self.scheduler.waiting) + len(self.scheduler.swapped)
         if stuck and not self.scheduler.running and not batch.preempted:  # for good
             raise RuntimeError(f"scheduler stalled: {stuck} waiting or swapped out, none runnable")
         return []
+
+    def _preempted(self, seqs: list[Sequence]) -> None:
+        """Preempted sequences outside a pass: their input rows go, a recomputed beam's log-probs too."""
+        for seq in seqs:
+            self.runner.forget(seq)
+        self.beams.preempted(seqs)
 
     def _needs_known_tokens(self, batch: ScheduledBatch) -> bool:
         """Penalties and grammars read the values of earlier output tokens, drafts follow the last one: those must

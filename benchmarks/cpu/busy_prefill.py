@@ -14,17 +14,14 @@ after a warm-up under that load. The goal: busy TTFT <= 2x quiet TTFT.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from random import Random
 
 from benchmarks.harness import record
+from benchmarks.harness.processes import neighbours
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -51,18 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-up-requests", type=int, default=4)
     parser.add_argument("--json", default=None, help="write the numbers here")
     return parser.parse_args(argv)
-
-
-@contextlib.contextmanager
-def busy_neighbour() -> Iterator[None]:
-    """One process spinning on a core for the duration."""
-    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(1.0)  # (it is running before the measured work starts)
-        yield
-    finally:
-        neighbour.kill()
-        neighbour.wait()
 
 
 def warm_up(engine: LLMEngine, rng: Random, requests: int) -> None:
@@ -160,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(device="cpu")
     rng = Random(0)
     results = {"quiet": measure(engine, rng, args)}
-    with busy_neighbour():
+    with neighbours(1):
         results["busy"] = measure(engine, rng, args)
     env = record.environment(
         __spec__.name,

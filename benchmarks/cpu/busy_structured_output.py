@@ -12,15 +12,10 @@ its schema, checked with jsonschema). The acceptance (issue 49): all valid, none
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import shlex
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,7 +23,8 @@ import httpx
 import jsonschema
 
 from benchmarks.harness import record
-from benchmarks.online.http_client import add_server_options, local_server, stop_process
+from benchmarks.harness.processes import neighbours
+from benchmarks.online.http_client import add_server_options, local_server
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
@@ -119,20 +115,6 @@ def ask(client: httpx.Client, base_url: str, name: str, max_tokens: int) -> Answ
         else check(name, choice["message"]["content"])
     )
     return Answer(name, 200, seconds, problem is None, problem or choice["message"]["content"])
-
-
-@contextlib.contextmanager
-def neighbours(count: int) -> Iterator[list[int]]:
-    """``count`` processes that keep a CPU busy, as other work on a shared machine does."""
-    processes = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(count)
-    ]
-    try:
-        yield [p.pid for p in processes]
-    finally:
-        for process in processes:
-            stop_process(process, signal.SIGKILL, "neighbour", grace_s=5.0)
 
 
 def main() -> None:

@@ -1,8 +1,13 @@
-"""The resident memory of a served process tree (the front, the engine core, the grammar workers), read from
-/proc."""
+"""Processes around a benchmark: the resident memory of a served process tree (the front, the engine core, the
+grammar workers), read from /proc, and busy neighbours (other work on a shared machine)."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -24,3 +29,21 @@ def resident_by_name(pid: int) -> dict[str, int]:
         name = status["Name"].strip()
         by_name[name] = by_name.get(name, 0) + int(status["VmRSS"].split()[0]) * 1024
     return by_name
+
+
+@contextlib.contextmanager
+def neighbours(count: int) -> Iterator[list[int]]:
+    """``count`` processes that keep a CPU busy (``python -c "while True: pass"``), as other work on a shared
+    machine does, running before the measured work starts; their pids."""
+    processes = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(count)
+    ]
+    try:
+        if processes:
+            time.sleep(1.0)
+        yield [p.pid for p in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import record
-from benchmarks.harness.processes import resident_by_name
+from benchmarks.harness.processes import neighbours, resident_by_name
 from benchmarks.online.http_client import REDIS_SERVER, REPO_ROOT, _wait_for_redis, free_port
 
 KEYS = ("soak-tenant-a", "soak-tenant-b", "soak-tenant-c")
@@ -624,6 +624,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each client's mean pause between an answer and its next request (0: back to back)",
     )
     parser.add_argument("--server-args", default="", help="extra `python -m app serve` flags")
+    parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="busy-looping processes beside the server for the whole run (a shared machine)",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--server-log", help="keep the server's log here (default: a temporary file)"
@@ -637,7 +643,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = record.load_average()
-    with tempfile.TemporaryDirectory(prefix="pagedchat-soak-") as directory:
+    with (
+        neighbours(args.neighbours),
+        tempfile.TemporaryDirectory(prefix="pagedchat-soak-") as directory,
+    ):
         redis = Redis(directory)
         redis.start()
         log_path = args.server_log or os.path.join(directory, "server.log")

@@ -221,4 +221,19 @@ SERVER_OPTIONS = (
         "1",
         "int",
     ),
+    Option(
+        "restart_core",
+        "When the engine core process dies, end its open streams with an error and start a new core and "
+        "new front processes on the same listening socket (connections made meanwhile wait), instead of "
+        "exiting with status 3; needs a session store other than memory",
+        "off",
+        "bool",
+    ),
+    Option(
+        "max_core_restarts",
+        "With --restart-core: the restarts allowed within 10 minutes; the next core death exits with "
+        "status 3",
+        "3",
+        "int",
+    ),
 )

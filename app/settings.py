@@ -89,6 +89,10 @@ class ServerSettings:
     # front processes sharing one engine core (HTTP, tokenization, detokenization, SSE spread over N CPUs);
     # more than one needs --redis-url, so that every front sees the same sessions and presets
     api_server_count: int = 1
+    # a dead engine core is replaced (with new fronts, on the same socket: app/supervisor.py), at most
+    # max_core_restarts times within 10 minutes; then, as without it, exit 3
+    restart_core: bool = False
+    max_core_restarts: int = 3
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
@@ -174,6 +178,13 @@ class ServerSettings:
             self.api_server_count == 1 or self.session_store != "memory",
             "api_server_count",
             "more than one front process needs a session store they share: Redis or SQLite, not memory",
+        )
+        _check(1 <= self.max_core_restarts <= 100, "max_core_restarts", "must be in [1, 100]")
+        _check(
+            not self.restart_core or self.session_store != "memory",
+            "restart_core",
+            "a restart replaces the front processes too: sessions in memory would be lost; use Redis or "
+            "SQLite",
         )
         if self.served_model_name is not None:
             self.served_model_name = [name.strip() for name in self.served_model_name]

@@ -40,7 +40,8 @@ where one is named. Pass them through make as `make serve ARGS="--port 9000 --mo
 
 `pagedchat serve MODEL` is `pagedchat serve --model MODEL`. `pagedchat serve` exits with status 0 after a stop,
 2 for a start-up mistake (one line says what to fix; everything that needs no model is checked before weights
-load), 3 when the engine died (a supervisor should restart it), and 1 for any other start-up failure.
+load), 3 when the engine or a front process died (a supervisor should restart it), and 1 for any other start-up
+failure.
 """
 
 

@@ -4,7 +4,8 @@ Each tenant, least recently served first, spends its max-min share (fair_share.p
 decode rows (by priority, then those that waited longest: a heavy tenant's rows take turns across steps), its
 prefill chunks, then its waiting requests (by priority, then arrival). The step's tokens come from a time budget
 once the step's cost is measured (step_cost.py): steps take on average at most ``shared_step_time_factor`` x a
-one-token step; a step with prefill, dearer, runs once enough credit is saved. Seats are shared too: a tenant at or
+one-token step (while prompts wait, at least a row per tenant plus an eighth of a step with prefill); a step with
+prefill, dearer, runs once enough credit is saved. Seats are shared too: a tenant at or
 over its equal share of ``max_num_seqs`` admits nothing more, and gives seats back (its newest sequences,
 recomputed later) to a tenant under its share.
 

@@ -183,14 +183,6 @@ def test_sigterm_drains_the_open_streams_of_every_front_then_stops_all(redis_ser
         assert wait_until(lambda: all(process_gone(pid) for pid in fronts + cores), 10)
 
 
-def test_a_front_killed_stops_the_server_and_leaves_no_process(redis_server: RedisServer):
-    with running_server("--api-server-count", "2", "--redis-url", redis_server.url) as server:
-        fronts, cores = children_of(server.process.pid)
-        os.kill(fronts[0], signal.SIGKILL)
-        assert server.process.wait(30) != 0
-        assert wait_until(lambda: all(process_gone(pid) for pid in fronts + cores), 10)
-
-
 def test_more_than_one_front_needs_a_shared_session_store():
     result = subprocess.run(
         server_command(8999, ["--api-server-count", "2", "--session-store", "memory"]),

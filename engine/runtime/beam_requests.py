@@ -10,10 +10,9 @@ step whose beams are all swapped out waits for their swap-in (``deferred_steps``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 

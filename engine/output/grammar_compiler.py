@@ -46,16 +46,24 @@ class GrammarCompiler:
     ) -> None:
         """``source``: the model's tokenizer.json (a grammar_tokenizer.TokenizerFile) or the loaded Hugging Face
         tokenizer, a Future of either (loading in the background: the first grammar waits), or None (no
-        tokenizer: a grammar is refused). With a Future, llguidance's form of the tokenizer is built on a thread
-        as soon as the source is there, so the first grammar on the engine's step loop does not pay for it
-        (seconds on a busy machine)."""
+        tokenizer: a grammar is refused). With a Future, ``warm_in_background`` builds llguidance's form of the
+        tokenizer on a thread, so the first grammar on the engine's step loop does not pay for it (seconds on a
+        busy machine)."""
         self._source = source
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._lock = threading.Lock()  # (a compiler may be shared between threads)
         self._tokenizer: Any | None = None
-        if isinstance(source, Future):
-            threading.Thread(target=self._warm, name="pagedchat-grammar-warm", daemon=True).start()
+        self._warming = False
+
+    def warm_in_background(self) -> None:
+        """Build llguidance's tokenizer and a first grammar on a thread, once (for a Future source; else the first
+        grammar builds it). The build holds the GIL throughout (2-3 s for a 262k-token vocabulary), so the engine
+        core calls this once idle after its start, not while it loads: there it delayed the core's readiness."""
+        if self._warming or not isinstance(self._source, Future):
+            return
+        self._warming = True
+        threading.Thread(target=self._warm, name="pagedchat-grammar-warm", daemon=True).start()
 
     def _warm(self) -> None:
         try:

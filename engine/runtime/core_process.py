@@ -193,6 +193,9 @@ class CoreLoop:
         self._client_of: dict[str, int] = {}  # request id -> its front (several fronts only)
         self._stats_time = 0.0
         self._stats_due = False  # something changed since the last snapshot sent
+        self._idle_polls = (
+            0  # idle polls since the start (the grammar library's warm-up waits for a few)
+        )
 
     def run(self) -> None:
         core = self.core
@@ -200,6 +203,11 @@ class CoreLoop:
             while True:
                 busy = core.has_unfinished_requests()
                 if not busy and not self._wait_for_input():
+                    self._idle_polls += 1
+                    # llguidance's tokenizer holds the GIL for seconds as it is built: once idle after a
+                    # request (the front's warm-up), or after 5 s of none, not while the core starts
+                    if core.counters.steps or self._idle_polls >= 10:
+                        core.grammars.warm_in_background()
                     continue
                 if not self._drain():
                     return

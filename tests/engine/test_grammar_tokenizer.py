@@ -7,6 +7,8 @@ an added token tokenizer.json lacks (transformers adds it as it loads; so must t
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +145,29 @@ def test_no_tokenizer_file_is_none_and_a_grammar_then_says_so(tmp_path: Path):
     assert read_tokenizer(tmp_path) is None and read_tokenizer(None) is None
     with pytest.raises(ValueError, match="has no tokenizer"):
         GrammarCompiler(None, 10, (1,)).matcher(StructuredOutput("json_object"))
+
+
+def test_a_loading_tokenizer_is_built_for_the_grammar_library_only_when_asked(
+    default_model_dir: Path,
+):
+    """The engine core asks once idle after its start (the build holds the GIL for seconds: at construction it
+    delayed the core's readiness); asked twice, one build; a grammar works after it, and before it (built then)."""
+    from engine.worker.tokenizer_files import grammar_source_loading
+
+    def warm_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "pagedchat-grammar-warm"]
+
+    loaded = load_tokenizer(default_model_dir)
+    eos = (loaded.eos_token_id,)
+    future = grammar_source_loading(default_model_dir)
+    compiler = GrammarCompiler(future, len(loaded), eos)
+    future.result(timeout=60)
+    time.sleep(0.2)
+    assert not warm_threads(), "nothing is built before warm_in_background"
+    compiler.warm_in_background()
+    compiler.warm_in_background()
+    assert len(warm_threads()) == 1
+    warm_threads()[0].join(timeout=120)
+    assert compiler.matcher(StructuredOutput("json_object")) is not None
+    unasked = GrammarCompiler(grammar_source_loading(default_model_dir), len(loaded), eos)
+    assert unasked.matcher(SCHEMA) is not None and not warm_threads()

@@ -26,6 +26,7 @@ the Python path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -122,10 +123,18 @@ def load(build_root: Path, isa: str = "auto") -> CpuKernels | None:
     return _loaded[level]
 
 
+def build_directory(build_root: Path, tag: str, sources: Path) -> Path:
+    """Where the kernels of ``tag`` built from the sources in ``sources`` live: one directory per torch version,
+    level and checkout (torch rebuilds a directory whose sources come from another path, so two installs on one
+    machine sharing one would rebuild each other's at every start, ~15 s and silently)."""
+    place = hashlib.sha256(str(sources.resolve()).encode()).hexdigest()[:8]
+    return build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}-{place}"
+
+
 def _build(build_root: Path, level: str) -> CpuKernels | None:
     tag, arch = _TARGETS.get(level, (platform.machine() or "generic", []))
     name = f"pagedchat_cpu_{level}"
-    build_dir = build_root / f"cpu_decode-torch{torch.__version__.replace('+', '-')}-{tag}"
+    build_dir = build_directory(build_root, tag, _SOURCES[0].parent)
     start = time.perf_counter()
     # the ninja that pip installed beside this Python (on PATH only in an activated virtual environment)
     os.environ["PATH"] = os.pathsep.join(

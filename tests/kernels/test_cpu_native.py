@@ -114,6 +114,17 @@ def test_an_unknown_level_is_refused(value: str):
         EngineConfig(cpu_isa=value)
 
 
+def test_each_checkout_builds_into_a_directory_of_its_own(tmp_path: Path):
+    """torch rebuilds a build directory whose sources come from another path: two installs on one machine that
+    shared one rebuilt each other's kernels at every start (~15 s, silently)."""
+    here = cpu_native.build_directory(tmp_path, "x86-64-v3", Path(cpu_native.__file__).parent)
+    again = cpu_native.build_directory(tmp_path, "x86-64-v3", Path(cpu_native.__file__).parent)
+    other = cpu_native.build_directory(tmp_path, "x86-64-v3", tmp_path / "another-checkout")
+    level = cpu_native.build_directory(tmp_path, "x86-64-v4", Path(cpu_native.__file__).parent)
+    assert here == again and len({here, other, level}) == 3
+    assert here.parent == tmp_path and torch.__version__.split("+")[0] in here.name
+
+
 def test_the_environment_variable_sets_the_level(monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CPU_ISA", "avx2")
     if "avx2" not in cpu_native.supported_levels():

@@ -2,8 +2,8 @@
 
 One front (the default) starts its own engine core. With several (or with ``--restart-core``), the supervisor
 (app/supervisor.py) starts the core and the fronts; each front attaches to the core as one of its clients and
-serves its share of the connections on the shared listening socket. What depends on the number of fronts is here: the share of the
-request queue each admits, and which one pins the stored presets at start-up.
+serves its share of the connections on the shared listening socket. What depends on the number of fronts is
+here: the share of the request queue each admits, and which one pins the stored presets at start-up.
 """
 
 from __future__ import annotations

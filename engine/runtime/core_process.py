@@ -193,9 +193,8 @@ class CoreLoop:
         self._client_of: dict[str, int] = {}  # request id -> its front (several fronts only)
         self._stats_time = 0.0
         self._stats_due = False  # something changed since the last snapshot sent
-        self._idle_polls = (
-            0  # idle polls since the start (the grammar library's warm-up waits for a few)
-        )
+        # idle polls since the start (the grammar library's warm-up waits for a few)
+        self._idle_polls = 0
 
     def run(self) -> None:
         core = self.core

@@ -1,8 +1,8 @@
 """Prompt rendering and tokenization, off the event loop: the one chat-template path of the server.
 
-The renderer owns its tokenizer (the engine's second copy: EngineClient.prompt_tokenizer), used from one worker
-thread only, so a long prompt never blocks the event loop and the detokenizer never shares a (not thread-safe)
-Rust tokenizer.
+The renderer encodes on one worker thread of its own, so a long prompt never blocks the event loop. Its tokenizer
+is the engine's (EngineClient.tokenizer), which the detokenizer uses on the event loop meanwhile: its settings were
+fixed at load so that no call mutates the Rust tokenizer (engine/worker/tokenizer_files.py ``fix_settings``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class NoTokenizer(ValueError):
 
 class PromptRenderer:
     def __init__(self, tokenizer: Any | None) -> None:
-        """``tokenizer``: one that nothing else uses (this renderer's thread is its only user)."""
+        """``tokenizer``: the engine's, loaded by ``load_tokenizer`` (nothing mutates it: shared safely)."""
         self._tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedchat-tokenizer")
 

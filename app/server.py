@@ -154,12 +154,12 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     server = build_serving(settings, engine, front, names, store, chat_in_session)
     app.state.server = server
     watcher = pinning = None
+    # the grammar workers (started with the engine) finish warming after /health is 200: a response_format sent
+    # meanwhile waits for them (not counted in its compile's limits); /health waits for the engine alone
+    warming = asyncio.create_task(engine.start_grammar_workers(), name="pagedchat-grammar-start")
     try:
         try:
-            # (the grammar workers too: a busy machine's first response_format must not wait for their start)
-            await asyncio.gather(
-                _warm_up(engine, f"warm-up-{front.index}"), engine.start_grammar_workers()
-            )
+            await _warm_up(engine, f"warm-up-{front.index}")
             if front.pins_stored_presets:
                 pinning = presets.pin_stored_presets_later(server.sessions)
         # the core died while this front started: the engine's death, not a mistake
@@ -172,7 +172,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         logger.info("serving %s — chat UI at %s/ — OpenAI base URL %s/v1", shown, base, base)
         yield
     finally:
-        for task in (watcher, pinning):
+        for task in (watcher, pinning, warming):
             if task is not None:
                 task.cancel()
         await _drain(server)

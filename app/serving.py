@@ -70,7 +70,7 @@ def build_serving(
     """Every service, once: this front's share of the queue limits, the model's sampling defaults (with
     ``--generation-config auto``), the store's outbox."""
     metrics = ServerMetrics(served_names[0], engine.stats, multiprocess=front.shared)
-    prompts = PromptRenderer(engine.prompt_tokenizer)
+    prompts = PromptRenderer(engine.tokenizer)
     background = BackgroundTasks()
     admission = Admission(
         engine,
@@ -90,7 +90,7 @@ def build_serving(
         if settings.generation_config == "auto"
         else {}
     )
-    tokenizer = engine.prompt_tokenizer
+    tokenizer = engine.tokenizer
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     replies = ReplyWriter(
         prompts,

@@ -17,7 +17,6 @@ The sockets and the process are core_connection.py's; the requests, their stream
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import pickle
@@ -52,13 +51,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _tokenizers(path: Path | str | None) -> tuple[Any | None, Any | None]:
-    """The model's tokenizer and a copy of it (the prompt thread's own)."""
+def _tokenizer(path: Path | str | None) -> Any | None:
+    """The model's tokenizer: the prompt thread's and the detokenizer's (its settings fixed at load, so that
+    neither mutates it: tokenizer_files.fix_settings)."""
     # (here: the model code is the core's, not imported by the front)
     from engine.worker.tokenizer_files import load_tokenizer
 
-    tokenizer = load_tokenizer(path)
-    return tokenizer, copy.deepcopy(tokenizer)
+    return load_tokenizer(path)
 
 
 class EngineDeadError(RuntimeError):
@@ -75,7 +74,6 @@ class AsyncEngine(PrefixCacheCalls):
     ) -> None:
         self.config = config or EngineConfig(**options)
         self.tokenizer: Any | None = None
-        self.prompt_tokenizer: Any | None = None
         self.info: CoreInfo | None = None
         self._core = CoreConnection(self.config, endpoint, log_format)
         self._reader: asyncio.Task | None = None
@@ -105,7 +103,7 @@ class AsyncEngine(PrefixCacheCalls):
         # the tokenizers (and grammar workers) load while the core loads the model, where its directory is known
         known = self._known_model_dir()
         early = (
-            None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizers, known))
+            None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizer, known))
         )
         self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []
         try:
@@ -119,11 +117,11 @@ class AsyncEngine(PrefixCacheCalls):
         ready.info.apply_to(self.config)
         path = ready.info.model_path
         if early is not None and path is not None and Path(path) == known:
-            self.tokenizer, self.prompt_tokenizer = await early
+            self.tokenizer = await early
         else:
             if early is not None:
                 early.cancel()
-            self.tokenizer, self.prompt_tokenizer = await asyncio.to_thread(_tokenizers, path)
+            self.tokenizer = await asyncio.to_thread(_tokenizer, path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")

@@ -16,9 +16,8 @@ from engine.sampling_params import SamplingParams, StructuredOutput
 @runtime_checkable
 class EngineClient(Protocol):
     info: CoreInfo | None  # the core's resolved facts (model, limits, EOS ids), once started
-    tokenizer: Any | None  # the model's tokenizer in this process (None for dummy weights)
-    # a second copy of it, for the front's prompt thread (a Rust tokenizer is not shared between threads)
-    prompt_tokenizer: Any | None
+    # the model's tokenizer in this process (None for dummy weights): the prompt thread's and the detokenizer's
+    tokenizer: Any | None
 
     async def start(self) -> None:
         """Start (or attach to) the core; raises ValueError for a configuration mistake."""

@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.child_process import cpu_seconds, die_with_parent, name_process, resident_bytes
+from engine.child_process import (
+    below_normal_priority,
+    cpu_seconds,
+    die_with_parent,
+    name_process,
+    resident_bytes,
+)
 from engine.output.grammar_cache import GrammarCache, Outcome, spec_key
 from engine.sampling_params import StructuredOutput
 
@@ -46,6 +52,7 @@ WALL_LIMIT_S = 120.0  # a compile's wall clock, for a worker the machine does no
 MEMORY_BYTES = 4 * 2**30  # heap of one worker
 RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
 START_TIMEOUT_S = 300.0  # wall clock of a start (imports, tokenizer, llguidance) on a busy machine
+START_NICE = 10  # the start's build, below the core's load and the front's: ~10% of a CPU they want
 WARM_SPEC = StructuredOutput("json_object")
 _POLL_S = 0.05  # how often a compile's CPU time is read
 
@@ -87,9 +94,10 @@ def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
     from engine.worker.tokenizer_files import grammar_setup
 
-    # the start's work, made while the core loads the model, for the vocabulary its directory gives
+    # the start's work, made while the core loads the model, for the vocabulary its directory gives: at a low
+    # priority, so that the core and the front, which /health waits for, get the machine's CPUs first
     if (expected := grammar_setup(model_path)) is not None:
-        compiler, warm = _warmed(model_path, *expected)
+        compiler, warm = below_normal_priority(START_NICE, _warmed, model_path, *expected)
     try:
         setup = conn.recv()
     except EOFError:  # (spawned early for a model the core did not load)

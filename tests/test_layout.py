@@ -64,6 +64,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.forward_context",
             "engine.log_format",
             "engine.child_process",
+            "engine.free_heap",
         ),
     ),
     (

@@ -11,13 +11,10 @@ the tokenizer's file (grammar_tokenizer.py) only.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -25,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.free_heap import release_free_heap
 from engine.output.grammar_tokenizer import grammar_tokenizer
 from engine.output.schema_check import unsatisfiable
 from engine.sampling_params import StructuredOutput
@@ -195,11 +193,3 @@ def _check_usable(tokenizer: Any, grammar: str) -> None:
         if not matcher.consume_token(token):
             reason = (matcher.get_error() or "refused").splitlines()[0]
             raise ValueError(f"response_format: the schema cannot be followed: {reason}")
-
-
-def release_free_heap() -> None:
-    """Hand the allocator's free memory back to the system (glibc keeps what large frees leave in its arenas, so
-    the process would stay at its peak after a large grammar's matchers are gone)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)

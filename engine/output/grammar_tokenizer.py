@@ -15,7 +15,9 @@ No torch and no transformers here: the grammar workers import this, numpy and ll
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,17 +43,36 @@ def read_tokenizer(model_dir: Path | str | None) -> TokenizerFile | None:
         else None
     )
     if listed:
-        spec = json.loads(text)
-        known = {a["id"] for a in spec.get("added_tokens", [])}
+        known = {a["id"] for a in _added_tokens(text)}
         missing = [
             {"id": int(i), "content": a["content"], "special": bool(a.get("special"))}
             for i, a in listed.items()
             if int(i) not in known
         ]
         if missing:
+            spec = json.loads(text)
             spec["added_tokens"] = [*spec.get("added_tokens", []), *_added(missing)]
             text = json.dumps(spec, ensure_ascii=False)
     return TokenizerFile(path, text)
+
+
+_ADDED_KEY = re.compile(r'"added_tokens"\s*:\s*')
+_HEAD_CHARS = (
+    4096  # where the tokenizers library writes the key: after version, truncation and padding
+)
+
+
+def _added_tokens(text: str) -> list[dict[str, Any]]:
+    """tokenizer.json's ``added_tokens``: that array alone where the tokenizers library writes it (the top level's
+    fourth key, in the first few kB: a 262k-token file is not parsed whole for it), else from the whole file."""
+    key = _ADDED_KEY.search(text, 0, _HEAD_CHARS)
+    head = text[: key.start()] if key else ""
+    if key and "[" not in head and head.count("{") - head.count("}") == 1:
+        with contextlib.suppress(ValueError):
+            value, _ = json.JSONDecoder().raw_decode(text, key.end())
+            if isinstance(value, list):
+                return value
+    return json.loads(text).get("added_tokens", [])
 
 
 def _added(tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -35,7 +35,8 @@ from engine.core.prefix_pins import PrefixPins
 from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.output.grammar_compiler import GrammarCompiler, release_free_heap
+from engine.free_heap import release_free_heap
+from engine.output.grammar_compiler import GrammarCompiler
 from engine.output.structured_output import accept as accept_grammar
 from engine.distributed.parallel_state import set_rank_threads
 from engine.worker.worker_group import WorkerGroup

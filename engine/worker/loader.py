@@ -33,6 +33,7 @@ from engine.weights.gguf_weights import gguf_weights
 from engine.worker.dummy_model import dummy_hf_config, dummy_weights
 from engine.worker.model_sources import DEFAULT_MODEL_ID, ensure_default_model, resolve_model
 from engine.worker.tokenizer_files import eos_token_ids, load_tokenizer
+from engine.free_heap import release_free_heap
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ def load_model(config: EngineConfig, with_tokenizer: bool = True) -> tuple[nn.Mo
     if config.torch_device.type == "cpu" and gguf is None:
         _apply_cpu_weights(model, config)
     model.eval().requires_grad_(False)
+    # (the load's transients: the tokenizer's parse, the file's metadata, the repack's buffers)
+    release_free_heap()
     logger.info(
         "model %s loaded in %.2f s (%.1fM parameters, %s, %s%s)",
         config.model_id,

@@ -9,25 +9,49 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from engine.free_heap import release_free_heap
 from engine.output.grammar_tokenizer import read_tokenizer
 
 
 def load_tokenizer(path: Path | str | None) -> Any | None:
-    """The directory's tokenizer (None without a directory or a tokenizer in it). With a tokenizer.json the fast
-    class loads it directly: AutoTokenizer would first import transformers' whole tokenizer registry (seconds)
-    to pick the same class."""
+    """The directory's tokenizer (None without a directory or a tokenizer in it), safe to share between threads
+    (``fix_settings``). With a tokenizer.json the fast class loads it directly: AutoTokenizer would first import
+    transformers' whole tokenizer registry (seconds) to pick the same class."""
     if path is None:
         return None
     path = Path(path)
     if (path / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    if (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    elif (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    return None
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        return None
+    fix_settings(tokenizer)
+    release_free_heap()  # (the JSON's parse leaves several times the tokenizer's size free)
+    return tokenizer
+
+
+def fix_settings(tokenizer: Any) -> None:
+    """Set once what an encode would otherwise set on the Rust tokenizer (no truncation, no padding, the class's
+    split of special tokens), so that no encode or decode ever mutates it: a mutation takes the Rust object
+    exclusively and fails ("Already borrowed") while another thread encodes or decodes with it. The server's
+    prompt thread and its detokenizer share one tokenizer this way (a copy costs seconds and ~100 MiB for a
+    262k-token vocabulary); nothing in the server encodes with truncation or padding (chat_template_kwargs
+    refuses them)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        return
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
 
 
 def grammar_source(path: Path | str | None) -> Any | None:

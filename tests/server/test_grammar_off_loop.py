@@ -1,6 +1,7 @@
-"""A response_format schema is compiled in a grammar worker process, started and warm before /health is 200, and
-within a limit of CPU time (a schema no model can follow is a 400 up front); the engine core gets the compiled
-grammar (it compiles nothing on its step loop) and builds one matcher per request, copied for its other samples."""
+"""A response_format schema is compiled in a grammar worker process, started with the server (warm within seconds
+of /health being 200: a request meanwhile waits for it), and within a limit of CPU time (a schema no model can
+follow is a 400 up front); the engine core gets the compiled grammar (it compiles nothing on its step loop) and
+builds one matcher per request, copied for its other samples."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def grammar_workers_of(pid: int) -> set[int]:
     return {p for p, name in names.items() if name == "pagedchat-gramm" and under(p)}
 
 
-def test_the_grammar_workers_run_warm_before_health_and_the_first_request_starts_none(
+def test_the_grammar_workers_start_with_the_server_and_the_first_request_starts_none(
     server: RunningServer,
 ):
     workers = grammar_workers_of(server.process.pid)

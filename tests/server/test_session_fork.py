@@ -86,7 +86,7 @@ def own_ids(client: TestClient, session_id: str) -> list[int]:
 
 def chat_ids(client: TestClient, messages: list[dict]) -> list[int]:
     """The prompt of ``messages`` as the model's own chat template renders it (no session code involved)."""
-    tokenizer = client.app.state.server.engine.prompt_tokenizer
+    tokenizer = client.app.state.server.engine.tokenizer
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 

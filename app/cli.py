@@ -198,6 +198,11 @@ async def _stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if (args.api_server_count or 1) <= 1 and not args.restart_core:
+        # the one front launches the core: its process imports torch meanwhile (before this one does)
+        from engine.runtime.core_prestart import prestart_core
+
+        prestart_core()
     from app.serve import serve as run
 
     try:

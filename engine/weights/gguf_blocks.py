@@ -17,9 +17,9 @@ ggml's block layouts (ggml-common.h), bytes per block of 32 (or 256) weights:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
@@ -63,8 +63,13 @@ class GGUFBlocks:
 
 
 def raw_bytes(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensor's bytes as a uint8 torch tensor on ``device`` (a copy out of the map: the map is read-only)."""
-    return torch.from_numpy(np.array(tensor.data, copy=True)).to(device)
+    """The tensor's bytes as a uint8 torch tensor on ``device``: on the CPU a view of the map, not a copy (read
+    only: the map is, and nothing writes a weight's bytes in place; a copy would cost the load its time and its
+    peak memory the file's size again), elsewhere copied to the device."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        view = torch.from_numpy(tensor.data)
+    return view if torch.device(device).type == "cpu" else view.to(device)
 
 
 def read(tensor: GGUFTensor, device: torch.device | str = "cpu") -> torch.Tensor | GGUFBlocks:

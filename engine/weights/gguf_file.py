@@ -40,6 +40,7 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 # (a tensor of more than this many dimensions, or a string longer than this, is a corrupt header)
 _MAX_DIMS, _MAX_STRING = 8, 1 << 30
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,23 @@ class GGUFFile:
         self._offset += length
         return text
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings one after another (a vocabulary: 262k of them, so one tight loop: a method call per
+        string took 0.2 s of a Gemma load)."""
+        data, offset, size = self._map, self._offset, len(self._map)
+        if count > (size - offset) // 8:
+            raise self._corrupt(f"an array of {count} strings past the end of the file")
+        unpack, strings = _LENGTH.unpack_from, []
+        for _ in range(count):
+            (length,) = unpack(data, offset)
+            end = offset + 8 + length
+            if length > _MAX_STRING or end > size:
+                raise self._corrupt(f"a string of {length} bytes at offset {offset + 8}")
+            strings.append(data[offset + 8 : end].decode("utf-8"))
+            offset = end
+        self._offset = offset
+        return strings
+
     def _value(self, kind: int) -> Any:
         if kind == _STRING:
             return self._string()
@@ -122,7 +140,7 @@ class GGUFFile:
     def _array(self) -> Any:
         kind, count = self._read("<I"), self._read("<Q")
         if kind == _STRING:
-            return [self._string() for _ in range(count)]
+            return self._strings(count)
         if kind not in _SCALARS:
             raise self._corrupt(f"array element type {kind} at offset {self._offset}")
         dtype = np.dtype(_SCALARS[kind][1])

@@ -84,6 +84,20 @@ def test_a_truncated_file_is_one_clear_line(tmp_path: Path):
         GGUFFile(header)
 
 
+def test_blocks_are_read_from_the_map_itself_and_the_vocabulary_whole(gguf_file: Path):
+    """The CPU reads a tensor's bytes in place (no copy of the file at load), and the metadata's string arrays
+    (the vocabulary) come back whole, in order."""
+    from engine.weights.gguf_blocks import raw_bytes
+
+    gguf = GGUFFile(gguf_file)
+    tensor = next(t for t in gguf.tensors.values() if t.data.nbytes > 1024)
+    view = raw_bytes(tensor)
+    assert view.data_ptr() == tensor.data.ctypes.data and view.numel() == tensor.data.nbytes
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    assert tokens[256:259] == ["ab", "<ctl0>", "<ctl1>"] and all(isinstance(t, str) for t in tokens)
+    gguf.close()
+
+
 def test_a_file_that_is_not_gguf_or_of_an_unknown_architecture_is_refused(tmp_path: Path):
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04" + bytes(200))

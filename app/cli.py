@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import logging
 import os
 import sys
 import time
@@ -199,10 +201,11 @@ async def _stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     if (args.api_server_count or 1) <= 1 and not args.restart_core:
-        # the one front launches the core: its process imports torch meanwhile (before this one does)
+        # the one front's core starts now and configures itself from these arguments: the model loads while this
+        # process imports torch and starts (its connection takes the core if configured as it would launch it)
         from engine.runtime.core_prestart import prestart_core
 
-        prestart_core()
+        prestart_core(functools.partial(core_configuration, args))
     from app.serve import serve as run
 
     try:
@@ -211,6 +214,16 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagedchat: {exc}", file=sys.stderr)
         return 2
     return run(settings)
+
+
+def core_configuration(args: argparse.Namespace) -> tuple[Any, int, str]:
+    """The engine core ``pagedchat serve`` (one front) launches, from its command line: its EngineConfig, log level
+    and log format, as the front's own start computes them (run in the prestarted core's process)."""
+    from engine.log_format import configure_logging
+
+    configure_logging(args.log_level or "info", getattr(args, "log_format", None) or "text")
+    settings = server_settings_from_args(args)
+    return settings.engine, logging.getLogger().getEffectiveLevel(), settings.log_format
 
 
 def _read_line() -> str | None:

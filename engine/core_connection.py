@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.runtime.core_messages import Ready, Shutdown, StartFailed, encoder, from_core_decoder
+from engine.runtime.core_prestart import take_prestarted
 from engine.runtime.core_process import CoreEndpoint, LaunchedCore, launch_core
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,12 @@ class CoreConnection:
     def open(self) -> None:
         """Launch the core (or attach to the given one) and connect to it; ``wait_ready`` waits for it."""
         if self.endpoint is None:
-            self.launched = launch_core(self._config, log_format=self._log_format)
+            # (the core ``pagedchat serve`` started first, if it configured itself as this config says)
+            prestarted = take_prestarted()
+            level = logging.getLogger().getEffectiveLevel()
+            self.launched = (
+                prestarted.take(self._config, level, self._log_format, 1) if prestarted else None
+            ) or launch_core(self._config, log_format=self._log_format)
             self.endpoint, self.process = self.launched.endpoints[0], self.launched.process
         else:
             self.process = AttachedProcess(self.endpoint.pid)

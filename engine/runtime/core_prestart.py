@@ -1,69 +1,112 @@
-"""An engine core process started before its configuration exists, so that its imports (torch, the engine's
-modules: ~1.5 s on 2 vCPUs) run while the front imports its own and reads its settings; ``launch_core`` hands it
-its arguments then, instead of spawning a process.
+"""An engine core process started before the front has its configuration: it imports the core's modules (torch,
+the engine: ~1.5 s on 2 vCPUs), computes the configuration itself with the front's own function of its command
+line, tells the front, and starts the core at once, so the model loads while the front still imports torch, reads
+its settings and loads its tokenizer. On 2 vCPUs that took Gemma 3's start from 4.1 to ~3 s.
 
-``pagedchat serve`` (one front, the default) calls ``prestart_core`` first thing; ``launch_core`` takes the process
-with ``take_prestarted`` (None: spawn as usual). Until it has its arguments the process dies with its parent, is
-stopped by ``close`` (also at the front's exit, when it was never handed them), and ignores Ctrl-C as the core does
-(the front handles it). Nothing heavy is imported here: this module runs in the front before torch.
+``pagedchat serve`` (one front, the default) calls ``prestart_core`` first thing. When the front's connection
+launches its core it takes this one if it was configured exactly as the front's own configuration says (the same
+EngineConfig, log level and format, one front), else stops it and spawns one as usual (``take``). The process dies
+with its parent, is stopped by ``close`` (also at the front's exit, when never taken), and ignores Ctrl-C as the
+core does (the front handles it). Nothing heavy is imported at this module's top: it runs in the front before
+torch.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
+import shutil
 import signal
-from multiprocessing.connection import Connection
+import tempfile
 from collections.abc import Callable
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 from engine.child_process import die_with_parent
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.runtime.core_process import LaunchedCore
+
+logger = logging.getLogger(__name__)
+
+# the process's imports and configuration, on a machine too busy to run it soon
+_CONFIGURE_TIMEOUT_S = 120.0
+# (configuration, log level, log format) from the front's command line
+Configure = Callable[[], "tuple[EngineConfig, int, str]"]
 
 _prestarted: PrestartedCore | None = None
 
 
-class PrestartedCore:
-    """A spawned process importing the core's modules, then waiting for its entry point and arguments."""
+def socket_addresses(ipc_dir: str, num_clients: int) -> tuple[str, list[str]]:
+    """The core's input socket and one output socket per front, in ``ipc_dir``."""
+    return f"ipc://{ipc_dir}/inputs", [f"ipc://{ipc_dir}/outputs-{i}" for i in range(num_clients)]
 
-    def __init__(self) -> None:
+
+class PrestartedCore:
+    """A spawned process that imports the core's modules, configures itself with ``configure`` and runs the core
+    for one front on sockets in a fresh 0700 directory."""
+
+    def __init__(self, configure: Configure) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedchat-")
+        self.inputs, self.outputs = socket_addresses(self.ipc_dir, 1)
         context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
+        self._conn, child = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_wait_then_run, name="pagedchat-engine-core", daemon=True, args=(child,)
+            target=_configure_then_run,
+            name="pagedchat-engine-core",
+            daemon=True,
+            args=(child, configure, self.inputs, self.outputs),
         )
         self.process.start()
         child.close()
         atexit.register(self.close)
 
-    def hand(self, target: Callable[..., None], args: tuple[Any, ...]) -> bool:
-        """Send the process its entry point (``run_engine_core``) and arguments; False (the process closed) if it
-        has died meanwhile."""
-        if not self.process.is_alive():
+    def take(
+        self, config: EngineConfig, log_level: int, log_format: str, num_clients: int
+    ) -> LaunchedCore | None:
+        """The running core, if it configured itself as ``config`` (field for field), ``log_level`` and
+        ``log_format``, for one front; None otherwise, the process stopped (the caller spawns one)."""
+        from engine.runtime.core_process import CoreEndpoint, LaunchedCore
+
+        configured = self._configured()
+        if configured != (config, log_level, log_format) or num_clients != 1:
+            if configured is not None:
+                logger.info("the core started early was configured otherwise: starting another")
             self.close()
-            return False
+            return None
+        atexit.unregister(self.close)
+        endpoint = CoreEndpoint(self.inputs, self.outputs[0], 0, self.process.pid)
+        return LaunchedCore(self.process, [endpoint], self.ipc_dir)
+
+    def _configured(self) -> tuple[Any, ...] | None:
+        """What the process configured itself with (None: it could not, or died)."""
         try:
-            self._conn.send((target, args))
-        except OSError:  # (broken pipe: it died meanwhile)
-            self.close()
-            return False
-        self._conn.close()  # (handed: the core's life is now launch_core's caller's)
-        return True
+            if not self._conn.poll(_CONFIGURE_TIMEOUT_S):
+                return None
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return None
+        finally:
+            self._conn.close()
 
     def close(self) -> None:
-        """Not handed its arguments: the process (importing, or waiting) is stopped and reaped."""
-        if self._conn.closed:
-            return
-        self._conn.close()
+        """Not taken: the process is stopped and reaped, its socket directory removed."""
+        atexit.unregister(self.close)
+        if not self._conn.closed:
+            self._conn.close()
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def prestart_core() -> None:
-    """Start the process ``launch_core`` will take (once per process)."""
+def prestart_core(configure: Configure) -> None:
+    """Start the process the front's core launch takes (once per process)."""
     global _prestarted
     if _prestarted is None:
-        _prestarted = PrestartedCore()
+        _prestarted = PrestartedCore(configure)
 
 
 def take_prestarted() -> PrestartedCore | None:
@@ -73,15 +116,25 @@ def take_prestarted() -> PrestartedCore | None:
     return taken
 
 
-def _wait_then_run(conn: Connection) -> None:
+def _configure_then_run(
+    conn: Connection, configure: Configure, inputs: str, outputs: list[str]
+) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from engine.runtime.engine_core import EngineCore  # noqa: F401 - imported while the front starts
+    from engine.runtime import (
+        core_process,
+    )  # (torch and the engine's modules, while the front starts)
 
     try:
-        target, args = conn.recv()
-    except EOFError:  # (the front did not need it: a mistake in its settings, or it stopped)
+        configured = configure()
+    except Exception:  # noqa: BLE001 - the front finds the same mistake and reports it
+        configured = None
+    try:
+        conn.send(configured)
+    except OSError:  # (the front is gone)
         return
     finally:
         conn.close()
-    target(*args)
+    if configured is not None:
+        config, log_level, log_format = configured
+        core_process.run_engine_core(config, inputs, outputs, log_level, log_format)

@@ -41,7 +41,6 @@ from engine.runtime.core_messages import (
     to_core_decoder,
 )
 from engine.child_process import die_with_parent, name_process
-from engine.runtime.core_prestart import take_prestarted
 from engine.log_format import configure_logging
 from engine.output.outputs import SampleDelta
 
@@ -90,15 +89,13 @@ def launch_core(
     inputs = f"ipc://{ipc_dir}/inputs"
     outputs = [f"ipc://{ipc_dir}/outputs-{i}" for i in range(num_clients)]
     level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
-    args = (config, inputs, outputs, level, log_format)
-    # (one started early, its imports made: core_prestart.py)
-    if (prestarted := take_prestarted()) is not None and prestarted.hand(run_engine_core, args):
-        process = prestarted.process
-    else:
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="pagedchat-engine-core", daemon=True, args=args
-        )
-        process.start()
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core,
+        name="pagedchat-engine-core",
+        daemon=True,
+        args=(config, inputs, outputs, level, log_format),
+    )
+    process.start()
     endpoints = [CoreEndpoint(inputs, address, i, process.pid) for i, address in enumerate(outputs)]
     return LaunchedCore(process, endpoints, ipc_dir)
 

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from app.engine_options import ENGINE_OPTIONS
@@ -206,6 +207,7 @@ def serve(args: argparse.Namespace) -> int:
         from engine.runtime.core_prestart import prestart_core
 
         prestart_core(functools.partial(core_configuration, args))
+    _load_tokenizer_early(args)
     from app.serve import serve as run
 
     try:
@@ -214,6 +216,23 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagedchat: {exc}", file=sys.stderr)
         return 2
     return run(settings)
+
+
+def _load_tokenizer_early(args: argparse.Namespace) -> None:
+    """The front's tokenizer starts loading now, on a thread, where its directory is known without work (a GGUF
+    file described before, a local directory): this process's imports meanwhile take turns with it for the GIL."""
+    if args.load_format == "dummy":
+        return
+    from engine.cache_dir import default_cache_dir
+    from engine.worker.model_sources import known_model_dir
+    from engine.worker.tokenizer_files import load_tokenizer_early
+
+    try:
+        known = known_model_dir(args.model, Path(args.cache_dir or default_cache_dir()))
+    except (OSError, ValueError, RuntimeError):  # (the start says what is wrong)
+        return
+    if known is not None:
+        load_tokenizer_early(known)
 
 
 def core_configuration(args: argparse.Namespace) -> tuple[Any, int, str]:

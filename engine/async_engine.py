@@ -22,7 +22,7 @@ import logging
 import pickle
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any, TypeVar
@@ -102,9 +102,7 @@ class AsyncEngine(PrefixCacheCalls):
         self._core.open()
         # the tokenizers (and grammar workers) load while the core loads the model, where its directory is known
         known = self._known_model_dir()
-        early = (
-            None if known is None else asyncio.ensure_future(asyncio.to_thread(_tokenizer, known))
-        )
+        early = None if known is None else asyncio.ensure_future(self._tokenizer_loading(known))
         self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []
         try:
             ready = await self._core.wait_ready()
@@ -125,6 +123,14 @@ class AsyncEngine(PrefixCacheCalls):
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
+
+    @staticmethod
+    def _tokenizer_loading(path: Path) -> Awaitable[Any]:
+        """The tokenizer of ``path``: the load ``pagedchat serve`` started early, or one started now."""
+        from engine.worker.tokenizer_files import take_early_tokenizer
+
+        started = take_early_tokenizer(path)
+        return asyncio.wrap_future(started) if started else asyncio.to_thread(_tokenizer, path)
 
     def _known_model_dir(self) -> Path | None:
         """The model's directory when it is there before the core says so (never for dummy weights)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.cache_dir import default_cache_dir
 from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -63,11 +64,7 @@ class EngineConfig:
     prefix_cache_seed: str = field(
         default_factory=lambda: os.environ.get("PAGEDCHAT_PREFIX_CACHE_SEED", "")
     )
-    cache_dir: str = field(
-        default_factory=lambda: os.environ.get(
-            "PAGEDCHAT_CACHE_DIR", str(Path.home() / ".cache" / "pagedchat")
-        )
-    )
+    cache_dir: str = field(default_factory=default_cache_dir)
     num_threads: int | None = None  # torch CPU threads; None: torch's, tuned (cpu_threads.py)
     # read each step's sampled ids one step late, so that the host schedules and prepares step N+1 while
     # the device runs step N (vLLM's name); None = on for CUDA, off on the CPU (where nothing runs async)

@@ -65,6 +65,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.log_format",
             "engine.child_process",
             "engine.free_heap",
+            "engine.cache_dir",
         ),
     ),
     (

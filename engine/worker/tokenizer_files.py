@@ -35,6 +35,26 @@ def load_tokenizer(path: Path | str | None) -> Any | None:
     return tokenizer
 
 
+_early: tuple[Path, Future] | None = None
+
+
+def load_tokenizer_early(path: Path) -> None:
+    """Start ``load_tokenizer(path)`` on a thread now (``pagedchat serve`` does, before it imports torch: the load
+    holds the GIL for a second, and the front's own start waits for it anyway); ``take_early_tokenizer`` gives it."""
+    global _early
+    if _early is None:
+        executor = ThreadPoolExecutor(1, thread_name_prefix="pagedchat-tokenizer")
+        _early = (Path(path), executor.submit(load_tokenizer, path))
+        executor.shutdown(wait=False)
+
+
+def take_early_tokenizer(path: Path) -> Future | None:
+    """The Future of the load ``load_tokenizer_early`` started, once, if it was for ``path`` (None otherwise)."""
+    global _early
+    early, _early = _early, None
+    return early[1] if early is not None and early[0] == Path(path) else None
+
+
 def fix_settings(tokenizer: Any) -> None:
     """Set once what an encode would otherwise set on the Rust tokenizer (no truncation, no padding, the class's
     split of special tokens), so that no encode or decode ever mutates it: a mutation takes the Rust object

@@ -132,3 +132,33 @@ def test_no_encode_or_decode_mutates_a_loaded_tokenizer_so_two_threads_share_it(
     assert decoded > 10
     assert backend.truncation is None and backend.padding is None
     assert backend.encode_special_tokens == split
+
+
+def test_an_early_load_is_given_once_and_for_its_own_directory(described: Path, tmp_path: Path):
+    from engine.worker import tokenizer_files
+
+    tokenizer_files.load_tokenizer_early(described)
+    assert tokenizer_files.take_early_tokenizer(tmp_path) is None, "another directory's"
+    assert tokenizer_files.take_early_tokenizer(described) is None, "given up by the first take"
+    tokenizer_files.load_tokenizer_early(described)
+    loading = tokenizer_files.take_early_tokenizer(described)
+    assert loading is not None and tokenizer_files.take_early_tokenizer(described) is None
+    loaded = loading.result(timeout=60)
+    assert loaded.encode(TEXTS[1]) == load_tokenizer(described).encode(TEXTS[1])
+
+
+async def test_the_engine_takes_the_tokenizer_serve_started_loading():
+    from engine.async_engine import AsyncEngine
+    from engine.worker import tokenizer_files
+    from engine.worker.model_sources import ensure_default_model
+    from tests.conftest import SMALL_KV_GIB
+
+    path = ensure_default_model(Path(EngineConfig().cache_dir))
+    tokenizer_files.load_tokenizer_early(path)
+    loading = tokenizer_files._early[1]
+    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB)
+    await engine.start()
+    try:
+        assert engine.tokenizer is loading.result()
+    finally:
+        await engine.stop()

@@ -1,22 +1,14 @@
 """What every process the engine starts does first (the core, the tensor-parallel ranks, the grammar workers): it
 dies with its parent, so no orphan holds device memory, and it names itself, so operators can tell them apart; and
-what a parent reads of a child (its CPU time) or a child of itself (its resident memory); and work a child runs
-below its normal priority."""
+what a parent reads of a child (its CPU time) or a child of itself (its resident memory)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import resource
 import signal
 import sys
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -52,18 +44,3 @@ def resident_bytes() -> int:
     """This process's resident memory."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def below_normal_priority(nice: int, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a thread of its own, ``nice`` steps below the caller's priority (Linux: a thread's niceness
-    is its own, so the calling thread keeps its priority, which an unprivileged process could not get back once
-    lowered). Its exception is raised here."""
-
-    def run() -> T:
-        with contextlib.suppress(OSError, AttributeError):
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + nice)
-        return fn(*args)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="pagedchat-low-priority") as executor:
-        return executor.submit(run).result()

@@ -1,5 +1,6 @@
 """GrammarWorkers: response_format schemas compiled and checked in processes of their own, within limits of CPU
-time and memory, warm before the first request, and remembered across requests.
+time and memory, warm before the first request (the server warms them once healthy: a request sooner waits), and
+remembered across requests.
 
 A large or hostile schema costs seconds of CPU and hundreds of megabytes inside llguidance. Compiled in a worker
 process instead of a thread of the front:
@@ -35,13 +36,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.child_process import (
-    below_normal_priority,
-    cpu_seconds,
-    die_with_parent,
-    name_process,
-    resident_bytes,
-)
+from engine.child_process import cpu_seconds, die_with_parent, name_process, resident_bytes
 from engine.output.grammar_cache import GrammarCache, Outcome, spec_key
 from engine.sampling_params import StructuredOutput
 
@@ -52,7 +47,6 @@ WALL_LIMIT_S = 120.0  # a compile's wall clock, for a worker the machine does no
 MEMORY_BYTES = 4 * 2**30  # heap of one worker
 RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
 START_TIMEOUT_S = 300.0  # wall clock of a start (imports, tokenizer, llguidance) on a busy machine
-START_NICE = 10  # the start's build, below the core's load and the front's: ~10% of a CPU they want
 WARM_SPEC = StructuredOutput("json_object")
 _POLL_S = 0.05  # how often a compile's CPU time is read
 
@@ -84,26 +78,21 @@ class WorkerSetup:
 
 
 def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
-    """The worker: load the tokenizer, take the vocabulary's size and end ids (sent once the core has loaded the
-    model), warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS) with
+    """The worker: take the vocabulary's size and end ids (sent once the front is healthy), load the tokenizer,
+    warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS) with
     kind "ok", "invalid" (refused: the same schema is refused again) or "memory"."""
     die_with_parent()  # (no orphan when the front is killed)
     name_process("pagedchat-gramm")
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     _, hard = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
-    from engine.worker.tokenizer_files import grammar_setup
-
-    # the start's work, made while the core loads the model, for the vocabulary its directory gives: at a low
-    # priority, so that the core and the front, which /health waits for, get the machine's CPUs first
-    if (expected := grammar_setup(model_path)) is not None:
-        compiler, warm = below_normal_priority(START_NICE, _warmed, model_path, *expected)
+    # the build waits for the setup, which the front sends once it is healthy (the pool's start): beside the
+    # core's load and the front's start it cost a 2-vCPU machine seconds of its /health
     try:
         setup = conn.recv()
     except EOFError:  # (spawned early for a model the core did not load)
         return
-    if (setup[0], tuple(setup[1])) != expected:  # (the core reports another: again)
-        compiler, warm = _warmed(model_path, *setup)
+    compiler, warm = _warmed(model_path, *setup)
     conn.send(("ready", *warm))
     while True:
         try:

@@ -188,10 +188,11 @@ def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, A
 
 
 def time_to_healthy(
-    model: Path, cache_dir: Path, args: argparse.Namespace
+    model: Path, cache_dir: Path, args: argparse.Namespace, settle_s: float = 0.0
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
-    the server's processes then (MiB by process name, and their total)."""
+    the server's processes then (MiB by process name, and their total); with ``settle_s``, also ``settle_s`` later
+    (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy)."""
     from tests.server_harness import free_port
 
     port = free_port()
@@ -225,20 +226,33 @@ def time_to_healthy(
         wait_for_health(f"http://127.0.0.1:{port}", process, 600.0, str(log_path))
         healthy_s = time.perf_counter() - start
         served = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
-        return healthy_s, {**served, "total": sum(served.values())}
+        served["total"] = sum(served.values())
+        if settle_s:
+            time.sleep(settle_s)
+            settled = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
+            settled["total"] = sum(settled.values())
+            served.update({f"settled_{name}": mib for name, mib in settled.items()})
+        return healthy_s, served
     finally:
         stop_process(process, signal.SIGTERM, "server")
 
 
-def starts(model: Path, args: argparse.Namespace, work: Path) -> dict[str, float]:
-    """First start on a cache that has not seen ``model`` (the built native kernels copied in), then again."""
-    from engine.config import EngineConfig
+def starts_cache(work: Path) -> Path:
+    """A cache directory under ``work`` that has seen no model, with this machine's built native kernels copied
+    in (they are per machine, not per model)."""
+    from engine.cache_dir import default_cache_dir
 
     cache_dir = work / "cache"
-    built = Path(EngineConfig().cache_dir) / "native"
+    built = Path(default_cache_dir()) / "native"
     if built.is_dir() and not (cache_dir / "native").exists():
         shutil.copytree(built, cache_dir / "native", symlinks=True)
     shutil.rmtree(cache_dir / "models", ignore_errors=True)
+    return cache_dir
+
+
+def starts(model: Path, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """First start on a cache that has not seen ``model`` (the built native kernels copied in), then again."""
+    cache_dir = starts_cache(work)
     first, _ = time_to_healthy(model, cache_dir, args)
     second, served = time_to_healthy(model, cache_dir, args)
     return {"first_start_s": first, "second_start_s": second, "served_rss_mib": served}

@@ -99,15 +99,3 @@ def eos_token_ids(eos: Any, path: Path | str | None) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def grammar_setup(path: Path | str | None) -> tuple[int, tuple[int, ...]] | None:
-    """The vocabulary size and end ids a model directory's config gives (None where it gives no vocabulary size):
-    what the engine core will report once it has loaded the model, known before."""
-    config = Path(path) / "config.json" if path is not None else None
-    if config is None or not config.is_file():
-        return None
-    fields = json.loads(config.read_text())
-    if not isinstance(fields.get("vocab_size"), int):
-        return None
-    return fields["vocab_size"], eos_token_ids(fields.get("eos_token_id"), path)

@@ -223,33 +223,12 @@ async def test_processes_spawned_early_are_the_workers_and_others_are_stopped(se
 
 
 @pytest.mark.parametrize("reported", ["as_the_directory", "another_vocabulary"])
-async def test_a_worker_warms_before_the_core_reports_and_again_for_another_vocabulary(
+async def test_a_worker_builds_for_the_vocabulary_it_is_set_up_with(
     setup: WorkerSetup, reported: str
 ):
-    """A worker builds the tokenizer's grammar form for the vocabulary the model's directory gives while the core
-    loads the model; should the core report another (a padded vocabulary), it builds it again: either way it
-    starts and compiles."""
+    """A worker builds the tokenizer's grammar form for the vocabulary the core reported (the directory's, or a
+    padded one): either way it starts and compiles."""
     if reported == "another_vocabulary":
         setup = dataclasses.replace(setup, vocab_size=setup.vocab_size + 64)
     async with started(setup) as workers:
         assert (await workers.compile(SMALL)).grammar is not None
-
-
-def test_the_start_builds_below_normal_priority_and_compiles_keep_it():
-    """A worker's start (the tokenizer's build, beside the core's load that /health waits for) runs on a thread
-    niced by START_NICE; the worker's own thread, which compiles, keeps its priority."""
-    import threading
-
-    from engine.child_process import below_normal_priority
-    from engine.grammar_worker import START_NICE
-
-    def own_niceness() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    before = own_niceness()
-    assert below_normal_priority(START_NICE, own_niceness) == min(before + START_NICE, 19)
-    assert own_niceness() == before
-    with pytest.raises(ValueError, match="raised in the thread"):
-        below_normal_priority(
-            START_NICE, lambda: (_ for _ in ()).throw(ValueError("raised in the thread"))
-        )

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +189,16 @@ def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, A
 
 
 def time_to_healthy(
-    model: Path, cache_dir: Path, args: argparse.Namespace, settle_s: float = 0.0
+    model: Path,
+    cache_dir: Path,
+    args: argparse.Namespace,
+    settle_s: float = 0.0,
+    at_health: Callable[[str], dict[str, float]] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
     the server's processes then (MiB by process name, and their total); with ``settle_s``, also ``settle_s`` later
-    (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy)."""
+    (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy).
+    ``at_health(base_url)`` runs first once healthy; its numbers join the memory's."""
     from tests.server_harness import free_port
 
     port = free_port()
@@ -227,6 +233,8 @@ def time_to_healthy(
         healthy_s = time.perf_counter() - start
         served = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
         served["total"] = sum(served.values())
+        if at_health is not None:
+            served.update(at_health(f"http://127.0.0.1:{port}"))
         if settle_s:
             time.sleep(settle_s)
             settled = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}

@@ -2,9 +2,10 @@
 
 Per file: one first start on a cache that has not seen the file (its config and tokenizer described once; the
 native kernels copied in, as they are per machine, not per model), then ``--repeats`` second starts; each start's
-seconds to ``GET /health`` 200 and the resident memory of the server's processes (the front, the engine core, the
-grammar workers) then and ``--settle`` seconds later (the grammar workers and the core build their grammar
-tokenizer once healthy). ``--neighbours N`` runs N busy-looping processes beside it, as a shared machine would.
+seconds to ``GET /health`` 200, the seconds of a ``response_format`` request sent then (it waits for the grammar
+workers, which warm once the server is healthy) and of a second one, and the resident memory of the server's
+processes (the front, the engine core, the grammar workers) at /health and ``--settle`` seconds later (the grammar
+workers and the core build their grammar tokenizer once healthy). ``--neighbours N`` runs N busy-looping processes beside it, as a shared machine would.
 
     python -m benchmarks.cpu.start_time --model FILE.gguf [FILE.gguf ...] [--repeats 5] [--settle 15]
                                         [--neighbours 0] [--threads 2] [--json PATH]
@@ -19,8 +20,11 @@ import contextlib
 import logging
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from benchmarks.cpu.own_gguf import starts_cache, time_to_healthy
 from benchmarks.harness import record
@@ -42,10 +46,10 @@ def measure(model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]
     first_s, first_rss = time_to_healthy(model, cache_dir, args)
     seconds, served = [], []
     for _ in range(args.repeats):
-        healthy_s, rss = time_to_healthy(model, cache_dir, args, args.settle)
+        healthy_s, rss = time_to_healthy(model, cache_dir, args, args.settle, first_structured)
         seconds.append(healthy_s)
         served.append(rss)
-        logger.info("%s: healthy in %.2f s, %s", model.name, healthy_s, _mib(rss))
+        logger.info("%s: healthy in %.2f s, %s", model.name, healthy_s, rss)
     return {
         "model": str(model),
         "size_mib": model.stat().st_size / 2**20,
@@ -57,25 +61,46 @@ def measure(model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]
     }
 
 
+def first_structured(base_url: str) -> dict[str, float]:
+    """Seconds of a ``response_format`` chat request sent the moment the server is healthy (it waits for the
+    grammar workers' warm-up), then of a second one."""
+    body = {
+        "messages": [{"role": "user", "content": "Reply with a JSON object."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "response_format": {"type": "json_object"},
+    }
+    seconds = {}
+    for name in ("first_structured_s", "second_structured_s"):
+        start = time.perf_counter()
+        reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300)
+        reply.raise_for_status()
+        seconds[name] = time.perf_counter() - start
+    return seconds
+
+
 def _mib(rss: dict[str, float]) -> str:
     return ", ".join(f"{name} {mib:.0f}" for name, mib in rss.items())
 
 
 def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows = [
-        "| file | MiB | first start s | second start s: median (min-max) "
-        "| served RSS MiB at /health 200 | and settled |",
-        "|---|---|---|---|---|---|",
+        "| file | MiB | first start s | second start s: median (min-max) | first / second response_format "
+        "at /health, s | served RSS MiB at /health 200 | and settled |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         last = r["served_rss_mib"][-1]
-        at_health = {k: v for k, v in last.items() if not k.startswith("settled_")}
-        settled = {k[len("settled_") :]: v for k, v in last.items() if k.startswith("settled_")}
+        memory = {k: v for k, v in last.items() if not k.endswith("_structured_s")}
+        at_health = {k: v for k, v in memory.items() if not k.startswith("settled_")}
+        settled = {k[len("settled_") :]: v for k, v in memory.items() if k.startswith("settled_")}
+        first = statistics.median(m["first_structured_s"] for m in r["served_rss_mib"])
+        second = statistics.median(m["second_structured_s"] for m in r["served_rss_mib"])
         s = r["second_start_s"]
         rows.append(
             f"| {Path(r['model']).name} | {r['size_mib']:.0f} | {r['first_start_s']:.1f} | "
-            f"{r['second_start_median_s']:.2f} ({min(s):.2f}-{max(s):.2f}) | {_mib(at_health)} "
-            f"| {_mib(settled)} |"
+            f"{r['second_start_median_s']:.2f} ({min(s):.2f}-{max(s):.2f}) | {first:.2f} / {second:.2f} "
+            f"| {_mib(at_health)} | {_mib(settled)} |"
         )
     rows.append(f"\n{record.environment_line(env)}")
     return "\n".join(rows)

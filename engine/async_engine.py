@@ -100,7 +100,8 @@ class AsyncEngine(PrefixCacheCalls):
         anything else. ``grammar_workers``: how many to start now (``start_grammar_workers`` warms them)."""
         self._loop = asyncio.get_running_loop()
         self._core.open()
-        # the tokenizers (and grammar workers) load while the core loads the model, where its directory is known
+        # the tokenizer loads (and the grammar workers start) while the core loads the model, where its directory
+        # is known
         known = self._known_model_dir()
         early = None if known is None else asyncio.ensure_future(self._tokenizer_loading(known))
         self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []

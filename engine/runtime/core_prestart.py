@@ -1,7 +1,8 @@
 """An engine core process started before the front has its configuration: it imports the core's modules (torch,
 the engine: ~1.5 s on 2 vCPUs), computes the configuration itself with the front's own function of its command
 line, tells the front, and starts the core at once, so the model loads while the front still imports torch, reads
-its settings and loads its tokenizer. On 2 vCPUs that took Gemma 3's start from 4.1 to ~3 s.
+its settings and loads its tokenizer (Gemma 3's second start on 2 vCPUs: 4.5 s with a spawn at the front's
+lifespan, 3.8-4.2 s now, with the front's tokenizer loaded first thing too: docs/BENCHMARKS.md).
 
 ``pagedchat serve`` (one front, the default) calls ``prestart_core`` first thing. When the front's connection
 launches its core it takes this one if it was configured exactly as the front's own configuration says (the same
@@ -67,7 +68,9 @@ class PrestartedCore:
         self, config: EngineConfig, log_level: int, log_format: str, num_clients: int
     ) -> LaunchedCore | None:
         """The running core, if it configured itself as ``config`` (field for field), ``log_level`` and
-        ``log_format``, for one front; None otherwise, the process stopped (the caller spawns one)."""
+        ``log_format``, for one front; None otherwise, the process stopped (the caller spawns one). Waits for the
+        process to have configured itself (it has, by the time a front reaches its lifespan, unless the machine is
+        too busy to run it: then up to ``_CONFIGURE_TIMEOUT_S``, before the front serves anything)."""
         from engine.runtime.core_process import CoreEndpoint, LaunchedCore
 
         configured = self._configured()
@@ -121,9 +124,8 @@ def _configure_then_run(
 ) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from engine.runtime import (
-        core_process,
-    )  # (torch and the engine's modules, while the front starts)
+    # (torch and the engine's modules, while the front starts)
+    from engine.runtime import core_process
 
     try:
         configured = configure()

@@ -74,10 +74,23 @@ def core_processes_of(pid: int) -> list[int]:
 
 
 def _is_grammar_worker(pid: int) -> bool:
+    return _name(pid) == "pagedchat-gramm"
+
+
+def _name(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == "pagedchat-gramm"
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return False
+        return ""
+
+
+def server_core(pid: int) -> int:
+    """The engine core among the server ``pid``'s children: the one named ``pagedchat-core`` (it is, once the server
+    is healthy; its grammar workers, which warm after that, may not have named themselves yet)."""
+    (core,) = [
+        child for child in child_processes(pid, b"spawn_main") if _name(child) == "pagedchat-core"
+    ]
+    return core
 
 
 async def first_token_then_rest(
@@ -234,7 +247,7 @@ def stream_body(max_tokens: int) -> dict:
 
 def test_core_killed_under_the_server_ends_streams_with_an_error_and_exits_3():
     with running_server() as server:
-        (core_pid,) = core_processes_of(server.process.pid)
+        core_pid = server_core(server.process.pid)
         with httpx.stream(
             "POST", server.url("/v1/chat/completions"), json=stream_body(2000), timeout=60
         ) as resp:
@@ -248,7 +261,7 @@ def test_core_killed_under_the_server_ends_streams_with_an_error_and_exits_3():
 
 def test_core_killed_without_exit_on_death_turns_health_503_at_once():
     with running_server("--no-exit-on-engine-death") as server:
-        (core_pid,) = core_processes_of(server.process.pid)
+        core_pid = server_core(server.process.pid)
         os.kill(core_pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_until(
@@ -263,7 +276,7 @@ def test_core_killed_without_exit_on_death_turns_health_503_at_once():
 
 def test_sigterm_drains_open_streams_then_stops_the_core():
     with running_server("--shutdown-timeout-s", "60") as server:
-        (core_pid,) = core_processes_of(server.process.pid)
+        core_pid = server_core(server.process.pid)
         with httpx.stream(
             "POST", server.url("/v1/chat/completions"), json=stream_body(48), timeout=60
         ) as resp:

@@ -58,7 +58,12 @@ def grammar_workers_of(pid: int) -> set[int]:
 def test_the_grammar_workers_start_with_the_server_and_the_first_request_starts_none(
     server: RunningServer,
 ):
-    workers = grammar_workers_of(server.process.pid)
+    # (spawned with the server: named as soon as their Python has started, which may be just after /health)
+    deadline = time.monotonic() + 60
+    while (
+        len(workers := grammar_workers_of(server.process.pid)) < 2 and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
     assert len(workers) == 2, "both workers were started with the server"
     body = {
         "messages": [{"role": "user", "content": "Reply with a JSON object."}],

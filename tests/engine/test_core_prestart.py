@@ -124,8 +124,11 @@ def test_serve_exiting_on_a_settings_mistake_leaves_no_process():
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.5)  # (the prestarted process is importing torch by now)
-    children = child_processes(process.pid, b"spawn_main")
+    # (the prestarted process is spawned before the front imports torch, which its mistake waits for)
+    children: list[int] = []
+    while not children and process.poll() is None:
+        children = child_processes(process.pid, b"spawn_main")
+        time.sleep(0.02)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2 and "grammar_workers" in stderr, stderr
     assert children, "the serve command prestarted its core"

@@ -221,17 +221,12 @@ def serve(args: argparse.Namespace) -> int:
 def _load_tokenizer_early(args: argparse.Namespace) -> None:
     """The front's tokenizer starts loading now, on a thread, where its directory is known without work (a GGUF
     file described before, a local directory): this process's imports meanwhile take turns with it for the GIL."""
-    if args.load_format == "dummy":
-        return
     from engine.cache_dir import default_cache_dir
     from engine.worker.model_sources import known_model_dir
     from engine.worker.tokenizer_files import load_tokenizer_early
 
-    try:
-        known = known_model_dir(args.model, Path(args.cache_dir or default_cache_dir()))
-    except (OSError, ValueError, RuntimeError):  # (the start says what is wrong)
-        return
-    if known is not None:
+    cache_dir = Path(args.cache_dir or default_cache_dir())
+    if (known := known_model_dir(args.model, cache_dir, args.load_format)) is not None:
         load_tokenizer_early(known)
 
 

@@ -135,14 +135,11 @@ class AsyncEngine(PrefixCacheCalls):
 
     def _known_model_dir(self) -> Path | None:
         """The model's directory when it is there before the core says so (never for dummy weights)."""
-        if self.config.load_format == "dummy":
-            return None
         from engine.worker.model_sources import known_model_dir
 
-        try:
-            return known_model_dir(self.config.model, Path(self.config.cache_dir))
-        except (OSError, ValueError, RuntimeError):  # (the core says what is wrong)
-            return None
+        return known_model_dir(
+            self.config.model, Path(self.config.cache_dir), self.config.load_format
+        )
 
     async def stop(self) -> None:
         """Stop the core (it finishes nothing: call after the requests worth finishing have finished). An attached

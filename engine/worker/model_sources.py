@@ -71,9 +71,21 @@ def _from_hub(repo_id: str) -> Path:
         ) from None
 
 
-def known_model_dir(model: str | None, cache_dir: Path) -> Path | None:
+def known_model_dir(
+    model: str | None, cache_dir: Path, load_format: str | None = None
+) -> Path | None:
     """The directory ``resolve_model`` (or the default model) gives, when it is there already and finding it takes
-    no work (a local directory, a GGUF file described before); None otherwise (a hub id, a file seen first)."""
+    no work (a local directory, a GGUF file described before); None otherwise (a hub id, a file seen first, dummy
+    weights, or something wrong with it: the start that resolves the model says what)."""
+    if load_format == "dummy":
+        return None
+    try:
+        return _known_model_dir(model, cache_dir)
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def _known_model_dir(model: str | None, cache_dir: Path) -> Path | None:
     if model is None:
         gguf: Path | None = default_gguf_file()
     else:

@@ -189,7 +189,7 @@ def partings(llm: Any, prompts: list[list[int]], work: Path) -> list[dict[str, A
 
 
 def time_to_healthy(
-    model: Path,
+    model: Path | None,
     cache_dir: Path,
     args: argparse.Namespace,
     settle_s: float = 0.0,
@@ -198,7 +198,8 @@ def time_to_healthy(
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
     the server's processes then (MiB by process name, and their total); with ``settle_s``, also ``settle_s`` later
     (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy).
-    ``at_health(base_url)`` runs first once healthy; its numbers join the memory's."""
+    ``at_health(base_url)`` runs first once healthy; its numbers join the memory's. No ``model``: the server's
+    default, or what ``args.server_args`` (added to the command, where given) says."""
     from tests.server_harness import free_port
 
     port = free_port()
@@ -207,8 +208,8 @@ def time_to_healthy(
         "-m",
         "app",
         "serve",
-        "--model",
-        str(model),
+        *(["--model", str(model)] if model is not None else []),
+        *getattr(args, "server_args", []),
         "--port",
         str(port),
         "--cache-dir",
@@ -255,6 +256,7 @@ def starts_cache(work: Path) -> Path:
     if built.is_dir() and not (cache_dir / "native").exists():
         shutil.copytree(built, cache_dir / "native", symlinks=True)
     shutil.rmtree(cache_dir / "models", ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)  # (no native kernels to copy: a GPU machine)
     return cache_dir
 
 

@@ -10,7 +10,8 @@ workers and the core build their grammar tokenizer once healthy). ``--neighbours
     python -m benchmarks.cpu.start_time --model FILE.gguf [FILE.gguf ...] [--repeats 5] [--settle 15]
                                         [--neighbours 0] [--threads 2] [--json PATH]
 
-(the default model: ``--model default``)
+(the default model: ``--model default``; dummy weights: ``--model dummy --server-args="--load-format dummy
+--model-config llama-3.2-1b --device cuda"``)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shlex
 import statistics
 import tempfile
 import time
@@ -33,7 +35,10 @@ from benchmarks.harness.processes import neighbours
 logger = logging.getLogger("benchmarks.cpu.start_time")
 
 
-def model_file(name: str) -> Path:
+def model_file(name: str) -> Path | None:
+    """The file ``--model`` names (None for ``dummy``: dummy weights of ``--server-args``' model config)."""
+    if name == "dummy":
+        return None
     if name == "default":
         from engine.worker.model_sources import default_gguf_file
 
@@ -41,18 +46,20 @@ def model_file(name: str) -> Path:
     return Path(name).resolve()
 
 
-def measure(model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def measure(model: Path | None, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cache_dir = starts_cache(work)
     first_s, first_rss = time_to_healthy(model, cache_dir, args)
     seconds, served = [], []
+    # (dummy weights have no tokenizer: no response_format)
+    probe = first_structured if model is not None else None
     for _ in range(args.repeats):
-        healthy_s, rss = time_to_healthy(model, cache_dir, args, args.settle, first_structured)
+        healthy_s, rss = time_to_healthy(model, cache_dir, args, args.settle, probe)
         seconds.append(healthy_s)
         served.append(rss)
-        logger.info("%s: healthy in %.2f s, %s", model.name, healthy_s, rss)
+        logger.info("%s: healthy in %.2f s, %s", model or "dummy", healthy_s, rss)
     return {
-        "model": str(model),
-        "size_mib": model.stat().st_size / 2**20,
+        "model": str(model or "dummy"),
+        "size_mib": model.stat().st_size / 2**20 if model is not None else 0.0,
         "first_start_s": first_s,
         "first_start_rss_mib": first_rss,
         "second_start_s": seconds,
@@ -94,8 +101,8 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
         memory = {k: v for k, v in last.items() if not k.endswith("_structured_s")}
         at_health = {k: v for k, v in memory.items() if not k.startswith("settled_")}
         settled = {k[len("settled_") :]: v for k, v in memory.items() if k.startswith("settled_")}
-        first = statistics.median(m["first_structured_s"] for m in r["served_rss_mib"])
-        second = statistics.median(m["second_structured_s"] for m in r["served_rss_mib"])
+        first = statistics.median(m.get("first_structured_s", 0.0) for m in r["served_rss_mib"])
+        second = statistics.median(m.get("second_structured_s", 0.0) for m in r["served_rss_mib"])
         s = r["second_start_s"]
         rows.append(
             f"| {Path(r['model']).name} | {r['size_mib']:.0f} | {r['first_start_s']:.1f} | "
@@ -114,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--neighbours", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", default="auto")
+    parser.add_argument(
+        "--server-args", type=shlex.split, default=[], help='e.g. "--device cuda --dtype bfloat16"'
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.enter_context(neighbours(args.neighbours))
         for name in args.model:
             model = model_file(name)
-            results.append(measure(model, args, Path(tmp) / model.stem))
+            results.append(measure(model, args, Path(tmp) / (model.stem if model else "dummy")))
     env = record.environment(
         __spec__.name, load_before=load_before, threads=args.threads, neighbours=args.neighbours
     )

@@ -26,7 +26,7 @@ from app.request_budget import check_least_tokens
 from app.serving import Serving
 from app.sse import sse_response
 from app.timed_stream import TimedStream
-from engine.llm_engine import RequestOutput, best_choices
+from engine.output.outputs import RequestOutput, best_choices
 
 
 async def chat_completions(request: Request) -> Response:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.chat_format.reply_parser import ReplyParser
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.output.outputs import Usage
 
 

@@ -2,32 +2,34 @@
 
 User-facing fields come first; the fields after ``# derived`` are filled by the engine at start
 (model config, dtype, device, KV pool size) so that every part reads one resolved value.
+
+Constructing one checks each option's value and imports no torch (the server's front builds and sends one without
+loading torch); ``resolve()`` fills what depends on the device (engine/device_defaults.py), where the engine runs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.cache_dir import default_cache_dir
-from kernels.cpu_native import resolve_isa
 
 LOAD_FORMATS = ("auto", "dummy")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 PREFIX_HASHES = ("sha256", "xxh128")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_BACKENDS = ("paged", "vattention")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# the native CPU kernels' levels (kernels/cpu_native.py CPU_ISA_CHOICES, which imports torch; a test keeps them equal)
+CPU_ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "avx512_vnni")
 SPECULATIVE_METHODS = (None, "ngram", "draft")  # (engine/speculative/)
 # the CPU linear layers' weights (engine/layers/quantized_linear.py)
 CPU_WEIGHTS = ("file", "float32", "bfloat16", "int8", "q4")
 # tensor parallelism's all-reduce paths (engine/distributed/parallel_state.py)
 ALL_REDUCE_CHOICES = ("auto", "two_shot", "nccl")
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton and the hardware: Ada (sm89), Hopper (sm90) and newer
 
 
 @dataclass(slots=True)
@@ -150,8 +152,9 @@ class EngineConfig:
     hf_config: Any = field(default=None, repr=False)
     model_path: str | None = None
     model_id: str = ""
-    torch_dtype: torch.dtype = torch.float32
-    torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # (resolve(): torch.dtype and torch.device; None until then)
+    torch_dtype: Any = None
+    torch_device: Any = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -238,48 +241,42 @@ class EngineConfig:
             "cpu_weights",
             f"must be auto or one of {CPU_WEIGHTS}",
         )
-        resolve_isa(self.cpu_isa)  # (a ValueError naming cpu_isa for a level this CPU cannot run)
-        self.torch_device = resolve_device(self.device)
+        _check(
+            isinstance(self.device, str)
+            and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            f"must be auto, cpu, cuda or cuda:N (got {self.device!r})",
+        )
+        _check(
+            self.cpu_isa in CPU_ISA_CHOICES,
+            "cpu_isa",
+            f"must be one of {', '.join(CPU_ISA_CHOICES)} (got {self.cpu_isa!r})",
+        )
         _check_tensor_parallel(self)
-        _check_kv_cache_dtype(self)
-        _check(
-            self.kv_backend != "vattention" or self.torch_device.type == "cuda",
-            "kv_backend",
-            "vattention needs a CUDA device (it maps GPU pages with the CUDA driver); use paged on the CPU",
-        )
-        large = is_large_gpu(self.torch_device)
-        if self.max_num_seqs is None:
-            self.max_num_seqs = 1024 if large else 256
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 8192 if large else 2048
-        if self.max_graph_batch_size is None:
-            self.max_graph_batch_size = 256 if self.torch_device.type == "cuda" else 0
-        if self.shared_step_time_factor is None:
-            self.shared_step_time_factor = 1.5 if self.torch_device.type == "cpu" else 1.2
-        if self.step_time_target_s is None:
-            self.step_time_target_s = 0.25 if self.torch_device.type == "cpu" else 0.0
         _check_speculative(self)
-        if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda"
-        if self.dtype == "auto":
-            self.torch_dtype = torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        else:
-            self.torch_dtype = DTYPES[self.dtype]
-        quantized = self.cpu_weights not in ("auto", "float32")
         _check(
-            not quantized or self.torch_device.type == "cpu",
-            "cpu_weights",
-            f"{self.cpu_weights} is for the CPU; on CUDA the weights are in the model dtype",
-        )
-        _check(
-            not quantized or self.torch_dtype == torch.float32,
+            self.cpu_weights in ("auto", "float32") or self.dtype in ("auto", "float32"),
             "cpu_weights",
             f"{self.cpu_weights} weights compute with float32 activations: use dtype float32 (or auto)",
         )
 
+    def resolve(self) -> EngineConfig:
+        """Fill the fields that depend on the device (the device itself, the dtype, the step limits left to it)
+        and check the options it cannot run (ValueError naming the field); the engine calls it where it runs.
+        Idempotent; returns the config."""
+        # (a function-level import: the device's checks import torch, which the front does not load)
+        from engine.device_defaults import resolve_device_fields
+
+        if self.torch_device is None:
+            resolve_device_fields(self)
+        return self
+
     @property
-    def kv_cache_torch_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the model's (auto) or float8_e4m3fn (fp8)."""
+    def kv_cache_torch_dtype(self) -> Any:
+        """The KV cache's element type (a torch.dtype, once resolved): the model's (auto) or float8_e4m3fn
+        (fp8)."""
+        import torch
+
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
 
     @property
@@ -326,7 +323,7 @@ def _check_speculative(config: EngineConfig) -> None:
 
 
 def _check_tensor_parallel(config: EngineConfig) -> None:
-    size, device = config.tensor_parallel_size, config.torch_device
+    size = config.tensor_parallel_size
     _check(1 <= size <= 64, "tensor_parallel_size", "must be in [1, 64]")
     _check(
         config.all_reduce in ALL_REDUCE_CHOICES,
@@ -335,64 +332,12 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
     )
     if size == 1:
         return
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        _check(
-            size <= count,
-            "tensor_parallel_size",
-            f"{size} exceeds the {count} visible CUDA devices",
-        )
-        _check(
-            device.index in (None, 0),
-            "device",
-            "with tensor parallelism the ranks take cuda:0 .. N-1: "
-            "give cuda (choose the devices with CUDA_VISIBLE_DEVICES)",
-        )
     _check(config.kv_backend == "paged", "kv_backend", "tensor parallelism needs the paged backend")
     _check(
         config.cpu_weights in ("auto", "float32"),
         "cpu_weights",
         "tensor parallelism on the CPU runs float32 weights (the quantized kernels are single-process)",
     )
-
-
-def _check_kv_cache_dtype(config: EngineConfig) -> None:
-    """fp8 on CUDA needs e4m3 in hardware and Triton (compute capability 8.9+); the CPU converts in torch."""
-    if config.kv_cache_dtype != "fp8" or config.torch_device.type != "cuda":
-        return
-    capability = tuple(torch.cuda.get_device_capability(config.torch_device))
-    _check(
-        capability >= FP8_MIN_CAPABILITY,
-        "kv_cache_dtype",
-        f"fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
-        f"{capability[0]}.{capability[1]}: use auto",
-    )
-
-
-def resolve_device(device: str) -> torch.device:
-    """The one place that decides where the engine runs."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device: {device!r} is not a torch device") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but no CUDA device is available")
-    _check(resolved.type in ("cpu", "cuda"), "device", "must be cpu or cuda")
-    return resolved
-
-
-LARGE_GPU_BYTES = 70 * 2**30
-
-
-def is_large_gpu(device: torch.device) -> bool:
-    """A CUDA device where larger step limits pay (vLLM's rule: >= 70 GiB and not an A100, where a larger
-    token budget measured slower)."""
-    if device.type != "cuda":
-        return False
-    properties = torch.cuda.get_device_properties(device)
-    return properties.total_memory >= LARGE_GPU_BYTES and "a100" not in properties.name.lower()
 
 
 def _env_bytes(name: str, default: int) -> int:

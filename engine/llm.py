@@ -7,7 +7,8 @@ from typing import Any
 
 from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, best_choices
+from engine.llm_engine import LLMEngine
+from engine.output.outputs import best_choices
 from engine.output.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

@@ -4,7 +4,6 @@ the same core in a process of its own (async_engine.py), with the output process
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
@@ -19,14 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduled_batch import ScheduledBatch
 from engine.core.scheduler import Scheduler
 
-__all__ = ["LLMEngine", "RequestOutput", "Usage", "best_choices"]
-
-
-def best_choices(finals: list[RequestOutput], n: int) -> list[RequestOutput]:
-    """``best_of``: the ``n`` final outputs of highest cumulative logprob (ties: lower index first),
-    renumbered 0..n-1 in that order."""
-    ranked = sorted(finals, key=lambda out: (-(out.cumulative_logprob or 0.0), out.index))[:n]
-    return [dataclasses.replace(out, index=i) for i, out in enumerate(ranked)]
+__all__ = ["LLMEngine", "RequestOutput", "Usage"]
 
 
 class LLMEngine:

@@ -66,6 +66,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.child_process",
             "engine.free_heap",
             "engine.cache_dir",
+            "engine.device_defaults",
         ),
     ),
     (

@@ -52,7 +52,8 @@ from benchmarks.kernel.decode_attention import (
 from benchmarks.kernel.decode_attention import run_ours as run_paged_kernel
 from benchmarks.offline.nano import run_ours
 from benchmarks.offline.waste import ModeResult, account, sample
-from engine.config import KV_BACKENDS, EngineConfig, resolve_device
+from engine.config import KV_BACKENDS, EngineConfig
+from engine.device_defaults import resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 from kernels.contiguous_attention import contiguous_decode_attention
@@ -222,7 +223,7 @@ def check_backends(args: argparse.Namespace) -> None:
             device=args.device,
             dtype=args.dtype,
             kv_backend=backend,
-        )
+        ).resolve()
 
 
 # decode kernel -------------------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ from benchmarks.offline.nano import (
     measure_split,
     run_ours,
 )
-from engine.config import ALL_REDUCE_CHOICES, resolve_device
+from engine.config import ALL_REDUCE_CHOICES
+from engine.device_defaults import resolve_device
 from engine.llm_engine import LLMEngine
 from engine.worker.dummy_model import DUMMY_ARCHITECTURES
 

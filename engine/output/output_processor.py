@@ -20,7 +20,7 @@ from typing import Any
 from engine.core.block_hash import BlockHasher
 from engine.core.core_info import CoreInfo
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.output.outputs import RequestOutput, SampleDelta
 from engine.sampling_params import SamplingParams
 

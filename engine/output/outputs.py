@@ -5,11 +5,12 @@ logprobs, usage)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 
 
 class SampleDelta(msgspec.Struct, array_like=True, gc=False):
@@ -86,3 +87,10 @@ class RequestOutput:
     @property
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+def best_choices(finals: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """``best_of``: the ``n`` final outputs of highest cumulative logprob (ties: lower index first),
+    renumbered 0..n-1 in that order."""
+    ranked = sorted(finals, key=lambda out: (-(out.cumulative_logprob or 0.0), out.index))[:n]
+    return [dataclasses.replace(out, index=i) for i, out in enumerate(ranked)]

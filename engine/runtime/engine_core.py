@@ -22,7 +22,7 @@ from engine.runtime.speculative_steps import new_speculative_steps
 from engine.output.beam_search import new_beam_group
 from engine.config import EngineConfig
 from engine.core.core_info import CoreInfo, check_priority, check_request
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.worker.loader import load_model
 from engine.worker.tokenizer_files import grammar_source_loading
 from engine.core.metrics import EngineCounters, EngineStats
@@ -59,7 +59,7 @@ class EngineCore:
     ) -> None:
         """``tokenizer_in_background``: structured output's tokenizer (its file, for llguidance) loads after the model, on a
         thread; the core needs no other."""
-        self.config = config = config or EngineConfig(**options)
+        self.config = config = (config or EngineConfig(**options)).resolve()
         # (restored by shutdown: ranks on the CPU share the cores)
         self._threads_before = set_rank_threads(
             config.num_threads, config.tensor_parallel_size, config.torch_device

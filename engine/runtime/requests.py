@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.output.beam_search import BeamGroup
 from engine.output.outputs import SampleDelta
 from engine.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from engine.core.scheduler import Scheduler
 from engine.output.outputs import SampleDelta
 from engine.output.structured_output import accept as accept_grammar
 from engine.runtime.requests import Sample, stop_status
-from engine.sample.sampler import TokenLogprobs
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.speculator import Speculator
 from engine.core.metrics import EngineCounters

@@ -41,19 +41,10 @@ from engine.sample.logits_processors import (
 )
 from engine.sample.sampling_batch import BatchParams
 from engine.sample.seeded_noise import exponential_noise
+from engine.sample.token_logprobs import TokenLogprobs
 from kernels import ops as kernel_ops
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int  # the sampled token
-    logprob: float  # its log-probability under the raw model distribution
-    # 1 = most likely; ties share the worse rank (tokens at least as likely, itself included)
-    rank: int
-    # params.logprobs most likely (token_id, logprob), most likely first
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.sequence import Sequence
-from engine.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sample.token_logprobs import TokenLogprobs
 from engine.output.structured_output import token_masks
 from engine.sampling_params import SamplingParams
 from engine.distributed import parallel_state

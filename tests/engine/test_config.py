@@ -1,4 +1,5 @@
-"""EngineConfig's device-dependent step limits (vLLM's rule: larger on GPUs of >= 70 GiB that are not A100s)."""
+"""EngineConfig: its options checked at construction without torch, the device-dependent fields filled by
+``resolve()`` (step limits: vLLM's rule, larger on GPUs of >= 70 GiB that are not A100s)."""
 
 import os
 from types import SimpleNamespace
@@ -6,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import config as config_module
-from engine.config import EngineConfig, is_large_gpu
+from engine import device_defaults
+from engine.config import EngineConfig
+from engine.device_defaults import is_large_gpu
 
 
 @pytest.mark.parametrize(
@@ -31,12 +33,53 @@ def test_large_gpu_rule(monkeypatch, name, gib, large):
 
 def test_cpu_defaults_and_explicit_limits_win(monkeypatch):
     config = EngineConfig(device="cpu")
+    # (unresolved: the device's defaults are left to the engine that runs on it)
+    assert (config.max_num_seqs, config.torch_device, config.torch_dtype) == (None, None, None)
+    assert config.resolve() is config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
-    monkeypatch.setattr(config_module, "is_large_gpu", lambda device: True)
-    config = EngineConfig(device="cpu")
+    assert (config.torch_device, config.torch_dtype) == (torch.device("cpu"), torch.float32)
+    assert (config.async_scheduling, config.step_time_target_s, config.max_graph_batch_size) == (
+        False,
+        0.25,
+        0,
+    )
+    monkeypatch.setattr(device_defaults, "is_large_gpu", lambda device: True)
+    config = EngineConfig(device="cpu").resolve()
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (1024, 8192)
-    config = EngineConfig(device="cpu", max_num_seqs=7, max_num_batched_tokens=96)
+    config = EngineConfig(device="cpu", max_num_seqs=7, max_num_batched_tokens=96).resolve()
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (7, 96)
+
+
+def test_construction_imports_no_torch_and_resolve_checks_the_device():
+    """The front builds, checks and sends a config without torch (its start does not pay torch's import); the
+    options a device cannot run are refused where the engine resolves them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from engine.config import EngineConfig\n"
+        "c = EngineConfig(device='cpu', dtype='bfloat16', max_num_seqs=3)\n"
+        "try:\n"
+        "    EngineConfig(cpu_weights='int8', dtype='bfloat16')\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "cpu_weights: int8 weights compute with float32 activations: use dtype float32 (or auto)",
+        "False",
+    ]
+    with pytest.raises(ValueError, match="kv_backend: vattention needs a CUDA device"):
+        EngineConfig(device="cpu", kv_backend="vattention").resolve()
+    with pytest.raises(ValueError, match="device: 'tpu:0' is not a torch device|device: must be"):
+        EngineConfig(device="tpu:0").resolve()
+    with pytest.raises(ValueError, match="cpu_isa: must be one of"):
+        EngineConfig(device="cpu", cpu_isa="sse9").resolve()
 
 
 @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])

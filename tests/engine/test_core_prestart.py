@@ -113,6 +113,12 @@ def test_serve_runs_its_core_in_the_prestarted_process():
             for pid in child_processes(server.process.pid, b"spawn_main")
             if open(f"/proc/{pid}/comm").read().strip() == "pagedchat-core"
         ]
+        # the front runs without torch (engine/config.py: the core resolves the device), the core with it
+        with (
+            open(f"/proc/{server.process.pid}/maps") as front,
+            open(f"/proc/{cores[0]}/maps") as core,
+        ):
+            assert ("libtorch" in front.read(), "libtorch" in core.read()) == (False, True)
     assert len(cores) == 1, cores
     assert "configured otherwise" not in log, log[-3000:]
 
@@ -124,7 +130,7 @@ def test_serve_exiting_on_a_settings_mistake_leaves_no_process():
         stderr=subprocess.PIPE,
         text=True,
     )
-    # (the prestarted process is spawned before the front imports torch, which its mistake waits for)
+    # (the prestarted process is spawned before the front reads its settings)
     children: list[int] = []
     while not children and process.poll() is None:
         children = child_processes(process.pid, b"spawn_main")

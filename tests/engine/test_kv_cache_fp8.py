@@ -208,20 +208,20 @@ def test_a_vattention_page_of_fp8_holds_twice_the_tokens_of_bfloat16():
 def test_kv_cache_dtype_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
         EngineConfig(kv_cache_dtype="fp16")
-    assert EngineConfig(device="cpu").kv_cache_torch_dtype == torch.float32
-    assert EngineConfig(device="cpu", kv_cache_dtype="fp8").kv_cache_torch_dtype == FP8
+    assert EngineConfig(device="cpu").resolve().kv_cache_torch_dtype == torch.float32
+    assert EngineConfig(device="cpu", kv_cache_dtype="fp8").resolve().kv_cache_torch_dtype == FP8
     # CUDA: e4m3 needs compute capability 8.9+ (checked only for a CUDA device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("engine.config.is_large_gpu", lambda device: False)
+    monkeypatch.setattr("engine.device_defaults.is_large_gpu", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(
         ValueError, match=r"kv_cache_dtype: fp8 \(e4m3\) needs a GPU of compute capability 8.9"
     ):
-        EngineConfig(device="cuda", kv_cache_dtype="fp8")
+        EngineConfig(device="cuda", kv_cache_dtype="fp8").resolve()
     # auto: fine on any GPU
-    assert EngineConfig(device="cuda").kv_cache_torch_dtype == torch.bfloat16
+    assert EngineConfig(device="cuda").resolve().kv_cache_torch_dtype == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert EngineConfig(device="cuda", kv_cache_dtype="fp8").kv_cache_torch_dtype == FP8
+    assert EngineConfig(device="cuda", kv_cache_dtype="fp8").resolve().kv_cache_torch_dtype == FP8
 
 
 @pytest.fixture(scope="module")

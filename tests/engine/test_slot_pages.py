@@ -191,7 +191,7 @@ def test_vattention_on_the_cpu_is_a_clear_config_error() -> None:
     from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_backend: vattention needs a CUDA device"):
-        EngineConfig(device="cpu", kv_backend="vattention")
+        EngineConfig(device="cpu", kv_backend="vattention").resolve()
 
 
 def test_a_request_whose_first_block_a_free_slot_maps_takes_that_slot_and_maps_nothing() -> None:

@@ -35,7 +35,8 @@ def test_count_ladder_covers_each_class_and_both_sides_of_each_power_of_two():
 
 def test_warm_up_runs_only_on_cuda_and_when_on():
     for options in ({"device": "cpu"}, {"device": "cpu", "warm_up": False}):
-        runner = SimpleNamespace(config=EngineConfig(**options))  # (nothing of it may be touched)
+        # (nothing of it may be touched)
+        runner = SimpleNamespace(config=EngineConfig(**options).resolve())
         assert warm_up(runner, 16) == 0.0
 
 
@@ -76,7 +77,7 @@ def test_a_draft_models_catch_ups_walk_the_count_ladder_within_the_limits():
     """Speculative decoding's draft model warms its catch-up prefills: every count of the ladder up to the step
     budget is caught up (from the start and after a prefix), within the context and the block tables."""
     budget = 64
-    config = EngineConfig(device="cpu", max_num_batched_tokens=budget, max_model_len=1024)
+    config = EngineConfig(device="cpu", max_num_batched_tokens=budget, max_model_len=1024).resolve()
     runner = RecordingRunner(config)
     runner.draft = draft = RecordingDraft()
     scratch = ScratchSequences(runner, 70, 0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CPU_ISA_CHOICES, EngineConfig
 from engine.forward_context import get_attention_metadata
 from engine.layers.quantized_linear import (
     PACKED_OUTPUTS,
@@ -97,7 +97,7 @@ def test_a_level_the_cpu_lacks_is_refused_naming_the_field(monkeypatch):
         with pytest.raises(ValueError, match=f"cpu_isa: this CPU cannot run {level} code .*avx512"):
             cpu_native.load(BUILD_ROOT, level)  # refused before any build or load: never SIGILL
         with pytest.raises(ValueError, match="cpu_isa"):
-            EngineConfig(cpu_isa=level)
+            EngineConfig(cpu_isa=level, device="cpu").resolve()
     assert cpu_native.resolve_isa("auto") == "avx2"
     monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"sse2"})
     assert cpu_native.resolve_isa("auto") == "generic"
@@ -108,6 +108,8 @@ def test_a_level_the_cpu_lacks_is_refused_naming_the_field(monkeypatch):
 
 @pytest.mark.parametrize("value", ["avx", "AVX2", "native", ""])
 def test_an_unknown_level_is_refused(value: str):
+    """(at construction: EngineConfig's own list of levels, kept equal to the kernels')"""
+    assert CPU_ISA_CHOICES == cpu_native.CPU_ISA_CHOICES
     with pytest.raises(
         ValueError, match="cpu_isa: must be one of auto, generic, avx2, avx512, avx512_vnni"
     ):

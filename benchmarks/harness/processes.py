@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def resident_by_name(pid: int) -> dict[str, int]:
+def resident_by_name(pid: int, without_kv_pool: bool = False) -> dict[str, int]:
     """Resident bytes of process ``pid`` and its descendants, by process name (``pagedchat``, ``pagedchat-core``,
-    ``pagedchat-gramm``, ...; processes of one name summed); a process that ends meanwhile is left out."""
+    ``pagedchat-gramm``, ...; processes of one name summed); a process that ends meanwhile is left out.
+    ``without_kv_pool``: less the KV pool's resident pages (its memfd mappings; their pages are touched as blocks
+    are first used, up to the pool's size)."""
     by_name: dict[str, int] = {}
     todo = [pid]
     while todo:
@@ -27,8 +29,29 @@ def resident_by_name(pid: int) -> dict[str, int]:
         except OSError:
             continue
         name = status["Name"].strip()
-        by_name[name] = by_name.get(name, 0) + int(status["VmRSS"].split()[0]) * 1024
+        resident = int(status["VmRSS"].split()[0]) * 1024
+        by_name[name] = (
+            by_name.get(name, 0) + resident - (kv_pool_resident(p) if without_kv_pool else 0)
+        )
     return by_name
+
+
+def kv_pool_resident(pid: int) -> int:
+    """Resident bytes of process ``pid``'s KV pool mappings (engine/kv_backend/paged.py ``host_zeros``: memfds
+    named ``pagedchat-kv``); 0 for a process that ended."""
+    total, in_pool = 0, False
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if not head.endswith(":"):
+            # (a mapping's first line: "start-end perms offset dev inode [path]")
+            in_pool = "/memfd:pagedchat-kv" in line
+        elif in_pool and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 @contextlib.contextmanager

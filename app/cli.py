@@ -226,7 +226,9 @@ def _load_tokenizer_early(args: argparse.Namespace) -> None:
     from engine.worker.tokenizer_files import load_tokenizer_early
 
     cache_dir = Path(args.cache_dir or default_cache_dir())
-    if (known := known_model_dir(args.model, cache_dir, args.load_format)) is not None:
+    # (``pagedchat serve MODEL``: the positional is --model's, as server_settings_from_args reads it)
+    model = args.model if args.model is not None else getattr(args, "model_positional", None)
+    if (known := known_model_dir(model, cache_dir, args.load_format)) is not None:
         load_tokenizer_early(known)
 
 

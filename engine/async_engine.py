@@ -107,20 +107,21 @@ class AsyncEngine(PrefixCacheCalls):
         self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []
         try:
             ready = await self._core.wait_ready()
+            self.info, self._stats = ready.info, ready.stats
+            ready.info.apply_to(self.config)
+            path = ready.info.model_path
+            if early is not None and path is not None and Path(path) == known:
+                self.tokenizer = await early
+            else:
+                if early is not None:
+                    early.cancel()
+                self.tokenizer = await asyncio.to_thread(_tokenizer, path)
         except BaseException:
+            # (a failed tokenizer load too: the core, started, must not outlive this start)
             if early is not None:
                 early.cancel()
             await self._close()
             raise
-        self.info, self._stats = ready.info, ready.stats
-        ready.info.apply_to(self.config)
-        path = ready.info.model_path
-        if early is not None and path is not None and Path(path) == known:
-            self.tokenizer = await early
-        else:
-            if early is not None:
-                early.cancel()
-            self.tokenizer = await asyncio.to_thread(_tokenizer, path)
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")

@@ -5,12 +5,16 @@ the front and the grammar workers import this, not the loader."""
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from engine.free_heap import release_free_heap
 from engine.output.grammar_tokenizer import read_tokenizer
+
+
+_TRANSFORMERS_IMPORT = threading.Lock()
 
 
 def load_tokenizer(path: Path | str | None) -> Any | None:
@@ -21,11 +25,14 @@ def load_tokenizer(path: Path | str | None) -> Any | None:
         return None
     path = Path(path)
     if (path / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
+        # (one import at a time: transformers' lazy module fails a name that two threads import at once)
+        with _TRANSFORMERS_IMPORT:
+            from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     elif (path / "tokenizer.model").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+        with _TRANSFORMERS_IMPORT:
+            from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:

@@ -128,6 +128,26 @@ async def test_stop_ends_the_core_process(engine: AsyncEngine):
     assert not engine.healthy
 
 
+async def test_a_failure_after_the_core_is_ready_stops_the_core(monkeypatch):
+    """The front's tokenizer failing to load ends the start with its error and stops the core, which is ready by
+    then: a core left running kept the server's process from exiting after its failed start."""
+    import engine.async_engine as async_engine
+
+    cores_before, running = set(core_processes_of(os.getpid())), set()
+
+    def unreadable(path):
+        running.update(set(core_processes_of(os.getpid())) - cores_before)
+        raise OSError(f"{path}/tokenizer.json: unreadable")
+
+    monkeypatch.setattr(async_engine, "_tokenizer", unreadable)
+    engine = AsyncEngine(kv_cache_memory_gib=SMALL_KV_GIB)
+    with pytest.raises(OSError, match="unreadable"):
+        await engine.start()
+    assert running, "the core was running when the tokenizer failed"
+    assert wait_until(lambda: all(process_gone(pid) for pid in running), 5.0), running
+    assert not engine.healthy
+
+
 def test_the_core_exits_when_its_front_is_killed(tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, sys, time

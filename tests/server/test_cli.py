@@ -316,3 +316,22 @@ def test_served_model_names_are_comma_separated_and_each_is_checked(monkeypatch,
     assert cli_serve(build_parser().parse_args(["serve", "--served-model-name", "a,a"])) == 2
     error = capsys.readouterr().err
     assert error == "pagedchat: served_model_name: 'a' given twice\n"
+
+
+def test_serve_loads_the_positional_models_tokenizer_early(tmp_path):
+    """``pagedchat serve MODEL`` starts loading MODEL's tokenizer first thing, as ``--model MODEL`` does (it loaded
+    the default model's, and the engine then loaded MODEL's beside it)."""
+    import shutil
+
+    from app.cli import _load_tokenizer_early
+    from engine.worker.model_sources import ensure_default_model
+    from engine.worker.tokenizer_files import take_early_tokenizer
+
+    # (a directory other than the default model's)
+    default = ensure_default_model(Path(EngineConfig().cache_dir))
+    model = tmp_path / "model"
+    shutil.copytree(default, model, ignore=shutil.ignore_patterns("*.gguf"))
+    _load_tokenizer_early(build_parser().parse_args(["serve", str(model)]))
+    started = take_early_tokenizer(model)
+    assert started is not None, "no early load of the positional model's tokenizer"
+    assert started.result(timeout=120).vocab_size > 1000

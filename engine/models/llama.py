@@ -10,7 +10,7 @@ o/down (row-parallel), its rows of the vocabulary; ``load_weights`` reads only t
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -221,13 +221,19 @@ class LlamaForCausalLM(nn.Module):
             self.logits_weight = self.model.embed_tokens.weight.t().contiguous().t()
 
     def quantize_cpu_weights(
-        self, mode: str, native: CpuKernels | None, embedding: nn.Module | None = None
+        self,
+        mode: str,
+        native: CpuKernels | None,
+        embedding: nn.Module | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         """Swap every projection for its ``mode`` layer (engine/layers/quantized_linear.py): ``file`` from the
         blocks ``load_weights`` kept (HF names; a fused projection from its shards' blocks side by side), the
         others from the float weights. The output layer too (a tied one from the embedding's blocks or table);
         ``embedding``: a lookup that replaces the float table (a GGUF's, read in place). ``native``: the native
-        CPU kernels of the configured level (kernels/cpu_native.py), None where they are off or not built."""
+        CPU kernels of the configured level (kernels/cpu_native.py), None where they are off or not built.
+        ``release``: called after each layer is built (a GGUF map drops the pages it read: the load's peak
+        memory holds one layer of the file beside the built layers, not the whole file)."""
         blocks = self.file_blocks
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
@@ -242,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 attr,
                 cpu_linear(mode, module.weight, module.bias, parts, native),
             )
+            if release is not None:
+                release()
         tied = self.args.tie_word_embeddings
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         head_blocks = blocks.get(head_name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -150,13 +150,19 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return None
 
     def quantize_cpu_weights(
-        self, mode: str, native: CpuKernels | None, embedding: nn.Module | None = None
+        self,
+        mode: str,
+        native: CpuKernels | None,
+        embedding: nn.Module | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         """The Llama family's layers, and each expert's gate_up and down as ``mode`` layers (from the file's
         blocks in ``file`` mode), so that a step computes with the chosen experts' own weights."""
         for i, layer in enumerate(self.model.layers):
             layer.mlp.quantize(self._expert_layers(i, layer.mlp, mode, native))
-        super().quantize_cpu_weights(mode, native, embedding)
+            if release is not None:
+                release()
+        super().quantize_cpu_weights(mode, native, embedding, release)
 
     def _expert_layers(
         self, layer: int, moe: MoE, mode: str, native: CpuKernels | None

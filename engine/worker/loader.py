@@ -116,8 +116,9 @@ def _load_gguf(model: nn.Module, config: EngineConfig, gguf_path: Path) -> None:
     model.load_weights(gguf_weights(gguf, config.hf_config, None))
     table = gguf.tensors["token_embd.weight"]
     embedding = GGUFEmbedding(table) if "model.embed_tokens.weight" in model.file_blocks else None
-    model.quantize_cpu_weights("file", _native(config), embedding)
-    gguf.release_pages()  # (the map's pages read while repacking leave this process; lookups fault rows in)
+    # (the map's pages read while repacking leave this process layer by layer; lookups fault rows in)
+    model.quantize_cpu_weights("file", _native(config), embedding, gguf.release_pages)
+    gguf.release_pages()
 
 
 def _resolve(config: EngineConfig, with_tokenizer: bool) -> tuple[Any, Path | None, Any | None]:

@@ -318,14 +318,18 @@ def test_served_model_names_are_comma_separated_and_each_is_checked(monkeypatch,
     assert error == "pagedchat: served_model_name: 'a' given twice\n"
 
 
-def test_serve_loads_the_positional_models_tokenizer_early(tmp_path):
+def test_serve_loads_the_positional_models_tokenizer_early(tmp_path, monkeypatch):
     """``pagedchat serve MODEL`` starts loading MODEL's tokenizer first thing, as ``--model MODEL`` does (it loaded
     the default model's, and the engine then loaded MODEL's beside it)."""
     import shutil
 
     from app.cli import _load_tokenizer_early
+    from engine.worker import tokenizer_files
     from engine.worker.model_sources import ensure_default_model
     from engine.worker.tokenizer_files import take_early_tokenizer
+
+    # (none left by an earlier test in this process: the first early load is the one kept)
+    monkeypatch.setattr(tokenizer_files, "_early", None)
 
     # (a directory other than the default model's)
     default = ensure_default_model(Path(EngineConfig().cache_dir))

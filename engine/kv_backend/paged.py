@@ -212,7 +212,8 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     whole pool resident per GiB on a 2-vCPU machine). The mapping is a memfd named ``KV_POOL_MAPPING``, so the
     pool's resident pages can be told apart in /proc/PID/smaps (``/memfd:pagedchat-kv``)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
+    if nbytes == 0 or not hasattr(os, "memfd_create"):
+        # (nothing to map, or no memfds: Linux has them)
         return torch.zeros(shape, dtype=dtype)
     fd = os.memfd_create(KV_POOL_MAPPING, os.MFD_CLOEXEC)
     try:

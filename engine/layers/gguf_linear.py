@@ -7,6 +7,8 @@ the memory-mapped file, so the table is never held twice (its tied output layer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -24,9 +26,14 @@ class GGUFLinear(nn.Module):
     input_dtype = torch.float32
 
     def __init__(
-        self, parts: list[QuantBlocks | GGUFBlocks], bias: torch.Tensor | None, native: CpuKernels
+        self,
+        parts: list[QuantBlocks | GGUFBlocks],
+        bias: torch.Tensor | None,
+        native: CpuKernels,
+        release: Callable[[], None] | None = None,
     ) -> None:
-        """``parts``: a file's blocks as they are (repacked natively) or unpacked codes and scales."""
+        """``parts``: a file's blocks as they are (repacked natively) or unpacked codes and scales. ``release``:
+        called after each chunk of a large part's rows is repacked (a GGUF map drops the pages it read)."""
         super().__init__()
         widths = {p.shape[1] for p in parts}
         if len(widths) != 1 or widths.pop() % 32:
@@ -38,7 +45,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.shape[0] for p in parts)
         self.formats = [FORMAT_IDS[p.format] for p in parts]
         self.part_formats = [p.format for p in parts]
-        self.tiles = [_tiles(p, native) for p in parts]
+        self.tiles = [_tiles(p, native, release) for p in parts]
         self._gguf_linear = native.ops.gguf_linear.default
         # the outputs' columns where a part's rows were padded to whole tiles (None: all columns are outputs)
         self.columns: torch.Tensor | None = None
@@ -69,10 +76,31 @@ class GGUFLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
-def _tiles(part: QuantBlocks | GGUFBlocks, native: CpuKernels) -> torch.Tensor:
-    if isinstance(part, GGUFBlocks):
-        return native.ops.gguf_tiles(part.data.contiguous(), FORMAT_IDS[part.format], *part.shape)
-    return tiles(part)
+# a file's part of more rows than this is repacked in chunks of them (a multiple of the tiles' 16 rows), with
+# ``release`` after each: a 262k-token output layer's 170 MiB of mapped blocks are never resident at once
+REPACK_CHUNK_ROWS = 16384
+
+
+def _tiles(
+    part: QuantBlocks | GGUFBlocks, native: CpuKernels, release: Callable[[], None] | None = None
+) -> torch.Tensor:
+    if not isinstance(part, GGUFBlocks):
+        return tiles(part)
+    rows, cols = part.shape
+    if release is None or rows <= REPACK_CHUNK_ROWS:
+        return native.ops.gguf_tiles(part.data.contiguous(), FORMAT_IDS[part.format], rows, cols)
+    out: torch.Tensor | None = None
+    for start in range(0, rows, REPACK_CHUNK_ROWS):
+        end = min(start + REPACK_CHUNK_ROWS, rows)
+        chunk = native.ops.gguf_tiles(
+            part.data[start:end].contiguous(), FORMAT_IDS[part.format], end - start, cols
+        )
+        if out is None:
+            # (tiles are [row groups of 16, tiles per row, tile bytes]: chunks of whole groups stack)
+            out = torch.empty(((rows + 15) // 16, *chunk.shape[1:]), dtype=chunk.dtype)
+        out[start // 16 : start // 16 + chunk.shape[0]] = chunk
+        release()
+    return out
 
 
 class GGUFEmbedding(nn.Module):

@@ -21,6 +21,8 @@ the default model), else the float weight rounded to Q8_0 blocks (int8 with a fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -240,6 +242,7 @@ def cpu_logits_head(
     weight: torch.Tensor | None,
     blocks: QuantBlocks | GGUFBlocks | None,
     native: CpuKernels | None,
+    release: Callable[[], None] | None = None,
 ) -> nn.Module:
     """The output layer of ``mode``: bfloat16 for bfloat16; for ``file`` and ``q4`` the file's blocks (else the
     float weight rounded to Q8_0) on the native kernel; for ``int8`` (and where nothing native was built) int8 per
@@ -249,7 +252,7 @@ def cpu_logits_head(
     if mode in ("file", "q4") and native is not None:
         if blocks is None or mode == "q4":
             blocks = q8_0_from_float(weight if weight is not None else blocks.dequantize())
-        return GGUFLinear([blocks], None, native)
+        return GGUFLinear([blocks], None, native, release)
     weight = weight if weight is not None else blocks.dequantize()
     if native is not None and weight.shape[0] % PACKED_OUTPUTS == 0:
         return PackedInt8Head(weight, native)

@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         head_blocks = blocks.get(head_name)
         head = None if head_blocks else (self.model.embed_tokens if tied else self.lm_head).weight
-        self.logits_head = cpu_logits_head(mode, head, head_blocks, native)
+        self.logits_head = cpu_logits_head(mode, head, head_blocks, native, release)
         if embedding is not None:
             self.model.embed_tokens = embedding
         if not tied:

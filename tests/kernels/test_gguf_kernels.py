@@ -130,3 +130,20 @@ def test_native_repack_of_a_files_bytes_equals_the_torch_tiles(fmt: str):
     raw = torch.from_numpy(random_file_bytes(fmt, 40, 512, seed=3))
     expected = tiles(unpack(fmt, raw, 40, 512))
     assert torch.equal(native.ops.gguf_tiles(raw, FORMAT_IDS[fmt], 40, 512), expected)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+def test_a_large_part_repacked_in_chunks_gives_the_same_tiles(monkeypatch, fmt: str):
+    """A part of more rows than REPACK_CHUNK_ROWS (the output layer of a large vocabulary) is repacked chunk by
+    chunk, the map's pages released after each: the tiles equal one repack of the whole, padding rows included."""
+    from engine.layers import gguf_linear
+    from engine.weights.gguf_blocks import GGUFBlocks
+
+    native = kernels_at("generic")
+    rows, k = 100, 256  # (not a multiple of the chunk, nor of the tiles' 16 rows)
+    part = GGUFBlocks(fmt, torch.from_numpy(random_file_bytes(fmt, rows, k, 11)), (rows, k))
+    whole = gguf_linear._tiles(part, native)
+    released = []
+    monkeypatch.setattr(gguf_linear, "REPACK_CHUNK_ROWS", 32)
+    chunked = gguf_linear._tiles(part, native, lambda: released.append(1))
+    assert len(released) == 4 and torch.equal(chunked, whole)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine import config as config_module
 from engine import device_defaults
 from engine.config import EngineConfig
 from engine.device_defaults import is_large_gpu
@@ -36,6 +37,8 @@ def test_cpu_defaults_and_explicit_limits_win(monkeypatch):
     # (unresolved: the device's defaults are left to the engine that runs on it)
     assert (config.max_num_seqs, config.torch_device, config.torch_dtype) == (None, None, None)
     assert config.resolve() is config
+    # (the dtype names the options accept are the ones resolve() maps: two lists, as engine.config imports no torch)
+    assert tuple(device_defaults._DTYPES) == config_module.DTYPES
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
     assert (config.torch_device, config.torch_dtype) == (torch.device("cpu"), torch.float32)
     assert (config.async_scheduling, config.step_time_target_s, config.max_graph_batch_size) == (

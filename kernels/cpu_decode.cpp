@@ -30,54 +30,11 @@
 namespace {
 
 using at::Tensor;
+using pagedchat_cpu_level::attend;
 using pagedchat_cpu_level::check;
-
-constexpr int64_t kMaxHeadDim = 256;
-
-// e^x without a library call, so that loops over it vectorize: x = n ln2 + r (Cody-Waite), e^r by Cephes' expf
-// polynomial (relative error ~1e-7 on |r| <= ln2 / 2), times 2^n built in the exponent bits. x is clamped to
-// [-87, 88] (e^-87 ~ 1.6e-38: a softmax weight that small is 0 next to the maximum's 1).
-inline float exp_fast(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// a . b (one vector accumulator, reduced at the end; callers overlap independent dots)
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// The dots of four consecutive query rows q, q + n, q + 2n, q + 3n with four keys, each summed as dot() sums it
-// (one vector accumulator, reduced at the end): the same floats as four dot() calls, with four independent chains of
-// fused multiply-adds in flight instead of one.
-inline void dots4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t n,
-                  float* out) {
-  const float *q1 = q + n, *q2 = q + 2 * n, *q3 = q + 3 * n;
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < n; ++i) {
-    s0 += q[i] * k0[i];
-    s1 += q1[i] * k1[i];
-    s2 += q2[i] * k2[i];
-    s3 += q3[i] * k3[i];
-  }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
+using pagedchat_cpu_level::exp_fast;
+using pagedchat_cpu_level::Heads;
+using pagedchat_cpu_level::kMaxHeadDim;
 
 // 1 / sqrt(mean(x^2) + eps), the sum of squares in double
 inline float inverse_rms(const float* x, int64_t n, float eps) {
@@ -87,28 +44,36 @@ inline float inverse_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(static_cast<float>(squares / n) + eps);
 }
 
+// The per-row loops below are split between the threads from kParallelRows rows on (a prompt's; a decode step's
+// few rows stay on the calling thread: a parallel region costs more than they do).
+constexpr int64_t kParallelRows = 16;
+
 // residual += x (if given); out = weight * (residual * inverse_rms)
 void add_rms_norm(float* residual, const float* x, const float* weight, float* out, int64_t rows, int64_t hidden,
                   float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* res = residual + r * hidden;
-    if (x != nullptr) {
-      const float* xr = x + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) res[i] += xr[i];
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = residual + r * hidden;
+      if (x != nullptr) {
+        const float* xr = x + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) res[i] += xr[i];
+      }
+      const float inv = inverse_rms(res, hidden, eps);
+      float* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = weight[i] * (res[i] * inv);
     }
-    const float inv = inverse_rms(res, hidden, eps);
-    float* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = weight[i] * (res[i] * inv);
-  }
+  });
 }
 
 // x = weight * (x * inverse_rms), each of `rows` vectors of n in place (Gemma's output norms, q/k norms)
 void rms_norm_in_place(float* x, const float* weight, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* xr = x + r * n;
-    const float inv = inverse_rms(xr, n, eps);
-    for (int64_t i = 0; i < n; ++i) xr[i] = weight[i] * (xr[i] * inv);
-  }
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * n;
+      const float inv = inverse_rms(xr, n, eps);
+      for (int64_t i = 0; i < n; ++i) xr[i] = weight[i] * (xr[i] * inv);
+    }
+  });
 }
 
 // rotate_half(x) * sin == cat(x2, x1) * signed_sin, signed_sin's first half negated (kernels/cpu.py)
@@ -120,201 +85,51 @@ inline void rotate(const float* x, const float* cos, const float* signed_sin, fl
   }
 }
 
-struct Heads {
-  int64_t heads, kv_heads, dim;
-};
-
 // q, k normed (if q_norm / k_norm) and rotated, q into q_out and k, v into their slots; qkv [rows, (h + 2 kv) dim]
 // is normed in place
 void rope_store(float* qkv, const float* cos, const float* signed_sin, const int64_t* slots, const float* q_norm,
                 const float* k_norm, float eps, float* q_out, float* k_cache, float* v_cache, int64_t rows, Heads n) {
   const int64_t width = (n.heads + 2 * n.kv_heads) * n.dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* src = qkv + r * width;
-    if (q_norm != nullptr) rms_norm_in_place(src, q_norm, n.heads, n.dim, eps);
-    if (k_norm != nullptr) rms_norm_in_place(src + n.heads * n.dim, k_norm, n.kv_heads, n.dim, eps);
-    const float* c = cos + r * n.dim;
-    const float* s = signed_sin + r * n.dim;
-    for (int64_t h = 0; h < n.heads; ++h) rotate(src + h * n.dim, c, s, q_out + (r * n.heads + h) * n.dim, n.dim);
-    if (slots[r] < 0) continue;  // a padding row writes nowhere
-    float* k_slot = k_cache + slots[r] * n.kv_heads * n.dim;
-    float* v_slot = v_cache + slots[r] * n.kv_heads * n.dim;
-    for (int64_t h = 0; h < n.kv_heads; ++h) rotate(src + (n.heads + h) * n.dim, c, s, k_slot + h * n.dim, n.dim);
-    std::memcpy(v_slot, src + (n.heads + n.kv_heads) * n.dim, n.kv_heads * n.dim * sizeof(float));
-  }
-}
-
-// One (row, span of positions) task over all heads: the span's softmax numerator, maximum and total (the
-// flash-decoding split) per query head. A position's K (and V) of all KV heads is one contiguous run of
-// kv_heads * dim floats, read once, in cache order: the KV cache is read from memory at full speed (a task per
-// KV head would read a third of each run and leave the rest to the prefetcher). acc [heads, dim + 2]: the
-// numerator, then the maximum and the total.
-void attend_span(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t lo,
-                 int64_t hi, Heads n, int64_t block_size, float scale, std::vector<float>& scores, float* acc) {
-  const int64_t length = hi - lo, group = n.heads / n.kv_heads, row_stride = n.kv_heads * n.dim, dim = n.dim;
-  scores.resize(n.heads * length);
-  for (int64_t p = lo; p < hi;) {  // block by block: one table read and no division per position
-    const int64_t offset = p % block_size, count = std::min(block_size - offset, hi - p);
-    const float* key = k_cache + (table[p / block_size] * block_size + offset) * row_stride;
-    for (int64_t j = 0; j < count; ++j, key += row_stride) {
-      int64_t h = 0;
-      for (; h + 4 <= n.heads; h += 4) {  // four heads' dots at once: four accumulators in flight, not one chain
-        float four[4];
-        dots4(q + h * dim, key + (h / group) * dim, key + ((h + 1) / group) * dim, key + ((h + 2) / group) * dim,
-              key + ((h + 3) / group) * dim, dim, four);
-        for (int64_t i = 0; i < 4; ++i) scores[(h + i) * length + p - lo + j] = four[i] * scale;
-      }
-      for (; h < n.heads; ++h) scores[h * length + p - lo + j] = dot(q + h * dim, key + (h / group) * dim, dim) * scale;
-    }
-    p += count;
-  }
-  for (int64_t h = 0; h < n.heads; ++h) {
-    float* sh = scores.data() + h * length;
-    float* stats = acc + h * (dim + 2) + dim;
-    stats[0] = *std::max_element(sh, sh + length);
-    for (int64_t p = 0; p < length; ++p) sh[p] = exp_fast(sh[p] - stats[0]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < length; ++p) sum += sh[p];
-    stats[1] = sum;
-    std::fill(acc + h * (dim + 2), stats, 0.0f);
-  }
-  for (int64_t p = lo; p < hi;) {
-    const int64_t offset = p % block_size, count = std::min(block_size - offset, hi - p);
-    const float* value = v_cache + (table[p / block_size] * block_size + offset) * row_stride;
-    int64_t j = 0;
-    for (; j + 4 <= count; j += 4, value += 4 * row_stride) {  // four positions per pass over a head's numerator
-      for (int64_t h = 0; h < n.heads; ++h) {
-        const float* w = scores.data() + h * length + p - lo + j;
-        const float* v0 = value + (h / group) * dim;
-        const float *v1 = v0 + row_stride, *v2 = v1 + row_stride, *v3 = v2 + row_stride;
-        float* a = acc + h * (dim + 2);
-        // the same four multiply-adds in position order as four passes: only a[i]'s loads and stores are shared
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-          float x = a[i];
-          x += w[0] * v0[i];
-          x += w[1] * v1[i];
-          x += w[2] * v2[i];
-          x += w[3] * v3[i];
-          a[i] = x;
-        }
-      }
-    }
-    for (; j < count; ++j, value += row_stride) {
-      for (int64_t h = 0; h < n.heads; ++h) {
-        const float w = scores[h * length + p - lo + j];
-        const float* vh = value + (h / group) * dim;
-        float* a = acc + h * (dim + 2);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) a[i] += w * vh[i];
-      }
-    }
-    p += count;
-  }
-}
-
-// Decode attention, parallel over (run of rows, span of kSpan positions): one long row still occupies every
-// thread, and the spans of a row are merged by their maxima in order. A row attends positions [start, context)
-// with start = max(0, context - window) for a sliding-window layer (window > 0), else 0. Spans depend on the row's
-// own positions only, so a row's result does not depend on the batch it is in (greedy tokens must not).
-// A run is up to kRunRows consecutive rows of one sequence (the same first table entry, contexts one apart: a
-// prompt's tokens, speculative decoding's verify rows), in a layer without a window: a task computes one span for
-// each of its rows in turn, so the span's K and V, read from memory for the first, serve the others from cache
-// (each row over a long context read all of its KV again); each row's arithmetic is the one it has alone.
-constexpr int64_t kSpan = 128;
-constexpr int64_t kRunRows = 8;
-
-// Runs of rows (see attend): run g is rows first_row[g] .. first_row[g + 1] - 1.
-std::vector<int64_t> row_runs(const int32_t* tables, int64_t table_width, const int32_t* context_lens,
-                              int64_t window, int64_t rows) {
-  std::vector<int64_t> first_row;
-  for (int64_t r = 0; r < rows; ++r) {
-    const bool joins = r > 0 && window == 0 && r - first_row.back() < kRunRows &&
-                       context_lens[r] == context_lens[r - 1] + 1 && tables[r * table_width] == tables[(r - 1) * table_width];
-    if (!joins) first_row.push_back(r);
-  }
-  first_row.push_back(rows);
-  return first_row;
-}
-
-void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
-            const int32_t* context_lens, int64_t window, float* out, int64_t rows, Heads n, int64_t block_size,
-            float scale) {
-  RECORD_FUNCTION("pagedchat_cpu::attend", std::vector<c10::IValue>());
-  const int64_t dim = n.dim;
-  std::vector<int64_t> start(rows), first_task(rows + 1, 0);  // row r's spans: tasks first_task[r] .. [r + 1] - 1
-  for (int64_t r = 0; r < rows; ++r) {
-    start[r] = window > 0 ? std::max<int64_t>(0, context_lens[r] - window) : 0;
-    first_task[r + 1] = first_task[r] + std::max<int64_t>(1, (context_lens[r] - start[r] + kSpan - 1) / kSpan);
-  }
-  const int64_t part_size = n.heads * (dim + 2);
-  std::vector<float> partial(first_task[rows] * part_size);
-  // run g's tasks: first_run_task[g] .. [g + 1] - 1, one per span of its longest row (its last)
-  const std::vector<int64_t> first_row = row_runs(tables, table_width, context_lens, window, rows);
-  const int64_t runs = static_cast<int64_t>(first_row.size()) - 1;
-  std::vector<int64_t> first_run_task(runs + 1, 0);
-  for (int64_t g = 0; g < runs; ++g) {
-    const int64_t last = first_row[g + 1] - 1;
-    first_run_task[g + 1] = first_run_task[g] + (first_task[last + 1] - first_task[last]);
-  }
-  at::parallel_for(0, first_run_task[runs], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    int64_t g = std::upper_bound(first_run_task.begin(), first_run_task.end(), begin) - first_run_task.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first_run_task[g + 1]) ++g;
-      const int64_t span = task - first_run_task[g];
-      for (int64_t r = first_row[g]; r < first_row[g + 1]; ++r) {
-        if (span >= first_task[r + 1] - first_task[r]) continue;  // (a shorter row of the run: no such span)
-        const int64_t lo = start[r] + span * kSpan, hi = std::min<int64_t>(context_lens[r], lo + kSpan);
-        float* acc = partial.data() + (first_task[r] + span) * part_size;
-        if (lo >= hi) {  // a row without context (a padding row): no weight in the merge
-          for (int64_t h = 0; h < n.heads; ++h) acc[h * (dim + 2) + dim] = -INFINITY;
-          continue;
-        }
-        attend_span(q + r * n.heads * dim, k_cache, v_cache, tables + r * table_width, lo, hi, n, block_size,
-                    scale, scores, acc);
-      }
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* src = qkv + r * width;
+      if (q_norm != nullptr) rms_norm_in_place(src, q_norm, n.heads, n.dim, eps);
+      if (k_norm != nullptr) rms_norm_in_place(src + n.heads * n.dim, k_norm, n.kv_heads, n.dim, eps);
+      const float* c = cos + r * n.dim;
+      const float* s = signed_sin + r * n.dim;
+      for (int64_t h = 0; h < n.heads; ++h) rotate(src + h * n.dim, c, s, q_out + (r * n.heads + h) * n.dim, n.dim);
+      if (slots[r] < 0) continue;  // a padding row writes nowhere
+      float* k_slot = k_cache + slots[r] * n.kv_heads * n.dim;
+      float* v_slot = v_cache + slots[r] * n.kv_heads * n.dim;
+      for (int64_t h = 0; h < n.kv_heads; ++h) rotate(src + (n.heads + h) * n.dim, c, s, k_slot + h * n.dim, n.dim);
+      std::memcpy(v_slot, src + (n.heads + n.kv_heads) * n.dim, n.kv_heads * n.dim * sizeof(float));
     }
   });
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < n.heads; ++h) {
-      float* o = out + (r * n.heads + h) * dim;
-      float top = -INFINITY;
-      for (int64_t task = first_task[r]; task < first_task[r + 1]; ++task)
-        top = std::max(top, partial[task * part_size + h * (dim + 2) + dim]);
-      if (top == -INFINITY) {
-        std::fill(o, o + dim, 0.0f);
-        continue;
-      }
-      float merged[kMaxHeadDim] = {};
-      float total = 0.0f;
-      for (int64_t task = first_task[r]; task < first_task[r + 1]; ++task) {
-        const float* part = partial.data() + task * part_size + h * (dim + 2);
-        const float weight = std::exp(part[dim] - top);
-        total += weight * part[dim + 1];
-        for (int64_t i = 0; i < dim; ++i) merged[i] += weight * part[i];
-      }
-      for (int64_t i = 0; i < dim; ++i) o[i] = merged[i] / total;
-    }
-  }
 }
 
 // Gated MLP activation: out = act(gate) * up; act 0: silu (x / (1 + e^-x)), 1: gelu with tanh (0.5 x (1 +
-// tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's approximate="tanh")
+// tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): torch's approximate="tanh"), computed as x / (1 + e^-2u) (the same
+// function: 0.5 (1 + tanh(u)) is the logistic of 2u), so that it vectorizes like silu (libm's tanhf, one call per
+// element, was a quarter of Gemma's prefill). Parallel over chunks of 256 of a row's elements, so that one decode
+// row's are split between the threads too.
 void act_mul(const float* gate_up, float* out, int64_t rows, int64_t inner, int64_t activation) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (inner + kChunk - 1) / kChunk;
+  at::parallel_for(0, rows * chunks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / chunks, lo = (task % chunks) * kChunk, hi = std::min(inner, lo + kChunk);
       const float* gate = gate_up + r * 2 * inner;
       const float* up = gate + inner;
       float* o = out + r * inner;
       if (activation == 0) {
-        for (int64_t i = 0; i < inner; ++i) o[i] = gate[i] / (1.0f + exp_fast(-gate[i])) * up[i];
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) o[i] = gate[i] / (1.0f + exp_fast(-gate[i])) * up[i];
       } else {
-        constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-        for (int64_t i = 0; i < inner; ++i) {
+        constexpr float kMinusTwoAlpha = -2.0f * 0.7978845608028654f;  // -2 sqrt(2 / pi)
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) {
           const float g = gate[i];
-          o[i] = 0.5f * g * (1.0f + std::tanh(kAlpha * (g + 0.044715f * g * g * g))) * up[i];
+          o[i] = g / (1.0f + exp_fast(kMinusTwoAlpha * (g + 0.044715f * g * g * g))) * up[i];
         }
       }
     }
@@ -436,6 +251,8 @@ PAGEDCHAT_LIBRARY(PAGEDCHAT_CPU_NS, m) {
   m.def("gguf_tiles(Tensor raw, int format, int rows, int cols) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("isa() -> str", &pagedchat_cpu_level::isa);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "int window, float scale) -> Tensor");
   m.def("decode_layers(Tensor(a!) residual, Tensor slots, Tensor block_tables, Tensor window_slots, "
         "Tensor window_tables, Tensor context_lens, Tensor[] cos, Tensor[] signed_sin, int[] rotary, int[] window, "
         "Tensor[] input_norms, Tensor[] post_norms, Tensor[] q_norms, Tensor[] k_norms, Tensor[] attn_out_norms, "
@@ -449,4 +266,5 @@ PAGEDCHAT_LIBRARY_IMPL(PAGEDCHAT_CPU_NS, CPU, m) {
   m.impl("gguf_tiles", &pagedchat_cpu_level::gguf_tiles);
   m.impl("int8_linear", &pagedchat_cpu_level::int8_linear);
   m.impl("decode_layers", &decode_layers);
+  m.impl("paged_attention", &pagedchat_cpu_level::paged_attention);
 }

@@ -68,18 +68,26 @@ void quantize_activations(const float* x, int64_t rows, int64_t k, QuantizedActi
   out.scaled_sums.resize(rows * groups);
   out.sums.resize(rows * groups);
   out.half_sums.resize(rows * groups * 2);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
+  // (rows are independent: a prompt's hundreds of rows are split between the threads)
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / groups, g = task % groups;
       const float* xg = x + r * k + g * 32;
+      // (loops the compiler vectorizes: the maximum is exact in any order, a code depends on its input only)
       float top = 0.0f;
-      for (int i = 0; i < 32; ++i) top = std::max(top, std::abs(xg[i]));
+#pragma omp simd reduction(max : top)
+      for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(xg[i]));
       const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      int32_t codes[32];
+#pragma omp simd
+      for (int i = 0; i < 32; ++i) codes[i] = static_cast<int32_t>(std::nearbyint(xg[i] * inverse));
+      int32_t low = 0, high = 0;  // the sums of inputs 0..15 and 16..31
+#pragma omp simd reduction(+ : low, high)
+      for (int i = 0; i < 16; ++i) low += codes[i], high += codes[i + 16];
+      const int32_t half[2] = {low, high};
       int8_t* a = out.codes.data() + r * k + g * 32;
-      int32_t half[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        a[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inverse));
-        half[i / 16] += a[i];
-      }
+#pragma omp simd
+      for (int i = 0; i < 32; ++i) a[i] = static_cast<int8_t>(codes[i]);
       const int64_t at = r * groups + g;
       out.scales[at] = scale;
       out.sums[at] = half[0] + half[1];
@@ -87,7 +95,7 @@ void quantize_activations(const float* x, int64_t rows, int64_t k, QuantizedActi
       out.half_sums[2 * at] = half[0];
       out.half_sums[2 * at + 1] = half[1];
     }
-  }
+  });
 }
 
 namespace {
@@ -95,7 +103,7 @@ namespace {
 // sum over chunks c in [first, first + count) of q[c] . a[4c .. 4c + 3] per lane, exactly: 16-bit partial sums
 // widen to 32 bits every `per16` chunks, as many as add up without saturating (2 * max_code * 127 each)
 template <int kMaxCode>
-inline IVec dot_chunks(const IVec* q, const int8_t* a, int first, int count) {
+PAGEDCHAT_INLINE IVec dot_chunks(const IVec* q, const int8_t* a, int first, int count) {
   IVec sum = set1_32(0);
   if constexpr (kVnni) {
     for (int c = first; c < first + count; ++c) sum = dpbusd(sum, q[c], broadcast4(a + 4 * c));
@@ -112,7 +120,7 @@ inline IVec dot_chunks(const IVec* q, const int8_t* a, int first, int count) {
 }
 
 // a group's 4-bit codes (lane v's outputs): q[2c] low nibbles, q[2c + 1] high nibbles of vector c
-inline void nibbles(const uint8_t* codes, int v, IVec* q) {
+PAGEDCHAT_INLINE void nibbles(const uint8_t* codes, int v, IVec* q) {
   for (int c = 0; c < 4; ++c) {
     const IVec packed = load_i(codes + c * 64 + v * kQLanes * 4);
     q[2 * c] = low_nibbles(packed);
@@ -122,7 +130,7 @@ inline void nibbles(const uint8_t* codes, int v, IVec* q) {
 
 // Q5: one 64-byte vector of fifth bits per group; byte (output, i): bit c = input 8c + i's, bit 4 + c = input
 // 8c + 4 + i's
-inline void fifth_bits(const uint8_t* high, int v, IVec* q) {
+PAGEDCHAT_INLINE void fifth_bits(const uint8_t* high, int v, IVec* q) {
   const IVec hb = load_i(high + v * kQLanes * 4);
   for (int c = 0; c < 4; ++c) {
     q[2 * c] = or_i(q[2 * c], bits_left(hb, 4 - c, 0x10));
@@ -132,7 +140,7 @@ inline void fifth_bits(const uint8_t* high, int v, IVec* q) {
 
 // Q6: two 64-byte vectors of the codes' top two bits per group; vector p, byte (output, i): bits 2t, 2t + 1 for
 // t = 0..3 = inputs 8c + i, 8c + 4 + i, 8c' + i, 8c' + 4 + i of chunks c = 2p, c' = 2p + 1
-inline void top_bits(const uint8_t* high, int v, IVec* q) {
+PAGEDCHAT_INLINE void top_bits(const uint8_t* high, int v, IVec* q) {
   for (int p = 0; p < 2; ++p) {
     const IVec hb = load_i(high + p * 64 + v * kQLanes * 4);
     q[4 * p + 0] = or_i(q[4 * p + 0], bits_left(hb, 4, 0x30));
@@ -156,15 +164,15 @@ inline int64_t act_at(const Step& s, int r, int64_t g) { return (s.row0 + r) * (
 
 // Q4_0, Q5_0: d (q . a - o sum(a)) s
 template <int Rows, int kBits>
-inline void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
+PAGEDCHAT_INLINE void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
   constexpr int offset = 1 << (kBits - 1);
   const uint8_t* d16 = tile + (kBits == 4 ? 256 : 320);
-  for (int v = 0; v < kQVecs; ++v) {
+  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
     IVec q[8];
     nibbles(tile, v, q);
     if constexpr (kBits == 5) fifth_bits(tile + 256, v, q);
     const FVec d = half_to_float(halves(d16) + v * kQLanes);
-    for (int r = 0; r < Rows; ++r) {
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
       const int64_t at = act_at(s, r, g);
       const IVec sum = sub32(dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g), 0, 8), set1_32(offset * s.act.sums[at]));
       s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
@@ -174,12 +182,12 @@ inline void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
 
 // Q4_1: d (q . a) s + m s sum(a)
 template <int Rows>
-inline void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
-  for (int v = 0; v < kQVecs; ++v) {
+PAGEDCHAT_INLINE void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
+  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
     IVec q[8];
     nibbles(tile, v, q);
     const FVec d = half_to_float(halves(tile + 256) + v * kQLanes), m = half_to_float(halves(tile + 288) + v * kQLanes);
-    for (int r = 0; r < Rows; ++r) {
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
       const int64_t at = act_at(s, r, g);
       const IVec sum = dot_chunks<15>(q, act_codes(s, r, g), 0, 8);
       s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
@@ -192,8 +200,8 @@ inline void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
 // off again, exactly); without VNNI, vpmaddubsw's pairs would saturate on 255 * 127 * 2, so the products are
 // |w| x (a with w's sign): at most 2 * 128 * 127 = 32512 per pair, exact (llama.cpp's AVX2 Q8_0 dot)
 template <int Rows>
-inline void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
-  for (int v = 0; v < kQVecs; ++v) {
+PAGEDCHAT_INLINE void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
+  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
     IVec biased[8], magnitude[8], signs[8];
     for (int c = 0; c < 8; ++c) {
       biased[c] = load_i(tile + c * 64 + v * kQLanes * 4);
@@ -203,7 +211,7 @@ inline void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
       }
     }
     const FVec d = half_to_float(halves(tile + 512) + v * kQLanes);
-    for (int r = 0; r < Rows; ++r) {
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
       const int64_t at = act_at(s, r, g);
       const int8_t* a = act_codes(s, r, g);
       IVec sum;
@@ -222,8 +230,8 @@ inline void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
 
 // Q4_K, Q5_K: (d sc) (q . a) s - (dmin mn) s sum(a); d sc and dmin mn are exact in float32 (11 x 6 bits)
 template <int Rows, int kBits>
-inline void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
-  for (int v = 0; v < kQVecs; ++v) {
+PAGEDCHAT_INLINE void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
+  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
     const FVec d = half_to_float(halves(tile) + v * kQLanes), dmin = half_to_float(halves(tile + 32) + v * kQLanes);
     for (int gi = 0; gi < 8; ++gi) {
       IVec q[8];
@@ -231,7 +239,7 @@ inline void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
       if constexpr (kBits == 5) fifth_bits(tile + 2368 + gi * 64, v, q);
       const FVec dsub = mul(d, cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
       const FVec msub = mul(dmin, cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
-      for (int r = 0; r < Rows; ++r) {
+      PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
         const int64_t at = act_at(s, r, g0 + gi);
         const IVec sum = dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g0 + gi), 0, 8);
         s.acc[r][v] = fmadd(cvt(sum), mul(dsub, set1(s.act.scales[at])), s.acc[r][v]);
@@ -243,16 +251,16 @@ inline void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
 
 // Q6_K: d s (sc0 (q . a - 32 sum(a)) over inputs 0..15 + sc1 (...) over 16..31), the bracket in exact integers
 template <int Rows>
-inline void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
+PAGEDCHAT_INLINE void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
   const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
-  for (int v = 0; v < kQVecs; ++v) {
+  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
     const FVec d = half_to_float(halves(tile) + v * kQLanes);
     for (int gi = 0; gi < 8; ++gi) {
       IVec q[8];
       nibbles(tile + 288 + gi * 256, v, q);
       top_bits(tile + 2336 + gi * 128, v, q);
       const IVec sc0 = s8_to_32(sc + (2 * gi) * 16 + v * kQLanes), sc1 = s8_to_32(sc + (2 * gi + 1) * 16 + v * kQLanes);
-      for (int r = 0; r < Rows; ++r) {
+      PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
         const int64_t at = act_at(s, r, g0 + gi);
         const int8_t* a = act_codes(s, r, g0 + gi);
         const IVec low = sub32(dot_chunks<63>(q, a, 0, 4), set1_32(32 * s.act.half_sums[2 * at]));
@@ -269,8 +277,8 @@ template <int64_t F, int Rows>
 void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* tiles, float* out, int64_t n) {
   constexpr Layout lay = layout(F);
   FVec acc[8][kQVecs];
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
+  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r)
+    PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
   Step s{act, row0, acc};
   const int64_t count = act.k / lay.inputs;
   for (int64_t t = 0; t < count; ++t) {
@@ -284,8 +292,8 @@ void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* t
     if constexpr (F == kQ5_K) k4_tile<Rows, 5>(s, tile, g);
     if constexpr (F == kQ6_K) q6_k_tile<Rows>(s, tile, g);
   }
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
+  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r)
+    PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
 }
 
 using Column = void (*)(const QuantizedActivations&, int64_t, const uint8_t*, float*, int64_t);

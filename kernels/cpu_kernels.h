@@ -6,7 +6,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -43,6 +46,40 @@ at::Tensor gguf_linear(at::Tensor x, at::TensorList tiles, at::IntArrayRef forma
 // a GGUF tensor's raw bytes [rows, cols / block * block bytes] -> its tiles (cpu_gguf_repack.cpp)
 at::Tensor gguf_tiles(at::Tensor raw, int64_t format, int64_t rows, int64_t cols);
 std::string isa();
+
+// e^x without a library call, so that loops over it vectorize: x = n ln2 + r (Cody-Waite), e^r by Cephes' expf
+// polynomial (relative error ~1e-7 on |r| <= ln2 / 2), times 2^n built in the exponent bits. x is clamped to
+// [-87, 88] (e^-87 ~ 1.6e-38: a softmax weight that small is 0 next to the maximum's 1).
+inline float exp_fast(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+constexpr int64_t kMaxHeadDim = 256;
+struct Heads {
+  int64_t heads, kv_heads, dim;
+};
+// The native step's paged attention (cpu_attention.cpp): out [rows, heads * dim] = softmax(q k^T * scale) v per row
+// and query head over its sequence's K and V (q [rows, heads, dim]; the caches [blocks, block_size, kv_heads, dim],
+// read through the row's block table; positions [max(0, context - window), context) with window > 0, else all)
+void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables, int64_t table_width,
+            const int32_t* context_lens, int64_t window, float* out, int64_t rows, Heads n, int64_t block_size,
+            float scale);
+// the same as an op over tensors (tests, benchmarks): q [rows, heads, dim], caches as above, tables [rows, width]
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor context_lens, int64_t window, double scale);
 
 }  // namespace PAGEDCHAT_CPU_NS
 

@@ -36,6 +36,7 @@ ISA_SENSITIVE = frozenset(
         "tests/engine/test_cpu_weights.py",
         "tests/engine/test_engine_greedy.py",
         "tests/engine/test_models.py",
+        "tests/kernels/test_cpu_attention.py",
         "tests/kernels/test_cpu_native.py",
         "tests/kernels/test_gguf_kernels.py",
         "tests/server/test_soak.py",

@@ -38,7 +38,7 @@ TEXTS = [
     "A long story: " + "the quick brown fox jumps over the lazy dog, " * 6,
 ]
 SAY_HI = [{"role": "user", "content": "Say hi"}]
-HI_THERE = {"role": "assistant", "content": "Hi there! How can I help you today?"}
+HELLO = {"role": "assistant", "content": "Hello! How can I help you today?"}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -59,8 +59,10 @@ def prompts(plain: LLM) -> list[list[int]]:
 
 
 def chat_prompt(llm: LLM) -> list[int]:
-    """A chat whose assistant said the same thing twice before: the third reply is a draft run with EOS in it."""
-    return llm.chat_prompt_ids(SAY_HI + [HI_THERE] + SAY_HI + [HI_THERE] + SAY_HI)
+    """A chat whose assistant said the same thing three times before: the fourth reply is a draft run with EOS
+    inside it. (Not "Hi there! ... today?" twice: the 135M model's reply then hangs on near-ties that a kernel's
+    rounding decides either way, and that reply's EOS ends a verification's run, with nothing after it.)"""
+    return llm.chat_prompt_ids((SAY_HI + [HELLO]) * 3 + SAY_HI)
 
 
 def spec_counts(llm: LLM) -> tuple[int, int, int]:

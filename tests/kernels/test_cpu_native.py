@@ -290,8 +290,10 @@ def test_native_steps_follow_the_python_path(tmp_path: Path, kernel: str):
     )
     for p in recorder.passes:
         assert p["kv_written"] > 0.1, "the step writes its tokens' keys and values"
-        # measured: 9.5e-7
-        assert p["kv_diff"] <= 1e-4 * max(1.0, p["kv_written"]), p
+        # measured: ~1e-6, and 4e-3 where the two paths' attention, rounding apart by ~1e-7, put one activation
+        # of a q8-quantized matmul on either side of a code (one code step in the next layer's K); a wrong index,
+        # rotation or slot moves whole units
+        assert p["kv_diff"] <= 1e-2 * max(1.0, p["kv_written"]), p
         # measured: 4.7e-7
         assert p["hidden_diff"] <= 0.01 * p["hidden_scale"], p
 

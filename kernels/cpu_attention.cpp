@@ -10,11 +10,12 @@
 // for all of its rows at once, so the span's K and V serve every row from the cache.
 //
 // Within a task, per KV head, the (row, query head) pairs that share it go four at a time through a span's
-// positions four at a time: q . k is 16 dots of 16-float lanes (each lane a chain of fused multiply-adds over the
-// head's dims, in order), the 16 vectors then summed across their lanes together by one fixed tree (reduce16): a
-// dot's float does not depend on which dots share its vectors. The values' sums keep 4 pairs x 4 chunks of 16 dims
-// in registers over the span's positions, each a chain of fused multiply-adds in position order. A head_dim that is
-// not a multiple of 16 takes attend_span (a row at a time, the compiler's vector reductions).
+// positions a few at a time (kPositions): q . k is kLanes dots in vectors of kLanes floats (each lane a chain of fused
+// multiply-adds over the head's dims, in order), the kLanes vectors then summed across their lanes together by one
+// fixed tree (reduce): a dot's float does not depend on which dots share its vectors. The values' sums keep 4 pairs x
+// kChunks chunks of dims in registers over the span's positions, each a chain of fused multiply-adds in position
+// order. A head_dim that is not a multiple of kLanes takes attend_span (a row at a time, the compiler's vector
+// reductions).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -38,11 +39,20 @@ namespace {
 constexpr int64_t kSpan = 128;
 constexpr int64_t kRunRows = 8;
 
-// 16 floats: GCC lowers the vector type to the level's registers (one zmm, two ymm, four xmm). (Below AVX-512 the
-// compiler notes that such a vector's calling convention differs: these functions are inline, within this file.)
+// The lanes of a vector: 16 floats (one zmm) with AVX-512, 8 below it (one ymm; the generic build's two xmm), so
+// that a block's accumulators fit the level's registers (16 x 16 of 32 zmm; 8 x 8 of 16 ymm): a block is kPairs
+// pairs x kPositions positions (kLanes dots) for q . k, and kPairs pairs x up to kChunks chunks of kLanes dims for
+// the values. GCC lowers the vector type to the level's registers. (Without AVX-512 the compiler notes that a
+// 64-byte vector's calling convention differs: these functions are inline, within this file.)
 #pragma GCC diagnostic ignored "-Wpsabi"
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kPositions = 4, kChunks = 4;
 typedef float Lanes __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+#else
+constexpr int kLanes = 8, kPositions = 2, kChunks = 2;
+typedef float Lanes __attribute__((vector_size(32)));
+#endif
+constexpr int kPairs = kLanes / kPositions;  // 4 on both
 
 inline Lanes load(const float* p) {
   Lanes v;
@@ -50,10 +60,16 @@ inline Lanes load(const float* p) {
   return v;
 }
 inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
-inline Lanes splat(float x) {
+inline Lanes splat(float x) {  // (a lane-by-lane loop compiled to one masked insert per lane)
+#if defined(__AVX512F__)
+  return reinterpret_cast<Lanes>(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+  return reinterpret_cast<Lanes>(_mm256_set1_ps(x));
+#else
   Lanes v;
   for (int i = 0; i < kLanes; ++i) v[i] = x;
   return v;
+#endif
 }
 // a * b + c, fused where the level has the instruction (the compiler never decides: the same float everywhere)
 inline Lanes fmadd(Lanes a, Lanes b, Lanes c) {
@@ -61,23 +77,18 @@ inline Lanes fmadd(Lanes a, Lanes b, Lanes c) {
   return reinterpret_cast<Lanes>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
                                                  reinterpret_cast<__m512>(c)));
 #elif defined(__FMA__)
-  __m256 a2[2], b2[2], c2[2];
-  std::memcpy(a2, &a, sizeof(a));
-  std::memcpy(b2, &b, sizeof(b));
-  std::memcpy(c2, &c, sizeof(c));
-  for (int h = 0; h < 2; ++h) c2[h] = _mm256_fmadd_ps(a2[h], b2[h], c2[h]);
-  Lanes out;
-  std::memcpy(&out, c2, sizeof(out));
-  return out;
+  return reinterpret_cast<Lanes>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                 reinterpret_cast<__m256>(c)));
 #else
   const Lanes product = a * b;  // (no fused instruction at this level)
   return product + c;
 #endif
 }
 
-// The cross-lane tree of reduce16, one level per function: each adds lane j and lane j + w of every dot (w = 8, 4,
-// 2, 1), two vectors' dots at a time, so that a dot's sum is ((l0 + l8) + (l4 + l12)) + ... in the same order
-// whichever vectors it shares.
+// The cross-lane tree of reduce, one level per function: each adds lane j and lane j + w of every dot (w = 8, 4, 2,
+// 1 with 16 lanes; 4, 2, 1 with 8), two vectors' dots at a time, so that a dot's sum is ((l0 + l8) + (l4 + l12))
+// + ... in the same order whichever vectors it shares.
+#if defined(__AVX512F__)
 inline Lanes halve8(Lanes a, Lanes b) {
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -94,14 +105,32 @@ inline Lanes halve1(Lanes a, Lanes b) {
   return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-// lane i = the sum of acc[i]'s 16 lanes
-inline Lanes reduce16(const Lanes (&acc)[16]) {
+// lane i = the sum of acc[i]'s lanes
+inline Lanes reduce(const Lanes (&acc)[kLanes]) {
   Lanes l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i) l1[i] = halve8(acc[2 * i], acc[2 * i + 1]);
   for (int i = 0; i < 4; ++i) l2[i] = halve4(l1[2 * i], l1[2 * i + 1]);
   for (int i = 0; i < 2; ++i) l3[i] = halve2(l2[2 * i], l2[2 * i + 1]);
   return halve1(l3[0], l3[1]);
 }
+#else
+inline Lanes halve4(Lanes a, Lanes b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline Lanes halve2(Lanes a, Lanes b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+}
+inline Lanes halve1(Lanes a, Lanes b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+// lane i = the sum of acc[i]'s lanes
+inline Lanes reduce(const Lanes (&acc)[kLanes]) {
+  Lanes l1[4], l2[2];
+  for (int i = 0; i < 4; ++i) l1[i] = halve4(acc[2 * i], acc[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) l2[i] = halve2(l1[2 * i], l1[2 * i + 1]);
+  return halve1(l2[0], l2[1]);
+}
+#endif
 
 // A (row, query head) of a task: its query, its partial [dim + 2] (numerator, maximum, total) and how many of the
 // span's positions it attends
@@ -116,25 +145,25 @@ struct Pair {
 template <int NP>
 void pair_scores(const Pair* pairs, const float* const* key_rows, int64_t length, int64_t dim, float scale,
                  float* scores) {
-  for (int64_t j0 = 0; j0 < length; j0 += 4) {
-    const float* key[4];
-    for (int j = 0; j < 4; ++j) key[j] = key_rows[std::min<int64_t>(j0 + j, length - 1)];  // (a repeat: unused)
-    Lanes acc[16] = {};
+  for (int64_t j0 = 0; j0 < length; j0 += kPositions) {
+    const float* key[kPositions];
+    for (int j = 0; j < kPositions; ++j) key[j] = key_rows[std::min<int64_t>(j0 + j, length - 1)];  // (a repeat: unused)
+    Lanes acc[kLanes] = {};
     for (int64_t c = 0; c < dim; c += kLanes) {
-      Lanes k[4];
-      for (int j = 0; j < 4; ++j) k[j] = load(key[j] + c);
+      Lanes k[kPositions];
+      for (int j = 0; j < kPositions; ++j) k[j] = load(key[j] + c);
       for (int i = 0; i < NP; ++i) {
         const Lanes qv = load(pairs[i].q + c);
-        for (int j = 0; j < 4; ++j) acc[4 * i + j] = fmadd(qv, k[j], acc[4 * i + j]);
+        for (int j = 0; j < kPositions; ++j) acc[kPositions * i + j] = fmadd(qv, k[j], acc[kPositions * i + j]);
       }
     }
-    const Lanes sums = reduce16(acc);
+    const Lanes sums = reduce(acc);
     for (int i = 0; i < NP; ++i)
-      for (int j = 0; j < 4 && j0 + j < length; ++j) scores[i * kSpan + j0 + j] = sums[4 * i + j] * scale;
+      for (int j = 0; j < kPositions && j0 + j < length; ++j) scores[i * kSpan + j0 + j] = sums[kPositions * i + j] * scale;
   }
 }
 
-// pair i's numerator (dims c0 .. c0 + 16 NC) = sum over its positions p of weights[i * kSpan + p] v_p, position by
+// pair i's numerator (dims c0 .. c0 + kLanes NC) = sum over its positions p of weights[i * kSpan + p] v_p, position by
 // position; value_rows[p]: position p's V row of the pairs' KV head
 template <int NP, int NC>
 void pair_values(const Pair* pairs, const float* const* value_rows, const float* weights, int64_t c0) {
@@ -159,27 +188,41 @@ void pair_values(const Pair* pairs, const float* const* value_rows, const float*
 }
 
 using Scores = void (*)(const Pair*, const float* const*, int64_t, int64_t, float, float*);
-constexpr Scores kScores[4] = {pair_scores<1>, pair_scores<2>, pair_scores<3>, pair_scores<4>};
+constexpr Scores kScores[kPairs] = {pair_scores<1>, pair_scores<2>, pair_scores<3>, pair_scores<4>};
 using Values = void (*)(const Pair*, const float* const*, const float*, int64_t);
-constexpr Values kValues[4][4] = {
+#if defined(__AVX512F__)
+constexpr Values kValues[kPairs][kChunks] = {
     {pair_values<1, 1>, pair_values<1, 2>, pair_values<1, 3>, pair_values<1, 4>},
     {pair_values<2, 1>, pair_values<2, 2>, pair_values<2, 3>, pair_values<2, 4>},
     {pair_values<3, 1>, pair_values<3, 2>, pair_values<3, 3>, pair_values<3, 4>},
     {pair_values<4, 1>, pair_values<4, 2>, pair_values<4, 3>, pair_values<4, 4>},
 };
+#else
+constexpr Values kValues[kPairs][kChunks] = {
+    {pair_values<1, 1>, pair_values<1, 2>},
+    {pair_values<2, 1>, pair_values<2, 2>},
+    {pair_values<3, 1>, pair_values<3, 2>},
+    {pair_values<4, 1>, pair_values<4, 2>},
+};
+#endif
 
 // scores[0 .. length) -> e^(score - maximum), with the maximum and the total into stats[0], stats[1] (one function
-// for every pair: the total's vector reduction is the same for all)
+// for every pair: the total's vector reduction is the same for all; locals, so that no store to scores may change
+// them and the loops vectorize)
 void softmax_weights(float* scores, int64_t length, float* stats) {
-  stats[0] = *std::max_element(scores, scores + length);
-  for (int64_t p = 0; p < length; ++p) scores[p] = exp_fast(scores[p] - stats[0]);
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (int64_t p = 0; p < length; ++p) top = std::max(top, scores[p]);
+#pragma omp simd
+  for (int64_t p = 0; p < length; ++p) scores[p] = exp_fast(scores[p] - top);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t p = 0; p < length; ++p) sum += scores[p];
+  stats[0] = top;
   stats[1] = sum;
 }
 
-// One task's span for the rows of a run (head_dim a multiple of 16): rows[i]'s query q_rows[i], partial acc_rows[i]
+// One task's span for the rows of a run (head_dim a multiple of kLanes): rows[i]'s query q_rows[i], partial acc_rows[i]
 // [heads, dim + 2], positions lo .. lo + lengths[i] (the run's rows share the table: the last row's)
 void attend_run_span(const float* const* q_rows, float* const* acc_rows, const int64_t* lengths, int64_t count,
                      const float* k_cache, const float* v_cache, const int32_t* table, int64_t lo, Heads n,
@@ -188,7 +231,7 @@ void attend_run_span(const float* const* q_rows, float* const* acc_rows, const i
   const int64_t longest = *std::max_element(lengths, lengths + count);
   const float* key_rows[kSpan];
   const float* value_rows[kSpan];
-  scores.resize(4 * kSpan);
+  scores.resize(kPairs * kSpan);
   std::vector<Pair> pairs;
   for (int64_t kh = 0; kh < n.kv_heads; ++kh) {
     for (int64_t p = 0; p < longest; ++p) {
@@ -200,15 +243,15 @@ void attend_run_span(const float* const* q_rows, float* const* acc_rows, const i
     for (int64_t r = 0; r < count; ++r)
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
         pairs.push_back({q_rows[r] + h * dim, acc_rows[r] + h * (dim + 2), lengths[r]});
-    for (size_t b = 0; b < pairs.size(); b += 4) {
-      const int np = static_cast<int>(std::min<size_t>(4, pairs.size() - b));
+    for (size_t b = 0; b < pairs.size(); b += kPairs) {
+      const int np = static_cast<int>(std::min<size_t>(kPairs, pairs.size() - b));
       const Pair* block = pairs.data() + b;
       int64_t block_longest = 0;
       for (int i = 0; i < np; ++i) block_longest = std::max(block_longest, block[i].length);
       kScores[np - 1](block, key_rows, block_longest, dim, scale, scores.data());
       for (int i = 0; i < np; ++i) softmax_weights(scores.data() + i * kSpan, block[i].length, block[i].acc + dim);
-      for (int64_t c0 = 0; c0 < dim; c0 += 4 * kLanes) {
-        const int nc = static_cast<int>(std::min<int64_t>(4, (dim - c0) / kLanes));
+      for (int64_t c0 = 0; c0 < dim; c0 += kChunks * kLanes) {
+        const int nc = static_cast<int>(std::min<int64_t>(kChunks, (dim - c0) / kLanes));
         kValues[np - 1][nc - 1](block, value_rows, scores.data(), c0);
       }
     }
@@ -240,7 +283,7 @@ inline void dots4(const float* q, const float* k0, const float* k1, const float*
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-// One (row, span of positions) task over all heads, for a head_dim that is not a multiple of 16: the span's softmax
+// One (row, span of positions) task over all heads, for a head_dim that is not a multiple of kLanes: the span's softmax
 // numerator, maximum and total per query head, into acc [heads, dim + 2]. A position's K (and V) of all KV heads is
 // one contiguous run of kv_heads * dim floats, read once, in cache order.
 void attend_span(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t lo,

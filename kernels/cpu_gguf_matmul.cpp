@@ -152,11 +152,13 @@ PAGEDCHAT_INLINE void top_bits(const uint8_t* high, int v, IVec* q) {
 
 const c10::Half* halves(const uint8_t* p) { return reinterpret_cast<const c10::Half*>(p); }
 
-// One tile of Rows rows x 16 outputs per format: acc[r][v] += the tile's part of the rows' dot products.
+// One tile of Rows rows x the 16 outputs' vector v (of kQVecs) per format: acc[r] += the tile's part of the rows'
+// dot products.
 struct Step {
   const QuantizedActivations& act;
   int64_t row0;
-  FVec (&acc)[8][kQVecs];  // [Rows <= 8][vector]
+  int v;
+  FVec (&acc)[8];  // [Rows <= 8]
 };
 
 inline const int8_t* act_codes(const Step& s, int r, int64_t g) { return s.act.codes.data() + (s.row0 + r) * s.act.k + g * 32; }
@@ -167,7 +169,8 @@ template <int Rows, int kBits>
 PAGEDCHAT_INLINE void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
   constexpr int offset = 1 << (kBits - 1);
   const uint8_t* d16 = tile + (kBits == 4 ? 256 : 320);
-  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
+  {
+    const int v = s.v;
     IVec q[8];
     nibbles(tile, v, q);
     if constexpr (kBits == 5) fifth_bits(tile + 256, v, q);
@@ -175,7 +178,7 @@ PAGEDCHAT_INLINE void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
     PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
       const int64_t at = act_at(s, r, g);
       const IVec sum = sub32(dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g), 0, 8), set1_32(offset * s.act.sums[at]));
-      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
     }
   }
 }
@@ -183,15 +186,16 @@ PAGEDCHAT_INLINE void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
 // Q4_1: d (q . a) s + m s sum(a)
 template <int Rows>
 PAGEDCHAT_INLINE void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
-  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
+  {
+    const int v = s.v;
     IVec q[8];
     nibbles(tile, v, q);
     const FVec d = half_to_float(halves(tile + 256) + v * kQLanes), m = half_to_float(halves(tile + 288) + v * kQLanes);
     PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
       const int64_t at = act_at(s, r, g);
       const IVec sum = dot_chunks<15>(q, act_codes(s, r, g), 0, 8);
-      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
-      s.acc[r][v] = fmadd(m, set1(s.act.scaled_sums[at]), s.acc[r][v]);
+      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
+      s.acc[r] = fmadd(m, set1(s.act.scaled_sums[at]), s.acc[r]);
     }
   }
 }
@@ -201,7 +205,8 @@ PAGEDCHAT_INLINE void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
 // |w| x (a with w's sign): at most 2 * 128 * 127 = 32512 per pair, exact (llama.cpp's AVX2 Q8_0 dot)
 template <int Rows>
 PAGEDCHAT_INLINE void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
-  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
+  {
+    const int v = s.v;
     IVec biased[8], magnitude[8], signs[8];
     for (int c = 0; c < 8; ++c) {
       biased[c] = load_i(tile + c * 64 + v * kQLanes * 4);
@@ -223,7 +228,7 @@ PAGEDCHAT_INLINE void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
         for (int c = 1; c < 8; ++c)
           sum = add32(sum, pairs_to_32(maddubs(magnitude[c], sign8(broadcast4(a + 4 * c), signs[c]))));
       }
-      s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
     }
   }
 }
@@ -231,7 +236,8 @@ PAGEDCHAT_INLINE void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
 // Q4_K, Q5_K: (d sc) (q . a) s - (dmin mn) s sum(a); d sc and dmin mn are exact in float32 (11 x 6 bits)
 template <int Rows, int kBits>
 PAGEDCHAT_INLINE void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
-  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
+  {
+    const int v = s.v;
     const FVec d = half_to_float(halves(tile) + v * kQLanes), dmin = half_to_float(halves(tile + 32) + v * kQLanes);
     for (int gi = 0; gi < 8; ++gi) {
       IVec q[8];
@@ -242,8 +248,8 @@ PAGEDCHAT_INLINE void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
       PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
         const int64_t at = act_at(s, r, g0 + gi);
         const IVec sum = dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g0 + gi), 0, 8);
-        s.acc[r][v] = fmadd(cvt(sum), mul(dsub, set1(s.act.scales[at])), s.acc[r][v]);
-        s.acc[r][v] = fnmadd(msub, set1(s.act.scaled_sums[at]), s.acc[r][v]);
+        s.acc[r] = fmadd(cvt(sum), mul(dsub, set1(s.act.scales[at])), s.acc[r]);
+        s.acc[r] = fnmadd(msub, set1(s.act.scaled_sums[at]), s.acc[r]);
       }
     }
   }
@@ -253,7 +259,8 @@ PAGEDCHAT_INLINE void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
 template <int Rows>
 PAGEDCHAT_INLINE void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
   const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
-  PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) {
+  {
+    const int v = s.v;
     const FVec d = half_to_float(halves(tile) + v * kQLanes);
     for (int gi = 0; gi < 8; ++gi) {
       IVec q[8];
@@ -266,34 +273,36 @@ PAGEDCHAT_INLINE void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
         const IVec low = sub32(dot_chunks<63>(q, a, 0, 4), set1_32(32 * s.act.half_sums[2 * at]));
         const IVec high = sub32(dot_chunks<63>(q, a, 4, 4), set1_32(32 * s.act.half_sums[2 * at + 1]));
         const IVec sum = add32(mullo32(sc0, low), mullo32(sc1, high));
-        s.acc[r][v] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r][v]);
+        s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
       }
     }
   }
 }
 
-// Rows rows (from row0) times one 16-output column of tiles (all of K), into out[row, 0..15] (row stride n)
+// Rows rows (from row0) times one 16-output column of tiles (all of K), into out[row, 0..15] (row stride n). One
+// vector of outputs at a time (AVX2's two: the other's accumulators and codes would not fit its 16 registers); a
+// lane's sums are the same in either order.
 template <int64_t F, int Rows>
 void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* tiles, float* out, int64_t n) {
   constexpr Layout lay = layout(F);
-  FVec acc[8][kQVecs];
-  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r)
-    PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) acc[r][v] = fzero();
-  Step s{act, row0, acc};
-  const int64_t count = act.k / lay.inputs;
-  for (int64_t t = 0; t < count; ++t) {
-    const uint8_t* tile = tiles + t * lay.bytes;
-    const int64_t g = t * (lay.inputs / 32);
-    if constexpr (F == kQ4_0) legacy_tile<Rows, 4>(s, tile, g);
-    if constexpr (F == kQ5_0) legacy_tile<Rows, 5>(s, tile, g);
-    if constexpr (F == kQ4_1) q4_1_tile<Rows>(s, tile, g);
-    if constexpr (F == kQ8_0) q8_0_tile<Rows>(s, tile, g);
-    if constexpr (F == kQ4_K) k4_tile<Rows, 4>(s, tile, g);
-    if constexpr (F == kQ5_K) k4_tile<Rows, 5>(s, tile, g);
-    if constexpr (F == kQ6_K) q6_k_tile<Rows>(s, tile, g);
+  for (int v = 0; v < kQVecs; ++v) {
+    FVec acc[8];
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) acc[r] = fzero();
+    Step s{act, row0, v, acc};
+    const int64_t count = act.k / lay.inputs;
+    for (int64_t t = 0; t < count; ++t) {
+      const uint8_t* tile = tiles + t * lay.bytes;
+      const int64_t g = t * (lay.inputs / 32);
+      if constexpr (F == kQ4_0) legacy_tile<Rows, 4>(s, tile, g);
+      if constexpr (F == kQ5_0) legacy_tile<Rows, 5>(s, tile, g);
+      if constexpr (F == kQ4_1) q4_1_tile<Rows>(s, tile, g);
+      if constexpr (F == kQ8_0) q8_0_tile<Rows>(s, tile, g);
+      if constexpr (F == kQ4_K) k4_tile<Rows, 4>(s, tile, g);
+      if constexpr (F == kQ5_K) k4_tile<Rows, 5>(s, tile, g);
+      if constexpr (F == kQ6_K) q6_k_tile<Rows>(s, tile, g);
+    }
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) store_f(out + r * n + v * kQLanes, acc[r]);
   }
-  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r)
-    PAGEDCHAT_UNROLL for (int v = 0; v < kQVecs; ++v) store_f(out + r * n + v * kQLanes, acc[r][v]);
 }
 
 using Column = void (*)(const QuantizedActivations&, int64_t, const uint8_t*, float*, int64_t);

@@ -27,7 +27,7 @@
 
 #define Q4Q8_BUILT 1
 
-// The tile kernels' loops over rows and vectors unrolled and their helpers inlined, so that the accumulators and a
+// The tile kernels' loops over rows unrolled and their helpers inlined, so that the accumulators and a
 // group's codes stay in registers (a loop over rows kept them on the stack: a store and a load per multiply-add)
 #define PAGEDCHAT_UNROLL _Pragma("GCC unroll 16")
 #define PAGEDCHAT_INLINE inline __attribute__((always_inline))

@@ -11,7 +11,7 @@
 //                 slots (slot = block * block_size + offset; a sliding-window layer's own slots and table)
 //   attend        softmax(q k^T * scale) v over the sequence's paged KV (its last `window` positions for a
 //                 sliding-window layer), read through its block table in place; GQA: a KV head's query heads share
-//                 each key/value load
+//                 each key/value load; a run of one sequence's rows shares them too (cpu_attention.cpp)
 //   act_mul       silu(gate) * up, or gelu_tanh(gate) * up (Gemma)
 // Gemma's extra norms: the attention's and the MLP's outputs are RMS-normed before they join the residual stream.
 // Float32 everywhere; tests/kernels/test_cpu_native.py compares every step with the Python path.

@@ -233,11 +233,13 @@ void attend_run_span(const float* const* q_rows, float* const* acc_rows, const i
   const float* value_rows[kSpan];
   scores.resize(kPairs * kSpan);
   std::vector<Pair> pairs;
+  int64_t slots[kSpan];  // (once per task: the KV heads' rows differ by an offset)
+  for (int64_t p = 0; p < longest; ++p)
+    slots[p] = (table[(lo + p) / block_size] * block_size + (lo + p) % block_size) * row_stride;
   for (int64_t kh = 0; kh < n.kv_heads; ++kh) {
     for (int64_t p = 0; p < longest; ++p) {
-      const int64_t slot = table[(lo + p) / block_size] * block_size + (lo + p) % block_size;
-      key_rows[p] = k_cache + slot * row_stride + kh * dim;
-      value_rows[p] = v_cache + slot * row_stride + kh * dim;
+      key_rows[p] = k_cache + slots[p] + kh * dim;
+      value_rows[p] = v_cache + slots[p] + kh * dim;
     }
     pairs.clear();
     for (int64_t r = 0; r < count; ++r)
@@ -308,12 +310,7 @@ void attend_span(const float* q, const float* k_cache, const float* v_cache, con
   for (int64_t h = 0; h < n.heads; ++h) {
     float* sh = scores.data() + h * length;
     float* stats = acc + h * (dim + 2) + dim;
-    stats[0] = *std::max_element(sh, sh + length);
-    for (int64_t p = 0; p < length; ++p) sh[p] = exp_fast(sh[p] - stats[0]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < length; ++p) sum += sh[p];
-    stats[1] = sum;
+    softmax_weights(sh, length, stats);
     std::fill(acc + h * (dim + 2), stats, 0.0f);
   }
   for (int64_t p = lo; p < hi;) {
@@ -424,7 +421,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     }
   });
   // the spans merged by their maxima, in order
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t h = 0; h < n.heads; ++h) {
         float* o = out + (r * n.heads + h) * dim;

@@ -35,6 +35,7 @@ using pagedchat_cpu_level::check;
 using pagedchat_cpu_level::exp_fast;
 using pagedchat_cpu_level::Heads;
 using pagedchat_cpu_level::kMaxHeadDim;
+using pagedchat_cpu_level::kParallelRows;
 
 // 1 / sqrt(mean(x^2) + eps), the sum of squares in double
 inline float inverse_rms(const float* x, int64_t n, float eps) {
@@ -43,10 +44,6 @@ inline float inverse_rms(const float* x, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(x[i]) * x[i];
   return 1.0f / std::sqrt(static_cast<float>(squares / n) + eps);
 }
-
-// The per-row loops below are split between the threads from kParallelRows rows on (a prompt's; a decode step's
-// few rows stay on the calling thread: a parallel region costs more than they do).
-constexpr int64_t kParallelRows = 16;
 
 // residual += x (if given); out = weight * (residual * inverse_rms)
 void add_rms_norm(float* residual, const float* x, const float* weight, float* out, int64_t rows, int64_t hidden,

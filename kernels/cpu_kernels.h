@@ -68,6 +68,9 @@ inline float exp_fast(float x) {
 }
 
 constexpr int64_t kMaxHeadDim = 256;
+// The step's per-row loops (norms, rotary, the attention spans' merge) are split between the threads from this many
+// rows on (a prompt's; a decode step's few rows stay on the calling thread: a parallel region costs more)
+constexpr int64_t kParallelRows = 16;
 struct Heads {
   int64_t heads, kv_heads, dim;
 };

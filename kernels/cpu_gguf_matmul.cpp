@@ -13,6 +13,8 @@
 // A tile holds 16 outputs x one block of inputs (32, or 256 for the K formats); the codes of a group are four
 // 64-byte vectors (vector c: for each output 4 bytes, inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high
 // ones), Q8_0's eight (vector c: inputs 4c..4c+3 as bytes). Byte offsets: the Layout of each format below.
+// A decode step's few rows unpack each group's codes into registers as they go; a prompt's many rows take a
+// column's groups unpacked once into a scratch (many_rows), the same integer sums and float steps per row.
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
@@ -152,156 +154,165 @@ PAGEDCHAT_INLINE void top_bits(const uint8_t* high, int v, IVec* q) {
 
 const c10::Half* halves(const uint8_t* p) { return reinterpret_cast<const c10::Half*>(p); }
 
-// One tile of Rows rows x the 16 outputs' vector v (of kQVecs) per format: acc[r] += the tile's part of the rows'
-// dot products.
-struct Step {
-  const QuantizedActivations& act;
-  int64_t row0;
-  int v;
-  FVec (&acc)[8];  // [Rows <= 8]
+// What one group of 32 inputs of a tile unpacks to, for the vector v of its outputs: the codes as the dot products
+// take them (q[c] . a[4c .. 4c + 3]) and the format's per-output factors. Unpacked per group into registers for a
+// few rows (a decode step's), once per column into a scratch for many (a prompt's), where each group's unpacking
+// (a third of the work at AVX2 for four rows) would otherwise be repeated for every block of rows.
+constexpr int code_vectors(int64_t f) { return f == kQ8_0 && !kVnni ? 16 : f == kQ6_K ? 10 : 8; }
+constexpr int factor_vectors(int64_t f) { return f == kQ4_1 || f == kQ4_K || f == kQ5_K ? 2 : 1; }
+template <int64_t F>
+struct Group {
+  IVec q[code_vectors(F)];
+  FVec f[factor_vectors(F)];
 };
 
-inline const int8_t* act_codes(const Step& s, int r, int64_t g) { return s.act.codes.data() + (s.row0 + r) * s.act.k + g * 32; }
-inline int64_t act_at(const Step& s, int r, int64_t g) { return (s.row0 + r) * (s.act.k / 32) + g; }
-
-// Q4_0, Q5_0: d (q . a - o sum(a)) s
-template <int Rows, int kBits>
-PAGEDCHAT_INLINE void legacy_tile(Step& s, const uint8_t* tile, int64_t g) {
-  constexpr int offset = 1 << (kBits - 1);
-  const uint8_t* d16 = tile + (kBits == 4 ? 256 : 320);
-  {
-    const int v = s.v;
-    IVec q[8];
-    nibbles(tile, v, q);
-    if constexpr (kBits == 5) fifth_bits(tile + 256, v, q);
-    const FVec d = half_to_float(halves(d16) + v * kQLanes);
-    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
-      const int64_t at = act_at(s, r, g);
-      const IVec sum = sub32(dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g), 0, 8), set1_32(offset * s.act.sums[at]));
-      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
-    }
-  }
-}
-
-// Q4_1: d (q . a) s + m s sum(a)
-template <int Rows>
-PAGEDCHAT_INLINE void q4_1_tile(Step& s, const uint8_t* tile, int64_t g) {
-  {
-    const int v = s.v;
-    IVec q[8];
-    nibbles(tile, v, q);
-    const FVec d = half_to_float(halves(tile + 256) + v * kQLanes), m = half_to_float(halves(tile + 288) + v * kQLanes);
-    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
-      const int64_t at = act_at(s, r, g);
-      const IVec sum = dot_chunks<15>(q, act_codes(s, r, g), 0, 8);
-      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
-      s.acc[r] = fmadd(m, set1(s.act.scaled_sums[at]), s.acc[r]);
-    }
-  }
-}
-
-// Q8_0: d (w . a) s with the weights stored w + 128: vpdpbusd takes unsigned bytes on one side (128 sum(a) is taken
-// off again, exactly); without VNNI, vpmaddubsw's pairs would saturate on 255 * 127 * 2, so the products are
-// |w| x (a with w's sign): at most 2 * 128 * 127 = 32512 per pair, exact (llama.cpp's AVX2 Q8_0 dot)
-template <int Rows>
-PAGEDCHAT_INLINE void q8_0_tile(Step& s, const uint8_t* tile, int64_t g) {
-  {
-    const int v = s.v;
-    IVec biased[8], magnitude[8], signs[8];
+// group gi of the tile (0..7 for the K formats, 0 for the others)
+template <int64_t F>
+PAGEDCHAT_INLINE void unpack(const uint8_t* tile, int v, int gi, Group<F>& u) {
+  if constexpr (F == kQ4_0 || F == kQ5_0) {
+    // q . a - o sum(a); f: d
+    nibbles(tile, v, u.q);
+    if constexpr (F == kQ5_0) fifth_bits(tile + 256, v, u.q);
+    u.f[0] = half_to_float(halves(tile + (F == kQ4_0 ? 256 : 320)) + v * kQLanes);
+  } else if constexpr (F == kQ4_1) {
+    // f: d, m
+    nibbles(tile, v, u.q);
+    u.f[0] = half_to_float(halves(tile + 256) + v * kQLanes);
+    u.f[1] = half_to_float(halves(tile + 288) + v * kQLanes);
+  } else if constexpr (F == kQ8_0) {
+    // the weights stored w + 128; without VNNI q[c] = |w|, q[8 + c] = w (its signs)
     for (int c = 0; c < 8; ++c) {
-      biased[c] = load_i(tile + c * 64 + v * kQLanes * 4);
-      if constexpr (!kVnni) {
-        signs[c] = unbias(biased[c]);
-        magnitude[c] = abs8(signs[c]);
-      }
-    }
-    const FVec d = half_to_float(halves(tile + 512) + v * kQLanes);
-    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
-      const int64_t at = act_at(s, r, g);
-      const int8_t* a = act_codes(s, r, g);
-      IVec sum;
+      const IVec biased = load_i(tile + c * 64 + v * kQLanes * 4);
       if constexpr (kVnni) {
-        sum = set1_32(-128 * s.act.sums[at]);
-        for (int c = 0; c < 8; ++c) sum = dpbusd(sum, biased[c], broadcast4(a + 4 * c));
+        u.q[c] = biased;
       } else {
-        sum = pairs_to_32(maddubs(magnitude[0], sign8(broadcast4(a), signs[0])));
-        for (int c = 1; c < 8; ++c)
-          sum = add32(sum, pairs_to_32(maddubs(magnitude[c], sign8(broadcast4(a + 4 * c), signs[c]))));
+        u.q[8 + c] = unbias(biased);
+        u.q[c] = abs8(u.q[8 + c]);
       }
-      s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
     }
+    u.f[0] = half_to_float(halves(tile + 512) + v * kQLanes);
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    // f: d sc, dmin mn (exact in float32: 11 x 6 bits)
+    nibbles(tile + 320 + gi * 256, v, u.q);
+    if constexpr (F == kQ5_K) fifth_bits(tile + 2368 + gi * 64, v, u.q);
+    u.f[0] = mul(half_to_float(halves(tile) + v * kQLanes), cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
+    u.f[1] = mul(half_to_float(halves(tile + 32) + v * kQLanes), cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
+  } else {
+    // Q6_K: q[8], q[9] the int8 scales of inputs 0..15 and 16..31; f: d
+    const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
+    nibbles(tile + 288 + gi * 256, v, u.q);
+    top_bits(tile + 2336 + gi * 128, v, u.q);
+    u.q[8] = s8_to_32(sc + (2 * gi) * 16 + v * kQLanes);
+    u.q[9] = s8_to_32(sc + (2 * gi + 1) * 16 + v * kQLanes);
+    u.f[0] = half_to_float(halves(tile) + v * kQLanes);
   }
 }
 
-// Q4_K, Q5_K: (d sc) (q . a) s - (dmin mn) s sum(a); d sc and dmin mn are exact in float32 (11 x 6 bits)
-template <int Rows, int kBits>
-PAGEDCHAT_INLINE void k4_tile(Step& s, const uint8_t* tile, int64_t g0) {
-  {
-    const int v = s.v;
-    const FVec d = half_to_float(halves(tile) + v * kQLanes), dmin = half_to_float(halves(tile + 32) + v * kQLanes);
-    for (int gi = 0; gi < 8; ++gi) {
-      IVec q[8];
-      nibbles(tile + 320 + gi * 256, v, q);
-      if constexpr (kBits == 5) fifth_bits(tile + 2368 + gi * 64, v, q);
-      const FVec dsub = mul(d, cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
-      const FVec msub = mul(dmin, cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
-      PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
-        const int64_t at = act_at(s, r, g0 + gi);
-        const IVec sum = dot_chunks<(1 << kBits) - 1>(q, act_codes(s, r, g0 + gi), 0, 8);
-        s.acc[r] = fmadd(cvt(sum), mul(dsub, set1(s.act.scales[at])), s.acc[r]);
-        s.acc[r] = fnmadd(msub, set1(s.act.scaled_sums[at]), s.acc[r]);
-      }
+// Where a row's quantized activations start
+struct Row {
+  const int8_t* codes;  // the row's K codes
+  int64_t at;           // index of its first group in scales, sums, ...
+};
+inline Row row_of(const QuantizedActivations& act, int64_t r) { return {act.codes.data() + r * act.k, r * (act.k / 32)}; }
+
+// acc += the group's part of one row's dot products (group g of the row's K / 32)
+template <int64_t F>
+PAGEDCHAT_INLINE void accumulate(const QuantizedActivations& act, Row row, int64_t g, const Group<F>& u, FVec& acc) {
+  const int64_t at = row.at + g;
+  const int8_t* a = row.codes + g * 32;
+  const float s = act.scales[at];
+  if constexpr (F == kQ4_0 || F == kQ5_0) {
+    // d (q . a - o sum(a)) s, o = 8 / 16
+    constexpr int bits = F == kQ4_0 ? 4 : 5, offset = 1 << (bits - 1);
+    const IVec sum = sub32(dot_chunks<(1 << bits) - 1>(u.q, a, 0, 8), set1_32(offset * act.sums[at]));
+    acc = fmadd(cvt(sum), mul(u.f[0], set1(s)), acc);
+  } else if constexpr (F == kQ4_1) {
+    // d (q . a) s + m s sum(a)
+    acc = fmadd(cvt(dot_chunks<15>(u.q, a, 0, 8)), mul(u.f[0], set1(s)), acc);
+    acc = fmadd(u.f[1], set1(act.scaled_sums[at]), acc);
+  } else if constexpr (F == kQ8_0) {
+    // d (w . a) s: vpdpbusd takes unsigned bytes on one side (128 sum(a) is taken off again, exactly); without
+    // VNNI, vpmaddubsw's pairs would saturate on 255 * 127 * 2, so the products are |w| x (a with w's sign): at
+    // most 2 * 128 * 127 = 32512 per pair, exact (llama.cpp's AVX2 Q8_0 dot)
+    IVec sum;
+    if constexpr (kVnni) {
+      sum = set1_32(-128 * act.sums[at]);
+      for (int c = 0; c < 8; ++c) sum = dpbusd(sum, u.q[c], broadcast4(a + 4 * c));
+    } else {
+      sum = pairs_to_32(maddubs(u.q[0], sign8(broadcast4(a), u.q[8])));
+      for (int c = 1; c < 8; ++c) sum = add32(sum, pairs_to_32(maddubs(u.q[c], sign8(broadcast4(a + 4 * c), u.q[8 + c]))));
     }
+    acc = fmadd(cvt(sum), mul(u.f[0], set1(s)), acc);
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    // (d sc) (q . a) s - (dmin mn) s sum(a)
+    acc = fmadd(cvt(dot_chunks<F == kQ4_K ? 15 : 31>(u.q, a, 0, 8)), mul(u.f[0], set1(s)), acc);
+    acc = fnmadd(u.f[1], set1(act.scaled_sums[at]), acc);
+  } else {
+    // Q6_K: d s (sc0 (q . a - 32 sum(a)) over inputs 0..15 + sc1 (...) over 16..31), the bracket in exact integers
+    const IVec low = sub32(dot_chunks<63>(u.q, a, 0, 4), set1_32(32 * act.half_sums[2 * at]));
+    const IVec high = sub32(dot_chunks<63>(u.q, a, 4, 4), set1_32(32 * act.half_sums[2 * at + 1]));
+    acc = fmadd(cvt(add32(mullo32(u.q[8], low), mullo32(u.q[9], high))), mul(u.f[0], set1(s)), acc);
   }
 }
 
-// Q6_K: d s (sc0 (q . a - 32 sum(a)) over inputs 0..15 + sc1 (...) over 16..31), the bracket in exact integers
-template <int Rows>
-PAGEDCHAT_INLINE void q6_k_tile(Step& s, const uint8_t* tile, int64_t g0) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
-  {
-    const int v = s.v;
-    const FVec d = half_to_float(halves(tile) + v * kQLanes);
-    for (int gi = 0; gi < 8; ++gi) {
-      IVec q[8];
-      nibbles(tile + 288 + gi * 256, v, q);
-      top_bits(tile + 2336 + gi * 128, v, q);
-      const IVec sc0 = s8_to_32(sc + (2 * gi) * 16 + v * kQLanes), sc1 = s8_to_32(sc + (2 * gi + 1) * 16 + v * kQLanes);
-      PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) {
-        const int64_t at = act_at(s, r, g0 + gi);
-        const int8_t* a = act_codes(s, r, g0 + gi);
-        const IVec low = sub32(dot_chunks<63>(q, a, 0, 4), set1_32(32 * s.act.half_sums[2 * at]));
-        const IVec high = sub32(dot_chunks<63>(q, a, 4, 4), set1_32(32 * s.act.half_sums[2 * at + 1]));
-        const IVec sum = add32(mullo32(sc0, low), mullo32(sc1, high));
-        s.acc[r] = fmadd(cvt(sum), mul(d, set1(s.act.scales[at])), s.acc[r]);
-      }
-    }
-  }
-}
+template <int64_t F>
+constexpr int kTileGroups = static_cast<int>(layout(F).inputs / 32);
 
-// Rows rows (from row0) times one 16-output column of tiles (all of K), into out[row, 0..15] (row stride n). One
-// vector of outputs at a time (AVX2's two: the other's accumulators and codes would not fit its 16 registers); a
-// lane's sums are the same in either order.
+// Rows rows (from row0, Rows <= kQ4Rows) times one 16-output column of tiles (all of K), into out[row, 0..15] (row
+// stride n), each group unpacked into registers. One vector of outputs at a time (AVX2's two: the other's
+// accumulators and codes would not fit its 16 registers); a lane's sums are the same in either order.
 template <int64_t F, int Rows>
 void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* tiles, float* out, int64_t n) {
   constexpr Layout lay = layout(F);
+  const int64_t count = act.k / lay.inputs;
   for (int v = 0; v < kQVecs; ++v) {
-    FVec acc[8];
-    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) acc[r] = fzero();
-    Step s{act, row0, v, acc};
-    const int64_t count = act.k / lay.inputs;
+    FVec acc[Rows];
+    Row row[Rows];
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) acc[r] = fzero(), row[r] = row_of(act, row0 + r);
     for (int64_t t = 0; t < count; ++t) {
-      const uint8_t* tile = tiles + t * lay.bytes;
-      const int64_t g = t * (lay.inputs / 32);
-      if constexpr (F == kQ4_0) legacy_tile<Rows, 4>(s, tile, g);
-      if constexpr (F == kQ5_0) legacy_tile<Rows, 5>(s, tile, g);
-      if constexpr (F == kQ4_1) q4_1_tile<Rows>(s, tile, g);
-      if constexpr (F == kQ8_0) q8_0_tile<Rows>(s, tile, g);
-      if constexpr (F == kQ4_K) k4_tile<Rows, 4>(s, tile, g);
-      if constexpr (F == kQ5_K) k4_tile<Rows, 5>(s, tile, g);
-      if constexpr (F == kQ6_K) q6_k_tile<Rows>(s, tile, g);
+      for (int gi = 0; gi < kTileGroups<F>; ++gi) {
+        Group<F> u;
+        unpack<F>(tiles + t * lay.bytes, v, gi, u);
+        PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) accumulate<F>(act, row[r], t * kTileGroups<F> + gi, u, acc[r]);
+      }
     }
     PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) store_f(out + r * n + v * kQLanes, acc[r]);
+  }
+}
+
+// Rows rows (from row0) against groups already unpacked (one column's vector v, all of K)
+template <int64_t F, int Rows>
+void unpacked_rows(const QuantizedActivations& act, int64_t row0, const Group<F>* groups, float* out, int64_t n, int v) {
+  FVec acc[Rows];
+  Row row[Rows];
+  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) acc[r] = fzero(), row[r] = row_of(act, row0 + r);
+  for (int64_t g = 0; g < act.k / 32; ++g)
+    PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) accumulate<F>(act, row[r], g, groups[g], acc[r]);
+  PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) store_f(out + r * n + v * kQLanes, acc[r]);
+}
+
+template <int64_t F, int... Rows>
+constexpr auto unpacked_blocks(std::integer_sequence<int, Rows...>) {
+  return std::array{unpacked_rows<F, Rows + 1>...};
+}
+
+// All of act's rows times columns [c0, c1) of one part's tiles (column c's outputs at out[:, 16 c ...]): each
+// column's groups unpacked once into a scratch, then every block of kQ4Rows rows over them. The same integer sums
+// and float steps per row as tile_column, so the same floats.
+template <int64_t F>
+void many_rows(const QuantizedActivations& act, const uint8_t* tiles, int64_t c0, int64_t c1, float* out, int64_t n) {
+  constexpr Layout lay = layout(F);
+  static constexpr auto blocks = unpacked_blocks<F>(std::make_integer_sequence<int, kQ4Rows>{});
+  const int64_t count = act.k / lay.inputs;
+  std::vector<Group<F>> groups(count * kTileGroups<F>);
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* column = tiles + c * count * lay.bytes;
+    for (int v = 0; v < kQVecs; ++v) {
+      for (int64_t t = 0; t < count; ++t)
+        for (int gi = 0; gi < kTileGroups<F>; ++gi) unpack<F>(column + t * lay.bytes, v, gi, groups[t * kTileGroups<F> + gi]);
+      for (int64_t r = 0; r < act.rows; r += kQ4Rows)
+        blocks[std::min<int64_t>(kQ4Rows, act.rows - r) - 1](act, r, groups.data(), out + r * n + c * 16, n, v);
+    }
   }
 }
 
@@ -327,6 +338,20 @@ Column column_for(int64_t format, int64_t rows) {
   }
 }
 
+using ManyRows = void (*)(const QuantizedActivations&, const uint8_t*, int64_t, int64_t, float*, int64_t);
+ManyRows many_rows_for(int64_t format) {
+  switch (format) {
+    case kQ4_0: return many_rows<kQ4_0>;
+    case kQ4_1: return many_rows<kQ4_1>;
+    case kQ5_0: return many_rows<kQ5_0>;
+    case kQ8_0: return many_rows<kQ8_0>;
+    case kQ4_K: return many_rows<kQ4_K>;
+    case kQ5_K: return many_rows<kQ5_K>;
+    case kQ6_K: return many_rows<kQ6_K>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 void check_tiles(const Tensor& tiles, int64_t format, int64_t k) {
@@ -345,12 +370,19 @@ void gguf_matmul(const QuantizedActivations& act, at::TensorList tiles, at::IntA
   const int64_t rows = act.rows;
   at::parallel_for(0, first_column.back(), 2, [&](int64_t begin, int64_t end) {
     size_t p = std::upper_bound(first_column.begin(), first_column.end(), begin) - first_column.begin() - 1;
-    for (int64_t c = begin; c < end; ++c) {
-      while (c >= first_column[p + 1]) ++p;
+    for (int64_t c = begin; c < end; ++p) {
+      // columns [c, stop) of part p
+      const int64_t stop = std::min(end, first_column[p + 1]);
       const Tensor& part = tiles[p];
-      const uint8_t* column = part.data_ptr<uint8_t>() + (c - first_column[p]) * part.size(1) * part.size(2);
-      for (int64_t r = 0; r < rows; r += kQ4Rows)
-        column_for(formats[p], rows - r)(act, r, column, out + r * n + c * 16, n);
+      if (rows > kQ4Rows) {
+        many_rows_for(formats[p])(act, part.data_ptr<uint8_t>(), c - first_column[p], stop - first_column[p], out + (first_column[p]) * 16, n);
+      } else {
+        for (; c < stop; ++c) {
+          const uint8_t* column = part.data_ptr<uint8_t>() + (c - first_column[p]) * part.size(1) * part.size(2);
+          column_for(formats[p], rows)(act, 0, column, out + c * 16, n);
+        }
+      }
+      c = stop;
     }
   });
 }

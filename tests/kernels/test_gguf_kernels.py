@@ -95,22 +95,24 @@ def test_tile_matmul_follows_the_scheme_at_every_level_bit_equal(fmt: str):
         assert torch.equal(outs[0], alone), "a row's result must not depend on the other rows"
 
 
-def test_parts_of_different_formats_side_by_side():
+@pytest.mark.parametrize("rows", [2, 5, 11])
+def test_parts_of_different_formats_side_by_side(rows: int):
     """A fused projection whose shards have their own formats (Q4_K_M's q, k in Q5_0 and v in Q8_0): each part's
-    outputs in its columns, as the parts computed alone."""
+    outputs in its columns, as the parts computed alone (a decode step's few rows, and a prompt's many, whose
+    columns are unpacked once for all rows, each thread's share of columns spanning parts)."""
     native = kernels_at("generic" if not cpu_native.supported_levels() else "avx2")
     parts = [
         unpack(f, torch.from_numpy(random_file_bytes(f, n, 256, i)), n, 256)
         for i, (f, n) in enumerate([("q5_0", 32), ("q8_0", 16), ("q6_k", 48)])
     ]
-    x = torch.randn(5, 256)
+    x = torch.randn(rows, 256)
     together = native.ops.gguf_linear(
         x, [tiles(p) for p in parts], [FORMAT_IDS[p.format] for p in parts]
     )
     alone = torch.cat(
         [native.ops.gguf_linear(x, [tiles(p)], [FORMAT_IDS[p.format]]) for p in parts], dim=1
     )
-    assert together.shape == (5, 96) and torch.equal(together, alone)
+    assert together.shape == (rows, 96) and torch.equal(together, alone)
 
 
 def test_bad_tiles_are_refused_with_a_message():

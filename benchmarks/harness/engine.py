@@ -14,7 +14,6 @@ from random import Random
 from typing import Any
 
 import torch
-import triton
 
 import kernels
 from benchmarks.harness.workloads import VOCAB
@@ -116,6 +115,10 @@ def release_memory(device: torch.device) -> None:
 def compiled_variants() -> dict[str, int]:
     """Compiled specializations per Triton kernel of the ``kernels`` package (launched ones only): a count
     that grows during a timed run means a compile (~1 s) inside it."""
+    # (imported here: a CPU benchmark's process would otherwise hold Triton's ~70 MiB it never uses, and count it
+    # as the engine's memory)
+    import triton
+
     counts = {}
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"kernels.{info.name}")

@@ -80,22 +80,64 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     return torch.where(medium, blended, scaled)
 
 
+# A CPU model's tables grow by blocks of this many positions, as sequences reach further (a GPU model's hold all of
+# its positions from the start: CUDA graphs and kernels keep their addresses)
+CPU_POSITION_BLOCK = 2048
+
+
 class RotaryEmbedding(nn.Module):
+    """cos and sin of each position's angles, as tables ``[positions, head_dim]``. On the CPU the tables cover the
+    positions seen so far (a model of 32k or 128k positions served with a KV pool of a few thousand tokens would
+    otherwise hold 32-128 MiB of rows it never reads); each block of rows is computed alone, so a row's floats
+    are the same whenever its block was added."""
+
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
-        freqs = torch.outer(
-            torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, params)
-        )
+        self.max_position = max_position
+        self.inv_freq = inverse_frequencies(head_dim, params)
+        self.scale = attention_factor(params, max_position)
+        self.register_buffer("cos_cache", None, persistent=False)
+        self.register_buffer("sin_cache", None, persistent=False)
+        if torch.get_default_device().type == "cpu":
+            self._grow(min(max_position, CPU_POSITION_BLOCK))
+        else:
+            self.cos_cache, self.sin_cache = self._rows(0, max_position)
+
+    def _rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), self.inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        scale = attention_factor(params, max_position)
         cos, sin = angles.cos(), angles.sin()
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos, sin
+
+    def _grow(self, rows: int) -> None:
+        have = 0 if self.cos_cache is None else self.cos_cache.shape[0]
+        blocks = [
+            self._rows(s, min(s + CPU_POSITION_BLOCK, rows))
+            for s in range(have, rows, CPU_POSITION_BLOCK)
+        ]
+        if have:  # (in the model's dtype, as ``model.to`` cast the first tables)
+            dtype = self.cos_cache.dtype
+            blocks = [(self.cos_cache, self.sin_cache)] + [
+                (c.to(dtype), s.to(dtype)) for c, s in blocks
+            ]
+        self.cos_cache = torch.cat([c for c, _ in blocks])
+        self.sin_cache = torch.cat([s for _, s in blocks])
+
+    def cover(self, positions: torch.Tensor) -> None:
+        """Grow a CPU model's tables to hold ``positions`` (at least doubling, by whole blocks)."""
+        rows = self.cos_cache.shape[0]
+        if rows >= self.max_position or positions.device.type != "cpu" or not positions.numel():
+            return
+        needed = int(positions.max()) + 1
+        if needed > rows:
+            wanted = -(-max(needed, 2 * rows) // CPU_POSITION_BLOCK) * CPU_POSITION_BLOCK
+            self._grow(min(self.max_position, wanted))
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """This embedding at ``positions``, for the KV store to apply as it stores (``KVBackend.store``)."""
+        self.cover(positions)
         return Rotation(positions, self.cos_cache, self.sin_cache)
 
     def forward(
@@ -103,6 +145,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[T, heads, head_dim]``, ``k`` ``[T, kv_heads, head_dim]`` (strided views allowed), rotated
         in place by their positions; returns the same two tensors."""
+        self.cover(positions)
         if lean_cpu(q):  # cos/sin rows gathered by the first layer of the pass only
             memo = pass_memo()  # (per embedding: Gemma's local and global layers have their own)
             if (plan := memo.get(("rotary", id(self)))) is None:

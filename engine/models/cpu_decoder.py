@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.forward_context import AttentionMetadata, get_attention_metadata
 from engine.layers.gguf_linear import GGUFLinear
+from engine.layers.rotary import RotaryEmbedding
 from kernels import cpu as cpu_kernels
 from kernels.cpu_native import CpuKernels
 
@@ -67,7 +68,7 @@ class CpuLayout:
     intermediate: int
     activation: int  # SILU or GELU_TANH
     scale: float  # the attention's
-    rotary: list[tuple[torch.Tensor, torch.Tensor]]  # (cos_cache, sin_cache) per rotary kind
+    rotary: list[RotaryEmbedding]  # one per rotary kind (Gemma: the global and the local layers')
     layers: list[CpuLayer]
 
 
@@ -127,7 +128,11 @@ class CpuDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
         layout = self.layout
-        rotations = [cpu_kernels.rotary_plan(positions, *tables) for tables in layout.rotary]
+        for rotary in layout.rotary:
+            rotary.cover(positions)
+        rotations = [
+            cpu_kernels.rotary_plan(positions, r.cos_cache, r.sin_cache) for r in layout.rotary
+        ]
         residual = layout.embed(input_ids).float()
         if layout.embed_scale is not None:
             residual = residual * torch.tensor(layout.embed_scale, dtype=torch.float32)

@@ -174,7 +174,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             args.intermediate_size,
             GELU_TANH,
             args.attention_scale,
-            [(r.cos_cache, r.sin_cache) for r in rotary],
+            rotary,
             [layer(lay, w) for lay, w in zip(model.layers, args.layer_windows)],
         )
 

@@ -296,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
             args.intermediate_size,
             SILU,
             args.head_dim**-0.5,
-            [(rotary.cos_cache, rotary.sin_cache)],
+            [rotary],
             [layer(lay) for lay in model.layers],
         )
 

@@ -88,7 +88,9 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
     if args.side == "llama.cpp":
         from benchmarks.harness.peers import LlamaCppPeer
 
-        peer = LlamaCppPeer(model, args.threads, args.llama_cpp_dir)
+        from kernels.cpu_native import resolve_isa
+
+        peer = LlamaCppPeer(model, args.threads, args.llama_cpp_dir, resolve_isa(args.isa))
         load_s = time.perf_counter() - start
         generate, first_token = peer.generate, peer.first_token_seconds
         # (its KV cache: n_ctx positions of float16 K and V per layer)

@@ -242,6 +242,20 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def check_level(system_info: str, level: str) -> None:
+    """Refuse a llama.cpp build whose instruction sets are not those of our ``level`` (a resolved cpu_isa): an AVX2
+    comparison against an AVX-512 build, or the reverse, would measure the build, not the engines. (pip reuses its
+    cached wheel of the same version whatever CMAKE_ARGS say: build each level with ``--no-cache-dir``.)"""
+    avx512 = "AVX512 = 1" in system_info
+    vnni = "AVX512_VNNI = 1" in system_info
+    # (our avx512 level runs against either build: none without VNNI is made)
+    if level in ("generic", "avx2") and avx512 or level == "avx512_vnni" and not (avx512 and vnni):
+        raise SystemExit(
+            f"the llama.cpp build does not match the level {level}: its system info says {system_info!r} "
+            "(build one per level with pip --no-cache-dir: docs/benchmarks/cpu.md)"
+        )
+
+
 class LlamaCppPeer:
     """llama-cpp-python on a GGUF file (greedy: its own sampler chain at temperature 0). It serves one sequence at
     a time, so N streams are N sequential generations; its KV cache is cleared before each. ``import_dir`` takes
@@ -250,7 +264,13 @@ class LlamaCppPeer:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_file: str, threads: int, import_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        gguf_file: str,
+        threads: int,
+        import_dir: str | None = None,
+        level: str | None = None,
+    ) -> None:
         if import_dir:
             sys.path.insert(0, import_dir)
         try:
@@ -265,6 +285,8 @@ class LlamaCppPeer:
         self.version = llama_cpp.__version__
         # (the instruction sets it uses)
         self.system_info = llama_cpp.llama_print_system_info().decode().strip()
+        if level is not None:
+            check_level(self.system_info, level)
         self.llm = llama_cpp.Llama(
             model_path=gguf_file,
             n_threads=threads,

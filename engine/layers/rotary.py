@@ -117,18 +117,24 @@ class RotaryEmbedding(nn.Module):
             self._rows(s, min(s + CPU_POSITION_BLOCK, rows))
             for s in range(have, rows, CPU_POSITION_BLOCK)
         ]
-        if have:  # (in the model's dtype, as ``model.to`` cast the first tables)
-            dtype = self.cos_cache.dtype
+        if (
+            have
+        ):  # (in the model's dtype and place, as ``model.to`` cast and moved the first tables)
+            like = self.cos_cache
             blocks = [(self.cos_cache, self.sin_cache)] + [
-                (c.to(dtype), s.to(dtype)) for c, s in blocks
+                (c.to(like.device, like.dtype), s.to(like.device, like.dtype)) for c, s in blocks
             ]
         self.cos_cache = torch.cat([c for c, _ in blocks])
         self.sin_cache = torch.cat([s for _, s in blocks])
 
     def cover(self, positions: torch.Tensor) -> None:
-        """Grow a CPU model's tables to hold ``positions`` (at least doubling, by whole blocks)."""
+        """Grow a CPU model's tables to hold ``positions`` (at least doubling, by whole blocks). A model built on
+        the CPU and moved to a GPU gets all of its positions at its first pass (no read of ``positions`` there)."""
         rows = self.cos_cache.shape[0]
-        if rows >= self.max_position or positions.device.type != "cpu" or not positions.numel():
+        if rows >= self.max_position or not positions.numel():
+            return
+        if positions.device.type != "cpu":
+            self._grow(self.max_position)
             return
         needed = int(positions.max()) + 1
         if needed > rows:

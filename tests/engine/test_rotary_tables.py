@@ -79,3 +79,12 @@ def test_a_position_beyond_the_model_is_an_index_error():
         rotary(
             torch.tensor([MAX_POSITION]), torch.randn(1, 4, HEAD_DIM), torch.randn(1, 2, HEAD_DIM)
         )
+
+
+def test_positions_on_another_device_grow_the_tables_to_every_position_unread():
+    """A model built on the CPU and moved to a GPU takes all of its rows at its first pass, without reading the
+    positions (here on the meta device, which holds no values)."""
+    rotary = RotaryEmbedding(HEAD_DIM, MAX_POSITION, PARAMS)
+    rotary.cover(torch.empty(3, dtype=torch.int64, device="meta"))
+    cos, sin = full_tables()
+    assert torch.equal(rotary.cos_cache, cos) and torch.equal(rotary.sin_cache, sin)

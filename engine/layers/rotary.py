@@ -117,9 +117,8 @@ class RotaryEmbedding(nn.Module):
             self._rows(s, min(s + CPU_POSITION_BLOCK, rows))
             for s in range(have, rows, CPU_POSITION_BLOCK)
         ]
-        if (
-            have
-        ):  # (in the model's dtype and place, as ``model.to`` cast and moved the first tables)
+        if have:
+            # (in the model's dtype and place, as ``model.to`` cast and moved the first tables)
             like = self.cos_cache
             blocks = [(self.cos_cache, self.sin_cache)] + [
                 (c.to(like.device, like.dtype), s.to(like.device, like.dtype)) for c, s in blocks
@@ -133,6 +132,11 @@ class RotaryEmbedding(nn.Module):
         rows = self.cos_cache.shape[0]
         if rows >= self.max_position or not positions.numel():
             return
+        # (once per pass: every layer of a pass gets its positions)
+        memo, key = pass_memo(), ("rotary-covered", id(self))
+        if memo.get(key) is positions:
+            return
+        memo[key] = positions
         if positions.device.type != "cpu":
             self._grow(self.max_position)
             return

@@ -186,13 +186,17 @@ Tensor run_layers(const StepArgs& a) {
   Tensor hidden_act = at::empty({rows, a.inner}, options);
   Tensor x;
   pagedchat_cpu_level::QuantizedActivations act;
+  // each projection's output, allocated once per step and written again by every layer (a layer's is read before
+  // the next layer's same projection: a prompt's step otherwise allocated and freed ~80 buffers of megabytes)
+  Tensor outs[4];
   auto matmul = [&](int p, int64_t l, const Tensor& in) {
     const int64_t at = 4 * l + p, first = first_part[at], count = a.parts[at];
     const at::TensorList tiles = a.tiles.slice(first, count);
     const at::IntArrayRef formats = a.formats.slice(first, count);
     int64_t width = 0;
     for (const Tensor& t : tiles) width += t.size(0) * 16;
-    Tensor out = at::empty({rows, width}, options);
+    Tensor& out = outs[p];
+    if (!out.defined() || out.size(1) != width) out = at::empty({rows, width}, options);
     pagedchat_cpu_level::quantize_activations(in.data_ptr<float>(), rows, in.size(1), act);
     pagedchat_cpu_level::gguf_matmul(act, tiles, formats, out.data_ptr<float>(), width);
     return out;

@@ -13,8 +13,9 @@
 // A tile holds 16 outputs x one block of inputs (32, or 256 for the K formats); the codes of a group are four
 // 64-byte vectors (vector c: for each output 4 bytes, inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high
 // ones), Q8_0's eight (vector c: inputs 4c..4c+3 as bytes). Byte offsets: the Layout of each format below.
-// A decode step's few rows unpack each group's codes into registers as they go; a prompt's many rows take a
-// column's groups unpacked once into a scratch (many_rows), the same integer sums and float steps per row.
+// A decode step's few rows unpack each group's codes into registers as they go, per block of rows; a prompt's many
+// rows take a column's groups unpacked once into a scratch (many_rows, where it pays: scratch_pays), the same
+// integer sums and float steps per row.
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
@@ -338,6 +339,16 @@ Column column_for(int64_t format, int64_t rows) {
   }
 }
 
+// Where the scratch pays (memory-bound columns, 1-512 rows, AMD Zen 4, 2026-11-30): unpacking into it and reading it
+// back costs more than unpacking again per block of rows below ~16 rows at AVX2 and ~64 at AVX-512 (Q4_1 at 16 rows
+// 25% slower there); with VNNI the formats whose unpacking is a load or a nibble split (Q4_0, Q4_1, Q8_0) gain
+// nothing from it at any count.
+constexpr int64_t kScratchRows = kQLanes == 16 ? 64 : 16;
+bool scratch_pays(int64_t format, int64_t rows) {
+  const bool cheap = format == kQ4_0 || format == kQ4_1 || format == kQ8_0;
+  return rows >= kScratchRows && !(kVnni && cheap);
+}
+
 using ManyRows = void (*)(const QuantizedActivations&, const uint8_t*, int64_t, int64_t, float*, int64_t);
 ManyRows many_rows_for(int64_t format) {
   switch (format) {
@@ -374,12 +385,14 @@ void gguf_matmul(const QuantizedActivations& act, at::TensorList tiles, at::IntA
       // columns [c, stop) of part p
       const int64_t stop = std::min(end, first_column[p + 1]);
       const Tensor& part = tiles[p];
-      if (rows > kQ4Rows) {
-        many_rows_for(formats[p])(act, part.data_ptr<uint8_t>(), c - first_column[p], stop - first_column[p], out + (first_column[p]) * 16, n);
+      if (scratch_pays(formats[p], rows)) {
+        many_rows_for(formats[p])(act, part.data_ptr<uint8_t>(), c - first_column[p], stop - first_column[p],
+                                  out + first_column[p] * 16, n);
       } else {
         for (; c < stop; ++c) {
           const uint8_t* column = part.data_ptr<uint8_t>() + (c - first_column[p]) * part.size(1) * part.size(2);
-          column_for(formats[p], rows)(act, 0, column, out + c * 16, n);
+          for (int64_t r = 0; r < rows; r += kQ4Rows)
+            column_for(formats[p], rows - r)(act, r, column, out + r * n + c * 16, n);
         }
       }
       c = stop;

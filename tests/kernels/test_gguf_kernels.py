@@ -78,7 +78,9 @@ def test_tile_matmul_follows_the_scheme_at_every_level_bit_equal(fmt: str):
     packed = tiles(blocks)
     assert packed.shape == (rows_out // 16, k // FORMATS[fmt][1], TILE_BYTES[fmt])
     torch.manual_seed(len(fmt))
-    for rows in (1, 3, 8, 9, 17):
+    # (a decode step's few rows; a prompt's many, which take a column's groups unpacked once: from 16 rows at
+    # AVX2, 64 at AVX-512)
+    for rows in (1, 3, 8, 9, 17, 70):
         x = torch.randn(rows, k) * torch.logspace(-1, 1, k)  # inputs of different scales per group
         outs = [n.ops.gguf_linear(x, [packed], [FORMAT_IDS[fmt]]) for n in levels]
         expected = scheme_reference(x, blocks)
@@ -95,7 +97,7 @@ def test_tile_matmul_follows_the_scheme_at_every_level_bit_equal(fmt: str):
         assert torch.equal(outs[0], alone), "a row's result must not depend on the other rows"
 
 
-@pytest.mark.parametrize("rows", [2, 5, 11])
+@pytest.mark.parametrize("rows", [2, 5, 11, 70])
 def test_parts_of_different_formats_side_by_side(rows: int):
     """A fused projection whose shards have their own formats (Q4_K_M's q, k in Q5_0 and v in Q8_0): each part's
     outputs in its columns, as the parts computed alone (a decode step's few rows, and a prompt's many, whose

@@ -167,9 +167,21 @@ struct Group {
   FVec f[factor_vectors(F)];
 };
 
+// The K formats' scales of a whole tile (d, and dmin for Q4_K / Q5_K), read once for its 8 groups
+struct TileScales {
+  FVec d, dmin;
+};
+template <int64_t F>
+PAGEDCHAT_INLINE TileScales tile_scales(const uint8_t* tile, int v) {
+  TileScales ts{fzero(), fzero()};
+  if constexpr (F == kQ4_K || F == kQ5_K || F == kQ6_K) ts.d = half_to_float(halves(tile) + v * kQLanes);
+  if constexpr (F == kQ4_K || F == kQ5_K) ts.dmin = half_to_float(halves(tile + 32) + v * kQLanes);
+  return ts;
+}
+
 // group gi of the tile (0..7 for the K formats, 0 for the others)
 template <int64_t F>
-PAGEDCHAT_INLINE void unpack(const uint8_t* tile, int v, int gi, Group<F>& u) {
+PAGEDCHAT_INLINE void unpack(const uint8_t* tile, int v, int gi, const TileScales& ts, Group<F>& u) {
   if constexpr (F == kQ4_0 || F == kQ5_0) {
     // q . a - o sum(a); f: d
     nibbles(tile, v, u.q);
@@ -196,8 +208,8 @@ PAGEDCHAT_INLINE void unpack(const uint8_t* tile, int v, int gi, Group<F>& u) {
     // f: d sc, dmin mn (exact in float32: 11 x 6 bits)
     nibbles(tile + 320 + gi * 256, v, u.q);
     if constexpr (F == kQ5_K) fifth_bits(tile + 2368 + gi * 64, v, u.q);
-    u.f[0] = mul(half_to_float(halves(tile) + v * kQLanes), cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
-    u.f[1] = mul(half_to_float(halves(tile + 32) + v * kQLanes), cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
+    u.f[0] = mul(ts.d, cvt(u8_to_32(tile + 64 + gi * 16 + v * kQLanes)));
+    u.f[1] = mul(ts.dmin, cvt(u8_to_32(tile + 192 + gi * 16 + v * kQLanes)));
   } else {
     // Q6_K: q[8], q[9] the int8 scales of inputs 0..15 and 16..31; f: d
     const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 32);
@@ -205,7 +217,7 @@ PAGEDCHAT_INLINE void unpack(const uint8_t* tile, int v, int gi, Group<F>& u) {
     top_bits(tile + 2336 + gi * 128, v, u.q);
     u.q[8] = s8_to_32(sc + (2 * gi) * 16 + v * kQLanes);
     u.q[9] = s8_to_32(sc + (2 * gi + 1) * 16 + v * kQLanes);
-    u.f[0] = half_to_float(halves(tile) + v * kQLanes);
+    u.f[0] = ts.d;
   }
 }
 
@@ -271,9 +283,10 @@ void tile_column(const QuantizedActivations& act, int64_t row0, const uint8_t* t
     Row row[Rows];
     PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) acc[r] = fzero(), row[r] = row_of(act, row0 + r);
     for (int64_t t = 0; t < count; ++t) {
+      const TileScales ts = tile_scales<F>(tiles + t * lay.bytes, v);
       for (int gi = 0; gi < kTileGroups<F>; ++gi) {
         Group<F> u;
-        unpack<F>(tiles + t * lay.bytes, v, gi, u);
+        unpack<F>(tiles + t * lay.bytes, v, gi, ts, u);
         PAGEDCHAT_UNROLL for (int r = 0; r < Rows; ++r) accumulate<F>(act, row[r], t * kTileGroups<F> + gi, u, acc[r]);
       }
     }
@@ -309,8 +322,11 @@ void many_rows(const QuantizedActivations& act, const uint8_t* tiles, int64_t c0
   for (int64_t c = c0; c < c1; ++c) {
     const uint8_t* column = tiles + c * count * lay.bytes;
     for (int v = 0; v < kQVecs; ++v) {
-      for (int64_t t = 0; t < count; ++t)
-        for (int gi = 0; gi < kTileGroups<F>; ++gi) unpack<F>(column + t * lay.bytes, v, gi, groups[t * kTileGroups<F> + gi]);
+      for (int64_t t = 0; t < count; ++t) {
+        const TileScales ts = tile_scales<F>(column + t * lay.bytes, v);
+        for (int gi = 0; gi < kTileGroups<F>; ++gi)
+          unpack<F>(column + t * lay.bytes, v, gi, ts, groups[t * kTileGroups<F> + gi]);
+      }
       for (int64_t r = 0; r < act.rows; r += kQ4Rows)
         blocks[std::min<int64_t>(kQ4Rows, act.rows - r) - 1](act, r, groups.data(), out + r * n + c * 16, n, v);
     }

@@ -318,7 +318,11 @@ def make_peer(name: str, llm: LLM, args: argparse.Namespace) -> Any:
 
         export = hf_directory(default_gguf_file(), Path(llm.engine.config.cache_dir))
         return TransformersPeer(str(export), llm.engine.config.eos_token_ids[0])
-    return LlamaCppPeer(str(default_gguf_file()), args.threads, args.llama_cpp_dir)
+    from kernels.cpu_native import resolve_isa
+
+    return LlamaCppPeer(
+        str(default_gguf_file()), args.threads, args.llama_cpp_dir, resolve_isa(args.isa)
+    )
 
 
 def warm_up(llm: LLM, peers: list[Peer], prompts: list[list[int]]) -> None:

@@ -187,7 +187,7 @@ Tensor run_layers(const StepArgs& a) {
   Tensor x;
   pagedchat_cpu_level::QuantizedActivations act;
   // each projection's output, allocated once per step and written again by every layer (a layer's is read before
-  // the next layer's same projection: a prompt's step otherwise allocated and freed ~80 buffers of megabytes)
+  // the next layer's same projection: a prompt's step otherwise allocated and freed ~70 buffers of megabytes)
   Tensor outs[4];
   auto matmul = [&](int p, int64_t l, const Tensor& in) {
     const int64_t at = 4 * l + p, first = first_part[at], count = a.parts[at];

@@ -249,7 +249,9 @@ def check_level(system_info: str, level: str) -> None:
     avx512 = "AVX512 = 1" in system_info
     vnni = "AVX512_VNNI = 1" in system_info
     # (our avx512 level runs against either build: none without VNNI is made)
-    if level in ("generic", "avx2") and avx512 or level == "avx512_vnni" and not (avx512 and vnni):
+    wider = level in ("generic", "avx2") and avx512
+    narrower = level == "avx512_vnni" and not (avx512 and vnni)
+    if wider or narrower:
         raise SystemExit(
             f"the llama.cpp build does not match the level {level}: its system info says {system_info!r} "
             "(build one per level with pip --no-cache-dir: docs/benchmarks/cpu.md)"

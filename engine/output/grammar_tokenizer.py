@@ -5,9 +5,10 @@ llguidance's usual constructor (``llguidance.hf.from_tokenizer``) takes a loaded
 its JSON form to ``LLTokenizer``, which parses it again into a tokenizer of its own: the process then holds both.
 For Gemma 3's 262k-token vocabulary that is ~420 MiB for the transformers tokenizer (and transformers and torch
 imported, ~300 MiB more) beside llguidance's ~310 MiB, in the engine core and in each grammar worker. Here
-``LLTokenizer`` is given the file's text itself: the same JSON it would have been given (the tokens that only
-tokenizer_config.json lists added to it, as transformers adds them as it loads), so masks and the text llguidance
-tokenizes are the same, and the process holds llguidance's tokenizer alone. tests/engine/test_grammar_tokenizer.py
+``LLTokenizer`` is given the file itself (its path: read in Rust, no Python string of it; Gemma 3's 33 MB file as a
+str is 128 MiB, its characters four bytes each), or, where tokenizer_config.json lists tokens the file lacks, its
+text with those added (as transformers adds them as it loads): the same JSON it would have been given, so masks and
+the text llguidance tokenizes are the same, and the process holds llguidance's tokenizer alone. tests/engine/test_grammar_tokenizer.py
 holds both forms equal token for token.
 
 No torch and no transformers here: the grammar workers import this, numpy and llguidance only.
@@ -25,35 +26,37 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class TokenizerFile:
-    """A model's tokenizer.json, read (the text llguidance parses)."""
+    """A model's tokenizer.json: llguidance reads ``path``, or parses ``text`` (the file with tokens added) where
+    that is not None."""
 
     path: Path
-    text: str
+    text: str | None = None
 
 
 def read_tokenizer(model_dir: Path | str | None) -> TokenizerFile | None:
     """``model_dir``'s tokenizer.json; None without one (a tokenizer.model alone: the loaded tokenizer is the way)."""
     if model_dir is None or not (path := Path(model_dir) / "tokenizer.json").is_file():
         return None
-    text = path.read_text(encoding="utf-8")
     config = path.with_name("tokenizer_config.json")
     listed = (
         json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder")
         if config.is_file()
         else None
     )
-    if listed:
-        known = {a["id"] for a in _added_tokens(text)}
-        missing = [
-            {"id": int(i), "content": a["content"], "special": bool(a.get("special"))}
-            for i, a in listed.items()
-            if int(i) not in known
-        ]
-        if missing:
-            spec = json.loads(text)
-            spec["added_tokens"] = [*spec.get("added_tokens", []), *_added(missing)]
-            text = json.dumps(spec, ensure_ascii=False)
-    return TokenizerFile(path, text)
+    if not listed:
+        return TokenizerFile(path)
+    text = path.read_text(encoding="utf-8")
+    known = {a["id"] for a in _added_tokens(text)}
+    missing = [
+        {"id": int(i), "content": a["content"], "special": bool(a.get("special"))}
+        for i, a in listed.items()
+        if int(i) not in known
+    ]
+    if missing:
+        spec = json.loads(text)
+        spec["added_tokens"] = [*spec.get("added_tokens", []), *_added(missing)]
+        return TokenizerFile(path, json.dumps(spec, ensure_ascii=False))
+    return TokenizerFile(path)
 
 
 _ADDED_KEY = re.compile(r'"added_tokens"\s*:\s*')
@@ -103,7 +106,9 @@ def grammar_tokenizer(
         raise ValueError("response_format: structured output needs the llguidance package") from exc
     eos = eos_token_ids or None
     if isinstance(source, TokenizerFile):
-        return llguidance.LLTokenizer(source.text, n_vocab=vocab_size, eos_token=eos)
+        # (a str not starting with "{" is a path for llguidance; an absolute one, so never a hub name)
+        spec = source.text if source.text is not None else str(source.path.resolve())
+        return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=eos)
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(source, n_vocab=vocab_size, eos_token=eos)

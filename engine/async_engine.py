@@ -41,7 +41,8 @@ from engine.runtime.core_messages import (
 from engine.runtime.core_process import CoreEndpoint
 from engine.core.metrics import EngineStats
 from engine.core_connection import CoreConnection
-from engine.grammar_worker import GrammarWorkers, Spawned, WorkerSetup, spawn
+from engine.grammar_worker import GrammarWorkers, WorkerSetup
+from engine.grammar_zygote import Spawned, spawn
 from engine.output.output_processor import OutputProcessor
 from engine.prefix_cache_calls import PrefixCacheCalls
 from engine.request_stream import RequestFailedError, RequestStream
@@ -80,7 +81,8 @@ class AsyncEngine(PrefixCacheCalls):
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
         self._grammar_workers: GrammarWorkers | None = None  # schema compiles, in processes
-        self._spawned: list[Spawned] = []  # their processes, started early
+        self._spawned: list[Spawned] = []  # their zygote, started early
+        self._grammar_worker_count = 2
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()
@@ -104,7 +106,9 @@ class AsyncEngine(PrefixCacheCalls):
         # is known
         known = self._known_model_dir()
         early = None if known is None else asyncio.ensure_future(self._tokenizer_loading(known))
-        self._spawned = [spawn(str(known)) for _ in range(grammar_workers)] if known else []
+        # (one zygote: the workers fork from it once it has built the tokenizer's grammar form)
+        self._spawned = [spawn(str(known))] if known and grammar_workers else []
+        self._grammar_worker_count = grammar_workers or 2
         try:
             ready = await self._core.wait_ready()
             self.info, self._stats = ready.info, ready.stats
@@ -224,7 +228,7 @@ class AsyncEngine(PrefixCacheCalls):
         if self._grammar_workers is None:
             self._grammar_workers = GrammarWorkers(
                 WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids),
-                count=len(self._spawned) or 2,
+                count=self._grammar_worker_count,
                 spawned=self._spawned,
             )
         return self._grammar_workers

@@ -14,8 +14,10 @@ process instead of a thread of the front:
   in it), and the request gets a 400 instead of the host swapping;
 - a worker whose resident memory has grown past ``recycle_bytes`` after a compile is replaced, so what the allocator
   keeps of large compiles goes back to the system with it.
-``start()`` starts ``count`` workers (each loads the tokenizer and compiles ``{"type": "json_object"}``, whose
-grammar is kept: the start, not the first request, pays llguidance's set-up); each serves one compile at a time.
+``start()`` readies the zygote (engine/grammar_zygote.py: it builds the tokenizer's grammar form once and compiles
+``{"type": "json_object"}``, whose grammar is kept: the start, not the first request, pays llguidance's set-up) and
+forks ``count`` workers from it, which share its memory; each serves one compile at a time, and a worker stopped is
+replaced by a fork in milliseconds. A zygote that ended is spawned again by the next start of a worker.
 Outcomes are kept by a hash of the spec (engine/output/grammar_cache.py): a schema seen before is not compiled
 again, and a requester that leaves does not stop a compile whose outcome the next one will want.
 """
@@ -25,18 +27,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import multiprocessing
 import os
-import resource
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
-from engine.child_process import cpu_seconds, die_with_parent, name_process, resident_bytes
+from engine.child_process import cpu_seconds
+from engine.grammar_zygote import (
+    MEMORY_BYTES,
+    OUT_OF_MEMORY,
+    WARM_SPEC,
+    ForkedWorker,
+    Spawned,
+    spawn,
+)
 from engine.output.grammar_cache import GrammarCache, Outcome, spec_key
 from engine.sampling_params import StructuredOutput
 
@@ -44,13 +51,12 @@ logger = logging.getLogger(__name__)
 
 CPU_LIMIT_S = 10.0  # CPU seconds one compile may take in its worker
 WALL_LIMIT_S = 120.0  # a compile's wall clock, for a worker the machine does not run at all
-MEMORY_BYTES = 4 * 2**30  # heap of one worker
 RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
-START_TIMEOUT_S = 300.0  # wall clock of a start (imports, tokenizer, llguidance) on a busy machine
-WARM_SPEC = StructuredOutput("json_object")
+START_TIMEOUT_S = (
+    300.0  # wall clock of the zygote's start (imports, tokenizer, llguidance) on a busy machine
+)
+FORK_TIMEOUT_S = 30.0  # wall clock of a fork's answer
 _POLL_S = 0.05  # how often a compile's CPU time is read
-
-OUT_OF_MEMORY = "response_format: compiling the schema needs more memory than allowed; simplify it"
 
 
 def cpu_limit_message(limit_s: float) -> str:
@@ -69,7 +75,7 @@ def wall_limit_message(limit_s: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSetup:
-    """What a worker needs to build the front's own GrammarCompiler."""
+    """What the zygote needs to build the front's own GrammarCompiler."""
 
     model_path: str | None
     vocab_size: int
@@ -77,124 +83,40 @@ class WorkerSetup:
     memory_bytes: int = MEMORY_BYTES
 
 
-def _serve(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
-    """The worker: take the vocabulary's size and end ids (sent once the front is healthy), load the tokenizer,
-    warm up, then compile each (spec, CPU limit) it is sent, answering (kind, spec or message, RSS) with
-    kind "ok", "invalid" (refused: the same schema is refused again) or "memory"."""
-    die_with_parent()  # (no orphan when the front is killed)
-    name_process("pagedchat-gramm")
-    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
-    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
-    # the build waits for the setup, which the front sends once it is healthy (the pool's start): beside the
-    # core's load and the front's start it cost a 2-vCPU machine seconds of its /health
+async def _answered(
+    conn: Connection, wall_limit_s: float, over: Callable[[], str | None] = lambda: None
+) -> str | None:
+    """None once ``conn`` turns readable (an answer, or the end of its process); "wall" past ``wall_limit_s``; or
+    what ``over`` returns other than None (asked every ``_POLL_S``)."""
+    loop = asyncio.get_running_loop()
+    answered = loop.create_future()
+    fd = conn.fileno()
+    loop.add_reader(fd, lambda: answered.done() or answered.set_result(None))
+    deadline = loop.time() + wall_limit_s
     try:
-        setup = conn.recv()
-    except EOFError:  # (spawned early for a model the core did not load)
-        return
-    compiler, warm = _warmed(model_path, *setup)
-    conn.send(("ready", *warm))
-    while True:
-        try:
-            spec, cpu_limit_s = conn.recv()
-        except EOFError:
-            return
-        _limit_cpu(cpu_limit_s)
-        answer = _answer(compiler, spec)
-        _limit_cpu(None)
-        conn.send((*answer, resident_bytes()))
-
-
-def _warmed(model_path: str | None, vocab_size: int, eos_token_ids: Any) -> tuple[Any, tuple]:
-    """A compiler with the tokenizer's llguidance form built (no torch and no Hugging Face tokenizer in this process
-    where the model has a tokenizer.json), and the outcome of the grammar library's first compile."""
-    from engine.output.grammar_compiler import GrammarCompiler
-    from engine.worker.tokenizer_files import grammar_source
-
-    compiler = GrammarCompiler(grammar_source(model_path), vocab_size, tuple(eos_token_ids))
-    return compiler, _answer(compiler, WARM_SPEC)
-
-
-def _answer(compiler: Any, spec: StructuredOutput) -> tuple[str, Any]:
-    try:
-        return "ok", compiler.compiled(spec)
-    except ValueError as exc:
-        return "invalid", str(exc)
-    except MemoryError:
-        return "memory", OUT_OF_MEMORY
-    except Exception as exc:  # noqa: BLE001 - the grammar library's own failure: this request's
-        message = f"response_format: the schema could not be compiled: {type(exc).__name__}: {exc}"
-        return "invalid", message
-
-
-def _limit_cpu(limit_s: float | None) -> None:
-    """The backstop of the front's own check: SIGXCPU (its default action ends this process) a second or two
-    past ``limit_s`` more CPU seconds, should the front not have stopped the compile; None: no limit."""
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = hard if limit_s is None else math.ceil(time.process_time() + limit_s) + 1
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-
-
-@dataclass(slots=True)
-class Spawned:
-    """A worker process loading its tokenizer, not yet told the rest of its setup (``spawn``)."""
-
-    model_path: str | None
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5.0)
-        self.conn.close()
-
-
-def spawn(model_path: str | None, memory_bytes: int = MEMORY_BYTES) -> Spawned:
-    """A worker process, started now: its imports and tokenizer load while the core loads the model."""
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(
-        target=_serve, args=(child, model_path, memory_bytes), name="pagedchat-grammar", daemon=True
-    )
-    process.start()
-    child.close()
-    return Spawned(model_path, process, parent)
+        while not (await asyncio.wait([answered], timeout=_POLL_S))[0]:
+            if (reason := over()) is not None:
+                return reason
+            if loop.time() > deadline:
+                return "wall"
+        return None
+    finally:
+        loop.remove_reader(fd)
+        os.set_blocking(
+            fd, True
+        )  # (uvloop's add_reader made it non-blocking: a large send would fail)
 
 
 class _Worker:
-    def __init__(self, setup: WorkerSetup, spawned: Spawned | None = None) -> None:
-        self._setup = setup
-        self._spawned = spawned  # (its first start takes it over)
-        self._process: multiprocessing.process.BaseProcess | None = None
+    def __init__(self, fork: Callable[[], Awaitable[tuple[ForkedWorker, Connection]]]) -> None:
+        self._fork = fork  # (the pool's: a worker forked from its ready zygote)
+        self._process: ForkedWorker | None = None
         self._conn: Connection | None = None
 
-    async def start(self) -> Outcome:
-        """A fresh process (or the one spawned early for it), warm (tokenizer loaded, one grammar compiled); the
-        outcome of ``WARM_SPEC``."""
-        spawned, self._spawned = self._spawned, None
+    async def start(self) -> None:
+        """A fresh process, forked from the zygote: warm (its tokenizer, its grammar cache)."""
         self.stop()
-        if spawned is None or not spawned.process.is_alive():
-            spawned = spawn(self._setup.model_path, self._setup.memory_bytes)
-        self._process, self._conn = spawned.process, spawned.conn
-        parent = spawned.conn
-        why, answer = f"no answer within {START_TIMEOUT_S:g} s", None
-        try:
-            parent.send((self._setup.vocab_size, self._setup.eos_token_ids))
-            if await self._wait(START_TIMEOUT_S) is None:
-                answer = parent.recv()
-        except (EOFError, OSError) as exc:  # (it ended while starting)
-            why = repr(exc)
-        except BaseException:
-            self.stop()
-            raise
-        if answer is None:
-            self.stop()
-            raise RuntimeError(f"the grammar worker did not start: {why}")
-        _, kind, value = answer
-        return Outcome(compiled=value) if kind == "ok" else Outcome(refusal=value)
+        self._process, self._conn = await self._fork()
 
     async def compile(
         self, spec: StructuredOutput, cpu_limit_s: float, wall_limit_s: float, recycle_bytes: int
@@ -228,28 +150,17 @@ class _Worker:
             raise ValueError(value)
         return Outcome(compiled=value) if kind == "ok" else Outcome(refusal=value)
 
-    async def _wait(self, wall_limit_s: float, cpu_limit_s: float | None = None) -> str | None:
+    async def _wait(self, wall_limit_s: float, cpu_limit_s: float) -> str | None:
         """Until the worker answers or dies (None), its CPU time since now passes ``cpu_limit_s`` ("cpu"), or the
         wall clock ``wall_limit_s`` ("wall")."""
         assert self._conn is not None and self._process is not None
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-        fd = self._conn.fileno()
-        loop.add_reader(fd, lambda: answered.done() or answered.set_result(None))
-        cpu_start, deadline = cpu_seconds(self._process.pid), loop.time() + wall_limit_s
-        try:
-            while not (await asyncio.wait([answered], timeout=_POLL_S))[0]:
-                spent = cpu_seconds(self._process.pid) - cpu_start
-                if cpu_limit_s is not None and spent > cpu_limit_s:
-                    return "cpu"
-                if loop.time() > deadline:
-                    return "wall"
-            return None
-        finally:
-            loop.remove_reader(fd)
-            os.set_blocking(
-                fd, True
-            )  # (uvloop's add_reader made it non-blocking: a large send would fail)
+        pid = self._process.pid
+        cpu_start = cpu_seconds(pid)
+        return await _answered(
+            self._conn,
+            wall_limit_s,
+            lambda: "cpu" if cpu_seconds(pid) - cpu_start > cpu_limit_s else None,
+        )
 
     def _died_of(self, cpu_limit_s: float) -> str:
         """Why the worker ended during a compile: RLIMIT_CPU (SIGXCPU), else its heap limit (an allocation the
@@ -270,9 +181,6 @@ class _Worker:
         return self._process.pid if self.alive else None
 
     def stop(self) -> None:
-        if self._spawned is not None:
-            self._spawned.stop()
-            self._spawned = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -297,17 +205,23 @@ class GrammarWorkers:
         cache: GrammarCache | None = None,
         spawned: SequenceOf[Spawned] = (),
     ) -> None:
-        """``spawned``: processes started early for these workers (``spawn``), for ``setup.model_path``."""
-        early = [p for p in spawned if p.model_path == setup.model_path][:count]
-        for unused in (p for p in spawned if all(p is not e for e in early)):
+        """``spawned``: zygotes started early (``spawn``); the one for ``setup.model_path`` is this pool's, the
+        others are stopped."""
+        early = next((p for p in spawned if p.model_path == setup.model_path), None)
+        for unused in (p for p in spawned if p is not early):
             unused.stop()
-        self._workers = [_Worker(setup, early[i] if i < len(early) else None) for i in range(count)]
+        self._setup = setup
+        self._zygote: Spawned | None = early
+        self._zygote_ready = False
+        self._forking = asyncio.Lock()
+        self._workers = [_Worker(self._fork) for _ in range(count)]
         self._recycle_bytes = recycle_bytes
         self.cpu_limit_s = cpu_limit_s
         self.wall_limit_s = wall_limit_s
         self.cache = cache or GrammarCache()
         self.compiles = 0  # specs sent to a worker (the cache had no outcome for them)
         self.starts = 0  # worker processes started
+        self.zygote_starts = 0  # zygotes made ready (each builds the tokenizer's grammar form once)
         self._idle: asyncio.Queue[_Worker] | None = None
         self._starting: asyncio.Future | None = None
         self._compiling: dict[str, asyncio.Future[Outcome]] = {}  # spec key -> its compile
@@ -315,8 +229,8 @@ class GrammarWorkers:
         self._closed = False
 
     async def start(self) -> None:
-        """Start every worker and warm it (once; later calls wait for the first): the first request pays for no
-        start. A worker that fails to start is logged and started again by its first compile."""
+        """Ready the zygote and fork every worker from it (once; later calls wait for the first): the first request
+        pays for no start. A worker that fails to start is logged and started again by its first compile."""
         if self._starting is None:
             self._starting = asyncio.ensure_future(self._start_all())
         await asyncio.shield(self._starting)
@@ -325,14 +239,59 @@ class GrammarWorkers:
         began = time.perf_counter()
         self._idle = asyncio.Queue()
         self.starts += len(self._workers)
-        warm = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
-        for worker, outcome in zip(self._workers, warm):
-            if isinstance(outcome, Outcome) and outcome.compiled is not None:
-                self.cache.put(spec_key(WARM_SPEC), outcome)
-            elif isinstance(outcome, BaseException):
+        started = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
+        for worker, outcome in zip(self._workers, started):
+            if isinstance(outcome, BaseException):
                 logger.warning("%s", outcome)
             self._idle.put_nowait(worker)
         logger.info("%d grammar workers ready in %.1f s", self.running, time.perf_counter() - began)
+
+    async def _fork(self) -> tuple[ForkedWorker, Connection]:
+        """A worker forked from the zygote, which is spawned (again, if it ended) and made ready first; one fork
+        at a time. RuntimeError when the zygote does not start or answer."""
+        async with self._forking:
+            zygote = await self._ready_zygote()
+            try:
+                zygote.request_fork()
+                if await _answered(zygote.conn, FORK_TIMEOUT_S) is None:
+                    return zygote.fork()
+                why = f"no answer within {FORK_TIMEOUT_S:g} s"
+            except (EOFError, OSError) as exc:
+                why = repr(exc)
+            self._stop_zygote()
+            raise RuntimeError(f"the grammar zygote did not fork a worker: {why}")
+
+    async def _ready_zygote(self) -> Spawned:
+        if self._zygote is not None and self._zygote_ready and self._zygote.process.is_alive():
+            return self._zygote
+        if self._zygote is None or not self._zygote.process.is_alive():
+            self._stop_zygote()
+            self._zygote = spawn(self._setup.model_path, self._setup.memory_bytes)
+        zygote, answer = self._zygote, None
+        why = f"no answer within {START_TIMEOUT_S:g} s"
+        try:
+            zygote.send_setup(self._setup.vocab_size, self._setup.eos_token_ids)
+            if await _answered(zygote.conn, START_TIMEOUT_S) is None:
+                answer = zygote.conn.recv()
+        except (EOFError, OSError) as exc:  # (it ended while starting)
+            why = repr(exc)
+        except BaseException:
+            self._stop_zygote()
+            raise
+        if answer is None:
+            self._stop_zygote()
+            raise RuntimeError(f"the grammar worker did not start: {why}")
+        self.zygote_starts += 1
+        self._zygote_ready = True
+        _, kind, value = answer
+        if kind == "ok":
+            self.cache.put(spec_key(WARM_SPEC), Outcome(compiled=value))
+        return zygote
+
+    def _stop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.stop()
+        self._zygote, self._zygote_ready = None, False
 
     async def compile(self, spec: StructuredOutput) -> StructuredOutput:
         """``spec`` checked, with its compiled grammar; ValueError naming ``response_format`` otherwise (refused by
@@ -399,6 +358,11 @@ class GrammarWorkers:
     def pids(self) -> set[int]:
         return {worker.pid for worker in self._workers if worker.pid is not None}
 
+    @property
+    def zygote_pid(self) -> int | None:
+        alive = self._zygote is not None and self._zygote.process.is_alive()
+        return self._zygote.process.pid if alive else None
+
     def close(self) -> None:
         self._closed = True
         for task in (self._starting, *self._restarts, *self._compiling.values()):
@@ -407,3 +371,5 @@ class GrammarWorkers:
         for worker in self._workers:
             with contextlib.suppress(Exception):
                 worker.stop()
+        with contextlib.suppress(Exception):
+            self._stop_zygote()

@@ -97,6 +97,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.engine_client",
             "engine.chat_template",
             "engine.grammar_worker",
+            "engine.grammar_zygote",
             "engine.prefix_cache_calls",
         ),
     ),

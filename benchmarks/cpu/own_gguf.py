@@ -198,7 +198,7 @@ def time_to_healthy(
     at_health: Callable[[str], dict[str, float]] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
-    the server's processes then (MiB by process name, and their total); with ``settle_s``, also ``settle_s`` later
+    the server's processes then (MiB by process name, their total, and their PSS total: ``pss_total``); with ``settle_s``, also ``settle_s`` later
     (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy).
     ``at_health(base_url)`` runs first once healthy; its numbers join the memory's. No ``model``: the server's
     default, or what ``args.server_args`` (added to the command, where given) says."""
@@ -237,12 +237,15 @@ def time_to_healthy(
         healthy_s = time.perf_counter() - start
         served = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
         served["total"] = sum(served.values())
+        served["pss_total"] = sum(resident_by_name(process.pid, proportional=True).values()) / 2**20
         if at_health is not None:
             served.update(at_health(f"http://127.0.0.1:{port}"))
         if settle_s:
             time.sleep(settle_s)
             settled = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
             settled["total"] = sum(settled.values())
+            proportional = resident_by_name(process.pid, proportional=True)
+            settled["pss_total"] = sum(proportional.values()) / 2**20
             served.update({f"settled_{name}": mib for name, mib in settled.items()})
         return healthy_s, served
     finally:
@@ -361,7 +364,7 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows += [
         "",
         (
-            f"| file | first start s | second start s | served RSS MiB (front + core + grammar workers) "
+            f"| file | first start s | second start s | served RSS MiB (front + core + grammar processes); PSS "
             f"| {' | '.join(results[0]['agreement'])} "
             f"(all {AGREEMENT_TOKENS} tokens equal / prompts; mean equal prefix) |"
         ),
@@ -373,10 +376,10 @@ def report(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             for a in r["agreement"].values()
         )
         served = r["served_rss_mib"]
-        parts = " + ".join(f"{v:.0f}" for k, v in served.items() if k != "total")
+        parts = " + ".join(f"{v:.0f}" for k, v in served.items() if not k.endswith("total"))
         rows.append(
             f"| {r['file']} | {r['first_start_s']:.1f} | {r['second_start_s']:.1f} | "
-            f"{served['total']:.0f} ({parts}) | {agree} |"
+            f"{served['total']:.0f} ({parts}); {served.get('pss_total', 0.0):.0f} | {agree} |"
         )
     long = results[0]["sides"]["ours"]["long_tokens"]
     for r in results:

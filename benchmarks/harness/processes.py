@@ -11,11 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def resident_by_name(pid: int, without_kv_pool: bool = False) -> dict[str, int]:
+def resident_by_name(
+    pid: int, without_kv_pool: bool = False, proportional: bool = False
+) -> dict[str, int]:
     """Resident bytes of process ``pid`` and its descendants, by process name (``pagedchat``, ``pagedchat-core``,
     ``pagedchat-gramm``, ...; processes of one name summed); a process that ends meanwhile is left out.
     ``without_kv_pool``: less the KV pool's resident pages (its memfd mappings; their pages are touched as blocks
-    are first used, up to the pool's size)."""
+    are first used, up to the pool's size). ``proportional``: each process's PSS instead of its RSS (a page that n
+    processes share counts 1/n in each: the grammar workers share their zygote's tokenizer, so the tree's PSS is
+    the memory it takes; its RSS counts those pages once per worker)."""
     by_name: dict[str, int] = {}
     todo = [pid]
     while todo:
@@ -30,10 +34,21 @@ def resident_by_name(pid: int, without_kv_pool: bool = False) -> dict[str, int]:
             continue
         name = status["Name"].strip()
         resident = int(status["VmRSS"].split()[0]) * 1024
+        if proportional:
+            resident = proportional_bytes(p)
         by_name[name] = (
             by_name.get(name, 0) + resident - (kv_pool_resident(p) if without_kv_pool else 0)
         )
     return by_name
+
+
+def proportional_bytes(pid: int) -> int:
+    """Process ``pid``'s proportional set size (PSS, /proc/PID/smaps_rollup); 0 for a process that ended."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def kv_pool_resident(pid: int) -> int:

@@ -207,19 +207,75 @@ async def test_large_compiles_leave_the_front_as_large_as_it_was(setup):
         assert resident_bytes() - before < 0.1 * before
 
 
-async def test_processes_spawned_early_are_the_workers_and_others_are_stopped(setup: WorkerSetup):
-    """A server spawns its workers while the core loads the model (their tokenizer loads meanwhile): the pool takes
-    those for its model over, without starting others, and stops any spawned for another path."""
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+async def test_the_zygote_spawned_early_forks_the_workers_and_others_are_stopped(
+    setup: WorkerSetup,
+):
+    """A server spawns the zygote while the core loads the model (its imports load meanwhile): the pool takes the one
+    for its model over, without starting another, forks its workers from it, and stops any spawned for another
+    path."""
     mine, other = spawn(setup.model_path), spawn(None)
     workers = GrammarWorkers(setup, count=2, spawned=[mine, other])
     try:
         assert not other.process.is_alive()
         await workers.start()
-        assert mine.process.pid in workers.pids and len(workers.pids) == 2
+        assert workers.zygote_pid == mine.process.pid and workers.zygote_starts == 1
+        assert len(workers.pids) == 2 and {parent_of(p) for p in workers.pids} == {mine.process.pid}
         assert (await workers.compile(SMALL)).grammar is not None
     finally:
         workers.close()
     assert not mine.process.is_alive()
+
+
+async def test_a_stopped_worker_is_forked_again_and_the_tokenizer_is_built_once(setup):
+    async with started(setup, count=2, cpu_limit_s=0.05) as workers:
+        zygote = workers.zygote_pid
+        with pytest.raises(ValueError, match="took more than 0.05 s of CPU"):
+            await workers.compile(enum_spec(80_000, "fork"))
+        for _ in range(100):  # (the replacement forks in the background)
+            if len(workers.pids) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(workers.pids) == 2 and workers.starts == 3
+        assert workers.zygote_starts == 1 and workers.zygote_pid == zygote
+        assert {parent_of(p) for p in workers.pids} == {zygote}
+
+
+async def test_workers_share_the_zygotes_memory(setup):
+    """A forked worker's pages are the zygote's until written: most of a worker's resident memory (its imports,
+    the tokenizer's grammar form) is shared, not its own."""
+    async with started(setup, count=2) as workers:
+        await workers.compile(SMALL)
+        for pid in workers.pids:
+            rollup = dict(
+                (line.split()[0].rstrip(":"), int(line.split()[1]))
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+            )
+            private = rollup["Private_Clean"] + rollup["Private_Dirty"]
+            assert private < 0.5 * rollup["Rss"], rollup
+
+
+async def test_a_zygote_that_ended_is_spawned_again_by_the_next_compile(setup):
+    async with started(setup, count=1) as workers:
+        first = workers.zygote_pid
+        assert first is not None
+        (worker,) = workers.pids
+        os.kill(first, signal.SIGKILL)  # (its worker dies with it: its parent-death signal)
+        for _ in range(100):
+            if not Path(f"/proc/{worker}").exists() or "Z" in _state(worker):
+                break
+            await asyncio.sleep(0.05)
+        assert (await workers.compile(SMALL)).grammar is not None
+        assert workers.zygote_starts == 2 and workers.zygote_pid not in (None, first)
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    return "X"
 
 
 @pytest.mark.parametrize("reported", ["as_the_directory", "another_vocabulary"])

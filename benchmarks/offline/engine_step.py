@@ -66,6 +66,7 @@ def decode_step_seconds(
         result |= same_arrivals_tpot(engine, prompts, output_len)
     finally:
         _abort(engine, request_ids)
+        engine.shutdown()  # (the KV tiers' thread and writes)
         del engine
         _release_memory(device)
     return {"build_seconds": build_seconds, **result}

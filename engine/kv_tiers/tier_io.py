@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -52,6 +53,17 @@ class TierDone:
     sources: list[str] = field(default_factory=list)
     present: int = 0
     seconds: float = 0.0
+
+
+def _serve(tier_io: weakref.ref[TierIO], jobs: queue.PriorityQueue) -> None:
+    """The I/O thread: each job as it comes, until the stop mark (``close``, or the TierIO collected)."""
+    while True:
+        _, _, job = jobs.get()
+        owner = tier_io()
+        if job is None or owner is None:
+            return
+        owner._run(job)
+        del owner
 
 
 class BlockBytes:
@@ -140,8 +152,16 @@ class TierIO:
         self._pending = 0  # jobs submitted and not finished (saves: not written yet)
         self._idle = threading.Condition()
         self._readers = ThreadPoolExecutor(num_readers, thread_name_prefix="pagedchat-kv-read")
-        self._thread = threading.Thread(target=self._run, name="pagedchat-kv-tiers", daemon=True)
+        # the thread holds this object only while it runs a job: an engine dropped without close() frees its KV
+        # (and the thread ends, told by the finalizer)
+        self._thread = threading.Thread(
+            target=_serve,
+            args=(weakref.ref(self), self._jobs),
+            name="pagedchat-kv-tiers",
+            daemon=True,
+        )
         self._thread.start()
+        weakref.finalize(self, self._jobs.put, (-1, 0, None))
 
     @property
     def payload_size(self) -> int:
@@ -175,20 +195,16 @@ class TierIO:
         self._thread.join(timeout=10)
         self._readers.shutdown(wait=False)
 
-    def _run(self) -> None:
-        while True:
-            _, _, job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                {LOAD: self._load, PROBE: self._probe, SAVE: self._save}[job.kind](job)
-            except Exception:  # (a tier's failure costs its blocks, recomputed, never the engine)
-                logger.exception("KV tiers: a job failed; its blocks are recomputed")
-                self._done.put(TierDone(job, [""] * len(job.block_ids)))
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+    def _run(self, job: TierJob) -> None:
+        try:
+            {LOAD: self._load, PROBE: self._probe, SAVE: self._save}[job.kind](job)
+        except Exception:  # (a tier's failure costs its blocks, recomputed, never the engine)
+            logger.exception("KV tiers: a job failed; its blocks are recomputed")
+            self._done.put(TierDone(job, [""] * len(job.block_ids)))
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
     def _probe(self, job: TierJob) -> None:
         present = self.redis.count_present(job.keys) if self.redis is not None else 0

@@ -7,10 +7,12 @@ request; the block books stay consistent at every step."""
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import shutil
 import signal
+import weakref
 from pathlib import Path
 
 import pytest
@@ -298,3 +300,18 @@ def test_blocks_leaving_the_host_tier_go_down_to_disk(prompts, tokenizer, tmp_pa
     assert tokens == cold_engine_result(prompts[1])
     assert cached > 0 and later.stats().prefix_disk_hits == cached
     later.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_frees_its_kv(prompts, tmp_path):
+    """The tiers' I/O thread holds the engine's KV only while it runs a job: an engine dropped without shutdown
+    (a benchmark's, a script's) gives its KV back, and the thread ends."""
+    engine = tiered(tmp_path / "kv")
+    run(engine, "dropped", prompts[0])
+    tiers = engine.core.scheduler.tiers
+    kv, thread = weakref.ref(engine.runner.kv.k_caches), tiers.io._thread
+    assert thread.is_alive()
+    del engine, tiers
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive(), "the I/O thread ended with its engine"
+    assert kv() is None, "the KV cache was freed"

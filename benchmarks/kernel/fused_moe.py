@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ import triton  # noqa: E402
 
 from benchmarks.harness import record  # noqa: E402
 from kernels import ops, reference  # noqa: E402
-from kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe  # noqa: E402
+from kernels.fused_moe import DECODE, MoeConfig, Tile, choose_config, fused_moe  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,17 +230,21 @@ def batch_row(timer: Timer, shape: Shape, layers: list, tokens: int, peak_tbps: 
     return row
 
 
-def sweep_configs() -> list[MoeConfig]:
+def sweep_configs(down_prefetch: list[int] = ()) -> list[MoeConfig]:
+    """The grid; ``down_prefetch``: also the down kernel's default tile with each of these L2 prefetch sizes."""
+    extra = [replace(DECODE.down, prefetch_k=k) for k in down_prefetch]
     return [
         MoeConfig(block_m=m, gate_up=up, down=down)
-        for m, up, down in itertools.product(SWEEP_BLOCK_M, GATE_UP_TILES, DOWN_TILES)
+        for m, up, down in itertools.product(SWEEP_BLOCK_M, GATE_UP_TILES, [*DOWN_TILES, *extra])
     ]
 
 
-def sweep(timer: Timer, shape: Shape, layers: list, row: dict) -> None:
+def sweep(
+    timer: Timer, shape: Shape, layers: list, row: dict, down_prefetch: list[int] = ()
+) -> None:
     """Graph time of every config of the grid at the row's batch; the best into the row."""
     timed = []
-    for config in sweep_configs():
+    for config in sweep_configs(down_prefetch):
         try:
             result = measure(timer, shape, layers, row["tokens"], config, eager=False)
         except Exception as err:  # noqa: BLE001 - a config that cannot run (e.g. out of resources) is no candidate
@@ -318,6 +322,13 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the layer in a graph")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak (H200: 4.8)")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    parser.add_argument(
+        "--down-prefetch",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --sweep: also these down-kernel L2 prefetch sizes (elements of each weight row)",
+    )
     parser.add_argument("--smoke", action="store_true", help="no GPU: a tiny layer, interpreted")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -333,7 +344,7 @@ def main() -> None:
     for tokens in batches:
         rows.append(batch_row(timer, shape, layers, tokens, args.peak_tbps))
         if args.sweep:
-            sweep(timer, shape, layers, rows[-1])
+            sweep(timer, shape, layers, rows[-1], args.down_prefetch)
     env = record.environment(__spec__.name, device, load_before, shape=asdict(shape), copies=copies)
     print("\n".join(["", *table(rows, args.peak_tbps, copy, args.sweep), "", verdict(rows)]))
     if args.sweep:

@@ -164,15 +164,19 @@ def _zygote(conn: Connection, model_path: str | None, memory_bytes: int) -> None
 def _fork(conn: Connection, compiler: Any, exits: dict[int, int]) -> None:
     front_end, worker_end = socket.socketpair()
     status_read, status_write = os.pipe()
+    zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            die_with_parent()  # (a fork clears it)
+            # (the zygote ended before the line above: no signal will come)
+            if os.getppid() != zygote:
+                return
             conn.close()
             front_end.close()
             for fd in (status_read, status_write, *exits.values()):
                 os.close(fd)
-            die_with_parent()  # (a fork clears it)
             name_process("pagedchat-gramm")
             serve(Connection(worker_end.detach()), compiler)
             code = 0

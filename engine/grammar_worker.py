@@ -52,9 +52,8 @@ logger = logging.getLogger(__name__)
 CPU_LIMIT_S = 10.0  # CPU seconds one compile may take in its worker
 WALL_LIMIT_S = 120.0  # a compile's wall clock, for a worker the machine does not run at all
 RECYCLE_BYTES = 2**30  # resident memory after which a worker is replaced
-START_TIMEOUT_S = (
-    300.0  # wall clock of the zygote's start (imports, tokenizer, llguidance) on a busy machine
-)
+# wall clock of the zygote's start (imports, tokenizer, llguidance) on a busy machine
+START_TIMEOUT_S = 300.0
 FORK_TIMEOUT_S = 30.0  # wall clock of a fork's answer
 _POLL_S = 0.05  # how often a compile's CPU time is read
 
@@ -102,9 +101,8 @@ async def _answered(
         return None
     finally:
         loop.remove_reader(fd)
-        os.set_blocking(
-            fd, True
-        )  # (uvloop's add_reader made it non-blocking: a large send would fail)
+        # (uvloop's add_reader made it non-blocking: a large send would fail)
+        os.set_blocking(fd, True)
 
 
 class _Worker:

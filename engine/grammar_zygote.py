@@ -37,7 +37,7 @@ from engine.sampling_params import StructuredOutput
 MEMORY_BYTES = 4 * 2**30  # heap of the zygote and of each worker
 WARM_SPEC = StructuredOutput("json_object")
 OUT_OF_MEMORY = "response_format: compiling the schema needs more memory than allowed; simplify it"
-_REAP_S = 0.05  # how often the zygote reaps its ended workers
+_REAP_S = 1.0  # how often the zygote reaps ended workers without being woken (SIGCHLD wakes it)
 _EXIT = struct.Struct("i")
 
 
@@ -151,17 +151,26 @@ def _zygote(conn: Connection, model_path: str | None, memory_bytes: int) -> None
     compiler, warm = _warmed(model_path, *setup)
     conn.send(("ready", *warm))
     exits: dict[int, int] = {}  # worker pid -> its exit pipe's write end
+    # a worker's end wakes the loop (SIGCHLD writes to this pipe), so its exit code reaches the front at once
+    woken, wake = os.pipe()
+    for fd in (woken, wake):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        if wait([conn], timeout=_REAP_S):
+        ready = wait([conn, woken], timeout=_REAP_S)
+        if woken in ready:
+            os.read(woken, 4096)
+        if conn in ready:
             try:
                 conn.recv()
             except EOFError:
                 return
-            _fork(conn, compiler, exits)
+            _fork(conn, compiler, exits, (woken, wake))
         _reap(exits)
 
 
-def _fork(conn: Connection, compiler: Any, exits: dict[int, int]) -> None:
+def _fork(conn: Connection, compiler: Any, exits: dict[int, int], wake: tuple[int, int]) -> None:
     front_end, worker_end = socket.socketpair()
     status_read, status_write = os.pipe()
     zygote = os.getpid()
@@ -173,9 +182,11 @@ def _fork(conn: Connection, compiler: Any, exits: dict[int, int]) -> None:
             # (the zygote ended before the line above: no signal will come)
             if os.getppid() != zygote:
                 return
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             conn.close()
             front_end.close()
-            for fd in (status_read, status_write, *exits.values()):
+            for fd in (status_read, status_write, *exits.values(), *wake):
                 os.close(fd)
             name_process("pagedchat-gramm")
             serve(Connection(worker_end.detach()), compiler)

@@ -263,6 +263,15 @@ class Deployment:
         for app in stopped:
             app.wait_healthy()
 
+    def wait_whole(self, timeout_s: float = 30.0) -> None:
+        """Until nginx sends requests without a session to every replica: one it marked down after a failed
+        attempt (``max_fails=1``: for ``fail_timeout``, 10 s) is back in the ring before placement is judged."""
+        deadline, seen = time.monotonic() + timeout_s, set()
+        while seen != set(REPLICA_NAMES) and time.monotonic() < deadline:
+            seen.add(self.model_behind())
+            time.sleep(0.05)
+        assert seen == set(REPLICA_NAMES), seen
+
     def model_behind(self, session: str | None = None) -> str:
         headers = {"X-Session-ID": session} if session else {}
         response = httpx.get(f"{self.nginx.url}/v1/models", headers=headers, timeout=30)
@@ -318,6 +327,7 @@ def test_replicas_keep_each_session_on_one_replica_and_spread_sessions(
     deployment: Deployment,
 ) -> None:
     deployment.ensure_running()
+    deployment.wait_whole()
     placement = {}
     for n in range(12):
         session = f"sess-{n}"

@@ -8,8 +8,8 @@ imported, ~300 MiB more) beside llguidance's ~310 MiB, in the engine core and in
 ``LLTokenizer`` is given the file itself (its path: read in Rust, no Python string of it; Gemma 3's 33 MB file as a
 str is 128 MiB, its characters four bytes each), or, where tokenizer_config.json lists tokens the file lacks, its
 text with those added (as transformers adds them as it loads): the same JSON it would have been given, so masks and
-the text llguidance tokenizes are the same, and the process holds llguidance's tokenizer alone. tests/engine/test_grammar_tokenizer.py
-holds both forms equal token for token.
+the text llguidance tokenizes are the same, and the process holds llguidance's tokenizer alone.
+tests/engine/test_grammar_tokenizer.py holds both forms equal token for token.
 
 No torch and no transformers here: the grammar workers import this, numpy and llguidance only.
 """

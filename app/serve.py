@@ -114,6 +114,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+# an idle client connection is closed after this long (uvicorn's default); a proxy that keeps connections to the
+# server open must close its idle ones sooner (docker/nginx.conf's upstream keepalive_timeout), or it may send a
+# request on one the server is closing, and nginx then counts the replica as failed
+KEEP_ALIVE_S = 5
+
+
 def run_server(
     app: Any, settings: ServerSettings, sockets: list[socket.socket] | None = None
 ) -> int:
@@ -134,6 +140,7 @@ def run_server(
         forwarded_allow_ips=settings.forwarded_allow_ips,
         # (app/access_log.py writes one line per request, with its numbers)
         access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)

@@ -274,6 +274,20 @@ def test_nginx_config_streams_sse_and_hashes_sessions_consistently() -> None:
     assert "$http_x_session_id" in text
 
 
+def test_nginx_closes_idle_upstream_connections_before_the_replicas_do() -> None:
+    """A request nginx sends on a kept-alive connection the replica is closing fails, and counts against the
+    replica (max_fails): nginx's idle timeout for its upstream connections stays below the replicas' own."""
+    from app.serve import KEEP_ALIVE_S
+
+    block = _upstream_block()
+    assert re.search(r"^\s*keepalive\s+\d+;", block, re.MULTILINE)
+    timeout = re.search(r"^\s*keepalive_timeout\s+(\d+)(s?);", block, re.MULTILINE)
+    assert timeout is not None, (
+        "upstream keepalive_timeout (nginx's default, 60 s, outlives the replicas')"
+    )
+    assert int(timeout.group(1)) < KEEP_ALIVE_S
+
+
 def test_compose_config_accepted_by_docker_compose_where_installed(tmp_path: Path) -> None:
     """An extra check on machines with the Compose plugin (it needs no daemon for `config`)."""
     docker = shutil.which("docker")

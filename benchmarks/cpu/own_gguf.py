@@ -198,9 +198,9 @@ def time_to_healthy(
     at_health: Callable[[str], dict[str, float]] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``pagedchat serve --model MODEL`` to ``GET /health`` answering 200, and the resident memory of
-    the server's processes then (MiB by process name, their total, and their PSS total: ``pss_total``); with ``settle_s``, also ``settle_s`` later
-    (the same keys with ``settled_`` before them: what the grammar workers and the core build once healthy).
-    ``at_health(base_url)`` runs first once healthy; its numbers join the memory's. No ``model``: the server's
+    the server's processes then (``tree_memory``); with ``settle_s``, also ``settle_s`` later (the same keys with
+    ``settled_`` before them: what the grammar workers and the core build once healthy). ``at_health(base_url)``
+    runs first once healthy; its numbers join the memory's. No ``model``: the server's
     default, or what ``args.server_args`` (added to the command, where given) says."""
     from tests.server_harness import free_port
 
@@ -235,21 +235,23 @@ def time_to_healthy(
         # (asked every 50 ms: every 0.5 s made each start's seconds a multiple of it, +- the first ask)
         wait_for_health(f"http://127.0.0.1:{port}", process, 600.0, str(log_path), poll_s=0.05)
         healthy_s = time.perf_counter() - start
-        served = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
-        served["total"] = sum(served.values())
-        served["pss_total"] = sum(resident_by_name(process.pid, proportional=True).values()) / 2**20
+        served = tree_memory(process.pid)
         if at_health is not None:
             served.update(at_health(f"http://127.0.0.1:{port}"))
         if settle_s:
             time.sleep(settle_s)
-            settled = {name: b / 2**20 for name, b in resident_by_name(process.pid).items()}
-            settled["total"] = sum(settled.values())
-            proportional = resident_by_name(process.pid, proportional=True)
-            settled["pss_total"] = sum(proportional.values()) / 2**20
-            served.update({f"settled_{name}": mib for name, mib in settled.items()})
+            served.update({f"settled_{k}": mib for k, mib in tree_memory(process.pid).items()})
         return healthy_s, served
     finally:
         stop_process(process, signal.SIGTERM, "server")
+
+
+def tree_memory(pid: int) -> dict[str, float]:
+    """MiB resident in process ``pid``'s tree by process name, their ``total``, and the tree's PSS (``pss_total``)."""
+    memory = {name: b / 2**20 for name, b in resident_by_name(pid).items()}
+    memory["total"] = sum(memory.values())
+    memory["pss_total"] = sum(resident_by_name(pid, proportional=True).values()) / 2**20
+    return memory
 
 
 def starts_cache(work: Path) -> Path:

@@ -33,9 +33,7 @@ def resident_by_name(
         except OSError:
             continue
         name = status["Name"].strip()
-        resident = int(status["VmRSS"].split()[0]) * 1024
-        if proportional:
-            resident = proportional_bytes(p)
+        resident = proportional_bytes(p) if proportional else int(status["VmRSS"].split()[0]) * 1024
         by_name[name] = (
             by_name.get(name, 0) + resident - (kv_pool_resident(p) if without_kv_pool else 0)
         )

@@ -41,8 +41,8 @@ from engine.runtime.core_messages import (
 from engine.runtime.core_process import CoreEndpoint
 from engine.core.metrics import EngineStats
 from engine.core_connection import CoreConnection
-from engine.grammar_worker import GrammarWorkers, WorkerSetup
-from engine.grammar_zygote import Spawned, spawn
+from engine.grammar_side import GrammarSide
+from engine.grammar_worker import GrammarWorkers
 from engine.output.output_processor import OutputProcessor
 from engine.prefix_cache_calls import PrefixCacheCalls
 from engine.request_stream import RequestFailedError, RequestStream
@@ -80,9 +80,9 @@ class AsyncEngine(PrefixCacheCalls):
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
-        self._grammar_workers: GrammarWorkers | None = None  # schema compiles, in processes
-        self._spawned: list[Spawned] = []  # their zygote, started early
-        self._grammar_worker_count = 2
+        self._grammar_side = (
+            GrammarSide()
+        )  # compile workers, their zygote, the core's matcher server
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()
@@ -106,9 +106,9 @@ class AsyncEngine(PrefixCacheCalls):
         # is known
         known = self._known_model_dir()
         early = None if known is None else asyncio.ensure_future(self._tokenizer_loading(known))
-        # (one zygote: the workers fork from it once it has built the tokenizer's grammar form)
-        self._spawned = [spawn(str(known))] if known and grammar_workers else []
-        self._grammar_worker_count = grammar_workers or 2
+        # (one zygote: the workers fork from it once it has built the tokenizer's grammar form, and so does the
+        # matcher server that holds the core's grammar state)
+        self._grammar_side.start(known, grammar_workers)
         try:
             ready = await self._core.wait_ready()
             self.info, self._stats = ready.info, ready.stats
@@ -129,6 +129,8 @@ class AsyncEngine(PrefixCacheCalls):
         self._processor = OutputProcessor(self.tokenizer, ready.info)
         self._loop.add_reader(self._core.process.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagedchat-engine-outputs")
+        # the core's grammar matchers go to the zygote's server (it then builds no tokenizer of its own)
+        await self.call("use_grammar_matchers", self._grammar_side.matchers_path)
 
     @staticmethod
     def _tokenizer_loading(path: Path) -> Awaitable[Any]:
@@ -162,10 +164,7 @@ class AsyncEngine(PrefixCacheCalls):
         if self._loop is not None and self._core.process is not None:
             self._loop.remove_reader(self._core.process.sentinel)
         self._core.close()
-        if self._grammar_workers is not None:
-            self._grammar_workers.close()
-        for spawned in self._spawned if self._grammar_workers is None else ():
-            spawned.stop()  # (never handed over)
+        self._grammar_side.close()
 
     @property
     def healthy(self) -> bool:
@@ -225,13 +224,8 @@ class AsyncEngine(PrefixCacheCalls):
         return await self._grammar_pool().compile(spec)
 
     def _grammar_pool(self) -> GrammarWorkers:
-        if self._grammar_workers is None:
-            self._grammar_workers = GrammarWorkers(
-                WorkerSetup(self.info.model_path, self.info.vocab_size, self.info.eos_token_ids),
-                count=self._grammar_worker_count,
-                spawned=self._spawned,
-            )
-        return self._grammar_workers
+        info = self.info
+        return self._grammar_side.pool(info.model_path, info.vocab_size, info.eos_token_ids)
 
     def generate(
         self,

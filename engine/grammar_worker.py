@@ -80,6 +80,8 @@ class WorkerSetup:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     memory_bytes: int = MEMORY_BYTES
+    # where the zygote's matcher server listens for the engine core (None: the core keeps its own matchers)
+    matchers_path: str | None = None
 
 
 async def _answered(
@@ -264,7 +266,9 @@ class GrammarWorkers:
             return self._zygote
         if self._zygote is None or not self._zygote.process.is_alive():
             self._stop_zygote()
-            self._zygote = spawn(self._setup.model_path, self._setup.memory_bytes)
+            self._zygote = spawn(
+                self._setup.model_path, self._setup.memory_bytes, self._setup.matchers_path
+            )
         zygote, answer = self._zygote, None
         why = f"no answer within {START_TIMEOUT_S:g} s"
         try:

@@ -29,9 +29,11 @@ import struct
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 from engine.child_process import die_with_parent, name_process, resident_bytes
+from engine.output.remote_matchers import listen
+from engine.output.remote_matchers import serve as serve_matchers
 from engine.sampling_params import StructuredOutput
 
 MEMORY_BYTES = 4 * 2**30  # heap of the zygote and of each worker
@@ -115,13 +117,16 @@ class Spawned:
         self.conn.send("fork")
 
 
-def spawn(model_path: str | None, memory_bytes: int = MEMORY_BYTES) -> Spawned:
-    """The zygote, started now: its imports load while the core loads the model."""
+def spawn(
+    model_path: str | None, memory_bytes: int = MEMORY_BYTES, matchers_path: str | None = None
+) -> Spawned:
+    """The zygote, started now: its imports load while the core loads the model. ``matchers_path``: where its
+    matcher server (engine/output/remote_matchers.py) listens for the engine core; None: none."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
         target=_zygote,
-        args=(child, model_path, memory_bytes),
+        args=(child, model_path, memory_bytes, matchers_path),
         name="pagedchat-grammar",
         daemon=True,
     )
@@ -133,15 +138,20 @@ def spawn(model_path: str | None, memory_bytes: int = MEMORY_BYTES) -> Spawned:
 # the zygote's side ---------------------------------------------------------------------------------
 
 
-def _zygote(conn: Connection, model_path: str | None, memory_bytes: int) -> None:
+def _zygote(
+    conn: Connection, model_path: str | None, memory_bytes: int, matchers_path: str | None
+) -> None:
     """Take the vocabulary's size and end ids (sent once the front is healthy), build the compiler and compile
-    ``WARM_SPEC``, answer ("ready", kind, value); then fork a worker per "fork", answering its pid with its
-    connection's and exit pipe's ends, and reap ended workers, writing each one's exit code to its pipe."""
+    ``WARM_SPEC``, fork the matcher server, answer ("ready", kind, value); then fork a worker per "fork", answering
+    its pid with its connection's and exit pipe's ends, and reap ended workers, writing each one's exit code to its
+    pipe (an ended matcher server is forked again)."""
     die_with_parent()  # (no orphan when the front is killed)
     name_process("pagedchat-gfork")
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     _, hard = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # (SIGXCPU would write a core file)
+    # (listening from the start: the core may connect before the build is done, and waits for the answer)
+    listener = listen(matchers_path) if matchers_path else None
     # the build waits for the setup, which the front sends once it is healthy (the pool's start): beside the
     # core's load and the front's start it cost a 2-vCPU machine seconds of its /health
     try:
@@ -149,14 +159,16 @@ def _zygote(conn: Connection, model_path: str | None, memory_bytes: int) -> None
     except EOFError:  # (spawned early for a model the core did not load)
         return
     compiler, warm = _warmed(model_path, *setup)
-    conn.send(("ready", *warm))
     exits: dict[int, int] = {}  # worker pid -> its exit pipe's write end
     # a worker's end wakes the loop (SIGCHLD writes to this pipe), so its exit code reaches the front at once
     woken, wake = os.pipe()
     for fd in (woken, wake):
         os.set_blocking(fd, False)
+    inherited = [conn.fileno(), woken, wake, *([listener.fileno()] if listener else [])]
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    server = _fork_matchers(listener, compiler, inherited) if listener else 0
+    conn.send(("ready", *warm))
     while True:
         ready = wait([conn, woken], timeout=_REAP_S)
         if woken in ready:
@@ -166,33 +178,50 @@ def _zygote(conn: Connection, model_path: str | None, memory_bytes: int) -> None
                 conn.recv()
             except EOFError:
                 return
-            _fork(conn, compiler, exits, (woken, wake))
-        _reap(exits)
+            _fork(conn, compiler, exits, inherited)
+        if server in _reap(exits):
+            server = _fork_matchers(listener, compiler, [*inherited, *exits.values()])
 
 
-def _fork(conn: Connection, compiler: Any, exits: dict[int, int], wake: tuple[int, int]) -> None:
-    front_end, worker_end = socket.socketpair()
-    status_read, status_write = os.pipe()
+def _forked(name: str, inherited: list[int], body: Callable[[], None]) -> int:
+    """Fork a child that runs ``body`` as process ``name`` with the zygote's own descriptors closed (and its parent-
+    death signal re-armed: a fork clears it); its pid."""
     zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            die_with_parent()  # (a fork clears it)
+            die_with_parent()
             # (the zygote ended before the line above: no signal will come)
             if os.getppid() != zygote:
-                return
+                return 0
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            conn.close()
-            front_end.close()
-            for fd in (status_read, status_write, *exits.values(), *wake):
+            for fd in inherited:
                 os.close(fd)
-            name_process("pagedchat-gramm")
-            serve(Connection(worker_end.detach()), compiler)
+            name_process(name)
+            body()
             code = 0
         finally:
             os._exit(code)
+    return pid
+
+
+def _fork_matchers(listener: socket.socket, compiler: Any, inherited: list[int]) -> int:
+    """The matcher server (the engine core's grammar state), sharing the built tokenizer's pages."""
+    tokenizer = compiler.ll_tokenizer()
+    # (its listening socket is the one thing it keeps of the zygote's)
+    closed = [fd for fd in inherited if fd != listener.fileno()]
+    return _forked("pagedchat-gmask", closed, lambda: serve_matchers(listener, tokenizer))
+
+
+def _fork(conn: Connection, compiler: Any, exits: dict[int, int], inherited: list[int]) -> None:
+    front_end, worker_end = socket.socketpair()
+    status_read, status_write = os.pipe()
+    closed = [*inherited, front_end.fileno(), status_read, status_write, *exits.values()]
+    pid = _forked(
+        "pagedchat-gramm", closed, lambda: serve(Connection(worker_end.detach()), compiler)
+    )
     worker_end.close()
     with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
         fds = array.array("i", [front_end.fileno(), status_read])
@@ -202,14 +231,17 @@ def _fork(conn: Connection, compiler: Any, exits: dict[int, int], wake: tuple[in
     exits[pid] = status_write
 
 
-def _reap(exits: dict[int, int]) -> None:
-    while exits:
+def _reap(exits: dict[int, int]) -> list[int]:
+    """Reap every ended child, writing a worker's exit code to its pipe; the pids reaped."""
+    reaped = []
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
-            return
+            return reaped
+        reaped.append(pid)
         fd = exits.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(OSError):

@@ -98,6 +98,7 @@ ENGINE_TIERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.chat_template",
             "engine.grammar_worker",
             "engine.grammar_zygote",
+            "engine.grammar_side",
             "engine.prefix_cache_calls",
         ),
     ),

@@ -71,7 +71,7 @@ def main() -> None:
     load_before = record.load_average()
     tokenizer = load_tokenizer(ensure_default_model(Path(EngineConfig().cache_dir)))
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
-    compiler._ll_tokenizer()  # (built once per server; not part of a request's cost)
+    compiler.ll_tokenizer()  # (built once per server; not part of a request's cost)
     result = asyncio.run(
         measure(
             compiler,

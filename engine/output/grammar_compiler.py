@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.free_heap import release_free_heap
 from engine.output.grammar_tokenizer import grammar_tokenizer
+from engine.output.remote_matchers import RemoteMatchers
 from engine.output.schema_check import unsatisfiable
 from engine.sampling_params import StructuredOutput
 
@@ -53,12 +54,22 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # (a compiler may be shared between threads)
         self._tokenizer: Any | None = None
         self._warming = False
+        # the matchers' server, when one holds them (``use_remote``): no tokenizer built here
+        self._remote: RemoteMatchers | None = None
+
+    def use_remote(self, path: str) -> None:
+        """Hold matchers in the matcher server listening at ``path`` (engine/output/remote_matchers.py) from now on:
+        connected at the first grammar (its zygote builds once the front is healthy); where none answers then, this
+        process builds the tokenizer and keeps its own. The first server told of stays (with several fronts, each
+        tells of its own zygote's)."""
+        if self._remote is None:
+            self._remote = RemoteMatchers(path, self.vocab_size)
 
     def warm_in_background(self) -> None:
         """Build llguidance's tokenizer and a first grammar on a thread, once (for a Future source; else the first
         grammar builds it). The build holds the GIL throughout (2-3 s for a 262k-token vocabulary), so the engine
         core calls this once idle after its start, not while it loads: there it delayed the core's readiness."""
-        if self._warming or not isinstance(self._source, Future):
+        if self._warming or self._remote is not None or not isinstance(self._source, Future):
             return
         self._warming = True
         threading.Thread(target=self._warm, name="pagedchat-grammar-warm", daemon=True).start()
@@ -71,7 +82,7 @@ class GrammarCompiler:
         except Exception:  # (the first grammar raises it again, where it can be answered)
             logger.warning("structured output: warming the grammar library failed", exc_info=True)
 
-    def _ll_tokenizer(self) -> Any:
+    def ll_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
                 if isinstance(self._source, Future):
@@ -94,7 +105,7 @@ class GrammarCompiler:
         if spec.grammar is not None:
             return spec.grammar
         grammar = self._grammar(spec)
-        _check_usable(self._ll_tokenizer(), grammar)
+        _check_usable(self.ll_tokenizer(), grammar)
         return grammar
 
     def compiled(self, spec: StructuredOutput) -> StructuredOutput:
@@ -102,17 +113,30 @@ class GrammarCompiler:
         return dataclasses.replace(spec, grammar=self.validate(spec))
 
     def matcher(self, spec: StructuredOutput) -> Any:
+        """A matcher for ``spec`` (in the matcher server where one is used and the spec carries its grammar)."""
+        if self._remote is not None and spec.grammar is not None:
+            try:
+                self._remote.connect()
+            except OSError as exc:
+                logger.warning(
+                    "structured output: no matcher server at %s (%s); matchers kept here",
+                    self._remote.path,
+                    exc,
+                )
+                self._remote = None
+            else:
+                return self._remote.matcher(spec.grammar)
         import llguidance
 
-        return llguidance.LLMatcher(self._ll_tokenizer(), self._grammar(spec))
+        return llguidance.LLMatcher(self.ll_tokenizer(), self._grammar(spec))
 
     def _grammar(self, spec: StructuredOutput) -> str:
         if spec.grammar is not None:
             return spec.grammar
         if spec.kind == "lark":
-            return _compile_lark(self._ll_tokenizer(), spec.schema)
+            return _compile_lark(self.ll_tokenizer(), spec.schema)
         return _compile(
-            self._ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA
+            self.ll_tokenizer(), spec.schema if spec.kind == "json_schema" else _OBJECT_SCHEMA
         )
 
 

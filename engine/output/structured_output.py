@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.output.remote_matchers import RemoteMatcher
 from engine.sequence import Sequence
 
 
@@ -26,6 +27,14 @@ def token_masks(
         return None, {}
     mask = torch.full((len(seqs), -(-vocab_size // 32)), -1, dtype=torch.int32)
     failed: dict[int, str] = {}
+    # matchers in the matcher server: every row's mask in one round trip
+    remote = [i for i in rows if isinstance(seqs[i].grammar, RemoteMatcher)]
+    if remote:
+        owner = seqs[remote[0]].grammar.owner
+        failed = owner.fill_masks([seqs[i].grammar for i in remote], mask, remote)
+        for i in failed:
+            mask[i] = -1
+        rows = [i for i in rows if not isinstance(seqs[i].grammar, RemoteMatcher)]
     for i in rows:
         try:
             fill_mask(seqs[i].grammar, mask, i)

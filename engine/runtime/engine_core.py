@@ -127,6 +127,10 @@ class EngineCore:
 
     # requests -----------------------------------------------------------------------------------------
 
+    def use_grammar_matchers(self, path: str) -> None:
+        """Grammar matchers kept in the matcher server at ``path`` (the front's grammar zygote forks it)."""
+        self.grammars.use_remote(path)
+
     def validate_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
         check_request(self.info, prompt_token_ids, params, self.grammars)
 
@@ -162,12 +166,8 @@ class EngineCore:
         group = SequenceGroup(request_id, seqs, params)
         if params.use_beam_search:
             eos = () if params.ignore_eos else tuple(self.config.eos_token_ids)
-            request = Request(
-                group,
-                [],
-                0,
-                beam=new_beam_group(seqs, params, self.config.max_model_len - len(prompt), eos),
-            )
+            beam = new_beam_group(seqs, params, self.config.max_model_len - len(prompt), eos)
+            request = Request(group, [], 0, beam=beam)
         else:
             request = Request(group, [Sample(seq) for seq in seqs], len(seqs))
         # nothing is registered before this point: a failure above leaves the engine as it was

@@ -22,6 +22,8 @@ import os
 import signal
 import socket
 import threading
+import weakref
+from collections import deque
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -56,6 +58,8 @@ class RemoteMatchers:
         # bumped when a connection is lost: the matchers of an older one are gone with their server
         self.generation = 0
         self._released: list[int] = []  # keys of dropped matchers, freed with the next call
+        # the matchers whose advance's answer (the next mask) is not read yet, in sending order
+        self._pending: deque[weakref.ref[RemoteMatcher]] = deque()
 
     def connect(self) -> None:
         """Connect now (OSError: no server listens at the path)."""
@@ -67,15 +71,12 @@ class RemoteMatchers:
         return RemoteMatcher(self, self.call("new", grammar))
 
     def call(self, op: str, *args: Any) -> Any:
+        """One round trip (the answers of advances sent before it read first)."""
         with self._lock:
-            conn = self._connection()
-            released, self._released = self._released, []
             try:
-                conn.send((released, op, args))
-                if not conn.poll(REPLY_TIMEOUT_S):
-                    self._kill_server()
-                    raise TimeoutError
-                kind, value = conn.recv()
+                self._send(op, args)
+                self._read_pending()
+                kind, value = self._receive()
             except (OSError, EOFError, TimeoutError):
                 self._lost()
                 raise ValueError(ENDED) from None
@@ -83,27 +84,52 @@ class RemoteMatchers:
             raise ValueError(value)
         return value
 
+    def advance(self, matcher: RemoteMatcher, token: int) -> None:
+        """Send ``matcher``'s token without waiting: the server consumes it and computes the next mask while the
+        core runs its next pass; the answer is read with the next call (its verdict with that mask)."""
+        with self._lock:
+            try:
+                self._send("advance", (matcher.key, token))
+            except OSError:
+                self._lost()
+                raise ValueError(ENDED) from None
+            self._pending.append(weakref.ref(matcher))
+
     def fill_masks(
-        self, matchers: list[RemoteMatcher], mask: Any, rows: list[int]
+        self, matchers: list[RemoteMatcher], target: np.ndarray, rows: list[int]
     ) -> dict[int, str]:
-        """Each matcher's next-token mask into its row of ``mask`` (a contiguous int32 ``[rows, words]`` CPU tensor),
-        in one round trip; returns the rows whose grammar failed (row -> message), left as they were."""
-        current = [m for m in matchers if m.generation == self.generation]
-        failed = {row: ENDED for m, row in zip(matchers, rows) if m.generation != self.generation}
-        if not current:
-            return failed
+        """Each matcher's next-token mask into its row of ``target`` (int32 ``[rows, words]``):
+        the masks its advance computed, the others in one round trip; returns the rows whose grammar failed (row ->
+        message), left as they were."""
         try:
-            errors, data = self.call("masks", [m.key for m in current])
-        except ValueError as exc:  # (the server ended: every row's request ends)
-            return {row: str(exc) for row in rows}
-        words = np.frombuffer(data, dtype=np.int32).reshape(len(current), self.words)
-        kept = [row for m, row in zip(matchers, rows) if m.generation == self.generation]
-        target = mask.numpy()
-        for index, row in enumerate(kept):
-            if index in errors:
-                failed[row] = errors[index]
+            with self._lock:
+                self._read_pending()
+        except (OSError, EOFError, TimeoutError):
+            with self._lock:
+                self._lost()
+        failed: dict[int, str] = {}
+        asked: list[tuple[RemoteMatcher, int]] = []
+        for matcher, row in zip(matchers, rows):
+            if matcher.generation != self.generation:
+                failed[row] = ENDED
+            elif matcher.error is not None:
+                failed[row] = matcher.error
+            elif matcher.ready is not None:
+                target[row, : self.words] = np.frombuffer(matcher.ready, dtype=np.int32)
             else:
-                target[row, : self.words] = words[index]
+                asked.append((matcher, row))
+        if asked:
+            try:
+                errors, data = self.call("masks", [m.key for m, _ in asked])
+            except ValueError as exc:  # (the server ended: every row's request ends)
+                return {row: str(exc) for row in rows}
+            words = np.frombuffer(data, dtype=np.int32).reshape(len(asked), self.words)
+            for index, (matcher, row) in enumerate(asked):
+                if index in errors:
+                    failed[row] = errors[index]
+                else:
+                    target[row, : self.words] = words[index]
+                    matcher.ready = data[index * self.words * 4 : (index + 1) * self.words * 4]
         return failed
 
     def release(self, key: int, generation: int) -> None:
@@ -115,6 +141,29 @@ class RemoteMatchers:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+    def _send(self, op: str, args: Any) -> None:
+        conn = self._connection()
+        released, self._released = self._released, []
+        conn.send((released, op, args))
+
+    def _receive(self) -> tuple[str, Any]:
+        if not self._conn.poll(REPLY_TIMEOUT_S):
+            self._kill_server()
+            raise TimeoutError
+        return self._conn.recv()
+
+    def _read_pending(self) -> None:
+        """The answers of the advances sent: each matcher's next mask, or the error that ends its request."""
+        while self._pending:
+            kind, value = self._receive()
+            matcher = self._pending.popleft()()
+            if matcher is None:
+                continue
+            if kind == "ok":
+                matcher.ready = value
+            else:
+                matcher.error = value
 
     def _connection(self) -> Connection:
         if self._conn is None:
@@ -136,51 +185,75 @@ class RemoteMatchers:
             self._conn.close()
         self._conn = None
         self._released.clear()
+        self._pending.clear()
         self.generation += 1
 
 
 class RemoteMatcher:
-    """One sequence's matcher in the server: the parts of ``llguidance.LLMatcher`` the engine calls."""
+    """One sequence's matcher in the server: the parts of ``llguidance.LLMatcher`` the engine calls, and
+    ``advance`` (the step's consume, answered with the next mask)."""
 
-    __slots__ = ("owner", "key", "generation")
+    __slots__ = ("owner", "key", "generation", "ready", "error", "__weakref__")
 
     def __init__(self, owner: RemoteMatchers, key: int) -> None:
         self.owner = owner
         self.key = key
         self.generation = owner.generation
+        self.ready: bytes | None = None  # the next mask, where known (its state unchanged since)
+        self.error: str | None = None  # why an advance failed: the request ends at its next mask
 
     def _call(self, method: str, *args: Any) -> Any:
         if self.generation != self.owner.generation:
             raise ValueError(ENDED)
         return self.owner.call("call", self.key, method, args)
 
-    def deep_copy(self) -> RemoteMatcher:
+    def _change(self, method: str, *args: Any) -> Any:
+        self._check()
+        self.ready = None
+        return self.owner.call("call", self.key, method, args)
+
+    def _check(self) -> None:
         if self.generation != self.owner.generation:
             raise ValueError(ENDED)
-        return RemoteMatcher(self.owner, self.owner.call("copy", self.key))
+        if self.error is not None:
+            raise ValueError(self.error)
+
+    def advance(self, token: int) -> None:
+        """Consume ``token``, its verdict and the next mask read later (RemoteMatchers.advance)."""
+        self._check()
+        self.ready = None
+        self.owner.advance(self, token)
+
+    def deep_copy(self) -> RemoteMatcher:
+        self._check()
+        copy = RemoteMatcher(self.owner, self.owner.call("copy", self.key))
+        copy.ready = self.ready
+        return copy
 
     def unsafe_compute_mask_ptr(self, pointer: int, num_bytes: int) -> None:
-        if self.generation != self.owner.generation:
-            raise ValueError(ENDED)
-        errors, data = self.owner.call("masks", [self.key])
-        if errors:
-            raise ValueError(errors[0])
-        ctypes.memmove(pointer, data, min(num_bytes, len(data)))
+        words = np.full((1, self.owner.words), -1, dtype=np.int32)
+        failed = self.owner.fill_masks([self], words, [0])
+        if failed:
+            raise ValueError(failed[0])
+        ctypes.memmove(pointer, words.ctypes.data, min(num_bytes, words.nbytes))
 
     def consume_token(self, token: int) -> bool:
-        return self._call("consume_token", token)
+        return self._change("consume_token", token)
+
+    def consume_tokens(self, tokens: list[int]) -> int:
+        return self._change("consume_tokens", tokens)
 
     def validate_tokens(self, tokens: list[int]) -> int:
         return self._call("validate_tokens", tokens)
 
     def rollback(self, count: int) -> bool:
-        return self._call("rollback", count)
+        return self._change("rollback", count)
 
     def is_error(self) -> bool:
-        return self._call("is_error")
+        return self.error is not None or self._call("is_error")
 
     def get_error(self) -> str:
-        return self._call("get_error")
+        return self.error or self._call("get_error")
 
     def is_accepting(self) -> bool:
         return self._call("is_accepting")
@@ -227,8 +300,8 @@ def _serve_client(conn: Connection, tokenizer: Any) -> None:
 
     matchers: dict[int, Any] = {}
     next_key = 0
-    words = np.empty(0, dtype=np.int32)
     num_words = -(-tokenizer.vocab_size // 32)
+    words = np.empty(num_words, dtype=np.int32)
     while True:
         released, op, args = conn.recv()
         for key in released:
@@ -245,6 +318,8 @@ def _serve_client(conn: Connection, tokenizer: Any) -> None:
                 next_key += 1
                 matchers[next_key] = matchers[args[0]].deep_copy()
                 value = next_key
+            elif op == "advance":
+                value = _advance(matchers[args[0]], args[1], words, num_words)
             elif op == "masks":
                 if words.size < len(args[0]) * num_words:
                     words = np.empty(len(args[0]) * num_words, dtype=np.int32)
@@ -259,6 +334,17 @@ def _serve_client(conn: Connection, tokenizer: Any) -> None:
             conn.send(("error", str(exc) or type(exc).__name__))
             continue
         conn.send(("ok", value))
+
+
+def _advance(matcher: Any, token: int, words: np.ndarray, num_words: int) -> bytes:
+    """Consume ``token`` (ValueError if the grammar refuses it) and compute the next mask."""
+    if not matcher.consume_token(token):
+        reason = (matcher.get_error() or "refused").splitlines()[0]
+        raise ValueError(f"response_format: token {token} does not fit the grammar: {reason}")
+    errors, data = _masks([matcher], words, num_words)
+    if errors:
+        raise ValueError(errors[0])
+    return data
 
 
 def _masks(matchers: list[Any], words: np.ndarray, num_words: int) -> tuple[dict[int, str], bytes]:

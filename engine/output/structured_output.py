@@ -31,7 +31,7 @@ def token_masks(
     remote = [i for i in rows if isinstance(seqs[i].grammar, RemoteMatcher)]
     if remote:
         owner = seqs[remote[0]].grammar.owner
-        failed = owner.fill_masks([seqs[i].grammar for i in remote], mask, remote)
+        failed = owner.fill_masks([seqs[i].grammar for i in remote], mask.numpy(), remote)
         for i in failed:
             mask[i] = -1
         rows = [i for i in rows if not isinstance(seqs[i].grammar, RemoteMatcher)]
@@ -55,8 +55,12 @@ def fill_mask(matcher: Any, mask: torch.Tensor, row: int) -> None:
 
 
 def accept(seq: Sequence, token_id: int) -> None:
-    """Advance ``seq``'s grammar by its sampled token (ValueError if the grammar refuses it)."""
-    if seq.grammar is not None and not seq.grammar.consume_token(token_id):
+    """Advance ``seq``'s grammar by its sampled token (ValueError if the grammar refuses it). A matcher in the matcher
+    server is sent the token without waiting (its next mask is computed meanwhile); a refusal, never expected of a
+    token sampled under the grammar's mask, ends the request at its next mask."""
+    if isinstance(seq.grammar, RemoteMatcher):
+        seq.grammar.advance(token_id)
+    elif seq.grammar is not None and not seq.grammar.consume_token(token_id):
         reason = (seq.grammar.get_error() or "refused").splitlines()[0]
         raise ValueError(f"response_format: token {token_id} does not fit the grammar: {reason}")
 

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.grammar_zygote import spawn
 from engine.output.grammar_compiler import GrammarCompiler
 from engine.output.remote_matchers import RemoteMatcher, RemoteMatchers
-from engine.output.structured_output import token_masks, unpack_mask
+from engine.output.structured_output import accept, token_masks, unpack_mask
 from engine.sampling_params import StructuredOutput
 from engine.worker.model_sources import ensure_default_model
 from engine.worker.tokenizer_files import grammar_source
@@ -91,6 +91,27 @@ def test_remote_matchers_give_the_local_masks_and_verdicts_step_by_step(server, 
         pairs, steps = kept, steps + 1
     assert not pairs, "every output reached its end"
     assert steps > 5
+
+
+def test_an_advance_sent_without_waiting_brings_the_next_mask_and_a_refusal_ends_at_it(server, local):
+    _, path = server
+    remote = RemoteMatchers(path, VOCAB)
+    spec = local.compiled(SCHEMA)
+    matcher, mine = remote.matcher(spec.grammar), local.matcher(spec)
+    brace = local.ll_tokenizer().tokenize_str("{")
+    for token in brace:
+        accept(Row(matcher), token)
+        assert mine.consume_token(token)
+    assert matcher.ready is None, "the answer is read with the next call"
+    masks, failed = token_masks([Row(matcher), Row(mine)], VOCAB)
+    assert failed == {} and torch.equal(masks[0], masks[1])
+    assert matcher.ready is not None, "the advance's answer was the next mask"
+    # a token the mask does not allow: refused by the server, the request ends at its next mask
+    refused = int((~unpack_mask(masks, VOCAB)[0]).nonzero()[0])
+    accept(Row(matcher), refused)
+    _, failed = token_masks([Row(matcher)], VOCAB)
+    assert failed[0].startswith(f"response_format: token {refused} does not fit the grammar")
+    assert matcher.is_error()
 
 
 def test_a_copy_rolls_back_and_validates_on_its_own(server, local):

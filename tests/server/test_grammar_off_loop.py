@@ -5,6 +5,7 @@ builds one matcher per request, copied for its other samples."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,3 +157,47 @@ def test_a_schema_that_cannot_be_followed_is_a_400_up_front(server: RunningServe
     error = reply.json()["error"]
     assert error["param"] == "response_format"
     assert re.search(reason, error["message"]), error["message"]
+
+
+def named_under(pid: int, name: str) -> set[int]:
+    return {p for p in _descendants(pid) if _name(p) == name}
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                children = {int(c) for c in task.read_text().split()}
+                todo += children - found
+                found |= children
+    return found
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_the_cores_matchers_live_in_the_zygotes_matcher_server(server: RunningServer):
+    """The engine core keeps no grammar state of its own: its matchers are the matcher server's, forked from the
+    zygote that built llguidance's tokenizer once, so the core never loads llguidance (nor builds that tokenizer)."""
+    body = {
+        "messages": [{"role": "user", "content": "Reply with a JSON object."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "n": 2,
+        "response_format": {"type": "json_object"},
+    }
+    reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert reply.status_code == 200, reply.text[:300]
+    assert all(c["message"]["content"].startswith("{") for c in reply.json()["choices"])
+    (core,) = named_under(server.process.pid, "pagedchat-core")
+    (zygote,) = named_under(server.process.pid, "pagedchat-gfork")
+    assert named_under(zygote, "pagedchat-gmask"), "the zygote forked the matcher server"
+    time.sleep(6)  # (a core that kept its own matchers warmed its tokenizer once idle 5 s)
+    maps = Path(f"/proc/{core}/maps").read_text()
+    assert "llguidance" not in maps, "the core loaded the grammar library"

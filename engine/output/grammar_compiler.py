@@ -60,8 +60,8 @@ class GrammarCompiler:
     def use_remote(self, path: str) -> None:
         """Hold matchers in the matcher server listening at ``path`` (engine/output/remote_matchers.py) from now on:
         connected at the first grammar (its zygote builds once the front is healthy); where none answers then, this
-        process builds the tokenizer and keeps its own. The first server told of stays (with several fronts, each
-        tells of its own zygote's)."""
+        process builds the tokenizer and keeps that grammar's matcher. The first server told of stays (with several
+        fronts, each tells of its own zygote's)."""
         if self._remote is None:
             self._remote = RemoteMatchers(path, self.vocab_size)
 
@@ -118,12 +118,12 @@ class GrammarCompiler:
             try:
                 self._remote.connect()
             except OSError as exc:
+                # (its zygote ended and is not back yet: this matcher is kept here, the next tries again)
                 logger.warning(
-                    "structured output: no matcher server at %s (%s); matchers kept here",
+                    "structured output: no matcher server at %s (%s); a matcher kept here",
                     self._remote.path,
                     exc,
                 )
-                self._remote = None
             else:
                 return self._remote.matcher(spec.grammar)
         import llguidance

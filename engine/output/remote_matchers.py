@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import weakref
 from collections import deque
 from multiprocessing.connection import Client, Connection
@@ -284,7 +285,8 @@ def serve(listener: socket.socket, tokenizer: Any) -> None:
     while True:
         try:
             conn = Connection(listener.accept()[0].detach())
-        except OSError:
+        except OSError:  # (a connection reset before it was taken, or out of descriptors: a moment)
+            time.sleep(0.01)
             continue
         try:
             conn.send(os.getpid())

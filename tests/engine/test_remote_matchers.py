@@ -93,7 +93,9 @@ def test_remote_matchers_give_the_local_masks_and_verdicts_step_by_step(server, 
     assert steps > 5
 
 
-def test_an_advance_sent_without_waiting_brings_the_next_mask_and_a_refusal_ends_at_it(server, local):
+def test_an_advance_sent_without_waiting_brings_the_next_mask_and_a_refusal_ends_at_it(
+    server, local
+):
     _, path = server
     remote = RemoteMatchers(path, VOCAB)
     spec = local.compiled(SCHEMA)

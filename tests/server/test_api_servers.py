@@ -113,6 +113,45 @@ def test_two_fronts_serve_one_core_with_the_offline_engines_greedy_tokens(server
     assert total == sum(first_tokens_seen_by(pid) for pid in fronts)
 
 
+def test_structured_output_through_either_front_runs_on_the_one_matcher_server(
+    server: RunningServer,
+):
+    """Each front has its grammar zygote; the core keeps its matchers in the matcher server of the first front
+    that told it of one, and grammars compiled by the other front's workers run there as well."""
+    body = {
+        "messages": [{"role": "user", "content": "Give a number as JSON."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer"}},
+                    "required": ["n"],
+                },
+            },
+        },
+    }
+
+    def ask(_) -> str:
+        with httpx.Client(timeout=120) as client:  # a connection of its own: either front
+            reply = client.post(server.url("/v1/chat/completions"), json=body)
+        assert reply.status_code == 200, reply.text[:300]
+        return reply.json()["choices"][0]["message"]["content"]
+
+    fronts, (core,) = children_of(server.process.pid)
+    before = {pid: first_tokens_seen_by(pid) for pid in fronts}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = set(pool.map(ask, range(16)))
+    assert len(texts) == 1 and next(iter(texts)).startswith('{"n": ')
+    seen = {pid: first_tokens_seen_by(pid) - before[pid] for pid in fronts}
+    assert all(n >= 1 for n in seen.values()), f"both fronts compiled and served: {seen}"
+    # (a core keeping its own matchers would have loaded the grammar library)
+    assert "llguidance" not in Path(f"/proc/{core}/maps").read_text()
+
+
 def test_a_session_goes_on_whichever_front_takes_each_turn(server: RunningServer):
     session = httpx.post(
         server.url("/v1/sessions"), json={"system": "Be brief."}, timeout=30

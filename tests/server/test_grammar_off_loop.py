@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -201,3 +202,55 @@ def test_the_cores_matchers_live_in_the_zygotes_matcher_server(server: RunningSe
     time.sleep(6)  # (a core that kept its own matchers warmed its tokenizer once idle 5 s)
     maps = Path(f"/proc/{core}/maps").read_text()
     assert "llguidance" not in maps, "the core loaded the grammar library"
+
+
+def test_a_matcher_server_killed_mid_stream_ends_that_stream_only_and_the_next_grammar_runs(
+    server: RunningServer,
+):
+    """The matcher server holds every constrained stream's grammar: killed, the streams it served end with an
+    error event naming response_format (then [DONE]); an unconstrained stream beside them runs to its end; the
+    zygote forks a new server and the next response_format request is answered."""
+    from tests.engine.test_engine_process import data_events, stream_body
+
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
+    constrained = {
+        "messages": [{"role": "user", "content": "List numbers."}],
+        "max_tokens": 600,
+        "temperature": 0,
+        "stream": True,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "numbers", "schema": numbers},
+        },
+    }
+    (zygote,) = named_under(server.process.pid, "pagedchat-gfork")
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for body in (constrained, stream_body(200)):
+            client = stack.enter_context(httpx.Client(timeout=120))
+            response = stack.enter_context(
+                client.stream("POST", server.url("/v1/chat/completions"), json=body)
+            )
+            assert response.status_code == 200
+            events = data_events(response)
+            first = [next(events) for _ in range(3)]
+            streams.append((first, events))
+        (matcher_server,) = named_under(zygote, "pagedchat-gmask")
+        os.kill(matcher_server, signal.SIGKILL)
+        (grammar_first, grammar_rest), (plain_first, plain_rest) = streams
+        grammar_events = [*grammar_first, *grammar_rest]
+        plain_events = [*plain_first, *plain_rest]
+    assert grammar_events[-1] == "[DONE]" and plain_events[-1] == "[DONE]"
+    error = json.loads(grammar_events[-2])
+    assert "response_format" in error["error"]["message"], error
+    assert json.loads(plain_events[-2])["choices"][0]["finish_reason"] == "length"
+    assert not any('"error"' in e for e in plain_events)
+    deadline = time.monotonic() + 10
+    while not named_under(zygote, "pagedchat-gmask") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert named_under(zygote, "pagedchat-gmask") - {matcher_server}, "a new matcher server"
+    body = {**constrained, "stream": False, "max_tokens": 12}
+    body["response_format"] = {"type": "json_object"}
+    reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert reply.status_code == 200, reply.text[:300]
+    assert reply.json()["choices"][0]["message"]["content"].startswith("{")

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.output.matcher_step import consume, next_mask
+
 REPLY_TIMEOUT_S = 30.0  # a server this late is stuck (a grammar's lexer exploding): it is killed
 ENDED = "response_format: the grammar process ended; the request cannot go on"
 # the matcher's methods a client may call by name (no state but the matcher's own is reachable)
@@ -340,9 +342,7 @@ def _serve_client(conn: Connection, tokenizer: Any) -> None:
 
 def _advance(matcher: Any, token: int, words: np.ndarray, num_words: int) -> bytes:
     """Consume ``token`` (ValueError if the grammar refuses it) and compute the next mask."""
-    if not matcher.consume_token(token):
-        reason = (matcher.get_error() or "refused").splitlines()[0]
-        raise ValueError(f"response_format: token {token} does not fit the grammar: {reason}")
+    consume(matcher, token)
     errors, data = _masks([matcher], words, num_words)
     if errors:
         raise ValueError(errors[0])
@@ -354,10 +354,6 @@ def _masks(matchers: list[Any], words: np.ndarray, num_words: int) -> tuple[dict
     errors: dict[int, str] = {}
     for index, matcher in enumerate(matchers):
         row = words[index * num_words : (index + 1) * num_words]
-        try:
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            if matcher.is_error():
-                raise ValueError(matcher.get_error().splitlines()[0])
-        except Exception as exc:  # noqa: BLE001 - one matcher's failure is its request's
-            errors[index] = f"response_format: grammar failed: {exc}"
+        if (error := next_mask(matcher, row.ctypes.data, row.nbytes)) is not None:
+            errors[index] = error
     return errors, words[: len(matchers) * num_words].tobytes()

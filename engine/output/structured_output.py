@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.output.matcher_step import consume, next_mask
 from engine.output.remote_matchers import RemoteMatcher
 from engine.sequence import Sequence
 
@@ -31,17 +32,14 @@ def token_masks(
     remote = [i for i in rows if isinstance(seqs[i].grammar, RemoteMatcher)]
     if remote:
         owner = seqs[remote[0]].grammar.owner
+        # (a failed row is left as it was: all allowed)
         failed = owner.fill_masks([seqs[i].grammar for i in remote], mask.numpy(), remote)
-        for i in failed:
-            mask[i] = -1
         rows = [i for i in rows if not isinstance(seqs[i].grammar, RemoteMatcher)]
     for i in rows:
-        try:
-            fill_mask(seqs[i].grammar, mask, i)
-            if seqs[i].grammar.is_error():
-                raise ValueError(seqs[i].grammar.get_error().splitlines()[0])
-        except Exception as exc:  # noqa: BLE001 - one request's grammar fault ends that request only
-            failed[i] = f"response_format: grammar failed: {exc}"
+        words = mask[i]
+        error = next_mask(seqs[i].grammar, words.data_ptr(), words.numel() * words.element_size())
+        if error is not None:
+            failed[i] = error
             mask[i] = -1
     return mask, failed
 
@@ -60,9 +58,8 @@ def accept(seq: Sequence, token_id: int) -> None:
     token sampled under the grammar's mask, ends the request at its next mask."""
     if isinstance(seq.grammar, RemoteMatcher):
         seq.grammar.advance(token_id)
-    elif seq.grammar is not None and not seq.grammar.consume_token(token_id):
-        reason = (seq.grammar.get_error() or "refused").splitlines()[0]
-        raise ValueError(f"response_format: token {token_id} does not fit the grammar: {reason}")
+    elif seq.grammar is not None:
+        consume(seq.grammar, token_id)
 
 
 def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -80,9 +80,8 @@ class AsyncEngine(PrefixCacheCalls):
         self._reader: asyncio.Task | None = None
         self._processor: OutputProcessor | None = None
         self._grammars: Any | None = None
-        self._grammar_side = (
-            GrammarSide()
-        )  # compile workers, their zygote, the core's matcher server
+        # compile workers, their zygote, the core's matcher server
+        self._grammar_side = GrammarSide()
         self._streams: dict[str, RequestStream] = {}
         self._queued: dict[str, str] = {}  # request id -> tenant, until its first output
         self._queued_by_tenant: Counter[str] = Counter()

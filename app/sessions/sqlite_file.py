@@ -5,6 +5,9 @@ serving.
   when the store creates it, 0700: every tenant's chats are in it. A file found open to other users is made 0600.
 - Checked at start: a file that is not a SQLite database (or whose header or schema is corrupt) is a ValueError
   naming ``session_db_path``, which ``pagedchat serve`` says in one line before exiting with status 2.
+- Opened by several fronts at once (``open_database``): fronts that open a new file at the same instant race to
+  switch it to WAL, and the losers' switch answers "database is locked" at once (SQLite does not wait its busy
+  timeout there: waiting could deadlock); the opening is then tried again, for up to ``OPEN_WAIT_S``.
 - Watched: a file deleted or replaced while serving, a full disk, a write that fails with an I/O error: the store
   is unavailable (its ping fails, so /health says ``"sessions": "unavailable"``, and session routes answer 503)
   rather than answering 200 for writes to a file nobody will read again. The first sign is one log line; so is
@@ -15,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sqlite3
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,7 @@ DIR_MODE = 0o700
 SIDE_FILES = ("-wal", "-shm")
 # below this much free space where the file lives, the disk counts as full (a turn's write would fail)
 MIN_FREE_BYTES = 1 << 20
+OPEN_WAIT_S = 10.0  # how long an opening is tried again while other fronts open the same new file
 # errors of the file rather than of one call: full, I/O error, read-only, cannot open, corrupt, not a database
 _FILE_FAULTS = {
     sqlite3.SQLITE_FULL,
@@ -57,6 +64,31 @@ def create_private(path: Path) -> None:
             continue
         except PermissionError as exc:  # another user's file: say so, the store may still read it
             logger.warning("the session database file %s cannot be made private: %s", name, exc)
+
+
+def open_database(path: Path, prepare: Callable[[sqlite3.Connection], None]) -> sqlite3.Connection:
+    """A connection to ``path`` (autocommit, usable from the store's thread) with ``prepare`` run on it (journal
+    mode, schema), tried again while it answers "database is locked" (another front opening the file), for up to
+    ``OPEN_WAIT_S``."""
+    deadline = time.monotonic() + OPEN_WAIT_S
+    while True:
+        db = sqlite3.connect(path, timeout=5, isolation_level=None, check_same_thread=False)
+        try:
+            prepare(db)
+            return db
+        except sqlite3.OperationalError as exc:
+            db.close()
+            busy = getattr(exc, "sqlite_errorcode", 0) & 0xFF in (
+                sqlite3.SQLITE_BUSY,
+                sqlite3.SQLITE_LOCKED,
+            )
+            if not busy or time.monotonic() >= deadline:
+                raise
+        except BaseException:
+            db.close()
+            raise
+        # (apart, so that fronts that collided do not collide again)
+        time.sleep(random.uniform(0.01, 0.05))
 
 
 def check_database(path: str | Path) -> None:

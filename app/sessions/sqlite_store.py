@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.sessions.sqlite_file import FileWatch, create_private, is_file_fault
+from app.sessions.sqlite_file import FileWatch, create_private, is_file_fault, open_database
 from app.sessions.store import (
     JSON_FIELDS,
     Preset,
@@ -126,7 +126,10 @@ class SQLiteSessionStore:
 
     def _open(self) -> sqlite3.Connection:
         create_private(self.path)
-        db = sqlite3.connect(self.path, timeout=5, isolation_level=None, check_same_thread=False)
+        return open_database(self.path, self._prepare)
+
+    @staticmethod
+    def _prepare(db: sqlite3.Connection) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         # with WAL: a power cut may lose the last turns, never corrupt
         db.execute("PRAGMA synchronous=NORMAL")
@@ -134,11 +137,9 @@ class SQLiteSessionStore:
         have = {row[1] for row in db.execute("PRAGMA table_info(sessions)")}
         for name, kind in _LATER_COLUMNS.items():
             if name not in have:
-                with contextlib.suppress(
-                    sqlite3.OperationalError
-                ):  # (another front added it first)
+                # (another front may have added it first)
+                with contextlib.suppress(sqlite3.OperationalError):
                     db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {kind}")
-        return db
 
     @staticmethod
     def _transaction(db: sqlite3.Connection, fn: Callable[[], T]) -> T:

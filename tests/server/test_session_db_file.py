@@ -136,3 +136,60 @@ async def test_a_disk_without_free_space_makes_ping_fail(store, monkeypatch):
     monkeypatch.setattr(sqlite_file, "MIN_FREE_BYTES", 1 << 62)  # more than any disk has free
     with pytest.raises(SessionStoreUnavailable, match="is full"):
         await store.ping()
+
+
+def _open_at_once(path: str, barrier, results) -> None:
+    """One front's store opening the file as the others do (a forked process)."""
+    store = SQLiteSessionStore(path, TTL_S)
+    barrier.wait()
+    try:
+        store._connection()
+        results.put(None)
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_fronts_opening_a_new_database_at_the_same_instant_all_open_it(tmp_path: Path):
+    """`--api-server-count 2` on a fresh file: the fronts race to switch it to WAL and the losers were told
+    "database is locked" at once (a front then failed to start, half the time in 3-process trials); now each
+    opening is tried again until the winner is done."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    for trial in range(10):
+        path = str(tmp_path / f"fresh-{trial}.sqlite3")
+        barrier, results = context.Barrier(3), context.Queue()
+        fronts = [
+            context.Process(target=_open_at_once, args=(path, barrier, results)) for _ in range(3)
+        ]
+        for front in fronts:
+            front.start()
+        outcomes = [results.get(timeout=60) for _ in fronts]
+        for front in fronts:
+            front.join(10)
+        assert outcomes == [None, None, None], (trial, outcomes)
+
+
+def test_an_opening_is_tried_again_while_locked_and_other_errors_are_raised_at_once(tmp_path: Path):
+    locked = sqlite3.OperationalError("database is locked")
+    locked.sqlite_errorcode = sqlite3.SQLITE_BUSY
+    calls = []
+
+    def prepare(db: sqlite3.Connection) -> None:
+        calls.append(db)
+        if len(calls) < 3:
+            raise locked
+
+    db = sqlite_file.open_database(tmp_path / "a.sqlite3", prepare)
+    assert len(calls) == 3 and db is calls[-1]
+    db.close()
+    broken = sqlite3.OperationalError("no such table: x")
+
+    def fails(db: sqlite3.Connection) -> None:
+        calls.append(db)
+        raise broken
+
+    calls.clear()
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        sqlite_file.open_database(tmp_path / "b.sqlite3", fails)
+    assert len(calls) == 1

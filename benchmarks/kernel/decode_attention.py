@@ -47,7 +47,7 @@ L2_ROTATION_BYTES = (
 )  # graph timing rotates over cache copies of at least this many bytes
 # the grid behind the defaults (docs/KERNELS_NOTES.md): tiles x stages x when to split
 SWEEP = [
-    DecodeConfig(tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
+    DecodeConfig(tile_n=t, small_head_tile_n=t, split_tile_n=st, num_stages=s, programs_per_sm=k)
     for t, st, s, k in itertools.product([64, 128, 256], [64, 128], [2, 3, 4], [2, 4, 8])
 ]
 SWEEP += [
@@ -112,6 +112,9 @@ def run_ours(
         return bench(lambda: call(inputs["k_cache"], inputs["v_cache"])), out
     # replayed from a graph, one call per copy of the cache: together >= 3x L2, so each reads HBM
     copies = [(inputs["k_cache"], inputs["v_cache"])] + inputs["cache_copies"]
+    # Triton's helper warms up on a stream of its own that does not wait for this one: the inputs
+    # (tables, caches) must be written before its first call reads them
+    torch.cuda.synchronize()
     ms = triton.testing.do_bench_cudagraph(
         lambda: [call(k, v) for k, v in copies], rep=200, return_mode="median"
     )
@@ -234,6 +237,12 @@ def main() -> None:
     parser.add_argument(
         "--num-warps", type=int, default=None, help="DecodeConfig.num_warps for every launch"
     )
+    parser.add_argument(
+        "--tile-n",
+        type=int,
+        default=None,
+        help="the one-pass key tile for every head size (DecodeConfig.tile_n and small_head_tile_n)",
+    )
     args = parser.parse_args()
     record.require_cuda(__spec__.name)
     HEAD_DIM, TABLE_TOKENS, CUDA_GRAPH = args.head_dim, args.table_tokens, args.cuda_graph
@@ -241,6 +250,10 @@ def main() -> None:
     if args.num_warps:  # the default every launch without a config takes, and the sweep's
         paged_attention_module.CONFIG = replace(CONFIG, num_warps=args.num_warps)
         sweep = [replace(c, num_warps=args.num_warps) for c in SWEEP]
+    if args.tile_n:
+        paged_attention_module.CONFIG = replace(
+            paged_attention_module.CONFIG, tile_n=args.tile_n, small_head_tile_n=args.tile_n
+        )
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     rows = []
     for batch, context in [tuple(map(int, shape.split("x"))) for shape in args.shapes]:

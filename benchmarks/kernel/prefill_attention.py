@@ -47,6 +47,8 @@ SWEEP = [
 
 def bench(fn) -> float:
     if CUDA_GRAPH:
+        # Triton's helper warms up on a stream of its own that does not wait for this one
+        torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 

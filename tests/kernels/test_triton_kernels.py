@@ -19,7 +19,12 @@ if not torch.cuda.is_available():
 
 from kernels import reference  # noqa: E402
 from kernels.cache_ops import copy_blocks, store_kv, swap_blocks  # noqa: E402
-from kernels.paged_attention import DecodeConfig, choose_partition, paged_attention  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    DecodeConfig,
+    choose_partition,
+    key_tile,
+    paged_attention,
+)
 from kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
@@ -151,6 +156,19 @@ def test_paged_decode_half_precision():
     torch.manual_seed(1)
     kv = PagedKV(LENGTHS, 16, 2, dtype=torch.float16, seed=1)
     assert run_decode(kv, 8, torch.float16) < 1e-2
+
+
+def test_one_pass_half_precision_head_64_takes_the_wide_tile():
+    """Head 64 in a 16-bit cache: the one-pass kernel's loop steps over 256 positions (the 300-token context
+    is one full tile and a masked one); fp32, wider heads and the split kernel keep their tiles."""
+    config = DecodeConfig()
+    assert key_tile(config, False, 64, 2) == config.small_head_tile_n == 256
+    assert key_tile(config, False, 64, 4) == config.tile_n == 128
+    assert key_tile(config, False, 128, 2) == config.tile_n
+    assert key_tile(config, True, 64, 2) == config.split_tile_n
+    torch.manual_seed(2)
+    kv = PagedKV(LENGTHS, 16, 2, dtype=torch.float16, seed=2)
+    assert run_decode(kv, 8, torch.float16, split=False) < 1e-2
 
 
 def test_split_k_fills_the_gpu_only_when_needed():

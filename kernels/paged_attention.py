@@ -27,6 +27,11 @@ Design, and why:
   float16 first (``Q_TO_F16``): e4m3 widens to float16 in one instruction on Ada and Hopper, to bfloat16 only
   by way of float32, which kept the kernel at ~60% of the copy bandwidth. float16 holds every e4m3 value and
   gives q and the probabilities 3 more mantissa bits; only a |q| over 65504 would not fit.
+- Launched without programmatic dependent launch (kernels/pdl.py), unlike the step's small kernels: it starts
+  when the kernel before it has finished, and the one after it when it has. With PDL, llama-3.2-1b's decode step
+  at 32 sequences of 8,000 positions took 3.16 ms against 2.99 (this kernel 2.18 against 2.05 ms of it), and two
+  of these kernels back to back (32 x 8K, head 128) 0.337 against 0.250 ms; a step at one sequence gained nothing
+  from it (0.849 against 0.846 ms). docs/BENCHMARKS.md, "Decode-kernel roofline".
 """
 
 from __future__ import annotations
@@ -39,8 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import zeroed_counters
-from kernels.device_features import num_sms, use_pdl
-from kernels.pdl import release_next, wait_for_previous
+from kernels.device_features import num_sms
 from kernels.reference import FP8
 from kernels.specialization import per_step
 
@@ -150,10 +154,7 @@ def _decode_kernel(
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_TO_F16: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
-    release_next(PDL)
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_PAD)
@@ -659,8 +660,6 @@ def launch_decode(
         CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8,
         Q_TO_F16=kv_fp8 and query.dtype == torch.bfloat16,
-        PDL=(pdl := use_pdl(query.device)),
         num_warps=config.num_warps,
         num_stages=stages,
-        launch_pdl=pdl,
     )

@@ -17,6 +17,7 @@ before it is still running:
 Both instructions are no-ops for a kernel launched without PDL, and a kernel without them (cuBLAS, torch's ops)
 simply runs in stream order. Whether a launch uses PDL: kernels/device_features.py ``use_pdl`` (Hopper and
 later, unless ``PAGEDCHAT_PDL=off``; never the interpreter). CUDA graphs keep the launches' programmatic edges.
+Decode attention (kernels/paged_attention.py) is launched without it: a long-context step was 5% faster so.
 """
 
 from __future__ import annotations

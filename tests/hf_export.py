@@ -29,7 +29,17 @@ def hf_directory(gguf_file: Path, cache_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "model.safetensors").is_file():
             _export(described, target)
+            _prune_exports(target.parent)
     return target
+
+
+def _prune_exports(models_dir: Path) -> None:
+    """Remove the exports whose description is gone (engine/weights/gguf_model_dir.py prunes those of files that
+    are gone): float32 copies of whole models, they would fill the cache dir run after run."""
+    for export in models_dir.glob("*-hf"):
+        if not export.with_name(export.name.removesuffix("-hf")).is_dir():
+            shutil.rmtree(export, ignore_errors=True)
+            (models_dir / f".{export.name}.lock").unlink(missing_ok=True)
 
 
 def _export(described: Path, target: Path) -> None:

@@ -5,6 +5,11 @@ The weights stay in the GGUF file and are read from it in place at every start; 
 
 The first start builds the tokenizer from the metadata (a SentencePiece vocabulary without merges, as Gemma's,
 has them derived: the slow part, ~5-15 s for 262k tokens); later starts read it back in well under a second.
+
+Describing a file also removes the descriptions no start can use again (``prune_descriptions``): those of files
+that are gone (a deleted download, a removed virtual environment's packaged model, a test's temporary file) and the
+older ones of the file just described (edited, or described by an older version), once untouched for
+``STALE_AFTER_S``. Without it the directory only grew: every edited or moved file left its description behind.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ logger = logging.getLogger(__name__)
 GGUF_LINK = "model.gguf.path"  # in the directory: the GGUF file it describes
 # what a directory holds, in the key: a new version describes a file again (2: added tokens in tokenizer_config)
 DESCRIPTION_VERSION = 2
+# a description this recently written is never removed (another process may be starting from it)
+STALE_AFTER_S = 600.0
 
 
 def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
@@ -41,7 +48,31 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / GGUF_LINK).is_file():
             _describe(gguf_file, target)
+            prune_descriptions(target.parent, gguf_file, keep=target)
     return target
+
+
+def prune_descriptions(models_dir: Path, gguf_file: Path, keep: Path) -> list[Path]:
+    """Remove the descriptions under ``models_dir`` whose GGUF file is gone, or that describe ``gguf_file`` under
+    another key than ``keep`` (an older version of it), when untouched for ``STALE_AFTER_S``; the ones removed."""
+    removed = []
+    for link in models_dir.glob(f"*/{GGUF_LINK}"):
+        entry = link.parent
+        if entry == keep or entry.name.endswith(".tmp"):
+            continue
+        try:
+            source = Path(link.read_text())
+            age = time.time() - link.stat().st_mtime
+        except OSError:  # (another process removed it first)
+            continue
+        if age < STALE_AFTER_S or (source.exists() and source != gguf_file):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        (models_dir / f".{entry.name}.lock").unlink(missing_ok=True)
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d descriptions of GGUF files gone or described again", len(removed))
+    return removed
 
 
 def described_dir(gguf_file: Path, cache_dir: Path) -> Path:

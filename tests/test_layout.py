@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -419,3 +420,21 @@ def test_the_code_is_as_ruff_format_writes_it() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readmes_python_is_as_ruff_format_writes_it() -> None:
+    """The README's Python examples too: readers copy them."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff is not None, "ruff (a dev dependency) is not installed beside this Python"
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "the README shows Python"
+    for block in blocks:
+        result = subprocess.run(
+            [ruff, "format", "--check", "--stdin-filename", "README.py", "-"],
+            cwd=ROOT,
+            input=block,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, f"not as ruff format writes it:\n{block}"

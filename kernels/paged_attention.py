@@ -53,7 +53,8 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """Launch parameters (tuned on an H200 by benchmarks/decode_kernel.py --sweep; see docs/KERNELS_NOTES.md)."""
+    """Launch parameters (tuned on an H200 by benchmarks/kernel/decode_attention.py --sweep; see
+    docs/KERNELS_NOTES.md)."""
 
     tile_n: int = 128  # key positions per loop step, one-pass kernel
     # ... where the head is at most 64 wide in a 16-bit cache (3 stages of these tiles still fit shared memory)

@@ -8,4 +8,5 @@
   engine, one run's throughput (``Run``), the Triton variants compiled.
 - ``peers``: the peers run in the same command: transformers continuous batching (nano), transformers
   ``generate`` and llama.cpp on the GGUF file (cpu).
+- ``graph_timing``: Triton's CUDA-graph timing after the current stream's work (inputs written) is done.
 """

@@ -35,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from benchmarks.harness import record
+from benchmarks.harness.graph_timing import graph_ms
 from kernels.prefill_attention import CONFIG, PrefillConfig, prefill_attention
 
 CASES = [(1, 2048), (1, 4096), (1, 8192), (4, 2048)]  # (sequences, prompt tokens each)
@@ -47,9 +48,7 @@ SWEEP = [
 
 def bench(fn) -> float:
     if CUDA_GRAPH:
-        # Triton's helper warms up on a stream of its own that does not wait for this one
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        return graph_ms(fn)
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 

@@ -36,9 +36,7 @@ def token_masks(
         failed = owner.fill_masks([seqs[i].grammar for i in remote], mask.numpy(), remote)
         rows = [i for i in rows if not isinstance(seqs[i].grammar, RemoteMatcher)]
     for i in rows:
-        words = mask[i]
-        error = next_mask(seqs[i].grammar, words.data_ptr(), words.numel() * words.element_size())
-        if error is not None:
+        if (error := next_mask(seqs[i].grammar, *row_span(mask, i))) is not None:
             failed[i] = error
             mask[i] = -1
     return mask, failed
@@ -48,8 +46,13 @@ def fill_mask(matcher: Any, mask: torch.Tensor, row: int) -> None:
     """The matcher's next-token mask into row ``row`` of the packed bitmask (a contiguous CPU int32 tensor), as
     ``llguidance.torch.fill_next_token_bitmask`` does; that module compiles a kernel with torch.compile as it is
     imported, which imports torch's compiler: seconds of imports on the first grammar's step."""
+    matcher.unsafe_compute_mask_ptr(*row_span(mask, row))
+
+
+def row_span(mask: torch.Tensor, row: int) -> tuple[int, int]:
+    """Where row ``row`` of the packed bitmask lives: its address and its size in bytes."""
     words = mask[row]
-    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+    return words.data_ptr(), words.numel() * words.element_size()
 
 
 def accept(seq: Sequence, token_id: int) -> None:

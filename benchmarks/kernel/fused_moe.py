@@ -6,8 +6,10 @@ routing by ``reference.route`` on random logits with a fixed seed (K distinct ex
 Batches 1, 2, 4, 8, 16 (decode latency; acceptance: >= 60% of the weight-read limit) and 64, 256 (throughput).
 
 Bytes = the distinct experts the batch chose x (2I·H + H·I) x 2 bytes: the weights that must come from memory
-(activations are under 0.1% of that at these batches). Limit = bytes / peak HBM bandwidth (``--peak-tbps``,
-4.8 TB/s: the H200's datasheet); a device-to-device copy measured in the same run is printed beside it.
+(activations are under 0.1% of that at these batches). The target is judged against the device's read-only
+ceiling measured in the same run (a 2 GiB bf16 stream summed by torch and by a Triton kernel, the faster: the
+layer only reads its weights; the device's METHOD.md: measured ceilings, datasheet rates are leads); beside it,
+limit = bytes / the datasheet's peak (``--peak-tbps``, 4.8 TB/s for the H200) and a device-to-device copy.
 TFLOP/s counts 6·T·K·H·I. Every batch is first checked against the reference in float32 (relative error <
 1e-2).
 
@@ -49,6 +51,7 @@ if not torch.cuda.is_available():
     )  # --smoke: must precede the first import of triton
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from benchmarks.harness import record  # noqa: E402
 from kernels import ops, reference  # noqa: E402
@@ -131,6 +134,33 @@ def copy_tbps(timer: Timer, device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / timer.eager(lambda: dst.copy_(src)) / 1e6
 
 
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum of one program's CHUNK elements (fp32), so that every byte of ``src`` is read once and kept."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    acc = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, CHUNK, BLOCK):
+        idx = start + offset + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def read_tbps(timer: Timer, device: torch.device, nbytes: int) -> dict[str, float]:
+    """The device's read-only ceiling, TB/s of bytes read: a stream of ``nbytes`` of bf16 summed by torch
+    (``sum``) and by a Triton kernel (128 KiB a program); ``best`` is the faster. A layer that only reads its
+    weights is judged against this, as METHOD.md asks (measured ceilings, not the datasheet's)."""
+    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+    chunk = min(65536, src.numel())
+    out = torch.empty(triton.cdiv(src.numel(), chunk), device=device, dtype=torch.float32)
+    kernel = (triton.cdiv(src.numel(), chunk),)
+    reads = {
+        "torch_sum": lambda: src.sum(dtype=torch.float32),
+        "triton": lambda: _read_kernel[kernel](src, out, src.numel(), chunk, 4096, num_warps=8),
+    }
+    found = {name: nbytes / timer.eager(fn) / 1e6 for name, fn in reads.items()}
+    return {**found, "best": max(found.values())}
+
+
 def layer_copies(shape: Shape, copies: int, dtype: torch.dtype, device: torch.device) -> list:
     """``copies`` independent (w_gate_up, w_down) of the layer, scaled like trained weights."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -211,7 +241,9 @@ def measure(
     return row
 
 
-def batch_row(timer: Timer, shape: Shape, layers: list, tokens: int, peak_tbps: float) -> dict:
+def batch_row(
+    timer: Timer, shape: Shape, layers: list, tokens: int, peak_tbps: float, read: float
+) -> dict:
     """``measure`` at the kernel's own config, with bandwidth, limit and TFLOP/s, and the dense MLP's times."""
     config = choose_config(tokens * shape.top_k, shape.experts, shape.hidden, shape.inter)
     row = measure(timer, shape, layers, tokens, None)
@@ -225,6 +257,7 @@ def batch_row(timer: Timer, shape: Shape, layers: list, tokens: int, peak_tbps: 
         row[f"{how}_tbps"] = mbytes / row[f"{how}_us"]
         row[f"{how}_of_limit"] = row[f"{how}_limit_us"] / row[f"{how}_us"]
         row[f"dense_{how}_of_limit"] = row["dense_mb"] / peak_tbps / row[f"dense_{how}_us"]
+        row[f"{how}_of_read"] = row[f"{how}_tbps"] / read
     flops = 6 * tokens * shape.top_k * shape.hidden * shape.inter
     row["graph_tflops"] = flops / row["graph_us"] / 1e6
     return row
@@ -265,14 +298,18 @@ def short(config: dict) -> str:
     )
 
 
-def table(rows: list[dict], peak_tbps: float, copy: float, swept: bool) -> list[str]:
+def table(
+    rows: list[dict], peak_tbps: float, copy: float, read: dict[str, float], swept: bool
+) -> list[str]:
     head = (
-        "| tokens | experts | MB | limit us | graph us | graph TB/s | % limit | eager us | eager % limit |"
+        "| tokens | experts | MB | limit us | graph us | graph TB/s | % limit | % read | eager us | eager % limit |"
         " TFLOP/s | dense graph us | dense % limit | config |"
     )
+    reads = ", ".join(f"{name} {tbps:.2f}" for name, tbps in read.items() if name != "best")
     lines = [
-        f"peak {peak_tbps:.2f} TB/s (--peak-tbps), device copy {copy:.2f} TB/s measured; % limit = "
-        + "(bytes / peak) / time",
+        f"peak {peak_tbps:.2f} TB/s (--peak-tbps), device copy {copy:.2f} TB/s measured (read + written), "
+        f"read-only stream {read['best']:.2f} TB/s measured ({reads}); % limit = (bytes / peak) / time, "
+        "% read = graph TB/s / read-only stream",
         "",
         head + (" best us | best config |" if swept else ""),
         "|" + "---|" * (head.count("|") - 1 + (2 if swept else 0)),
@@ -281,6 +318,7 @@ def table(rows: list[dict], peak_tbps: float, copy: float, swept: bool) -> list[
         line = (
             f"| {r['tokens']} | {r['experts_graph']:.1f} | {r['graph_mb']:.1f} | {r['graph_limit_us']:.1f} | "
             f"{r['graph_us']:.1f} | {r['graph_tbps']:.2f} | {100 * r['graph_of_limit']:.0f}% | "
+            f"{100 * r['graph_of_read']:.0f}% | "
             f"{r['eager_us']:.1f} | {100 * r['eager_of_limit']:.0f}% | {r['graph_tflops']:.1f} | "
             f"{r['dense_graph_us']:.1f} | {100 * r['dense_graph_of_limit']:.0f}% | {short(r['config'])} |"
         )
@@ -291,14 +329,18 @@ def table(rows: list[dict], peak_tbps: float, copy: float, swept: bool) -> list[
 
 
 def verdict(rows: list[dict]) -> str:
+    """The target judged against the measured read-only ceiling (METHOD.md: measured ceilings, datasheet rates
+    are leads), with the datasheet peak's figure beside it."""
     judged = [r for r in rows if r["tokens"] in LATENCY]
     if not judged:
         return "no batch of 1-16 tokens measured: the target is not judged"
-    worst = min(judged, key=lambda r: r["graph_of_limit"])
-    met = "met" if worst["graph_of_limit"] >= TARGET else "NOT met"
+    worst = min(judged, key=lambda r: r["graph_of_read"])
+    met = "met" if worst["graph_of_read"] >= TARGET else "NOT met"
+    peak = min(judged, key=lambda r: r["graph_of_limit"])
     return (
-        f"target >= {100 * TARGET:.0f}% of the weight-read limit at 1-16 tokens (graph timing): {met}; "
-        f"lowest {100 * worst['graph_of_limit']:.0f}% at {worst['tokens']} tokens"
+        f"target >= {100 * TARGET:.0f}% of the weight-read limit at 1-16 tokens (graph timing, against the "
+        f"measured read-only stream): {met}; lowest {100 * worst['graph_of_read']:.0f}% at {worst['tokens']} "
+        f"tokens (against the datasheet peak: lowest {100 * peak['graph_of_limit']:.0f}% at {peak['tokens']})"
     )
 
 
@@ -339,21 +381,23 @@ def main() -> None:
     batches, copies = ([1, 2], 1) if args.smoke else (args.batches, args.copies)
     load_before, started, timer = record.load_average(), time.perf_counter(), Timer(device)
     copy = copy_tbps(timer, device, 2**20 if args.smoke else 2**30)
+    read = read_tbps(timer, device, 2**20 if args.smoke else 2**31)
     layers = layer_copies(shape, copies, dtype, device)
     rows = []
     for tokens in batches:
-        rows.append(batch_row(timer, shape, layers, tokens, args.peak_tbps))
+        rows.append(batch_row(timer, shape, layers, tokens, args.peak_tbps, read["best"]))
         if args.sweep:
             sweep(timer, shape, layers, rows[-1], args.down_prefetch)
     env = record.environment(__spec__.name, device, load_before, shape=asdict(shape), copies=copies)
-    print("\n".join(["", *table(rows, args.peak_tbps, copy, args.sweep), "", verdict(rows)]))
+    print("\n".join(["", *table(rows, args.peak_tbps, copy, read, args.sweep), "", verdict(rows)]))
     if args.sweep:
         print(
             "\nTABLE = {  # kernels/fused_moe.py\n" + "\n".join(table_entries(rows, shape)) + "\n}"
         )
     print(f"\n{time.perf_counter() - started:.0f} s; {record.environment_line(env)}")
     record.write_json(
-        args.json, dict(environment=env, peak_tbps=args.peak_tbps, copy_tbps=copy, rows=rows)
+        args.json,
+        dict(environment=env, peak_tbps=args.peak_tbps, copy_tbps=copy, read_tbps=read, rows=rows),
     )
 
 

@@ -56,6 +56,35 @@ def padded_size(sizes: list[int], batch_size: int) -> int | None:
     return None
 
 
+def window_group(
+    packed: torch.Tensor,
+    table_at: torch.Tensor,
+    shape: torch.Size,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    scratch_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded decode pass's window tables ``shape`` and window slots, from the packed step (device tensors
+    only: a graph records it). Each of the ``table_at[1]`` real packed rows is the block table then the window
+    table, ``table_at[2] / 2`` columns each, so the window half is gathered from the packed buffer; a padding row
+    (at or past ``table_at[1]``: it reads one position, its output dropped) gets the scratch block, as its block
+    table row does, since the packed buffer holds no table of it (what lies there is other vectors or stale
+    entries: block ids out of the window pool, which the attention kernel would read). A decode row's slot comes
+    from its position; rows that store nothing (slot -1) keep -1."""
+    rows, width = shape
+    half = table_at[2] // 2
+    columns = torch.arange(width, device=packed.device)
+    row_ids = torch.arange(rows, device=packed.device)[:, None]
+    at = table_at[0] + row_ids * table_at[2] + half
+    index = (at + columns[None, :]).clamp(min=0, max=packed.numel() - 1).long()
+    real = (columns[None, :] < half) & (row_ids < table_at[1])
+    window = torch.where(real, packed[index], scratch_slot)
+    slots = window.gather(1, (positions // block_size).long()[:, None])[:, 0]
+    slots = slots * block_size + positions % block_size
+    return window, torch.where(slot_mapping >= 0, slots, -1)
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -226,22 +255,16 @@ class DecodeGraphRunner:
     def _window_group(
         self, metadata: AttentionMetadata, positions: torch.Tensor, table_at: torch.Tensor
     ) -> None:
-        """A window group's tables and slots, recorded in the graph with the pass: each packed row is the block
-        table then the window table, ``table_at[2] / 2`` columns each (the static table's first half, read by
-        the full layers, only as far as their contexts), so the window half is gathered from the packed buffer
-        into a table of its own, and a decode row's slot derived from its position."""
-        tables, block_size = metadata.block_tables, self.kv.block_size
-        rows, width = tables.shape
-        half = table_at[2] // 2
-        columns = torch.arange(width, device=tables.device)
-        at = table_at[0] + torch.arange(rows, device=tables.device)[:, None] * table_at[2] + half
-        packed = self.inputs.device_buffer
-        index = (at + columns[None, :]).clamp(max=packed.numel() - 1).long()
-        window = torch.where(columns[None, :] < half, packed[index], 0)
-        slots = window.gather(1, (positions // block_size).long()[:, None])[:, 0]
-        slots = slots * block_size + positions % block_size
-        metadata.window_block_tables = window
-        metadata.window_slot_mapping = torch.where(metadata.slot_mapping >= 0, slots, -1)
+        """A window group's tables and slots, recorded in the graph with the pass (``window_group``)."""
+        metadata.window_block_tables, metadata.window_slot_mapping = window_group(
+            self.inputs.device_buffer,
+            table_at,
+            metadata.block_tables.shape,
+            positions,
+            metadata.slot_mapping,
+            self.kv.block_size,
+            self.kv.scratch_slot,
+        )
 
     def _idle_inputs(self, size: int) -> None:
         """Static inputs of a harmless batch (every row a padding row) for capture."""

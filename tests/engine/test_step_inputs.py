@@ -71,3 +71,43 @@ def test_another_rank_unpacks_the_same_step():
     for name in ("slot_mapping", "block_tables", "context_lens", "prefill_cu_seqlens_q"):
         assert torch.equal(getattr(copy.metadata, name), getattr(step.metadata, name)), name
     assert copy.metadata.num_decodes == 1 and copy.metadata.max_context_len == 7
+
+
+def test_a_padded_window_step_gives_padding_rows_the_scratch_block():
+    """A model with a window group (Gemma 3): the graphs' window tables come from the packed step, which holds
+    the real rows only; padding rows read one position through their window table, so theirs must name the
+    scratch block, not whatever the packed buffer holds past the real rows (there: the window slots, then
+    stale values; on an H200 such a row's read faulted the decode kernel once the pool's neighbour was unmapped)."""
+    from engine.worker.cuda_graphs import window_group
+
+    kv = PagedKV(2, 1, 1, torch.float32, torch.device("cpu"), BLOCK, layer_windows=(8, 0))
+    inputs = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=kv
+    )
+    seqs = [decoding(0, [5, 6, 7, 8, 9], [3, 1]), decoding(1, [11, 12], [2])]
+    seqs[0].window_table, seqs[1].window_table = [7, 6], [5]
+    inputs.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]), {}, pad_to=4)
+    view = inputs.decode_view(4)
+    offset, rows, width = view.table_at.tolist()
+    assert (rows, width) == (2, 4)  # each packed row: block table, then window table
+    after = offset + rows * width
+    assert inputs.device_buffer[after : after + 4].tolist() == [6 * BLOCK, 5 * BLOCK + 1, -1, -1]
+    inputs.device_buffer[after + 4 :] = 999  # stale values: no window pool has such a block
+    static_shape = torch.Size(
+        (4, 2 * 4)
+    )  # the graphs' static table: 4 rows of max_blocks_per_seq twice
+    tables, slots = window_group(
+        inputs.device_buffer,
+        view.table_at,
+        static_shape,
+        view.positions,
+        view.slots,
+        BLOCK,
+        kv.scratch_slot,
+    )
+    assert tables.shape == static_shape
+    assert tables[0, :2].tolist() == [7, 6] and tables[1, :1].tolist() == [5]
+    assert (tables[2:] == kv.scratch_slot).all()  # the padding rows
+    assert (tables[:, 2:] == kv.scratch_slot).all()  # past the packed window half
+    # window slot = window block of the position * block_size + offset; padding rows store nothing
+    assert slots.tolist() == [6 * BLOCK + 0, 5 * BLOCK + 1, -1, -1]

@@ -136,3 +136,18 @@ def test_forks_share_window_blocks_and_preemption_recomputes_them(gemma):
     )
     for i, expected in enumerate(alone):
         assert finals[f"r{i}"] == [expected] * 3
+
+
+def test_padded_decode_steps_give_transformers_tokens(gemma):
+    """Decode batches padded to a graph ladder size (as CUDA graphs run them; here eagerly on the CPU): 3 rows
+    padded to 4, the padding row reading one position through its window table, which must name a block of the
+    window pool (the graphs once gave it the packed step's window slots: an out-of-bounds read on the GPU)."""
+    engine = engine_for(gemma[1], max_graph_batch_size=8)
+    assert engine.core.runner.decode_graphs.sizes == [1, 2, 4, 8]
+    prompts = [prompt(70, 5), prompt(40, 6), prompt(20, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    padded_before = sum(engine.core.runner.decode_graphs.padded_steps.values())
+    tokens = run_checked(engine, prompts, params)
+    assert engine.core.runner.decode_graphs.padded_steps[4] > 0
+    assert sum(engine.core.runner.decode_graphs.padded_steps.values()) > padded_before
+    assert tokens == [hf_greedy(gemma[0], p, 24) for p in prompts]

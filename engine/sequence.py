@@ -92,10 +92,22 @@ class Sequence:
     # speculative decoding: its n-gram index and acceptance (engine/speculative/draft_length.py), made on its
     # first decode where it may speculate; its drafts, during a step, are the last tokens of token_ids
     speculation: Any | None = None
+    # sampling is a plain argmax once token_ids holds this many tokens (its min_tokens reached): a greedy request
+    # without penalties, logprobs or logit bias; -1: never. Set from params, which no one changes once a
+    # sequence exists (the sampler's per-row check in every step, engine/sample/sampler.py)
+    plain_greedy_from: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        params = self.params
+        if (
+            params.greedy
+            and not params.uses_penalties
+            and params.logprobs is None
+            and not params.logit_bias
+        ):
+            self.plain_greedy_from = self.num_prompt_tokens + params.min_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -114,14 +114,9 @@ class Sampler:
 
 
 def _is_plain_greedy(seq: Sequence) -> bool:
-    params = seq.params
-    return (
-        params.greedy
-        and not params.uses_penalties
-        and params.logprobs is None
-        and not params.logit_bias
-        and seq.num_output_tokens >= params.min_tokens
-    )
+    """Greedy without penalties, logprobs or logit bias, its min_tokens reached (``Sequence.plain_greedy_from``:
+    decided once from its params; this runs per row per step)."""
+    return 0 <= seq.plain_greedy_from <= len(seq.token_ids)
 
 
 # ---------------------------------------------------------------- choosing tokens

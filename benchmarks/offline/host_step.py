@@ -1,9 +1,12 @@
-"""The host's share of one decode step, without a model: scheduling and input packing at a given batch.
+"""The host's share of one decode step, without a model: scheduling, input packing and the sampler's per-row
+work at a given batch.
 
 With CUDA graphs the device runs a decode step of a 1B model in a few milliseconds, and with async
 scheduling the host's work for step N+1 overlaps the device's step N, so the host work per step must stay
 below the device time. This measures that host work on any machine (no GPU needed):
-``python -m benchmarks.offline.host_step --batch 256 --context 640``.
+``python -m benchmarks.offline.host_step --batch 256 --context 640``. "sample" is ``Sampler.__call__`` over
+random logits of a 256-token vocabulary (its per-row checks; the argmax itself is a few microseconds here and an
+asynchronous launch on a GPU).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.kv_backend.paged import PagedKV
+from engine.sample.sampler import Sampler
 from engine.worker.step_inputs import StepInputs
 
 
@@ -55,18 +59,21 @@ def decode_ready(
 
 def measure(batch: int, context: int, steps: int, pad: bool) -> dict[str, float]:
     scheduler, inputs = decode_ready(batch, context, 16, seed=0)
-    times: dict[str, list[float]] = {"schedule": [], "prepare": [], "advance": []}
+    times: dict[str, list[float]] = {"schedule": [], "prepare": [], "sample": [], "advance": []}
+    sampler, logits = Sampler(), torch.randn(batch, 256, generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         t0 = time.perf_counter()
         step = scheduler.schedule()
         t1 = time.perf_counter()
         inputs.build(step, {}, batch if pad else None)
         t2 = time.perf_counter()
+        sampler(logits[: len(step.sampling_seqs)], step.sampling_seqs, (0,))
+        t3 = time.perf_counter()
         for seq in step.sampling_seqs:
             seq.append_token(7)
         scheduler.advance(list(zip(step.seqs, step.num_new_tokens)))
-        t3 = time.perf_counter()
-        for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+        t4 = time.perf_counter()
+        for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             times[name].append(seconds * 1e3)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -86,12 +93,12 @@ def main() -> None:
         {"environment": env, "context": args.context, "steps": args.steps, "median_ms": rows},
     )
     print(f"\nhost work per decode step, context {args.context}, median of {args.steps} steps (ms)")
-    print("| batch | schedule | prepare inputs | advance + append | total |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| batch | schedule | prepare inputs | sample | advance + append | total |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for batch, row in rows.items():
         print(
-            f"| {batch} | {row['schedule']:.3f} | {row['prepare']:.3f} | {row['advance']:.3f} "
-            f"| {sum(row.values()):.3f} |"
+            f"| {batch} | {row['schedule']:.3f} | {row['prepare']:.3f} | {row['sample']:.3f} "
+            f"| {row['advance']:.3f} | {sum(row.values()):.3f} |"
         )
     print(record.environment_line(env))
 

@@ -93,9 +93,8 @@ def test_a_padded_window_step_gives_padding_rows_the_scratch_block():
     after = offset + rows * width
     assert inputs.device_buffer[after : after + 4].tolist() == [6 * BLOCK, 5 * BLOCK + 1, -1, -1]
     inputs.device_buffer[after + 4 :] = 999  # stale values: no window pool has such a block
-    static_shape = torch.Size(
-        (4, 2 * 4)
-    )  # the graphs' static table: 4 rows of max_blocks_per_seq twice
+    # the graphs' static table: 4 rows of max_blocks_per_seq columns twice
+    static_shape = torch.Size((4, 2 * 4))
     tables, slots = window_group(
         inputs.device_buffer,
         view.table_at,

@@ -8,7 +8,9 @@ config checked against torch first (relative error < 1e-2). For gate/up also the
 against ``F.linear`` + kernels.activation.silu_and_mul (the engine's pair).
 
 Timing: one CUDA graph of R calls, each on its own copy of the weight (copies together >= 3x the L2, so every call
-reads its weight from memory, as a decode step does); the graph replayed 20 times, median per call. The limit
+reads its weight from memory, as a decode step does), timed by benchmarks.harness.graph_timing (Triton's
+graph timing after the stream's pending work), per call. The 2026-11-30 results came from this script's first
+form (20 replays of one graph, median): the same graph of calls. The limit
 column is max(FLOPs / 790 TFLOP/s, bytes / 4.49 TB/s): the ceilings measured on the H200 (bf16 matrix products on
 random data, the device's KINDS.md; a read-only stream, ``benchmarks.kernel.fused_moe``). At 256 rows every
 projection of both models is FLOP-bound. Results: docs/BENCHMARKS.md ("The step's matmuls at 256 rows").
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 
 import torch
@@ -30,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.harness import record
+from benchmarks.harness.graph_timing import graph_ms
 from kernels.activation import silu_and_mul
 
 MODELS = {
@@ -180,30 +182,9 @@ def triton_gemm(
     return out
 
 
-def graph_us(calls, repeats: int = 20) -> float:
-    """Median microseconds per call of a CUDA graph replaying ``calls`` (a list of closures) once each."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up and compile outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / len(calls))
-    return statistics.median(times)
+def graph_us(calls) -> float:
+    """Median microseconds per call of ``calls`` (closures) replayed once each from a CUDA graph."""
+    return graph_ms(lambda: [call() for call in calls]) * 1000 / len(calls)
 
 
 def cublas_kernel(x, weight) -> str:

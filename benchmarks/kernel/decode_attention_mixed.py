@@ -1,0 +1,179 @@
+"""Decode attention at the nano workload's own contexts (shared WORKLOADS.md, ``nano``): one decode step's batch
+of mixed context lengths, as the engine's CUDA graphs launch it, judged against the same bytes read as one stream.
+
+At decode step ``S`` (every prompt prefilled, ``S`` tokens generated) the running requests are those whose output
+is longer than ``S``, each at context ``prompt + S``, in the workload's order (the engine's row order). Per
+``--steps`` point and model shape, timed in CUDA graph replays (each call reads more than the L2 holds):
+
+- ``drawn``: the rows in the workload's order; ``longest-first``: the same rows sorted by context, longest first
+  (programs are dispatched in row order, so the longest finish before the tail); ``uniform``: the same number of
+  rows all at the mean context (the same bytes, no spread of lengths);
+- ``read``: a Triton kernel summing a contiguous buffer of the same bytes (the read ceiling at this kernel's size:
+  its own launch ramp and tail included).
+
+    python -m benchmarks.kernel.decode_attention_mixed [--models llama-3.2-1b qwen3-0.6b] [--steps 0 300 600]
+                                                       [--table-tokens 131072] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.harness import record
+from benchmarks.harness.graph_timing import graph_ms
+from benchmarks.harness.workloads import nano_workload
+from kernels import reference
+from kernels.paged_attention import CONFIG, paged_attention
+
+# (query heads, KV heads, head dim) of the nano workload's two architectures
+MODELS = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+def nano_contexts(step: int, num_requests: int = 256, seed: int = 0) -> list[int]:
+    """Context lengths of the running rows at decode step ``step``, in the workload's order."""
+    return [len(r.prompt) + step for r in nano_workload(num_requests, seed) if r.output_len > step]
+
+
+def step_inputs(
+    contexts: list[int], heads: int, kv_heads: int, head_dim: int, table_tokens: int
+) -> dict:
+    """Query, a cache holding exactly the rows' blocks (randomly permuted in the pool) and block tables as wide
+    as ``table_tokens`` (a CUDA graph's: max_model_len), padded with block 0."""
+    blocks = [-(-c // BLOCK_SIZE) for c in contexts]
+    total = sum(blocks)
+    k_cache = torch.randn(total, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    pool = torch.randperm(total, device="cuda", dtype=torch.int32)
+    width = max(max(blocks), table_tokens // BLOCK_SIZE)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32, device="cuda")
+    first = 0
+    for row, n in enumerate(blocks):
+        tables[row, :n] = pool[first : first + n]
+        first += n
+    return dict(
+        query=torch.randn(len(contexts), heads, head_dim, device="cuda", dtype=DTYPE),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        tables=tables,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device="cuda"),
+        kv_bytes=2 * sum(contexts) * kv_heads * head_dim * DTYPE.itemsize,
+    )
+
+
+def time_decode(inputs: dict) -> tuple[float, float]:
+    """(graph-replayed milliseconds, relative error against the reference) of one decode call."""
+    out = torch.full_like(inputs["query"], float("nan"))
+    scale = inputs["query"].shape[-1] ** -0.5
+
+    def call() -> None:
+        paged_attention(
+            out,
+            inputs["query"],
+            inputs["k_cache"],
+            inputs["v_cache"],
+            inputs["tables"],
+            inputs["context_lens"],
+            scale,
+        )
+
+    ms = graph_ms(call)
+    call()
+    ref = torch.empty_like(out, dtype=torch.float32)
+    reference.paged_attention(
+        ref,
+        inputs["query"].float(),
+        inputs["k_cache"].float(),
+        inputs["v_cache"].float(),
+        inputs["tables"],
+        inputs["context_lens"],
+        scale,
+    )
+    return ms, float((out.float() - ref).norm() / ref.norm())
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum of one program's CHUNK elements, so that every byte is read once and kept."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    acc = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, CHUNK, BLOCK):
+        idx = start + offset + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def read_ms(nbytes: int) -> float:
+    """Graph-replayed milliseconds of reading ``nbytes`` of bf16 once (64 KiB a program)."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=DTYPE)
+    chunk = 32768
+    grid = (triton.cdiv(src.numel(), chunk),)
+    out = torch.empty(grid[0], device="cuda", dtype=torch.float32)
+    return graph_ms(lambda: _read_kernel[grid](src, out, src.numel(), chunk, 4096, num_warps=8))
+
+
+def measure(model: str, step: int, table_tokens: int) -> dict:
+    heads, kv_heads, head_dim = MODELS[model]
+    drawn = nano_contexts(step)
+    mean = round(statistics.mean(drawn))
+    row = dict(
+        model=model,
+        step=step,
+        rows=len(drawn),
+        mean_context=mean,
+        max_context=max(drawn),
+        min_context=min(drawn),
+    )
+    orders = {
+        "drawn": drawn,
+        "longest-first": sorted(drawn, reverse=True),
+        "uniform": [mean] * len(drawn),
+    }
+    for name, contexts in orders.items():
+        inputs = step_inputs(contexts, heads, kv_heads, head_dim, table_tokens)
+        ms, err = time_decode(inputs)
+        row[name] = dict(ms=ms, tbps=inputs["kv_bytes"] / ms / 1e9, rel_err=err)
+        if name == "drawn":
+            row["kv_mb"] = inputs["kv_bytes"] / 1e6
+            read = read_ms(inputs["kv_bytes"])
+            row["read"] = dict(ms=read, tbps=inputs["kv_bytes"] / read / 1e9)
+        del inputs
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--steps", type=int, nargs="+", default=[0, 300, 600])
+    parser.add_argument("--table-tokens", type=int, default=131072)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    record.require_cuda(__spec__.name)
+    rows = [measure(m, s, args.table_tokens) for m in args.models for s in args.steps]
+    env = record.environment(__spec__.name, "cuda", config=asdict(CONFIG))
+    print(f"\n{record.environment_line(env)}\n")
+    print(
+        "| model | step | rows | ctx mean (min-max) | KV MB | read TB/s | drawn TB/s | longest-first TB/s"
+        " | uniform TB/s | drawn / read | rel err |"
+    )
+    print("|---" * 11 + "|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['step']} | {r['rows']} | {r['mean_context']} ({r['min_context']}-"
+            f"{r['max_context']}) | {r['kv_mb']:.0f} | {r['read']['tbps']:.2f} | {r['drawn']['tbps']:.2f} | "
+            f"{r['longest-first']['tbps']:.2f} | {r['uniform']['tbps']:.2f} | "
+            f"{r['drawn']['ms'] and r['read']['ms'] / r['drawn']['ms']:.0%} | {r['drawn']['rel_err']:.1e} |"
+        )
+    record.write_json(args.json, dict(environment=env, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

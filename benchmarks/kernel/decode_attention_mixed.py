@@ -29,11 +29,26 @@ from benchmarks.harness import record
 from benchmarks.harness.graph_timing import graph_ms
 from benchmarks.harness.workloads import nano_workload
 from kernels import reference
-from kernels.paged_attention import CONFIG, paged_attention
+from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
 
 # (query heads, KV heads, head dim) of the nano workload's two architectures
 MODELS = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
 BLOCK_SIZE = 16
+# --sweep: one-pass launch configurations (key tile, pipeline stages, warps) timed on the drawn rows
+SWEEP = [
+    DecodeConfig(tile_n=t, small_head_tile_n=t, num_stages=s, num_warps=w)
+    for t, s, w in [
+        (64, 4, 4),
+        (128, 2, 4),
+        (128, 3, 4),
+        (128, 4, 4),
+        (128, 3, 8),
+        (256, 2, 4),
+        (256, 3, 4),
+        (256, 2, 8),
+        (256, 3, 8),
+    ]
+]
 DTYPE = torch.bfloat16
 
 
@@ -68,7 +83,7 @@ def step_inputs(
     )
 
 
-def time_decode(inputs: dict) -> tuple[float, float]:
+def time_decode(inputs: dict, config: DecodeConfig | None = None) -> tuple[float, float]:
     """(graph-replayed milliseconds, relative error against the reference) of one decode call."""
     out = torch.full_like(inputs["query"], float("nan"))
     scale = inputs["query"].shape[-1] ** -0.5
@@ -82,6 +97,7 @@ def time_decode(inputs: dict) -> tuple[float, float]:
             inputs["tables"],
             inputs["context_lens"],
             scale,
+            config=config,
         )
 
     ms = graph_ms(call)
@@ -119,7 +135,7 @@ def read_ms(nbytes: int) -> float:
     return graph_ms(lambda: _read_kernel[grid](src, out, src.numel(), chunk, 4096, num_warps=8))
 
 
-def measure(model: str, step: int, table_tokens: int) -> dict:
+def measure(model: str, step: int, table_tokens: int, sweep: bool) -> dict:
     heads, kv_heads, head_dim = MODELS[model]
     drawn = nano_contexts(step)
     mean = round(statistics.mean(drawn))
@@ -144,6 +160,10 @@ def measure(model: str, step: int, table_tokens: int) -> dict:
             row["kv_mb"] = inputs["kv_bytes"] / 1e6
             read = read_ms(inputs["kv_bytes"])
             row["read"] = dict(ms=read, tbps=inputs["kv_bytes"] / read / 1e9)
+            if sweep:
+                row["sweep"] = [dict(config=asdict(c), ms=time_decode(inputs, c)[0]) for c in SWEEP]
+                best = min(row["sweep"], key=lambda t: t["ms"])
+                row["best"] = dict(best, tbps=inputs["kv_bytes"] / best["ms"] / 1e9)
         del inputs
         torch.cuda.empty_cache()
     return row
@@ -154,10 +174,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 300, 600])
     parser.add_argument("--table-tokens", type=int, default=131072)
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEP on the drawn rows")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     record.require_cuda(__spec__.name)
-    rows = [measure(m, s, args.table_tokens) for m in args.models for s in args.steps]
+    rows = [measure(m, s, args.table_tokens, args.sweep) for m in args.models for s in args.steps]
     env = record.environment(__spec__.name, "cuda", config=asdict(CONFIG))
     print(f"\n{record.environment_line(env)}\n")
     print(
@@ -172,6 +193,13 @@ def main() -> None:
             f"{r['longest-first']['tbps']:.2f} | {r['uniform']['tbps']:.2f} | "
             f"{r['drawn']['ms'] and r['read']['ms'] / r['drawn']['ms']:.0%} | {r['drawn']['rel_err']:.1e} |"
         )
+    for r in rows:
+        if "best" in r:
+            c = r["best"]["config"]
+            print(
+                f"best of the sweep, {r['model']} step {r['step']}: {r['best']['tbps']:.2f} TB/s with tile "
+                f"{c['tile_n']}, {c['num_stages']} stages, {c['num_warps']} warps"
+            )
     record.write_json(args.json, dict(environment=env, rows=rows))
 
 

@@ -1,0 +1,187 @@
+"""Where the whole nano run's wall time goes on the device, against each part's floor: the nano workload (shared
+WORKLOADS.md) run once untimed, then once under torch.profiler (device kernels only), as ``benchmarks.offline.nano``
+runs it.
+
+Kernel time is split by what each kernel is (the busy time each one adds to the union of kernel intervals, so
+overlapped kernels count once): decode attention, prefill attention, matrix products (cuBLAS and ours), the
+rest (norms, rotary, KV stores, activations, sampling); what is left of the wall is device idle. Each part beside
+its floor, counted from the workload and the model:
+
+- decode attention: every KV byte a decode step attends, once, at the device's read ceiling;
+- matrix products: per decode step the larger of the weights read once and the step's FLOPs at the matrix rate,
+  plus the prompts' FLOPs at the matrix rate (the output head only for each prompt's last token);
+- the rest and idle: 0.
+
+The ceilings are measured in the same run (a Triton kernel reading 2 GiB once; a 8192 x 8192 x 8192 bf16
+matmul), as the device's METHOD.md asks.
+
+    python -m benchmarks.offline.nano_profile --model-config llama-3.2-1b [--num-requests 256] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.harness import record
+from benchmarks.harness.engine import add_engine_options, build_engine, greedy, synchronize
+from benchmarks.harness.graph_timing import graph_ms
+from benchmarks.harness.workloads import nano_workload
+from benchmarks.kernel.decode_attention_mixed import read_ms
+from benchmarks.offline.nano import added_us, busy_us
+from engine.llm_engine import LLMEngine
+
+# kernel name fragments of each part, first match wins (names as torch.profiler reports them)
+PARTS = {
+    "decode attention": ("_decode_kernel", "persistent_decode"),
+    "prefill attention": ("prefill",),
+    "matrix products": ("gemm", "nvjet", "cutlass", "sm90_xmma", "skinny", "splitk", "cublas"),
+}
+
+
+@dataclass
+class StepShapes:
+    decode_rows: list[int] = field(default_factory=list)  # per step with decode rows
+    prompt_tokens: int = 0
+    prompts_finished: int = 0  # prompts whose last token was computed (the output head runs for it)
+
+
+def part_of(name: str) -> str:
+    lowered = name.lower()
+    for part, fragments in PARTS.items():
+        if any(f in lowered for f in fragments):
+            return part
+    return "the rest"
+
+
+def run_workload(engine: LLMEngine, args: argparse.Namespace, label: str) -> StepShapes:
+    requests = nano_workload(args.num_requests, args.seed)
+    for i, request in enumerate(requests):
+        engine.add_request(f"{label}-{i}", request.prompt, greedy(request.output_len))
+    shapes = StepShapes()
+    while engine.has_unfinished_requests():
+        before = engine.counters.steps
+        engine.step()
+        if engine.counters.steps == before or engine.last_batch is None:
+            continue
+        news = engine.last_batch.num_new_tokens
+        shapes.prompt_tokens += sum(n for n in news if n > 1)
+        shapes.decode_rows.append(sum(1 for n in news if n == 1))
+    shapes.prompts_finished = len(requests)
+    return shapes
+
+
+def attended_kv_tokens(args: argparse.Namespace) -> int:
+    """Positions the workload's decode steps attend: a request of prompt p and n outputs decodes n - 1 times (its
+    first token comes from the prefill), at contexts p + 1 .. p + n - 1."""
+    total = 0
+    for r in nano_workload(args.num_requests, args.seed):
+        p, n = len(r.prompt), r.output_len
+        total += (n - 1) * p + (n - 1) * n // 2
+    return total
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / graph_ms(lambda: a @ b) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_engine_options(parser)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    record.require_cuda(__spec__.name)
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    read_tbps = 2**31 / read_ms(2**31) / 1e9
+    tflops = matmul_tflops()
+    engine = build_engine(args, seed=args.seed)
+    device = engine.config.torch_device
+    run_workload(engine, args, "untimed")
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        shapes = run_workload(engine, args, "profiled")
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    seconds = dict.fromkeys([*PARTS, "the rest"], 0.0)
+    for e, us in zip(kernels, added_us(intervals)):
+        seconds[part_of(e.name)] += us * 1e-6
+    busy = busy_us(intervals) * 1e-6
+
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.args.vocab_size * model.args.hidden_size
+    params = sum(p.numel() for p in model.parameters())
+    kv_token_bytes = (
+        2
+        * model.args.num_layers
+        * model.args.num_kv_heads
+        * model.args.head_dim
+        * engine.config.torch_dtype.itemsize
+    )
+    step_floor = sum(
+        max(weight_bytes / read_tbps / 1e12, 2 * params * rows / tflops / 1e12)
+        for rows in shapes.decode_rows
+        if rows
+    )
+    prefill_flops = 2 * (params - embedding) * shapes.prompt_tokens
+    prefill_flops += 2 * embedding * shapes.prompts_finished
+    floors = {
+        "decode attention": attended_kv_tokens(args) * kv_token_bytes / read_tbps / 1e12,
+        "prefill attention": 0.0,
+        "matrix products": step_floor + prefill_flops / tflops / 1e12,
+        "the rest": 0.0,
+        "device idle": 0.0,
+    }
+    seconds["device idle"] = wall - busy
+    tokens = sum(r.output_len for r in nano_workload(args.num_requests, args.seed))
+    env = record.environment(__spec__.name, device)
+    print(f"\n## nano profile: {args.model_config}, dummy weights, {engine.config.torch_dtype}")
+    print(record.environment_line(env))
+    print(
+        f"ceilings measured: read {read_tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s; "
+        f"{len(shapes.decode_rows)} steps, {shapes.prompt_tokens} prompt tokens, wall {wall:.3f} s "
+        f"({tokens / wall:,.0f} tok/s under the profiler), floor {sum(floors.values()):.3f} s "
+        f"({tokens / sum(floors.values()):,.0f} tok/s)\n"
+    )
+    print("| part | seconds | floor s | floor / seconds |\n|---|---:|---:|---:|")
+    for part, value in seconds.items():
+        share = f"{floors[part] / value:.0%}" if value and floors[part] else "-"
+        print(f"| {part} | {value:.3f} | {floors[part]:.3f} | {share} |")
+    record.write_json(
+        args.json,
+        dict(
+            environment=env,
+            model=args.model_config,
+            wall_seconds=wall,
+            busy_seconds=busy,
+            seconds=seconds,
+            floors=floors,
+            read_tbps=read_tbps,
+            matmul_tflops=tflops,
+            decode_rows=shapes.decode_rows,
+            prompt_tokens=shapes.prompt_tokens,
+            output_tokens=tokens,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,10 @@ is longer than ``S``, each at context ``prompt + S``, in the workload's order (t
   its own launch ramp and tail included).
 
     python -m benchmarks.kernel.decode_attention_mixed [--models llama-3.2-1b qwen3-0.6b] [--steps 0 300 600]
-                                                       [--table-tokens 131072] [--json PATH]
+                                                       [--table-tokens 131072] [--sweep launch|split] [--json PATH]
+
+``--sweep launch`` also times one-pass launch configurations (key tile, stages, warps) on the drawn rows,
+``--sweep split`` when split-K starts and how many programs it aims for (the few-row steps of the run's tail).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
 # (query heads, KV heads, head dim) of the nano workload's two architectures
 MODELS = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
 BLOCK_SIZE = 16
-# --sweep: one-pass launch configurations (key tile, pipeline stages, warps) timed on the drawn rows
-SWEEP = [
+# --sweep launch: one-pass launch configurations (key tile, pipeline stages, warps) timed on the drawn rows
+LAUNCH_SWEEP = [
     DecodeConfig(tile_n=t, small_head_tile_n=t, num_stages=s, num_warps=w)
     for t, s, w in [
         (64, 4, 4),
@@ -49,6 +52,21 @@ SWEEP = [
         (256, 3, 8),
     ]
 ]
+# --sweep split: when split-K starts (programs under this many per SM) and how many programs it aims for
+SPLIT_SWEEP = [
+    DecodeConfig(split_below_programs_per_sm=below, programs_per_sm=aim, min_partition=least)
+    for below, aim, least in [
+        (1.0, 2, 512),
+        (2.0, 2, 512),
+        (2.0, 4, 512),
+        (4.0, 4, 512),
+        (4.0, 8, 512),
+        (4.0, 8, 256),
+        (8.0, 8, 256),
+        (8.0, 16, 256),
+    ]
+]
+SWEEPS = {"launch": LAUNCH_SWEEP, "split": SPLIT_SWEEP}
 DTYPE = torch.bfloat16
 
 
@@ -135,7 +153,7 @@ def read_ms(nbytes: int) -> float:
     return graph_ms(lambda: _read_kernel[grid](src, out, src.numel(), chunk, 4096, num_warps=8))
 
 
-def measure(model: str, step: int, table_tokens: int, sweep: bool) -> dict:
+def measure(model: str, step: int, table_tokens: int, sweep: list[DecodeConfig]) -> dict:
     heads, kv_heads, head_dim = MODELS[model]
     drawn = nano_contexts(step)
     mean = round(statistics.mean(drawn))
@@ -161,7 +179,7 @@ def measure(model: str, step: int, table_tokens: int, sweep: bool) -> dict:
             read = read_ms(inputs["kv_bytes"])
             row["read"] = dict(ms=read, tbps=inputs["kv_bytes"] / read / 1e9)
             if sweep:
-                row["sweep"] = [dict(config=asdict(c), ms=time_decode(inputs, c)[0]) for c in SWEEP]
+                row["sweep"] = [dict(config=asdict(c), ms=time_decode(inputs, c)[0]) for c in sweep]
                 best = min(row["sweep"], key=lambda t: t["ms"])
                 row["best"] = dict(best, tbps=inputs["kv_bytes"] / best["ms"] / 1e9)
         del inputs
@@ -174,11 +192,20 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 300, 600])
     parser.add_argument("--table-tokens", type=int, default=131072)
-    parser.add_argument("--sweep", action="store_true", help="also time SWEEP on the drawn rows")
+    parser.add_argument(
+        "--sweep",
+        choices=sorted(SWEEPS),
+        default=None,
+        help="also time these configs on the drawn rows",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     record.require_cuda(__spec__.name)
-    rows = [measure(m, s, args.table_tokens, args.sweep) for m in args.models for s in args.steps]
+    rows = [
+        measure(m, s, args.table_tokens, SWEEPS.get(args.sweep, []))
+        for m in args.models
+        for s in args.steps
+    ]
     env = record.environment(__spec__.name, "cuda", config=asdict(CONFIG))
     print(f"\n{record.environment_line(env)}\n")
     print(
@@ -194,11 +221,13 @@ def main() -> None:
             f"{r['drawn']['ms'] and r['read']['ms'] / r['drawn']['ms']:.0%} | {r['drawn']['rel_err']:.1e} |"
         )
     for r in rows:
-        if "best" in r:
-            c = r["best"]["config"]
+        for timed in r.get("sweep", []):
+            c, tbps = timed["config"], r["kv_mb"] / 1e3 / timed["ms"]
             print(
-                f"best of the sweep, {r['model']} step {r['step']}: {r['best']['tbps']:.2f} TB/s with tile "
-                f"{c['tile_n']}, {c['num_stages']} stages, {c['num_warps']} warps"
+                f"sweep, {r['model']} step {r['step']}: {tbps:.2f} TB/s: tile {c['tile_n']}/"
+                f"{c['small_head_tile_n']}, {c['num_stages']} stages, {c['num_warps']} warps, split below "
+                f"{c['split_below_programs_per_sm']} programs/SM aiming at {c['programs_per_sm']}, partitions >= "
+                f"{c['min_partition']}"
             )
     record.write_json(args.json, dict(environment=env, rows=rows))
 

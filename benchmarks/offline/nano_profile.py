@@ -4,14 +4,17 @@ under torch.profiler (device kernels only); the prefix cache is emptied before e
 computed each time, as in the nano run.
 
 Kernel time is split by what each kernel is (the busy time each one adds to the union of kernel intervals, so
-overlapped kernels count once): decode attention, prefill attention, matrix products (cuBLAS and ours), the
-rest (norms, rotary, KV stores, activations, sampling); what is left of the wall is device idle. Each part beside
+overlapped kernels count once): the persistent decode, decode attention, prefill attention, matrix products
+(cuBLAS and ours), the rest (norms, rotary, KV stores, activations, sampling); what is left of the wall is device
+idle. Each part beside
 its floor, counted from the workload and the model:
 
 - decode attention: every KV byte a decode step attends, once, at the device's read ceiling;
 - matrix products: per decode step the larger of the weights read once and the step's FLOPs at the matrix rate,
   plus the prompts' FLOPs at the matrix rate (the output head only for each prompt's last token);
-- the rest and idle: 0.
+- the rest and idle: 0;
+- the persistent decode (every decoder layer of a step in one kernel, at few rows): its steps' floors are counted
+  in the two above (it is a few percent of the run).
 
 Device idle is the timed pass's wall minus the profiled pass's busy time (the profiler's own host work slows the
 host, not the kernels); the idle under the profiler is reported beside it.
@@ -40,7 +43,10 @@ from engine.llm_engine import LLMEngine
 
 # kernel name fragments of each part, first match wins (names as torch.profiler reports them)
 PARTS = {
-    "decode attention": ("_decode_kernel", "persistent_decode"),
+    "persistent decode": (
+        "persistent_decode",
+    ),  # whole decoder layers in one kernel, at <= 16 rows
+    "decode attention": ("_decode_kernel",),
     "prefill attention": ("prefill",),
     "matrix products": ("gemm", "nvjet", "cutlass", "sm90_xmma", "skinny", "splitk", "cublas"),
 }
@@ -153,6 +159,7 @@ def main() -> None:
     prefill_flops = 2 * (params - embedding) * shapes.prompt_tokens
     prefill_flops += 2 * embedding * shapes.prompts_finished
     floors = {
+        "persistent decode": 0.0,
         "decode attention": attended_kv_tokens(args) * kv_token_bytes / read_tbps / 1e12,
         "prefill attention": 0.0,
         "matrix products": step_floor + prefill_flops / tflops / 1e12,

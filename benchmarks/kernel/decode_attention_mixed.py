@@ -25,11 +25,10 @@ import statistics
 from dataclasses import asdict
 
 import torch
-import triton
-import triton.language as tl
 
 from benchmarks.harness import record
 from benchmarks.harness.graph_timing import graph_ms
+from benchmarks.harness.read_ceiling import ReadStream
 from benchmarks.harness.workloads import nano_workload
 from kernels import reference
 from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
@@ -133,24 +132,9 @@ def time_decode(inputs: dict, config: DecodeConfig | None = None) -> tuple[float
     return ms, float((out.float() - ref).norm() / ref.norm())
 
 
-@triton.jit
-def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Sum of one program's CHUNK elements, so that every byte is read once and kept."""
-    start = tl.program_id(0).to(tl.int64) * CHUNK
-    acc = tl.zeros([BLOCK], tl.float32)
-    for offset in range(0, CHUNK, BLOCK):
-        idx = start + offset + tl.arange(0, BLOCK)
-        acc += tl.load(src_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
-
-
 def read_ms(nbytes: int) -> float:
     """Graph-replayed milliseconds of reading ``nbytes`` of bf16 once (64 KiB a program)."""
-    src = torch.randn(nbytes // 2, device="cuda", dtype=DTYPE)
-    chunk = 32768
-    grid = (triton.cdiv(src.numel(), chunk),)
-    out = torch.empty(grid[0], device="cuda", dtype=torch.float32)
-    return graph_ms(lambda: _read_kernel[grid](src, out, src.numel(), chunk, 4096, num_warps=8))
+    return graph_ms(ReadStream(torch.randn(nbytes // 2, device="cuda", dtype=DTYPE), 32768))
 
 
 def measure(model: str, step: int, table_tokens: int, sweep: list[DecodeConfig]) -> dict:

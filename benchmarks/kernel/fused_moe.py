@@ -51,9 +51,9 @@ if not torch.cuda.is_available():
     )  # --smoke: must precede the first import of triton
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from benchmarks.harness import record  # noqa: E402
+from benchmarks.harness.read_ceiling import ReadStream  # noqa: E402
 from kernels import ops, reference  # noqa: E402
 from kernels.fused_moe import DECODE, MoeConfig, Tile, choose_config, fused_moe  # noqa: E402
 
@@ -134,28 +134,14 @@ def copy_tbps(timer: Timer, device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / timer.eager(lambda: dst.copy_(src)) / 1e6
 
 
-@triton.jit
-def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Sum of one program's CHUNK elements (fp32), so that every byte of ``src`` is read once and kept."""
-    start = tl.program_id(0).to(tl.int64) * CHUNK
-    acc = tl.zeros([BLOCK], tl.float32)
-    for offset in range(0, CHUNK, BLOCK):
-        idx = start + offset + tl.arange(0, BLOCK)
-        acc += tl.load(src_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
-
-
 def read_tbps(timer: Timer, device: torch.device, nbytes: int) -> dict[str, float]:
     """The device's read-only ceiling, TB/s of bytes read: a stream of ``nbytes`` of bf16 summed by torch
     (``sum``) and by a Triton kernel (128 KiB a program); ``best`` is the faster. A layer that only reads its
     weights is judged against this, as METHOD.md asks (measured ceilings, not the datasheet's)."""
     src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
-    chunk = min(65536, src.numel())
-    out = torch.empty(triton.cdiv(src.numel(), chunk), device=device, dtype=torch.float32)
-    kernel = (triton.cdiv(src.numel(), chunk),)
     reads = {
         "torch_sum": lambda: src.sum(dtype=torch.float32),
-        "triton": lambda: _read_kernel[kernel](src, out, src.numel(), chunk, 4096, num_warps=8),
+        "triton": ReadStream(src, 65536),
     }
     found = {name: nbytes / timer.eager(fn) / 1e6 for name, fn in reads.items()}
     return {**found, "best": max(found.values())}

@@ -1,4 +1,4 @@
-"""benchmarks/kernel/batch_gemm.py and fused_moe.py's read ceiling: the kernels the benchmarks time compute what they
+"""benchmarks/kernel/batch_gemm.py and the read ceiling (benchmarks/harness/read_ceiling.py): the kernels the benchmarks time compute what they
 claim, so a timing is of a correct kernel. On a machine without CUDA they run in Triton's interpreter, float16 (the
 interpreter's bfloat16 through tensor descriptors gives garbage; the benchmark checks bf16 on the device before it
 times anything)."""
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 from benchmarks.kernel.batch_gemm import triton_gemm  # noqa: E402
-from benchmarks.kernel.fused_moe import _read_kernel  # noqa: E402
+from benchmarks.harness.read_ceiling import ReadStream  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 DTYPE = torch.float16
@@ -57,8 +57,10 @@ def test_read_kernel_sums_every_element_once() -> None:
     n, chunk = 3 * 4096 + 100, 8192  # the last program's chunk is partly past the end (masked)
     src = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
     programs = -(-n // chunk)
-    out = torch.empty(programs, dtype=torch.float32, device=DEVICE)
-    _read_kernel[(programs,)](src, out, n, chunk, 4096)
+    read = ReadStream(src, chunk)
+    read.sums.fill_(float("nan"))
+    read()
+    out = read.sums
     expected = torch.stack(
         [src[i * chunk : (i + 1) * chunk].float().sum() for i in range(programs)]
     )

@@ -43,9 +43,8 @@ from engine.llm_engine import LLMEngine
 
 # kernel name fragments of each part, first match wins (names as torch.profiler reports them)
 PARTS = {
-    "persistent decode": (
-        "persistent_decode",
-    ),  # whole decoder layers in one kernel, at <= 16 rows
+    # (whole decoder layers in one kernel, at <= 16 rows: llama-3.2-1b's shapes only)
+    "persistent decode": ("persistent_decode",),
     "decode attention": ("_decode_kernel",),
     "prefill attention": ("prefill",),
     "matrix products": ("gemm", "nvjet", "cutlass", "sm90_xmma", "skinny", "splitk", "cublas"),
@@ -54,7 +53,7 @@ PARTS = {
 
 @dataclass
 class StepShapes:
-    decode_rows: list[int] = field(default_factory=list)  # per step with decode rows
+    decode_rows: list[int] = field(default_factory=list)  # each step's (0: prompt tokens only)
     prompt_tokens: int = 0
     prompts_finished: int = 0  # prompts whose last token was computed (the output head runs for it)
 

@@ -161,18 +161,33 @@ def copy_ceiling_tbps(nbytes: int) -> float:
     return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e9
 
 
-def check(out: torch.Tensor, inputs: dict) -> float:
+def reference_error(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> float:
+    """||out - ref|| / ||ref|| against ``reference.paged_attention`` in float32 on the same inputs."""
     ref = torch.empty_like(out, dtype=torch.float32)
     reference.paged_attention(
-        ref,
-        inputs["query"].float(),
-        inputs["k_cache"].float(),
-        inputs["v_cache"].float(),
+        ref, query.float(), k_cache.float(), v_cache.float(), tables, context_lens, scale
+    )
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def check(out: torch.Tensor, inputs: dict) -> float:
+    return reference_error(
+        out,
+        inputs["query"],
+        inputs["k_cache"],
+        inputs["v_cache"],
         inputs["block_tables"],
         inputs["context_lens"],
         HEAD_DIM**-0.5,
     )
-    return float((out.float() - ref).norm() / ref.norm())
 
 
 def measure(

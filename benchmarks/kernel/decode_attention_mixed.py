@@ -30,7 +30,7 @@ from benchmarks.harness import record
 from benchmarks.harness.graph_timing import graph_ms
 from benchmarks.harness.read_ceiling import ReadStream
 from benchmarks.harness.workloads import nano_workload
-from kernels import reference
+from benchmarks.kernel.decode_attention import reference_error
 from kernels.paged_attention import CONFIG, DecodeConfig, paged_attention
 
 # (query heads, KV heads, head dim) of the nano workload's two architectures
@@ -119,17 +119,15 @@ def time_decode(inputs: dict, config: DecodeConfig | None = None) -> tuple[float
 
     ms = graph_ms(call)
     call()
-    ref = torch.empty_like(out, dtype=torch.float32)
-    reference.paged_attention(
-        ref,
-        inputs["query"].float(),
-        inputs["k_cache"].float(),
-        inputs["v_cache"].float(),
+    return ms, reference_error(
+        out,
+        inputs["query"],
+        inputs["k_cache"],
+        inputs["v_cache"],
         inputs["tables"],
         inputs["context_lens"],
         scale,
     )
-    return ms, float((out.float() - ref).norm() / ref.norm())
 
 
 def read_ms(nbytes: int) -> float:

@@ -34,9 +34,6 @@ from kernels.paged_attention import paged_attention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 32, 8, 64, 8192
 DTYPE = torch.bfloat16
-STATIC: dict[
-    str, torch.Tensor
-] = {}  # inputs made before any capture: a query and attention output per row
 
 
 @dataclass
@@ -69,16 +66,17 @@ def forward(
     layers: list[Layer],
     x: torch.Tensor,
     rows: slice,
+    queries: torch.Tensor,
+    outputs: torch.Tensor,
     attention: bool = True,
     products: bool = True,
     after_first_attention: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
-    """The layers' chain for ``rows`` of the batch on the current stream (``x``: those rows' hidden states)."""
+    """The layers' chain for ``rows`` of the batch on the current stream (``x``: those rows' hidden states;
+    ``queries`` and ``outputs``: every row's attention query and output, random, made before any capture: the
+    attention-only chain reads that query, the products' chain computes its own)."""
     n = x.shape[0]
-    q = STATIC["q"][
-        rows
-    ]  # (the attention-only chain's query; the products' chain computes its own)
-    attn_out = STATIC["attn_out"][rows]  # (random before the first attention writes it)
+    q, attn_out = queries[rows], outputs[rows]
     for i, layer in enumerate(layers):
         if products:
             qkv = x @ layer.qkv.T
@@ -105,8 +103,8 @@ def forward(
 def variants(layers: list[Layer], batch: int) -> dict:
     half = batch // 2
     x = torch.randn(batch, HIDDEN, device="cuda", dtype=DTYPE)
-    STATIC["q"] = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    STATIC["attn_out"] = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    attn = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     a, b = slice(0, half), slice(half, batch)
     side = [torch.cuda.Stream(), torch.cuda.Stream()]
 
@@ -116,21 +114,24 @@ def variants(layers: list[Layer], batch: int) -> dict:
         for s in side:
             s.wait_stream(main)
         with torch.cuda.stream(side[0]):
-            forward(layers, x[a], a, after_first_attention=started)
+            forward(layers, x[a], a, q, attn, after_first_attention=started)
         with torch.cuda.stream(side[1]):
             if started is not None:
                 side[1].wait_event(started)
-            forward(layers, x[b], b)
+            forward(layers, x[b], b, q, attn)
         for s in side:
             main.wait_stream(s)
 
     return {
-        "one batch": lambda: forward(layers, x, slice(0, batch)),
-        "halves, one stream": lambda: (forward(layers, x[a], a), forward(layers, x[b], b)),
+        "one batch": lambda: forward(layers, x, slice(0, batch), q, attn),
+        "halves, one stream": lambda: (
+            forward(layers, x[a], a, q, attn),
+            forward(layers, x[b], b, q, attn),
+        ),
         "halves, two streams": lambda: two_streams(False),
         "halves, two streams, offset": lambda: two_streams(True),
-        "attention only": lambda: forward(layers, x, slice(0, batch), products=False),
-        "products only": lambda: forward(layers, x, slice(0, batch), attention=False),
+        "attention only": lambda: forward(layers, x, slice(0, batch), q, attn, products=False),
+        "products only": lambda: forward(layers, x, slice(0, batch), q, attn, attention=False),
     }
 
 

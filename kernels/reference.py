@@ -313,8 +313,16 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """``rotary_embedding`` of ``q`` and ``k`` in place, then ``store_kv`` of the rotated ``k`` and of ``v``."""
+    """``rotary_embedding`` of ``q`` and ``k`` in place, then ``store_kv`` of the rotated ``k`` and of ``v``.
+    With ``q_norm``/``k_norm`` (Qwen3's per-head norms, in q's dtype): ``rms_norm`` of each head of q and k by
+    them first, in place."""
+    if q_norm is not None:
+        q.copy_(rms_norm(q, q_norm, eps))
+        k.copy_(rms_norm(k, k_norm, eps))
     rotary_embedding(positions, q, k, cos_cache, sin_cache)
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

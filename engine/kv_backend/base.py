@@ -19,6 +19,16 @@ from kernels import ops as kernel_ops
 
 
 @dataclass(slots=True, frozen=True)
+class QKNorm:
+    """Qwen3's per-head RMSNorm of q and k, which the store applies before the rotation (same launch): each norm's
+    ``[head_dim]`` weight, in q's dtype, and their epsilon."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
+@dataclass(slots=True, frozen=True)
 class Rotation:
     """The rotary embedding a layer hands its KV backend, so that q and k are rotated in the launch that stores
     K and V (``kernels.ops.rotary_store_kv``): each token's position and the ``[max_position, head_dim]`` cos and
@@ -27,6 +37,7 @@ class Rotation:
     positions: torch.Tensor
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
+    qk_norm: QKNorm | None = None  # q and k are normed first
 
 
 class KVBackend(ABC):
@@ -114,6 +125,11 @@ class KVBackend(ABC):
             slot_mapping,
             k_scale,
             v_scale,
+            *(
+                ()
+                if (norm := rotation.qk_norm) is None
+                else (norm.q_weight, norm.k_weight, norm.eps)
+            ),
         )
 
     # where a step's tokens live: the step inputs' slot math (engine/worker/step_inputs.py) ------------------

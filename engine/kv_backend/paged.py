@@ -169,6 +169,9 @@ class LeanCpuPagedKV(PagedKV):
             )
         # the lean layers rotate before they call (kernels/cpu.py's rotary); any other caller, here
         if rotation is not None:
+            if (norm := rotation.qk_norm) is not None:
+                q.copy_(kernel_ops.rms_norm(q, norm.q_weight, norm.eps))
+                k.copy_(kernel_ops.rms_norm(k, norm.k_weight, norm.eps))
             kernel_ops.rotary_embedding(
                 rotation.positions, q, k, rotation.cos_cache, rotation.sin_cache
             )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kv_backend.base import Rotation
+from engine.kv_backend.base import QKNorm, Rotation
 from engine.forward_context import pass_memo
 from kernels import cpu as cpu_kernels
 from kernels import lean_cpu, ops as kernel_ops
@@ -145,10 +145,11 @@ class RotaryEmbedding(nn.Module):
             wanted = -(-max(needed, 2 * rows) // CPU_POSITION_BLOCK) * CPU_POSITION_BLOCK
             self._grow(min(self.max_position, wanted))
 
-    def rotation(self, positions: torch.Tensor) -> Rotation:
-        """This embedding at ``positions``, for the KV store to apply as it stores (``KVBackend.store``)."""
+    def rotation(self, positions: torch.Tensor, qk_norm: QKNorm | None = None) -> Rotation:
+        """This embedding at ``positions``, for the KV store to apply as it stores (``KVBackend.store``), after
+        ``qk_norm`` if given."""
         self.cover(positions)
-        return Rotation(positions, self.cos_cache, self.sin_cache)
+        return Rotation(positions, self.cos_cache, self.sin_cache, qk_norm)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -38,6 +38,7 @@ from engine.weights.gguf_blocks import GGUFBlocks
 from engine.layers.attention import PagedAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
+from engine.kv_backend.base import QKNorm
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -89,13 +90,20 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        lean = lean_cpu(q)
+        # Qwen3's q/k norm: in the launch that rotates and stores, where the weights are in q's dtype (Gemma's
+        # are float32, and normed q/k of that dtype follow)
+        fused_norm = self.qk_norm and not lean and self.q_norm.weight.dtype == q.dtype
+        if self.qk_norm and not fused_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if lean_cpu(q):
+        if lean:
             q, k = self.rotary(positions, q, k)
             return self.attn(q, k, v)
+        norm = (
+            QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if fused_norm else None
+        )
         # rotated in the launch that stores K and V (one kernel boundary less per layer)
-        return self.attn(q, k, v, self.rotary.rotation(positions))
+        return self.attn(q, k, v, self.rotary.rotation(positions, norm))
 
 
 class LlamaDecoderLayer(nn.Module):

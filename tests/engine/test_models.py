@@ -127,6 +127,49 @@ def test_greedy_equals_transformers_for_each_family(family: str, tmp_path: Path)
     assert_transformers_greedy(hf, PROMPTS, [o.token_ids for o in outputs], expected)
 
 
+# run with PAGEDCHAT_KERNELS=reference (read when kernels is imported: a process of its own): the layers as the GPU
+# runs them; prints the greedy tokens and how many stores were handed q/k norm weights
+GPU_LAYER_PATH_RUN = """
+import json, sys
+import kernels
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+normed = []
+store = kernels.ops.rotary_store_kv
+kernels.ops.rotary_store_kv = lambda *args: normed.append(len(args) > 11) or store(*args)
+model, prompts, new_tokens = json.loads(sys.stdin.read())
+llm = LLM(model=model, num_kv_blocks=64, max_num_batched_tokens=32)
+greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+outputs = llm.generate(prompts, greedy)
+print(json.dumps([[o.token_ids for o in outputs], sum(normed), len(normed)]))
+"""
+
+
+def test_qwen3_on_the_gpu_layer_path_norms_q_and_k_in_the_store_launch(tmp_path: Path):
+    """Qwen3's q/k norm handed to the KV store with the rotation (one launch a layer on the GPU, where the
+    lean CPU path norms first): still transformers' tokens, and every store was given the norm weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    hf = tiny_hf_model("qwen3")
+    hf.save_pretrained(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", GPU_LAYER_PATH_RUN],
+        input=json.dumps([str(tmp_path), PROMPTS, 8]),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PAGEDCHAT_KERNELS": "reference"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, normed_stores, stores = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = [hf_greedy(hf, p, 8) for p in PROMPTS]
+    assert_transformers_greedy(hf, PROMPTS, tokens, expected)
+    assert stores > 0 and normed_stores == stores
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama-bias-tied"])
 def test_dummy_weights_are_seeded_and_give_both_implementations_the_same_model(family: str):
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,5 +1,6 @@
 """A layer that hands its KV backend the rotary embedding (``rotation``) gets what it got when it rotated q and k
-itself before ``attend``: the same output and the same cache, for decode rows and a prefill chunk after them.
+itself before ``attend``: the same output and the same cache, for decode rows and a prefill chunk after them; with
+Qwen3's q/k norm handed over too (``QKNorm``), what it got when it normed q and k itself first.
 
 The paged backend and its lean CPU subclass are checked, each with the kernels the CPU dispatches to (the torch
 references) and with the Triton kernels in the interpreter (``rotary_store_kv``, ``store_kv``, decode and prefill
@@ -16,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from engine.kv_backend.base import Rotation  # noqa: E402
+from engine.kv_backend.base import QKNorm, Rotation  # noqa: E402
 from engine.kv_backend.paged import LeanCpuPagedKV, PagedKV  # noqa: E402
 from engine.forward_context import AttentionMetadata  # noqa: E402
 from kernels import ops as kernel_ops  # noqa: E402
@@ -28,6 +29,7 @@ TRITON_NAMES = (
     "store_kv",
     "rotary_store_kv",
     "rotary_embedding",
+    "rms_norm",
     "paged_attention",
     "prefill_attention",
 )
@@ -83,14 +85,17 @@ def rotary_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["rotation", "qk-norm+rotation"])
 @pytest.mark.parametrize("backend", [PagedKV, LeanCpuPagedKV], ids=lambda c: c.__name__)
 def test_rotation_handed_to_the_backend_equals_rotating_before(
-    backend: type[PagedKV], kernels: str
+    backend: type[PagedKV], kernels: str, normed: bool
 ) -> None:
     meta, positions = metadata()
     cos, sin = rotary_tables()
     tokens = positions.shape[0]
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen) * 2
+    norm = QKNorm(*(torch.rand(2, HEAD_DIM, generator=gen) + 0.5), 1e-6) if normed else None
     outs, caches = [], []
     for hand_over in (True, False):
         kv = filled_backend(backend, seed=5)
@@ -101,15 +106,21 @@ def test_rotation_handed_to_the_backend_equals_rotating_before(
         v = v.view(tokens, KV_HEADS, HEAD_DIM)
         k_cache, v_cache = kv.layer_caches(0)
         if hand_over:
-            rotation = Rotation(positions, cos, sin)
+            rotation = Rotation(positions, cos, sin, norm)
         else:
+            if norm is not None:
+                q = kernel_ops.rms_norm(q, norm.q_weight, norm.eps)
+                k = kernel_ops.rms_norm(k, norm.k_weight, norm.eps)
             kernel_ops.rotary_embedding(positions, q, k, cos, sin)
             rotation = None
         outs.append(kv.attend(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, 1.0, 1.0, rotation))
         caches.append((kv.k_caches.clone(), kv.v_caches.clone()))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    # bit for bit, but for the fused norm's sum of squares, which Triton adds as two halves (fp32 rounding)
+    exact = norm is None or kernels == "reference" or backend is LeanCpuPagedKV
+    tol = 0 if exact else 1e-5
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
     for handed, rotated in zip(*caches):
-        assert torch.equal(handed, rotated)
+        torch.testing.assert_close(handed, rotated, rtol=tol, atol=tol)
     # and the rotation did something: the stored keys are not the unrotated ones
     k_new = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(
         tokens, KV_HEADS, HEAD_DIM

@@ -165,3 +165,89 @@ def test_v_of_another_shape_is_refused() -> None:
             *caches,
             torch.zeros(2, dtype=torch.long, device=DEVICE),
         )
+
+
+def norm_weights(head_dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's q and k norm weights: random, away from 1 so a skipped multiply shows."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.rand(2, head_dim, generator=gen) * 1.5 + 0.25).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 128)], ids=str
+)
+def test_qk_norm_in_the_launch_equals_the_norm_launches_then_the_launch(
+    dtype: torch.dtype, head_dim: int, tokens: int
+) -> None:
+    """Given the q/k norm weights, the launch norms each head of q and k before it rotates and stores, as
+    kernels/rms_norm.py's launches would (its sum of squares adds the two halves: fp32 rounding apart)."""
+    from kernels.rms_norm import rms_norm
+
+    eps = 1e-6
+    cos, sin = rotary_tables(head_dim, dtype)
+    positions = torch.randint(
+        0, MAX_POSITION, (tokens,), generator=torch.Generator().manual_seed(5)
+    )
+    positions = positions.to(DEVICE)
+    slots = slots_for(tokens, 5, block_size=16, seed=tokens)
+    q_weight, k_weight = norm_weights(head_dim, dtype, seed=head_dim)
+    qkv = split_qkv(tokens, head_dim, dtype, seed=tokens + 3)
+    unfused_qkv = qkv.clone()
+    fused_caches = nan_caches(5, 16, head_dim, dtype)
+    unfused_caches = nan_caches(5, 16, head_dim, dtype)
+
+    normed = (1.0, 1.0, q_weight, k_weight, eps)
+    rotary_store_kv(positions, *views(qkv, head_dim), cos, sin, *fused_caches, slots, *normed)
+    q, k, v = views(unfused_qkv, head_dim)
+    q.copy_(rms_norm(q, q_weight, eps))
+    k.copy_(rms_norm(k, k_weight, eps))
+    rotary_store_kv(positions, q, k, v, cos, sin, *unfused_caches, slots)
+
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(qkv.cpu(), unfused_qkv.cpu(), **tol)
+    for fused, unfused in zip(fused_caches, unfused_caches):
+        torch.testing.assert_close(fused.cpu(), unfused.cpu(), equal_nan=True, **tol)
+    # the norm did something: q and k differ from a launch without it
+    plain_qkv = split_qkv(tokens, head_dim, dtype, seed=tokens + 3)
+    plain_caches = nan_caches(5, 16, head_dim, dtype)
+    rotary_store_kv(positions, *views(plain_qkv, head_dim), cos, sin, *plain_caches, slots)
+    rotated = (HEADS + KV_HEADS) * head_dim
+    assert not torch.allclose(
+        qkv[:, :rotated].cpu(), plain_qkv[:, :rotated].cpu(), rtol=1e-2, atol=1e-2
+    )
+
+
+def test_qk_norm_in_the_launch_matches_the_reference() -> None:
+    head_dim, tokens, eps = 64, 6, 1e-5
+    cos, sin = rotary_tables(head_dim, torch.float32)
+    positions = torch.arange(tokens) * 17 % MAX_POSITION
+    slots = slots_for(tokens, 4, 16, seed=2)
+    q_weight, k_weight = norm_weights(head_dim, torch.float32, seed=4)
+    qkv = split_qkv(tokens, head_dim, torch.float32, seed=8)
+    expected_qkv = qkv.cpu().clone()
+    caches = nan_caches(4, 16, head_dim, torch.float32)
+    expected_caches = tuple(c.cpu().clone() for c in caches)
+
+    normed = (1.0, 1.0, q_weight, k_weight, eps)
+    rotary_store_kv(positions.to(DEVICE), *views(qkv, head_dim), cos, sin, *caches, slots, *normed)
+    on_cpu = (cos.cpu(), sin.cpu(), *expected_caches, slots.cpu(), 1.0, 1.0)
+    on_cpu += (q_weight.cpu(), k_weight.cpu(), eps)
+    reference.rotary_store_kv(positions, *views(expected_qkv, head_dim), *on_cpu)
+    torch.testing.assert_close(qkv.cpu(), expected_qkv, rtol=1e-5, atol=1e-5)
+    for out, expected in zip(caches, expected_caches):
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_qk_norm_needs_both_weights_in_qs_dtype() -> None:
+    cos, sin = rotary_tables(64, torch.float32)
+    q, k, v = views(split_qkv(2, 64, torch.float32, seed=1), 64)
+    caches = nan_caches(2, 16, 64, torch.float32)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    q_weight, k_weight = norm_weights(64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="go together"):
+        rotary_store_kv(positions, q, k, v, cos, sin, *caches, slots, 1.0, 1.0, q_weight, None)
+    half = (q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="q's dtype"):
+        rotary_store_kv(positions, q, k, v, cos, sin, *caches, slots, 1.0, 1.0, *half)

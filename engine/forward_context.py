@@ -38,6 +38,9 @@ class AttentionMetadata:
     # before it write in this pass, so a kernel that stores and attends row by row without waiting for the others
     # (the persistent decode) may not run it
     rows_share_sequences: bool = False
+    # [>= num_decodes] int32: the decode rows, longest context first (a permutation of 0 .. num_decodes - 1
+    # there), the order the decode kernel may take them in; None: row order
+    decode_order: torch.Tensor | None = None
     # values derived from the above once per pass and shared by every layer (the lean CPU path, kernels/cpu.py)
     memo: dict[str, Any] = field(default_factory=dict)
 

@@ -62,6 +62,9 @@ class DecodeConfig:
     split_tile_n: int = 64  # key positions per loop step, split-K kernel
     # split-K only when (sequences x kv heads) < this x SMs
     split_below_programs_per_sm: float = 1.0
+    # rows read through the step's longest-first order (``order``) where the head is wider than 64, or
+    # (sequences x kv heads) < this x SMs: a launch of a few waves ends with its longest rows, not a tail of them
+    ordered_below_programs_per_sm: float = 6.0
     programs_per_sm: int = 2  # then aim for this many programs per SM ...
     min_partition: int = 512  # ... with partitions of at least this many positions
     num_warps: int = 4
@@ -116,6 +119,7 @@ def sequence_kv(k_ptr, v_ptr, table_row_ptr, stride_block, CONTIGUOUS: tl.conste
         "counter_ptr",
         "stride_table",
         "num_parts",
+        "order_ptr",
     )
 )
 def _decode_kernel(
@@ -125,6 +129,7 @@ def _decode_kernel(
     v_ptr,
     table_ptr,
     ctx_ptr,
+    order_ptr,
     window,
     part_max_ptr,
     part_sum_ptr,
@@ -155,8 +160,11 @@ def _decode_kernel(
     CONTIGUOUS: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_TO_F16: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if ORDERED:  # programs start in grid order: the row this one serves, longest contexts first
+        seq = tl.load(order_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_PAD)
     q = tl.load(
@@ -494,6 +502,15 @@ def choose_partition(
     return math.ceil(math.ceil(max_tokens / parts) / config.split_tile_n) * config.split_tile_n
 
 
+def reads_in_order(
+    programs: int, head_pad: int, device: torch.device, config: DecodeConfig
+) -> bool:
+    """Whether the programs take the rows longest-first. Measured on an H200 at the nano run's own contexts
+    (benchmarks.kernel.decode_attention_mixed, 2026-11-30): head 128 (qwen3-0.6b) +1.5 to +12% from 256 rows
+    down to 59; head 64 (llama-3.2-1b) -3% at 256 rows, +4 to +6% at 59-100 rows (a few waves of programs)."""
+    return head_pad > 64 or programs < config.ordered_below_programs_per_sm * num_sms(device)
+
+
 SHARED_MEMORY_BYTES = 227 * 1024  # per program on Hopper (H100/H200)
 
 
@@ -532,6 +549,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    order: torch.Tensor | None = None,
     *,
     split: bool | None = None,
     config: DecodeConfig | None = None,
@@ -551,6 +569,7 @@ def paged_attention(
         split=split,
         config=config,
         window=window,
+        order=order,
     )
 
 
@@ -570,12 +589,14 @@ def launch_decode(
     config: DecodeConfig | None,
     max_context: int = 0,
     window: int = 0,
+    order: torch.Tensor | None = None,
 ) -> None:
     """Launch ``_decode_kernel`` over either layout. Paged: ``table`` is the block tables ``[B, width]`` of a
     ``[num_blocks, block_size, ...]`` cache. Contiguous: ``table`` is the slot ids ``[B]`` of a
     ``[num_slots, max_len, ...]`` cache, and ``max_context`` the host-known bound on every context, rounded
     up to 16 positions as a table of 16-token blocks bounds it (so both layouts split a batch alike). The
-    scales apply to an FP8 cache only."""
+    scales apply to an FP8 cache only. ``order`` (int32 ``[>= B]``, a permutation of the rows, longest context
+    first): the programs take the rows in that order where ``reads_in_order`` says it pays."""
     config = config or CONFIG
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -624,6 +645,9 @@ def launch_decode(
         )
         counters = zeroed_counters("decode", query.device, batch * num_kv_heads)
     kv_fp8 = k_cache.dtype == FP8
+    ordered = order is not None and reads_in_order(
+        batch * num_kv_heads, head_pad, query.device, config
+    )
     _decode_kernel[(num_kv_heads, batch, parts)](
         out,
         query,
@@ -631,6 +655,7 @@ def launch_decode(
         v_cache,
         table,
         context_lens,
+        order if ordered else context_lens,  # (a placeholder, never read unordered)
         window,
         part_max,
         part_sum,
@@ -661,6 +686,7 @@ def launch_decode(
         CONTIGUOUS=contiguous,
         KV_FP8=kv_fp8,
         Q_TO_F16=kv_fp8 and query.dtype == torch.bfloat16,
+        ORDERED=ordered,
         num_warps=config.num_warps,
         num_stages=stages,
     )

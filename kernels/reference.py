@@ -82,10 +82,13 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    order: torch.Tensor | None = None,
 ) -> None:
     """Decode: one query token per sequence ``[B, heads, head_dim]`` attends to its first
     ``context_lens[b]`` cached tokens (its own token included, already stored); with ``window`` > 0 (a
-    sliding-window layer) only the last ``window`` of them (blocks before those may be absent from the table)."""
+    sliding-window layer) only the last ``window`` of them (blocks before those may be absent from the table).
+    ``order``: the rows, longest context first (a permutation of ``range(B)`` or longer): the order a kernel may
+    schedule them in; the result is the same in any order."""
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())

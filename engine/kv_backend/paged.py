@@ -123,6 +123,7 @@ class PagedKV(KVBackend):
                 k_scale,
                 v_scale,
                 window,
+                meta.decode_order,
             )
         if nd < q.shape[0]:
             kernel_ops.prefill_attention(

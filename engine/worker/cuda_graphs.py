@@ -246,6 +246,7 @@ class DecodeGraphRunner:
             slot_ids=self.kv.slot_ids(tables),
             max_context_len=self.config.max_model_len,
             rows_share_sequences=shared,
+            decode_order=view.order,
         )
         if self.kv.window:
             self._window_group(metadata, view.positions, view.table_at)

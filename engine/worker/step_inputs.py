@@ -9,13 +9,15 @@ block tables and the rows to sample. Building them from Python lists costs milli
   step N's, the host fills step N+1's; a buffer is filled again only once its last copy has run (steps that
   sample nothing never wait for the device: the host may be further ahead).
 
-Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | cu_seqlens[P+1] |
-table_at[3] | sample_rows[R] | block_tables[B, W]``, and with a window group (a model whose sliding-window layers
+Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | order[B] |
+cu_seqlens[P+1] | table_at[3] | sample_rows[R] | block_tables[B, W]``, and with a window group (a model whose sliding-window layers
 have blocks of their own: engine/core/window_blocks.py) each table row is the block table then the window table
 (``W`` twice) and ``window_slots[T]`` follows. ``feed[t] = r >= 0`` marks a token the host does not
 know yet (sampled by the step in flight): the device takes it from row ``r`` of the previous step's sampled
-ids (kernels/prepare_inputs.py). ``table_at`` is (the block tables' offset, B, W). For a decode-only step
-padded to a CUDA-graph size G, the first 5G + 4 entries are the graph's static inputs: the graph's first
+ids (kernels/prepare_inputs.py). ``table_at`` is (the block tables' offset, B, W). ``order`` lists the decode rows longest context first
+(then the other rows in order): the decode kernel's programs take the rows in that order (kernels/paged_attention.py,
+``reads_in_order``), so a launch of a few waves does not end on a tail of long rows. For a decode-only step
+padded to a CUDA-graph size G, the first 6G + 4 entries are the graph's static inputs: the graph's first
 kernel feeds the ids and copies the B real table rows into the graphs' static block table (padding rows need
 none), reading where they lie from ``table_at``, so no copy runs between the upload and the graph.
 
@@ -60,7 +62,7 @@ PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens"
 @dataclass(slots=True)
 class DecodeView:
     """The device buffer's head as a padded decode-only step of ``size`` rows lays it out (the packed order's
-    first five vectors, the one-entry prefill offsets, then where the table lies): a CUDA graph's static
+    first six vectors, the one-entry prefill offsets, then where the table lies): a CUDA graph's static
     inputs."""
 
     ids: torch.Tensor
@@ -68,13 +70,15 @@ class DecodeView:
     positions: torch.Tensor
     slots: torch.Tensor
     context_lens: torch.Tensor
+    order: torch.Tensor
     cu_seqlens: torch.Tensor
     table_at: torch.Tensor  # (offset, rows, width) of the block tables in the packed buffer
 
     def fill_padding(self) -> None:
-        """Every row a padding row (a harmless batch for capture), and no table rows."""
+        """Every row a padding row (a harmless batch for capture), in row order, and no table rows."""
         for name, value in PADDING_ROW.items():
             getattr(self, name).fill_(value)
+        torch.arange(len(self.order), out=self.order)
         self.cu_seqlens.zero_()
         self.table_at.zero_()
 
@@ -133,7 +137,7 @@ class StepInputs:
             int, list[int]
         ] = {}  # seq_id -> [row, entries synced, window entries synced]
         self._free_rows = [row for row in range(max_seqs - 1, -1, -1) if row != kv.reserved_row]
-        capacity = 5 * max_tokens + 3 * max_seqs + 4 + max_seqs * columns
+        capacity = 5 * max_tokens + 4 * max_seqs + 4 + max_seqs * columns
         pinned = device.type == "cuda"
         self._staging = [
             torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
@@ -307,12 +311,22 @@ class StepInputs:
         num_tokens, num_seqs = len(v.ids), len(v.rows)
         total, total_seqs = pad_to or num_tokens, pad_to or num_seqs
         table_rows, width = self.kv.table_shape(num_seqs, total_seqs, v.width)
-        sizes = [total] * 4 + [total_seqs, len(v.prefill_cu), 3, len(v.sample_rows)]
+        sizes = [total] * 4 + [total_seqs] * 2 + [len(v.prefill_cu), 3, len(v.sample_rows)]
         sizes += [table_rows * width] + ([total] if self.windowed else [])
         offsets = np.cumsum([0] + sizes).tolist()
-        ids_v, feed_v, pos_v, slot_v, ctx_v, cu_v, table_at_v, rows_v, table_v, *window_v = (
-            flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))
-        )
+        (
+            ids_v,
+            feed_v,
+            pos_v,
+            slot_v,
+            ctx_v,
+            order_v,
+            cu_v,
+            table_at_v,
+            rows_v,
+            table_v,
+            *window_v,
+        ) = (flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes)))
         if self.windowed:
             window_v[0][:num_tokens], window_v[0][num_tokens:] = self.window_slots, -1
         ids_v[:num_tokens] = v.ids
@@ -325,7 +339,10 @@ class StepInputs:
                 feed_v[i] = feed_rows[seq.seq_id]
         pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
         cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
-        table_at_v[:] = (offsets[8], table_rows, width)
+        table_at_v[:] = (offsets[9], table_rows, width)
+        nd = batch.num_decode_rows  # (longest first; stable: ties keep row order)
+        order_v[:nd] = np.argsort(-v.ends[:nd], kind="stable")
+        order_v[nd:] = np.arange(nd, total_seqs)
         self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
             pad = PADDING_ROW
@@ -345,9 +362,9 @@ class StepInputs:
         """The static inputs of a decode-only step padded to ``size`` rows (``build`` packs such a step so)."""
         head = self.device_buffer
         return DecodeView(
-            *(head[i * size : (i + 1) * size] for i in range(5)),
-            head[5 * size : 5 * size + 1],
-            head[5 * size + 1 : 5 * size + 4],
+            *(head[i * size : (i + 1) * size] for i in range(6)),
+            head[6 * size : 6 * size + 1],
+            head[6 * size + 1 : 6 * size + 4],
         )
 
     def unpack(self, payload: memoryview, layout: StepLayout) -> StepTensors:
@@ -376,7 +393,7 @@ class StepInputs:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
         parts = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-        ids, feed, positions, slots, ctx, cu, _, rows, table, *window_slots = parts
+        ids, feed, positions, slots, ctx, order, cu, _, rows, table, *window_slots = parts
         tables = table.view(-1, layout.width)
         width = layout.width // 2 if self.windowed else layout.width
         metadata = AttentionMetadata(
@@ -390,5 +407,6 @@ class StepInputs:
             window_slot_mapping=window_slots[0] if window_slots else None,
             window_block_tables=tables[:, width:] if window_slots else None,
             rows_share_sequences=layout.rows_share_sequences,
+            decode_order=order,
         )
         return StepTensors(ids, feed, positions, metadata, rows, layout.total, layout.num_seqs)

@@ -52,6 +52,32 @@ def test_a_padded_decode_step_is_the_static_view_with_padding_rows():
     assert view.table_at.tolist() == [0, 0, 0]  # a capture copies no table rows
 
 
+def test_decode_rows_are_ordered_longest_context_first():
+    """The step's ``order``: its decode rows by context, longest first (ties in row order), then the rest of the
+    rows in order (a prefill's, a graph's padding), which the decode kernel takes its programs through."""
+    inputs = StepInputs(
+        torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
+    )
+    seqs = [
+        decoding(0, [1, 2], [1]),
+        decoding(1, [3, 4, 5, 6, 7], [2, 3]),
+        decoding(2, [8, 9, 10], [4]),
+        decoding(3, [11, 12, 13], [5]),
+    ]
+    step = inputs.build(ScheduledBatch(seqs=seqs, num_new_tokens=[1] * 4), {}, pad_to=6)
+    assert inputs.decode_view(6).order.tolist() == [1, 2, 3, 0, 4, 5]
+    assert torch.equal(step.metadata.decode_order, inputs.decode_view(6).order)
+    prefill = Sequence(
+        seq_id=9, request_id="r9", token_ids=list(range(20, 34)), params=SamplingParams()
+    )
+    prefill.block_table = [6, 7, 8, 9]
+    mixed = [decoding(0, [1, 2], [1]), decoding(2, [8, 9, 10], [4]), prefill]
+    step = inputs.build(ScheduledBatch(seqs=mixed, num_new_tokens=[1, 1, 7]), {}, pad_to=None)
+    assert step.metadata.decode_order.tolist() == [1, 0, 2]
+    inputs.decode_view(6).fill_padding()
+    assert inputs.decode_view(6).order.tolist() == list(range(6))
+
+
 def test_another_rank_unpacks_the_same_step():
     driver = StepInputs(
         torch.device("cpu"), BLOCK, max_tokens=16, max_seqs=8, max_blocks_per_seq=4, kv=PAGED
@@ -68,7 +94,13 @@ def test_another_rank_unpacks_the_same_step():
     copy = follower.unpack(memoryview(driver.packed.numpy()), driver.layout)
     for name in ("input_ids", "feed", "positions", "sample_rows"):
         assert torch.equal(getattr(copy, name), getattr(step, name)), name
-    for name in ("slot_mapping", "block_tables", "context_lens", "prefill_cu_seqlens_q"):
+    for name in (
+        "slot_mapping",
+        "block_tables",
+        "context_lens",
+        "prefill_cu_seqlens_q",
+        "decode_order",
+    ):
         assert torch.equal(getattr(copy.metadata, name), getattr(step.metadata, name)), name
     assert copy.metadata.num_decodes == 1 and copy.metadata.max_context_len == 7
 

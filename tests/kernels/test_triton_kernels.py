@@ -24,6 +24,7 @@ from kernels.paged_attention import (  # noqa: E402
     choose_partition,
     key_tile,
     paged_attention,
+    reads_in_order,
 )
 from kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 
@@ -118,6 +119,41 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, split):
     # small partitions so that the 300-token context spans five of them and the merge has work
     config = DecodeConfig(tile_n=32, split_tile_n=32, min_partition=64)
     assert run_decode(kv, heads, torch.float32, split=split, config=config) < 1e-5
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
+def test_rows_taken_in_the_steps_order_give_the_same_output(split):
+    """The programs take the rows through ``order`` (the step's longest-first permutation): each row's output
+    lands in its own row, bit for bit as in row order; an order that names row 0 only leaves the others
+    unwritten (so the order is read)."""
+    kv = PagedKV(LENGTHS, 16, 2, seed=3)
+    config = DecodeConfig(tile_n=32, split_tile_n=32, min_partition=64)
+    assert reads_in_order(len(LENGTHS) * 2, HEAD_DIM, DEVICE, config)
+    query = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    k, v = kv.poisoned()
+    args = (query.to(DEVICE), k, v, kv.block_tables.to(DEVICE), kv.context_lens.to(DEVICE), 0.125)
+    longest_first = torch.argsort(-kv.context_lens, stable=True).to(torch.int32)
+    outs = {}
+    for name, order in [
+        ("rows", None),
+        ("longest-first", longest_first),
+        ("row 0 only", torch.zeros(len(LENGTHS), dtype=torch.int32)),
+    ]:
+        outs[name] = nan_like(query.shape, torch.float32)
+        order = order.to(DEVICE) if order is not None else None
+        paged_attention(outs[name], *args, 1.0, 1.0, 0, order, split=split, config=config)
+    assert not outs["rows"].isnan().any()
+    assert torch.equal(outs["longest-first"], outs["rows"])
+    assert torch.equal(outs["row 0 only"][0], outs["rows"][0])
+    assert outs["row 0 only"][1:].isnan().all()
+
+
+def test_rows_are_ordered_for_wide_heads_or_a_few_waves_of_programs():
+    config = DecodeConfig(ordered_below_programs_per_sm=6.0)
+    cpu = torch.device("cpu")  # (132 SMs, as an H200)
+    assert reads_in_order(256 * 8, 128, cpu, config)  # head 128: always
+    assert not reads_in_order(256 * 8, 64, cpu, config)  # head 64, 2,048 programs: 15.5 waves
+    assert reads_in_order(64 * 8, 64, cpu, config)  # 512 programs: under 6 waves
 
 
 def test_short_contexts_under_a_graphs_wide_table_spread_over_every_partition():

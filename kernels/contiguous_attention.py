@@ -31,12 +31,14 @@ def contiguous_decode_attention(
     max_context: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    order: torch.Tensor | None = None,
     *,
     split: bool | None = None,
     config: DecodeConfig | None = None,
 ) -> None:
     """Same contract as ``reference.contiguous_decode_attention``; ``split`` forces split-K on/off (None:
-    automatic). Split-K partitions are sized from ``max_context``, the host-known bound of ``context_lens``."""
+    automatic). Split-K partitions are sized from ``max_context``, the host-known bound of ``context_lens``;
+    ``order``: the rows longest first (``paged_attention``'s)."""
     launch_decode(
         out,
         query,
@@ -51,6 +53,7 @@ def contiguous_decode_attention(
         split=split,
         config=config,
         max_context=max_context,
+        order=order,
     )
 
 

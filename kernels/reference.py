@@ -183,10 +183,12 @@ def contiguous_decode_attention(
     max_context: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    order: torch.Tensor | None = None,
 ) -> None:
     """``paged_attention`` over the contiguous layout: query ``[B, heads, head_dim]`` attends to the first
     ``context_lens[b]`` positions of slot ``slot_ids[b]``. ``max_context`` (a host-known bound of
-    ``context_lens``, which the Triton kernel sizes split-K with) is not needed here."""
+    ``context_lens``, which the Triton kernel sizes split-K with) and ``order`` (``paged_attention``'s) are not
+    needed here."""
     num_heads, num_kv_heads = query.shape[1], k_slots.shape[2]
     max_len = int(context_lens.max())
     slots = slot_ids.long()

@@ -110,21 +110,10 @@ class PagedKV(KVBackend):
         self.store(q, k, v, k_cache, v_cache, meta, k_scale, v_scale, rotation, window)
         _, tables = kv_group(meta, window)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
+        nd, scales = meta.num_decodes, (scale, k_scale, v_scale)
         if nd:
-            kernel_ops.paged_attention(
-                out[:nd],
-                q[:nd],
-                k_cache,
-                v_cache,
-                tables[:nd],
-                meta.context_lens[:nd],
-                scale,
-                k_scale,
-                v_scale,
-                window,
-                meta.decode_order,
-            )
+            decode = (tables[:nd], meta.context_lens[:nd], *scales, window, meta.decode_order)
+            kernel_ops.paged_attention(out[:nd], q[:nd], k_cache, v_cache, *decode)
         if nd < q.shape[0]:
             kernel_ops.prefill_attention(
                 out[nd:],
@@ -134,9 +123,7 @@ class PagedKV(KVBackend):
                 tables[nd:],
                 meta.prefill_cu_seqlens_q,
                 meta.context_lens[nd:],
-                scale,
-                k_scale,
-                v_scale,
+                *scales,
                 k[nd:],
                 v[nd:],
                 window,

@@ -258,6 +258,7 @@ class VAttentionKV(KVBackend):
                 meta.max_context_len,
                 k_scale,
                 v_scale,
+                meta.decode_order,
             )
         if nd < q.shape[0]:
             kernel_ops.contiguous_prefill_attention(

@@ -59,6 +59,19 @@ class StepTensors:
 PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens": 1}
 
 
+# the packed buffer's vectors, in order (the module docstring's layout; window_slots: with a window group only)
+PACKED = tuple(
+    "ids feed positions slots context_lens order cu_seqlens table_at sample_rows tables window_slots".split()
+)
+
+
+def longest_first(ends: np.ndarray, num_decodes: int, num_rows: int) -> np.ndarray:
+    """The step's ``order``: the first ``num_decodes`` rows by ``ends`` (their context after the step), longest
+    first (stable: ties in row order), then rows ``num_decodes .. num_rows - 1`` in order."""
+    decodes = np.argsort(-ends[:num_decodes], kind="stable")
+    return np.concatenate((decodes, np.arange(num_decodes, num_rows)))
+
+
 @dataclass(slots=True)
 class DecodeView:
     """The device buffer's head as a padded decode-only step of ``size`` rows lays it out (the packed order's
@@ -314,40 +327,27 @@ class StepInputs:
         sizes = [total] * 4 + [total_seqs] * 2 + [len(v.prefill_cu), 3, len(v.sample_rows)]
         sizes += [table_rows * width] + ([total] if self.windowed else [])
         offsets = np.cumsum([0] + sizes).tolist()
-        (
-            ids_v,
-            feed_v,
-            pos_v,
-            slot_v,
-            ctx_v,
-            order_v,
-            cu_v,
-            table_at_v,
-            rows_v,
-            table_v,
-            *window_v,
-        ) = (flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes)))
+        out = dict(zip(PACKED, (flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes)))))
         if self.windowed:
-            window_v[0][:num_tokens], window_v[0][num_tokens:] = self.window_slots, -1
-        ids_v[:num_tokens] = v.ids
-        feed_v.fill(-1)
-        # a pending token is always a decode row's input
-        for i, seq in enumerate(
-            batch.seqs[: batch.num_decodes]
-        ):  # (drafted rows follow: none pending)
+            window = out["window_slots"]
+            window[:num_tokens], window[num_tokens:] = self.window_slots, -1
+        out["ids"][:num_tokens] = v.ids
+        feed = out["feed"]
+        feed.fill(-1)
+        # a pending token is always a decode row's input (drafted rows follow: none pending)
+        for i, seq in enumerate(batch.seqs[: batch.num_decodes]):
             if v.ids[i] == PENDING_TOKEN:
-                feed_v[i] = feed_rows[seq.seq_id]
-        pos_v[:num_tokens], slot_v[:num_tokens], ctx_v[:num_seqs] = v.positions, v.slots, v.ends
-        cu_v[:], rows_v[:] = v.prefill_cu, v.sample_rows
-        table_at_v[:] = (offsets[9], table_rows, width)
-        nd = batch.num_decode_rows  # (longest first; stable: ties keep row order)
-        order_v[:nd] = np.argsort(-v.ends[:nd], kind="stable")
-        order_v[nd:] = np.arange(nd, total_seqs)
-        self.kv.pack_tables(table_v.reshape(table_rows, width), self.table, v.rows)
+                feed[i] = feed_rows[seq.seq_id]
+        out["positions"][:num_tokens], out["slots"][:num_tokens] = v.positions, v.slots
+        out["context_lens"][:num_seqs] = v.ends
+        out["order"][:] = longest_first(v.ends, batch.num_decode_rows, total_seqs)
+        out["cu_seqlens"][:], out["sample_rows"][:] = v.prefill_cu, v.sample_rows
+        out["table_at"][:] = (offsets[PACKED.index("tables")], table_rows, width)
+        self.kv.pack_tables(out["tables"].reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
-            pad = PADDING_ROW
-            ids_v[num_tokens:], pos_v[num_tokens:] = pad["ids"], pad["positions"]
-            slot_v[num_tokens:], ctx_v[num_seqs:] = pad["slots"], pad["context_lens"]
+            for name in ("ids", "positions", "slots"):
+                out[name][num_tokens:] = PADDING_ROW[name]
+            out["context_lens"][num_seqs:] = PADDING_ROW["context_lens"]
         return StepLayout(
             offsets,
             total_seqs if pad_to else batch.num_decode_rows,

@@ -111,6 +111,17 @@ def test_contiguous_decode_matches_reference(heads, kv_heads, split):
     assert run_decode(SlotKV(LENGTHS, kv_heads, seed=heads), heads, split=split) < 1e-5
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
+def test_contiguous_decode_takes_rows_longest_first_with_the_same_output(split):
+    """The step's longest-first ``order`` (as the paged kernel takes it): the same error against the reference,
+    every row written where it belongs."""
+    torch.manual_seed(5)
+    kv = SlotKV(LENGTHS, 2, seed=5)
+    order = torch.argsort(-kv.context_lens, stable=True).to(torch.int32).to(DEVICE)
+    assert not torch.equal(order.cpu(), torch.arange(len(LENGTHS), dtype=torch.int32))
+    assert run_decode(kv, 8, split=split, order=order) < 1e-5
+
+
 def test_contiguous_decode_strided_views_and_padded_head():
     """K and V interleaved in one buffer (strides from the tensors, not the shape) and head 80 (padded to 128)."""
     torch.manual_seed(80)

@@ -27,6 +27,10 @@ class QKNorm:
     k_weight: torch.Tensor
     eps: float
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The trailing arguments of ``kernels.ops.rotary_store_kv``."""
+        return self.q_weight, self.k_weight, self.eps
+
 
 @dataclass(slots=True, frozen=True)
 class Rotation:
@@ -125,11 +129,7 @@ class KVBackend(ABC):
             slot_mapping,
             k_scale,
             v_scale,
-            *(
-                ()
-                if (norm := rotation.qk_norm) is None
-                else (norm.q_weight, norm.k_weight, norm.eps)
-            ),
+            *(rotation.qk_norm.kernel_args() if rotation.qk_norm is not None else ()),
         )
 
     # where a step's tokens live: the step inputs' slot math (engine/worker/step_inputs.py) ------------------

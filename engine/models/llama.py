@@ -91,8 +91,8 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         lean = lean_cpu(q)
-        # Qwen3's q/k norm: in the launch that rotates and stores, where the weights are in q's dtype (Gemma's
-        # are float32, and normed q/k of that dtype follow)
+        # Qwen3's q/k norm: in the launch that rotates and stores, where its weights are in q's dtype (Gemma's
+        # are float32 and so are its normed q and k: two launches of their own)
         fused_norm = self.qk_norm and not lean and self.q_norm.weight.dtype == q.dtype
         if self.qk_norm and not fused_norm:
             q, k = self.q_norm(q), self.k_norm(k)

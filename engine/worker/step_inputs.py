@@ -10,16 +10,17 @@ block tables and the rows to sample. Building them from Python lists costs milli
   sample nothing never wait for the device: the host may be further ahead).
 
 Packed layout (int32): ``ids[T] | feed[T] | positions[T] | slots[T] | context_lens[B] | order[B] |
-cu_seqlens[P+1] | table_at[3] | sample_rows[R] | block_tables[B, W]``, and with a window group (a model whose sliding-window layers
-have blocks of their own: engine/core/window_blocks.py) each table row is the block table then the window table
-(``W`` twice) and ``window_slots[T]`` follows. ``feed[t] = r >= 0`` marks a token the host does not
-know yet (sampled by the step in flight): the device takes it from row ``r`` of the previous step's sampled
-ids (kernels/prepare_inputs.py). ``table_at`` is (the block tables' offset, B, W). ``order`` lists the decode rows longest context first
-(then the other rows in order): the decode kernel's programs take the rows in that order (kernels/paged_attention.py,
-``reads_in_order``), so a launch of a few waves does not end on a tail of long rows. For a decode-only step
-padded to a CUDA-graph size G, the first 6G + 4 entries are the graph's static inputs: the graph's first
-kernel feeds the ids and copies the B real table rows into the graphs' static block table (padding rows need
-none), reading where they lie from ``table_at``, so no copy runs between the upload and the graph.
+cu_seqlens[P+1] | table_at[3] | sample_rows[R] | block_tables[B, W]`` (``PACKED`` names them), and with a window
+group (a model whose sliding-window layers have blocks of their own: engine/core/window_blocks.py) each table row
+is the block table then the window table (``W`` twice) and ``window_slots[T]`` follows. ``feed[t] = r >= 0`` marks
+a token the host does not know yet (sampled by the step in flight): the device takes it from row ``r`` of the
+previous step's sampled ids (kernels/prepare_inputs.py). ``order`` lists the decode rows longest context first,
+then the other rows in order: the decode kernel's programs take the rows in that order (kernels/paged_attention.py,
+``reads_in_order``), so a launch of a few waves does not end on a tail of long rows. ``table_at`` is (the block
+tables' offset, B, W). For a decode-only step padded to a CUDA-graph size G, the first 6G + 4 entries are the
+graph's static inputs: the graph's first kernel feeds the ids and copies the B real table rows into the graphs'
+static block table (padding rows need none), reading where they lie from ``table_at``, so no copy runs between the
+upload and the graph.
 
 The KV backend (engine/kv_backend/base.py) owns the slot math: each token's slot, the packed tables' shape
 and contents, and which row a new sequence takes. With a contiguous backend (vAttention) a sequence's table

@@ -19,20 +19,23 @@ def resident_by_name(
     ``without_kv_pool``: less the KV pool's resident pages (its memfd mappings; their pages are touched as blocks
     are first used, up to the pool's size). ``proportional``: each process's PSS instead of its RSS (a page that n
     processes share counts 1/n in each: the grammar workers share their zygote's tokenizer, so the tree's PSS is
-    the memory it takes; its RSS counts those pages once per worker)."""
+    the memory it takes; its RSS counts those pages once per worker). A child still under its parent's name (forked,
+    not yet named: the grammar zygote's worker between ``fork`` and its ``prctl``, its RSS the zygote's pages) is
+    counted as ``"<name> (forking)"``."""
     by_name: dict[str, int] = {}
-    todo = [pid]
+    todo: list[tuple[int, str | None]] = [(pid, None)]
     while todo:
-        p = todo.pop()
+        p, parent = todo.pop()
         try:
             status = dict(
                 line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines()
             )
+            own = status["Name"].strip()
             for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
+                todo += [(int(c), own) for c in (task / "children").read_text().split()]
         except OSError:
             continue
-        name = status["Name"].strip()
+        name = f"{own} (forking)" if own == parent else own
         resident = proportional_bytes(p) if proportional else int(status["VmRSS"].split()[0]) * 1024
         by_name[name] = (
             by_name.get(name, 0) + resident - (kv_pool_resident(p) if without_kv_pool else 0)

@@ -205,12 +205,17 @@ class Supervisor:
         return [self.process.pid, *map(int, children.split())]
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and its engine core (grammar workers, replaced once they grow, aside),
-        less the KV pool's pages (touched as its blocks are first used: bounded by the pool, not a leak)."""
+        """Resident memory of the server and its engine core (grammar workers, replaced once they grow, aside, and
+        a child caught between its fork and its own name: the zygote's pages counted again), less the KV pool's
+        pages (touched as its blocks are first used: bounded by the pool, not a leak)."""
         if self.process is None:
             return 0
         by_name = resident_by_name(self.process.pid, without_kv_pool=True)
-        return sum(b for name, b in by_name.items() if name != "pagedchat-gramm")
+        return sum(
+            b
+            for name, b in by_name.items()
+            if name != "pagedchat-gramm" and not name.endswith(" (forking)")
+        )
 
     def core_pid(self) -> int | None:
         for pid in self.pids()[1:]:

@@ -64,6 +64,7 @@ PADDING_ROW = {"ids": 0, "feed": -1, "positions": 0, "slots": -1, "context_lens"
 PACKED = tuple(
     "ids feed positions slots context_lens order cu_seqlens table_at sample_rows tables window_slots".split()
 )
+TABLES = PACKED.index("tables")  # (the vector table_at points to)
 
 
 def longest_first(ends: np.ndarray, num_decodes: int, num_rows: int) -> np.ndarray:
@@ -343,7 +344,7 @@ class StepInputs:
         out["context_lens"][:num_seqs] = v.ends
         out["order"][:] = longest_first(v.ends, batch.num_decode_rows, total_seqs)
         out["cu_seqlens"][:], out["sample_rows"][:] = v.prefill_cu, v.sample_rows
-        out["table_at"][:] = (offsets[PACKED.index("tables")], table_rows, width)
+        out["table_at"][:] = (offsets[TABLES], table_rows, width)
         self.kv.pack_tables(out["tables"].reshape(table_rows, width), self.table, v.rows)
         if total > num_tokens:  # graph padding rows (feed: -1 already)
             for name in ("ids", "positions", "slots"):

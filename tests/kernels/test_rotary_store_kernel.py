@@ -123,10 +123,18 @@ def test_one_launch_equals_rotary_then_store_bit_for_bit(
     assert stored[~written].isnan().all()
 
 
+def norm_weights(head_dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's q and k norm weights: random, away from 1 so a skipped multiply shows."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.rand(2, head_dim, generator=gen) * 1.5 + 0.25).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rotary", "qk-norm+rotary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_launch_matches_the_reference_composition(dtype: torch.dtype) -> None:
-    """The reference ``rotary_store_kv`` is ``rotary_embedding`` then ``store_kv``; the kernel follows it (to the
-    kernels' tolerance in bfloat16, where the rounding order is the same and exp/sum are not involved)."""
+def test_one_launch_matches_the_reference_composition(dtype: torch.dtype, normed: bool) -> None:
+    """The reference ``rotary_store_kv`` is (the q/k norm, then) ``rotary_embedding`` then ``store_kv``; the kernel
+    follows it (to the kernels' tolerance in bfloat16, where the rounding order is the same and exp/sum are not
+    involved; to 1e-5 in float32)."""
     head_dim, block_size, tokens = 64, 16, 9
     cos, sin = rotary_tables(head_dim, dtype)
     positions = torch.arange(tokens) * 31 % MAX_POSITION
@@ -135,42 +143,32 @@ def test_one_launch_matches_the_reference_composition(dtype: torch.dtype) -> Non
     expected_qkv = qkv.cpu().clone()
     caches = nan_caches(4, block_size, head_dim, dtype)
     expected_caches = tuple(c.cpu().clone() for c in caches)
+    weights = norm_weights(head_dim, dtype, seed=4) if normed else ()
+    norm = (1.0, 1.0, *weights, 1e-5) if normed else ()
 
-    rotary_store_kv(positions.to(DEVICE), *views(qkv, head_dim), cos, sin, *caches, slots)
-    reference.rotary_store_kv(
-        positions,
-        *views(expected_qkv, head_dim),
-        cos.cpu(),
-        sin.cpu(),
-        *expected_caches,
-        slots.cpu(),
-    )
-    torch.testing.assert_close(qkv.cpu(), expected_qkv, rtol=1e-2, atol=1e-2, equal_nan=True)
+    rotary_store_kv(positions.to(DEVICE), *views(qkv, head_dim), cos, sin, *caches, slots, *norm)
+    on_cpu = (cos.cpu(), sin.cpu(), *expected_caches, slots.cpu())
+    on_cpu += tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in norm)
+    reference.rotary_store_kv(positions, *views(expected_qkv, head_dim), *on_cpu)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(qkv.cpu(), expected_qkv, rtol=tol, atol=tol, equal_nan=True)
     for out, expected in zip(caches, expected_caches):
-        torch.testing.assert_close(out.cpu(), expected, rtol=1e-2, atol=1e-2, equal_nan=True)
+        torch.testing.assert_close(out.cpu(), expected, rtol=tol, atol=tol, equal_nan=True)
+
+
+def small_call() -> tuple:
+    """Arguments of a 2-token float32 ``rotary_store_kv`` up to the slots (head 64)."""
+    cos, sin = rotary_tables(64, torch.float32)
+    q, k, v = views(split_qkv(2, 64, torch.float32, seed=1), 64)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    return positions, q, k, v, cos, sin, *nan_caches(2, 16, 64, torch.float32), slots
 
 
 def test_v_of_another_shape_is_refused() -> None:
-    cos, sin = rotary_tables(64, torch.float32)
-    q, k, v = views(split_qkv(2, 64, torch.float32, seed=1), 64)
-    caches = nan_caches(2, 16, 64, torch.float32)
+    positions, q, k, v, *rest = small_call()
     with pytest.raises(ValueError, match="rotary_store_kv: v"):
-        rotary_store_kv(
-            torch.zeros(2, dtype=torch.long, device=DEVICE),
-            q,
-            k,
-            v[:, :1],
-            cos,
-            sin,
-            *caches,
-            torch.zeros(2, dtype=torch.long, device=DEVICE),
-        )
-
-
-def norm_weights(head_dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's q and k norm weights: random, away from 1 so a skipped multiply shows."""
-    gen = torch.Generator().manual_seed(seed)
-    return tuple((torch.rand(2, head_dim, generator=gen) * 1.5 + 0.25).to(dtype).to(DEVICE))
+        rotary_store_kv(positions, q, k, v[:, :1], *rest)
 
 
 @pytest.mark.parametrize("tokens", [1, 7])
@@ -218,36 +216,11 @@ def test_qk_norm_in_the_launch_equals_the_norm_launches_then_the_launch(
     )
 
 
-def test_qk_norm_in_the_launch_matches_the_reference() -> None:
-    head_dim, tokens, eps = 64, 6, 1e-5
-    cos, sin = rotary_tables(head_dim, torch.float32)
-    positions = torch.arange(tokens) * 17 % MAX_POSITION
-    slots = slots_for(tokens, 4, 16, seed=2)
-    q_weight, k_weight = norm_weights(head_dim, torch.float32, seed=4)
-    qkv = split_qkv(tokens, head_dim, torch.float32, seed=8)
-    expected_qkv = qkv.cpu().clone()
-    caches = nan_caches(4, 16, head_dim, torch.float32)
-    expected_caches = tuple(c.cpu().clone() for c in caches)
-
-    normed = (1.0, 1.0, q_weight, k_weight, eps)
-    rotary_store_kv(positions.to(DEVICE), *views(qkv, head_dim), cos, sin, *caches, slots, *normed)
-    on_cpu = (cos.cpu(), sin.cpu(), *expected_caches, slots.cpu(), 1.0, 1.0)
-    on_cpu += (q_weight.cpu(), k_weight.cpu(), eps)
-    reference.rotary_store_kv(positions, *views(expected_qkv, head_dim), *on_cpu)
-    torch.testing.assert_close(qkv.cpu(), expected_qkv, rtol=1e-5, atol=1e-5)
-    for out, expected in zip(caches, expected_caches):
-        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
-
-
 def test_qk_norm_needs_both_weights_in_qs_dtype() -> None:
-    cos, sin = rotary_tables(64, torch.float32)
-    q, k, v = views(split_qkv(2, 64, torch.float32, seed=1), 64)
-    caches = nan_caches(2, 16, 64, torch.float32)
-    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
-    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    args = small_call()
     q_weight, k_weight = norm_weights(64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="go together"):
-        rotary_store_kv(positions, q, k, v, cos, sin, *caches, slots, 1.0, 1.0, q_weight, None)
+        rotary_store_kv(*args, 1.0, 1.0, q_weight, None)
     half = (q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16))
     with pytest.raises(ValueError, match="q's dtype"):
-        rotary_store_kv(positions, q, k, v, cos, sin, *caches, slots, 1.0, 1.0, *half)
+        rotary_store_kv(*args, 1.0, 1.0, *half)

@@ -46,9 +46,8 @@ class LLM:
             )
         finals: dict[str, list[RequestOutput]] = {r: [] for r in request_ids}
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finals[output.request_id].append(output)
+            for output in self.engine.step(finals_only=True):
+                finals[output.request_id].append(output)
         results = []
         for request_id, p in zip(request_ids, params):
             p = p or SamplingParams()

@@ -87,15 +87,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """One core step; its deltas turned into outputs (see EngineCore.step)."""
-        return self._process(self.core.step())
+    def step(self, finals_only: bool = False) -> list[RequestOutput]:
+        """One core step; its deltas turned into outputs (see EngineCore.step). ``finals_only``: outputs only for
+        the samples that ended, each carrying its whole output in the ``*_delta`` fields too (vLLM's FINAL_ONLY):
+        what the offline ``generate`` wants, without an output per running sample per step (at 256 rows, most
+        of the output path's host time). Texts and stop strings are still checked at every step."""
+        return self._process(self.core.step(), finals_only)
 
-    def _process(self, deltas: list[SampleDelta]) -> list[RequestOutput]:
+    def _process(self, deltas: list[SampleDelta], finals_only: bool = False) -> list[RequestOutput]:
         updated, stops = self.processor.process(deltas)
         for stop in stops:
             self.core.abort_request(stop.request_id, stop.index, stop.reason)
-        return [self.processor.take(sample) for sample in updated]
+        take = self.processor.take
+        if finals_only:
+            return [take(sample) for sample in updated if sample.finish_reason is not None]
+        return [take(sample) for sample in updated]
 
     def pin_prefix(
         self,

@@ -87,10 +87,10 @@ class KVSampler:
         )
         self.last = time.perf_counter()
 
-    def __call__(self) -> Any:
+    def __call__(self, finals_only: bool = False) -> Any:
         if self.idle:
             self.restart()
-        outputs = self.step()
+        outputs = self.step(finals_only)
         blocks = self.engine.block_manager
         self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - blocks.num_free_blocks)
         if self.steps % self.every == 0:

@@ -3,14 +3,15 @@
 256 requests; prompt and output lengths uniform in [100, 1024] (``random.Random(seed)``: per request the prompt
 length, its ids uniform in [0, 10000), then the output length); greedy, EOS ignored; random weights of a named
 architecture (``load_format="dummy"``). Throughput = output tokens / wall seconds from submitting every request
-to the last one finishing. Engine start (weights, KV sizing, CUDA graph capture) is timed apart.
+to the last one finishing; ours hands out the final outputs only, as ``LLM.generate`` does (``--stream-outputs``:
+an output per sample per step, as a server's output path builds them). Engine start (weights, KV sizing, CUDA graph capture) is timed apart.
 Peer in the same run, on the same weights and requests: transformers continuous batching
 (``continuous_batching_context_manager`` / ``add_request`` / ``get_result``). Its failure is reported, never
 fatal. ``--split`` then measures ours at a steady decode batch (256 x 640-token prompts): wall ms per step,
 GPU kernel ms per step (torch.profiler) and the engine's host phases per step (``engine.counters``).
 
     python -m benchmarks.offline.nano --model-config llama-3.2-1b|qwen3-0.6b [--no-peer] [--peer-num-requests N]
-        [--num-requests 256] [--enforce-eager] [--no-warm-up] [--max-model-len N] [--no-split] [--json PATH]
+        [--num-requests 256] [--enforce-eager] [--no-warm-up] [--max-model-len N] [--no-split] [--stream-outputs] [--json PATH]
     smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4 --no-peer --no-split
 """
 
@@ -64,19 +65,27 @@ def start_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     return engine, time.perf_counter() - start
 
 
-def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: bool = False) -> int:
+def drive(
+    engine: LLMEngine,
+    requests: list[Request],
+    prefix: str,
+    progress: bool = False,
+    stream: bool = False,
+) -> int:
     """Submit every request, step until all finish; returns the output tokens (each request's exact count
-    checked)."""
+    checked). As the offline ``LLM.generate`` runs (nano-vllm's benchmark calls it): the final outputs only,
+    unless ``stream`` (an output per sample per step, as a server's output path builds them)."""
     for i, request in enumerate(requests):
         engine.add_request(f"{prefix}-{i}", request.prompt, greedy(request.output_len))
     produced: dict[str, int] = {}
-    streamed = 0  # the deltas' count: an independent tally of the same tokens
+    counted = engine.counters.generation_tokens
+    streamed = 0  # the core's count: an independent tally of the same tokens
     with tqdm(
         total=sum(r.output_len for r in requests), unit="tok", desc=prefix, disable=not progress
     ) as bar:
         while engine.has_unfinished_requests():
-            outputs = engine.step()
-            step_tokens = sum(len(o.token_ids_delta) for o in outputs)
+            outputs = engine.step(finals_only=not stream)
+            step_tokens = engine.counters.generation_tokens - counted - streamed
             streamed += step_tokens
             bar.update(step_tokens)
             produced.update((o.request_id, len(o.token_ids)) for o in outputs if o.finished)
@@ -90,7 +99,9 @@ def drive(engine: LLMEngine, requests: list[Request], prefix: str, progress: boo
     return streamed
 
 
-def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -> Run:
+def run_ours(
+    engine: LLMEngine, requests: list[Request], start_seconds: float, stream: bool = False
+) -> Run:
     # short, from other draws: one-time costs (kernel compilation, allocator) fall outside the timing
     warm = nano_workload(
         min(8, len(requests)),
@@ -110,7 +121,7 @@ def run_ours(engine: LLMEngine, requests: list[Request], start_seconds: float) -
     before = {p: getattr(counters, f"{p}_seconds") for p in PHASES}
     steps_before, compiled_before = counters.steps, compiled_variants()
     start = time.perf_counter()
-    run.output_tokens = drive(engine, requests, "ours", progress=True)
+    run.output_tokens = drive(engine, requests, "ours", progress=True, stream=stream)
     synchronize(device)
     run.seconds = time.perf_counter() - start
     run.steps = counters.steps - steps_before
@@ -375,6 +386,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-output-len", type=int, help="smoke tests only: clip the output lengths"
     )
+    parser.add_argument(
+        "--stream-outputs",
+        action="store_true",
+        help="an output per sample per step (a server's output path), not the final outputs only",
+    )
     parser.add_argument("--json", metavar="PATH")
 
 
@@ -433,13 +449,14 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model_config,
         "dtype": str(dtype),
         "engine_config": config,
+        "outputs": "every step" if args.stream_outputs else "final only",
     }
 
     def save() -> None:  # after each part, so that a later part's failure keeps the earlier numbers
         result["environment"] = record.environment(__spec__.name, device, load_before)
         record.write_json(args.json, result)
 
-    runs = [run_ours(engine, requests, start_seconds)]
+    runs = [run_ours(engine, requests, start_seconds, args.stream_outputs)]
     result["runs"] = [asdict(run) | {"tok_s": run.tok_s} for run in runs]
     save()
     if args.split:

@@ -17,7 +17,11 @@ its floor, counted from the workload and the model:
   in the two above (it is a few percent of the run).
 
 Device idle is the timed pass's wall minus the profiled pass's busy time (the profiler's own host work slows the
-host, not the kernels); the idle under the profiler is reported beside it.
+host, not the kernels); the idle under the profiler is reported beside it, split by the kind of step the device
+waited for: the profiled pass launches a marker kernel (``torch.cuda._sleep``, ~1 us) as each step begins, so the
+kernels between two markers are one step's, and each gap between kernels belongs to the step whose kernel ends it.
+Steps are grouped by their shape (prompt tokens in it, else its decode rows), each group with its steps, busy time,
+idle time and the host's mean wall per step in the timed pass.
 
 The ceilings are measured in the same run (a Triton kernel reading 2 GiB once; a 8192 x 8192 x 8192 bf16
 matmul), as the device's METHOD.md asks.
@@ -51,9 +55,17 @@ PARTS = {
 }
 
 
+# the marker kernel's name (torch.cuda._sleep) and the decode-only steps' groups by rows
+MARKER = "spin_kernel"
+DECODE_GROUPS = (16, 64, 192)
+
+
 @dataclass
 class StepShapes:
     decode_rows: list[int] = field(default_factory=list)  # each step's (0: prompt tokens only)
+    # per engine.step call: its group (None: it launched no pass) and its host wall, seconds
+    groups: list[str | None] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     prompts_finished: int = 0  # prompts whose last token was computed (the output head runs for it)
 
@@ -66,7 +78,11 @@ def part_of(name: str) -> str:
     return "the rest"
 
 
-def run_workload(engine: LLMEngine, args: argparse.Namespace, label: str, seed: int) -> StepShapes:
+def run_workload(
+    engine: LLMEngine, args: argparse.Namespace, label: str, seed: int, mark: bool = False
+) -> StepShapes:
+    """The workload as benchmarks.offline.nano drives it (final outputs only). ``mark``: a marker kernel as each
+    step begins (see the module docstring)."""
     engine.core.block_manager.reset_prefix_cache()  # (the last pass's prompts are not cached hits)
     requests = nano_workload(args.num_requests, seed)
     for i, request in enumerate(requests):
@@ -74,14 +90,55 @@ def run_workload(engine: LLMEngine, args: argparse.Namespace, label: str, seed: 
     shapes = StepShapes()
     while engine.has_unfinished_requests():
         before = engine.counters.steps
-        engine.step()
+        if mark:
+            torch.cuda._sleep(1)
+        start = time.perf_counter()
+        engine.step(finals_only=True)
+        wall = time.perf_counter() - start
         if engine.counters.steps == before or engine.last_batch is None:
+            shapes.groups.append(None)  # (no pass launched: only the step in flight read)
+            shapes.walls.append(wall)
             continue
         news = engine.last_batch.num_new_tokens
-        shapes.prompt_tokens += sum(n for n in news if n > 1)
+        prompt_tokens = sum(n for n in news if n > 1)
+        shapes.prompt_tokens += prompt_tokens
         shapes.decode_rows.append(sum(1 for n in news if n == 1))
+        shapes.groups.append(step_group(prompt_tokens, shapes.decode_rows[-1]))
+        shapes.walls.append(wall)
     shapes.prompts_finished = len(requests)
     return shapes
+
+
+def step_group(prompt_tokens: int, decode_rows: int) -> str:
+    if prompt_tokens:
+        return "with prompt tokens"
+    for bound in DECODE_GROUPS:
+        if decode_rows <= bound:
+            return f"decode <= {bound} rows"
+    return f"decode > {DECODE_GROUPS[-1]} rows"
+
+
+def idle_by_group(
+    kernels: list[tuple[str, float, float]], groups: list[str | None]
+) -> dict[str, dict[str, float]]:
+    """Busy and idle seconds of the profiled pass by step group: ``kernels`` (name, start us, end us) in start
+    order, markers included; the n-th marker opens the n-th step (``groups[n]``; None: a step that launched
+    no pass, its kernels, if any, counted with the step before)."""
+    table: dict[str, dict[str, float]] = {}
+    step, group, reach = -1, "before the first step", None
+    for name, start, end in kernels:
+        if MARKER in name:
+            step += 1
+            if step < len(groups) and groups[step] is not None:
+                group = groups[step]
+            continue
+        row = table.setdefault(group, {"busy_s": 0.0, "idle_s": 0.0})
+        if reach is not None and start > reach:
+            row["idle_s"] += (start - reach) * 1e-6
+        added = end - max(start, reach) if reach is not None else end - start
+        row["busy_s"] += max(added, 0.0) * 1e-6
+        reach = end if reach is None else max(reach, end)
+    return table
 
 
 def attended_kv_tokens(args: argparse.Namespace) -> int:
@@ -120,19 +177,31 @@ def main() -> None:
     run_workload(engine, args, "untimed", args.seed + 1)
     synchronize(device)
     start = time.perf_counter()
-    run_workload(engine, args, "timed", args.seed)
+    timed = run_workload(engine, args, "timed", args.seed)
     synchronize(device)
     timed_wall = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        shapes = run_workload(engine, args, "profiled", args.seed)
+        shapes = run_workload(engine, args, "profiled", args.seed, mark=True)
         synchronize(device)
         wall = time.perf_counter() - start
-    kernels = [
-        e
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    ]
+    device_events = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    groups = idle_by_group(
+        [(e.name, e.time_range.start, e.time_range.end) for e in device_events], shapes.groups
+    )
+    for group, wall_s in zip(timed.groups, timed.walls):
+        if group is not None and group in groups:
+            row = groups[group]
+            row["steps"] = row.get("steps", 0) + 1
+            row["timed_host_wall_s"] = row.get("timed_host_wall_s", 0.0) + wall_s
+    kernels = [e for e in device_events if MARKER not in e.name]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     seconds = dict.fromkeys([*PARTS, "the rest"], 0.0)
     for e, us in zip(kernels, added_us(intervals)):
@@ -181,6 +250,14 @@ def main() -> None:
     for part, value in seconds.items():
         share = f"{floors[part] / value:.0%}" if value and floors[part] else "-"
         print(f"| {part} | {value:.3f} | {floors[part]:.3f} | {share} |")
+    print(
+        "\n| steps (profiled pass) | steps | busy s | idle s | timed pass: host ms per step |"
+        "\n|---|---:|---:|---:|---:|"
+    )
+    for group, row in groups.items():
+        steps = row.get("steps", 0)
+        per_step = f"{1e3 * row['timed_host_wall_s'] / steps:.3f}" if steps else "-"
+        print(f"| {group} | {steps} | {row['busy_s']:.3f} | {row['idle_s']:.3f} | {per_step} |")
     record.write_json(
         args.json,
         dict(
@@ -196,6 +273,7 @@ def main() -> None:
             decode_rows=shapes.decode_rows,
             prompt_tokens=shapes.prompt_tokens,
             output_tokens=tokens,
+            by_step_group=groups,
         ),
     )
 

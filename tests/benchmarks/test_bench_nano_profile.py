@@ -9,7 +9,13 @@ from types import SimpleNamespace
 
 from benchmarks.harness.workloads import nano_workload
 from benchmarks.kernel.decode_attention_mixed import nano_contexts
-from benchmarks.offline.nano_profile import attended_kv_tokens, part_of, run_workload
+from benchmarks.offline.nano_profile import (
+    MARKER,
+    attended_kv_tokens,
+    idle_by_group,
+    part_of,
+    run_workload,
+)
 
 
 def test_attended_tokens_are_every_decode_steps_context():
@@ -56,7 +62,8 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.batches)
 
-    def step(self) -> list:
+    def step(self, finals_only: bool = False) -> list:
+        assert finals_only  # (as the nano benchmark drives the engine)
         news = self.batches.pop(0)
         if news is not None:  # (None: a step that scheduled nothing)
             self.counters.steps += 1
@@ -73,6 +80,39 @@ def test_run_counts_prompt_tokens_and_decode_rows_per_step():
     assert shapes.prompt_tokens == 1000
     assert shapes.decode_rows == [0, 2, 3, 1]  # the empty step is not a step
     assert shapes.prompts_finished == 3
+    assert shapes.groups == [
+        "with prompt tokens",
+        "with prompt tokens",
+        None,
+        "decode <= 16 rows",
+        "decode <= 16 rows",
+    ]
+    assert len(shapes.walls) == 5 and min(shapes.walls) >= 0
+
+
+def test_idle_is_charged_to_the_step_whose_kernel_ends_it():
+    """Markers open steps; a gap between kernels goes to the group of the step that ends it, overlapping kernels
+    add only what sticks out, and a step that launched nothing leaves its kernels with the group before."""
+    kernels = [
+        (MARKER, 0.0, 1.0),
+        ("a", 2.0, 10.0),  # step 0 (prefill): busy 8, no gap before the first kernel
+        ("b", 12.0, 20.0),  # gap 2
+        ("b2", 15.0, 25.0),  # overlaps b: adds 5
+        (MARKER, 30.0, 31.0),
+        ("c", 40.0, 44.0),  # step 1 (decode): gap 15 (the marker's microsecond counts as idle)
+        (MARKER, 45.0, 46.0),  # step 2 launched no pass: still step 1's group
+        ("d", 50.0, 51.0),  # gap 6
+    ]
+    groups = ["with prompt tokens", "decode <= 16 rows", None]
+    table = idle_by_group(kernels, groups)
+    assert table["with prompt tokens"] == {"busy_s": 21e-6, "idle_s": 2e-6}
+    row = table["decode <= 16 rows"]
+    assert abs(row["busy_s"] - 5e-6) < 1e-12 and abs(row["idle_s"] - 21e-6) < 1e-12
+    busy = sum(r["busy_s"] for r in table.values())
+    idle = sum(r["idle_s"] for r in table.values())
+    assert (
+        abs(busy + idle - (51.0 - 2.0) * 1e-6) < 1e-12
+    )  # first kernel to last: every microsecond once
 
 
 def test_mixed_contexts_are_the_running_rows_in_order():

@@ -61,6 +61,45 @@ def test_stop_string_truncates_output_and_never_leaks(llm: LLM):
     assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
 
 
+def test_final_outputs_only_equal_the_streamed_ones(llm: LLM):
+    """``step(finals_only=True)`` (what ``generate`` runs) hands out only ended samples, each carrying its whole
+    output in its delta fields too, equal to the last output of the same requests streamed step by step: stop
+    strings, logprobs and n > 1 included."""
+    (full,) = llm.generate(PROMPT, greedy(max_tokens=24, ignore_eos=True))
+    stop = full.text.split()[4]
+    params = [
+        greedy(max_tokens=24, ignore_eos=True, stop=[stop]),
+        greedy(max_tokens=9, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=6, ignore_eos=True),
+    ]
+    prompt = llm.tokenizer.encode(PROMPT)
+
+    def run(finals_only: bool) -> dict:
+        for i, p in enumerate(params):
+            llm.engine.add_request(f"finals-{finals_only}-{i}", prompt, p)
+        last, handed_out = {}, []
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step(finals_only=finals_only):
+                handed_out.append(out)
+                last[(out.request_id[-1], out.index)] = out
+        if finals_only:
+            assert all(out.finished for out in handed_out) and len(handed_out) == 4
+        return last
+
+    streamed, finals = run(False), run(True)
+    assert streamed.keys() == finals.keys() and len(finals) == 4
+    for key, out in finals.items():
+        assert out.text_delta == out.text == streamed[key].text
+        assert out.token_ids_delta == out.token_ids == streamed[key].token_ids
+        assert (out.finish_reason, out.stop_reason) == (
+            streamed[key].finish_reason,
+            streamed[key].stop_reason,
+        )
+    assert finals[("0", 0)].stop_reason == stop and stop not in finals[("0", 0)].text
+    assert [e.token_id for e in finals[("1", 0)].logprobs_delta] == finals[("1", 0)].token_ids
+    assert len(finals[("1", 0)].logprobs) == 9
+
+
 def test_include_stop_str_in_output_keeps_it(llm: LLM):
     (full,) = llm.generate(PROMPT, greedy(max_tokens=48, ignore_eos=True))
     stop = full.text.split()[3]

@@ -39,12 +39,16 @@ serve: install
 	$(BIN)/pagedchat serve $(ARGS)
 
 # The whole suite, then the tests marked `isa` (they depend on the CPU's numerics or speed: tests/conftest.py) once
-# more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU. Each run spreads
+# more with torch, oneDNN, MKL and our kernels held to AVX2, as they run on an AVX2-only x86 CPU (on such a CPU the
+# whole suite's run was that run, so it is not repeated). Each run spreads
 # its tests over TEST_WORKERS processes (pytest-xdist; a worker that runs out takes tests from the other's end, so
 # the slowest tests do not leave one worker idle at the end), except the tests marked `serial` (the soak: it times
 # streams against their own unloaded speed), which run alone after the others. With PYTEST_ARGS, only that one run
 # (in one process): `make test PYTEST_ARGS="tests/server/test_cli.py -k version"`.
 AVX2_HELD := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDCHAT_CPU_ISA=avx2
+# "avx2" where the CPU has AVX2 and nothing above it that torch, oneDNN, MKL or our kernels would pick (AVX-512,
+# AVX-VNNI, AMX): there the held run is the whole suite's run again, at the same levels
+CPU_TOP_LEVEL := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && ! grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo && echo avx2)
 TEST_WORKERS ?= 2
 
 test: install-dev
@@ -53,8 +57,12 @@ ifdef PYTEST_ARGS
 else
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
+ifeq ($(CPU_TOP_LEVEL),avx2)
+	@echo "== the isa tests held to AVX2: not run again, this CPU's highest level is AVX2 (the run above was that run)"
+else
 	$(AVX2_HELD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "isa and not serial"
 	$(AVX2_HELD) $(BIN)/python -m pytest -q -m "isa and serial"
+endif
 endif
 
 test-avx2: install-dev

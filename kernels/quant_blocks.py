@@ -65,11 +65,14 @@ class QuantBlocks:
         """The float32 weight ``[N, K]``, as ggml's dequantization computes it (one rounding per product, sum)."""
         n, k = self.codes.shape
         _, block, offset = FORMATS[self.format]
-        q = self.codes.view(n, k // 32, 32).to(torch.int32) - offset
+        # (in place from the codes' float32 copy: the same roundings as the expression, one tensor a step fewer)
+        q = self.codes.view(n, k // 32, 32).float()
+        if offset:
+            q.sub_(offset)
         if self.format in ("q4_0", "q5_0", "q8_0"):
-            return (q.float() * self.d.float()[..., None]).view(n, k)
+            return q.mul_(self.d.float()[..., None]).view(n, k)
         if self.format == "q4_1":
-            return (self.d.float()[..., None] * q.float() + self.m.float()[..., None]).view(n, k)
+            return q.mul_(self.d.float()[..., None]).add_(self.m.float()[..., None]).view(n, k)
         per_block = 256 // (16 if self.format == "q6_k" else 32)
         scale = self.d.float().repeat_interleave(per_block, dim=1) * self.sc.float()
         if self.format == "q6_k":

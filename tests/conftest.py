@@ -30,7 +30,8 @@ SMALL_KV_GIB = 0.1
 
 # The modules whose outcome depends on the CPU's numerics (greedy agreement with transformers or between weight
 # formats, the native kernels at each level) or its speed (the soak's TPOT). They are marked ``isa``: `make test`
-# runs them once more with torch, oneDNN, MKL and our kernels held to AVX2, as on an AVX2-only x86 CPU.
+# runs them once more with torch, oneDNN, MKL and our kernels held to AVX2, as on an AVX2-only x86 CPU (where the
+# CPU has nothing above AVX2, the whole suite's run already was that run: the Makefile does not repeat it).
 ISA_SENSITIVE = frozenset(
     {
         "tests/engine/test_cpu_weights.py",

@@ -1,7 +1,7 @@
 """Where the whole nano run's wall time goes on the device, against each part's floor: the nano workload (shared
 WORKLOADS.md) run once on other draws (untimed), then timed as ``benchmarks.offline.nano`` runs it, then again
-under torch.profiler (device kernels only); the prefix cache is emptied before each pass, so every prompt is
-computed each time, as in the nano run.
+under torch.profiler (device kernels only); the prefix cache is emptied before each pass (outside its timing), so
+every prompt is computed each time, as in the nano run.
 
 Kernel time is split by what each kernel is (the busy time each one adds to the union of kernel intervals, so
 overlapped kernels count once): the persistent decode, decode attention, prefill attention, matrix products
@@ -68,6 +68,7 @@ class StepShapes:
     walls: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     prompts_finished: int = 0  # prompts whose last token was computed (the output head runs for it)
+    add_seconds: float = 0.0  # the host's adding of every request (the device idle meanwhile)
 
 
 def part_of(name: str) -> str:
@@ -83,11 +84,12 @@ def run_workload(
 ) -> StepShapes:
     """The workload as benchmarks.offline.nano drives it (final outputs only). ``mark``: a marker kernel as each
     step begins (see the module docstring)."""
-    engine.core.block_manager.reset_prefix_cache()  # (the last pass's prompts are not cached hits)
     requests = nano_workload(args.num_requests, seed)
+    shapes = StepShapes()
+    start = time.perf_counter()
     for i, request in enumerate(requests):
         engine.add_request(f"{label}-{i}", request.prompt, greedy(request.output_len))
-    shapes = StepShapes()
+    shapes.add_seconds = time.perf_counter() - start
     while engine.has_unfinished_requests():
         before = engine.counters.steps
         if mark:
@@ -123,21 +125,30 @@ def idle_by_group(
 ) -> dict[str, dict[str, float]]:
     """Busy and idle seconds of the profiled pass by step group: ``kernels`` (name, start us, end us) in start
     order, markers included; the n-th marker opens the n-th step (``groups[n]``; None: a step that launched
-    no pass, its kernels, if any, counted with the step before)."""
-    table: dict[str, dict[str, float]] = {}
-    step, group, reach = -1, "before the first step", None
+    no pass, its kernels, if any, counted with the step before). Per group also the idle before a step's first
+    kernel (the device waited for the step's launch) and the idle by the kernel that ended it."""
+    table: dict[str, dict] = {}
+    step, group, reach, first = -1, "before the first step", None, False
     for name, start, end in kernels:
         if MARKER in name:
             step += 1
             if step < len(groups) and groups[step] is not None:
-                group = groups[step]
+                group, first = groups[step], True
             continue
-        row = table.setdefault(group, {"busy_s": 0.0, "idle_s": 0.0})
+        row = table.setdefault(
+            group, {"busy_s": 0.0, "idle_s": 0.0, "idle_at_start_s": 0.0, "idle_before": {}}
+        )
         if reach is not None and start > reach:
-            row["idle_s"] += (start - reach) * 1e-6
+            gap = (start - reach) * 1e-6
+            row["idle_s"] += gap
+            row["idle_at_start_s"] += gap if first else 0.0
+            row["idle_before"][name[:60]] = row["idle_before"].get(name[:60], 0.0) + gap
+        first = False
         added = end - max(start, reach) if reach is not None else end - start
         row["busy_s"] += max(added, 0.0) * 1e-6
         reach = end if reach is None else max(reach, end)
+    for row in table.values():
+        row["idle_before"] = dict(sorted(row["idle_before"].items(), key=lambda item: -item[1]))
     return table
 
 
@@ -176,10 +187,13 @@ def main() -> None:
     device = engine.config.torch_device
     run_workload(engine, args, "untimed", args.seed + 1)
     synchronize(device)
+    # (each pass's prompts computed again, as in the nano run: the cache emptied outside the timing)
+    engine.core.block_manager.reset_prefix_cache()
     start = time.perf_counter()
     timed = run_workload(engine, args, "timed", args.seed)
     synchronize(device)
     timed_wall = time.perf_counter() - start
+    engine.core.block_manager.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         shapes = run_workload(engine, args, "profiled", args.seed, mark=True)
@@ -204,8 +218,13 @@ def main() -> None:
     kernels = [e for e in device_events if MARKER not in e.name]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     seconds = dict.fromkeys([*PARTS, "the rest"], 0.0)
+    rest: dict[str, float] = {}  # "the rest" by kernel name: what a fusion could take
     for e, us in zip(kernels, added_us(intervals)):
-        seconds[part_of(e.name)] += us * 1e-6
+        part = part_of(e.name)
+        seconds[part] += us * 1e-6
+        if part == "the rest":
+            rest[e.name[:80]] = rest.get(e.name[:80], 0.0) + us * 1e-6
+    rest = dict(sorted(rest.items(), key=lambda item: -item[1]))
     busy = busy_us(intervals) * 1e-6
 
     model = engine.runner.model
@@ -242,7 +261,8 @@ def main() -> None:
     print(
         f"ceilings measured: read {read_tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s; "
         f"{len(shapes.decode_rows)} steps, {shapes.prompt_tokens} prompt tokens; wall {timed_wall:.3f} s "
-        f"({tokens / timed_wall:,.0f} tok/s), under the profiler {wall:.3f} s (idle {wall - busy:.3f} s); "
+        f"({tokens / timed_wall:,.0f} tok/s; adding the requests {timed.add_seconds:.3f} s), under the profiler "
+        f"{wall:.3f} s (idle {wall - busy:.3f} s); "
         f"floor {sum(floors.values()):.3f} s "
         f"({tokens / sum(floors.values()):,.0f} tok/s)\n"
     )
@@ -250,14 +270,21 @@ def main() -> None:
     for part, value in seconds.items():
         share = f"{floors[part] / value:.0%}" if value and floors[part] else "-"
         print(f"| {part} | {value:.3f} | {floors[part]:.3f} | {share} |")
+    print("\n| the rest, by kernel | seconds |\n|---|---:|")
+    for name, value in list(rest.items())[:12]:
+        print(f"| {name} | {value:.3f} |")
     print(
-        "\n| steps (profiled pass) | steps | busy s | idle s | timed pass: host ms per step |"
-        "\n|---|---:|---:|---:|---:|"
+        "\n| steps (profiled pass) | steps | busy s | idle s (before a step's first kernel) | timed pass: host "
+        "ms per step | most idle before |\n|---|---:|---:|---:|---:|---|"
     )
     for group, row in groups.items():
         steps = row.get("steps", 0)
         per_step = f"{1e3 * row['timed_host_wall_s'] / steps:.3f}" if steps else "-"
-        print(f"| {group} | {steps} | {row['busy_s']:.3f} | {row['idle_s']:.3f} | {per_step} |")
+        before = ", ".join(f"{n[:30]} {v:.3f}" for n, v in list(row["idle_before"].items())[:3])
+        print(
+            f"| {group} | {steps} | {row['busy_s']:.3f} | {row['idle_s']:.3f} "
+            f"({row['idle_at_start_s']:.3f}) | {per_step} | {before} |"
+        )
     record.write_json(
         args.json,
         dict(
@@ -274,6 +301,8 @@ def main() -> None:
             prompt_tokens=shapes.prompt_tokens,
             output_tokens=tokens,
             by_step_group=groups,
+            add_seconds=timed.add_seconds,
+            rest_by_kernel=rest,
         ),
     )
 

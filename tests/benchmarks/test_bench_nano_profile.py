@@ -46,15 +46,8 @@ class FakeEngine:
     def __init__(self, batches: list[list[int] | None]) -> None:
         self.batches = list(batches)
         self.added: list[str] = []
-        self.resets = 0
         self.counters = SimpleNamespace(steps=0)
         self.last_batch = None
-        manager = SimpleNamespace(reset_prefix_cache=self._reset)
-        self.core = SimpleNamespace(block_manager=manager)
-
-    def _reset(self) -> int:
-        self.resets += 1
-        return 0
 
     def add_request(self, rid, prompt, params) -> None:
         self.added.append(rid)
@@ -75,7 +68,6 @@ def test_run_counts_prompt_tokens_and_decode_rows_per_step():
     engine = FakeEngine([[300, 200], [1, 1, 500], None, [1, 1, 1], [1]])
     args = argparse.Namespace(num_requests=3, seed=0)
     shapes = run_workload(engine, args, "x", seed=0)
-    assert engine.resets == 1  # the last pass's prompts are forgotten first
     assert engine.added == ["x-0", "x-1", "x-2"]
     assert shapes.prompt_tokens == 1000
     assert shapes.decode_rows == [0, 2, 3, 1]  # the empty step is not a step
@@ -87,7 +79,7 @@ def test_run_counts_prompt_tokens_and_decode_rows_per_step():
         "decode <= 16 rows",
         "decode <= 16 rows",
     ]
-    assert len(shapes.walls) == 5 and min(shapes.walls) >= 0
+    assert len(shapes.walls) == 5 and min(shapes.walls) >= 0 and shapes.add_seconds > 0
 
 
 def test_idle_is_charged_to_the_step_whose_kernel_ends_it():
@@ -105,9 +97,13 @@ def test_idle_is_charged_to_the_step_whose_kernel_ends_it():
     ]
     groups = ["with prompt tokens", "decode <= 16 rows", None]
     table = idle_by_group(kernels, groups)
-    assert table["with prompt tokens"] == {"busy_s": 21e-6, "idle_s": 2e-6}
+    prefill = table["with prompt tokens"]
+    assert (prefill["busy_s"], prefill["idle_s"], prefill["idle_at_start_s"]) == (21e-6, 2e-6, 0.0)
+    assert prefill["idle_before"] == {"b": 2e-6}
     row = table["decode <= 16 rows"]
     assert abs(row["busy_s"] - 5e-6) < 1e-12 and abs(row["idle_s"] - 21e-6) < 1e-12
+    assert abs(row["idle_at_start_s"] - 15e-6) < 1e-12  # d follows a step that launched nothing
+    assert list(row["idle_before"]) == ["c", "d"]  # most first
     busy = sum(r["busy_s"] for r in table.values())
     idle = sum(r["idle_s"] for r in table.values())
     assert (

@@ -244,7 +244,15 @@ def test_prompt_too_large_for_the_pool_is_rejected_not_left_waiting():
 
 
 @pytest.mark.parametrize(
-    "prompt, match", [([], "at least one"), ([1, 10**9], "token ids"), ([1, -3], "token ids")]
+    "prompt, match",
+    [
+        ([], "at least one"),
+        ([1, 10**9], "token ids"),
+        ([1, -3], "token ids"),
+        ([1, 2.0], "token ids"),
+        ([4, "5"], "token ids"),
+        ([4, None], "token ids"),
+    ],
 )
 def test_bad_prompts_are_rejected(llm: LLM, prompt, match):
     with pytest.raises(ValueError, match=match):

@@ -5,8 +5,8 @@ fails outside the faults, KV usage is 0 at idle, memory holds, and each tenant's
 unloaded one (its own workload run alone first, 6 s a tenant).
 
 The two-minute run (faults from 24 s on) checks the same promises; this schedule keeps each fault and the loaded
-stretch the TPOT is read from, for half the time on a 2-vCPU CI machine that runs it twice (`make test`: natively
-and held to AVX2).
+stretch the TPOT is read from, for half the time on a 2-vCPU CI machine that may run it twice (`make test`: natively
+and, where the CPU has more than AVX2, held to AVX2).
 
 The benchmark runs in a process of its own, as its command line does: its clients time every streamed token, and
 inside the test runner they would share a process (and its garbage collector's pauses over a whole suite's heap)

@@ -21,7 +21,8 @@ host, not the kernels); the idle under the profiler is reported beside it, split
 waited for: the profiled pass launches a marker kernel (``torch.cuda._sleep``, ~1 us) as each step begins, so the
 kernels between two markers are one step's, and each gap between kernels belongs to the step whose kernel ends it.
 Steps are grouped by their shape (prompt tokens in it, else its decode rows), each group with its steps, busy time,
-idle time and the host's mean wall per step in the timed pass.
+idle time (and how much of it came before a step's first kernel, and before which kernels) and the host's mean wall
+per step in the timed pass.
 
 The ceilings are measured in the same run (a Triton kernel reading 2 GiB once; a 8192 x 8192 x 8192 bf16
 matmul), as the device's METHOD.md asks.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -122,12 +124,12 @@ def step_group(prompt_tokens: int, decode_rows: int) -> str:
 
 def idle_by_group(
     kernels: list[tuple[str, float, float]], groups: list[str | None]
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Busy and idle seconds of the profiled pass by step group: ``kernels`` (name, start us, end us) in start
     order, markers included; the n-th marker opens the n-th step (``groups[n]``; None: a step that launched
     no pass, its kernels, if any, counted with the step before). Per group also the idle before a step's first
     kernel (the device waited for the step's launch) and the idle by the kernel that ended it."""
-    table: dict[str, dict] = {}
+    table: dict[str, dict[str, Any]] = {}
     step, group, reach, first = -1, "before the first step", None, False
     for name, start, end in kernels:
         if MARKER in name:

@@ -362,6 +362,19 @@ def test_seeded_noise_generator_is_splitmix64_bit_for_bit() -> None:
         assert [value % 2**64 for value in row] == reference_splitmix64(key % 2**64, 200)
 
 
+def test_seeded_noise_in_row_chunks_is_the_whole_tables_noise() -> None:
+    """On the CPU the noise is hashed a few rows at a time, without the finaliser's last xor-shift (it leaves the
+    top 23 bits alone): bit for bit -log((2m + 1) / 2^24) of the full splitmix64 table's top bits m, whatever
+    the chunk (vocabularies of 7, 1,000 and 70,000: 18,724, 131 and 1 rows a chunk; 37 rows)."""
+    keys = torch.tensor(
+        [draw_key(seed, position) for seed in range(37) for position in (0, 9)][:37]
+    )
+    for vocab in (7, 1000, 70_000):
+        top = (splitmix64(keys, vocab) >> 41) & ((1 << 23) - 1)
+        expected = ((top * 2 + 1).to(torch.float32) * 2.0**-24).log().neg()
+        assert torch.equal(exponential_noise(keys, vocab), expected)
+
+
 def test_seeded_noise_is_exponential_with_mean_and_variance_one() -> None:
     keys = torch.tensor([draw_key(seed, position) for seed in range(250) for position in range(4)])
     noise = exponential_noise(keys, 100).flatten().double()  # 100,000 values

@@ -58,15 +58,19 @@ def main(argv: list[str] | None = None) -> None:
             )
     env = record.environment(__spec__.name, "cpu", load_before=load_before)
     record.write_json(args.json, {"environment": env, "rows": rows_out})
-    print(
-        "\n| rows | vocab | whole table s | a few rows at a time s | speed-up |\n|---:|---:|---:|---:|---:|"
-    )
-    for row in rows_out:
-        print(
-            f"| {row['rows']} | {row['vocab']} | {row['whole_table_s']:.4f} | {row['chunked_s']:.4f} "
-            f"| {row['whole_table_s'] / row['chunked_s']:.1f}x |"
-        )
-    print(record.environment_line(env))
+    print("\n".join([*table(rows_out), record.environment_line(env)]))
+
+
+def table(rows: list[dict]) -> list[str]:
+    header = [
+        "| rows | vocab | whole table s | a few rows at a time s | speed-up |",
+        "|---:" * 5 + "|",
+    ]
+    return header + [
+        f"| {r['rows']} | {r['vocab']} | {r['whole_table_s']:.4f} | {r['chunked_s']:.4f} "
+        f"| {r['whole_table_s'] / r['chunked_s']:.1f}x |"
+        for r in rows
+    ]
 
 
 if __name__ == "__main__":

@@ -4,14 +4,16 @@
 length, its ids uniform in [0, 10000), then the output length); greedy, EOS ignored; random weights of a named
 architecture (``load_format="dummy"``). Throughput = output tokens / wall seconds from submitting every request
 to the last one finishing; ours hands out the final outputs only, as ``LLM.generate`` does (``--stream-outputs``:
-an output per sample per step, as a server's output path builds them). Engine start (weights, KV sizing, CUDA graph capture) is timed apart.
+an output per sample per step, as a server's output path builds them). Engine start (weights, KV sizing, CUDA
+graph capture) is timed apart.
 Peer in the same run, on the same weights and requests: transformers continuous batching
 (``continuous_batching_context_manager`` / ``add_request`` / ``get_result``). Its failure is reported, never
 fatal. ``--split`` then measures ours at a steady decode batch (256 x 640-token prompts): wall ms per step,
 GPU kernel ms per step (torch.profiler) and the engine's host phases per step (``engine.counters``).
 
     python -m benchmarks.offline.nano --model-config llama-3.2-1b|qwen3-0.6b [--no-peer] [--peer-num-requests N]
-        [--num-requests 256] [--enforce-eager] [--no-warm-up] [--max-model-len N] [--no-split] [--stream-outputs] [--json PATH]
+        [--num-requests 256] [--enforce-eager] [--no-warm-up] [--max-model-len N] [--no-split] [--stream-outputs]
+        [--json PATH]
     smoke test on the CPU: --device cpu --num-requests 2 --max-prompt-len 8 --max-output-len 4 --no-peer --no-split
 """
 

@@ -98,10 +98,11 @@ class LLMEngine:
         updated, stops = self.processor.process(deltas)
         for stop in stops:
             self.core.abort_request(stop.request_id, stop.index, stop.reason)
-        take = self.processor.take
-        if finals_only:
-            return [take(sample) for sample in updated if sample.finish_reason is not None]
-        return [take(sample) for sample in updated]
+        return [
+            self.processor.take(sample)
+            for sample in updated
+            if not finals_only or sample.finish_reason is not None
+        ]
 
     def pin_prefix(
         self,

@@ -50,18 +50,21 @@ AVX2_HELD := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUC
 # AVX-VNNI, AMX): there the held run is the whole suite's run again, at the same levels
 CPU_TOP_LEVEL := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && ! grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo && echo avx2)
 TEST_WORKERS ?= 2
+# the files that mark tests `serial`: the serial runs collect only these (collecting the whole suite for two tests
+# costs ~10-20 s of a 2-vCPU machine's time); where none does, the whole suite is collected, as before
+SERIAL_FILES := $(shell grep -rlE --include='test_*.py' 'mark\.serial' tests 2>/dev/null)
 
 test: install-dev
 ifdef PYTEST_ARGS
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 else
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -m serial $(SERIAL_FILES)
 ifeq ($(CPU_TOP_LEVEL),avx2)
 	@echo "== the isa tests held to AVX2: not run again, this CPU's highest level is AVX2 (the run above was that run)"
 else
 	$(AVX2_HELD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "isa and not serial"
-	$(AVX2_HELD) $(BIN)/python -m pytest -q -m "isa and serial"
+	$(AVX2_HELD) $(BIN)/python -m pytest -q -m "isa and serial" $(SERIAL_FILES)
 endif
 endif
 

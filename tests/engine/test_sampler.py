@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.sample.logits_processors import unpack_bitmask
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sample.seeded_noise import draw_key, exponential_noise, splitmix64
 from engine.sampling_params import SamplingParams
@@ -774,6 +775,18 @@ def allowed_bitmask(allowed: list[set[int] | None], vocab: int) -> torch.Tensor:
         unsigned = [sum(1 << (t % 32) for t in tokens if t // 32 == w) for w in range(words)]
         rows.append([u - 2**32 if u >= 2**31 else u for u in unsigned])
     return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_bitmask_unpacks_to_each_tokens_bit() -> None:
+    """Random words (sign bits included) against the definition, bit by bit; a vocabulary that ends mid-word."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 5 * 32 + 7
+    mask = torch.randint(-(2**31), 2**31, (4, 6), dtype=torch.int32, generator=generator)
+    words = mask.tolist()
+    expected = [[(row[t // 32] >> (t % 32)) & 1 == 1 for t in range(vocab)] for row in words]
+    assert unpack_bitmask(mask, vocab).tolist() == expected
+    strided = mask.t().contiguous().t()  # (the same words in column-major memory)
+    assert unpack_bitmask(strided, vocab).tolist() == expected
 
 
 def test_allowed_token_bitmask_limits_each_row_to_its_tokens() -> None:

@@ -302,7 +302,8 @@ def test_a_block_shortage_preempts_the_tenant_running_the_most(victims: int):
     accounting(scheduler)
 
 
-# ------------------------------------------------------------------ with the model (CPU, float32: exact greedy)
+# ----------------------------- with the model (CPU, the file's blocks on the native kernels: a row's numbers depend
+# on no other row, so a greedy row's tokens do not depend on what shares its step)
 
 PROMPT = "Name three rivers of Europe:"
 
@@ -318,7 +319,7 @@ def test_beside_a_wide_request_a_light_tenant_steps_every_time_with_its_tokens_u
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     options = dict(
         kv_cache_memory_gib=SMALL_KV_GIB,
-        cpu_weights="float32",
+        cpu_weights="file",
         async_scheduling=async_scheduling,
         # token shares: the test sets a budget of 4 tokens a step
         shared_step_time_factor=0,

@@ -12,8 +12,8 @@ model stays float32 between layers:
   ``(q - 8) * scale + zero``: ``scale = d``, ``zero = m + 8 d``, both rounded to bfloat16 (8 significant bits),
   which moves a weight by at most ~0.06 of its block's ``d`` (tests/engine/test_cpu_weights.py).
 - ``int8``: per output channel, symmetric (``_weight_int8pack_mm``).
-- ``bfloat16``: the weight in bfloat16 (oneDNN; AMX where the CPU has it). Also where ``file`` has no native
-  kernels to run on.
+- ``bfloat16``: the weight in bfloat16 (oneDNN; AMX where the CPU has it; in float32 from slices of it where oneDNN
+  has no bfloat16 kernel for the CPU, as on AVX2). Also where ``file`` has no native kernels to run on.
 
 The output layer of ``file`` and ``q4`` is the file's tensor where it has one (a tied embedding's Q8_0 blocks in
 the default model), else the float weight rounded to Q8_0 blocks (int8 with a float16 scale per 32 inputs).
@@ -188,20 +188,47 @@ class Float32Linear(nn.Module):
 
 
 class BFloat16Linear(nn.Module):
+    """The weight in bfloat16. Where oneDNN has no bfloat16 kernel for the CPU (AVX2: torch's bfloat16 product is
+    then a plain loop, 6-7x float32's time at 16-128 rows), several rows are multiplied in float32 from the
+    bfloat16 weight, a slice of outputs at a time (``float32_product``); one row (a decode step's GEMV) keeps the
+    bfloat16 product, as fast as float32's there. Either way: exact bfloat16 products summed in float32, rounded to
+    bfloat16."""
+
     input_dtype = torch.bfloat16
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer(
             "weight", weight.detach().to(torch.bfloat16).contiguous(), persistent=False
         )
         self.bias = _float_bias(bias)
+        self.onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported() if onednn is None else onednn
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.weight)
+        if self.onednn or rows.shape[0] == 1:
+            return F.linear(rows, self.weight)
+        return float32_product(rows, self.weight)
 
     forward = _forward
+
+
+# float32 bytes of one slice of a weight upcast by float32_product: a slice stays in the cache while it is used
+_SLICE_BYTES = 1 << 20
+
+
+def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` of bfloat16 ``rows [M, K]`` and ``weight [N, K]`` in float32 (a slice of the weight's
+    outputs upcast at a time), rounded to bfloat16 ``[M, N]``."""
+    n, k = weight.shape
+    step = max(1, _SLICE_BYTES // (4 * k))
+    x = rows.float()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device=rows.device)
+    for start in range(0, n, step):
+        out[:, start : start + step] = F.linear(x, weight[start : start + step].float())
+    return out
 
 
 def cpu_linear(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.config import EngineConfig
 from engine.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from engine.layers.linear import Linear
+from engine.layers import quantized_linear
 from engine.layers.quantized_linear import (
     BFloat16Linear,
     Int8Linear,
@@ -316,6 +317,26 @@ def test_linear_layer_matches_float32_linear_within_its_rounding(mode: str, with
     )
     error = (out - reference).abs()
     assert bool((error <= bound).all()), f"worst error / bound {(error / bound).max():.3f}"
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["torch", "float32-slices"])
+@pytest.mark.parametrize("rows", [1, 10])
+def test_bfloat16_products_agree_on_either_path(monkeypatch: pytest.MonkeyPatch, onednn, rows):
+    """torch's bfloat16 product (oneDNN's where the CPU has bfloat16 kernels) and the float32 one from slices of the
+    weight (where it has none; the layer picks by the CPU, and both run on any CPU): the same exact products summed
+    in float32, rounded to bfloat16; one row always takes torch's."""
+    monkeypatch.setattr(
+        quantized_linear, "_SLICE_BYTES", 4 * 256 * 40
+    )  # (slices of 40, 40, 16 outputs)
+    torch.manual_seed(4)
+    weight, x = torch.randn(96, 256), torch.randn(rows, 256).bfloat16()
+    layer = BFloat16Linear(weight, None, onednn=onednn)
+    out = layer.matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    exact = x.double() @ layer.weight.double().t()
+    assert bool(((out.double() - exact).abs() <= BF16_ROUNDING * exact.abs() + 1e-4).all())
+    if onednn or rows == 1:
+        assert torch.equal(out, F.linear(x, layer.weight))
 
 
 @pytest.mark.parametrize("mode", QUANTIZED)

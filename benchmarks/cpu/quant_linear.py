@@ -1,5 +1,7 @@
 """Weight-only quantized CPU matmuls (``--cpu-weights``): each storage mode on the default model's projection
-shapes, with the activation in float32, bfloat16 and float16, at 1 and 8 rows.
+shapes, with the activation in float32, bfloat16 and float16, at 1 and 8 rows. bfloat16 weights both ways the
+layer computes them: torch's product (oneDNN's where the CPU has bfloat16 kernels) and float32 from slices of
+the weight (``float32_product``: the layer's choice where oneDNN has none, as on AVX2).
 
 Why torch's quantized layers cast their input to bfloat16: its weight-only int4/int8 CPU kernels are vectorized
 for bfloat16 inputs only (float32 and float16 inputs take a scalar path many times slower). Also our native
@@ -29,6 +31,7 @@ from engine.layers.quantized_linear import (
     Int8Linear,
     PackedInt8Head,
     Q4Linear,
+    float32_product,
     q4_1_from_float,
 )
 from engine.weights.gguf_blocks import GGUFBlocks
@@ -61,7 +64,18 @@ def measure(out_features: int, in_features: int, rows: int) -> list[tuple[str, s
     x = torch.randn(rows, in_features)
     results = [
         ("float32", "float32", 4.0, timed(lambda i: F.linear(x, columns[i]), copies)),
-        ("bfloat16", "bfloat16", 2.0, timed(lambda i: F.linear(x.bfloat16(), bf16[i]), copies)),
+        (
+            "bfloat16, torch",
+            "bfloat16",
+            2.0,
+            timed(lambda i: F.linear(x.bfloat16(), bf16[i]), copies),
+        ),
+        (
+            "bfloat16, float32 slices",
+            "bfloat16",
+            2.0,
+            timed(lambda i: float32_product(x.bfloat16(), bf16[i]), copies),
+        ),
     ]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xd = x.to(dtype)

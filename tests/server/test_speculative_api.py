@@ -103,6 +103,9 @@ def test_an_unknown_speculative_method_is_refused_by_the_parser(capsys):
 # a session's regenerated and edited turns ------------------------------------------------------------------
 
 
+# alone, after the tests spread over workers (Makefile): the engine gives drafts by its learned step prices, and a
+# machine loaded by the other tests' servers skewed them towards none for all three regenerations (CI, 2 vCPUs)
+@pytest.mark.serial
 def test_a_regeneration_and_a_forks_first_turn_draft_from_the_reply_they_replace(
     server: RunningServer,
 ):

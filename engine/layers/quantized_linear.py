@@ -205,7 +205,7 @@ class BFloat16Linear(nn.Module):
             "weight", weight.detach().to(torch.bfloat16).contiguous(), persistent=False
         )
         self.bias = _float_bias(bias)
-        self.onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported() if onednn is None else onednn
+        self.onednn = _onednn_has_bfloat16() if onednn is None else onednn
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.onednn or rows.shape[0] == 1:
@@ -213,6 +213,15 @@ class BFloat16Linear(nn.Module):
         return float32_product(rows, self.weight)
 
     forward = _forward
+
+
+def _onednn_has_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (torch's own test; a torch without it: assumed so, torch's
+    product as before)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 # float32 bytes of one slice of a weight upcast by float32_product: a slice stays in the cache while it is used

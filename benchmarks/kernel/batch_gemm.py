@@ -16,6 +16,7 @@ random data, the device's KINDS.md; a read-only stream, ``benchmarks.kernel.fuse
 projection of both models is FLOP-bound. Results: docs/BENCHMARKS.md ("The step's matmuls at 256 rows").
 
     python -m benchmarks.kernel.batch_gemm [--rows 128 256 512] [--models llama-3.2-1b qwen3-0.6b] [--json PATH]
+                                           [--cublas-only] [--blas-library default|cublas|cublaslt]
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ def cublas_kernel(x, weight) -> str:
     return names[0] if names else "?"
 
 
-def measure(m: int, n: int, k: int, fused: bool, sms: int, l2_bytes: int, label: str) -> dict:
+def measure(
+    m: int, n: int, k: int, fused: bool, sms: int, l2_bytes: int, label: str, triton_sweep: bool
+) -> dict:
     out_n = n // 2 if fused else n
     w_bytes = n * k * 2
     copies = max(3, min(32, -(-3 * l2_bytes // w_bytes)))
@@ -233,7 +236,7 @@ def measure(m: int, n: int, k: int, fused: bool, sms: int, l2_bytes: int, label:
     )
     plans = [(config, persistent, 1) for persistent in (False, True) for config in CONFIGS]
     plans += [(config, False, split) for split in (2, 4, 8) for config in SPLIT_CONFIGS]
-    for config, persistent, split in plans:
+    for config, persistent, split in plans if triton_sweep else []:
         if out_n % config[1] or m % config[0] or k % (split * config[2]):
             continue
         try:
@@ -259,7 +262,11 @@ def measure(m: int, n: int, k: int, fused: bool, sms: int, l2_bytes: int, label:
             print(f"  {label} {config}: {type(error).__name__}", file=sys.stderr)
             continue
         sweep.append({"config": config, "persistent": persistent, "split_k": split, "us": us})
-    best = min(sweep, key=lambda r: r["us"])
+    best = min(  # (no Triton sweep: nothing to report)
+        sweep,
+        key=lambda r: r["us"],
+        default=dict(config=None, persistent=None, split_k=None, us=None),
+    )
     row.update(
         best_us=best["us"],
         best_config=best["config"],
@@ -277,9 +284,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--layers", nargs="+", default=None, help="only these projections (qkv o gate_up down)"
     )
+    parser.add_argument(
+        "--cublas-only", action="store_true", help="time torch's product only (no Triton sweep)"
+    )
+    parser.add_argument(
+        "--blas-library",
+        choices=["default", "cublas", "cublaslt"],
+        default="default",
+        help="torch.backends.cuda.preferred_blas_library for the products",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     record.require_cuda(__spec__.name)
+    if args.blas_library != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas_library)
     load_before = record.load_average()
     props = torch.cuda.get_device_properties(0)
     sms, l2 = props.multi_processor_count, props.L2_cache_size
@@ -294,13 +312,18 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             variants = [(False, layer)] + ([(True, "gate_up+silu")] if layer == "gate_up" else [])
             for fused, label in variants:
-                row = measure(m, n, k, fused, sms, l2, f"{model} {label}")
+                row = measure(m, n, k, fused, sms, l2, f"{model} {label}", not args.cublas_only)
                 row["model"] = model
                 rows.append(row)
+                ours = (
+                    f"{row['best_us']:.1f} | {100 * row['limit_us'] / row['best_us']:.0f} | "
+                    f"{row['best_config']}, {row['best_persistent']}, split {row['best_split']}"
+                    if row["best_us"] is not None
+                    else "- | - | -"
+                )
                 print(
                     f"| {model} | {label} | {m} | {row['limit_us']:.1f} | {row['cublas_us']:.1f} | "
-                    f"{100 * row['limit_us'] / row['cublas_us']:.0f} | {row['best_us']:.1f} | "
-                    f"{100 * row['limit_us'] / row['best_us']:.0f} | {row['best_config']}, {row['best_persistent']}, split {row['best_split']} | "
+                    f"{100 * row['limit_us'] / row['cublas_us']:.0f} | {ours} | "
                     f"{row['cublas_kernel'][:60]} |",
                     flush=True,
                 )

@@ -12,7 +12,8 @@ is longer than ``S``, each at context ``prompt + S``, in the workload's order (t
   its own launch ramp and tail included).
 
     python -m benchmarks.kernel.decode_attention_mixed [--models llama-3.2-1b qwen3-0.6b] [--steps 0 300 600]
-                                                       [--table-tokens 131072] [--sweep launch|split] [--json PATH]
+                                                       [--table-tokens 131072] [--sweep launch|split]
+                                                       [--layouts token-major head-major] [--json PATH]
 
 ``--sweep launch`` also times one-pass launch configurations (key tile, stages, warps) on the drawn rows,
 ``--sweep split`` when split-K starts and how many programs it aims for (the few-row steps of the run's tail).
@@ -75,14 +76,26 @@ def nano_contexts(step: int, num_requests: int = 256, seed: int = 0) -> list[int
 
 
 def step_inputs(
-    contexts: list[int], heads: int, kv_heads: int, head_dim: int, table_tokens: int
+    contexts: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    table_tokens: int,
+    layout: str = "token-major",
 ) -> dict:
     """Query, a cache holding exactly the rows' blocks (randomly permuted in the pool) and block tables as wide
-    as ``table_tokens`` (a CUDA graph's: max_model_len), padded with block 0."""
+    as ``table_tokens`` (a CUDA graph's: max_model_len), padded with block 0. ``layout``: the cache's memory
+    order, ``token-major`` ([block, token, kv head, dim], the engine's) or ``head-major`` ([block, kv head,
+    token, dim], handed to the kernel as the same logical shape through its strides)."""
     blocks = [-(-c // BLOCK_SIZE) for c in contexts]
     total = sum(blocks)
-    k_cache = torch.randn(total, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    if layout == "head-major":
+        stored = torch.randn(total, kv_heads, BLOCK_SIZE, head_dim, device="cuda", dtype=DTYPE)
+        k_cache = stored.transpose(1, 2)
+        v_cache = torch.randn_like(stored).transpose(1, 2)
+    else:
+        k_cache = torch.randn(total, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        v_cache = torch.randn_like(k_cache)
     pool = torch.randperm(total, device="cuda", dtype=torch.int32)
     width = max(max(blocks), table_tokens // BLOCK_SIZE)
     tables = torch.zeros(len(contexts), width, dtype=torch.int32, device="cuda")
@@ -135,12 +148,15 @@ def read_ms(nbytes: int) -> float:
     return graph_ms(ReadStream(torch.randn(nbytes // 2, device="cuda", dtype=DTYPE), 32768))
 
 
-def measure(model: str, step: int, table_tokens: int, sweep: list[DecodeConfig]) -> dict:
+def measure(
+    model: str, step: int, table_tokens: int, sweep: list[DecodeConfig], layout: str
+) -> dict:
     heads, kv_heads, head_dim = MODELS[model]
     drawn = nano_contexts(step)
     mean = round(statistics.mean(drawn))
     row = dict(
         model=model,
+        layout=layout,
         step=step,
         rows=len(drawn),
         mean_context=mean,
@@ -153,7 +169,7 @@ def measure(model: str, step: int, table_tokens: int, sweep: list[DecodeConfig])
         "uniform": [mean] * len(drawn),
     }
     for name, contexts in orders.items():
-        inputs = step_inputs(contexts, heads, kv_heads, head_dim, table_tokens)
+        inputs = step_inputs(contexts, heads, kv_heads, head_dim, table_tokens, layout)
         ms, err = time_decode(inputs)
         row[name] = dict(ms=ms, tbps=inputs["kv_bytes"] / ms / 1e9, rel_err=err)
         if name == "drawn":
@@ -183,24 +199,32 @@ def main() -> None:
         default=None,
         help="also time these configs on the drawn rows",
     )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["token-major", "head-major"],
+        default=["token-major"],
+        help="the cache's memory order (head-major: each block's tokens of one KV head contiguous)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     record.require_cuda(__spec__.name)
     rows = [
-        measure(m, s, args.table_tokens, SWEEPS.get(args.sweep, []))
+        measure(m, s, args.table_tokens, SWEEPS.get(args.sweep, []), layout)
         for m in args.models
         for s in args.steps
+        for layout in args.layouts
     ]
     env = record.environment(__spec__.name, "cuda", config=asdict(CONFIG))
     print(f"\n{record.environment_line(env)}\n")
     print(
-        "| model | step | rows | ctx mean (min-max) | KV MB | read TB/s | drawn TB/s | longest-first TB/s"
+        "| model | layout | step | rows | ctx mean (min-max) | KV MB | read TB/s | drawn TB/s | longest-first TB/s"
         " | uniform TB/s | drawn / read | rel err |"
     )
-    print("|---" * 11 + "|")
+    print("|---" * 12 + "|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['step']} | {r['rows']} | {r['mean_context']} ({r['min_context']}-"
+            f"| {r['model']} | {r['layout']} | {r['step']} | {r['rows']} | {r['mean_context']} ({r['min_context']}-"
             f"{r['max_context']}) | {r['kv_mb']:.0f} | {r['read']['tbps']:.2f} | {r['drawn']['tbps']:.2f} | "
             f"{r['longest-first']['tbps']:.2f} | {r['uniform']['tbps']:.2f} | "
             f"{r['read']['ms'] / r['drawn']['ms']:.0%} | {r['drawn']['rel_err']:.1e} |"
@@ -209,7 +233,7 @@ def main() -> None:
         for timed in r.get("sweep", []):
             c, tbps = timed["config"], r["kv_mb"] / 1e3 / timed["ms"]
             print(
-                f"sweep, {r['model']} step {r['step']}: {tbps:.2f} TB/s (rel err {timed['rel_err']:.1e}): "
+                f"sweep, {r['model']} {r['layout']} step {r['step']}: {tbps:.2f} TB/s (rel err {timed['rel_err']:.1e}): "
                 f"tile {c['tile_n']}/"
                 f"{c['small_head_tile_n']}, {c['num_stages']} stages, {c['num_warps']} warps, split below "
                 f"{c['split_below_programs_per_sm']} programs/SM aiming at {c['programs_per_sm']}, partitions >= "

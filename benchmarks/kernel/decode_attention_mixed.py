@@ -41,6 +41,10 @@ BLOCK_SIZE = 16
 LAUNCH_SWEEP = [
     DecodeConfig(tile_n=t, small_head_tile_n=t, num_stages=s, num_warps=w)
     for t, s, w in [
+        (32, 3, 4),
+        (32, 4, 4),
+        (64, 2, 4),
+        (64, 3, 4),
         (64, 4, 4),
         (128, 2, 4),
         (128, 3, 4),

@@ -8,12 +8,11 @@ the cache) against the whole table at once, as it ran before, at one torch threa
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from benchmarks.harness import record
+from benchmarks.harness.median_timing import median_ms
 from engine.sample.seeded_noise import exponential_noise, splitmix64
 
 
@@ -21,15 +20,6 @@ def whole_table(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """The noise as computed before: every row at once, through the full splitmix64 output."""
     top = (splitmix64(keys, vocab) >> 41) & ((1 << 23) - 1)
     return ((top * 2 + 1).to(torch.float32) * 2.0**-24).log_().neg_()
-
-
-def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
                 {
                     "rows": rows,
                     "vocab": vocab,
-                    "whole_table_s": median_s(lambda: whole_table(keys, vocab), args.repeats),
-                    "chunked_s": median_s(lambda: exponential_noise(keys, vocab), args.repeats),
+                    "whole_table_s": median_ms(lambda: whole_table(keys, vocab), args.repeats)
+                    / 1e3,
+                    "chunked_s": median_ms(lambda: exponential_noise(keys, vocab), args.repeats)
+                    / 1e3,
                 }
             )
     env = record.environment(__spec__.name, "cpu", load_before=load_before)

@@ -9,12 +9,11 @@ events); medians.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from benchmarks.harness import record
+from benchmarks.harness.median_timing import median_ms
 from engine.sample.logits_processors import unpack_bitmask
 
 
@@ -23,25 +22,6 @@ def shifted_words(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
     bits = (mask[:, :, None] >> shifts) & 1
     return bits.view(mask.shape[0], -1)[:, :vocab].bool()
-
-
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start_s = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
                     "rows": rows,
                     "vocab": vocab,
                     "shifted_ms": median_ms(
-                        lambda: shifted_words(mask, vocab), args.repeats, device
+                        lambda: shifted_words(mask, vocab), args.repeats, device, warm_up=3
                     ),
                     "table_ms": median_ms(
-                        lambda: unpack_bitmask(mask, vocab), args.repeats, device
+                        lambda: unpack_bitmask(mask, vocab), args.repeats, device, warm_up=3
                     ),
                 }
             )

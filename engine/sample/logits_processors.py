@@ -97,10 +97,35 @@ def sampling_probs(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+# On the CPU, top-k / top-p look at each row's 64 largest logits first (torch.topk), then at its 1,024 largest
+# where the kept tokens reach past those, and sort a whole row only where they reach past these too: a sort of
+# 49,152 logits costs ~2 ms a row on one core, its 64 largest ~0.05 ms (docs/BENCHMARKS.md, "CPU sampling").
+# CUDA sorts every row (fast there, and deciding per row would need a host sync).
+CPU_CANDIDATES = (64, 1024)
+# a row undecided by its 64 largest goes on to its 1,024 largest only where the 64 hold this share of its top_p
+# (the default model's and the benchmark's language-like rows: 0.82-0.90 of 0.9; rows of randn * 2: 0.35-0.52)
+NEXT_LEVEL_MASS = 0.75
+
+
+def decides_on_host(tensor: torch.Tensor) -> bool:
+    """Whether the sampler takes its host paths for ``tensor`` (top-k / top-p from candidates, the draw through
+    the cumulative distribution), which read values back: CPU tensors, already on the host."""
+    return tensor.device.type == "cpu"
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Keep each row's top_k largest, then the smallest most-likely prefix whose probability >= top_p."""
+    if decides_on_host(logits):
+        return top_k_top_p_from_candidates(logits, top_k, top_p, CPU_CANDIDATES)
+    return top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def top_k_top_p_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """apply_top_k_top_p over each whole row, sorted."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     position = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits.masked_fill_(position >= top_k, _NEG_INF)
@@ -112,6 +137,67 @@ def apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1) & (position > 0), _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def top_k_top_p_from_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, widths: tuple[int, ...]
+) -> torch.Tensor:
+    """apply_top_k_top_p from each row's ``widths[0]`` largest logits where they decide the row; the rows they do
+    not decide from ``widths[1:]`` the same way where those can, the rest sorted whole (CPU: reads on the host)."""
+    vocab = logits.shape[-1]
+    if not widths or widths[0] >= vocab:
+        return top_k_top_p_sorted(logits, top_k, top_p)
+    following = widths[1] if len(widths) > 1 and widths[1] < vocab else None
+    out, decided, next_may_decide = filter_among_largest(logits, top_k, top_p, widths[0], following)
+    for rows, later in (
+        (~decided & next_may_decide, widths[1:]),
+        (~decided & ~next_may_decide, ()),
+    ):
+        rest = rows.nonzero().squeeze(-1)
+        if rest.numel():
+            out[rest] = top_k_top_p_from_candidates(logits[rest], top_k[rest], top_p[rest], later)
+    return out
+
+
+def filter_among_largest(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    width: int,
+    following: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(apply_top_k_top_p's rows, which of them are right, which of the others the ``following`` largest could
+    decide) from each row's ``width`` largest logits. A row is decided where its top_k is within them, or its
+    top_p prefix ends among them (probabilities normalised over the whole row, as top_k then keeps every token),
+    or it has neither filter (passed as is). The following largest can decide a row whose top_k is within them
+    or whose prefix can end there: the candidates' mass plus the next ones', each at most the last candidate's."""
+    vocab = logits.shape[-1]
+    values, ids = logits.topk(width, dim=-1)  # sorted, largest first
+    position = torch.arange(width)
+    in_top_k = position < top_k
+    whole_row = top_k >= vocab
+    normaliser = torch.where(
+        whole_row,
+        logits.logsumexp(dim=-1, keepdim=True),
+        values.masked_fill(~in_top_k, _NEG_INF).logsumexp(dim=-1, keepdim=True),
+    )
+    probs = (values - normaliser).exp_().masked_fill_(~in_top_k, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    dropped = ~in_top_k | ((mass_before >= top_p) & (top_p < 1) & (position > 0))
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, values.masked_fill(dropped, _NEG_INF))
+    unfiltered = (whole_row & (top_p >= 1)).squeeze(-1)
+    if unfiltered.any():
+        out[unfiltered] = logits[unfiltered]
+    decided = ((top_k <= width) | (whole_row & dropped[:, -1:])).squeeze(-1) | unfiltered
+    if following is None:
+        return out, decided, torch.zeros_like(decided)
+    mass = mass_before[:, -1:] + probs[:, -1:]
+    reach = mass + probs[:, -1:] * (following - width - 1)
+    # (and, a cost guess that never changes a result: a row whose candidates hold under NEXT_LEVEL_MASS of its
+    # top_p has a flat tail, its prefix thousands of tokens long: sorted at once)
+    likely = (reach >= top_p) & (mass >= NEXT_LEVEL_MASS * top_p)
+    next_may_decide = (top_k <= following) | (whole_row & likely)
+    return out, decided, next_may_decide.squeeze(-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

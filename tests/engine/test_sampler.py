@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.sample import logits_processors
 from engine.sample.logits_processors import unpack_bitmask
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sample.seeded_noise import draw_key, exponential_noise, splitmix64
@@ -706,6 +707,8 @@ def sync_test_batch() -> list[Sequence]:
 def test_sampling_launches_without_reading_anything_back(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = random_logits(9, seed=18)
     seqs = sync_test_batch()
+    # the device's paths (CUDA's) on CPU tensors, which would otherwise take the host's (which read freely)
+    monkeypatch.setattr(logits_processors, "decides_on_host", lambda tensor: False)
     forbid_host_syncs(monkeypatch)
     out = sample(logits, seqs)
     monkeypatch.undo()

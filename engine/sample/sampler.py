@@ -43,7 +43,7 @@ from engine.sample.logits_processors import (
     unpack_bitmask,
 )
 from engine.sample.sampling_batch import BatchParams
-from engine.sample.seeded_noise import exponential_noise
+from engine.sample.seeded_noise import exponential_noise, exponential_noise_at
 from engine.sample.token_logprobs import TokenLogprobs
 from kernels import ops as kernel_ops
 
@@ -135,7 +135,7 @@ def choose_tokens(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
     probs = sampling_probs(
         logits.index_select(0, batch.sampled_rows) if some_greedy else logits, batch
     )
-    if logits_processors.decides_on_host(probs) and batch.unseeded.numel():
+    if logits_processors.decides_on_host(probs):
         drawn = draw_on_cpu(probs, batch)
     else:
         drawn = (probs / race_noise(probs, batch)).argmax(dim=-1)
@@ -143,16 +143,43 @@ def choose_tokens(logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
 
 
 def draw_on_cpu(probs: torch.Tensor, batch: BatchParams) -> torch.Tensor:
-    """The CPU's draw: seeded rows race their hashed noise (the same draw as on any device), the others invert
-    their distribution at one uniform each (``inverse_cdf``): the race's Exp(1) noise costs a generator call per
-    token (~17 ms for 16 rows x 49,152 on two cores), the inversion one pass over the row."""
+    """The CPU's draw: seeded rows race their hashed noise (``seeded_race``: the same token as on any device),
+    the others invert their distribution at one uniform each (``inverse_cdf``): the race's Exp(1) noise costs a
+    generator call per token (~17 ms for 16 rows x 49,152 on two cores), the inversion one pass over the row."""
     if not batch.seeded.numel():
         return inverse_cdf(probs)
+    if not batch.unseeded.numel():
+        return seeded_race(probs, batch.seed_keys)
     drawn = torch.empty(probs.shape[0], dtype=torch.int64)
     drawn.index_copy_(0, batch.unseeded, inverse_cdf(probs.index_select(0, batch.unseeded)))
-    seeded = probs.index_select(0, batch.seeded)
-    raced = (seeded / exponential_noise(batch.seed_keys, batch.vocab)).argmax(dim=-1)
+    raced = seeded_race(probs.index_select(0, batch.seeded), batch.seed_keys)
     return drawn.index_copy_(0, batch.seeded, raced)
+
+
+# a seeded row races among its possible tokens alone (noise hashed for those only) where they are at most
+# vocab / SPARSE_RACE: a top-p prefix, a grammar's allowed tokens
+SPARSE_RACE = 4
+
+
+def seeded_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``argmax_i p_i / E_i`` per row with its hashed noise (``exponential_noise``), the lowest id among ties:
+    the token race_noise's race picks. A row with few possible tokens (p_i > 0: no other can win, 0 / E = 0)
+    hashes the noise of those only. For CPU tensors (it reads on the host)."""
+    vocab = probs.shape[-1]
+    possible = probs > 0
+    few = possible.sum(dim=-1) <= vocab // SPARSE_RACE
+    chosen = torch.empty(probs.shape[0], dtype=torch.int64)
+    if not few.all():
+        many = ~few
+        chosen[many] = (probs[many] / exponential_noise(keys[many], vocab)).argmax(dim=-1)
+    if few.any():
+        rows, ids = possible[few].nonzero(as_tuple=True)  # (ids ascending within a row)
+        scores = probs[few][rows, ids] / exponential_noise_at(keys[few][rows], ids[:, None])[:, 0]
+        best = torch.zeros(int(few.sum())).scatter_reduce_(0, rows, scores, "amax")
+        winners = scores == best[rows]
+        lowest = torch.full_like(best, vocab, dtype=torch.int64)
+        chosen[few] = lowest.scatter_reduce_(0, rows[winners], ids[winners], "amin")
+    return chosen
 
 
 def inverse_cdf(probs: torch.Tensor) -> torch.Tensor:

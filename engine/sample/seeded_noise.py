@@ -48,9 +48,16 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 _CPU_CHUNK_ELEMENTS = 1 << 17  # (1 MiB of int64 per temporary)
 
 
+def exponential_noise_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``exponential_noise(keys, vocab)`` at [len(keys), k] token ids only (row r's at ``ids[r]``): the same
+    floats, for a race among a few tokens (the kept ones of a top-p or a grammar's row) at a few k's cost."""
+    z = _mixed(keys, (ids + 1) * _signed(_GOLDEN))
+    return _shift_right(z, 41).to(torch.float32).mul_(2.0**-23).add_(2.0**-24).log_().neg_()
+
+
 def _mixed(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """splitmix64's state for each key and step, through the finaliser's two multiplications (not its last
-    xor-shift)."""
+    """splitmix64's state for each key and step (``steps``: [n], or [len(keys), n] per key), through the
+    finaliser's two multiplications (not its last xor-shift)."""
     z = keys[:, None] + steps
     for shift, multiplier in zip(_SHIFTS, _MULTIPLIERS):
         z.bitwise_xor_(_shift_right(z, shift)).mul_(_signed(multiplier))

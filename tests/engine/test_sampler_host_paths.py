@@ -1,6 +1,7 @@
 """The sampler's host paths (CPU tensors): top-k / top-p decided from each row's largest logits, and unseeded rows
 drawn through their cumulative distribution. Each is checked against the path every device takes (the whole
-row sorted; the exponential race), or against the per-row reference distribution of tests/engine/test_sampler.py.
+row sorted; the exponential race over every token), or against the per-row reference distribution of
+tests/engine/test_sampler.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from engine.sample import logits_processors, sampler
 from engine.sample.logits_processors import top_k_top_p_from_candidates, top_k_top_p_sorted
-from engine.sample.sampler import Sampler, inverse_cdf
+from engine.sample.sampler import Sampler, inverse_cdf, seeded_race
+from engine.sample.seeded_noise import draw_key, exponential_noise, exponential_noise_at
 from engine.sampling_params import SamplingParams
 from tests.engine.test_sampler import (
     EOS,
@@ -185,3 +187,41 @@ def test_seeded_and_unseeded_rows_in_one_batch(monkeypatch: pytest.MonkeyPatch) 
     unseeded = [t for i, t in enumerate(tokens) if i % 3]
     assert_matches_distribution(unseeded, reference_probs(logits[0].tolist(), 0.9))
     assert len(races) == 2 and len(Counter(unseeded)) > 3
+
+
+def test_a_seeded_race_among_few_tokens_picks_what_the_whole_race_picks() -> None:
+    """Rows with a few possible tokens (hashed alone), rows with many (the whole row's noise), in one batch: the
+    same token as the race over every token, which every device runs."""
+    generator = torch.Generator().manual_seed(8)
+    vocab, rows = 400, 64
+    probs = torch.rand(rows, vocab, generator=generator)
+    keep = torch.rand(rows, vocab, generator=generator) < torch.linspace(0.005, 0.6, rows)[:, None]
+    keep[:, 0] = True  # (every row some token)
+    probs = probs * keep
+    keys = torch.tensor([draw_key(seed, 3) for seed in range(rows)])
+    everywhere = (probs / exponential_noise(keys, vocab)).argmax(dim=-1)
+    counts = keep.sum(dim=-1)
+    assert (counts <= vocab // sampler.SPARSE_RACE).sum() > 10 and (counts > vocab // 4).sum() > 10
+    assert torch.equal(seeded_race(probs, keys), everywhere)
+
+
+def test_noise_at_some_tokens_is_the_whole_tables_there() -> None:
+    keys = torch.tensor([draw_key(1, 0), draw_key(2**40, 7), -(2**63)])
+    ids = torch.randint(0, 70_000, (3, 50), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(
+        exponential_noise_at(keys, ids), exponential_noise(keys, 70_000).gather(1, ids)
+    )
+
+
+def test_equal_scores_go_to_the_lowest_id_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the noise all ones, equal probabilities tie: argmax's lowest id, sparse rows as dense ones."""
+    monkeypatch.setattr(
+        sampler, "exponential_noise", lambda keys, vocab: torch.ones(len(keys), vocab)
+    )
+    monkeypatch.setattr(sampler, "exponential_noise_at", lambda keys, ids: torch.ones(ids.shape))
+    probs = torch.zeros(3, 40)
+    probs[0, [31, 7, 12]] = 0.5  # few: sparse
+    probs[1, 5:] = 0.25  # many: dense
+    probs[1, 3] = 0.25
+    probs[2, [39, 38]] = 1.0
+    assert seeded_race(probs, torch.tensor([1, 2, 3])).tolist() == [7, 3, 38]

@@ -177,9 +177,8 @@ def seeded_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         scores = probs[few][rows, ids] / exponential_noise_at(keys[few][rows], ids[:, None])[:, 0]
         best = torch.zeros(int(few.sum())).scatter_reduce_(0, rows, scores, "amax")
         winners = scores == best[rows]
-        lowest = torch.zeros_like(
-            best, dtype=torch.int64
-        )  # (a row with no possible token: 0, as argmax)
+        # (a row with no possible token, from degenerate logits: 0, as the whole row's argmax)
+        lowest = torch.zeros_like(best, dtype=torch.int64)
         chosen[few] = lowest.scatter_reduce_(
             0, rows[winners], ids[winners], "amin", include_self=False
         )

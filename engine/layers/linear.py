@@ -42,17 +42,8 @@ class Linear(nn.Linear):
     def store_weight_column_major(self) -> None:
         """Keep the [out, in] weight in [in, out] memory order. F.linear then hands MKL a plain (not
         transposed) right operand, which it reads markedly faster for the few-row inputs of decoding on
-        the CPU (measured: docs/BENCHMARKS.md). Values are unchanged; only strides differ. A weight
-        already in that order (``allocate_weight_column_major`` before loading) is kept as it is."""
+        the CPU (measured: docs/BENCHMARKS.md). Values are unchanged; only strides differ."""
         self.weight.data = self.weight.data.t().contiguous().t()
-
-    def allocate_weight_column_major(self) -> None:
-        """Before loading: the (unset) weight's memory in [in, out] order, so that the loader writes it there
-        once (engine/models/hf_weights.py ``copy_checked``) instead of [out, in] then a transposed copy."""
-        weight = self.weight.data
-        self.weight.data = torch.empty(
-            weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device
-        ).t()
 
 
 class ColumnParallelLinear(Linear):

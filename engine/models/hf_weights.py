@@ -44,14 +44,8 @@ def read_part(source: Any, part: tuple[int, int, int] | None) -> torch.Tensor:
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """``src`` into ``dst`` after a shape check; a column-major ``dst`` (a CPU Linear's weight allocated so:
-    engine/layers/linear.py) through its transpose, which torch copies by blocks (half the time of writing it
-    column by column)."""
     if dst.shape != src.shape:
         raise ValueError(
             f"weights: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
         )
-    if dst.dim() == 2 and dst.stride(0) == 1 and dst.stride(1) != 1:
-        dst.t().copy_(src.t())
-    else:
-        dst.copy_(src)
+    dst.copy_(src)

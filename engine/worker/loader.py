@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.layers.gguf_linear import GGUFEmbedding
-from engine.layers.linear import Linear
 from engine.layers.rotary import position_limit, rope_parameters
 from engine.models.registry import model_class
 from engine.weights.gguf_file import GGUFFile
@@ -58,12 +57,6 @@ def load_model(config: EngineConfig, with_tokenizer: bool = True) -> tuple[nn.Mo
         model = model_class(hf_config)(hf_config)
     model.to(config.torch_dtype)
     gguf = gguf_file_of(path) if path is not None else None
-    if config.torch_device.type == "cpu":
-        _resolve_cpu_weights(config, from_gguf=gguf is not None)
-        if config.cpu_weights == "float32":  # (they end column-major: ModelRunner)
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.allocate_weight_column_major()
     if config.load_format == "dummy":
         model.load_weights(dummy_weights(hf_config, config.seed, config.torch_device))
     elif gguf is not None:
@@ -87,18 +80,13 @@ def load_model(config: EngineConfig, with_tokenizer: bool = True) -> tuple[nn.Mo
     return model, tokenizer
 
 
-def _resolve_cpu_weights(config: EngineConfig, from_gguf: bool) -> None:
-    """``cpu_weights`` auto: a GGUF file's own blocks (``file``) at float32 on one rank, else float32; a model
-    without a GGUF file has no blocks to keep (file: float32 too)."""
-    if from_gguf and config.cpu_weights == "auto":
-        plain = config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
-        config.cpu_weights = "file" if plain else "float32"
-    elif not from_gguf and config.cpu_weights in ("auto", "file"):
-        config.cpu_weights = "float32"
-
-
 def _apply_cpu_weights(model: nn.Module, config: EngineConfig) -> None:
-    """Swap the model's linear layers for the (resolved) ``cpu_weights`` layers built from its float weights."""
+    """Resolve ``cpu_weights`` for float weights (auto: float32) and swap the model's linear layers."""
+    if config.cpu_weights in (
+        "auto",
+        "file",
+    ):  # (file: a model without a GGUF file has no blocks to keep)
+        config.cpu_weights = "float32"
     if config.cpu_weights == "float32":
         return
     model.quantize_cpu_weights(config.cpu_weights, _native(config))
@@ -114,6 +102,9 @@ def _load_gguf(model: nn.Module, config: EngineConfig, gguf_path: Path) -> None:
     on its device, then (CPU) the ``cpu_weights`` layers built from them."""
     gguf = GGUFFile(gguf_path)
     cpu = config.torch_device.type == "cpu"
+    if config.cpu_weights == "auto":
+        plain = config.torch_dtype == torch.float32 and config.tensor_parallel_size == 1
+        config.cpu_weights = "file" if cpu and plain else "float32"
     if not (cpu and config.cpu_weights == "file"):
         model.load_weights(
             gguf_weights(gguf, config.hf_config, config.torch_dtype, config.torch_device)

@@ -29,7 +29,6 @@ from engine.weights.gguf_blocks import GGUFBlocks
 from engine.weights.gguf_file import GGUFFile
 from engine.weights.gguf_names import hf_row_order
 from engine.weights.gguf_weights import gguf_weights
-from engine.worker.loader import load_model
 from engine.worker.model_sources import default_gguf_file
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
@@ -417,30 +416,6 @@ def test_model_without_gguf_blocks(tmp_path: Path, mode: str, resolved: str, lay
         [[5, 17, 200]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )
     assert len(out.token_ids) == 4
-
-
-@pytest.mark.parametrize("source", ["gguf", "safetensors"])
-def test_float32_weights_load_straight_into_column_major_order(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
-):
-    """float32 CPU weights are allocated [in, out] before loading (the loader writes them there once) and hold
-    exactly what a row-major load holds, the fused q/k/v and gate/up shards included."""
-    model = None if source == "gguf" else str(tmp_path)
-    if source == "safetensors":
-        tiny_hf_model("llama").save_pretrained(tmp_path)
-
-    def weights() -> dict[str, torch.Tensor]:
-        config = EngineConfig(model=model, device="cpu", cpu_weights="float32").resolve()
-        loaded, _ = load_model(config, with_tokenizer=False)
-        return {n: m.weight for n, m in loaded.named_modules() if isinstance(m, Linear)}
-
-    columns = weights()
-    monkeypatch.setattr(Linear, "allocate_weight_column_major", lambda self: None)
-    rows = weights()
-    assert columns.keys() == rows.keys() and any(".qkv_proj" in n for n in columns)
-    for name, weight in columns.items():
-        assert weight.stride(0) == 1 and weight.t().is_contiguous(), name
-        assert rows[name].is_contiguous() and torch.equal(weight, rows[name]), name
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     chunk = max(1, _CPU_CHUNK_ELEMENTS // vocab if keys.device.type == "cpu" else len(keys))
     for start in range(0, len(keys), chunk):
         part = out[start : start + chunk]
-        part.copy_(_shift_right(_mixed(keys[start : start + chunk], steps), 41))
-        part.mul_(2.0**-23).add_(2.0**-24).log_().neg_()
+        _exponential_(part.copy_(_shift_right(_mixed(keys[start : start + chunk], steps), 41)))
     return out
 
 
@@ -52,7 +51,12 @@ def exponential_noise_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``exponential_noise(keys, vocab)`` at [len(keys), k] token ids only (row r's at ``ids[r]``): the same
     floats, for a race among a few tokens (the kept ones of a top-p or a grammar's row) at a few k's cost."""
     z = _mixed(keys, (ids + 1) * _signed(_GOLDEN))
-    return _shift_right(z, 41).to(torch.float32).mul_(2.0**-23).add_(2.0**-24).log_().neg_()
+    return _exponential_(_shift_right(z, 41).to(torch.float32))
+
+
+def _exponential_(top: torch.Tensor) -> torch.Tensor:
+    """In place, float32 holding the top 23 bits m of each output: -log(m / 2^23 + 2^-24)."""
+    return top.mul_(2.0**-23).add_(2.0**-24).log_().neg_()
 
 
 def _mixed(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -325,9 +325,8 @@ def test_bfloat16_products_agree_on_either_path(monkeypatch: pytest.MonkeyPatch,
     """torch's bfloat16 product (oneDNN's where the CPU has bfloat16 kernels) and the float32 one from slices of the
     weight (where it has none; the layer picks by the CPU, and both run on any CPU): the same exact products summed
     in float32, rounded to bfloat16; one row always takes torch's."""
-    monkeypatch.setattr(
-        quantized_linear, "_SLICE_BYTES", 4 * 256 * 40
-    )  # (slices of 40, 40, 16 outputs)
+    # (slices of 40, 40, 16 outputs)
+    monkeypatch.setattr(quantized_linear, "_SLICE_BYTES", 4 * 256 * 40)
     torch.manual_seed(4)
     weight, x = torch.randn(96, 256), torch.randn(rows, 256).bfloat16()
     layer = BFloat16Linear(weight, None, onednn=onednn)
